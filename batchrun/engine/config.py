@@ -1,0 +1,74 @@
+"""Engine and sampling configuration: the frozen dataclasses every other engine module reads."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build and size the engine. `model` is a registered name, a directory or a .gguf file."""
+
+    model: str = "smollm2-135m"
+    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
+    device: str = "cpu"  # cpu | cuda | auto
+    block_size: int = 16  # tokens per KV block
+    max_num_seqs: int = 32  # most requests running in one step
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
+    # Bytes for the KV cache, or a fraction (0, 1] of free device memory (of total RAM on CPU).
+    kv_cache_memory: float = 1 << 30
+    max_model_len: Optional[int] = None  # prompt + output; None means the model's own limit
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    num_threads: Optional[int] = None  # torch intra-op threads on CPU; None leaves torch's default
+    cache_dir: Optional[str] = None  # converted-weights cache; None means $BATCHRUN_CACHE or ~/.cache/batchrun
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise ValueError(f"engine.dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}")
+        if self.device not in ("cpu", "cuda", "auto"):
+            raise ValueError(f"engine.device must be cpu, cuda or auto, got {self.device!r}")
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"engine.{name} must be positive, got {getattr(self, name)!r}")
+        if self.kv_cache_memory <= 0:
+            raise ValueError(f"engine.kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"engine.max_model_len must be positive, got {self.max_model_len!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding settings. temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 or negative: off
+    top_p: float = 1.0
+    seed: Optional[int] = None  # per-request; same seed, same tokens, whatever else is in the batch
+    max_tokens: int = 64
+    stop: tuple[str, ...] = field(default_factory=tuple)  # stop strings, not included in the text
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # top-N logprobs per generated token; None for off
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience and stored as tuples so the object stays hashable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop or ()))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+PromptLike = Union[str, list[int]]

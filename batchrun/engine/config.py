@@ -19,6 +19,7 @@ class EngineConfig:
     kv_cache_memory: float = 1 << 30
     max_model_len: Optional[int] = None  # prompt + output; None means the model's own limit
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True  # split long prompts over steps under max_num_batched_tokens
     seed: int = 0
     num_threads: Optional[int] = None  # torch intra-op threads on CPU; None leaves torch's default
     cache_dir: Optional[str] = None  # converted-weights cache; None means $BATCHRUN_CACHE or ~/.cache/batchrun

@@ -38,3 +38,18 @@ class EngineRequest:
     request_id: Any  # echoed back in RequestOutput.request_id
     prompt: Any  # str (tokenized as is) or list[int] of token ids
     params: Optional[Any] = None  # SamplingParams; None uses the stream's default
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Cumulative counters since the engine was built (per-shard figures are differences)."""
+
+    num_kv_blocks_total: int  # blocks in the KV pool
+    peak_kv_blocks_used: int  # most blocks held at once since construction or reset_peak_stats()
+    num_preemptions: int  # requests evicted and later recomputed
+    num_prompt_tokens: int  # prompt tokens of admitted requests
+    num_cached_tokens: int  # of those, tokens served from the prefix cache
+    num_generated_tokens: int  # tokens sampled
+    num_steps: int  # model forward passes
+    num_spec_proposed: Optional[int] = None  # speculative tokens proposed (None: speculation off)
+    num_spec_accepted: Optional[int] = None  # of those, accepted

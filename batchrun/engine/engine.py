@@ -1,0 +1,288 @@
+"""The Engine facade: tokenize, admit, step (schedule -> run -> sample -> update), detokenize."""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections import deque
+from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+
+import torch
+
+from batchrun.engine.config import EngineConfig, SamplingParams
+from batchrun.engine.kv_cache import KVCacheManager
+from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput
+from batchrun.engine.request import Request
+from batchrun.engine.runner import ModelRunner, kv_bytes_per_block
+from batchrun.engine.sampler import Sampler
+from batchrun.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from batchrun.model.decoder import DecoderLM
+from batchrun.model.loader import load_model
+
+log = logging.getLogger("batchrun.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU multiplies bf16 natively (AVX-512 BF16 or AMX), where bf16 beats fp32."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("engine.device is 'cuda' but no CUDA GPU is visible")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def _available_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class Engine:
+    """Offline generation over a paged KV cache with continuous batching.
+
+    `generate` returns outputs in input order; `stream` admits requests lazily from any iterable
+    and yields each output as soon as it finishes, keeping at most `max_in_flight` in the engine.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        t0 = time.perf_counter()
+        loaded = load_model(config.model, dtype=self.dtype, cache_dir=config.cache_dir)
+        self.tokenizer = loaded.tokenizer
+        self.model_path = loaded.path
+        self.model_fingerprint = loaded.fingerprint
+        self.hf_config = loaded.config
+        with torch.device(self.device):
+            model = DecoderLM(loaded.config)
+        model.to(self.dtype)
+        model.load_hf_state_dict(loaded.state_dict)
+        self.model = model.eval()
+        del loaded
+
+        per_block = kv_bytes_per_block(model, config.block_size, self.dtype)
+        kv_bytes = config.kv_cache_memory
+        if kv_bytes <= 1:
+            kv_bytes = kv_bytes * _available_memory(self.device)
+        num_blocks = int(kv_bytes // per_block)
+        if num_blocks < 1:
+            raise ValueError(f"engine.kv_cache_memory={config.kv_cache_memory} leaves no room for one KV block "
+                             f"({per_block} bytes)")
+        model_limit = config.max_model_len or model.spec.max_position_embeddings
+        self.max_model_len = min(model_limit, num_blocks * config.block_size)
+        if self.max_model_len < model_limit and config.max_model_len:
+            log.warning("max_model_len %d capped to %d: the KV cache holds only %d blocks of %d tokens",
+                        model_limit, self.max_model_len, num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                eos_token_ids=frozenset(self._eos_token_ids()),
+            ),
+            self.kv,
+        )
+        self.sampler = Sampler()
+        self._next_seq_id = 0
+        self._num_prompt_tokens = 0
+        self._num_generated_tokens = 0
+        self._num_steps = 0
+        log.info("engine ready in %.1fs: %s (%s) on %s/%s, %d KV blocks x %d tokens, max_model_len %d",
+                 time.perf_counter() - t0, self.model_path, model.spec.model_type, self.device, self.dtype,
+                 num_blocks, config.block_size, self.max_model_len)
+
+    # ---- public API ---------------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Union[str, list[int]]],
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        assert len(per_prompt) == len(prompts), "one SamplingParams per prompt, or one for all"
+        requests = [EngineRequest(request_id=i, prompt=p, params=sp) for i, (p, sp) in enumerate(zip(prompts, per_prompt))]
+        results: list[Optional[RequestOutput]] = [None] * len(prompts)
+        for out in self.stream(requests, max_in_flight=max(len(requests), 1)):
+            results[out.request_id] = out
+        assert all(r is not None for r in results)
+        return results  # type: ignore[return-value]
+
+    def stream(self, requests: Iterable[Union[EngineRequest, str, list[int]]],
+               params: Optional[SamplingParams] = None,
+               max_in_flight: Optional[int] = None) -> Iterator[RequestOutput]:
+        """Admit requests lazily and yield each output as it finishes (completion order)."""
+        default_params = params or SamplingParams()
+        limit = max_in_flight or 4 * self.config.max_num_seqs
+        source = iter(requests)
+        index = 0
+        exhausted = False
+        ready: deque[RequestOutput] = deque()
+        try:
+            while True:
+                while not exhausted and self.scheduler.num_unfinished < limit:
+                    try:
+                        item = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                    rejected = self._add(item, index, default_params)
+                    index += 1
+                    if rejected is not None:
+                        ready.append(rejected)
+                while ready:
+                    yield ready.popleft()
+                if not self.scheduler.has_unfinished():
+                    if exhausted:
+                        return
+                    continue
+                for req in self.step():
+                    yield self._to_output(req)
+        finally:
+            self.abort_all()
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_kv_blocks_total=self.kv.num_blocks,
+            peak_kv_blocks_used=self.kv.peak_used_blocks,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self._num_prompt_tokens,
+            num_cached_tokens=self.kv.num_hit_tokens,
+            num_generated_tokens=self._num_generated_tokens,
+            num_steps=self._num_steps,
+        )
+
+    def reset_peak_stats(self) -> None:
+        self.kv.reset_peak()
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request and free its blocks (used when a stream is abandoned)."""
+        for req in list(self.scheduler.running) + list(self.scheduler.waiting):
+            self.scheduler.finish(req, "abort")
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, (list, tuple)):
+                ids.update(int(i) for i in source)
+        return ids
+
+    def _add(self, item: Any, index: int, default_params: SamplingParams) -> Optional[RequestOutput]:
+        """Queue one request; return an error output instead when it can never run."""
+        if isinstance(item, EngineRequest):
+            request_id, prompt, params = item.request_id, item.prompt, item.params or default_params
+        else:
+            request_id, prompt, params = index, item, default_params
+        now = time.perf_counter()
+        seq_id = self._next_seq_id
+        self._next_seq_id += 1
+        generator = None
+        if not params.is_greedy:
+            seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + seq_id
+            generator = torch.Generator().manual_seed(seed)
+        token_ids: list[int] = []
+        error = None
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            token_ids = list(prompt)
+            vocab = self.model.spec.vocab_size
+            if any(t < 0 or t >= vocab for t in token_ids):
+                error = f"prompt token ids must be in [0, {vocab})"
+        else:
+            error = f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}"
+        if error is None and not token_ids:
+            error = "prompt is empty (no tokens)"
+        if error is None and len(token_ids) + 1 > self.max_model_len:
+            error = (f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
+                     "(prompt plus at least one generated token must fit)")
+        req = Request(seq_id, request_id, token_ids, params, now, generator)
+        if error is not None:
+            req.finish_reason, req.error = "error", error
+            return self._to_output(req)
+        self._num_prompt_tokens += len(token_ids)
+        self.scheduler.add(req)
+        return None
+
+    def step(self) -> list[Request]:
+        """One engine iteration; returns the requests that finished in it."""
+        batch: ScheduledBatch = self.scheduler.schedule()
+        assert not batch.is_empty(), "scheduler produced an empty batch with requests pending"
+        self._num_steps += 1
+        now = time.perf_counter()
+        for req in batch.requests:
+            if req.metrics.first_scheduled_s is None:
+                req.metrics.first_scheduled_s = now
+        out = self.runner.execute(batch)
+        by_seq = {r.seq_id: r for r in batch.requests}
+        rows = [by_seq[s] for s in out.sample_seq_ids]
+        tokens, logprobs = self.sampler.sample(out.logits, [r.params for r in rows], [r.generator for r in rows])
+        finished = self.scheduler.update(batch, {r.seq_id: [t] for r, t in zip(rows, tokens)})
+        now = time.perf_counter()
+        self._num_generated_tokens += len(tokens)
+        for i, req in enumerate(rows):
+            if req.metrics.first_token_s is None:
+                req.metrics.first_token_s = now
+            req.metrics.finished_s = now  # last token time until it finishes
+            if logprobs is not None and req.logprobs is not None:
+                req.logprobs.append(logprobs[i])
+            if req.params.stop and not req.is_finished and self._hits_stop_string(req):
+                self.scheduler.finish(req, "stop")
+                finished.append(req)
+        return finished
+
+    def _hits_stop_string(self, req: Request) -> bool:
+        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        return any(s in text for s in req.params.stop)
+
+    def _to_output(self, req: Request) -> RequestOutput:
+        m = req.metrics
+        out_ids = req.output_token_ids
+        text = self.tokenizer.decode(out_ids, skip_special_tokens=True) if out_ids else ""
+        if req.params.stop:
+            cut = min((i for i in (text.find(s) for s in req.params.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                text = text[:cut]
+        if m.finished_s is None:
+            m.finished_s = time.perf_counter()
+        if m.first_token_s is not None:
+            m.ttft_s = m.first_token_s - m.arrival_s
+            if len(out_ids) > 1:
+                m.itl_s = (m.finished_s - m.first_token_s) / (len(out_ids) - 1)
+        m.latency_s = m.finished_s - m.arrival_s
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            token_ids=out_ids,
+            text=text,
+            finish_reason=req.finish_reason or "error",
+            error=req.error,
+            metrics=m,
+            logprobs=req.logprobs,
+        )

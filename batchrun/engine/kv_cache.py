@@ -1,0 +1,166 @@
+"""KV block pool and the per-request block bookkeeping, with a hashed prefix cache.
+
+Everything here is ints and lists: no tensors, so it is testable on its own. A full block is
+keyed by a hash chained over the token ids of every block before it, so two requests that share
+the first N full blocks of tokens share those blocks. Blocks no request holds stay cached until
+they are needed, and are then evicted least recently freed first.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+from batchrun.engine.request import Request
+
+
+def hash_block(parent_hash: Optional[int], token_ids: Sequence[int]) -> int:
+    """The key of a full block: its tokens and (through the parent) every token before them."""
+    return hash((parent_hash, tuple(token_ids)))
+
+
+class BlockPool:
+    """Fixed set of block ids with ref counts, a free queue in eviction order and a hash index."""
+
+    def __init__(self, num_blocks: int) -> None:
+        assert num_blocks > 0
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[Optional[int]] = [None] * num_blocks
+        self.hash_to_block: dict[int, int] = {}
+        # Free blocks, first = next to hand out. Blocks without a hash go first so that cached
+        # content is evicted only when nothing else is free.
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.num_evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def allocate(self, n: int) -> list[int]:
+        assert n <= len(self.free), f"asked for {n} blocks with {len(self.free)} free"
+        out = []
+        for _ in range(n):
+            block_id, _ = self.free.popitem(last=False)
+            h = self.block_hash[block_id]
+            if h is not None:  # evict its cached content
+                del self.hash_to_block[h]
+                self.block_hash[block_id] = None
+                self.num_evictions += 1
+            self.ref_counts[block_id] = 1
+            out.append(block_id)
+        return out
+
+    def lookup(self, h: int) -> Optional[int]:
+        return self.hash_to_block.get(h)
+
+    def touch(self, block_id: int) -> None:
+        """Take one more reference on a cached block, pulling it out of the free queue."""
+        if self.ref_counts[block_id] == 0:
+            del self.free[block_id]
+        self.ref_counts[block_id] += 1
+
+    def register(self, block_id: int, h: int) -> None:
+        """Record a full block's hash so later requests can reuse it."""
+        if self.block_hash[block_id] is not None or h in self.hash_to_block:
+            return  # already cached (here or in an identical block computed concurrently)
+        self.block_hash[block_id] = h
+        self.hash_to_block[h] = block_id
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference on each block; the given order is the eviction order among them."""
+        for block_id in block_ids:
+            assert self.ref_counts[block_id] > 0, f"block {block_id} released twice"
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self.free[block_id] = None
+                if self.block_hash[block_id] is None:
+                    self.free.move_to_end(block_id, last=False)
+
+
+class KVCacheManager:
+    """Gives requests the blocks they need, reusing cached prefix blocks when enabled."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.peak_used_blocks = 0
+        self.num_lookup_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.num_hit_tokens = 0  # of those, tokens found cached
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _full_block_hashes(self, req: Request, num_tokens: int) -> list[int]:
+        """Chained hashes of the full blocks among the first num_tokens tokens (memoized)."""
+        bs = self.block_size
+        hashes = req.block_hashes
+        for i in range(len(hashes), num_tokens // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, req.token_ids[i * bs:(i + 1) * bs]))
+        return hashes[: num_tokens // bs]
+
+    def match_prefix(self, req: Request) -> int:
+        """At first admission: attach the longest cached chain of full blocks; return tokens reused.
+
+        At least the last prompt token is always recomputed, since its logits are needed.
+        """
+        assert not req.block_ids and req.num_computed_tokens == 0
+        if not self.enable_prefix_caching:
+            return 0
+        hashes = self._full_block_hashes(req, req.num_tokens - 1)
+        for h in hashes:
+            block_id = self.pool.lookup(h)
+            if block_id is None:
+                break
+            self.pool.touch(block_id)
+            req.block_ids.append(block_id)
+        num_cached = len(req.block_ids) * self.block_size
+        req.num_computed_tokens = num_cached
+        self._note_peak()
+        return num_cached
+
+    def record_admission(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
+        """Count a first admission's prefix-cache outcome (retries and recomputes are not lookups)."""
+        self.num_lookup_tokens += num_prompt_tokens
+        self.num_hit_tokens += num_cached_tokens
+
+    def can_allocate(self, req: Request, num_new_tokens: int) -> bool:
+        need = self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        return need <= self.pool.num_free_blocks
+
+    def allocate(self, req: Request, num_new_tokens: int) -> bool:
+        """Make room for num_new_tokens more tokens of req; False (and no change) if it can't."""
+        need = self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        if need > self.pool.num_free_blocks:
+            return False
+        if need > 0:
+            req.block_ids.extend(self.pool.allocate(need))
+            self._note_peak()
+        return True
+
+    def commit_computed(self, req: Request) -> None:
+        """After a step: publish the blocks that are now full and computed to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._full_block_hashes(req, req.num_computed_tokens)
+        for block_id, h in zip(req.block_ids, hashes):
+            self.pool.register(block_id, h)
+
+    def free(self, req: Request) -> None:
+        # Tail blocks first into the queue: they are the least likely to be shared, so evict them first.
+        self.pool.release(list(reversed(req.block_ids)))
+        req.block_ids = []
+
+    def _note_peak(self) -> None:
+        self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
+
+    def reset_peak(self) -> None:
+        self.peak_used_blocks = self.pool.num_used_blocks

@@ -1,0 +1,63 @@
+"""A request's state inside the engine: its tokens, how many are computed, its KV blocks."""
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional
+
+import torch
+
+from batchrun.engine.config import SamplingParams
+from batchrun.engine.outputs import RequestMetrics
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """There is no prefill or decode phase: `num_computed_tokens` catches up with `token_ids`.
+
+    A preempted request keeps its generated tokens and recomputes their KV later, so it goes on
+    to produce the same tokens it would have produced without the interruption.
+    """
+
+    def __init__(self, seq_id: int, request_id: Any, prompt_token_ids: list[int], params: SamplingParams,
+                 arrival_s: float, generator: Optional[torch.Generator]) -> None:
+        self.seq_id = seq_id  # engine-internal, unique, increasing: the admission order
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.token_ids: list[int] = list(prompt_token_ids)  # prompt then generated tokens
+        self.params = params
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids, filled lazily
+        self.generator = generator  # per-request RNG so sampling does not depend on batch composition
+        self.metrics = RequestMetrics(arrival_s=arrival_s)
+        self.finish_reason: Optional[str] = None
+        self.error: Optional[str] = None
+        self.logprobs: Optional[list[dict[int, float]]] = [] if params.logprobs is not None else None
+        self.text: Optional[str] = None  # the detokenized output, filled at finish
+        self.has_prefix_lookup = False  # the prefix cache is consulted only at first admission
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED

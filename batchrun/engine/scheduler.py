@@ -1,0 +1,154 @@
+"""Continuous batching under a token budget, with chunked prefill and preemption by recompute.
+
+Each step, running requests are served first (oldest first), each getting the tokens it still
+lacks up to the remaining budget, so a long prompt is prefilled in chunks beside running decodes.
+When blocks run out, the newest running request is preempted: its blocks are freed and it goes
+back to the front of the queue to be recomputed later. Waiting requests are admitted only in a
+step that preempted nobody.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from batchrun.engine.kv_cache import KVCacheManager
+from batchrun.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    enable_chunked_prefill: bool = True
+    eos_token_ids: frozenset[int] = frozenset()  # end a request unless its params say ignore_eos
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request] = field(default_factory=list)  # in batch order
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens computed this step, per request
+    preempted: list[Request] = field(default_factory=list)  # requests sent back to the queue this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def is_empty(self) -> bool:
+        return not self.requests
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        assert req.num_tokens + 1 <= self.config.max_model_len, "engine must reject requests that cannot fit"
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.status = RequestStatus.WAITING
+        victim.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        batch.preempted.append(victim)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.max_num_batched_tokens
+
+        # Running requests first, oldest first.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            assert num_new > 0
+            while not self.kv.allocate(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, batch)
+                if victim is req:
+                    break
+            else:
+                batch.requests.append(req)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+                continue
+            break  # req itself was preempted: everything after it is gone too
+
+        # Then new requests, unless memory was short this step.
+        while self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            num_cached = self.kv.match_prefix(req)
+            num_new = req.num_tokens - req.num_computed_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget and batch.requests:
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                break
+            num_new = min(num_new, budget) if self.config.enable_chunked_prefill else num_new
+            if not self.kv.allocate(req, num_new):
+                self.kv.free(req)
+                req.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            if req.metrics.first_scheduled_s is None and req.metrics.num_preemptions == 0:
+                req.metrics.num_cached_tokens = num_cached
+                self.kv.record_admission(req.num_prompt_tokens, num_cached)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            batch.requests.append(req)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def update(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> list[Request]:
+        """Advance computed counts and append sampled tokens; return requests that finished.
+
+        `sampled` maps seq_id to the tokens accepted this step for requests whose computation
+        reached the end of their token list (others were mid-prefill and sampled nothing).
+        """
+        finished = []
+        for req, num_new in zip(batch.requests, batch.num_new_tokens):
+            req.num_computed_tokens += num_new
+            self.kv.commit_computed(req)
+            for token in sampled.get(req.seq_id, ()):
+                req.token_ids.append(token)
+                reason = self._stop_reason(req, token)
+                if reason is not None:
+                    self.finish(req, reason)
+                    finished.append(req)
+                    break
+        return finished
+
+    def _stop_reason(self, req: Request, token: int) -> Optional[str]:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_ids):
+            return "stop"
+        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, req: Request, reason: str) -> None:
+        """End a request now (also used by the engine for stop strings); frees its blocks."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason

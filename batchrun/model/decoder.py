@@ -1,0 +1,290 @@
+"""One decoder-only transformer, driven by an HF config, over a flattened batch with paged KV.
+
+Families: Llama (and SmolLM2), Mistral (sliding window), Qwen2 (QKV bias), Qwen3 (q/k norms),
+Gemma 3 text (hybrid sliding/global layers, (1 + w) norms, scaled embeddings, sandwich norms).
+Parameter names follow HF's so checkpoints load by name; q/k/v and gate/up are fused at load time
+because one wide matmul beats three narrow ones on every backend.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from batchrun.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    """What differs between the families, read once from the HF config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    activation: str
+    qkv_bias: bool
+    qk_norm: bool
+    gemma_norms: bool  # (1 + w) RMSNorm, sandwich norms around attention and MLP, sqrt(d) embedding scale
+    attn_scale: float
+    layer_windows: tuple[Optional[int], ...]  # per layer: sliding window or None for global
+    layer_rope_keys: tuple[str, ...]  # per layer: which rope table it uses
+    tie_word_embeddings: bool
+    final_logit_softcap: Optional[float]
+    attn_logit_softcap: Optional[float]
+    max_position_embeddings: int
+
+    @staticmethod
+    def from_hf(config: Any) -> "DecoderSpec":
+        mt = config.model_type
+        if mt not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        num_layers = config.num_hidden_layers
+        layer_types = list(getattr(config, "layer_types", None) or [])
+        window = getattr(config, "sliding_window", None)
+        if mt == "mistral":
+            layer_types = ["sliding_attention" if window else "full_attention"] * num_layers
+        if not layer_types:
+            layer_types = ["full_attention"] * num_layers
+        windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
+        is_gemma = mt == "gemma3_text"
+        scale = (config.query_pre_attn_scalar ** -0.5) if is_gemma else head_dim ** -0.5
+        rope_params = getattr(config, "rope_parameters", None) or {}
+        per_type_rope = isinstance(rope_params, dict) and all(isinstance(v, dict) for v in rope_params.values()) and bool(rope_params)
+        rope_keys = tuple(t if per_type_rope else "default" for t in layer_types)
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        return DecoderSpec(
+            model_type=mt,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            activation=act,
+            qkv_bias=mt == "qwen2" or bool(getattr(config, "attention_bias", False)),
+            qk_norm=mt in ("qwen3", "gemma3_text"),
+            gemma_norms=is_gemma,
+            attn_scale=scale,
+            layer_windows=windows,
+            layer_rope_keys=rope_keys,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            final_logit_softcap=getattr(config, "final_logit_softcapping", None),
+            attn_logit_softcap=getattr(config, "attn_logit_softcapping", None),
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+
+def _act(name: str):
+    if name in ("silu", "swish"):
+        return F.silu
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return lambda x: F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu
+    raise ValueError(f"activation {name!r} is not supported")
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as HF does; Gemma scales by (1 + w) instead of w."""
+
+    def __init__(self, dim: int, eps: float, is_gemma: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim) if is_gemma else torch.ones(dim))
+        self.eps = eps
+        self.is_gemma = is_gemma
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.is_gemma:
+            return (xf * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * xf.to(x.dtype)
+
+
+class RotaryTables:
+    """cos/sin per rope variant ("default", or per layer type for Gemma 3), computed like HF."""
+
+    def __init__(self, config: Any, spec: DecoderSpec) -> None:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        self.inv_freq: dict[str, torch.Tensor] = {}
+        self.scaling: dict[str, float] = {}
+        rope_params = getattr(config, "rope_parameters", None) or {}
+        for key in set(spec.layer_rope_keys):
+            params = rope_params.get(key, rope_params) if key != "default" else rope_params
+            rope_type = (params or {}).get("rope_type", "default")
+            if rope_type == "default":
+                base = (params or {}).get("rope_theta", getattr(config, "rope_theta", 10000.0))
+                dim = spec.head_dim
+                inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+                self.inv_freq[key], self.scaling[key] = inv, 1.0
+            else:
+                fn = ROPE_INIT_FUNCTIONS[rope_type]
+                kwargs = {"layer_type": key} if key != "default" else {}
+                inv, factor = fn(config, None, **kwargs)
+                self.inv_freq[key], self.scaling[key] = inv.float(), float(factor)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        out = {}
+        for key, inv in self.inv_freq.items():
+            freqs = positions[:, None].float() * inv[None, :].to(positions.device)  # (num_tokens, head_dim / 2)
+            emb = torch.cat((freqs, freqs), dim=-1)  # (num_tokens, head_dim)
+            out[key] = ((emb.cos() * self.scaling[key]).to(dtype), (emb.sin() * self.scaling[key]).to(dtype))
+        return out
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.gemma_norms)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.gemma_norms)
+        self.window = spec.layer_windows[layer_idx]
+        self.rope_key = spec.layer_rope_keys[layer_idx]
+
+    def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        s = self.spec
+        qkv = self.qkv_proj(x)  # (num_tokens, q_size + 2 * kv_size)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, s.num_heads, s.head_dim)
+        k = k.view(-1, s.num_kv_heads, s.head_dim)
+        v = v.view(-1, s.num_kv_heads, s.head_dim)
+        if s.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin[self.rope_key]
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        k_cache, v_cache = kv_cache
+        write_kv_cache(k_cache, v_cache, k, v, meta.slot_mapping)
+        o = paged_attention(q, k_cache, v_cache, meta, s.attn_scale, self.window, s.attn_logit_softcap)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DecoderSpec) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.act = _act(spec.activation)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.self_attn = Attention(spec, layer_idx)
+        self.mlp = MLP(spec)
+        g = spec.gemma_norms
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g)
+        if g:
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g)
+
+    def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+        if self.spec.gemma_norms:
+            x = x + self.post_attention_layernorm(h)
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderLM(nn.Module):
+    """The whole model: embeddings, decoder layers, final norm and LM head."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.spec = spec = DecoderSpec.from_hf(config)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryTables(config, spec)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (num_tokens,)
+        positions: torch.Tensor,  # (num_tokens,)
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
+        if self.spec.gemma_norms:
+            x = x * torch.tensor(self.spec.hidden_size ** 0.5, dtype=x.dtype)
+        cos_sin = self.rope.cos_sin(positions, x.dtype)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos_sin, kv, meta)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()  # (num_rows, vocab_size)
+        cap = self.spec.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy HF-named weights in, fusing q/k/v and gate/up; every parameter must be filled."""
+        own = dict(self.named_parameters())
+        filled: set[str] = set()
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            param = own[name]
+            assert param.shape == tensor.shape, f"{name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}"
+            with torch.no_grad():
+                param.copy_(tensor.to(param.dtype))
+            filled.add(name)
+
+        sd = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state_dict.items()}
+        for i in range(self.spec.num_layers):
+            p = f"layers.{i}."
+            put(p + "self_attn.qkv_proj.weight",
+                torch.cat([sd.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0))
+            if self.spec.qkv_bias:
+                put(p + "self_attn.qkv_proj.bias",
+                    torch.cat([sd.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0))
+            put(p + "mlp.gate_up_proj.weight",
+                torch.cat([sd.pop(p + "mlp.gate_proj.weight"), sd.pop(p + "mlp.up_proj.weight")], dim=0))
+        if "lm_head.weight" not in sd or self.spec.tie_word_embeddings:
+            sd["lm_head.weight"] = sd["embed_tokens.weight"]
+        for name, tensor in sd.items():
+            if name in own:
+                put(name, tensor)
+        missing = set(own) - filled
+        if missing:
+            raise ValueError(f"checkpoint lacks parameters: {sorted(missing)[:8]}")

@@ -18,8 +18,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     logits: (vocab_size,) or (batch, vocab_size), float32. The most likely token always survives.
     """
     if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        keep = torch.topk(logits, top_k, dim=-1).indices
+        drop = torch.ones_like(logits, dtype=torch.bool).scatter(-1, keep, False)  # exactly k survive, even with ties
+        logits = logits.masked_fill(drop, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)

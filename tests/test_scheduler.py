@@ -1,0 +1,104 @@
+"""Scheduler with a fake model (next token = a function of the whole sequence): no tensors."""
+from __future__ import annotations
+
+import random
+
+from batchrun.engine.config import SamplingParams
+from batchrun.engine.kv_cache import KVCacheManager
+from batchrun.engine.request import Request, RequestStatus
+from batchrun.engine.scheduler import Scheduler, SchedulerConfig
+
+EOS = 0
+
+
+def fake_next_token(tokens: list[int]) -> int:
+    return (sum(tokens) * 31 + len(tokens)) % 97 + 1  # never EOS
+
+
+def make(max_num_seqs=4, budget=16, num_blocks=64, block_size=4, max_model_len=256, chunked=True, prefix=True):
+    kv = KVCacheManager(num_blocks, block_size, prefix)
+    cfg = SchedulerConfig(max_num_seqs, budget, max_model_len, chunked, frozenset({EOS}))
+    return Scheduler(cfg, kv), kv
+
+
+def run(sched: Scheduler, reqs: list[Request], max_steps=10_000):
+    for r in reqs:
+        sched.add(r)
+    steps = []
+    while sched.has_unfinished():
+        batch = sched.schedule()
+        assert not batch.is_empty()
+        assert batch.num_tokens <= sched.config.max_num_batched_tokens or not sched.config.enable_chunked_prefill
+        assert len(sched.running) <= sched.config.max_num_seqs
+        sampled = {}
+        for r, n in zip(batch.requests, batch.num_new_tokens):
+            if r.num_computed_tokens + n == r.num_tokens:
+                sampled[r.seq_id] = [fake_next_token(r.token_ids)]
+        steps.append([(r.seq_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)])
+        sched.update(batch, sampled)
+        assert len(steps) < max_steps
+    return steps
+
+
+def reqs(lengths, max_tokens=5, seed=0):
+    rng = random.Random(seed)
+    return [Request(i, i, [rng.randint(1, 50) for _ in range(n)], SamplingParams(temperature=0, max_tokens=max_tokens), 0.0, None)
+            for i, n in enumerate(lengths)]
+
+
+def test_chunked_prefill_runs_beside_decodes_under_the_budget():
+    sched, _ = make(budget=16)
+    rs = reqs([6, 40], max_tokens=3)
+    steps = run(sched, rs)
+    # step 1: all of request 0 (6) and 10 tokens of request 1; then 1 decode + 15 prefill, ...
+    assert steps[0] == [(0, 6), (1, 10)]
+    assert steps[1] == [(0, 1), (1, 15)]
+    assert steps[2] == [(0, 1), (1, 15)]
+    assert all(r.finish_reason == "length" and r.num_output_tokens == 3 for r in rs)
+
+
+def test_without_chunked_prefill_a_prompt_is_scheduled_whole():
+    sched, _ = make(budget=16, chunked=False)
+    rs = reqs([6, 40], max_tokens=2)
+    steps = run(sched, rs)
+    assert steps[0] == [(0, 6)]  # 40 does not fit beside it
+    assert (1, 40) in steps[1] or (1, 40) in steps[2]
+
+
+def test_max_num_seqs_limits_running_requests():
+    sched, _ = make(max_num_seqs=2, budget=100)
+    steps = run(sched, reqs([3, 3, 3, 3], max_tokens=2))
+    assert all(len(s) <= 2 for s in steps)
+
+
+def test_preemption_recomputes_and_gives_the_same_tokens():
+    lengths = [30, 25, 20, 35, 10, 28]
+    big, _ = make(num_blocks=200, budget=32)
+    ref = reqs(lengths, max_tokens=12)
+    run(big, ref)
+    small, kv = make(num_blocks=24, budget=32)  # 96 tokens of cache for ~150 tokens of demand
+    got = reqs(lengths, max_tokens=12)
+    run(small, got)
+    assert small.num_preemptions > 0
+    assert [r.output_token_ids for r in got] == [r.output_token_ids for r in ref]
+    assert kv.pool.num_free_blocks == 24  # everything returned
+    assert all(r.status == RequestStatus.FINISHED and not r.block_ids for r in got)
+
+
+def test_eos_and_stop_token_ids_and_max_model_len():
+    sched, _ = make(max_model_len=12)
+    r = Request(0, 0, [1, 2, 3], SamplingParams(temperature=0, max_tokens=100), 0.0, None)
+    sched.add(r)
+    batch = sched.schedule()
+    sched.update(batch, {0: [EOS]})
+    assert r.finish_reason == "stop" and r.output_token_ids == [EOS]
+    r2 = Request(1, 1, [1, 2, 3], SamplingParams(temperature=0, max_tokens=100, stop_token_ids=(7,)), 0.0, None)
+    sched.add(r2)
+    sched.update(sched.schedule(), {1: [7]})
+    assert r2.finish_reason == "stop"
+    r3 = Request(2, 2, [1] * 10, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), 0.0, None)
+    sched.add(r3)
+    sched.update(sched.schedule(), {2: [EOS]})
+    assert not r3.is_finished  # EOS ignored
+    sched.update(sched.schedule(), {2: [5]})
+    assert r3.finish_reason == "length" and r3.num_tokens == 12

@@ -1,0 +1,18 @@
+"""The job-runner layer: Parquet shards in, result and metrics files out, exactly once.
+
+It sees the engine's public API only (`batchrun.engine`), and no Hydra: the cli hands it a RunConfig.
+"""
+from batchrun.job.config import ModelConfig, RunConfig, build_run_config, config_fields
+from batchrun.job.errors import ConfigError, JobError, ShardError
+from batchrun.job.prompts import JobConfig
+from batchrun.job.reader import DataConfig
+from batchrun.job.runner import RunResult, ShardSummary, load_engine, run_job
+from batchrun.job.shards import LauncherConfig
+from batchrun.job.summary import format_summary
+from batchrun.job.writer import OutputConfig
+
+__all__ = [
+    "ConfigError", "DataConfig", "JobConfig", "JobError", "LauncherConfig", "ModelConfig", "OutputConfig",
+    "RunConfig", "RunResult", "ShardError", "ShardSummary", "build_run_config", "config_fields",
+    "format_summary", "load_engine", "run_job",
+]

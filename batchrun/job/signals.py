@@ -1,0 +1,52 @@
+"""SIGTERM/SIGINT as a request to stop: the runner stops admitting, abandons the shard in progress
+(uncommitted, so the next run redoes it) and exits through its normal reporting path.
+
+A second signal gets the default behaviour back (SIGINT raises KeyboardInterrupt, SIGTERM kills),
+for when stopping gracefully takes too long.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType
+from typing import Any, Optional
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopRequest:
+    def __init__(self) -> None:
+        self.signum: Optional[int] = None
+        self._previous: dict[int, Any] = {}
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum is not None else ""
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's convention for death by signal: 128 + its number (130 SIGINT, 143 SIGTERM)."""
+        assert self.signum is not None
+        return 128 + self.signum
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        self.signum = signum
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+
+    def __enter__(self) -> "StopRequest":
+        # Handlers can only be set from the main thread; elsewhere (e.g. a notebook worker) the
+        # process keeps its own handling and the run is simply not interruptible gracefully.
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for sig, previous in self._previous.items():
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        self._previous = {}

@@ -1,0 +1,166 @@
+"""Result and metrics files: their fixed columns, and writing result rows back in input order.
+
+Rows finish in completion order; ResultWriter holds early finishers until every row before them
+is written, then writes row groups incrementally, so memory stays bounded for large shards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchrun.engine import RequestOutput
+
+RESULT_FIELDS: list[pa.Field] = [
+    pa.field("id", pa.string()),  # the input row's id (data.id_column as text, or "<shard>-<row index>")
+    pa.field("output", pa.string()),  # generated text; null for error rows
+    pa.field("finish_reason", pa.string()),  # stop | length | error
+    pa.field("error_type", pa.string()),  # null, or one of the typed errors (null_prompt, ...)
+    pa.field("error_message", pa.string()),  # why; on ok rows a note such as a truncation
+    pa.field("num_prompt_tokens", pa.int64()),  # null when the row was never tokenized
+    pa.field("num_output_tokens", pa.int64()),  # null when the row never reached the engine
+    pa.field("num_cached_tokens", pa.int64()),  # prompt tokens served from the prefix cache
+    pa.field("ttft_s", pa.float64()),  # admission to first token
+    pa.field("itl_s", pa.float64()),  # mean gap between output tokens (null with fewer than 2)
+    pa.field("latency_s", pa.float64()),  # admission to finish
+]
+RESULT_COLUMNS = [f.name for f in RESULT_FIELDS]
+
+METRICS_SCHEMA = pa.schema([
+    pa.field("shard", pa.string()),
+    pa.field("worker", pa.int64()),  # launcher rank that processed the shard
+    pa.field("num_rows", pa.int64()),
+    pa.field("num_ok", pa.int64()),
+    pa.field("num_errors", pa.int64()),
+    pa.field("num_prompt_tokens", pa.int64()),
+    pa.field("num_output_tokens", pa.int64()),
+    pa.field("wall_s", pa.float64()),  # first read to last result, excluding the commit
+    pa.field("output_tokens_per_s", pa.float64()),
+    pa.field("total_tokens_per_s", pa.float64()),  # prompt plus output tokens
+    pa.field("ttft_p50_s", pa.float64()),
+    pa.field("ttft_p95_s", pa.float64()),
+    pa.field("ttft_p99_s", pa.float64()),
+    pa.field("itl_p50_s", pa.float64()),
+    pa.field("itl_p95_s", pa.float64()),
+    pa.field("itl_p99_s", pa.float64()),
+    pa.field("prefix_cache_hit_rate", pa.float64()),  # cached / prompt tokens of the engine's requests
+    pa.field("num_preemptions", pa.int64()),
+    pa.field("peak_kv_blocks_used", pa.int64()),
+    pa.field("num_kv_blocks_total", pa.int64()),
+    pa.field("spec_acceptance_rate", pa.float64()),  # null until speculative decoding runs
+])
+
+ROWS_PER_ROW_GROUP = 1024
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """Where results go and which input columns they carry along."""
+
+    uri: str = "runs/summarize"  # a directory: local path or any fsspec URL
+    storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec
+    keep_columns: tuple[str, ...] = ()  # input columns copied into each result row
+
+    def __post_init__(self) -> None:
+        if not self.uri:
+            raise ValueError("output.uri: missing")
+        clash = [c for c in self.keep_columns if c in RESULT_COLUMNS]
+        if clash:
+            raise ValueError(f"output.keep_columns: {', '.join(clash)} would overwrite a result column")
+
+
+ENGINE_ERROR = "engine_error"
+
+
+def error_result(row_id: Optional[str], error_type: str, message: Optional[str],
+                 num_prompt_tokens: Optional[int], keep: dict[str, Any]) -> dict[str, Any]:
+    """The result row of an input row that never produced output."""
+    return {"id": row_id, "output": None, "finish_reason": "error", "error_type": error_type,
+            "error_message": message, "num_prompt_tokens": num_prompt_tokens, "num_output_tokens": None,
+            "num_cached_tokens": None, "ttft_s": None, "itl_s": None, "latency_s": None, **keep}
+
+
+def output_result(row_id: Optional[str], out: RequestOutput, note: Optional[str], keep: dict[str, Any]) -> dict[str, Any]:
+    """The result row of an engine output; an engine-side failure becomes a typed engine_error."""
+    failed = out.finish_reason == "error"
+    m = out.metrics
+    return {"id": row_id, "output": None if failed else out.text, "finish_reason": out.finish_reason,
+            "error_type": ENGINE_ERROR if failed else None,
+            "error_message": (out.error or "engine error") if failed else note,
+            "num_prompt_tokens": len(out.prompt_token_ids), "num_output_tokens": len(out.token_ids),
+            "num_cached_tokens": m.num_cached_tokens, "ttft_s": m.ttft_s, "itl_s": m.itl_s,
+            "latency_s": m.latency_s, **keep}
+
+
+def result_schema(keep_fields: Sequence[pa.Field]) -> pa.Schema:
+    return pa.schema([*RESULT_FIELDS, *keep_fields])
+
+
+class ResultWriter:
+    """Writes one results file; `put` takes rows in any order, the file gets them in input order."""
+
+    def __init__(self, fs: fsspec.AbstractFileSystem, path: str, schema: pa.Schema) -> None:
+        self.schema = schema
+        self._fs = fs
+        self._path = path
+        self._file = fs.open(path, "wb")
+        self._writer = pq.ParquetWriter(self._file, schema)
+        self._pending: dict[int, dict[str, Any]] = {}  # finished rows waiting for an earlier one
+        self._ready: list[dict[str, Any]] = []  # in order, not yet written
+        self._next_index = 0
+        self.num_rows = 0
+
+    def put(self, index: int, row: dict[str, Any]) -> None:
+        assert index >= self._next_index and index not in self._pending, f"row {index} written twice"
+        self._pending[index] = row
+        while self._next_index in self._pending:
+            self._ready.append(self._pending.pop(self._next_index))
+            self._next_index += 1
+        if len(self._ready) >= ROWS_PER_ROW_GROUP:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._ready:
+            self._writer.write_table(pa.Table.from_pylist(self._ready, schema=self.schema))
+            self.num_rows += len(self._ready)
+            self._ready = []
+
+    def close(self) -> int:
+        """Finish the file; every row from 0 up must have been put. Returns the row count."""
+        assert not self._pending, f"rows {sorted(self._pending)[:5]}... finished but an earlier row is missing"
+        self._flush()
+        self._writer.close()
+        self._file.close()
+        return self.num_rows
+
+    def abort(self) -> None:
+        """Give up on the file and remove what was written (it was never visible: it is a temp name)."""
+        try:
+            self._writer.close()
+            self._file.close()
+            self._fs.rm(self._path)
+        except Exception:  # best effort: a leftover temp file is removed when the shard is retried
+            pass
+
+
+def write_metrics(fs: fsspec.AbstractFileSystem, path: str, row: dict[str, Any]) -> None:
+    with fs.open(path, "wb") as f:
+        pq.write_table(pa.Table.from_pylist([row], schema=METRICS_SCHEMA), f)
+
+
+def read_metrics(fs: fsspec.AbstractFileSystem, path: str) -> Optional[dict[str, Any]]:
+    """A committed shard's metrics row, or None when it cannot be read."""
+    try:
+        with fs.open(path, "rb") as f:
+            rows = pq.read_table(f).to_pylist()
+        return rows[0] if rows else None
+    except Exception:
+        return None
+
+
+def read_column(fs: fsspec.AbstractFileSystem, path: str, column: str) -> list[Any]:
+    with fs.open(path, "rb") as f:
+        return pq.read_table(f, columns=[column]).column(column).to_pylist()

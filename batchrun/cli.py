@@ -1,0 +1,120 @@
+"""Command line: `python -m batchrun job=summarize [group=option ...] [key=value ...]`.
+
+The only module that imports Hydra or OmegaConf. It composes conf/, turns the result into the
+plain frozen dataclasses of batchrun.job (which check every key and type), runs the job and prints
+where the results are. Expected failures end as one line on stderr, never a traceback:
+
+    exit 0  every shard of this worker is committed
+    exit 1  some shard failed (the others are committed), or the job could not start
+    exit 2  configuration error (unknown key, wrong type, bad override)
+    exit 130 / 143  stopped by SIGINT / SIGTERM; rerun the same command to resume
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any, NoReturn, Sequence
+
+import hydra
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from batchrun.job import ConfigError, JobError, RunConfig, build_run_config, format_summary, run_job
+from batchrun.job.config import unknown_key
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+# In the source tree (and editable installs) batchrun/conf is a symlink to the repository's conf/;
+# a wheel carries a copy as package data. Either way it sits next to this file.
+CONF_DIR = (PACKAGE_DIR / "conf").resolve()
+
+
+def package_path(relative: str) -> str:
+    """`${batchrun_path:data/sample}` in YAML: a path inside the installed package."""
+    return str(PACKAGE_DIR / relative)
+
+
+OmegaConf.register_new_resolver("batchrun_path", package_path, replace=True)
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    raw = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    assert isinstance(raw, dict)
+    raw.pop("hydra", None)
+    return build_run_config(raw)
+
+
+def load_config(overrides: Sequence[str] = ()) -> RunConfig:
+    """Compose conf/ with `overrides` (as on the command line) into a RunConfig, without running."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_run_config(compose(config_name="config", overrides=list(overrides)))
+
+
+_exit_codes: list[int] = []  # one per job (several under --multirun)
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base="1.3")
+def _run(cfg: DictConfig) -> None:
+    # Expected failures are reported here: raised through Hydra they would gain an extra line.
+    try:
+        result = run_job(to_run_config(cfg))
+    except ConfigError as e:
+        return _report(2, f"config error: {e}")
+    except MissingMandatoryValue as e:
+        return _report(2, f"config error: {e.full_key}: missing value; set {e.full_key}=...")
+    except OmegaConfBaseException as e:
+        return _report(2, f"config error: {_hydra_message(e)}")
+    except JobError as e:
+        return _report(1, f"error: {e}")
+    print(format_summary(result), flush=True)
+    if result.exit_code:
+        print(f"batchrun: {result.message}", file=sys.stderr, flush=True)
+    _exit_codes.append(result.exit_code)
+
+
+def main(argv: Sequence[str] | None = None) -> NoReturn:
+    """Entry point of `python -m batchrun` and the `batchrun` script; exits with the codes above."""
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    _exit_codes.clear()
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":  # the user asked for full tracebacks
+        _run()
+        sys.exit(max(_exit_codes, default=0))
+    # Hydra prints its own errors (bad override, unknown option) as a few lines plus a hint and
+    # exits 1; with HYDRA_FULL_ERROR it re-raises instead, and we report one line and exit 2.
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        _run()
+    except (HydraException, OmegaConfBaseException) as e:
+        _report(2, f"config error: {_hydra_message(e)}")
+    except KeyboardInterrupt:  # a second Ctrl-C while the first one's graceful stop was under way
+        _report(130, "interrupted; nothing partial was committed")
+    finally:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+    sys.exit(max(_exit_codes, default=0))
+
+
+def _hydra_message(error: BaseException) -> str:
+    """One line from Hydra/OmegaConf's multi-line messages, naming the key where one is known."""
+    cause: Any = error.__cause__ or error
+    full_key = getattr(cause, "full_key", None)
+    text = str(cause)
+    if full_key and ("not in struct" in text or "Key '" in text and "is not in" in text):
+        return str(unknown_key(str(full_key)))
+    lines = [f"{full_key}:"] if full_key else []
+    for line in str(error).splitlines():
+        if full_key and line.strip().startswith(("full_key:", "object_type=")):
+            break
+        if line.startswith(("Config search path", "See https://hydra.cc")):
+            break
+        if line.strip():
+            lines.append(line.strip())
+    message = " ".join(lines) or type(error).__name__
+    return message if len(message) <= 400 else message[:397] + "..."
+
+
+def _report(code: int, message: str) -> None:
+    print(f"batchrun: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    _exit_codes.append(code)

@@ -25,6 +25,12 @@ FAMILIES: dict[str, dict[str, Any]] = {
         model_type="gemma3_text", num_key_value_heads=1, head_dim=32, sliding_window=16,
         query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     ),
+    # Mixture of experts: 4 experts, top-2. Qwen3-MoE also keeps layer 1 dense (mlp_only_layers).
+    "mixtral": dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", num_key_value_heads=2, head_dim=24, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1],
+    ),
 }
 
 _BASE = dict(
@@ -81,7 +87,11 @@ def make_tiny_model(out_dir: str | os.PathLike, family: str = "llama", seed: int
     # Random init leaves small logits; widen them so greedy argmax is not decided by float noise.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 2:
+            if name.endswith("mlp.gate.weight"):
+                # MoE router: wide logits so no token sits on a top-k boundary where float noise
+                # between implementations could pick a different expert.
+                p.normal_(0.0, 0.5)
+            elif p.dim() >= 2:  # 3D: fused expert weights (num_experts, out, in)
                 p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
             elif "norm" in name and family == "gemma3_text":
                 p.normal_(0.0, 0.1)

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchrun.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+from batchrun.model.moe import SparseMoeBlock, expert_token_counts, fused_moe_weights, moe_config_fields
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,14 @@ class DecoderSpec:
     final_logit_softcap: Optional[float]
     attn_logit_softcap: Optional[float]
     max_position_embeddings: int
+    # Mixture of experts (see batchrun.model.moe); num_experts == 0 means a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    moe_renormalize: bool = False  # renormalize the top-k routing weights to sum to 1
+    moe_weights_fp32: bool = False  # keep routing weights in float32 (Mixtral) instead of the model dtype
+    moe_layers: tuple[bool, ...] = ()  # per layer: sparse MoE block (True) or dense MLP
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert; 0 = none
 
     @staticmethod
     def from_hf(config: Any) -> "DecoderSpec":
@@ -54,7 +63,7 @@ class DecoderSpec:
         num_layers = config.num_hidden_layers
         layer_types = list(getattr(config, "layer_types", None) or [])
         window = getattr(config, "sliding_window", None)
-        if mt == "mistral":
+        if mt in ("mistral", "mixtral", "qwen3_moe"):  # one window (or none) for every layer
             layer_types = ["sliding_attention" if window else "full_attention"] * num_layers
         if not layer_types:
             layer_types = ["full_attention"] * num_layers
@@ -76,8 +85,9 @@ class DecoderSpec:
             head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
             activation=act,
-            qkv_bias=mt == "qwen2" or bool(getattr(config, "attention_bias", False)),
-            qk_norm=mt in ("qwen3", "gemma3_text"),
+            qkv_bias=mt == "qwen2" or bool(getattr(config, "attention_bias", False))
+            or (mt == "qwen2_moe" and bool(getattr(config, "qkv_bias", True))),
+            qk_norm=mt in ("qwen3", "gemma3_text", "qwen3_moe"),
             gemma_norms=is_gemma,
             attn_scale=scale,
             layer_windows=windows,
@@ -86,6 +96,7 @@ class DecoderSpec:
             final_logit_softcap=getattr(config, "final_logit_softcapping", None),
             attn_logit_softcap=getattr(config, "attn_logit_softcapping", None),
             max_position_embeddings=config.max_position_embeddings,
+            **moe_config_fields(config, num_layers),
         )
 
 
@@ -203,7 +214,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.spec = spec
         self.self_attn = Attention(spec, layer_idx)
-        self.mlp = MLP(spec)
+        is_moe = bool(spec.moe_layers) and spec.moe_layers[layer_idx]
+        self.mlp = SparseMoeBlock(spec, _act(spec.activation)) if is_moe else MLP(spec)
         g = spec.gemma_norms
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g)
@@ -258,6 +270,10 @@ class DecoderLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def expert_token_counts(self) -> Optional[list[list[int]]]:
+        """Per MoE layer, tokens routed to each expert since construction; None for dense models."""
+        return expert_token_counts(self)
+
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up; every parameter must be filled."""
         own = dict(self.named_parameters())
@@ -278,6 +294,11 @@ class DecoderLM(nn.Module):
             if self.spec.qkv_bias:
                 put(p + "self_attn.qkv_proj.bias",
                     torch.cat([sd.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0))
+            if isinstance(self.layers[i].mlp, SparseMoeBlock):
+                for name, tensor in fused_moe_weights(sd, p, self.spec.num_experts,
+                                                      self.spec.shared_expert_intermediate_size > 0).items():
+                    put(name, tensor)
+                continue
             put(p + "mlp.gate_up_proj.weight",
                 torch.cat([sd.pop(p + "mlp.gate_proj.weight"), sd.pop(p + "mlp.up_proj.weight")], dim=0))
         if "lm_head.weight" not in sd or self.spec.tie_word_embeddings:

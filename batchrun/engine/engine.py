@@ -172,6 +172,7 @@ class Engine:
             num_cached_tokens=self.kv.num_hit_tokens,
             num_generated_tokens=self._num_generated_tokens,
             num_steps=self._num_steps,
+            expert_token_counts=self.model.expert_token_counts(),  # one device read, not one per step
         )
 
     def reset_peak_stats(self) -> None:

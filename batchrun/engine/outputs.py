@@ -53,3 +53,7 @@ class EngineStats:
     num_steps: int  # model forward passes
     num_spec_proposed: Optional[int] = None  # speculative tokens proposed (None: speculation off)
     num_spec_accepted: Optional[int] = None  # of those, accepted
+    # MoE models only (None for dense): per MoE layer (in layer order), the tokens routed to each
+    # expert, cumulative; each token counts once per expert it is routed to, so a layer's row sums
+    # to tokens computed x top_k. Recomputed tokens (preemption) count again: this is work done.
+    expert_token_counts: Optional[list[list[int]]] = None

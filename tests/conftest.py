@@ -42,3 +42,56 @@ def tiny_model_factory(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tiny_model_factory) -> str:
     return tiny_model_factory("llama")
+
+
+# ---- job-runner fixtures (tests/test_job_*.py, test_cli_*.py, test_notebook.py) ----------------
+
+# A small KV pool: the tiny model needs few blocks, and allocating the default 1 GiB costs time.
+JOB_TEST_KV_BYTES = 64 << 20
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_llama_dir: str):
+    """One real Engine over the tiny llama, shared by the in-process job tests (run_job(cfg, engine=...))."""
+    from batchrun.engine import Engine, EngineConfig
+
+    return Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", kv_cache_memory=JOB_TEST_KV_BYTES))
+
+
+@pytest.fixture(scope="session")
+def short_texts() -> list[str]:
+    """Real English snippets (~200-300 characters) from CPython's pydoc topics: short enough that the
+    tiny model's 512-token context holds a templated prompt plus its output."""
+    from batchrun.testing import sample_texts
+
+    texts = []
+    for doc in sample_texts():
+        body = doc.split("\n", 2)[-1].strip()  # drop the title and its underline
+        cut = body[:300].rsplit(" ", 1)[0]
+        if len(cut) > 150:
+            texts.append(cut)
+    return texts
+
+
+@pytest.fixture
+def make_shards(short_texts: list[str]):
+    """(directory, num_shards, rows_per_shard) -> the ids written, shard by shard, as Parquet files
+    part-00.parquet ... with columns id, title, text (real text, distinct ids)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def make(directory, num_shards: int = 2, rows_per_shard: int = 4, prefix: str = "part") -> list[list[str]]:
+        from pathlib import Path
+
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        all_ids = []
+        for s in range(num_shards):
+            ids = [f"{prefix}{s}-row{r}" for r in range(rows_per_shard)]
+            texts = [short_texts[(s * rows_per_shard + r) % len(short_texts)] for r in range(rows_per_shard)]
+            table = pa.table({"id": ids, "title": [f"doc {i}" for i in ids], "text": texts})
+            pq.write_table(table, out / f"{prefix}-{s:02d}.parquet")
+            all_ids.append(ids)
+        return all_ids
+
+    return make

@@ -127,7 +127,9 @@ def _reject_unknown(values: Mapping[str, Any], allowed: list[str], prefix: str) 
 
 
 def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    return tp.__name__ if isinstance(tp, type) else str(tp).replace("typing.", "")
 
 
 def _check_value(value: Any, tp: Any, key: str) -> Any:

@@ -234,9 +234,12 @@ class _ShardRun:
                 summary = self._generate_and_commit(attempt, t0)
             except BaseException:
                 self.writer.abort()
+                store.abandon(attempt)
                 raise
         finally:
             self.reader.close()
+        if summary.status != "committed":
+            store.abandon(attempt)
         return summary
 
     def _generate_and_commit(self, attempt: Any, t0: float) -> ShardSummary:

@@ -96,6 +96,10 @@ class RunStore:
         self.write_json(self.marker_path(attempt.shard), marker)
         self._remove_tree(self.path("_tmp", attempt.shard))
 
+    def abandon(self, attempt: Attempt) -> None:
+        """Remove what an attempt wrote; it was never visible, this only tidies up."""
+        self._remove_tree(self.path("_tmp", attempt.shard))
+
     def write_json(self, path: str, obj: Any) -> None:
         """Replace `path` whole: a reader sees the old or the new content, never a mix."""
         data = json.dumps(obj, indent=2, sort_keys=False, default=str).encode()

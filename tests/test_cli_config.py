@@ -1,0 +1,104 @@
+"""conf/ composes into the dataclasses for every preset, and bad input ends as one line, exit 2."""
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from batchrun import cli
+from batchrun.engine import SamplingParams
+from batchrun.job import DataConfig, LauncherConfig, OutputConfig, RunConfig, config_fields
+
+CONF = Path(cli.CONF_DIR)
+
+
+def _options(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+def test_conf_dir_is_the_repository_conf():
+    assert (CONF / "config.yaml").is_file()
+    assert CONF == (Path(__file__).parent.parent / "conf").resolve()
+
+
+@pytest.mark.parametrize("job", _options("job"))
+@pytest.mark.parametrize("model", _options("model"))
+@pytest.mark.parametrize("launcher", _options("launcher"))
+def test_every_preset_composes_into_the_dataclasses(job, model, launcher):
+    overrides = [f"job={job}", f"model={model}", f"launcher={launcher}"]
+    if job != "summarize":  # only summarize has bundled input
+        overrides.append("data.uri=/some/prompts")
+    cfg = cli.load_config(overrides)
+    assert isinstance(cfg, RunConfig)
+    assert cfg.job.name == job
+    assert cfg.engine.model == cfg.model.path
+    assert cfg.output.uri == f"runs/{job}"
+
+
+def test_default_run_is_greedy_summarize_of_the_bundled_sample_on_cpu():
+    cfg = cli.load_config([])
+    assert cfg.job.name == "summarize" and cfg.model.path == "smollm2-135m"
+    assert cfg.engine.device == "cpu" and cfg.sampling.is_greedy and cfg.sampling.max_tokens == 64
+    assert cfg.job.prompt_template and "{text}" in cfg.job.prompt_template
+    sample = Path(cfg.data.uri)
+    assert sorted(p.name for p in sample.glob("*.parquet")) == [f"topics-0{i}.parquet" for i in range(4)]
+
+
+def test_generate_needs_data_uri():
+    with pytest.raises(cli.ConfigError, match="data.uri: missing"):
+        cli.load_config(["job=generate"])
+
+
+@pytest.mark.parametrize("group, option, cls", [
+    ("engine", "default", None), ("sampling", "default", SamplingParams), ("data", "sample", DataConfig),
+    ("output", "default", OutputConfig), ("launcher", "local", LauncherConfig),
+])
+def test_group_yaml_lists_every_dataclass_key(group, option, cls):
+    """The YAML is the documented surface: a field added to a dataclass must appear there too."""
+    keys = list(yaml.safe_load((CONF / group / f"{option}.yaml").read_text()))
+    assert keys == config_fields(group)
+    if cls is not None:
+        assert keys == [f.name for f in dataclasses.fields(cls)]
+
+
+def test_hydra_writes_nothing_in_the_working_directory(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["data.uri=" + str(tmp_path / "missing")])
+    assert exit_info.value.code == 1
+    assert "data.uri: nothing found" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("argv, code, message", [
+    (["engine.max_num_seqz=3"], 2, "batchrun: config error: engine.max_num_seqz: unknown key (did you mean max_num_seqs?)"),
+    (["+engine.max_num_seqz=3"], 2, "batchrun: config error: engine.max_num_seqz: unknown key (did you mean max_num_seqs?)"),
+    (["engine.max_num_seqs=many"], 2, "batchrun: config error: engine.max_num_seqs: expected int, got str 'many'"),
+    (["job=nope"], 2, "batchrun: config error: In 'config': Could not find 'job/nope'"),
+    (["sampling.max_tokens=="], 2, "batchrun: config error: Error parsing override 'sampling.max_tokens=='"),
+    (["output.uri=${nope}"], 2, "batchrun: config error: output.uri: Interpolation key 'nope' not found"),
+    (["job=generate"], 2, "batchrun: config error: data.uri: missing"),
+    (["engine.model=/x"], 2, "batchrun: config error: engine.model: set model.path instead"),
+])
+def test_cli_errors_are_one_line(argv, code, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == code
+    assert err.startswith(message), err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_cli_error_in_a_real_process_is_one_line_without_traceback(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "batchrun", "job=summarize", "sampling.temprature=0.5"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [(
+        "batchrun: config error: sampling.temprature: unknown key (did you mean temperature?)")]
+    assert "Traceback" not in proc.stderr and proc.stdout == ""
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,123 @@
+"""Shard discovery, naming and assignment: pure functions over paths and environment variables."""
+from __future__ import annotations
+
+import fsspec
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchrun.job import ConfigError, JobError, LauncherConfig
+from batchrun.job.shards import Shard, Worker, assign_shards, discover_shards, open_filesystem, resolve_worker
+
+
+def _touch_parquet(path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"id": ["a"], "text": ["x"]}), path)
+
+
+def _discover(uri: str) -> list[Shard]:
+    fs, path = open_filesystem(uri, {})
+    return discover_shards(fs, path, uri)
+
+
+def test_directory_gives_stems_sorted_and_skips_hidden_and_non_parquet(tmp_path):
+    for name in ["b.parquet", "a.parquet", "_SUCCESS", ".a.parquet.crc", "notes.txt", "_tmp/x.parquet"]:
+        p = tmp_path / name
+        if name.endswith(".parquet") and not name.startswith("."):
+            _touch_parquet(p)
+        else:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text("not parquet")
+    shards = _discover(str(tmp_path))
+    assert [s.name for s in shards] == ["a", "b"]
+    assert shards[0].url.startswith("file://") and shards[0].url.endswith("/a.parquet")
+
+
+def test_same_stem_in_two_directories_gets_distinct_stable_names(tmp_path):
+    _touch_parquet(tmp_path / "2024" / "part-0.parquet")
+    _touch_parquet(tmp_path / "2025" / "part-0.parquet")
+    _touch_parquet(tmp_path / "top.parquet")
+    names = [s.name for s in _discover(str(tmp_path))]
+    assert names == ["2024__part-0", "2025__part-0", "top"]
+    # A name depends on the file's own path only: adding files never renames a shard.
+    _touch_parquet(tmp_path / "2026" / "part-0.parquet")
+    assert [s.name for s in _discover(str(tmp_path))][:2] == names[:2]
+
+
+def test_glob_and_single_file(tmp_path):
+    for name in ["a.parquet", "b.parquet", "sub/c.parquet"]:
+        _touch_parquet(tmp_path / name)
+    assert [s.name for s in _discover(str(tmp_path / "*.parquet"))] == ["a", "b"]
+    assert [s.name for s in _discover(str(tmp_path / "**" / "*.parquet"))] == ["a", "b", "sub__c"]
+    assert [s.name for s in _discover(str(tmp_path / "sub" / "c.parquet"))] == ["c"]
+
+
+def test_memory_filesystem_urls():
+    fs = fsspec.filesystem("memory")
+    with fs.open("/shards-test/in/x.parquet", "wb") as f:
+        pq.write_table(pa.table({"id": ["a"]}), f)
+    shards = _discover("memory://shards-test/in")
+    assert [(s.name, s.url) for s in shards] == [("x", "memory:///shards-test/in/x.parquet")]
+    fs.rm("/shards-test", recursive=True)
+
+
+def test_nothing_to_read_is_a_job_error(tmp_path):
+    with pytest.raises(JobError, match="nothing found"):
+        _discover(str(tmp_path / "missing"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(JobError, match="no Parquet files"):
+        _discover(str(tmp_path / "empty"))
+
+
+def test_names_that_collide_after_sanitizing_are_refused(tmp_path):
+    _touch_parquet(tmp_path / "a b.parquet")
+    _touch_parquet(tmp_path / "a_b.parquet")
+    with pytest.raises(JobError, match="both map to shard name 'a_b'"):
+        _discover(str(tmp_path))
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({}, (0, 1, "default")),
+    ({"RANK": "3", "WORLD_SIZE": "8", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, (3, 8, "torchrun RANK/WORLD_SIZE")),
+    ({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "4"}, (2, 4, "SLURM_ARRAY_TASK_ID/COUNT")),
+    # --array=5-8: ids start at SLURM_ARRAY_TASK_MIN, ranks at 0.
+    ({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "5"}, (2, 4, None)),
+    # --array=0-6:2 -> ids 0, 2, 4, 6.
+    ({"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "0",
+      "SLURM_ARRAY_TASK_STEP": "2"}, (2, 4, None)),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, (1, 2, "SLURM_PROCID/NTASKS")),
+    # An array of 3 tasks, each running 2 srun tasks: 6 workers, array-major.
+    ({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"},
+     (5, 6, "SLURM_ARRAY_TASK_ID/COUNT + SLURM_PROCID/NTASKS")),
+])
+def test_worker_from_environment(env, expected):
+    worker = resolve_worker(LauncherConfig(), env)
+    assert (worker.rank, worker.world_size) == expected[:2]
+    if expected[2] is not None:
+        assert worker.source == expected[2]
+
+
+def test_config_wins_over_environment_and_bad_ranks_are_config_errors():
+    env = {"RANK": "3", "WORLD_SIZE": "8"}
+    assert resolve_worker(LauncherConfig(rank=1, world_size=2), env) == Worker(1, 2, "config")
+    assert resolve_worker(LauncherConfig(rank=5), env).world_size == 8
+    with pytest.raises(ConfigError, match="launcher.rank"):
+        resolve_worker(LauncherConfig(rank=2, world_size=2), {})
+    with pytest.raises(ConfigError, match="launcher.world_size"):
+        resolve_worker(LauncherConfig(rank=0, world_size=0), {})
+    with pytest.raises(ConfigError, match="SLURM_ARRAY_TASK_COUNT"):
+        resolve_worker(LauncherConfig(), {"SLURM_ARRAY_TASK_ID": "1"})
+    with pytest.raises(ConfigError, match="not an integer"):
+        resolve_worker(LauncherConfig(), {"RANK": "x", "WORLD_SIZE": "2"})
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 7, 20])
+def test_assignment_partitions_the_shards_deterministically(world_size):
+    shards = [Shard(f"s{i:02d}", f"p{i}", f"u{i}") for i in range(13)]
+    shuffled = shards[5:] + shards[:5]
+    parts = [assign_shards(shuffled, Worker(r, world_size, "test")) for r in range(world_size)]
+    names = [s.name for part in parts for s in part]
+    assert sorted(names) == [s.name for s in shards] and len(names) == len(set(names))
+    assert parts == [assign_shards(shards, Worker(r, world_size, "test")) for r in range(world_size)]
+    assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    assert [s.name for s in parts[0]] == [s.name for s in shards][::world_size]

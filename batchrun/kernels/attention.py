@@ -8,7 +8,7 @@ sequences back to back with no padding: sequence i owns query rows
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -25,6 +25,48 @@ class AttentionMetadata:
     decode_seq_ids: torch.Tensor  # (num_decode,) indices of sequences with exactly one query token
     decode_seq_lens: torch.Tensor  # (num_decode,) int64 context lengths of those sequences
     prefill_seq_ids: list[int]  # sequences with more than one query token, attended one by one
+    # Built lazily by the first layer that needs them and shared by the rest of the step.
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    def decode_inputs(self, sliding_window: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(query rows, block tables, key mask) of the batched decodes, for one window size."""
+        key = ("decode", sliding_window)
+        if key not in self._memo:
+            seq_lens = self.decode_seq_lens
+            max_len = int(seq_lens.max())
+            num_blocks = -(-max_len // self.block_size)
+            tables = self.block_tables[self.decode_seq_ids, :num_blocks]  # (num_decode, num_blocks)
+            key_pos = torch.arange(num_blocks * self.block_size, device=seq_lens.device)
+            mask = key_pos[None, :] < seq_lens[:, None]  # (num_decode, num_blocks * block_size)
+            if sliding_window is not None:
+                mask &= key_pos[None, :] > (seq_lens[:, None] - 1 - sliding_window)
+            rows = torch.tensor([self.query_start_loc[i] for i in self.decode_seq_ids.tolist()],
+                                dtype=torch.long, device=seq_lens.device)
+            self._memo[key] = (rows, tables, mask)
+        return self._memo[key]
+
+    def prefill_inputs(self, i: int, sliding_window: Optional[int]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(context slots, mask) of prefill sequence i; both None when it has no earlier context
+        and no window, so its causal attention runs on the new keys alone."""
+        key = ("prefill", i, sliding_window)
+        if key not in self._memo:
+            q_len = self.query_start_loc[i + 1] - self.query_start_loc[i]
+            seq_len = self.seq_lens[i]
+            if seq_len == q_len and sliding_window is None:
+                self._memo[key] = (None, None)
+            else:
+                device = self.block_tables.device
+                num_blocks = -(-seq_len // self.block_size)
+                table = self.block_tables[i, :num_blocks]
+                offsets = torch.arange(self.block_size, device=device)
+                slots = (table[:, None] * self.block_size + offsets[None, :]).flatten()[:seq_len]
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+                key_pos = torch.arange(seq_len, device=device)
+                mask = key_pos[None, :] <= q_pos[:, None]  # (q_len, seq_len)
+                if sliding_window is not None:
+                    mask &= key_pos[None, :] > (q_pos[:, None] - sliding_window)
+                self._memo[key] = (slots, mask)
+        return self._memo[key]
 
 
 def write_kv_cache(
@@ -43,22 +85,47 @@ def _attend(
     q: torch.Tensor,  # (batch, num_heads, q_len, head_dim)
     k: torch.Tensor,  # (batch, num_kv_heads, kv_len, head_dim)
     v: torch.Tensor,  # (batch, num_kv_heads, kv_len, head_dim)
-    mask: torch.Tensor,  # (batch, 1, q_len, kv_len) bool, True where attention is allowed
+    mask: Optional[torch.Tensor],  # (batch, 1, q_len, kv_len) bool, True where allowed; None = causal
     scale: float,
     softcap: Optional[float],
 ) -> torch.Tensor:
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k = k.repeat_interleave(group, dim=1)
-        v = v.repeat_interleave(group, dim=1)
+    """Attention for one or more sequences of equal shape (SDPA's fused CPU kernel when it can)."""
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
     # Logit soft-capping (Gemma 2 style) has no SDPA flag, so it takes the explicit path.
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
+
+
+def _decode_attend(
+    q: torch.Tensor,  # (batch, num_heads, head_dim): one query per sequence
+    k: torch.Tensor,  # (batch, kv_len, num_kv_heads, head_dim) padded contexts
+    v: torch.Tensor,  # (batch, kv_len, num_kv_heads, head_dim)
+    mask: torch.Tensor,  # (batch, kv_len) bool, True where allowed
+    scale: float,
+    softcap: Optional[float],
+) -> torch.Tensor:
+    """Single-query attention as grouped batched matmuls: the query heads that share a KV head are
+    one matrix, so KV is never repeated, and the masked softmax runs in float32. (SDPA's CPU kernel
+    with a mask is several times slower than this for one query in bf16.)"""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # (batch, num_kv_heads, group, kv_len)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
+    out = torch.matmul(probs, v.transpose(1, 2))  # (batch, num_kv_heads, group, head_dim)
+    return out.reshape(batch, num_heads, head_dim)
 
 
 def paged_attention(
@@ -69,51 +136,36 @@ def paged_attention(
     scale: float,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    k_new: Optional[torch.Tensor] = None,  # (num_tokens, num_kv_heads, head_dim): this step's keys, if at hand
+    v_new: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention of every query token over its sequence's cached context.
 
     A key at position j is visible to the query at position i when j <= i and, with a sliding
     window W, j > i - W (the convention of HF transformers' masks).
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
-    block_size = meta.block_size
 
     if meta.decode_seq_ids.numel() > 0:
-        # Decodes are batched: gather each sequence's context, padded to the longest, and mask.
-        seq_ids = meta.decode_seq_ids
-        seq_lens = meta.decode_seq_lens
-        max_len = int(seq_lens.max())
-        num_blocks = (max_len + block_size - 1) // block_size
-        tables = meta.block_tables[seq_ids, :num_blocks]  # (num_decode, num_blocks)
-        k = k_cache[tables].flatten(1, 2)[:, :max_len]  # (num_decode, max_len, num_kv_heads, head_dim)
-        v = v_cache[tables].flatten(1, 2)[:, :max_len]
-        key_pos = torch.arange(max_len)
-        mask = key_pos[None, :] < seq_lens[:, None]  # (num_decode, max_len)
-        if sliding_window is not None:
-            mask &= key_pos[None, :] > (seq_lens[:, None] - 1 - sliding_window)
-        rows = torch.tensor([meta.query_start_loc[i] for i in seq_ids.tolist()], dtype=torch.long)
-        qd = q[rows].unsqueeze(2)  # (num_decode, num_heads, 1, head_dim)
-        o = _attend(qd, k.transpose(1, 2), v.transpose(1, 2), mask[:, None, None, :], scale, softcap)
-        out[rows] = o.squeeze(2)
+        rows, tables, mask = meta.decode_inputs(sliding_window)
+        k = k_cache[tables].flatten(1, 2)  # (num_decode, num_blocks * block_size, num_kv_heads, head_dim)
+        v = v_cache[tables].flatten(1, 2)
+        out[rows] = _decode_attend(q[rows], k, v, mask, scale, softcap)
 
+    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     for i in meta.prefill_seq_ids:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
-        q_len, seq_len = end - start, meta.seq_lens[i]
-        num_blocks = (seq_len + block_size - 1) // block_size
-        table = meta.block_tables[i, :num_blocks]
-        slots = (table[:, None] * block_size + torch.arange(block_size)[None, :]).flatten()[:seq_len]
-        k = flat_k[slots].transpose(0, 1).unsqueeze(0)  # (1, num_kv_heads, seq_len, head_dim)
-        v = flat_v[slots].transpose(0, 1).unsqueeze(0)
-        q_pos = torch.arange(seq_len - q_len, seq_len)
-        key_pos = torch.arange(seq_len)
-        mask = key_pos[None, :] <= q_pos[:, None]  # (q_len, seq_len)
-        if sliding_window is not None:
-            mask &= key_pos[None, :] > (q_pos[:, None] - sliding_window)
+        slots, mask = meta.prefill_inputs(i, sliding_window)
+        if slots is None and k_new is not None:
+            k, v = k_new[start:end], v_new[start:end]  # a fresh prompt: its keys are all new
+        else:
+            if slots is None:
+                slots = meta.slot_mapping[start:end]
+            k, v = flat_k[slots], flat_v[slots]  # (seq_len, num_kv_heads, head_dim)
         qp = q[start:end].transpose(0, 1).unsqueeze(0)  # (1, num_heads, q_len, head_dim)
-        o = _attend(qp, k, v, mask[None, None], scale, softcap)
+        o = _attend(qp, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+                    None if mask is None else mask[None, None], scale, softcap)
         out[start:end] = o[0].transpose(0, 1)
     return out

@@ -193,7 +193,7 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         k_cache, v_cache = kv_cache
         write_kv_cache(k_cache, v_cache, k, v, meta.slot_mapping)
-        o = paged_attention(q, k_cache, v_cache, meta, s.attn_scale, self.window, s.attn_logit_softcap)
+        o = paged_attention(q, k_cache, v_cache, meta, s.attn_scale, self.window, s.attn_logit_softcap, k, v)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 

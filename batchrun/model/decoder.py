@@ -1,7 +1,8 @@
 """One decoder-only transformer, driven by an HF config, over a flattened batch with paged KV.
 
 Families: Llama (and SmolLM2), Mistral (sliding window), Qwen2 (QKV bias), Qwen3 (q/k norms),
-Gemma 3 text (hybrid sliding/global layers, (1 + w) norms, scaled embeddings, sandwich norms).
+Gemma 3 text (hybrid sliding/global layers, (1 + w) norms, scaled embeddings, sandwich norms),
+and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (MoE layers use batchrun.model.moe).
 Parameter names follow HF's so checkpoints load by name; q/k/v and gate/up are fused at load time
 because one wide matmul beats three narrow ones on every backend.
 """

@@ -55,7 +55,8 @@ def tiny_engine(tiny_llama_dir: str):
     """One real Engine over the tiny llama, shared by the in-process job tests (run_job(cfg, engine=...))."""
     from batchrun.engine import Engine, EngineConfig
 
-    return Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", kv_cache_memory=JOB_TEST_KV_BYTES))
+    return Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=JOB_TEST_KV_BYTES,
+                               max_num_seqs=8, max_num_batched_tokens=1024))  # fixed: no start-up profile
 
 
 @pytest.fixture(scope="session")

@@ -77,7 +77,7 @@ def test_hydra_writes_nothing_in_the_working_directory(tmp_path, monkeypatch, ca
 @pytest.mark.parametrize("argv, code, message", [
     (["engine.max_num_seqz=3"], 2, "batchrun: config error: engine.max_num_seqz: unknown key (did you mean max_num_seqs?)"),
     (["+engine.max_num_seqz=3"], 2, "batchrun: config error: engine.max_num_seqz: unknown key (did you mean max_num_seqs?)"),
-    (["engine.max_num_seqs=many"], 2, "batchrun: config error: engine.max_num_seqs: expected int, got str 'many'"),
+    (["engine.max_num_seqs=many"], 2, "batchrun: config error: engine.max_num_seqs: expected int or null, got str 'many'"),
     (["job=nope"], 2, "batchrun: config error: In 'config': Could not find 'job/nope'"),
     (["sampling.max_tokens=="], 2, "batchrun: config error: Error parsing override 'sampling.max_tokens=='"),
     (["output.uri=${nope}"], 2, "batchrun: config error: output.uri: Interpolation key 'nope' not found"),

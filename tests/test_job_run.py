@@ -61,6 +61,7 @@ def test_local_run_writes_every_row_once_in_input_order(tmp_path, make_shards, t
     assert [(s["name"], s["status"], s["num_rows"]) for s in manifest["shards"]] == [
         ("part-00", "committed", 5), ("part-01", "committed", 5)]
     assert manifest["model"]["fingerprint"] == tiny_engine.model_fingerprint
+    assert manifest["engine_settings"]["max_num_seqs"] == 8
     assert manifest["config"]["sampling"]["max_tokens"] == 8 and manifest["versions"]["pyarrow"]
     assert manifest["engine_stats"]["num_generated_tokens"] > 0
     assert not (out / "_tmp").exists()
@@ -200,7 +201,8 @@ def test_truncate_policy_keeps_long_rows(tmp_path, short_texts, tiny_engine, tin
 def test_sampling_with_a_seed_is_reproducible_per_row(tmp_path, make_shards, tiny_engine, tiny_llama_dir):
     make_shards(tmp_path / "in", num_shards=1, rows_per_shard=4)
     sampling = SamplingParams(temperature=1.0, seed=7, max_tokens=8)
-    one_at_a_time = Engine(EngineConfig(model=tiny_llama_dir, max_num_seqs=1, kv_cache_memory=16 << 20))
+    one_at_a_time = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=1,
+                                        max_num_batched_tokens=1024, kv_cache_memory=16 << 20))
     outputs = []
     for name, engine in (("batched", tiny_engine), ("one", one_at_a_time)):
         cfg = run_config(tmp_path / "in", tmp_path / name, tiny_llama_dir, sampling=sampling)

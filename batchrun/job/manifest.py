@@ -65,6 +65,7 @@ class Manifest:
             "num_shards_total": num_shards_total,  # in the input, all workers together
             "versions": package_versions(),
             "model": {"path": None, "fingerprint": None},  # filled once the engine loads
+            "engine_settings": None,  # what the engine resolved at start-up (dtype, batch limits, KV blocks)
             "config": config,
             "engine_stats": None,
             "message": None,
@@ -74,8 +75,9 @@ class Manifest:
     def url(self) -> str:
         return self._store.url(self.path)
 
-    def set_model(self, path: str, fingerprint: str) -> None:
-        self._doc["model"] = {"path": path, "fingerprint": fingerprint}
+    def set_engine(self, model_path: str, fingerprint: str, settings: dict[str, Any]) -> None:
+        self._doc["model"] = {"path": model_path, "fingerprint": fingerprint}
+        self._doc["engine_settings"] = settings
 
     def update(self, shard: str, **fields: Any) -> None:
         record = self.shards[shard]

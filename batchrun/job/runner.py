@@ -134,7 +134,7 @@ class _JobRun:
             if self.todo and not stop.requested:
                 try:
                     engine = engine or load_engine(self.config.engine)
-                    self.manifest.set_model(engine.model_path, engine.model_fingerprint)
+                    self.manifest.set_engine(engine.model_path, engine.model_fingerprint, engine.settings)
                     self._process(engine, stop)
                 except JobError as e:
                     self.manifest.finish("failed", str(e), None)
@@ -245,7 +245,9 @@ class _ShardRun:
     def _generate_and_commit(self, attempt: Any, t0: float) -> ShardSummary:
         self.engine.reset_peak_stats()
         before = self.engine.stats()
-        max_in_flight = IN_FLIGHT_PER_SEQ * self.config.engine.max_num_seqs
+        max_num_seqs = self.config.engine.max_num_seqs
+        # None: the engine bounds it itself, by the batch size it picked at start-up.
+        max_in_flight = IN_FLIGHT_PER_SEQ * max_num_seqs if max_num_seqs else None
         for out in self.engine.stream(self._requests(), self.config.sampling, max_in_flight):
             row, prompt, keep = self.in_flight.pop(out.request_id)
             self._emit(row.index, output_result(row.id, out, prompt.error_message, keep))

@@ -1,0 +1,49 @@
+"""notebooks/analyze_run.ipynb really runs (nbclient, python3 kernel) on a run made here."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbclient
+import nbformat
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchrun.engine import SamplingParams
+from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "analyze_run.ipynb"
+
+
+def test_notebook_is_saved_without_outputs():
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    assert all(not c.get("outputs") and c.get("execution_count") is None for c in nb.cells if c.cell_type == "code")
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_notebook_runs_on_a_real_run(tmp_path, make_shards, short_texts, tiny_engine, tiny_llama_dir, monkeypatch):
+    make_shards(tmp_path / "in", num_shards=2, rows_per_shard=3)
+    pq.write_table(pa.table({"id": ["e1", "e2"], "title": ["x", "y"], "text": [None, "  "]}),
+                   tmp_path / "in" / "part-errors.parquet")
+    out = tmp_path / "run"
+    config = RunConfig(job=JobConfig(prompt_template="Summarize:\n{text}"), model=ModelConfig(path=tiny_llama_dir),
+                       sampling=SamplingParams(temperature=0.0, max_tokens=8), data=DataConfig(uri=str(tmp_path / "in")),
+                       output=OutputConfig(uri=str(out)), quiet=True)
+    assert run_job(config, engine=tiny_engine).exit_code == 0
+    # An uncommitted results file (as a crash before the marker leaves) must not be read.
+    pq.write_table(pq.read_table(out / "results" / "part-00.parquet"), out / "results" / "part-zz.parquet")
+
+    monkeypatch.setenv("BATCHRUN_RUN_DIR", str(out))
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    nb = nbformat.read(NOTEBOOK, as_version=4)
+    nbclient.NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
+
+    outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [o for o in outputs if o.output_type == "error"]
+    images = [o for o in outputs if "image/png" in o.get("data", {})]
+    assert len(images) >= 3  # latency histograms, throughput per shard, outcomes
+    text = "\n".join(o.get("text", "") for o in outputs)
+    assert "3 committed shards: part-00, part-01, part-errors" in text
+    assert "8 rows, 2 errors" in text

@@ -1,0 +1,1 @@
+"""Small helpers shared by every layer (the bottom of the layer contract; imports nothing above)."""

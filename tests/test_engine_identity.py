@@ -74,7 +74,7 @@ def test_greedy_matches_hf(family, setting, tiny_model_factory, references):
     model_dir = tiny_model_factory(family)
     kwargs = dict(CONFIGS.get(setting, {}))
     if setting == "tiny_kv":
-        kwargs.update(block_size=16, max_num_batched_tokens=64,
+        kwargs.update(block_size=16, max_num_batched_tokens=64, max_num_seqs=16,
                       kv_cache_memory=_kv_bytes_for_blocks(model_dir, 30, 16))
     engine = Engine(EngineConfig(model=model_dir, dtype="float32", **kwargs))
     outs = engine.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))

@@ -5,34 +5,54 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 
+QUANTIZATION_MODES = ("none", "int8", "w8a8", "int4", "fp8", "gguf")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """How to build and size the engine. `model` is a registered name, a directory or a .gguf file."""
 
     model: str = "smollm2-135m"
-    dtype: str = "float32"  # float32 | bfloat16 | float16 | auto
-    device: str = "cpu"  # cpu | cuda | auto
+    # auto: bf16 on a GPU and on CPUs with native bf16 matmuls (AVX-512 BF16, AMX), else float32
+    dtype: str = "auto"  # float32 | bfloat16 | float16 | auto
+    device: str = "auto"  # cpu | cuda | auto
     block_size: int = 16  # tokens per KV block
-    max_num_seqs: int = 32  # most requests running in one step
-    max_num_batched_tokens: int = 2048  # token budget of one step (prefill chunks + decodes)
-    # Bytes for the KV cache, or a fraction (0, 1] of free device memory (of total RAM on CPU).
-    kv_cache_memory: float = 1 << 30
+    # None: picked at start-up by a short profile of this model on this machine (see engine/profiler.py)
+    max_num_seqs: Optional[int] = None  # most requests running in one step
+    max_num_batched_tokens: Optional[int] = None  # token budget of one step (prefill chunks + decodes)
+    # Bytes for the KV cache, or a fraction (0, 1] of free device memory (of available RAM on CPU).
+    # None: 90% of free GPU memory after the weights, or on CPU 25% of available RAM capped at 1 GiB.
+    kv_cache_memory: Optional[float] = None
     max_model_len: Optional[int] = None  # prompt + output; None means the model's own limit
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True  # split long prompts over steps under max_num_batched_tokens
     seed: int = 0
     num_threads: Optional[int] = None  # torch intra-op threads on CPU; None leaves torch's default
     cache_dir: Optional[str] = None  # converted-weights cache; None means $BATCHRUN_CACHE or ~/.cache/batchrun
+    # Weights: none | int8 (weight-only, per channel) | w8a8 (int8 weights and per-token activations,
+    # the CPU throughput mode) | int4 (weight-only, groups) | fp8 (e4m3) | gguf (keep a GGUF file's
+    # Q8_0/Q4_0/Q4_1 blocks). See batchrun/model/quant.py.
+    quantization: str = "none"
+    quant_group_size: int = 64  # int4 group along the input dim: 32, 64, 128 or 256
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8, with a scale per token and head
 
     def __post_init__(self) -> None:
+        if self.quantization not in QUANTIZATION_MODES:
+            raise ValueError(f"engine.quantization must be one of {', '.join(QUANTIZATION_MODES)}, "
+                             f"got {self.quantization!r}")
+        if self.quant_group_size not in (32, 64, 128, 256):
+            raise ValueError(f"engine.quant_group_size must be 32, 64, 128 or 256, got {self.quant_group_size!r}")
+        if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
+            raise ValueError(f"engine.kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise ValueError(f"engine.dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda", "auto"):
             raise ValueError(f"engine.device must be cpu, cuda or auto, got {self.device!r}")
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if int(getattr(self, name)) <= 0:
-                raise ValueError(f"engine.{name} must be positive, got {getattr(self, name)!r}")
-        if self.kv_cache_memory <= 0:
+            value = getattr(self, name)
+            if value is not None and int(value) <= 0:
+                raise ValueError(f"engine.{name} must be positive, got {value!r}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"engine.kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"engine.max_model_len must be positive, got {self.max_model_len!r}")

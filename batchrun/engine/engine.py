@@ -11,6 +11,7 @@ import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.kv_cache import KVCacheManager
+from batchrun.engine.profiler import default_kv_bytes, pick_batch_limits
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput
 from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner, kv_bytes_per_block
@@ -18,6 +19,7 @@ from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from batchrun.model.decoder import DecoderLM
 from batchrun.model.loader import load_model
+from batchrun.model.quant import module_weight_bytes, quantize_model
 
 log = logging.getLogger("batchrun.engine")
 
@@ -70,7 +72,8 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         t0 = time.perf_counter()
-        loaded = load_model(config.model, dtype=self.dtype, cache_dir=config.cache_dir)
+        loaded = load_model(config.model, dtype=self.dtype, cache_dir=config.cache_dir,
+                            keep_gguf_quantization=config.quantization == "gguf")
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
         self.model_fingerprint = loaded.fingerprint
@@ -79,12 +82,16 @@ class Engine:
             model = DecoderLM(loaded.config)
         model.to(self.dtype)
         model.load_hf_state_dict(loaded.state_dict)
+        self.quantization = quantize_model(model, config.quantization, config.quant_group_size,
+                                           prequantized=loaded.quantized_weights)
         self.model = model.eval()
         del loaded
 
-        per_block = kv_bytes_per_block(model, config.block_size, self.dtype)
+        per_block = kv_bytes_per_block(model, config.block_size, self.dtype, config.kv_cache_dtype)
         kv_bytes = config.kv_cache_memory
-        if kv_bytes <= 1:
+        if kv_bytes is None:
+            kv_bytes = default_kv_bytes(self.device, _available_memory(self.device))
+        elif kv_bytes <= 1:
             kv_bytes = kv_bytes * _available_memory(self.device)
         num_blocks = int(kv_bytes // per_block)
         if num_blocks < 1:
@@ -96,11 +103,28 @@ class Engine:
             log.warning("max_model_len %d capped to %d: the KV cache holds only %d blocks of %d tokens",
                         model_limit, self.max_model_len, num_blocks, config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device, config.kv_cache_dtype)
+        limits = pick_batch_limits(self.runner, num_blocks, config.block_size, self.max_model_len,
+                                   config.max_num_seqs, config.max_num_batched_tokens)
+        self.max_num_seqs = limits.max_num_seqs
+        self.max_num_batched_tokens = limits.max_num_batched_tokens
+        # What was resolved at start-up, for logs and run manifests.
+        self.settings = {
+            "model_type": model.spec.model_type, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+            "num_threads": torch.get_num_threads(), "block_size": config.block_size, "num_kv_blocks": num_blocks,
+            "kv_cache_bytes": num_blocks * per_block, "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+            "batch_limits_profile": limits.profile,
+        }
+        self.settings.update({  # weights and KV format (issue 5): also what the benchmark table shows
+            "quantization": config.quantization, "quant_group_size": config.quant_group_size,
+            "quant_formats": dict(self.quantization.formats), "weight_bytes": module_weight_bytes(model),
+            "kv_cache_dtype": config.kv_cache_dtype,
+        })
         self.scheduler = Scheduler(
             SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 eos_token_ids=frozenset(self._eos_token_ids()),
@@ -112,9 +136,11 @@ class Engine:
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_steps = 0
-        log.info("engine ready in %.1fs: %s (%s) on %s/%s, %d KV blocks x %d tokens, max_model_len %d",
-                 time.perf_counter() - t0, self.model_path, model.spec.model_type, self.device, self.dtype,
-                 num_blocks, config.block_size, self.max_model_len)
+        self.model.reset_expert_token_counts()  # start-up profiling forwards are not real tokens
+        log.info("engine ready in %.1fs: %s (%s) on %s/%s, %d KV blocks x %d tokens, max_model_len %d, "
+                 "max_num_seqs %d, max_num_batched_tokens %d%s", time.perf_counter() - t0, self.model_path,
+                 model.spec.model_type, self.device, self.dtype, num_blocks, config.block_size, self.max_model_len,
+                 self.max_num_seqs, self.max_num_batched_tokens, f" (profiled: {limits.profile})" if limits.profile else "")
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -135,7 +161,7 @@ class Engine:
                max_in_flight: Optional[int] = None) -> Iterator[RequestOutput]:
         """Admit requests lazily and yield each output as it finishes (completion order)."""
         default_params = params or SamplingParams()
-        limit = max_in_flight or 4 * self.config.max_num_seqs
+        limit = max_in_flight or 4 * self.max_num_seqs
         source = iter(requests)
         index = 0
         exhausted = False

@@ -1,0 +1,115 @@
+"""Start-up sizing: KV cache bytes from free memory, batch limits from a short timing profile.
+
+Offline throughput depends on the machine: on a 2-core CPU a decode batch stops paying well before
+a GPU's does. Rather than a fixed guess, time a few synthetic steps of this model here and take the
+smallest setting that gets close to the best rate (smaller batches mean lower latency and less KV).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from batchrun.engine.config import SamplingParams
+from batchrun.engine.request import Request
+from batchrun.engine.runner import ModelRunner
+from batchrun.engine.scheduler import ScheduledBatch
+
+log = logging.getLogger("batchrun.engine")
+
+PREFILL_SIZES = (256, 512, 1024, 2048, 4096)
+DECODE_SIZES = (1, 8, 16, 32, 64, 128, 256)
+DECODE_CONTEXT = 256  # tokens of context per synthetic decode sequence
+MAX_STEP_S = 2.0  # stop growing a profile once one step takes this long
+_CPU_KV_CAP = 1 << 30  # enough for ~45k tokens of SmolLM2 in bf16; zeroing more costs start-up time
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    profile: dict  # what was measured: {"prefill": {tokens: tok/s}, "decode": {seqs: tok/s}}
+
+
+def default_kv_bytes(device: torch.device, available: int) -> int:
+    if device.type == "cuda":
+        return int(0.9 * available)
+    return int(min(0.25 * available, _CPU_KV_CAP))
+
+
+def _fake_request(seq_id: int, num_tokens: int, num_computed: int, block_ids: list[int]) -> Request:
+    req = Request(seq_id, seq_id, [1] * num_tokens, SamplingParams(temperature=0.0), 0.0, None)
+    req.num_computed_tokens = num_computed
+    req.block_ids = block_ids
+    return req
+
+
+def _rate(runner: ModelRunner, batch: ScheduledBatch, repeats: int = 2) -> tuple[float, float]:
+    """(tokens per second, seconds per step): the best of `repeats` timed steps."""
+    best = float("inf")
+    for _ in range(repeats):
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        runner.execute(batch)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return batch.num_tokens / best, best
+
+
+def _smallest_near_best(rates: dict[int, float], fraction: float) -> int:
+    best = max(rates.values())
+    return min(k for k, r in rates.items() if r >= fraction * best)
+
+
+def pick_batch_limits(runner: ModelRunner, num_blocks: int, block_size: int, max_model_len: int,
+                      max_num_seqs: int | None, max_num_batched_tokens: int | None) -> BatchLimits:
+    """Fill in whichever of the two limits is None by profiling; keep the ones given."""
+    profile: dict = {}
+    capacity = num_blocks * block_size
+    warm = min(32, capacity)
+    # warm-up: the first calls pay for one-off setup
+    runner.execute(ScheduledBatch([_fake_request(0, warm, 0, list(range(-(-warm // block_size))))], [warm]))
+    if max_num_batched_tokens is None:
+        rates: dict[int, float] = {}
+        for n in PREFILL_SIZES:
+            if n > min(capacity, max_model_len):
+                break
+            blocks = list(range(-(-n // block_size)))
+            batch = ScheduledBatch([_fake_request(0, n, 0, blocks)], [n])
+            rates[n], step_s = _rate(runner, batch)
+            if step_s > MAX_STEP_S or rates[n] < 0.9 * max(rates.values()):
+                break  # attention grows with the chunk: once the rate falls it keeps falling
+        profile["prefill_tok_s"] = {k: round(v, 1) for k, v in rates.items()}
+        # at least 512 so that a typical prompt is prefilled in one step when possible
+        max_num_batched_tokens = max(_smallest_near_best(rates, 0.95), min(512, max(rates))) if rates else 512
+    if max_num_seqs is None:
+        context = min(DECODE_CONTEXT, max_model_len - 1)
+        blocks = list(range(-(-(context + 1) // block_size)))
+        # sequences of ~1.5x the profiled context must fit the cache side by side
+        fit = max(1, capacity // int(1.5 * (context + 1)))
+        rates = {}
+        for b in DECODE_SIZES:
+            if b > fit or b > max_num_batched_tokens:
+                break
+            reqs = [_fake_request(i, context + 1, context, blocks) for i in range(b)]
+            rates[b], step_s = _rate(runner, ScheduledBatch(reqs, [1] * b))
+            if step_s > MAX_STEP_S or (b >= 32 and rates[b] < 1.05 * max(r for k, r in rates.items() if k < b)):
+                break  # past the knee: a bigger batch no longer pays
+        profile["decode_tok_s"] = {k: round(v, 1) for k, v in rates.items()}
+        max_num_seqs = _smallest_near_best(rates, 0.9) if rates else 1
+    # The profile wrote garbage into the cache; no block is registered in the prefix cache yet, so
+    # nothing will ever read it.
+    return BatchLimits(max_num_seqs, max_num_batched_tokens, profile)
+
+
+def cpu_threads() -> int:
+    """Physical-ish core count for torch's intra-op pool (hyperthreads do not help matmuls)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)

@@ -15,7 +15,8 @@ from batchrun.kernels.moe import fused_experts, grouped_gemm_reference, sort_by_
 from batchrun.model.moe import SparseMoeBlock, fused_moe_weights, route
 from batchrun.testing import make_tiny_model, sample_texts
 
-KV_BYTES = 16 << 20
+# Explicit small limits: a small KV pool is quick to allocate, and given limits skip the start-up profile.
+ENGINE_KW = dict(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=16)
 
 
 def _naive_moe(x, gate_up, down, topk_weights, topk_ids):
@@ -135,8 +136,7 @@ def _num_computed_tokens(outs) -> int:
 @pytest.mark.parametrize("family,num_moe_layers", [("mixtral", 3), ("qwen3_moe", 2)])
 def test_expert_counts_add_up_to_tokens_times_top_k(family, num_moe_layers, tiny_model_factory):
     model_dir = tiny_model_factory(family)
-    engine = Engine(EngineConfig(model=model_dir, dtype="float32", enable_prefix_caching=False,
-                                 max_num_batched_tokens=40, kv_cache_memory=KV_BYTES))
+    engine = Engine(EngineConfig(model=model_dir, enable_prefix_caching=False, max_num_batched_tokens=40, **ENGINE_KW))
     assert engine.stats().expert_token_counts == [[0] * 4] * num_moe_layers
     prompts = [t[:n] for t, n in zip(sample_texts(), (30, 200, 90))]
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=7))
@@ -151,7 +151,7 @@ def test_expert_counts_add_up_to_tokens_times_top_k(family, num_moe_layers, tiny
 
 
 def test_dense_model_has_no_expert_counts(tiny_llama_dir):
-    engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", kv_cache_memory=KV_BYTES))
+    engine = Engine(EngineConfig(model=tiny_llama_dir, max_num_batched_tokens=64, **ENGINE_KW))
     assert engine.stats().expert_token_counts is None
 
 
@@ -162,8 +162,7 @@ def test_qwen2_moe_shared_expert_greedy_matches_hf(tmp_path):
     model_dir = make_tiny_model(tmp_path / "qwen2_moe", "qwen2", model_type="qwen2_moe", num_experts=4,
                                 num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
                                 norm_topk_prob=False, num_hidden_layers=2)
-    engine = Engine(EngineConfig(model=str(model_dir), dtype="float32", kv_cache_memory=KV_BYTES,
-                                 max_num_batched_tokens=48))
+    engine = Engine(EngineConfig(model=str(model_dir), max_num_batched_tokens=48, **ENGINE_KW))
     prompts = [t[:n] for t, n in zip(sample_texts()[3:], (25, 260, 110))]
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

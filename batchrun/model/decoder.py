@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchrun.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
-from batchrun.model.moe import SparseMoeBlock, expert_token_counts, fused_moe_weights, moe_config_fields
+from batchrun.model.moe import (SparseMoeBlock, expert_token_counts, fused_moe_weights, moe_config_fields,
+                                reset_expert_token_counts)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -274,6 +275,10 @@ class DecoderLM(nn.Module):
     def expert_token_counts(self) -> Optional[list[list[int]]]:
         """Per MoE layer, tokens routed to each expert since construction; None for dense models."""
         return expert_token_counts(self)
+
+    def reset_expert_token_counts(self) -> None:
+        """Zero the expert-load counters (after warm-up or profiling forwards, which are not real tokens)."""
+        reset_expert_token_counts(self)
 
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy HF-named weights in, fusing q/k/v and gate/up; every parameter must be filled."""

@@ -196,6 +196,11 @@ def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
     return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
 
+def reset_expert_token_counts(model: nn.Module) -> None:
+    for block in moe_blocks(model):
+        block.token_counts.zero_()
+
+
 def expert_token_counts(model: nn.Module) -> Optional[list[list[int]]]:
     """Per MoE layer, cumulative tokens routed to each expert; None for a dense model. One host read."""
     blocks = moe_blocks(model)

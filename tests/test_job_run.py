@@ -267,3 +267,43 @@ def test_an_engine_error_output_becomes_an_engine_error_row():
     row = output_result("r3", out, None, {"title": "t"})
     assert (row["id"], row["error_type"], row["output"], row["finish_reason"]) == ("r3", "engine_error", None, "error")
     assert row["error_message"] == out.error and row["num_prompt_tokens"] == 3 and row["title"] == "t"
+
+
+def test_progress_bar_unless_quiet_and_ids_from_row_index_without_an_id_column(
+        tmp_path, short_texts, tiny_engine, tiny_llama_dir, capsys):
+    src = tmp_path / "in"
+    src.mkdir()
+    _write(src / "noid.parquet", {"text": short_texts[:3]})
+    cfg = run_config(src, tmp_path / "out", tiny_llama_dir)
+    loud = RunConfig(**{**cfg.__dict__, "quiet": False})
+    assert run_job(loud, engine=tiny_engine).exit_code == 0
+    err = capsys.readouterr().err
+    assert "3/3" in err and "tok/s" in err and "shards 1/1" in err
+    assert [r["id"] for r in read_rows(tmp_path / "out" / "results" / "noid.parquet")] == [
+        "noid-0", "noid-1", "noid-2"]
+
+    quiet = run_config(src, tmp_path / "out-quiet", tiny_llama_dir)
+    assert run_job(quiet, engine=tiny_engine).exit_code == 0
+    assert "tok/s" not in capsys.readouterr().err
+
+
+def test_two_workers_split_the_shards_and_match_one_worker(tmp_path, make_shards, tiny_engine, tiny_llama_dir):
+    from batchrun.job import LauncherConfig
+
+    make_shards(tmp_path / "in", num_shards=3, rows_per_shard=2)
+    single = run_config(tmp_path / "in", tmp_path / "one", tiny_llama_dir)
+    assert run_job(single, engine=tiny_engine).exit_code == 0
+    for rank in (1, 0):
+        cfg = RunConfig(**{**run_config(tmp_path / "in", tmp_path / "two", tiny_llama_dir).__dict__,
+                           "launcher": LauncherConfig(rank=rank, world_size=2)})
+        result = run_job(cfg, engine=tiny_engine)
+        assert [s.name for s in result.shards] == (["part-00", "part-02"] if rank == 0 else ["part-01"])
+        manifest = json.loads((tmp_path / "two" / f"_manifest.rank{rank}.json").read_text())
+        assert manifest["worker"]["rank"] == rank and manifest["worker"]["world_size"] == 2
+    assert not (tmp_path / "two" / "_manifest.json").exists()
+    assert pq.read_table(tmp_path / "two" / "metrics" / "part-01.parquet").column("worker").to_pylist() == [1]
+    for shard in ("part-00", "part-01", "part-02"):
+        # Greedy output does not depend on which worker ran the shard.
+        assert read_rows(tmp_path / "one" / "results" / f"{shard}.parquet") != [] and [
+            r["output"] for r in read_rows(tmp_path / "one" / "results" / f"{shard}.parquet")] == [
+            r["output"] for r in read_rows(tmp_path / "two" / "results" / f"{shard}.parquet")]

@@ -4,14 +4,15 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
 from batchrun import cli
-from batchrun.engine import SamplingParams
-from batchrun.job import DataConfig, LauncherConfig, OutputConfig, RunConfig, config_fields
+from batchrun.engine import EngineConfig, SamplingParams
+from batchrun.job import DataConfig, LauncherConfig, ModelConfig, OutputConfig, RunConfig, config_fields
 
 CONF = Path(cli.CONF_DIR)
 
@@ -53,16 +54,27 @@ def test_generate_needs_data_uri():
         cli.load_config(["job=generate"])
 
 
+def _yaml_keys(node: dict, cls: type) -> None:
+    """Every dataclass field appears in the YAML and nothing else, nested groups included."""
+    hints = typing.get_type_hints(cls)
+    fields = [f.name for f in dataclasses.fields(cls) if not (cls is EngineConfig and f.name == "model")]
+    assert sorted(node) == sorted(fields), cls.__name__
+    for name in fields:
+        if dataclasses.is_dataclass(hints[name]):
+            _yaml_keys(node[name], hints[name])
+
+
 @pytest.mark.parametrize("group, option, cls", [
-    ("engine", "default", None), ("sampling", "default", SamplingParams), ("data", "sample", DataConfig),
-    ("output", "default", OutputConfig), ("launcher", "local", LauncherConfig),
+    ("engine", "default", EngineConfig), ("sampling", "default", SamplingParams), ("data", "sample", DataConfig),
+    ("output", "default", OutputConfig), ("launcher", "local", LauncherConfig), ("model", "smollm2_135m", None),
 ])
 def test_group_yaml_lists_every_dataclass_key(group, option, cls):
     """The YAML is the documented surface: a field added to a dataclass must appear there too."""
-    keys = list(yaml.safe_load((CONF / group / f"{option}.yaml").read_text()))
-    assert keys == config_fields(group)
-    if cls is not None:
-        assert keys == [f.name for f in dataclasses.fields(cls)]
+    node = yaml.safe_load((CONF / group / f"{option}.yaml").read_text())
+    if cls is None:  # a _global_ package file
+        node, cls = node[group], ModelConfig
+    assert sorted(node) == sorted(config_fields(group))
+    _yaml_keys(node, cls)
 
 
 def test_hydra_writes_nothing_in_the_working_directory(tmp_path, monkeypatch, capsys):
@@ -74,10 +86,14 @@ def test_hydra_writes_nothing_in_the_working_directory(tmp_path, monkeypatch, ca
     assert list(tmp_path.iterdir()) == []
 
 
+UNKNOWN_KEY = "batchrun: config error: engine.max_num_seqz: unknown key (did you mean max_num_seqs?)"
+
+
 @pytest.mark.parametrize("argv, code, message", [
-    (["engine.max_num_seqz=3"], 2, "batchrun: config error: engine.max_num_seqz: unknown key (did you mean max_num_seqs?)"),
-    (["+engine.max_num_seqz=3"], 2, "batchrun: config error: engine.max_num_seqz: unknown key (did you mean max_num_seqs?)"),
-    (["engine.max_num_seqs=many"], 2, "batchrun: config error: engine.max_num_seqs: expected int or null, got str 'many'"),
+    (["engine.max_num_seqz=3"], 2, UNKNOWN_KEY),
+    (["+engine.max_num_seqz=3"], 2, UNKNOWN_KEY),
+    (["engine.max_num_seqs=many"], 2,
+     "batchrun: config error: engine.max_num_seqs: expected int or null, got str 'many'"),
     (["job=nope"], 2, "batchrun: config error: In 'config': Could not find 'job/nope'"),
     (["sampling.max_tokens=="], 2, "batchrun: config error: Error parsing override 'sampling.max_tokens=='"),
     (["output.uri=${nope}"], 2, "batchrun: config error: output.uri: Interpolation key 'nope' not found"),

@@ -12,6 +12,12 @@ def _raw(**sections) -> dict:
     return {"data": {"uri": "/in"}, **sections}
 
 
+def test_nested_groups_build_their_dataclass():
+    cfg = build_run_config(_raw(engine={"speculative": {"method": "ngram", "ngram_max": 3}}))
+    assert cfg.engine.speculative.method == "ngram" and cfg.engine.speculative.ngram_max == 3
+    assert cfg.to_dict()["engine"]["speculative"]["ngram_max"] == 3
+
+
 def test_minimal_config_takes_dataclass_defaults_and_model_path_drives_engine():
     cfg = build_run_config(_raw(model={"path": "/models/x"}, engine={"max_num_seqs": 4}))
     assert isinstance(cfg, RunConfig)
@@ -48,6 +54,9 @@ def test_values_are_converted_to_the_annotated_types():
     (_raw(data={"uri": "/in", "storage_options": []}), "data.storage_options: expected a mapping, got list []"),
     (_raw(quiet="yes"), "quiet: expected bool, got str 'yes'"),
     (_raw(engine=3), "engine: expected a mapping of keys, got int 3"),
+    (_raw(engine={"speculative": {"methd": "ngram"}}), "engine.speculative.methd: unknown key (did you mean method?)"),
+    (_raw(engine={"speculative": {"num_speculative_tokens": "4"}}),
+     "engine.speculative.num_speculative_tokens: expected int, got str '4'"),
     # Checks inside the dataclasses surface with their key, too.
     ({"data": {}}, "data.uri: missing"),
     (_raw(engine={"dtype": "fp8"}), "engine.dtype must be float32, bfloat16, float16 or auto, got 'fp8'"),
@@ -67,3 +76,5 @@ def test_unknown_key_suggestions_for_hydra_refusals():
     assert str(unknown_key("engine.max_num_seqz")) == "engine.max_num_seqz: unknown key (did you mean max_num_seqs?)"
     assert str(unknown_key("sampling.zzz")).startswith("sampling.zzz: unknown key (known keys: temperature,")
     assert str(unknown_key("enigne")) == "enigne: unknown key (did you mean engine?)"
+    assert str(unknown_key("engine.speculative.methd")) == "engine.speculative.methd: unknown key (did you mean method?)"
+    assert str(unknown_key("engine.dtype.x")) == "engine.dtype: is not a group of keys"

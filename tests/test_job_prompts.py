@@ -46,7 +46,8 @@ def test_template_over_columns_then_chat_template_with_system_prompt(tokenizer):
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Title: assert\n{TEXT}\nTags: "}],
         tokenize=False, add_generation_prompt=True)
     assert tokenizer.decode(prompt.token_ids) == expected
-    assert JobConfig(prompt_template="{title} {text} {title}").input_columns(DataConfig(uri="/x", text_column="body")) == ["body", "title"]
+    job = JobConfig(prompt_template="{title} {text} {title}")
+    assert job.input_columns(DataConfig(uri="/x", text_column="body")) == ["body", "title"]
 
 
 def test_chat_template_never_and_auto_without_one(tokenizer, plain_tokenizer):

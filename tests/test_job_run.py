@@ -23,7 +23,8 @@ def run_config(data_uri, output_uri, tiny_llama_dir, *, job: JobConfig | None = 
     return RunConfig(
         job=job or JobConfig(name="summarize", prompt_template="Summarize:\n{text}", system_prompt="Be brief."),
         model=ModelConfig(path=tiny_llama_dir), engine=EngineConfig(model=tiny_llama_dir, max_num_seqs=4),
-        sampling=sampling, data=DataConfig(uri=str(data_uri), **data), output=OutputConfig(uri=str(output_uri), **kwargs.pop("output", {})),
+        sampling=sampling, data=DataConfig(uri=str(data_uri), **data),
+        output=OutputConfig(uri=str(output_uri), **kwargs.pop("output", {})),
         quiet=True, **kwargs)
 
 
@@ -93,7 +94,8 @@ def test_rerun_skips_committed_shards_and_redoes_the_rest(tmp_path, make_shards,
     redone = read_rows(out / "results" / "part-01.parquet")
     assert [r["id"] for r in redone] == ids[1]
     # Greedy: the redone shard says exactly what it said the first time.
-    assert [r["output"] for r in redone] == [r["output"] for r in pq.read_table(pa.BufferReader(before["part-01.parquet"])).to_pylist()]
+    first_time = pq.read_table(pa.BufferReader(before["part-01.parquet"])).to_pylist()
+    assert [r["output"] for r in redone] == [r["output"] for r in first_time]
     assert not (out / "_tmp").exists()
     assert "skipped" in format_summary(second)
 
@@ -121,7 +123,8 @@ def test_hostile_shards_every_row_gets_a_result_or_a_typed_error(tmp_path, short
     _write(src / "d-empty.parquet", {"id": pa.array([], pa.string()), "text": pa.array([], pa.string()),
                                       "tags": pa.array([], pa.list_(pa.string()))})
     _write(src / "e-no-text-column.parquet", {"id": ["z"], "body": ["hello"], "tags": [["x"]]})
-    (src / "f-corrupt.parquet").write_bytes(b"PAR1" + bytes(random.Random(0).randrange(256) for _ in range(500)) + b"PAR1")
+    noise = bytes(random.Random(0).randrange(256) for _ in range(500))
+    (src / "f-corrupt.parquet").write_bytes(b"PAR1" + noise + b"PAR1")
     good = src / "a-mixed.parquet"
     (src / "g-truncated.parquet").write_bytes(good.read_bytes()[: good.stat().st_size // 2])
     _write(src / "h-fine.parquet", {"id": ["h1"], "text": [t[6]], "tags": [["x"]]})

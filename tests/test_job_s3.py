@@ -63,7 +63,8 @@ def test_s3_in_and_out_with_resume(s3_endpoint, tmp_path, make_shards, tiny_engi
     result = run_job(config({}), engine=tiny_engine)
     assert result.exit_code == 0 and result.output_url == "s3://batchrun-test/run"
     fs.invalidate_cache()
-    assert sorted(fs.ls("batchrun-test/run/results")) == [f"batchrun-test/run/results/part-0{i}.parquet" for i in range(3)]
+    expected = [f"batchrun-test/run/results/part-0{i}.parquet" for i in range(3)]
+    assert sorted(fs.ls("batchrun-test/run/results")) == expected
     for i in range(3):
         with fs.open(f"batchrun-test/run/results/part-0{i}.parquet", "rb") as f:
             rows = pq.read_table(f).to_pylist()

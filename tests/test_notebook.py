@@ -27,8 +27,8 @@ def test_notebook_runs_on_a_real_run(tmp_path, make_shards, short_texts, tiny_en
                    tmp_path / "in" / "part-errors.parquet")
     out = tmp_path / "run"
     config = RunConfig(job=JobConfig(prompt_template="Summarize:\n{text}"), model=ModelConfig(path=tiny_llama_dir),
-                       sampling=SamplingParams(temperature=0.0, max_tokens=8), data=DataConfig(uri=str(tmp_path / "in")),
-                       output=OutputConfig(uri=str(out)), quiet=True)
+                       sampling=SamplingParams(temperature=0.0, max_tokens=8),
+                       data=DataConfig(uri=str(tmp_path / "in")), output=OutputConfig(uri=str(out)), quiet=True)
     assert run_job(config, engine=tiny_engine).exit_code == 0
     # An uncommitted results file (as a crash before the marker leaves) must not be read.
     pq.write_table(pq.read_table(out / "results" / "part-00.parquet"), out / "results" / "part-zz.parquet")
@@ -38,7 +38,9 @@ def test_notebook_runs_on_a_real_run(tmp_path, make_shards, short_texts, tiny_en
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    nbclient.NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}).execute()
+    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
+                                     resources={"metadata": {"path": str(tmp_path)}})  # the kernel's cwd
+    client.execute()
 
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]

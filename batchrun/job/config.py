@@ -72,16 +72,22 @@ def unknown_key(dotted_key: str) -> ConfigError:
     """The error for a key that no config group has (the cli uses it for Hydra's own refusals)."""
     if dotted_key in _MOVED_KEYS:
         return ConfigError(dotted_key, f"set {_MOVED_KEYS[dotted_key]} instead")
-    section, _, rest = dotted_key.partition(".")
-    if rest and section in _SECTIONS and "." not in rest:
-        allowed, prefix, key = config_fields(section), section, rest
+    parts = dotted_key.split(".")
+    if parts[0] not in _SECTIONS:
+        allowed, prefix, key = [*_SECTIONS, *_TOP_LEVEL_SCALARS], "", parts[0]
     else:
-        allowed, prefix, key = [*_SECTIONS, *_TOP_LEVEL_SCALARS], "", dotted_key
+        cls: Any = _SECTIONS[parts[0]]
+        for depth, name in enumerate(parts[1:-1], start=1):  # nested groups such as engine.speculative
+            cls = typing.get_type_hints(cls).get(name)
+            if not dataclasses.is_dataclass(cls):
+                return ConfigError(".".join(parts[: depth + 1]), "is not a group of keys")
+        prefix, key = ".".join(parts[:-1]), parts[-1]
+        allowed = [f.name for f in dataclasses.fields(cls) if f.name not in _HIDDEN_FIELDS.get(prefix, set())]
     try:
         _reject_unknown({key: None}, allowed, prefix)
     except ConfigError as e:
         return e
-    return ConfigError(dotted_key, "cannot be set here")
+    return ConfigError(dotted_key, "is a known key")  # callers only ask about keys they could not set
 
 
 def build_run_config(raw: Mapping[str, Any]) -> RunConfig:
@@ -136,6 +142,10 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
     """Return `value` converted to the annotated type (lists to tuples, ints to floats) or raise."""
     if tp is Any:
         return value
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):  # a nested group, e.g. engine.speculative
+        if not isinstance(value, Mapping):
+            raise ConfigError(key, f"expected a mapping of keys, got {type(value).__name__} {value!r}")
+        return build_section(tp, value, key)
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if origin is Union or origin is types.UnionType:

@@ -125,7 +125,8 @@ class PromptBuilder:
         if not any(m["content"].strip() for m in messages):
             return Prompt(error_type=EMPTY_PROMPT, error_message="every message is empty")
         if not self.has_chat_template:
-            return Prompt(error_type=TEMPLATE_ERROR, error_message="messages need a chat template; the tokenizer has none")
+            return Prompt(error_type=TEMPLATE_ERROR,
+                          error_message="messages need a chat template; the tokenizer has none")
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         if self.job.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.job.system_prompt})

@@ -20,7 +20,8 @@ from batchrun.job.shards import Shard
 class DataConfig:
     """Where the input is and which columns hold what."""
 
-    uri: Optional[str] = None  # a directory, a glob or one Parquet file; local path or any fsspec URL (s3://, memory://)
+    # A directory, a glob or one Parquet file: a local path or any fsspec URL (s3://, gs://, memory://).
+    uri: Optional[str] = None
     id_column: Optional[str] = "id"  # when null or absent from a shard, ids are "<shard>-<row index>"
     text_column: str = "text"  # the prompt text, or an OpenAI-style list of {role, content} messages
     storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec

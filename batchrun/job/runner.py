@@ -191,7 +191,8 @@ class _JobRun:
         count = {status: sum(s.status == status for s in summaries)
                  for status in ("committed", "skipped", "failed", "interrupted", "pending")}
         done = f"{count['committed']} committed, {count['skipped']} already done"
-        if stop.requested:
+        # A signal that arrives after the last commit changes nothing: the run is complete.
+        if stop.requested and (count["interrupted"] or count["pending"]):
             exit_code, status = stop.exit_code, "interrupted"
             message = (f"interrupted by {stop.name}: {done}, {count['interrupted']} abandoned, "
                        f"{count['pending']} not started; rerun the same command to resume")
@@ -299,7 +300,8 @@ class _ShardRun:
             return Prompt(error_type=NULL_ID, error_message=f"column {self.config.data.id_column!r} is null; "
                           "the id given here is <shard>-<row index>")
         if row.id in self.seen_ids:
-            return Prompt(error_type=DUPLICATE_ID, error_message=f"id {row.id!r} already appeared earlier in this shard")
+            return Prompt(error_type=DUPLICATE_ID,
+                          error_message=f"id {row.id!r} already appeared earlier in this shard")
         self.seen_ids.add(row.id)
         return None
 

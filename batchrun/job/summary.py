@@ -24,7 +24,8 @@ def format_summary(result: RunResult) -> str:
     widths = [max(len(r[i]) for r in [_COLUMNS, *rows]) for i in range(len(_COLUMNS))]
 
     def line(cells: tuple[str, ...]) -> str:
-        return "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        padded = (c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+        return "  ".join(padded)
 
     table = [line(_COLUMNS), line(tuple("-" * w for w in widths)), *map(line, rows[:-1]),
              line(tuple("-" * w for w in widths)), line(rows[-1])]

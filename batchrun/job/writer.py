@@ -83,7 +83,8 @@ def error_result(row_id: Optional[str], error_type: str, message: Optional[str],
             "num_cached_tokens": None, "ttft_s": None, "itl_s": None, "latency_s": None, **keep}
 
 
-def output_result(row_id: Optional[str], out: RequestOutput, note: Optional[str], keep: dict[str, Any]) -> dict[str, Any]:
+def output_result(row_id: Optional[str], out: RequestOutput, note: Optional[str],
+                  keep: dict[str, Any]) -> dict[str, Any]:
     """The result row of an engine output; an engine-side failure becomes a typed engine_error."""
     failed = out.finish_reason == "error"
     m = out.metrics

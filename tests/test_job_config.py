@@ -76,5 +76,6 @@ def test_unknown_key_suggestions_for_hydra_refusals():
     assert str(unknown_key("engine.max_num_seqz")) == "engine.max_num_seqz: unknown key (did you mean max_num_seqs?)"
     assert str(unknown_key("sampling.zzz")).startswith("sampling.zzz: unknown key (known keys: temperature,")
     assert str(unknown_key("enigne")) == "enigne: unknown key (did you mean engine?)"
-    assert str(unknown_key("engine.speculative.methd")) == "engine.speculative.methd: unknown key (did you mean method?)"
+    assert str(unknown_key("engine.speculative.methd")) == (
+        "engine.speculative.methd: unknown key (did you mean method?)")
     assert str(unknown_key("engine.dtype.x")) == "engine.dtype: is not a group of keys"

@@ -43,7 +43,7 @@ def to_run_config(cfg: DictConfig) -> RunConfig:
     raw = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     assert isinstance(raw, dict)
     raw.pop("hydra", None)
-    return build_run_config(raw)
+    return build_run_config({str(k): v for k, v in raw.items()})
 
 
 def load_config(overrides: Sequence[str] = ()) -> RunConfig:

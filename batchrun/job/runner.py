@@ -77,11 +77,11 @@ def load_engine(config: EngineConfig) -> Engine:
 
 def config_hash(config: RunConfig) -> str:
     """Hash of the settings that decide what a result row says (not where it goes, not speed knobs)."""
-    keys = {"job": config.job, "model": config.model, "sampling": config.sampling,
+    keys = {"job": dataclasses.asdict(config.job), "model": dataclasses.asdict(config.model),
+            "sampling": dataclasses.asdict(config.sampling),
             "data": {k: getattr(config.data, k) for k in ("id_column", "text_column", "on_too_long")},
             "keep_columns": config.output.keep_columns}
-    blob = json.dumps({k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v for k, v in keys.items()},
-                      sort_keys=True, default=str)
+    blob = json.dumps(keys, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 

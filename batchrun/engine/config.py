@@ -9,6 +9,31 @@ QUANTIZATION_MODES = ("none", "int8", "w8a8", "int4", "fp8", "gguf")
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: propose tokens cheaply, verify them in one target forward, lossless."""
+
+    method: str = "none"  # none | ngram | self | draft
+    num_speculative_tokens: int = 4  # k: tokens proposed per request per step
+    ngram_min: int = 1  # prompt lookup tries suffixes of ngram_max down to ngram_min tokens
+    ngram_max: int = 4
+    self_layers: Optional[int] = None  # self: draft = first L target layers + LM head (None: a quarter)
+    draft_model: Optional[str] = None  # draft: a smaller model with the same tokenizer (name, dir or .gguf)
+    adaptive: bool = True  # speculate only where the cost model expects a gain
+
+    def __post_init__(self) -> None:
+        if self.method not in ("none", "ngram", "self", "draft"):
+            raise ValueError(f"engine.speculative.method must be none, ngram, self or draft, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError("engine.speculative.num_speculative_tokens must be >= 1")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("engine.speculative needs 1 <= ngram_min <= ngram_max")
+        if self.method == "draft" and not self.draft_model:
+            raise ValueError("engine.speculative.draft_model is required when method is 'draft'")
+        if self.self_layers is not None and self.self_layers < 1:
+            raise ValueError("engine.speculative.self_layers must be >= 1")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """How to build and size the engine. `model` is a registered name, a directory or a .gguf file."""
 
@@ -27,6 +52,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True  # split long prompts over steps under max_num_batched_tokens
     seed: int = 0
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     num_threads: Optional[int] = None  # torch intra-op threads on CPU; None leaves torch's default
     cache_dir: Optional[str] = None  # converted-weights cache; None means $BATCHRUN_CACHE or ~/.cache/batchrun
     # Weights: none | int8 (weight-only, per channel) | w8a8 (int8 weights and per-token activations,
@@ -37,6 +63,8 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8, with a scale per token and head
 
     def __post_init__(self) -> None:
+        if isinstance(self.speculative, dict):  # accepted from plain configs
+            object.__setattr__(self, "speculative", SpeculativeConfig(**self.speculative))
         if self.quantization not in QUANTIZATION_MODES:
             raise ValueError(f"engine.quantization must be one of {', '.join(QUANTIZATION_MODES)}, "
                              f"got {self.quantization!r}")

@@ -9,13 +9,15 @@ from typing import Any, Iterable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from batchrun.engine.config import EngineConfig, SamplingParams
+from batchrun.engine.config import EngineConfig, SamplingParams, SpeculativeConfig
+from batchrun.engine.drafter import Drafter
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.profiler import default_kv_bytes, pick_batch_limits
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput
 from batchrun.engine.request import Request
-from batchrun.engine.runner import ModelRunner, kv_bytes_per_block
+from batchrun.engine.runner import ModelRunner, RunnerOutput, kv_bytes_per_block
 from batchrun.engine.sampler import Sampler
+from batchrun.engine.speculative import SpeculationPolicy, StepCostModel, record_acceptance, verify
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from batchrun.model.decoder import DecoderLM
 from batchrun.model.loader import load_model
@@ -104,8 +106,10 @@ class Engine:
                         model_limit, self.max_model_len, num_blocks, config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device, config.kv_cache_dtype)
+        spec = config.speculative
         limits = pick_batch_limits(self.runner, num_blocks, config.block_size, self.max_model_len,
-                                   config.max_num_seqs, config.max_num_batched_tokens)
+                                   config.max_num_seqs, config.max_num_batched_tokens,
+                                   profile_decode=spec.method != "none")
         self.max_num_seqs = limits.max_num_seqs
         self.max_num_batched_tokens = limits.max_num_batched_tokens
         # What was resolved at start-up, for logs and run manifests.
@@ -132,6 +136,9 @@ class Engine:
             self.kv,
         )
         self.sampler = Sampler()
+        self.drafter = self._build_drafter(spec, num_blocks, limits.profile) if spec.method != "none" else None
+        self._num_spec_proposed = 0
+        self._num_spec_accepted = 0
         self._next_seq_id = 0
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
@@ -199,7 +206,43 @@ class Engine:
             num_generated_tokens=self._num_generated_tokens,
             num_steps=self._num_steps,
             expert_token_counts=self.model.expert_token_counts(),  # one device read, not one per step
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.drafter is None:
+            return {}
+        policy = self.drafter.policy
+        return dict(num_spec_proposed=self._num_spec_proposed, num_spec_accepted=self._num_spec_accepted,
+                    num_spec_steps=policy.num_steps_on, num_spec_switches=policy.num_switches)
+
+    def _build_drafter(self, spec: SpeculativeConfig, num_blocks: int, profile: dict) -> Drafter:
+        num_layers = None
+        runner = self.runner
+        draft_cost = 0.0  # one draft pass, as a fraction of one target step of the same width
+        if spec.method == "self":
+            total = self.model.spec.num_layers
+            num_layers = min(spec.self_layers or max(1, total // 4), total - 1)
+            draft_cost = num_layers / total
+        elif spec.method == "draft":
+            loaded = load_model(spec.draft_model, dtype=self.dtype, cache_dir=self.config.cache_dir)
+            if len(loaded.tokenizer) != len(self.tokenizer) or loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab():
+                raise ValueError(f"engine.speculative.draft_model {spec.draft_model!r} has a different tokenizer "
+                                 "from the target model; a draft must share the target's vocabulary")
+            with torch.device(self.device):
+                draft = DecoderLM(loaded.config)
+            draft.to(self.dtype)
+            draft.load_hf_state_dict(loaded.state_dict)
+            # Same block ids and slot mapping as the target, so one block table serves both caches.
+            runner = ModelRunner(draft.eval(), num_blocks, self.config.block_size, self.dtype, self.device)
+            draft_params = sum(p.numel() for p in draft.parameters())
+            draft_cost = draft_params / sum(p.numel() for p in self.model.parameters())
+            self.settings["draft_model"] = loaded.path
+        cost = StepCostModel(profile.get("decode_tok_s") or {1: 1.0})
+        policy = SpeculationPolicy(spec, cost, draft_cost)
+        self.settings["speculative"] = {"method": spec.method, "k": spec.num_speculative_tokens,
+                                        "self_layers": num_layers, "adaptive": spec.adaptive}
+        return Drafter(spec, policy, runner, num_layers)
 
     def reset_peak_stats(self) -> None:
         self.kv.reset_peak()
@@ -259,30 +302,61 @@ class Engine:
 
     def step(self) -> list[Request]:
         """One engine iteration; returns the requests that finished in it."""
-        batch: ScheduledBatch = self.scheduler.schedule()
+        spec_plan, proposals = self.drafter.plan(self.scheduler.running) if self.drafter else ({}, {})
+        batch: ScheduledBatch = self.scheduler.schedule(spec_plan)
         assert not batch.is_empty(), "scheduler produced an empty batch with requests pending"
         self._num_steps += 1
         now = time.perf_counter()
         for req in batch.requests:
             if req.metrics.first_scheduled_s is None:
                 req.metrics.first_scheduled_s = now
+        draft_probs = self.drafter.fill(batch, proposals) if batch.num_spec else {}
         out = self.runner.execute(batch)
-        by_seq = {r.seq_id: r for r in batch.requests}
-        rows = [by_seq[s] for s in out.sample_seq_ids]
-        tokens, logprobs = self.sampler.sample(out.logits, [r.params for r in rows], [r.generator for r in rows])
-        finished = self.scheduler.update(batch, {r.seq_id: [t] for r, t in zip(rows, tokens)})
+        if self.drafter is not None:
+            self.drafter.sync(batch)
+        sampled = self._sample(batch, out, draft_probs)
+        finished = self.scheduler.update(batch, {seq: toks for seq, (_, toks, _) in sampled.items()})
         now = time.perf_counter()
-        self._num_generated_tokens += len(tokens)
-        for i, req in enumerate(rows):
+        for req, tokens, logprob in sampled.values():
+            self._num_generated_tokens += len(tokens)
             if req.metrics.first_token_s is None:
                 req.metrics.first_token_s = now
             req.metrics.finished_s = now  # last token time until it finishes
-            if logprobs is not None and req.logprobs is not None:
-                req.logprobs.append(logprobs[i])
+            if logprob is not None and req.logprobs is not None:
+                req.logprobs.append(logprob)
             if req.params.stop and not req.is_finished and self._hits_stop_string(req):
                 self.scheduler.finish(req, "stop")
                 finished.append(req)
         return finished
+
+    def _sample(self, batch: ScheduledBatch, out: RunnerOutput, draft_probs: dict[int, torch.Tensor]
+                ) -> dict[int, tuple[Request, list[int], Optional[dict[int, float]]]]:
+        """seq_id -> (request, tokens produced this step, logprobs of its one plain token)."""
+        by_seq = {r.seq_id: r for r in batch.requests}
+        plain_rows: list[int] = []
+        plain_reqs: list[Request] = []
+        result = {}
+        row = 0
+        for seq, n in zip(out.sample_seq_ids, out.num_rows):
+            req = by_seq[seq]
+            drafts = batch.spec_token_ids.get(seq)
+            if drafts:
+                tokens = verify(out.logits[row: row + n], drafts, req.params, req.generator, draft_probs.get(seq))
+                record_acceptance(req, len(drafts), len(tokens) - 1)
+                self._num_spec_proposed += len(drafts)
+                self._num_spec_accepted += len(tokens) - 1
+                result[seq] = (req, tokens, None)
+            else:
+                plain_rows.append(row)
+                plain_reqs.append(req)
+            row += n
+        if plain_reqs:
+            logits = out.logits if len(plain_rows) == out.logits.shape[0] else out.logits[plain_rows]
+            tokens, logprobs = self.sampler.sample(logits, [r.params for r in plain_reqs],
+                                                   [r.generator for r in plain_reqs])
+            for i, req in enumerate(plain_reqs):
+                result[req.seq_id] = (req, [tokens[i]], logprobs[i] if logprobs is not None else None)
+        return result
 
     def _hits_stop_string(self, req: Request) -> bool:
         text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)

@@ -16,6 +16,9 @@ class RequestMetrics:
     latency_s: Optional[float] = None  # finish minus arrival
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first scheduling)
     num_preemptions: int = 0  # times the request was evicted and recomputed
+    num_spec_proposed: int = 0  # draft tokens proposed for it
+    num_spec_accepted: int = 0  # of those, accepted by verification
+    num_spec_steps: int = 0  # steps in which it carried drafts
 
 
 @dataclass
@@ -57,3 +60,5 @@ class EngineStats:
     # expert, cumulative; each token counts once per expert it is routed to, so a layer's row sums
     # to tokens computed x top_k. Recomputed tokens (preemption) count again: this is work done.
     expert_token_counts: Optional[list[list[int]]] = None
+    num_spec_steps: Optional[int] = None  # steps in which the policy let requests speculate
+    num_spec_switches: Optional[int] = None  # times the policy turned speculation on or off

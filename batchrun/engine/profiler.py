@@ -67,8 +67,11 @@ def _smallest_near_best(rates: dict[int, float], fraction: float) -> int:
 
 
 def pick_batch_limits(runner: ModelRunner, num_blocks: int, block_size: int, max_model_len: int,
-                      max_num_seqs: int | None, max_num_batched_tokens: int | None) -> BatchLimits:
-    """Fill in whichever of the two limits is None by profiling; keep the ones given."""
+                      max_num_seqs: int | None, max_num_batched_tokens: int | None,
+                      profile_decode: bool = False) -> BatchLimits:
+    """Fill in whichever of the two limits is None by profiling; keep the ones given. With
+    profile_decode the decode rates are measured even when max_num_seqs is given (speculative
+    decoding's cost model needs them)."""
     profile: dict = {}
     capacity = num_blocks * block_size
     warm = min(32, capacity)
@@ -87,21 +90,22 @@ def pick_batch_limits(runner: ModelRunner, num_blocks: int, block_size: int, max
         profile["prefill_tok_s"] = {k: round(v, 1) for k, v in rates.items()}
         # at least 512 so that a typical prompt is prefilled in one step when possible
         max_num_batched_tokens = max(_smallest_near_best(rates, 0.95), min(512, max(rates))) if rates else 512
-    if max_num_seqs is None:
+    if max_num_seqs is None or profile_decode:
         context = min(DECODE_CONTEXT, max_model_len - 1)
         blocks = list(range(-(-(context + 1) // block_size)))
         # sequences of ~1.5x the profiled context must fit the cache side by side
         fit = max(1, capacity // int(1.5 * (context + 1)))
         rates = {}
         for b in DECODE_SIZES:
-            if b > fit or b > max_num_batched_tokens:
+            if b > fit or b > max_num_batched_tokens or (max_num_seqs is not None and b > 4 * max_num_seqs):
                 break
             reqs = [_fake_request(i, context + 1, context, blocks) for i in range(b)]
             rates[b], step_s = _rate(runner, ScheduledBatch(reqs, [1] * b))
             if step_s > MAX_STEP_S or (b >= 32 and rates[b] < 1.05 * max(r for k, r in rates.items() if k < b)):
                 break  # past the knee: a bigger batch no longer pays
         profile["decode_tok_s"] = {k: round(v, 1) for k, v in rates.items()}
-        max_num_seqs = _smallest_near_best(rates, 0.9) if rates else 1
+        if max_num_seqs is None:
+            max_num_seqs = _smallest_near_best(rates, 0.9) if rates else 1
     # The profile wrote garbage into the cache; no block is registered in the prefix cache yet, so
     # nothing will ever read it.
     return BatchLimits(max_num_seqs, max_num_batched_tokens, profile)

@@ -40,7 +40,8 @@ class Request:
         self.error: Optional[str] = None
         self.logprobs: Optional[list[dict[int, float]]] = [] if params.logprobs is not None else None
         self.text: Optional[str] = None  # the detokenized output, filled at finish
-        self.has_prefix_lookup = False  # the prefix cache is consulted only at first admission
+        self.spec_acceptance: Optional[float] = None  # running per-token draft acceptance rate
+        self.spec_steps_seen = 0  # decode steps the speculation policy has looked at this request
 
     @property
     def num_tokens(self) -> int:

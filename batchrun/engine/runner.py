@@ -2,42 +2,61 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
 
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.kernels.attention import AttentionMetadata
+from batchrun.kernels.quant import KV_CACHE_DTYPES, QuantizedKVCache, kv_bytes_per_token_head
 from batchrun.model.decoder import DecoderLM
 
 
 @dataclass
 class RunnerOutput:
-    logits: torch.Tensor  # (num_sampled, vocab_size) float32, one row per request in `sample_seq_ids`
+    # (num_rows, vocab_size) float32: per request in `sample_seq_ids`, the row of its last real token
+    # followed by one row per draft token it carried (1 + num_spec rows)
+    logits: torch.Tensor
     sample_seq_ids: list[int]  # seq_id of each request whose token list was fully computed this step
+    num_rows: list[int]  # rows of `logits` per request in sample_seq_ids
 
 
-def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype) -> int:
+def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
     s = model.spec
+    if kv_cache_dtype != "auto":
+        # int8/fp8 entries plus one float32 scale per token and head: about half of bf16.
+        per_head = kv_bytes_per_token_head(s.head_dim, KV_CACHE_DTYPES[kv_cache_dtype])
+        return 2 * s.num_layers * block_size * s.num_kv_heads * per_head
     return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * torch.finfo(dtype).bits // 8
 
 
 class ModelRunner:
     def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, kv_cache_dtype: str = "auto") -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         s = model.spec
         shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(s.num_layers)
-        ]
+        if kv_cache_dtype != "auto":
+            kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
+            self.kv_caches = [
+                tuple(QuantizedKVCache.empty(shape, kv_dtype, dtype, device) for _ in range(2))
+                for _ in range(s.num_layers)
+            ]
+        else:
+            self.kv_caches = [
+                (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(s.num_layers)
+            ]
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int]]:
+    def prepare(self, batch: ScheduledBatch, num_computed: Optional[list[int]] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int], list[int]]:
+        """Flatten a batch; `num_computed` overrides each request's start (used by draft passes)."""
         bs = self.block_size
-        starts = np.array([r.num_computed_tokens for r in batch.requests], dtype=np.int64)
+        starts = np.array(num_computed if num_computed is not None else
+                          [r.num_computed_tokens for r in batch.requests], dtype=np.int64)
         lens = np.array(batch.num_new_tokens, dtype=np.int64)
         ends = starts + lens
         query_start_loc = np.concatenate([[0], np.cumsum(lens)])
@@ -45,10 +64,14 @@ class ModelRunner:
         # positions: for every token, its index in its own sequence (vectorized ranges)
         seq_of_token = np.repeat(np.arange(len(lens)), lens)
         positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], lens) + np.repeat(starts, lens)
-        input_ids = np.fromiter(
-            (t for r, s, e in zip(batch.requests, starts, ends) for t in r.token_ids[s:e]),
-            dtype=np.int64, count=num_tokens,
-        )
+        spec = batch.spec_token_ids
+        chunks = []
+        for r, s_, e in zip(batch.requests, starts.tolist(), ends.tolist()):
+            chunk = r.token_ids[s_:e]
+            if e > r.num_tokens:  # past the real tokens: the drafts carried this step
+                chunk = chunk + spec[r.seq_id][max(s_, r.num_tokens) - r.num_tokens: e - r.num_tokens]
+            chunks.append(chunk)
+        input_ids = np.fromiter((t for c in chunks for t in c), dtype=np.int64, count=num_tokens)
         max_blocks = max(len(r.block_ids) for r in batch.requests)
         block_tables = np.zeros((len(lens), max_blocks), dtype=np.int64)
         for i, r in enumerate(batch.requests):
@@ -66,17 +89,26 @@ class ModelRunner:
             decode_seq_lens=torch.from_numpy(ends[decode_ids]).to(self.device),
             prefill_seq_ids=np.nonzero(~is_decode)[0].tolist(),
         )
-        # Rows to sample: requests whose whole token list is computed after this step.
-        done = [i for i, r in enumerate(batch.requests) if ends[i] == r.num_tokens]
-        logits_rows = [int(query_start_loc[i + 1]) - 1 for i in done]
-        sample_seq_ids = [batch.requests[i].seq_id for i in done]
+        # Rows to sample: requests whose real tokens are all computed after this step; from the row
+        # of the last real token to the end of the request's rows (its drafts).
+        logits_rows: list[int] = []
+        sample_seq_ids: list[int] = []
+        num_rows: list[int] = []
+        for i, r in enumerate(batch.requests):
+            if ends[i] >= r.num_tokens:
+                first = int(query_start_loc[i]) + max(0, r.num_tokens - 1 - int(starts[i]))
+                last = int(query_start_loc[i + 1])
+                logits_rows.extend(range(first, last))
+                sample_seq_ids.append(r.seq_id)
+                num_rows.append(last - first)
         return (torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device),
-                meta, logits_rows, sample_seq_ids)
+                meta, logits_rows, sample_seq_ids, num_rows)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> RunnerOutput:
-        input_ids, positions, meta, logits_rows, sample_seq_ids = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)  # (num_tokens, hidden_size)
+    def execute(self, batch: ScheduledBatch, num_layers: Optional[int] = None,
+                num_computed: Optional[list[int]] = None) -> RunnerOutput:
+        input_ids, positions, meta, logits_rows, sample_seq_ids, num_rows = self.prepare(batch, num_computed)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers)  # (num_tokens, hidden_size)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        return RunnerOutput(logits=logits.cpu(), sample_seq_ids=sample_seq_ids)
+        return RunnerOutput(logits=logits.cpu(), sample_seq_ids=sample_seq_ids, num_rows=num_rows)

@@ -30,6 +30,10 @@ class ScheduledBatch:
     requests: list[Request] = field(default_factory=list)  # in batch order
     num_new_tokens: list[int] = field(default_factory=list)  # tokens computed this step, per request
     preempted: list[Request] = field(default_factory=list)  # requests sent back to the queue this step
+    # Speculative lookahead: seq_id -> draft tokens scheduled after its pending token (counted in
+    # num_new_tokens). Filled with the proposals before the batch runs.
+    num_spec: dict[int, int] = field(default_factory=dict)
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def num_tokens(self) -> int:
@@ -68,9 +72,12 @@ class Scheduler:
         self.waiting.appendleft(victim)
         batch.preempted.append(victim)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, spec_plan: Optional[dict[int, int]] = None) -> ScheduledBatch:
+        """Pick this step's work. `spec_plan` maps seq_id to draft tokens wanted by a decoding request;
+        the scheduler reserves KV slots for them when budget and blocks allow, else fewer or none."""
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
+        spec_plan = spec_plan or {}
 
         # Running requests first, oldest first.
         i = 0
@@ -78,6 +85,10 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             assert num_new > 0
+            num_spec = self._num_spec(req, spec_plan.get(req.seq_id, 0), budget - num_new)
+            if num_spec and self.kv.can_allocate(req, num_new + num_spec):
+                num_new += num_spec
+                batch.num_spec[req.seq_id] = num_spec
             while not self.kv.allocate(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, batch)
@@ -116,6 +127,14 @@ class Scheduler:
             budget -= num_new
         return batch
 
+    def _num_spec(self, req: Request, wanted: int, budget_left: int) -> int:
+        """Draft tokens worth scheduling: only for a decode, within budget, max_tokens and max_model_len."""
+        if wanted <= 0 or req.num_computed_tokens != req.num_tokens - 1:
+            return 0
+        room = min(req.params.max_tokens - req.num_output_tokens - 1,
+                   self.config.max_model_len - req.num_tokens - 1, budget_left)
+        return max(0, min(wanted, room))
+
     def update(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> list[Request]:
         """Advance computed counts and append sampled tokens; return requests that finished.
 
@@ -125,14 +144,20 @@ class Scheduler:
         finished = []
         for req, num_new in zip(batch.requests, batch.num_new_tokens):
             req.num_computed_tokens += num_new
-            self.kv.commit_computed(req)
-            for token in sampled.get(req.seq_id, ()):
+            tokens = sampled.get(req.seq_id, ())
+            for token in tokens:
                 req.token_ids.append(token)
                 reason = self._stop_reason(req, token)
                 if reason is not None:
                     self.finish(req, reason)
                     finished.append(req)
                     break
+            if tokens:
+                # Rejected drafts leave KV past the accepted tokens: it is simply not counted as
+                # computed, and the slots are overwritten by the next tokens at those positions.
+                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
+            if not req.is_finished:
+                self.kv.commit_computed(req)
         return finished
 
     def _stop_reason(self, req: Request, token: int) -> Optional[str]:

@@ -255,12 +255,14 @@ class DecoderLM(nn.Module):
         positions: torch.Tensor,  # (num_tokens,)
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
         meta: AttentionMetadata,
+        num_layers: Optional[int] = None,  # run only the first layers (self-speculative drafts)
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
         if self.spec.gemma_norms:
             x = x * torch.tensor(self.spec.hidden_size ** 0.5, dtype=x.dtype)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer, kv in zip(layers, kv_caches):
             x = layer(x, cos_sin, kv, meta)
         return self.norm(x)
 

@@ -1,0 +1,282 @@
+"""Quantized weight and KV formats, their (de)quantization, and the matmuls over them in plain torch.
+
+Canonical formats (what GGUF blocks map onto, what the Triton kernels read, what tests check):
+
+- int8: `qweight` int8 (N, K), `scales` float32 (N, K // group_size); w = q * scale. A group size
+  of K is per-output-channel (what we quantize to); 32 is GGUF's Q8_0.
+- int4: `qweight` uint8 (N, K // 2), byte j of a row holds k = 2j in its low nibble and k = 2j + 1
+  in its high nibble; `scales` and `mins` float16 (N, K // group_size); w = q * scale + min with q
+  in [0, 15]. Asymmetric like GGUF's Q4_1 (d, m); Q4_0 is the case min = -8 * scale.
+- fp8: `qweight` float8_e4m3fn (N, K), `scales` float32 (N, 1); w = q * scale.
+- Activations for W8A8: int8 per token (row) with a float32 scale per row, so a row's result never
+  depends on what else is in the batch (the int32 accumulation is exact).
+- KV cache: int8 or float8_e4m3fn (..., head_dim) with one float32 scale per (token, head).
+
+The `*_matmul` functions here are the references (the CPU path for float32 activations, and what the
+GPU kernels in `batchrun.kernels.triton_quant` are checked against). `int8_weight_matmul_cpu` and
+`int4_matmul_cpu` are torch's own packed CPU kernels, which need bf16 activations.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+INT8_MAX = 127.0
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+# A group or row of all zeros gets this scale instead of 0, so dividing by it stays finite.
+_MIN_SCALE = 1e-10
+
+KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
+
+
+# ---------------------------------------------------------------------------------------------
+# int8 weights
+
+
+def quantize_int8(w: torch.Tensor, group_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric round-to-nearest int8, one scale per `group_size` inputs (None: per output channel)."""
+    n, k = w.shape
+    g = group_size or k
+    assert k % g == 0, f"in_features {k} is not a multiple of group_size {g}"
+    wg = w.float().reshape(n, k // g, g)  # (N, num_groups, group_size)
+    scales = (wg.abs().amax(dim=-1) / INT8_MAX).clamp_(min=_MIN_SCALE)  # (N, num_groups)
+    q = torch.round(wg / scales[..., None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q.reshape(n, k), scales
+
+
+def dequantize_int8(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    n, k = qweight.shape
+    num_groups = scales.shape[1]
+    w = qweight.float().reshape(n, num_groups, k // num_groups) * scales.float()[..., None]
+    return w.reshape(n, k).to(dtype)  # (N, K)
+
+
+def int8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Reference W8A16: y = x @ dequant(W).T in x's dtype."""
+    if scales.shape[1] == 1:
+        # A per-channel scale factors out of the sum over k, so the weight is only cast, not scaled.
+        y = torch.nn.functional.linear(x, qweight.to(x.dtype)) * scales[:, 0].to(x.dtype)
+    else:
+        y = torch.nn.functional.linear(x, dequantize_int8(qweight, scales, x.dtype))
+    return y if bias is None else y + bias
+
+
+def int8_weight_matmul_cpu(x: torch.Tensor, qweight: torch.Tensor, scales_bf16: torch.Tensor) -> torch.Tensor:
+    """torch's packed W8A16 CPU kernel (bf16 x, per-channel scales (N,) in bf16): fastest at a few rows."""
+    return torch._weight_int8pack_mm(x, qweight, scales_bf16)
+
+
+# ---------------------------------------------------------------------------------------------
+# W8A8: int8 weights and per-token int8 activations
+
+
+def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q int8 (M, K), scale float32 (M, 1)) with x ~= x_q * scale row by row."""
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).float()  # (M, 1)
+    scale = (amax / INT8_MAX).clamp_(min=_MIN_SCALE)
+    xq = torch.round(x.float() / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return xq, scale
+
+
+def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                bias: Optional[torch.Tensor] = None, qweight_t: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y = (q_x @ q_W.T) * s_x * s_W with an exact int32 accumulation (torch._int_mm; VNNI on x86).
+
+    `scales` is per output channel (N, 1); `qweight_t` may pass the (K, N) layout _int_mm wants.
+    """
+    assert scales.shape[1] == 1, "W8A8 needs per-channel weight scales"
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    xq, sx = quantize_per_token_int8(x2)
+    wt = qweight.t() if qweight_t is None else qweight_t
+    m = xq.shape[0]
+    if xq.is_cuda and m <= 16:  # cuBLAS int8 GEMM wants more than 16 rows
+        xq = torch.nn.functional.pad(xq, (0, 0, 0, 17 - m))
+    acc = torch._int_mm(xq, wt)[:m]  # (M, N) int32
+    y = acc.mul(scales[:, 0]).mul_(sx).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*shape[:-1], y.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# int4 weights (packed two per byte, groups along K)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) values in [0, 15] -> (N, K // 2) uint8, even k in the low nibble."""
+    assert q.shape[-1] % 2 == 0
+    q = q.to(torch.uint8)
+    return q[..., 0::2] | (q[..., 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """(N, K // 2) uint8 -> (N, K) uint8 values in [0, 15]."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric round-to-nearest int4 per group: (packed (N, K//2), scales, mins (N, K//g) float16)."""
+    n, k = w.shape
+    assert k % group_size == 0 and group_size % 2 == 0, f"in_features {k} vs group_size {group_size}"
+    wg = w.float().reshape(n, k // group_size, group_size)
+    lo = wg.amin(dim=-1)
+    hi = wg.amax(dim=-1)
+    # Quantize against the float16 values that are stored, so dequantization reproduces them.
+    scales = ((hi - lo) / 15.0).clamp_(min=1e-7).to(torch.float16)
+    mins = lo.to(torch.float16)
+    q = torch.round((wg - mins.float()[..., None]) / scales.float()[..., None]).clamp_(0, 15)
+    return pack_int4(q.reshape(n, k)), scales, mins
+
+
+def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    n = packed.shape[0]
+    q = unpack_int4(packed).float()
+    num_groups = scales.shape[1]
+    w = q.reshape(n, num_groups, -1) * scales.float()[..., None] + mins.float()[..., None]
+    return w.reshape(n, -1).to(dtype)  # (N, K)
+
+
+def int4_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
+                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Reference W4A16: y = x @ dequant(W).T in x's dtype."""
+    y = torch.nn.functional.linear(x, dequantize_int4(qweight, scales, mins, x.dtype))
+    return y if bias is None else y + bias
+
+
+def int4_pack_for_cpu(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our int4 layout -> torch's CPU int4 kernel layout: (packed weight, scales_and_zeros bf16 (G, N, 2)).
+
+    torch's kernel computes w = (q - 8) * scale + zero, so zero = min + 8 * scale. Scales and zeros
+    become bf16 there (a relative error of 2^-9, small against the half-step of rounding to int4).
+    """
+    q = unpack_int4(qweight).to(torch.int32)  # (N, K)
+    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1)
+    zeros = mins.float() + 8.0 * scales.float()
+    scales_zeros = torch.stack((scales.float().t(), zeros.t()), dim=-1).to(torch.bfloat16).contiguous()
+    return packed, scales_zeros
+
+
+def int4_matmul_cpu(x: torch.Tensor, packed: torch.Tensor, group_size: int, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """torch's packed W4A16 CPU kernel; x is bf16 (M, K)."""
+    return torch._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_zeros)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 (e4m3) weights
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel e4m3: (qweight float8_e4m3fn (N, K), scales float32 (N, 1))."""
+    scales = (w.float().abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX).clamp_(min=_MIN_SCALE)
+    return (w.float() / scales).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scales
+
+
+def dequantize_fp8(qweight: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (qweight.float() * scales).to(dtype)
+
+
+def fp8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Reference fp8 weight-only matmul (runs anywhere; the CPU has no fast fp8 GEMM)."""
+    y = torch.nn.functional.linear(x, qweight.to(x.dtype)) * scales[:, 0].to(x.dtype)
+    return y if bias is None else y + bias
+
+
+def fp8_scaled_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """W8A8-FP8 for Hopper-class GPUs: per-token e4m3 activations, torch._scaled_mm (row-wise scales)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    amax = torch.linalg.vector_norm(x2, float("inf"), dim=-1, keepdim=True).float()
+    sx = (amax / FP8_E4M3_MAX).clamp_(min=_MIN_SCALE)  # (M, 1)
+    xq = (x2.float() / sx).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    y = torch._scaled_mm(xq, qweight.t(), scale_a=sx, scale_b=scales.t().contiguous(), out_dtype=out_dtype).to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*shape[:-1], y.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# KV cache
+
+
+def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_tokens, num_kv_heads, head_dim) float -> (same shape in `dtype`, scales (num_tokens, num_kv_heads))."""
+    qmax = INT8_MAX if dtype == torch.int8 else FP8_E4M3_MAX
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1).float()
+    scale = (amax / qmax).clamp_(min=_MIN_SCALE)  # (num_tokens, num_kv_heads)
+    xs = (x.float() / scale[..., None]).clamp_(-qmax, qmax)
+    q = torch.round(xs).to(dtype) if dtype == torch.int8 else xs.to(dtype)
+    return q, scale
+
+
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of quantize_kv for any leading shape: q (..., head_dim), scale (...)."""
+    return (q.to(torch.float32) * scale[..., None]).to(dtype)
+
+
+class QuantizedKVCache:
+    """One layer's K (or V) cache held as int8/fp8 with a float32 scale per (slot, head).
+
+    It stands in for the float cache tensor in `paged_attention`: `.shape` and `.view(-1, heads,
+    head_dim)` behave like the tensor's, and indexing (`cache[block_tables]`, `flat[slots]`) returns
+    the gathered entries dequantized to `out_dtype`, so attention reads floats and the float path
+    keeps its code. `write_kv_cache` quantizes new entries on the way in.
+    """
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> None:
+        assert data.shape[:-1] == scale.shape
+        self.data = data  # (num_blocks, block_size, num_kv_heads, head_dim) int8 | float8_e4m3fn
+        self.scale = scale  # (num_blocks, block_size, num_kv_heads) float32
+        self.out_dtype = out_dtype
+
+    @staticmethod
+    def empty(shape: tuple[int, ...], dtype: torch.dtype, out_dtype: torch.dtype,
+              device: torch.device) -> "QuantizedKVCache":
+        return QuantizedKVCache(torch.zeros(shape, dtype=dtype, device=device),
+                                torch.ones(shape[:-1], dtype=torch.float32, device=device), out_dtype)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def view(self, *shape: int) -> "QuantizedKVCache":
+        assert shape[-1] == self.data.shape[-1], "only leading dims can be reshaped"
+        return QuantizedKVCache(self.data.view(*shape), self.scale.view(*shape[:-1]), self.out_dtype)
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return dequantize_kv(self.data[index], self.scale[index], self.out_dtype)
+
+    def write(self, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Quantize (num_tokens, num_kv_heads, head_dim) and store it at the given flat slots."""
+        num_kv_heads, head_dim = x.shape[1], x.shape[2]
+        q, scale = quantize_kv(x, self.data.dtype)
+        # index_copy_ has no float8 kernel on the CPU; the bytes are the same through a uint8 view.
+        flat = self.data.view(-1, num_kv_heads, head_dim)
+        if flat.dtype != torch.int8:
+            flat, q = flat.view(torch.uint8), q.view(torch.uint8)
+        flat.index_copy_(0, slot_mapping, q)
+        self.scale.view(-1, num_kv_heads).index_copy_(0, slot_mapping, scale)
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()
+
+
+def kv_bytes_per_token_head(head_dim: int, kv_dtype: torch.dtype) -> int:
+    """Bytes one token's K (or V) costs for one head in the cache, scales included."""
+    if kv_dtype in (torch.int8, torch.float8_e4m3fn):
+        return head_dim + 4
+    return head_dim * torch.finfo(kv_dtype).bits // 8

@@ -11,6 +11,7 @@ import pytest
 
 from batchrun.engine import SamplingParams
 from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
+from batchrun.job.writer import METRICS_SCHEMA
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "analyze_run.ipynb"
 
@@ -30,6 +31,12 @@ def test_notebook_runs_on_a_real_run(tmp_path, make_shards, short_texts, tiny_en
                        sampling=SamplingParams(temperature=0.0, max_tokens=8),
                        data=DataConfig(uri=str(tmp_path / "in")), output=OutputConfig(uri=str(out)), quiet=True)
     assert run_job(config, engine=tiny_engine).exit_code == 0
+    # Pretend one shard ran an MoE model with speculation, so the notebook's optional plots run too.
+    metrics_path = out / "metrics" / "part-01.parquet"
+    row = pq.read_table(metrics_path).to_pylist()[0]
+    row.update(num_spec_proposed=40, num_spec_accepted=30, spec_acceptance_rate=0.75,
+               expert_token_counts=[[3, 1, 0, 4], [2, 2, 2, 2]])
+    pq.write_table(pa.Table.from_pylist([row], schema=METRICS_SCHEMA), metrics_path)
     # An uncommitted results file (as a crash before the marker leaves) must not be read.
     pq.write_table(pq.read_table(out / "results" / "part-00.parquet"), out / "results" / "part-zz.parquet")
 
@@ -45,7 +52,9 @@ def test_notebook_runs_on_a_real_run(tmp_path, make_shards, short_texts, tiny_en
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) >= 3  # latency histograms, throughput per shard, outcomes
+    assert len(images) >= 4  # latency histograms, throughput per shard, outcomes, expert load
     text = "\n".join(o.get("text", "") for o in outputs)
     assert "3 committed shards: part-00, part-01, part-errors" in text
     assert "8 rows, 2 errors" in text
+    spec_line = next(line for line in text.splitlines() if line.startswith("part-01 "))
+    assert spec_line.split() == ["part-01", "40.0", "30.0", "0.75"]

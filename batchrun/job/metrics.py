@@ -71,9 +71,20 @@ def metrics_row(shard: str, worker: int, tally: ShardTally, wall_s: float,
         # reset_peak_stats() ran at the shard's start, so the peak is this shard's own.
         "peak_kv_blocks_used": after.peak_kv_blocks_used,
         "num_kv_blocks_total": after.num_kv_blocks_total,
+        "num_spec_proposed": proposed,
+        "num_spec_accepted": accepted,
         "spec_acceptance_rate": accepted / proposed if proposed and accepted is not None else None,
+        "expert_token_counts": _expert_delta(after.expert_token_counts, before.expert_token_counts),
     }
 
 
 def _delta(after: Optional[int], before: Optional[int]) -> Optional[int]:
     return None if after is None else after - (before or 0)
+
+
+def _expert_delta(after: Optional[list[list[int]]], before: Optional[list[list[int]]]) -> Optional[list[list[int]]]:
+    if after is None:
+        return None
+    if before is None:
+        return [list(layer) for layer in after]
+    return [[a - b for a, b in zip(la, lb, strict=True)] for la, lb in zip(after, before, strict=True)]

@@ -50,7 +50,11 @@ METRICS_SCHEMA = pa.schema([
     pa.field("num_preemptions", pa.int64()),
     pa.field("peak_kv_blocks_used", pa.int64()),
     pa.field("num_kv_blocks_total", pa.int64()),
-    pa.field("spec_acceptance_rate", pa.float64()),  # null until speculative decoding runs
+    pa.field("num_spec_proposed", pa.int64()),  # speculative tokens proposed; null with speculation off
+    pa.field("num_spec_accepted", pa.int64()),
+    pa.field("spec_acceptance_rate", pa.float64()),  # accepted / proposed; null with speculation off
+    # MoE models (null for dense): per MoE layer, the tokens routed to each expert during the shard.
+    pa.field("expert_token_counts", pa.list_(pa.list_(pa.int64()))),
 ])
 
 ROWS_PER_ROW_GROUP = 1024

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from batchrun.kernels.quant import QuantizedKVCache
+
 
 @dataclass
 class AttentionMetadata:
@@ -76,6 +78,11 @@ def write_kv_cache(
     v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     slot_mapping: torch.Tensor,  # (num_tokens,)
 ) -> None:
+    if isinstance(k_cache, QuantizedKVCache):
+        # int8/fp8 cache (engine.kv_cache_dtype): quantized on write, dequantized when gathered.
+        k_cache.write(k, slot_mapping)
+        v_cache.write(v, slot_mapping)
+        return
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

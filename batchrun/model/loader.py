@@ -22,6 +22,8 @@ import torch
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+    from batchrun.model.quant import QuantizedWeight
+
 __all__ = [
     "LoadedModel",
     "ModelNotFoundError",
@@ -73,6 +75,9 @@ class LoadedModel:
     tokenizer: "PreTrainedTokenizerBase"
     path: str  # the resolved .gguf file or model directory
     fingerprint: str  # sha256 hex of the model file(s), the converted-cache key
+    # GGUF files loaded with keep_gguf_quantization: module name -> weight in its own blocks
+    # (batchrun.model.gguf_quant); None otherwise.
+    quantized_weights: "dict[str, QuantizedWeight] | None" = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -342,8 +347,13 @@ def _convert_gguf(directory: str, gguf_file: str, entry: Path) -> None:
 # entry point
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: str | None = None) -> LoadedModel:
-    """Load config, state dict (floats cast to `dtype`) and tokenizer for a registered name, dir or .gguf."""
+def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: str | None = None,
+               keep_gguf_quantization: bool = False) -> LoadedModel:
+    """Load config, state dict (floats cast to `dtype`) and tokenizer for a registered name, dir or .gguf.
+
+    With `keep_gguf_quantization`, a GGUF file's Q8_0/Q4_0/Q4_1 tensors are also returned in their
+    own blocks (`quantized_weights`) for `quantize_model(mode="gguf")`.
+    """
     directory, gguf_file = resolve_model(spec)
     cache_root = default_cache_dir(cache_dir)
     if gguf_file is None:
@@ -360,4 +370,10 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: str | N
         # Always read back from the cache so the first load returns exactly what later loads will.
         config, state_dict, tokenizer = _load_hf_dir(str(entry), _safetensors_files(str(entry)))
     state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
-    return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, path=path, fingerprint=fingerprint)
+    quantized_weights = None
+    if keep_gguf_quantization and gguf_file is not None:
+        from batchrun.model.gguf_quant import read_gguf_weights
+
+        quantized_weights = read_gguf_weights(path)
+    return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, path=path, fingerprint=fingerprint,
+                       quantized_weights=quantized_weights)

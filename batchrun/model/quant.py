@@ -1,0 +1,400 @@
+"""Quantized linear and embedding layers, and `quantize_model`, which swaps them into a loaded decoder.
+
+Modes (`engine.quantization`):
+
+- `int8`: weight-only int8, one scale per output channel (W8A16). Halves bf16 weight bytes. On the
+  CPU it uses torch's packed int8 kernel for a few rows (batch-1 decode) and dequantizes otherwise,
+  so it is a memory mode there; on the GPU a Triton dequantize-GEMM.
+- `w8a8`: int8 weights per channel and int8 activations per token, an exact int32 GEMM
+  (torch._int_mm: VNNI on x86 CPUs). The CPU throughput mode.
+- `int4`: weight-only asymmetric int4 in groups along K (`group_size`), packed two per byte.
+- `fp8`: e4m3 weights per channel; on Hopper-class GPUs per-token e4m3 activations and
+  torch._scaled_mm. Elsewhere a dequantizing reference (slow: the CPU has no fp8 GEMM).
+- `gguf`: keep a GGUF file's own blocks where they map onto ours (Q4_0/Q4_1 -> int4 in groups of
+  32, Q8_0 -> int8 in groups of 32) instead of converting through float (see `gguf_quant`).
+
+Only the decoder's projections (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`) are swapped;
+MoE routers and stacked expert weights stay float. With `include_embeddings` the (often tied) token
+embedding and LM head become int8 per row (fp8 in fp8 mode): int4 for the vocabulary matrix costs
+more quality than it saves, which is also why llama.cpp keeps it at 8 bits.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from batchrun.kernels import quant as qk
+
+log = logging.getLogger("batchrun.model.quant")
+
+QUANT_MODES = ("none", "int8", "int4", "w8a8", "fp8", "gguf")
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+_PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+# Fused module -> the HF modules it concatenates along the output dim, in order (see DecoderLM).
+FUSED_PROJECTIONS = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+# Up to this many rows torch's packed W8A16 CPU kernel beats dequantize-then-bf16-GEMM (measured on
+# a 576x1536 weight: 50 us vs 82 us bf16 at 1 row, 430 us vs 240 us at 16 rows).
+CPU_INT8PACK_MAX_ROWS = 4
+
+
+def _triton_ok(x: torch.Tensor) -> bool:
+    if not x.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class QuantizedWeight:
+    """One weight matrix (N, K) in a canonical format of `batchrun.kernels.quant`."""
+
+    format: str  # "int8" | "int4" | "fp8"
+    qweight: torch.Tensor  # int8 (N, K) | uint8 (N, K // 2) | float8_e4m3fn (N, K)
+    scales: torch.Tensor  # (N, num_groups): float32 for int8 and fp8, float16 for int4
+    mins: Optional[torch.Tensor] = None  # int4 only: (N, num_groups) float16
+    in_features: int = 0
+
+    @property
+    def out_features(self) -> int:
+        return self.qweight.shape[0]
+
+    @property
+    def group_size(self) -> int:
+        return self.in_features // self.scales.shape[1]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        if self.format == "int8":
+            return qk.dequantize_int8(self.qweight, self.scales, dtype)
+        if self.format == "int4":
+            return qk.dequantize_int4(self.qweight, self.scales, self.mins, dtype)
+        return qk.dequantize_fp8(self.qweight, self.scales, dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins) if t is not None)
+
+    @staticmethod
+    def cat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
+        """Stack along the output dim (fusing q/k/v or gate/up); formats and groups must agree."""
+        first = parts[0]
+        assert all(p.format == first.format and p.in_features == first.in_features
+                   and p.scales.shape[1] == first.scales.shape[1] for p in parts), "cannot fuse mixed formats"
+        mins = torch.cat([p.mins for p in parts]) if first.mins is not None else None
+        return QuantizedWeight(first.format, torch.cat([p.qweight for p in parts]),
+                               torch.cat([p.scales for p in parts]), mins, first.in_features)
+
+
+def effective_int4_group_size(in_features: int, group_size: int) -> int:
+    """`group_size`, halved until it divides in_features (SmolLM2's 576 takes 64 for 128)."""
+    g = group_size
+    while g > 2 and in_features % g:
+        g //= 2
+    return g if in_features % g == 0 else in_features
+
+
+def quantize_weight(w: torch.Tensor, fmt: str, group_size: Optional[int] = None) -> QuantizedWeight:
+    """Float (N, K) -> QuantizedWeight; int8 is per channel unless `group_size` is given."""
+    k = w.shape[1]
+    if fmt == "int8":
+        qw, s = qk.quantize_int8(w, group_size)
+        return QuantizedWeight("int8", qw, s, None, k)
+    if fmt == "int4":
+        qw, s, m = qk.quantize_int4(w, effective_int4_group_size(k, group_size or 64))
+        return QuantizedWeight("int4", qw, s, m, k)
+    if fmt == "fp8":
+        qw, s = qk.quantize_fp8(w)
+        return QuantizedWeight("fp8", qw, s, None, k)
+    raise ValueError(f"unknown weight format {fmt!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# layers
+
+
+class QuantLinear(nn.Module):
+    """Base of the quantized linears: y = x @ W.T (+ bias) in x's dtype; W is held quantized."""
+
+    def __init__(self, in_features: int, out_features: int, bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8Linear(QuantLinear):
+    """W8A16: int8 weights (per channel, or in groups for GGUF Q8_0), activations in the model dtype."""
+
+    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> None:
+        assert weight.format == "int8"
+        super().__init__(weight.in_features, weight.out_features, bias)
+        self.register_buffer("qweight", weight.qweight)  # (N, K) int8
+        self.register_buffer("scales", weight.scales)  # (N, num_groups) float32
+        self.is_per_channel = weight.scales.shape[1] == 1
+        self.format_key = "int8" if self.is_per_channel else f"int8/g{weight.group_size}"
+        # torch's packed CPU kernel takes its per-channel scales in bf16.
+        self._scales_bf16 = weight.scales[:, 0].to(torch.bfloat16) if self.is_per_channel else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if _triton_ok(x2):
+            from batchrun.kernels.triton_quant import w8a16_matmul
+            y = w8a16_matmul(x2, self.qweight, self.scales, self.bias)
+        elif (not x2.is_cuda and x2.dtype == torch.bfloat16 and self.is_per_channel
+              and x2.shape[0] <= CPU_INT8PACK_MAX_ROWS):
+            y = qk.int8_weight_matmul_cpu(x2, self.qweight, self._scales_bf16)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = qk.int8_weight_matmul(x2, self.qweight, self.scales, self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class W8A8Linear(QuantLinear):
+    """int8 weights per channel and int8 activations per token, integer GEMM."""
+
+    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> None:
+        assert weight.format == "int8" and weight.scales.shape[1] == 1, "W8A8 needs per-channel int8"
+        super().__init__(weight.in_features, weight.out_features, bias)
+        self.register_buffer("qweight", weight.qweight)  # (N, K) int8
+        self.register_buffer("scales", weight.scales)  # (N, 1) float32
+        self.format_key = "w8a8"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return qk.w8a8_matmul(x, self.qweight, self.scales, self.bias)
+
+
+class Int4Linear(QuantLinear):
+    """W4A16 in groups along K. On a CPU with bf16 activations the weight is held only in torch's
+    packed int4 layout (its kernel); otherwise in our canonical layout (Triton on GPU, reference on CPU)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None,
+                 compute_dtype: torch.dtype = torch.float32) -> None:
+        assert weight.format == "int4"
+        super().__init__(weight.in_features, weight.out_features, bias)
+        self.group_size = weight.group_size
+        self.format_key = f"int4/g{self.group_size}"
+        self.is_cpu_packed = (weight.qweight.device.type == "cpu" and compute_dtype == torch.bfloat16
+                              and self.group_size in INT4_GROUP_SIZES)
+        if self.is_cpu_packed:
+            packed, scales_zeros = qk.int4_pack_for_cpu(weight.qweight, weight.scales, weight.mins)
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales_zeros", scales_zeros)  # (num_groups, N, 2) bf16
+        else:
+            self.register_buffer("qweight", weight.qweight)  # (N, K // 2) uint8
+            self.register_buffer("scales", weight.scales)  # (N, num_groups) float16
+            self.register_buffer("mins", weight.mins)  # (N, num_groups) float16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.is_cpu_packed:
+            y = qk.int4_matmul_cpu(x2.to(torch.bfloat16), self.packed, self.group_size, self.scales_zeros).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias
+        elif _triton_ok(x2):
+            from batchrun.kernels.triton_quant import w4a16_matmul
+            y = w4a16_matmul(x2, self.qweight, self.scales, self.mins, self.bias)
+        else:
+            y = qk.int4_weight_matmul(x2, self.qweight, self.scales, self.mins, self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class Fp8Linear(QuantLinear):
+    """e4m3 weights per channel: W8A8-FP8 through torch._scaled_mm on GPUs with fp8 tensor cores
+    (compute capability 8.9+), a dequantizing reference elsewhere."""
+
+    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> None:
+        assert weight.format == "fp8"
+        super().__init__(weight.in_features, weight.out_features, bias)
+        self.register_buffer("qweight", weight.qweight)  # (N, K) float8_e4m3fn
+        self.register_buffer("scales", weight.scales)  # (N, 1) float32
+        self.format_key = "fp8"
+        self.use_scaled_mm = weight.qweight.is_cuda and torch.cuda.get_device_capability(weight.qweight.device) >= (8, 9)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_scaled_mm:
+            return qk.fp8_scaled_matmul(x, self.qweight, self.scales, self.bias)
+        return qk.fp8_weight_matmul(x, self.qweight, self.scales, self.bias)
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding held as int8 (or fp8) rows with a scale per row (per row or per group):
+    a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        assert weight.format in ("int8", "fp8")
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+        self.dtype = dtype
+        per_row = weight.scales.shape[1] == 1
+        self.format_key = weight.format if per_row else f"{weight.format}/g{weight.group_size}"
+        self.register_buffer("qweight", weight.qweight)  # (vocab, hidden)
+        self.register_buffer("scales", weight.scales)  # (vocab, num_groups) float32
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        q = self.qweight[input_ids].float()  # (num_tokens, hidden)
+        s = self.scales[input_ids]  # (num_tokens, num_groups)
+        return (q.reshape(*s.shape, -1) * s[..., None]).reshape(q.shape).to(self.dtype)
+
+
+def make_linear(weight: QuantizedWeight, mode: str, bias: Optional[torch.Tensor], compute_dtype: torch.dtype) -> QuantLinear:
+    if weight.format == "int4":
+        return Int4Linear(weight, bias, compute_dtype)
+    if weight.format == "fp8":
+        return Fp8Linear(weight, bias)
+    if mode == "w8a8" and weight.scales.shape[1] == 1:
+        return W8A8Linear(weight, bias)
+    return Int8Linear(weight, bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# swapping
+
+
+@dataclass
+class QuantizationSummary:
+    """What quantize_model did, for logs, the run manifest and the benchmark table."""
+
+    mode: str  # the requested mode
+    group_size: int  # the requested int4 group size
+    num_quantized: int = 0  # linear and embedding modules replaced
+    num_from_gguf: int = 0  # of those, taken from the GGUF file's own blocks
+    formats: dict[str, int] = field(default_factory=dict)  # "int4/g64" -> modules in that format
+    notes: list[str] = field(default_factory=list)  # fallbacks worth knowing (requantized, group size changed)
+
+
+def _weight_format(mode: str) -> str:
+    return {"int8": "int8", "w8a8": "int8", "int4": "int4", "fp8": "fp8"}[mode]
+
+
+def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent_name) if parent_name else root, child, module)
+
+
+def _fused_gguf_weight(name: str, prequantized: dict[str, QuantizedWeight]) -> Optional[QuantizedWeight]:
+    """The GGUF blocks for one of our (possibly fused) modules, by HF name; None if not all present."""
+    for fused, parts in FUSED_PROJECTIONS.items():
+        if name.endswith(fused):
+            prefix = name[: -len(fused)]
+            got = [prequantized.get(f"{prefix}{p}") for p in parts]
+            if any(g is None for g in got):
+                return None
+            if len({(g.format, g.scales.shape[1]) for g in got}) != 1:
+                return None
+            return QuantizedWeight.cat(got)
+    return prequantized.get(name)
+
+
+def quantize_model(model: nn.Module, mode: str, group_size: int = 64, include_embeddings: bool = True,
+                   prequantized: Optional[dict[str, QuantizedWeight]] = None) -> QuantizationSummary:
+    """Swap the decoder's projections (and embedding/LM head) for quantized modules, in place.
+
+    Call after the float weights are loaded and the model is on its device and dtype. `prequantized`
+    maps HF module names without the "model." prefix (`layers.0.self_attn.q_proj`, `lm_head`,
+    `embed_tokens`) to weights read from a GGUF file; mode "gguf" uses them where present and the
+    int8 per-channel format for anything else.
+    """
+    if mode not in QUANT_MODES:
+        raise ValueError(f"quantization mode must be one of {', '.join(QUANT_MODES)}, got {mode!r}")
+    summary = QuantizationSummary(mode, group_size)
+    if mode == "none":
+        return summary
+    if mode == "gguf" and not prequantized:
+        raise ValueError("quantization 'gguf' needs a GGUF model whose tensors are Q8_0, Q4_0 or Q4_1")
+    prequantized = prequantized or {}
+    fmt = "int8" if mode == "gguf" else _weight_format(mode)
+
+    def record(module: nn.Module, from_gguf: bool) -> None:
+        summary.num_quantized += 1
+        summary.num_from_gguf += int(from_gguf)
+        kind = "embedding" if isinstance(module, QuantEmbedding) else "linear"
+        key = f"{kind}:{module.format_key}"
+        summary.formats[key] = summary.formats.get(key, 0) + 1
+
+    targets = [(name, m) for name, m in model.named_modules()
+               if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in _PROJECTIONS]
+    for name, linear in targets:
+        dtype = linear.weight.dtype
+        qw = _fused_gguf_weight(name, prequantized) if mode == "gguf" else None
+        from_gguf = qw is not None
+        if qw is None:
+            # int8 and fp8 are per output channel; the group size is int4's.
+            qw = quantize_weight(linear.weight.data, fmt, group_size if fmt == "int4" else None)
+            if fmt == "int4" and qw.group_size != group_size:
+                summary.notes.append(f"{name}: int4 group size {qw.group_size} ({linear.in_features} "
+                                     f"is not a multiple of {group_size})")
+        qw = _to(qw, linear.weight.device)
+        module = make_linear(qw, mode, linear.bias, dtype)
+        _set_module(model, name, module)
+        record(module, from_gguf)
+
+    if include_embeddings and isinstance(getattr(model, "embed_tokens", None), nn.Embedding):
+        _quantize_embeddings(model, mode, prequantized, summary, record)
+    log.info("quantized %d modules (%s)%s", summary.num_quantized, mode,
+             f"; {len(summary.notes)} notes" if summary.notes else "")
+    return summary
+
+
+def _to(w: QuantizedWeight, device: torch.device) -> QuantizedWeight:
+    return QuantizedWeight(w.format, w.qweight.to(device), w.scales.to(device),
+                           None if w.mins is None else w.mins.to(device), w.in_features)
+
+
+def _quantize_embeddings(model: nn.Module, mode: str, prequantized: dict[str, QuantizedWeight],
+                         summary: QuantizationSummary, record) -> None:
+    """Embedding and LM head as per-row 8-bit (fp8 in fp8 mode), sharing storage when tied."""
+    embed: nn.Embedding = model.embed_tokens
+    lm_head = getattr(model, "lm_head", None)
+    dtype, device = embed.weight.dtype, embed.weight.device
+    tied = isinstance(lm_head, nn.Linear) and lm_head.weight is embed.weight
+    row_fmt = "fp8" if mode == "fp8" else "int8"
+    per_row = _to(quantize_weight(embed.weight.data, row_fmt), device)
+
+    gguf_embed = prequantized.get("embed_tokens") if mode == "gguf" else None
+    if gguf_embed is not None and gguf_embed.format == "int8":
+        # A lookup dequantizes only its rows, so GGUF's Q8_0 groups stay exact here at no cost.
+        model.embed_tokens = QuantEmbedding(_to(gguf_embed, device), dtype)
+        record(model.embed_tokens, True)
+    else:
+        model.embed_tokens = QuantEmbedding(per_row, dtype)
+        record(model.embed_tokens, False)
+
+    if not isinstance(lm_head, nn.Linear):
+        return
+    if tied:
+        head_weight = per_row
+    else:
+        head_weight = _to(quantize_weight(lm_head.weight.data, row_fmt), device)
+    if mode == "gguf" and (gguf_embed is not None or "lm_head" in prequantized):
+        # Grouped int8 would mean dequantizing the whole vocabulary matrix every step on the CPU.
+        summary.notes.append("lm_head: GGUF blocks requantized to int8 per row for a per-channel kernel")
+    head_mode = "w8a8" if mode == "w8a8" else "int8"
+    model.lm_head = make_linear(head_weight, head_mode, lm_head.bias, dtype)
+    record(model.lm_head, False)
+
+
+def module_weight_bytes(model: nn.Module) -> int:
+    """Bytes of parameters and buffers, counting shared storage once (tied embeddings)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        total += t.untyped_storage().nbytes()
+    return total

@@ -2,8 +2,9 @@
 
 The cli composes YAML with Hydra and hands a plain dict to `build_run_config`; nothing below the cli
 sees Hydra or OmegaConf. Each config group's dataclass lives next to the code that reads it (data in
-reader.py, job in prompts.py, output in writer.py, launcher in shards.py); this module assembles them
-and checks every key and type, so a typo stops the run with one line naming the key.
+reader.py, job in prompts.py, output in writer.py, launcher in shards.py, planner in planner.py);
+this module assembles them and checks every key and type, so a typo stops the run with one line
+naming the key.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from typing import Any, Mapping, Optional, Union
 
 from batchrun.engine import EngineConfig, SamplingParams
 from batchrun.job.errors import ConfigError
+from batchrun.job.planner import PlannerConfig
 from batchrun.job.prompts import JobConfig
 from batchrun.job.reader import DataConfig
 from batchrun.job.shards import LauncherConfig
@@ -39,6 +41,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
     quiet: bool = False  # no progress bar (for log files); per-shard log lines remain
 
     def __post_init__(self) -> None:
@@ -55,7 +58,7 @@ class RunConfig:
 # Config groups whose dataclass is owned elsewhere; `engine.model` is filled from `model.path`.
 _SECTIONS: dict[str, type] = {
     "job": JobConfig, "model": ModelConfig, "engine": EngineConfig, "sampling": SamplingParams,
-    "data": DataConfig, "output": OutputConfig, "launcher": LauncherConfig,
+    "data": DataConfig, "output": OutputConfig, "launcher": LauncherConfig, "planner": PlannerConfig,
 }
 _HIDDEN_FIELDS = {"engine": {"model"}}
 _TOP_LEVEL_SCALARS = {"quiet": bool}

@@ -21,6 +21,7 @@ from batchrun.job.config import RunConfig
 from batchrun.job.errors import JobError, ShardError
 from batchrun.job.manifest import Manifest, utc_now
 from batchrun.job.metrics import ShardTally, metrics_row, percentile
+from batchrun.job.planner import plan_requests
 from batchrun.job.progress import Progress
 from batchrun.job.prompts import Prompt, PromptBuilder
 from batchrun.job.reader import InputRow, ShardReader
@@ -249,7 +250,10 @@ class _ShardRun:
         max_num_seqs = self.config.engine.max_num_seqs
         # None: the engine bounds it itself, by the batch size it picked at start-up.
         max_in_flight = IN_FLIGHT_PER_SEQ * max_num_seqs if max_num_seqs else None
-        for out in self.engine.stream(self._requests(), self.config.sampling, max_in_flight):
+        # The planner reorders a window of rows (shared prefixes together, longest first); the
+        # writer puts the results back in input order.
+        requests = plan_requests(self._requests(), self.config.planner, self.engine.config.block_size)
+        for out in self.engine.stream(requests, self.config.sampling, max_in_flight):
             row, prompt, keep = self.in_flight.pop(out.request_id)
             self._emit(row.index, output_result(row.id, out, prompt.error_message, keep))
             if self.stop.requested:

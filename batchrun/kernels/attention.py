@@ -71,6 +71,18 @@ class AttentionMetadata:
         return self._memo[key]
 
 
+def _use_triton(x: torch.Tensor, k_cache) -> bool:
+    """The Triton kernels (batchrun.kernels.triton_attention, triton_kv) serve plain float caches on
+    CUDA when triton is installed; the CPU path below is also their reference."""
+    if not x.is_cuda or not isinstance(k_cache, torch.Tensor):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def write_kv_cache(
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
@@ -83,6 +95,22 @@ def write_kv_cache(
         k_cache.write(k, slot_mapping)
         v_cache.write(v, slot_mapping)
         return
+    if _use_triton(k, k_cache):
+        from batchrun.kernels.triton_kv import write_kv_cache as write_kv_cache_triton
+
+        write_kv_cache_triton(k_cache, v_cache, k, v, slot_mapping)
+        return
+    write_kv_cache_reference(k_cache, v_cache, k, v, slot_mapping)
+
+
+def write_kv_cache_reference(
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
+    slot_mapping: torch.Tensor,  # (num_tokens,)
+) -> None:
+    """The plain-torch cache write: the CPU path, and what triton_kv.write_kv_cache is checked against."""
     num_kv_heads, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
@@ -151,6 +179,25 @@ def paged_attention(
     A key at position j is visible to the query at position i when j <= i and, with a sliding
     window W, j > i - W (the convention of HF transformers' masks).
     """
+    if _use_triton(q, k_cache):
+        from batchrun.kernels.triton_attention import paged_attention as paged_attention_triton
+
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_new, v_new)
+    return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_new, v_new)
+
+
+def paged_attention_reference(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), this step's keys already written
+    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    k_new: Optional[torch.Tensor] = None,  # (num_tokens, num_kv_heads, head_dim): this step's keys, if at hand
+    v_new: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """The plain-torch attention: the CPU path, and what triton_attention.paged_attention is checked against."""
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
 

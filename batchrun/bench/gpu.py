@@ -1,0 +1,529 @@
+"""The one-call GPU check: kernels against their references, bandwidth, then throughput; table last.
+
+    python -m batchrun.bench.gpu                   # on a GPU (sized for < 10 minutes on one H200)
+    python -m batchrun.bench.gpu --only kernels    # kernels | bandwidth | throughput (repeatable)
+    python -m batchrun.bench.gpu --smoke           # CPU: tiny shapes, kernels in Triton's interpreter
+
+1. Kernels: each Triton kernel (paged attention decode and prefill, KV write, fused rotary + KV
+   write, W8A16/W4A16 GEMMs, MoE grouped GEMM) against its torch reference on the device, random
+   inputs, max |error| and relative error ||got - want|| / ||want|| printed.
+2. Bandwidth: a device copy (the HBM ceiling), then the decode attention kernel at the workload's
+   shape as achieved KV bytes/s and its fraction of that ceiling (target >= 70%), a small sweep of
+   its tile settings, and the fused rotary + KV write against the unfused pair.
+3. Throughput: nano-vllm's workload (256 sequences, prompt and output lengths uniform in 100-1024,
+   ignore_eos) on a Qwen3-0.6B-shaped model and a SmolLM2-135M-shaped one, random weights built
+   here from transformers configs (nothing can be downloaded there; the SmolLM2 GGUF is too big to
+   carry). Prompts are token ids (the bundled 512-token tokenizer only decodes). Greedy rather than
+   nano-vllm's temperature 0.6: the sampler draws non-greedy rows one by one on the host, which is
+   the sampler's business, not the GPU path's. Then HF transformers' `generate` on a subset, with
+   the engine on the same subset, for the ratio.
+
+A deadline (--budget-s) skips what would not fit, so the table always prints.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from batchrun.kernels.attention import AttentionMetadata, paged_attention_reference, write_kv_cache_reference
+
+# ---------------------------------------------------------------------------------------------
+# random inputs (also used by the tests)
+
+
+@dataclass
+class AttentionCase:
+    q: torch.Tensor  # (num_tokens, num_heads, head_dim)
+    k_cache: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_dim), this step's keys written
+    v_cache: torch.Tensor
+    k_new: torch.Tensor  # (num_tokens, num_kv_heads, head_dim)
+    v_new: torch.Tensor
+    meta: AttentionMetadata
+
+
+def attention_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
+                   dtype: torch.dtype = torch.float32, device: Any = "cpu", seed: int = 0) -> AttentionCase:
+    """A flattened batch like the runner builds: per sequence (cached tokens, new tokens); one new
+    token makes it a decode. Blocks are shuffled across sequences and the cache holds random K/V
+    around them, so wrong block arithmetic reads wrong numbers."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-(c + n) // block_size) for c, n in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros(len(seqs), max(blocks_per_seq), dtype=torch.long)  # (num_seqs, max_blocks)
+    used = 0
+    for i, nb in enumerate(blocks_per_seq):
+        block_tables[i, :nb] = order[used: used + nb]
+        used += nb
+    query_start_loc = [0]
+    for _, n in seqs:
+        query_start_loc.append(query_start_loc[-1] + n)
+    num_tokens = query_start_loc[-1]
+    slots = [int(block_tables[i, p // block_size]) * block_size + p % block_size
+             for i, (c, n) in enumerate(seqs) for p in range(c, c + n)]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    # Drawn where they live: a GPU case holds hundreds of millions of cache entries.
+    dev_gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(size, generator=dev_gen, device=device).to(dtype)
+
+    k_cache, v_cache = randn(*shape), randn(*shape)
+    q = randn(num_tokens, num_heads, head_dim)
+    k_new, v_new = randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    write_kv_cache_reference(k_cache, v_cache, k_new, v_new, slot_mapping)
+    decode_ids = [i for i, (_, n) in enumerate(seqs) if n == 1]
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping, query_start_loc=query_start_loc,
+        seq_lens=[c + n for c, n in seqs], block_tables=block_tables.to(device), block_size=block_size,
+        decode_seq_ids=torch.tensor(decode_ids, dtype=torch.long, device=device),
+        decode_seq_lens=torch.tensor([seqs[i][0] + 1 for i in decode_ids], dtype=torch.long, device=device),
+        prefill_seq_ids=[i for i, (_, n) in enumerate(seqs) if n != 1],
+    )
+    return AttentionCase(q, k_cache, v_cache, k_new, v_new, meta)
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(max |got - want|, ||got - want|| / ||want||) in float64."""
+    diff = got.double() - want.double()
+    return diff.abs().max().item(), (diff.norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. kernels against references
+
+
+@dataclass
+class Results:
+    rows: list[tuple[str, str]] = field(default_factory=list)  # the final table
+    kernel_rows: list[tuple[str, float, float, bool]] = field(default_factory=list)
+
+    def add(self, name: str, value: str) -> None:
+        self.rows.append((name, value))
+        print(f"  {name}: {value}", flush=True)
+
+
+def _kernel_checks(device: torch.device, smoke: bool) -> list[tuple[str, float, Callable[[], tuple[torch.Tensor, torch.Tensor]]]]:
+    """(name, relative-error tolerance, () -> (got, want))."""
+    from batchrun.kernels import triton_attention as ta
+    from batchrun.kernels import triton_kv as tk
+
+    bf16 = torch.bfloat16
+    # The quant and MoE kernels feed bf16 to tl.dot, which Triton's interpreter gets wrong; fp16 there.
+    gemm_dtype = torch.float16 if smoke else bf16
+    if smoke:
+        heads, kv_heads, dim, bs = 4, 2, 16, 4
+        mixed = [(5, 1), (0, 9), (17, 1), (6, 11), (30, 1)]
+        decodes = [(c, 1) for c in (3, 20, 41, 9)]
+        long_decodes = [(60, 1), (7, 1)]
+        tokens = 9
+        gemm = (5, 48, 64)
+    else:
+        heads, kv_heads, dim, bs = 16, 8, 128, 16
+        rng = random.Random(0)
+        mixed = [(rng.randint(1, 3000), 1) for _ in range(48)] + [(c, n) for c in (0, 100, 700) for n in (200, 900)]
+        decodes = [(rng.randint(1, 3000), 1) for _ in range(128)]
+        long_decodes = [(30000, 1), (12345, 1)]
+        tokens = 512
+        gemm = (256, 3072, 1024)
+
+    def attn(seqs, h, kvh, d, dtype, window=None, softcap=None, num_splits=None):
+        def run():
+            c = attention_case(seqs, h, kvh, d, bs, dtype, device, seed=1)
+            want = paged_attention_reference(c.q, c.k_cache, c.v_cache, c.meta, d ** -0.5, window, softcap,
+                                             c.k_new, c.v_new)
+            if num_splits is None:
+                got = ta.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, d ** -0.5, window, softcap)
+            else:
+                got = ta.decode_attention(c.q, c.k_cache, c.v_cache, c.meta.block_tables, c.meta.decode_seq_ids,
+                                          c.meta.decode_seq_lens, d ** -0.5, window, softcap, num_splits=num_splits)
+            return got, want
+        return run
+
+    def kv_write(dtype):
+        def run():
+            c = attention_case(mixed, heads, kv_heads, dim, bs, dtype, device, seed=2)
+            k_ref, v_ref = c.k_cache.clone(), c.v_cache.clone()
+            k_got, v_got = c.k_cache.clone(), c.v_cache.clone()
+            k, v = torch.randn_like(c.k_new), torch.randn_like(c.v_new)
+            write_kv_cache_reference(k_ref, v_ref, k, v, c.meta.slot_mapping)
+            tk.write_kv_cache(k_got, v_got, k, v, c.meta.slot_mapping)
+            return torch.stack([k_got, v_got]), torch.stack([k_ref, v_ref])
+        return run
+
+    def rotary(dtype):
+        def run():
+            gen = torch.Generator(device="cpu").manual_seed(3)
+            num_blocks = -(-tokens // bs) + 2
+            qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(device, dtype)
+            q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+            q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+            angles = torch.randn(tokens, dim // 2, generator=gen).to(device)
+            emb = torch.cat([angles, angles], dim=-1)
+            cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+            slots = torch.randperm(num_blocks * bs, generator=gen)[:tokens].to(device)
+            caches = [torch.zeros(num_blocks, bs, kv_heads, dim, dtype=dtype, device=device) for _ in range(4)]
+            q_ref, k_ref = tk.rotary_write_kv_cache_reference(q, k, v, cos, sin, caches[0], caches[1], slots)
+            q_got, k_got = tk.rotary_write_kv_cache(q, k, v, cos, sin, caches[2], caches[3], slots)
+            return (torch.cat([q_got.flatten(), caches[2].flatten(), caches[3].flatten()]),
+                    torch.cat([q_ref.flatten(), caches[0].flatten(), caches[1].flatten()]))
+        return run
+
+    def w8a16(group: Optional[int]):
+        def run():
+            from batchrun.kernels.quant import int8_weight_matmul, quantize_int8
+            from batchrun.kernels.triton_quant import w8a16_matmul
+
+            m, n, k = gemm
+            gen = torch.Generator().manual_seed(4)
+            w = torch.randn(n, k, generator=gen) * 0.05
+            x = torch.randn(m, k, generator=gen).to(device, gemm_dtype)
+            qw, scales = quantize_int8(w, group)
+            qw, scales = qw.to(device), scales.to(device)
+            return w8a16_matmul(x, qw, scales), int8_weight_matmul(x, qw, scales)
+        return run
+
+    def w4a16():
+        from batchrun.kernels.quant import int4_weight_matmul, quantize_int4
+        from batchrun.kernels.triton_quant import w4a16_matmul
+
+        m, n, k = gemm
+        gen = torch.Generator().manual_seed(5)
+        w = torch.randn(n, k, generator=gen) * 0.05
+        x = torch.randn(m, k, generator=gen).to(device, gemm_dtype)
+        qw, scales, mins = (t.to(device) for t in quantize_int4(w, 32))
+        return w4a16_matmul(x, qw, scales, mins), int4_weight_matmul(x, qw, scales, mins)
+
+    def moe():
+        from batchrun.kernels.moe import grouped_gemm_reference, sort_by_expert
+        from batchrun.kernels.triton_moe import grouped_gemm
+
+        m, n, k = gemm
+        gen = torch.Generator().manual_seed(6)
+        num_experts = 8
+        x = torch.randn(m, k, generator=gen).to(device, gemm_dtype)
+        b = (torch.randn(num_experts, n // 4, k, generator=gen) * 0.05).to(device, gemm_dtype)
+        ids = torch.randint(0, num_experts, (m, 2), generator=gen).to(device)
+        d = sort_by_expert(ids, num_experts)
+        return (grouped_gemm(x, b, d.expert_offsets, d.sorted_token_ids),
+                grouped_gemm_reference(x, b, d.expert_offsets, d.sorted_token_ids))
+
+    f32 = torch.float32
+    bf16_tol, f32_tol = 2e-2, 1e-4
+    return [
+        ("attention mixed batch bf16 (GQA)", bf16_tol, attn(mixed, heads, kv_heads, dim, bf16)),
+        ("attention mixed batch fp32 (GQA)", f32_tol, attn(mixed, heads, kv_heads, dim, f32)),
+        ("attention mixed bf16 window 64", bf16_tol, attn(mixed, heads, kv_heads, dim, bf16, window=64 if not smoke else 5)),
+        ("attention mixed bf16 softcap 50", bf16_tol, attn(mixed, heads, kv_heads, dim, bf16, softcap=50.0)),
+        ("attention mixed bf16 MQA-ish 9:3 d64", bf16_tol, attn(mixed, 9 if not smoke else 3, 3 if not smoke else 1,
+                                                                64 if not smoke else 16, bf16)),
+        ("attention decode bf16 (default splits)", bf16_tol, attn(decodes, heads, kv_heads, dim, bf16)),
+        ("attention decode bf16 long, 8 splits", bf16_tol, attn(long_decodes, heads, kv_heads, dim, bf16, num_splits=8)),
+        ("kv write bf16", 0.0, kv_write(bf16)),
+        ("rotary + kv write bf16", 1e-2, rotary(bf16)),
+        ("rotary + kv write fp32", 1e-6, rotary(f32)),
+        ("W8A16 per-channel", bf16_tol, w8a16(None)),
+        ("W8A16 group 32", bf16_tol, w8a16(32)),
+        ("W4A16 group 32", bf16_tol, w4a16),
+        ("MoE grouped GEMM", bf16_tol, moe),
+    ]
+
+
+def check_kernels(device: torch.device, smoke: bool, results: Results) -> None:
+    print(f"\n== kernels vs references on {device} ==", flush=True)
+    print(f"  {'kernel':<42} {'max abs err':>12} {'rel err':>10}  ok", flush=True)
+    for name, tol, run in _kernel_checks(device, smoke):
+        try:
+            got, want = run()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            max_abs, rel = rel_error(got, want)
+            ok = rel <= tol if tol > 0 else max_abs == 0.0
+        except Exception as exc:  # noqa: BLE001 - report and go on: one broken kernel must not hide the rest
+            print(f"  {name:<42} FAILED: {exc!r}", flush=True)
+            traceback.print_exc()
+            results.kernel_rows.append((name, math.nan, math.nan, False))
+            continue
+        results.kernel_rows.append((name, max_abs, rel, ok))
+        print(f"  {name:<42} {max_abs:12.3e} {rel:10.3e}  {'yes' if ok else 'NO'}", flush=True)
+    num_ok = sum(ok for *_, ok in results.kernel_rows)
+    worst = max((r for _, _, r, _ in results.kernel_rows if not math.isnan(r)), default=math.nan)
+    results.add("kernels within tolerance", f"{num_ok}/{len(results.kernel_rows)} (worst rel err {worst:.2e})")
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. bandwidth
+
+
+def _time_ms(fn: Callable[[], Any]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=10, rep=50))
+
+
+def check_bandwidth(device: torch.device, results: Results) -> None:
+    from batchrun.kernels import triton_attention as ta
+    from batchrun.kernels import triton_kv as tk
+
+    print("\n== bandwidth ==", flush=True)
+    src = torch.empty(1 << 31, dtype=torch.uint8, device=device)  # 2 GiB, many times the L2
+    dst = torch.empty_like(src)
+    ms = _time_ms(lambda: dst.copy_(src))
+    hbm = 2 * src.numel() / (ms * 1e-3)  # bytes read + written per second
+    del src, dst
+    results.add("device copy bandwidth", f"{hbm / 1e12:.2f} TB/s (read + write)")
+
+    heads, kv_heads, dim, bs = 16, 8, 128, 16
+    rng = random.Random(1)
+    for num_seqs, lo, hi in ((256, 100, 2048), (16, 2000, 8000)):
+        seqs = [(rng.randint(lo, hi), 1) for _ in range(num_seqs)]
+        c = attention_case(seqs, heads, kv_heads, dim, bs, torch.bfloat16, device, seed=7)
+        m = c.meta
+        kv_bytes = sum(s for s in m.seq_lens) * kv_heads * dim * 2 * c.k_cache.element_size()
+        configs = [dict()] + [dict(block_n=bn, num_warps=w) for bn in (32, 64, 128) for w in (4, 8)]
+        best = None
+        for cfg in configs:
+            def run(cfg=cfg):
+                ta.decode_attention(c.q, c.k_cache, c.v_cache, m.block_tables, m.decode_seq_ids, m.decode_seq_lens,
+                                    dim ** -0.5, **cfg)
+            try:
+                ms = _time_ms(run)
+            except Exception as exc:  # noqa: BLE001 - a tile setting that does not compile is just skipped
+                print(f"  decode {num_seqs} seqs {cfg}: failed ({exc!r})", flush=True)
+                continue
+            rate = kv_bytes / (ms * 1e-3)
+            print(f"  decode {num_seqs} seqs ctx {lo}-{hi} {cfg or 'default'}: {ms * 1e3:.1f} us, "
+                  f"{rate / 1e12:.2f} TB/s = {100 * rate / hbm:.0f}% of copy", flush=True)
+            if not cfg:
+                results.add(f"decode attention {num_seqs} seqs ctx {lo}-{hi} (default)",
+                            f"{rate / 1e12:.2f} TB/s = {100 * rate / hbm:.0f}% of copy bandwidth (target >= 70%)")
+            if best is None or rate > best[0]:
+                best = (rate, cfg)
+        if best is not None:
+            results.add(f"decode attention {num_seqs} seqs best setting", f"{best[1] or 'default'}: "
+                        f"{100 * best[0] / hbm:.0f}% of copy bandwidth")
+        del c
+
+    # Fused rotary + KV write against what the decoder does now (torch rotary, then the Triton write).
+    for tokens in (256, 8192):
+        gen = torch.Generator().manual_seed(8)
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(device, torch.bfloat16)
+        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
+        emb = torch.randn(tokens, dim // 2, generator=gen).repeat(1, 2).to(device)
+        cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+        num_blocks = -(-tokens // bs) + 1
+        kc = torch.zeros(num_blocks, bs, kv_heads, dim, dtype=torch.bfloat16, device=device)
+        vc = torch.zeros_like(kc)
+        slots = torch.randperm(num_blocks * bs, device=device)[:tokens]
+
+        def unfused():
+            c, s = cos[:, None, :], sin[:, None, :]
+            half = dim // 2
+            qr = q * c + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * s
+            kr = k * c + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * s
+            tk.write_kv_cache(kc, vc, kr, v, slots)
+            return qr
+
+        t_unfused = _time_ms(unfused)
+        t_fused = _time_ms(lambda: tk.rotary_write_kv_cache(q, k, v, cos, sin, kc, vc, slots))
+        results.add(f"rotary + kv write, {tokens} tokens", f"fused {t_fused * 1e3:.1f} us vs unfused "
+                    f"{t_unfused * 1e3:.1f} us per layer ({t_unfused / t_fused:.2f}x)")
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. throughput
+
+QWEN3_0_6B = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                  max_position_embeddings=40960, tie_word_embeddings=True, rms_norm_eps=1e-6)
+SMOLLM2_135M = dict(model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
+                    max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5)
+
+
+def build_random_model(out_dir: str, shape: dict, device: torch.device, dtype: torch.dtype) -> str:
+    """A random-weight HF model directory of the given shape (weights initialized on the device)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from batchrun.testing import build_tokenizer
+
+    kw = dict(shape)
+    config = AutoConfig.for_model(kw.pop("model_type"), **kw)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    build_tokenizer().save_pretrained(out_dir)
+    del model
+    return out_dir
+
+
+def nano_vllm_workload(num_seqs: int, lo: int, hi: int, vocab_size: int = 10001, seed: int = 0
+                       ) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's bench.py: prompt ids uniform in [0, 10000], lengths uniform in [lo, hi]."""
+    rng = random.Random(seed)
+    top = min(10000, vocab_size - 1)
+    prompts = [[rng.randint(0, top) for _ in range(rng.randint(lo, hi))] for _ in range(num_seqs)]
+    max_tokens = [rng.randint(lo, hi) for _ in range(num_seqs)]
+    return prompts, max_tokens
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_throughput(name: str, shape: dict, device: torch.device, smoke: bool, deadline: float,
+                   results: Results, baseline: bool) -> None:
+    from batchrun.engine import Engine, EngineConfig, SamplingParams
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    print(f"\n== throughput: {name} ==", flush=True)
+    num_seqs, lo, hi = (8, 10, 40) if smoke else (256, 100, 1024)
+    with tempfile.TemporaryDirectory(prefix="batchrun-gpu-") as tmp:
+        t0 = time.perf_counter()
+        model_dir = build_random_model(os.path.join(tmp, "model"), shape, device, dtype)
+        engine = Engine(EngineConfig(
+            model=model_dir, dtype=str(dtype).replace("torch.", ""), device=device.type,
+            max_num_seqs=num_seqs, max_num_batched_tokens=16384 if not smoke else 512, max_model_len=4096,
+            kv_cache_memory=0.5 if device.type == "cuda" else 64 << 20, cache_dir=os.path.join(tmp, "cache"),
+        ))
+        graphs = engine.runner.graphs
+        if graphs is not None:
+            graphs.capture_all(max_batch=num_seqs)
+        warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        engine.generate([[1] * 64, [2] * 300, [3] * 17], warm)  # compiles the prefill and decode kernels
+        _sync(device)
+        print(f"  built and warmed in {time.perf_counter() - t0:.1f}s; settings: {engine.settings}", flush=True)
+        if time.perf_counter() > deadline:
+            results.add(f"{name} throughput", "skipped (out of time)")
+            return
+        prompts, max_tokens = nano_vllm_workload(num_seqs, lo, hi, shape["vocab_size"])
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        steps0 = engine.stats().num_steps
+        t = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        _sync(device)
+        wall = time.perf_counter() - t
+        num_out = sum(len(o.token_ids) for o in outs)
+        num_in = sum(len(p) for p in prompts)
+        assert num_out == sum(max_tokens), "ignore_eos: every request runs to max_tokens"
+        stats = engine.stats()
+        results.add(f"{name}: {num_seqs} seqs, {num_in} prompt + {num_out} output tokens",
+                    f"{num_out / wall:,.0f} output tok/s, {(num_in + num_out) / wall:,.0f} total tok/s, "
+                    f"{wall:.1f}s, {stats.num_steps - steps0} steps, {stats.num_preemptions} preemptions"
+                    + (" (target >= 20,000 output tok/s)" if "qwen3" in name.lower() else ""))
+        if baseline and time.perf_counter() < deadline:
+            _hf_ratio(name, engine, model_dir, prompts, device, dtype, smoke, results)
+        del engine
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _hf_ratio(name: str, engine: Any, model_dir: str, prompts: list[list[int]], device: torch.device,
+              dtype: torch.dtype, smoke: bool, results: Results) -> None:
+    """HF `generate` (greedy, left-padded batch, fixed output length) against the engine, same subset."""
+    from transformers import AutoModelForCausalLM
+
+    from batchrun.engine import SamplingParams
+
+    num, new = (4, 8) if smoke else (32, 128)
+    subset = prompts[:num]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    width = max(len(p) for p in subset)
+    ids = torch.zeros(num, width, dtype=torch.long)
+    mask = torch.zeros(num, width, dtype=torch.long)
+    for i, p in enumerate(subset):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(device), mask.to(device)
+    kw = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    with torch.inference_mode():
+        hf.generate(ids[:, -16:], **{**kw, "attention_mask": mask[:, -16:], "max_new_tokens": 2, "min_new_tokens": 2})
+        _sync(device)
+        t = time.perf_counter()
+        hf.generate(ids, **kw)
+        _sync(device)
+        hf_s = time.perf_counter() - t
+    del hf
+    t = time.perf_counter()
+    engine.generate(subset, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
+    _sync(device)
+    engine_s = time.perf_counter() - t
+    results.add(f"{name}: vs HF generate ({num} seqs x {new} tokens)",
+                f"engine {num * new / engine_s:,.0f} tok/s, HF {num * new / hf_s:,.0f} tok/s, "
+                f"ratio {hf_s / engine_s:.1f}x")
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", action="append", choices=("kernels", "bandwidth", "throughput"))
+    parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, kernels in Triton's interpreter")
+    parser.add_argument("--budget-s", type=float, default=540.0, help="skip phases that start after this")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the HF generate comparison")
+    args = parser.parse_args(argv)
+    t_start = time.perf_counter()
+    deadline = t_start + args.budget_s
+    if args.smoke:
+        # Must precede triton's first import; nothing above imports it.
+        assert "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1", \
+            "run --smoke in a fresh process (TRITON_INTERPRET must be set before triton is imported)"
+        os.environ["TRITON_INTERPRET"] = "1"
+        device = torch.device("cpu")
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA device: run with --smoke for the CPU check", file=sys.stderr)
+            return 2
+        device = torch.device("cuda")
+        print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__}", flush=True)
+    phases = args.only or ["kernels", "bandwidth", "throughput"]
+    results = Results()
+    if "kernels" in phases:
+        check_kernels(device, args.smoke, results)
+    if "bandwidth" in phases:
+        if device.type != "cuda":
+            results.add("bandwidth", "skipped (needs a GPU)")
+        elif time.perf_counter() < deadline:
+            try:
+                check_bandwidth(device, results)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                results.add("bandwidth", f"FAILED: {exc!r}")
+    if "throughput" in phases:
+        for name, shape in (("Qwen3-0.6B-shaped", QWEN3_0_6B), ("SmolLM2-135M-shaped", SMOLLM2_135M)):
+            if args.smoke:
+                shape = {**shape, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
+                         "vocab_size": 1000, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+            if time.perf_counter() > deadline:
+                results.add(f"{name} throughput", "skipped (out of time)")
+                continue
+            try:
+                run_throughput(name, shape, device, args.smoke, deadline, results, not args.no_baseline)
+            except Exception as exc:  # noqa: BLE001
+                traceback.print_exc()
+                results.add(f"{name} throughput", f"FAILED: {exc!r}")
+    print(f"\n== summary ({time.perf_counter() - t_start:.0f}s) ==")
+    width = max(len(n) for n, _ in results.rows) if results.rows else 10
+    for n, v in results.rows:
+        print(f"{n:<{width}}  {v}")
+    failed = any(not ok for *_, ok in results.kernel_rows) or any("FAILED" in v for _, v in results.rows)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

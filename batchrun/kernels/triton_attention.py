@@ -1,0 +1,435 @@
+"""Triton paged attention for the GPU: batched decode (split-K) and varlen prefill over a paged cache.
+
+Same signature and result as `batchrun.kernels.attention.paged_attention`, which the tests compare
+against (on CPU tensors in Triton's interpreter, TRITON_INTERPRET=1, and on a GPU when there is
+one). Both kernels read K/V straight from the paged cache (num_blocks, block_size, num_kv_heads,
+head_dim) through the block tables, one token tile at a time: a tile's tokens may span several
+cache blocks, so the tile size does not depend on the cache's block size.
+
+- Decode: one query token per sequence. A program owns one (sequence, KV head, split): the query
+  heads sharing that KV head are the rows of one tile (padded to 16 on the GPU for tl.dot), so each
+  K/V byte is read once per group, whatever the GQA ratio. Long contexts are cut into `num_splits`
+  ranges (split-K, flash-decoding) so a small batch still fills the GPU; each split writes its
+  normalized partial output and log-sum-exp, and a second kernel merges them. The split count
+  depends only on shapes (batch size, block-table width), never on values, so the launch can be
+  captured in a CUDA graph.
+- Prefill: query tiles of one sequence and one head over the flattened batch; keys are the
+  sequence's cached prefix plus its own new tokens (causal), clipped to the sliding window.
+
+Visibility is the reference's: key j is visible to the query at position i when j <= i and, with a
+window W, j > i - W. Softmax runs in float32 in the exp2 domain.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from batchrun.kernels.attention import AttentionMetadata
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _dot_f32(dtype: torch.dtype) -> bool:
+    # Triton's interpreter multiplies bf16 tiles as raw 16-bit integers (numpy has no bf16), so
+    # there the operands are upcast first; compiled kernels feed bf16 to the tensor cores.
+    return dtype == torch.bfloat16 and _interpreting()
+
+
+@triton.jit
+def _scores(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
+    """(rows, BLOCK_N) logits in the log2 domain: q @ k.T * scale, soft-capped if asked."""
+    if DOT_F32:
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s = s * scale
+    if HAS_SOFTCAP:
+        # softcap * tanh(s / softcap), with tanh(x) = 2 sigmoid(2x) - 1 (tl has no tanh of its own)
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+    return s * 1.4426950408889634  # to the exp2 domain
+
+
+@triton.jit
+def _accumulate(acc, p, v, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
+    if DOT_F32:
+        pv = tl.dot(p, v.to(tl.float32))
+    elif IEEE:
+        pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return acc + pv
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_ids_ptr, seq_lens_ptr, q_rows_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    scale, softcap, window, block_size,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_Q_ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+):
+    i = tl.program_id(0)  # index into the decode list
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    seq = tl.load(seq_ids_ptr + i)
+    seq_len = tl.load(seq_lens_ptr + i).to(tl.int32)
+    if HAS_Q_ROWS:
+        row = tl.load(q_rows_ptr + i)
+    else:
+        row = i
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(seq_len - window, 0)
+    # This split's token range: the visible span cut into equal, tile-aligned pieces.
+    per_split = tl.cdiv(tl.cdiv(seq_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, seq_len)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    g_ok = g < GROUP
+    d_ok = d < HEAD_DIM
+    heads = kv_head * GROUP + g  # (GROUP_PAD,) query heads of this KV head
+    q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # (GROUP_PAD, HEAD_DIM_PAD)
+    m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
+    l = tl.zeros((GROUP_PAD,), tl.float32)
+    acc = tl.zeros((GROUP_PAD, HEAD_DIM_PAD), tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) token positions
+        p_ok = pos < end
+        block = tl.load(table + pos // block_size, mask=p_ok, other=0).to(tl.int64)
+        offset = pos % block_size
+        kv_mask = p_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + (block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_DIM_PAD)
+        v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vt + kv_head * stride_vh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = _scores(q, k, scale, softcap, HAS_SOFTCAP, DOT_F32, IEEE)  # (GROUP_PAD, BLOCK_N)
+        s = tl.where(p_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = _accumulate(acc * alpha[:, None], p, v, DOT_F32, IEEE)
+        m = m_new
+    has_any = l > 0.0  # an empty split (or a padded batch row with seq_len 0) writes zeros
+    out = acc / tl.where(has_any, l, 1.0)[:, None]
+    if IS_SPLIT:
+        # part_out (num_decode, num_heads, num_splits, HEAD_DIM_PAD), part_lse (num_decode, num_heads, num_splits)
+        num_heads = tl.num_programs(1) * GROUP
+        base = (i * num_heads + heads) * num_splits + split  # (GROUP_PAD,)
+        tl.store(part_out_ptr + base[:, None].to(tl.int64) * HEAD_DIM_PAD + d[None, :], out, mask=g_ok[:, None])
+        lse = tl.where(has_any, m + tl.log2(tl.where(has_any, l, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + base, lse, mask=g_ok)
+    else:
+        tl.store(out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, q_rows_ptr, out_ptr, stride_ot, stride_oh, num_splits,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_Q_ROWS: tl.constexpr,
+):
+    i = tl.program_id(0)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    if HAS_Q_ROWS:
+        row = tl.load(q_rows_ptr + i)
+    else:
+        row = i
+    s = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, HEAD_DIM_PAD)
+    s_ok = s < num_splits
+    base = (i * num_heads + head) * num_splits + s  # (SPLITS_PAD,)
+    lse = tl.load(part_lse_ptr + base, mask=s_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp2(lse - top)  # (SPLITS_PAD,) 0 for empty splits
+    o = tl.load(part_out_ptr + base[:, None].to(tl.int64) * HEAD_DIM_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    merged = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # (HEAD_DIM_PAD,)
+    tl.store(out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_ids_ptr, query_start_ptr, seq_lens_ptr,
+    scale, softcap, window, block_size,
+    stride_qt, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bt, stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.load(seq_ids_ptr + tl.program_id(1))
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+    q_start = tl.load(query_start_ptr + seq).to(tl.int32)
+    q_len = tl.load(query_start_ptr + seq + 1).to(tl.int32) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int32)
+    num_cached = seq_len - q_len  # keys before this step's first query token
+    local = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # (BLOCK_M,) query index within the sequence
+    m_ok = local < q_len
+    q_pos = num_cached + local  # (BLOCK_M,) query positions
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_ok = d < HEAD_DIM
+    rows = (q_start + local).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, HEAD_DIM_PAD)
+    # Keys this tile can see: up to its last query, from the first query's window start.
+    hi = tl.minimum(num_cached + (tile + 1) * BLOCK_M, seq_len)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(num_cached + tile * BLOCK_M - window + 1, 0)
+    hi = tl.where(tile * BLOCK_M < q_len, hi, lo)  # a tile past this sequence's queries does nothing
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    l = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for n0 in range(lo, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
+        p_ok = pos < hi
+        block = tl.load(table + pos // block_size, mask=p_ok, other=0).to(tl.int64)
+        offset = pos % block_size
+        kv_mask = p_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + (block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_DIM_PAD)
+        v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vt + kv_head * stride_vh)[:, None] + d[None, :],
+                    mask=kv_mask, other=0.0)
+        s = _scores(q, k, scale, softcap, HAS_SOFTCAP, DOT_F32, IEEE)  # (BLOCK_M, BLOCK_N)
+        visible = p_ok[None, :] & (pos[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        acc = _accumulate(acc * alpha[:, None], p, v, DOT_F32, IEEE)
+        m = m_new
+    out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & d_ok[None, :])
+
+
+# ---------------------------------------------------------------------------------------------
+# launchers
+
+_NUM_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a couple of splits, so the merge runs in tests too
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
+def default_num_splits(num_decode: int, num_kv_heads: int, max_context: int, device: torch.device,
+                       block_n: int = 64) -> int:
+    """Splits per (sequence, KV head): enough programs for about two waves of the GPU, each split
+    at least four tiles long. A function of shapes only (graph-capturable)."""
+    programs = max(1, num_decode * num_kv_heads)
+    wanted = triton.cdiv(2 * _num_sms(device), programs)
+    longest = max(1, triton.cdiv(max_context, 4 * block_n))
+    return max(1, min(wanted, longest, 32))
+
+
+def _pad(n: int, at_least: int = 1) -> int:
+    return max(at_least, triton.next_power_of_2(n))
+
+
+def decode_attention(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    block_tables: torch.Tensor,  # (num_seqs, max_blocks) int
+    seq_ids: torch.Tensor,  # (num_decode,) row of block_tables of each decode
+    seq_lens: torch.Tensor,  # (num_decode,) context length, this step's token included
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    q_rows: Optional[torch.Tensor] = None,  # (num_decode,) query row of each decode; None = row i
+    out: Optional[torch.Tensor] = None,  # (num_tokens, num_heads, head_dim), written at the decode rows
+    num_splits: Optional[int] = None,
+    block_n: Optional[int] = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Single-query attention of every decode over its paged context (GQA/MQA, window, split-K)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    group = num_heads // num_kv_heads
+    num_decode = seq_ids.shape[0]
+    if out is None:
+        out = torch.empty_like(q)
+    if num_decode == 0:
+        return out
+    on_gpu = q.is_cuda
+    block_n = block_n or (64 if on_gpu else 16)
+    if num_splits is None:
+        num_splits = default_num_splits(num_decode, num_kv_heads, block_tables.shape[1] * k_cache.shape[1],
+                                        q.device, block_n)
+    head_dim_pad = _pad(head_dim, 16 if on_gpu else 1)
+    is_split = num_splits > 1
+    if is_split:
+        part_out = torch.empty((num_decode, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device)
+        part_lse = torch.empty((num_decode, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused
+    dot_f32 = _dot_f32(q.dtype)
+    _decode_kernel[(num_decode, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_ids, seq_lens, q_rows if q_rows is not None else seq_ids,
+        out, part_out, part_lse,
+        float(scale), float(softcap or 1.0), int(sliding_window or 0), k_cache.shape[1],
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=group, GROUP_PAD=_pad(group, 16 if on_gpu else 1), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_N=block_n, IS_SPLIT=is_split, HAS_Q_ROWS=q_rows is not None, HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None, DOT_F32=dot_f32, IEEE=on_gpu and q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if is_split:
+        _merge_splits_kernel[(num_decode, num_heads)](
+            part_out, part_lse, q_rows if q_rows is not None else seq_ids, out, out.stride(0), out.stride(1),
+            num_splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=_pad(num_splits),
+            HAS_Q_ROWS=q_rows is not None,
+        )
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), this step's keys already written
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (num_seqs, max_blocks) int
+    query_start_loc: torch.Tensor,  # (num_seqs + 1,) int: where each sequence's query rows start
+    seq_lens: torch.Tensor,  # (num_seqs,) int: context length after this step
+    seq_ids: torch.Tensor,  # (num_prefill,) the sequences to attend (more than one query token each)
+    max_query_len: int,  # longest query of those (sizes the grid)
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    out: Optional[torch.Tensor] = None,
+    block_m: Optional[int] = None,
+    block_n: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Causal attention of each listed sequence's query tokens over its cached prefix and themselves."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    if out is None:
+        out = torch.empty_like(q)
+    num_prefill = seq_ids.shape[0]
+    if num_prefill == 0 or max_query_len == 0:
+        return out
+    on_gpu = q.is_cuda
+    head_dim_pad = _pad(head_dim, 16 if on_gpu else 1)
+    block_m = block_m or (64 if on_gpu else 16)
+    block_n = block_n or (64 if on_gpu else 16)
+    if num_warps is None:
+        num_warps = 8 if head_dim_pad >= 128 else 4
+    grid = (triton.cdiv(max_query_len, block_m), num_prefill, num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, block_tables, seq_ids, query_start_loc, seq_lens,
+        float(scale), float(softcap or 1.0), int(sliding_window or 0), k_cache.shape[1],
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
+        DOT_F32=_dot_f32(q.dtype), IEEE=on_gpu and q.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the reference's signature
+
+
+@dataclass
+class _StepTensors:
+    """Device copies of the step's host-side lists, made once per step and shared by every layer."""
+
+    decode_rows: Optional[torch.Tensor]  # (num_decode,) query rows; None when every sequence decodes
+    query_start_loc: Optional[torch.Tensor]  # (num_seqs + 1,)
+    seq_lens: Optional[torch.Tensor]  # (num_seqs,)
+    prefill_seq_ids: Optional[torch.Tensor]  # (num_prefill,)
+    max_prefill_len: int
+
+
+def _step_tensors(meta: AttentionMetadata, device: torch.device) -> _StepTensors:
+    key = ("triton",)
+    if key not in meta._memo:
+        if not meta.prefill_seq_ids:
+            # A pure decode step (what CUDA graphs replay): sequence i is query row i, nothing to copy.
+            meta._memo[key] = _StepTensors(None, None, None, None, 0)
+        else:
+            starts = meta.query_start_loc
+            decode_ids = meta.decode_seq_ids.tolist()
+            meta._memo[key] = _StepTensors(
+                decode_rows=torch.tensor([starts[i] for i in decode_ids], dtype=torch.long, device=device),
+                query_start_loc=torch.tensor(starts, dtype=torch.long, device=device),
+                seq_lens=torch.tensor(meta.seq_lens, dtype=torch.long, device=device),
+                prefill_seq_ids=torch.tensor(meta.prefill_seq_ids, dtype=torch.long, device=device),
+                max_prefill_len=max(starts[i + 1] - starts[i] for i in meta.prefill_seq_ids),
+            )
+    return meta._memo[key]
+
+
+def paged_attention(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), this step's keys already written
+    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    k_new: Optional[torch.Tensor] = None,  # unused: the kernels read every key from the cache
+    v_new: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """`batchrun.kernels.attention.paged_attention` on Triton kernels."""
+    out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
+    t = _step_tensors(meta, q.device)
+    if meta.decode_seq_ids.shape[0] > 0:
+        decode_attention(q, k_cache, v_cache, meta.block_tables, meta.decode_seq_ids, meta.decode_seq_lens,
+                         scale, sliding_window, softcap, q_rows=t.decode_rows, out=out)
+    if meta.prefill_seq_ids:
+        prefill_attention(q, k_cache, v_cache, meta.block_tables, t.query_start_loc, t.seq_lens, t.prefill_seq_ids,
+                          t.max_prefill_len, scale, sliding_window, softcap, out=out)
+    return out

@@ -7,6 +7,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from batchrun.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.kernels.attention import AttentionMetadata
 from batchrun.kernels.quant import KV_CACHE_DTYPES, QuantizedKVCache, kv_bytes_per_token_head
@@ -50,6 +51,11 @@ class ModelRunner:
                 (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(s.num_layers)
             ]
+        # GPU only: pure decode steps replay CUDA graphs (engine/cuda_graphs.py); None on CPU.
+        self.graphs: Optional[DecodeGraphs] = None
+        if cuda_graphs_enabled(device):
+            max_blocks = min(num_blocks, -(-s.max_position_embeddings // block_size))
+            self.graphs = DecodeGraphs(model, self.kv_caches, block_size, max_blocks, device, dtype)
 
     def prepare(self, batch: ScheduledBatch, num_computed: Optional[list[int]] = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int], list[int]]:
@@ -107,8 +113,26 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, num_layers: Optional[int] = None,
                 num_computed: Optional[list[int]] = None) -> RunnerOutput:
+        is_full_step = num_layers is None and num_computed is None
+        if self.graphs is not None and is_full_step and self.graphs.can_run(batch):
+            graphed = self.graphs.execute(batch)
+            if graphed is not None:
+                logits, sample_seq_ids = graphed
+                return RunnerOutput(logits=self._logits_for_sampler(logits, batch, is_full_step),
+                                    sample_seq_ids=sample_seq_ids, num_rows=[1] * len(sample_seq_ids))
         input_ids, positions, meta, logits_rows, sample_seq_ids, num_rows = self.prepare(batch, num_computed)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers)  # (num_tokens, hidden_size)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        return RunnerOutput(logits=logits.cpu(), sample_seq_ids=sample_seq_ids, num_rows=num_rows)
+        return RunnerOutput(logits=self._logits_for_sampler(logits, batch, is_full_step),
+                            sample_seq_ids=sample_seq_ids, num_rows=num_rows)
+
+    @staticmethod
+    def _logits_for_sampler(logits: torch.Tensor, batch: ScheduledBatch, is_full_step: bool) -> torch.Tensor:
+        """On the GPU, all-greedy steps keep the logits there: the sampler's argmax runs on the device
+        and only the token ids come back. Anything that needs the host (per-request CPU generators,
+        logprobs, draft verification, drafter passes) gets them copied; on CPU this is a no-op."""
+        if logits.is_cuda and is_full_step and not batch.spec_token_ids and all(
+                r.params.is_greedy and r.params.logprobs is None for r in batch.requests):
+            return logits
+        return logits.cpu()

@@ -1,0 +1,204 @@
+"""Decode steps replayed from CUDA graphs, one graph per batch-size bucket.
+
+A decode step of a small model is dozens of tiny kernels per layer; launching them one by one from
+Python costs more than running them. So a pure decode step (every request computes one token, no
+drafts) is padded up to a bucket size and replayed from a graph captured once for that bucket.
+
+Inputs live in static device buffers the graphs were captured on. The host packs one row per request
+into a pinned buffer, [token id, position, slot, block table...], and the step starts with one
+host-to-device copy of exactly those bytes, unpacked on the device by four small copies.
+Padding rows repeat the last real row: they recompute the same K/V into the same slot and their
+outputs are dropped, so padding needs no special case in any kernel or in the torch reference.
+
+Graphs are captured lazily, the first time a bucket is seen, with that step's real inputs already in
+the buffers (so the eager warm-up run before the capture computes the real step: writing the same
+K/V twice is harmless). `capture_all` captures every bucket up front with dummy rows whose cache
+slot is -1 (skipped by the Triton KV write), so it is safe at any time on the GPU.
+
+Only `DecodeGraphs(..., capture=...)` knows about CUDA: the CPU tests pass `EagerReplay`, which
+"replays" by running the step again, and so exercise the buckets, padding, packing and buffers.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from batchrun.engine.request import Request
+from batchrun.engine.scheduler import ScheduledBatch
+from batchrun.kernels.attention import AttentionMetadata
+
+log = logging.getLogger("batchrun.engine")
+
+MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly (nano-vllm's limit too)
+_NUM_FIXED = 3  # packed columns before the block table: token id, position, slot
+
+Capture = Callable[[Callable[[], None], Any], Any]  # (step, pool) -> object with .replay()
+
+
+def bucket_sizes(max_batch: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_batch (which is always included)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_batch] + list(range(16, max_batch, 16))
+    return sizes + [max_batch]
+
+
+def pick_bucket(buckets: list[int], num_seqs: int) -> Optional[int]:
+    i = bisect.bisect_left(buckets, num_seqs)
+    return buckets[i] if i < len(buckets) else None
+
+
+def pack_decode_inputs(requests: list[Request], block_size: int, host: np.ndarray) -> list[int]:
+    """Fill host (bucket, 3 + width) with one packed row per request, padded by repeating the last
+    row; width is the widest block table. Returns the batch indices of the requests that sample."""
+    n = len(requests)
+    bucket = host.shape[0]
+    assert 0 < n <= bucket
+    positions = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=n)
+    host[:n, 0] = np.fromiter((r.token_ids[r.num_computed_tokens] for r in requests), dtype=np.int64, count=n)
+    host[:n, 1] = positions
+    host[:n, _NUM_FIXED:] = 0  # shorter tables are padded with block 0, as the runner pads them
+    for i, r in enumerate(requests):
+        host[i, _NUM_FIXED: _NUM_FIXED + len(r.block_ids)] = r.block_ids
+    host[:n, 2] = host[np.arange(n), _NUM_FIXED + positions // block_size] * block_size + positions % block_size
+    host[n:] = host[n - 1]
+    # A one-token chunk of a prompt is a decode-shaped step too, but samples nothing yet.
+    return [i for i, r in enumerate(requests) if r.num_computed_tokens + 1 >= r.num_tokens]
+
+
+class EagerReplay:
+    """The CPU stand-in for a captured graph: replaying runs the step again on the same buffers."""
+
+    def __init__(self, step: Callable[[], None], pool: Any = None) -> None:
+        self.step = step
+
+    def replay(self) -> None:
+        self.step()
+
+
+def capture_cuda_graph(step: Callable[[], None], pool: Any) -> "torch.cuda.CUDAGraph":
+    step()  # warm-up: compiles the Triton kernels and settles the allocator before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        step()
+    return graph
+
+
+def cuda_graphs_enabled(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get("BATCHRUN_CUDA_GRAPHS", "1") != "0"
+
+
+class DecodeGraphs:
+    def __init__(self, model: Any, kv_caches: list, block_size: int, max_blocks_per_seq: int,
+                 device: torch.device, dtype: torch.dtype, max_batch: int = MAX_GRAPH_BATCH,
+                 capture: Optional[Capture] = None) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.block_size = block_size
+        self.device = device
+        self.buckets = bucket_sizes(max_batch)
+        self.max_batch = max_batch
+        self.capture = capture or capture_cuda_graph
+        pin = device.type == "cuda"
+        # Packed rows of one step, [token id, position, slot, block table...], flat so one copy moves
+        # exactly the bytes used: (max_batch * (3 + max_blocks_per_seq),)
+        self.host = torch.zeros(max_batch * (_NUM_FIXED + max_blocks_per_seq), dtype=torch.int64, pin_memory=pin)
+        self.host_np = self.host.numpy()
+        self.staged = torch.zeros_like(self.host, device=device)
+        # The static inputs the graphs read.
+        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)  # (max_batch,)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(max_batch, dtype=torch.int64, device=device)
+        self.seq_ids = torch.arange(max_batch, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.int64, device=device)
+        self.hidden = torch.zeros((max_batch, model.spec.hidden_size), dtype=dtype, device=device)
+        self.graphs: dict[int, Any] = {}
+        self.pool: Any = None
+        self.copied: Optional[torch.cuda.Event] = None
+        self.is_broken = False  # a capture failed (some layer syncs with the host): run eagerly from then on
+
+    def can_run(self, batch: ScheduledBatch) -> bool:
+        return (not self.is_broken and 0 < len(batch.requests) <= self.max_batch and not batch.spec_token_ids
+                and all(n == 1 for n in batch.num_new_tokens)
+                and max(len(r.block_ids) for r in batch.requests) <= self.block_tables.shape[1])
+
+    def _step_fn(self, bucket: int) -> Callable[[], None]:
+        meta = AttentionMetadata(
+            slot_mapping=self.slot_mapping[:bucket], query_start_loc=list(range(bucket + 1)),
+            seq_lens=[1] * bucket,  # read only by prefill code, which a decode step never reaches
+            block_tables=self.block_tables[:bucket], block_size=self.block_size,
+            decode_seq_ids=self.seq_ids[:bucket], decode_seq_lens=self.seq_lens[:bucket], prefill_seq_ids=[],
+        )
+
+        def step() -> None:
+            meta._memo.clear()  # the torch path memoizes masks from values; a replay has new values
+            torch.add(self.positions[:bucket], 1, out=self.seq_lens[:bucket])
+            hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, meta)
+            self.hidden[:bucket].copy_(hidden)
+
+        return step
+
+    def _upload(self, bucket: int, width: int) -> None:
+        """One host-to-device copy of the packed rows, then unpack them into the static inputs."""
+        n = bucket * (_NUM_FIXED + width)
+        self.staged[:n].copy_(self.host[:n], non_blocking=True)
+        if self.device.type == "cuda":
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        rows = self.staged[:n].view(bucket, _NUM_FIXED + width)
+        self.input_ids[:bucket].copy_(rows[:, 0])
+        self.positions[:bucket].copy_(rows[:, 1])
+        self.slot_mapping[:bucket].copy_(rows[:, 2])
+        self.block_tables[:bucket, :width].copy_(rows[:, _NUM_FIXED:])
+
+    def _graph(self, bucket: int) -> Any:
+        if bucket not in self.graphs:
+            graph = self.capture(self._step_fn(bucket), self.pool)
+            if self.pool is None and hasattr(graph, "pool"):
+                self.pool = graph.pool()  # every bucket shares one memory pool: replays never overlap
+            self.graphs[bucket] = graph
+        return self.graphs[bucket]
+
+    def execute(self, batch: ScheduledBatch) -> Optional[tuple[torch.Tensor, list[int]]]:
+        """(logits (num_sampled, vocab) float32 on the device, seq_ids of the sampled requests), or
+        None when the step must run eagerly instead."""
+        requests = batch.requests
+        bucket = pick_bucket(self.buckets, len(requests))
+        assert bucket is not None
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's upload has left the pinned buffer
+        width = max(len(r.block_ids) for r in requests)
+        host = self.host_np[: bucket * (_NUM_FIXED + width)].reshape(bucket, _NUM_FIXED + width)
+        sample = pack_decode_inputs(requests, self.block_size, host)
+        self._upload(bucket, width)
+        try:
+            graph = self._graph(bucket)
+        except Exception as exc:  # noqa: BLE001 - any failed capture means: this model cannot be graphed
+            log.warning("CUDA graph capture failed for decode batch %d (%s); decoding eagerly from now on",
+                        bucket, exc)
+            self.is_broken = True
+            return None
+        graph.replay()
+        n = len(requests)
+        hidden = self.hidden[:n] if len(sample) == n else self.hidden[torch.tensor(sample, device=self.device)]
+        logits = self.model.compute_logits(hidden)
+        return logits, [requests[i].seq_id for i in sample]
+
+    @torch.inference_mode()
+    def capture_all(self, max_batch: Optional[int] = None) -> None:
+        """Capture every bucket up to max_batch now (GPU only): dummy rows write nothing (slot -1)
+        and read block 0."""
+        assert self.device.type == "cuda", "capture_all relies on the Triton KV write skipping slot -1"
+        self.input_ids.zero_()
+        self.positions.zero_()
+        self.slot_mapping.fill_(-1)
+        self.block_tables[:, 0] = 0
+        limit = pick_bucket(self.buckets, min(max_batch or self.max_batch, self.max_batch))
+        for bucket in reversed([b for b in self.buckets if b <= limit]):  # largest first: the rest fit in its pool
+            self._graph(bucket)
+        torch.cuda.synchronize()

@@ -1,0 +1,154 @@
+"""Decode CUDA graphs: the bucket, padding and packing logic on CPU, and greedy output unchanged.
+
+On CPU the graphs are stood in for by `EagerReplay` (a "replay" reruns the step on the same static
+buffers), so everything but the capture itself runs: packing rows on the host, the one upload,
+unpacking into static inputs, padding to a bucket by repeating the last row, slicing the outputs,
+and the fallback to eager steps when a capture fails. The real capture is checked on a GPU (`-m gpu`).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from batchrun.engine import Engine, EngineConfig, SamplingParams
+from batchrun.engine.config import SamplingParams as Params
+from batchrun.engine.cuda_graphs import (DecodeGraphs, EagerReplay, bucket_sizes, pack_decode_inputs, pick_bucket)
+from batchrun.engine.request import Request
+from batchrun.engine.runner import ModelRunner
+from batchrun.engine.scheduler import ScheduledBatch
+
+_ON_GPU = torch.cuda.is_available()
+
+
+def test_buckets_cover_every_batch_size_with_the_smallest_fit():
+    assert bucket_sizes(8) == [1, 2, 4, 8]
+    assert bucket_sizes(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert bucket_sizes(512)[-3:] == [480, 496, 512]
+    buckets = bucket_sizes(100)
+    for n in range(1, 101):
+        b = pick_bucket(buckets, n)
+        assert b is not None and b >= n
+        assert all(x < n for x in buckets if x < b)
+    assert pick_bucket(buckets, 101) is None
+
+
+def _request(seq_id: int, num_tokens: int, num_computed: int, block_size: int, rng: np.random.Generator) -> Request:
+    req = Request(seq_id, seq_id, rng.integers(0, 500, num_tokens).tolist(), Params(temperature=0.0), 0.0, None)
+    req.num_computed_tokens = num_computed
+    num_blocks = -(-(num_computed + 1) // block_size)
+    req.block_ids = rng.permutation(200)[:num_blocks].tolist()
+    return req
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_packed_rows_match_what_the_runner_prepares(block_size):
+    """The graph path's host inputs equal ModelRunner.prepare's for the same decode batch, padding
+    rows repeat the last request, and a one-token prompt chunk is computed but not sampled."""
+    rng = np.random.default_rng(block_size)
+    reqs = [_request(i, n, n - 1, block_size, rng) for i, n in enumerate((5, 17, 1, 40, 33))]
+    reqs.append(_request(5, 30, 11, block_size, rng))  # mid-prompt chunk of one token: samples nothing
+    batch = ScheduledBatch(reqs, [1] * len(reqs))
+    runner = ModelRunner.__new__(ModelRunner)  # prepare() needs only these two
+    runner.block_size, runner.device = block_size, torch.device("cpu")
+    input_ids, positions, meta, logits_rows, sample_seq_ids, _ = runner.prepare(batch)
+
+    width = max(len(r.block_ids) for r in reqs)
+    host = np.full((8, 3 + width), -7, dtype=np.int64)  # stale values must all be overwritten
+    sample = pack_decode_inputs(reqs, block_size, host)
+    n = len(reqs)
+    assert host[:n, 0].tolist() == input_ids.tolist()
+    assert host[:n, 1].tolist() == positions.tolist()
+    assert host[:n, 2].tolist() == meta.slot_mapping.tolist()
+    assert (host[:n, 3:] == meta.block_tables.numpy()[:, :width]).all()
+    assert (host[n:] == host[n - 1]).all()
+    assert sample == logits_rows == [0, 1, 2, 3, 4]
+    assert [reqs[i].seq_id for i in sample] == sample_seq_ids
+
+
+@pytest.fixture(scope="module")
+def tiny_engine_factory(tiny_llama_dir):
+    def make() -> Engine:
+        return Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
+                                   max_num_seqs=16, max_num_batched_tokens=256))
+    return make
+
+
+def _attach_graphs(engine: Engine, capture=None, max_batch: int = 16) -> DecodeGraphs:
+    runner = engine.runner
+    max_blocks = -(-engine.max_model_len // runner.block_size)
+    runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, max_blocks, engine.device,
+                                 engine.dtype, max_batch=max_batch,
+                                 capture=capture or (lambda step, pool: EagerReplay(step, pool)))
+    return runner.graphs
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(0)
+    return [rng.integers(3, 500, n).tolist() for n in (5, 23, 9, 40, 2, 17, 31)]
+
+
+def test_graph_path_keeps_greedy_output_and_pads_to_buckets(tiny_engine_factory):
+    """Same tokens with and without the decode-graph path; batches of 7 shrinking to 1 as requests
+    finish at different lengths use the 8, 4, 2 and 1 buckets with padding rows."""
+    prompts = _prompts()
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (12, 3, 8, 20, 5, 1, 9)]
+    eager = tiny_engine_factory()
+    assert eager.runner.graphs is None, "CPU engines never build graphs"
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+
+    engine = tiny_engine_factory()
+    graphs = _attach_graphs(engine)
+    replays = []
+    real_execute = graphs.execute
+    graphs.execute = lambda batch: replays.append(len(batch.requests)) or real_execute(batch)
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert got == want
+    assert replays, "no decode step went through the graph path"
+    assert {pick_bucket(graphs.buckets, n) for n in replays} >= {8, 4, 2, 1}
+    assert set(graphs.graphs) == {pick_bucket(graphs.buckets, n) for n in replays}
+
+
+def test_failed_capture_falls_back_to_eager_steps(tiny_engine_factory):
+    def broken_capture(step, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    prompts = _prompts()[:3]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in tiny_engine_factory().generate(prompts, params)]
+    engine = tiny_engine_factory()
+    graphs = _attach_graphs(engine, capture=broken_capture)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    assert graphs.is_broken and not graphs.graphs
+
+
+def test_batches_the_graphs_cannot_take_run_eagerly(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    graphs = _attach_graphs(engine, max_batch=2)
+    rng = np.random.default_rng(1)
+    decode = [_request(i, 9, 8, 16, rng) for i in range(3)]
+    assert not graphs.can_run(ScheduledBatch(decode, [1, 1, 1]))  # more than the largest bucket
+    assert graphs.can_run(ScheduledBatch(decode[:2], [1, 1]))
+    assert not graphs.can_run(ScheduledBatch(decode[:2], [1, 2]))  # a prefill chunk
+    spec = ScheduledBatch(decode[:1], [1], spec_token_ids={0: [5]})
+    assert not graphs.can_run(spec)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
+def test_cuda_graphs_keep_greedy_output_on_gpu(tiny_llama_dir, monkeypatch):
+    prompts = _prompts()
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (12, 3, 8, 20, 5, 1, 9)]
+    cfg = dict(model=tiny_llama_dir, dtype="float32", device="cuda", kv_cache_memory=64 << 20,
+               max_num_seqs=16, max_num_batched_tokens=256)
+    monkeypatch.setenv("BATCHRUN_CUDA_GRAPHS", "0")
+    eager = Engine(EngineConfig(**cfg))
+    assert eager.runner.graphs is None
+    want = [o.token_ids for o in eager.generate(prompts, params)]
+    monkeypatch.setenv("BATCHRUN_CUDA_GRAPHS", "1")
+    engine = Engine(EngineConfig(**cfg))
+    assert engine.runner.graphs is not None
+    engine.runner.graphs.capture_all(max_batch=16)
+    got = [o.token_ids for o in engine.generate(prompts, params)]
+    assert got == want
+    assert not engine.runner.graphs.is_broken

@@ -300,12 +300,14 @@ def test_two_workers_split_the_shards_and_match_one_worker(tmp_path, make_shards
     assert run_job(single, engine=tiny_engine).exit_code == 0
     for rank in (1, 0):
         cfg = RunConfig(**{**run_config(tmp_path / "in", tmp_path / "two", tiny_llama_dir).__dict__,
-                           "launcher": LauncherConfig(rank=rank, world_size=2)})
+                           # Run one after the other: with stealing on, rank 1 would take all.
+                           "launcher": LauncherConfig(rank=rank, world_size=2, work_stealing=False)})
         result = run_job(cfg, engine=tiny_engine)
         assert [s.name for s in result.shards] == (["part-00", "part-02"] if rank == 0 else ["part-01"])
         manifest = json.loads((tmp_path / "two" / f"_manifest.rank{rank}.json").read_text())
         assert manifest["worker"]["rank"] == rank and manifest["worker"]["world_size"] == 2
-    assert not (tmp_path / "two" / "_manifest.json").exists()
+    merged = json.loads((tmp_path / "two" / "_manifest.json").read_text())  # the last finisher merges
+    assert merged["status"] == "completed" and [s["status"] for s in merged["shards"]] == ["committed"] * 3
     assert pq.read_table(tmp_path / "two" / "metrics" / "part-01.parquet").column("worker").to_pylist() == [1]
     for shard in ("part-00", "part-01", "part-02"):
         # Greedy output does not depend on which worker ran the shard.

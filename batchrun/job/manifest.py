@@ -2,13 +2,16 @@
 
 It is rewritten after every shard (never appended to), so a killed run still leaves an accurate
 record of what it committed. With several workers each writes its own (`_manifest.rank{r}.json`):
-workers never coordinate, so no file has two writers.
+workers never coordinate, so no such file has two writers. Each worker, when it finishes, and the
+local launcher (launcher.num_workers), when all have, also merge them with the commit markers into
+the run's one `_manifest.json` (merge_manifests).
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
 import importlib.metadata
+import json
 import os
 import platform
 import socket
@@ -41,6 +44,7 @@ class ShardRecord:
     name: str
     input: str  # the input file's URL
     # pending -> running -> committed | failed | interrupted; skipped: committed by an earlier run
+    # or another worker; elsewhere: another worker holds its claim (work stealing)
     status: str = "pending"
     started_at: Optional[str] = None
     finished_at: Optional[str] = None
@@ -85,6 +89,10 @@ class Manifest:
             assert hasattr(record, key), key
             setattr(record, key, value)
 
+    def add_shard(self, shard: Shard) -> None:
+        """A shard taken over from another worker (work stealing)."""
+        self.shards.setdefault(shard.name, ShardRecord(shard.name, shard.url))
+
     def finish(self, status: str, message: str, stats: Optional[EngineStats]) -> None:
         self._doc.update(status=status, finished_at=utc_now(), message=message,
                          engine_stats=dataclasses.asdict(stats) if stats is not None else None)
@@ -94,3 +102,82 @@ class Manifest:
 
     def write(self) -> None:
         self._store.write_json(self.path, self.to_dict())
+
+
+# A shard's record in the run manifest comes from the worker whose record says the most.
+_STATUS_RANK = {"committed": 6, "skipped": 5, "failed": 4, "interrupted": 3, "running": 2, "elsewhere": 1, "pending": 0}
+
+
+def read_worker_manifests(store: RunStore) -> list[dict[str, Any]]:
+    """Every worker's `_manifest.rank{r}.json`, by rank (a worker that never started has none)."""
+    store.fs.invalidate_cache(store.root)
+    docs = []
+    for path in store.fs.glob(store.path("_manifest.rank*.json")):
+        try:
+            docs.append(json.loads(store.fs.cat_file(path)))
+        except (FileNotFoundError, ValueError):  # being replaced right now; the next merge has it
+            pass
+    return sorted(docs, key=lambda d: d["worker"]["rank"])
+
+
+def merge_manifests(store: RunStore, shards: Sequence[Shard], world_size: int) -> dict[str, Any]:
+    """One manifest for the whole run from the workers' own and the commit markers (the truth).
+
+    Workers never coordinate, so any of them (and the local launcher, after all of them) may write
+    it; the content is a function of the files, and the last writer has seen the most of them.
+    """
+    docs = read_worker_manifests(store)
+    committed = store.committed_shards()
+    records: dict[str, dict[str, Any]] = {}
+    for doc in docs:
+        for record in doc.get("shards", []):
+            best = records.get(record["name"])
+            if best is None or _STATUS_RANK.get(record["status"], 0) > _STATUS_RANK.get(best["status"], 0):
+                records[record["name"]] = {**record, "worker": doc["worker"]["rank"]}
+    merged_shards = []
+    for shard in shards:
+        record = records.get(shard.name) or {**dataclasses.asdict(ShardRecord(shard.name, shard.url)), "worker": None}
+        if shard.name in committed:
+            marker = store.read_marker(shard.name) or {}
+            record = {**record, "status": "committed", "started_at": marker.get("started_at"),
+                      "finished_at": marker.get("committed_at"), "num_rows": marker.get("num_rows"),
+                      "num_errors": (marker.get("metrics") or {}).get("num_errors"), "error": None,
+                      "worker": marker.get("worker")}
+        merged_shards.append(record)
+    statuses = {r["status"] for r in merged_shards}
+    worker_statuses = {d["status"] for d in docs}
+    if statuses == {"committed"}:
+        status = "completed"
+    elif "failed" in statuses:
+        status = "failed"
+    elif "running" in worker_statuses or len(docs) < world_size:
+        status = "running"
+    else:
+        status = "interrupted"  # some shard neither committed nor failed: a rerun finishes it
+    first = next((d for d in docs if d.get("model", {}).get("path")), docs[0] if docs else {})
+    finished = [d["finished_at"] for d in docs if d.get("finished_at")]
+    num_done = sum(r["status"] == "committed" for r in merged_shards)
+    return {
+        "status": status,
+        "started_at": min((d["started_at"] for d in docs), default=None),
+        "finished_at": max(finished) if status != "running" and finished else None,
+        "output_uri": store.url(store.root),
+        "worker": {"rank": None, "world_size": world_size, "source": "merged from _manifest.rank*.json"},
+        "workers": [{**d["worker"], "status": d["status"], "started_at": d["started_at"],
+                     "finished_at": d["finished_at"], "message": d.get("message"),
+                     "engine_stats": d.get("engine_stats")} for d in docs],
+        "num_shards_total": len(shards),
+        "versions": first.get("versions"),
+        "model": first.get("model"),
+        "engine_settings": first.get("engine_settings"),
+        "config": first.get("config"),
+        "engine_stats": None,  # per worker, under workers
+        "message": f"{num_done} of {len(shards)} shards committed",
+        "shards": merged_shards,
+    }
+
+
+def write_merged_manifest(store: RunStore, shards: Sequence[Shard], world_size: int) -> dict[str, Any]:
+    doc = merge_manifests(store, shards, world_size)
+    store.write_json(store.path("_manifest.json"), doc)
+    return doc

@@ -34,6 +34,11 @@ class Progress:
             self._update_postfix(refresh=False)
             self._bar.update(num_rows)
 
+    def add_shards(self, num_shards: int) -> None:
+        """Shards taken over from other workers (work stealing) join the count."""
+        self._num_shards += num_shards
+        self._update_postfix()
+
     def shard_done(self) -> None:
         self._num_shards_done += 1
         self._update_postfix()

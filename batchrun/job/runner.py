@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
 
 from batchrun.engine import Engine, EngineConfig, EngineRequest, EngineStats, SamplingParams
+from batchrun.job.claims import FAILED, ClaimBook, claimed_shards, steal_order
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import JobError, ShardError
-from batchrun.job.manifest import Manifest, utc_now
+from batchrun.job.manifest import Manifest, utc_now, write_merged_manifest
 from batchrun.job.metrics import ShardTally, metrics_row, percentile
 from batchrun.job.planner import plan_requests
 from batchrun.job.progress import Progress
@@ -43,7 +44,8 @@ NULL_ID = "null_id"
 @dataclass(frozen=True)
 class ShardSummary:
     name: str
-    status: str  # committed | skipped | failed | interrupted | pending
+    # committed | skipped | failed | interrupted | pending | elsewhere (another worker holds its claim)
+    status: str
     metrics: Optional[dict[str, Any]] = None  # the metrics row, for committed and skipped shards
     error: Optional[str] = None
 
@@ -65,6 +67,10 @@ def run_job(config: RunConfig, engine: Optional[Engine] = None, env: Optional[Ma
     `engine` may be passed in to reuse a loaded one (notebooks, tests); `env` defaults to
     os.environ and is where torchrun/Slurm ranks are read from when the config leaves them unset.
     """
+    if config.launcher.num_workers > 1 and config.launcher.rank is None:
+        from batchrun.job.pool import run_local_workers  # the pool runs this module in each worker
+
+        return run_local_workers(config, env if env is not None else os.environ)
     return _JobRun(config, env if env is not None else os.environ).run(engine)
 
 
@@ -104,6 +110,11 @@ class _JobRun:
         self.config_hash = config_hash(config)
         self.summaries: dict[str, ShardSummary] = {s.name: ShardSummary(s.name, "pending") for s in self.shards}
         self.todo = [s for s in self.shards if s.name not in committed]
+        self.all_shards = all_shards
+        # Shards of other workers this one may take once its own are done (none without stealing).
+        self.steal = [s for s in steal_order(all_shards, self.worker) if s.name not in committed] \
+            if config.launcher.work_stealing and self.worker.world_size > 1 else []
+        self.claims = ClaimBook(self.store, config.launcher.claim_lease_s)
         for shard in self.shards:
             if shard.name in committed:
                 self._record_skipped(shard)
@@ -132,11 +143,12 @@ class _JobRun:
     def run(self, engine: Optional[Engine]) -> RunResult:
         stats: Optional[EngineStats] = None
         with StopRequest() as stop:
-            if self.todo and not stop.requested:
+            if (self.todo or self.steal) and not stop.requested:
                 try:
                     engine = engine or load_engine(self.config.engine)
                     self.manifest.set_engine(engine.model_path, engine.model_fingerprint, engine.settings)
-                    self._process(engine, stop)
+                    with self.claims:
+                        self._process(engine, stop)
                 except JobError as e:
                     self.manifest.finish("failed", str(e), None)
                     self.manifest.write()
@@ -145,6 +157,11 @@ class _JobRun:
         result = self._result(stop)
         self.manifest.finish(result.status, result.message, stats)
         self.manifest.write()
+        if self.worker.world_size > 1:
+            try:
+                write_merged_manifest(self.store, self.all_shards, self.worker.world_size)
+            except Exception:  # the rank manifest is written; the next finisher merges again
+                log.warning("could not merge the run manifest", exc_info=True)
         self.store.cleanup()
         return result
 
@@ -157,14 +174,35 @@ class _JobRun:
         progress = Progress(len(self.todo), self.config.quiet)
         try:
             with progress.logging_redirected():
-                for shard in self.todo:
-                    if stop.requested:
-                        break
-                    self.summaries[shard.name] = self._run_shard_logged(shard, engine, builder, progress, stop)
+                for shard in claimed_shards(self.todo, self.steal, self.claims, self._is_committed,
+                                            self._skip_claimed, lambda: stop.requested):
+                    if shard.name not in self.summaries:  # stolen from another worker
+                        log.info("shard %s: taken over from another worker", shard.name)
+                        self.shards.append(shard)
+                        self.manifest.add_shard(shard)
+                        progress.add_shards(1)
+                    summary = self._run_shard_logged(shard, engine, builder, progress, stop)
+                    self.summaries[shard.name] = summary
+                    if summary.status in ("committed", "skipped"):
+                        self.claims.drop(shard.name)
+                    else:
+                        self.claims.release(shard.name, FAILED if summary.status == "failed" else "released")
                     self.manifest.write()
                     progress.shard_done()
         finally:
             progress.close()
+
+    def _is_committed(self, shard: str) -> bool:
+        return self.store.read_marker(shard) is not None
+
+    def _skip_claimed(self, shard: Shard, status: str) -> None:
+        """One of our shards that another worker committed ("skipped") or is working on ("elsewhere")."""
+        if status == "skipped":
+            self._record_skipped(shard)
+        else:
+            self.manifest.update(shard.name, status="elsewhere")
+            self.summaries[shard.name] = ShardSummary(shard.name, "elsewhere")
+        self.manifest.write()
 
     def _run_shard_logged(self, shard: Shard, engine: Engine, builder: PromptBuilder,
                           progress: Progress, stop: StopRequest) -> ShardSummary:
@@ -190,8 +228,10 @@ class _JobRun:
     def _result(self, stop: StopRequest) -> RunResult:
         summaries = [self.summaries[s.name] for s in self.shards]
         count = {status: sum(s.status == status for s in summaries)
-                 for status in ("committed", "skipped", "failed", "interrupted", "pending")}
+                 for status in ("committed", "skipped", "failed", "interrupted", "pending", "elsewhere")}
         done = f"{count['committed']} committed, {count['skipped']} already done"
+        if count["elsewhere"]:
+            done += f", {count['elsewhere']} being done by other workers"
         # A signal that arrives after the last commit changes nothing: the run is complete.
         if stop.requested and (count["interrupted"] or count["pending"]):
             exit_code, status = stop.exit_code, "interrupted"
@@ -270,12 +310,17 @@ class _ShardRun:
             raise ShardError(f"{num_rows} result rows for {self.reader.num_rows} input rows; not committed")
         metrics = metrics_row(self.shard.name, self.job.worker.rank, self.tally, wall_s, before, self.engine.stats())
         write_metrics(self.job.store.fs, attempt.metrics_tmp, metrics)
-        self.job.store.commit(attempt, {
+        is_first = self.job.store.commit(attempt, {
             "shard": self.shard.name, "input": self.shard.url, "num_rows": num_rows,
             "started_at": self.started_at, "committed_at": utc_now(), "worker": self.job.worker.rank,
             "config_hash": self.job.config_hash, "model_fingerprint": self.engine.model_fingerprint,
             "error_counts": self.tally.error_counts, "metrics": metrics,
         })
+        if not is_first:
+            log.warning("shard %s was committed by another worker meanwhile; this attempt is discarded",
+                        self.shard.name)
+            return ShardSummary(self.shard.name, "skipped", (self.job.store.read_marker(self.shard.name) or {})
+                                .get("metrics"))
         self.job.ttfts.extend(self.tally.ttfts)
         return ShardSummary(self.shard.name, "committed", metrics)
 

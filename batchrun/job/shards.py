@@ -28,6 +28,18 @@ class LauncherConfig:
     name: str = "local"
     rank: Optional[int] = None  # this worker's index; None: torchrun RANK, Slurm ids, else 0
     world_size: Optional[int] = None  # number of workers; None: torchrun WORLD_SIZE, Slurm counts, else 1
+    # Worker processes this command starts on this machine (one engine each, one GPU each on
+    # cuda); 1 runs in this process. With N > 1 the command is the launcher of ranks 0..N-1.
+    num_workers: int = 1
+    # Idle workers take unstarted (and dead workers') shards through claim files (claims.py).
+    work_stealing: bool = True
+    claim_lease_s: float = 120.0  # a claim without a heartbeat for this long may be taken over
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"launcher.num_workers must be >= 1, got {self.num_workers}")
+        if self.claim_lease_s <= 0:
+            raise ValueError(f"launcher.claim_lease_s must be > 0, got {self.claim_lease_s}")
 
 
 @dataclass(frozen=True)

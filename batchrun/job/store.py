@@ -5,6 +5,7 @@
     {output.uri}/_commits/{shard}.json      the commit marker: the only proof a shard is done
     {output.uri}/_manifest.json             this run (one per worker when world_size > 1)
     {output.uri}/_tmp/{shard}/...           files being written; never read by anyone
+    {output.uri}/_claims/{shard}/...        who is working on a shard (claims.py); advisory only
 
 Protocol, the same on every filesystem: write both files under _tmp, move them to their final
 names, then write the marker. A shard is committed if and only if its marker exists. A crash before
@@ -89,12 +90,21 @@ class RunStore:
         return Attempt(shard, posixpath.join(tmp_dir, f"{token}.results.parquet"),
                        posixpath.join(tmp_dir, f"{token}.metrics.parquet"))
 
-    def commit(self, attempt: Attempt, marker: Mapping[str, Any]) -> None:
-        """Publish an attempt's files, then its marker; from the marker on, the shard is done."""
+    def commit(self, attempt: Attempt, marker: Mapping[str, Any]) -> bool:
+        """Publish an attempt's files, then its marker; from the marker on, the shard is done.
+
+        False, with the attempt discarded, when another worker committed the shard first (two
+        workers can end up processing one shard: see claims.py); the first marker stands.
+        """
+        self.fs.invalidate_cache(self.path("_commits"))
+        if self.fs.exists(self.marker_path(attempt.shard)):
+            self.abandon(attempt)
+            return False
         self.fs.mv(attempt.results_tmp, self.results_path(attempt.shard))
         self.fs.mv(attempt.metrics_tmp, self.metrics_path(attempt.shard))
         self.write_json(self.marker_path(attempt.shard), marker)
         self._remove_tree(self.path("_tmp", attempt.shard))
+        return True
 
     def abandon(self, attempt: Attempt) -> None:
         """Remove what an attempt wrote; it was never visible, this only tidies up."""

@@ -1,0 +1,159 @@
+"""launcher.num_workers=N: N worker processes on this machine, one engine each, then one report.
+
+Each worker is a real subprocess (`python -m batchrun.job.pool CONFIG.json`) running run_job as
+rank r of N: its own shards first (round-robin), then, with launcher.work_stealing, other workers'
+unstarted shards and those of workers that died (claims.py). On a GPU machine each worker sees one
+GPU (CUDA_VISIBLE_DEVICES); on CPU the cores are split between them (engine.num_threads).
+
+The launcher forwards SIGTERM/SIGINT to the workers (each stops and commits nothing partial), waits
+for all of them, merges their manifests with the commit markers into `_manifest.json`, and reports
+from the markers: a worker that died mid-run (even by SIGKILL) costs nothing when the others took
+its shards over, and a rerun of the same command redoes whatever is left.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Mapping, Optional
+
+from batchrun.job.config import RunConfig, build_run_config
+from batchrun.job.errors import ConfigError, JobError
+from batchrun.job.manifest import utc_now, write_merged_manifest
+from batchrun.job.shards import discover_shards, open_filesystem
+from batchrun.job.signals import StopRequest
+from batchrun.job.store import RunStore
+
+log = logging.getLogger("batchrun.job")
+
+POLL_S = 0.2
+
+
+def worker_configs(config: RunConfig, env: Mapping[str, str]) -> list[tuple[RunConfig, dict[str, str]]]:
+    """Each worker's config (its rank, its share of the CPU threads) and environment (its GPU)."""
+    n = config.launcher.num_workers
+    gpu_ids = _gpu_ids(config, env)
+    if gpu_ids is not None and len(gpu_ids) < n:
+        raise ConfigError("launcher.num_workers", f"{n} workers need {n} GPUs; {len(gpu_ids)} visible")
+    threads = config.engine.num_threads
+    if gpu_ids is None and threads is None:
+        threads = max(1, (os.cpu_count() or 1) // n)  # N engines on one CPU must not oversubscribe it
+    out = []
+    for rank in range(n):
+        launcher = dataclasses.replace(config.launcher, rank=rank, world_size=n, num_workers=1)
+        cfg = dataclasses.replace(config, launcher=launcher, quiet=True,  # N progress bars would tangle
+                                  engine=dataclasses.replace(config.engine, num_threads=threads))
+        worker_env = {**env, "BATCHRUN_WORKER_RANK": str(rank)}
+        if gpu_ids is not None:
+            worker_env["CUDA_VISIBLE_DEVICES"] = gpu_ids[rank]
+        out.append((cfg, worker_env))
+    return out
+
+
+def _gpu_ids(config: RunConfig, env: Mapping[str, str]) -> Optional[list[str]]:
+    """The GPUs the workers share out, or None when the engine runs on the CPU."""
+    if config.engine.device == "cpu":
+        return None
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return [d.strip() for d in visible.split(",") if d.strip()]
+    import torch  # only here: a CPU-only launcher does not pay for importing it
+
+    count = torch.cuda.device_count()
+    if count == 0:
+        if config.engine.device == "cuda":
+            raise ConfigError("engine.device", "cuda requested but no GPU is visible")
+        return None
+    return [str(i) for i in range(count)]
+
+
+def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> Any:
+    from batchrun.job.runner import RunResult, ShardSummary  # the runner imports this module lazily
+
+    assert config.data.uri is not None
+    data_fs, data_path = open_filesystem(config.data.uri, config.data.storage_options)
+    shards = discover_shards(data_fs, data_path, config.data.uri)
+    try:
+        store = RunStore(config.output.uri, config.output.storage_options)
+    except Exception as e:
+        raise JobError(f"output.uri: cannot open {config.output.uri}: {e}") from None
+    started_at = utc_now()
+    workers = worker_configs(config, env)
+    log.info("starting %d workers over %d shards; output %s", len(workers), len(shards), store.url(store.root))
+    with tempfile.TemporaryDirectory(prefix="batchrun-workers-") as tmp, StopRequest() as stop:
+        procs = []
+        for cfg, worker_env in workers:
+            path = os.path.join(tmp, f"rank{cfg.launcher.rank}.json")
+            with open(path, "w") as f:
+                json.dump(cfg.to_dict(), f, default=str)
+            # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once
+            # (a second signal would end a worker at once instead of gracefully).
+            procs.append(subprocess.Popen([sys.executable, "-m", "batchrun.job.pool", path], env=worker_env,
+                                          start_new_session=True))
+        forwarded = False
+        while any(p.poll() is None for p in procs):
+            if stop.requested and not forwarded:
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(stop.signum or 15)
+                forwarded = True
+            time.sleep(POLL_S)
+    codes = [p.returncode for p in procs]
+    doc = write_merged_manifest(store, shards, len(workers))
+    summaries = []
+    for record in doc["shards"]:
+        status, metrics = record["status"], None
+        if status == "committed":
+            marker = store.read_marker(record["name"]) or {}
+            metrics = marker.get("metrics")
+            if (marker.get("committed_at") or "") < started_at:
+                status = "skipped"
+        summaries.append(ShardSummary(record["name"], status, metrics, record.get("error")))
+    died = [r for r, c in enumerate(codes) if c < 0]
+    if died:
+        log.warning("worker(s) %s died by a signal; %s", ", ".join(map(str, died)),
+                    "the others took their shards over" if doc["status"] == "completed"
+                    else "rerun the same command to redo what they left")
+    num_left = sum(s.status not in ("committed", "skipped") for s in summaries)
+    if stop.requested and num_left:
+        exit_code, status = stop.exit_code, "interrupted"
+    elif num_left == 0:
+        exit_code, status = 0, "completed"
+    else:
+        exit_code = 2 if 2 in codes else 1
+        status = "failed"
+    message = (f"{len(workers)} workers: {sum(s.status == 'committed' for s in summaries)} committed, "
+               f"{sum(s.status == 'skipped' for s in summaries)} already done, {num_left} not done "
+               f"(worker exit codes {codes})")
+    if num_left and not stop.requested:
+        message += "; rerun the same command to redo the rest"
+    return RunResult(exit_code, status, message, store.url(store.root), store.url(store.path("_manifest.json")),
+                     summaries, None)
+
+
+def _worker_main(config_path: str) -> int:
+    from batchrun.job.runner import run_job
+
+    with open(config_path) as f:
+        config = build_run_config(json.load(f))
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"[worker {config.launcher.rank}] %(levelname)s %(message)s")
+    try:
+        result = run_job(config)
+    except ConfigError as e:
+        print(f"batchrun worker {config.launcher.rank}: config error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except JobError as e:
+        print(f"batchrun worker {config.launcher.rank}: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    log.info("%s", result.message)
+    return result.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(_worker_main(sys.argv[1]))

@@ -1,0 +1,202 @@
+"""launcher.num_workers: real worker subprocesses, claims and work stealing, a worker SIGKILLed
+mid-run, and the one merged _manifest.json."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from batchrun import cli
+from batchrun.job import run_job
+from batchrun.job.claims import ClaimBook, steal_order
+from batchrun.job.shards import Shard, Worker
+from batchrun.job.store import RunStore
+from batchrun.job.writer import RESULT_COLUMNS
+
+# Columns that depend on timing or on what the engine's prefix cache held from earlier shards,
+# not on the row: everything else of a result row must be byte-identical across worker counts.
+RUN_DEPENDENT = {"ttft_s", "itl_s", "latency_s", "num_cached_tokens"}
+
+# Loaded in every Python process of the test (PYTHONPATH): in worker rank 0 it pauses the first
+# shard after one output and reports its pid; worker 1 waits for GO before its first shard, so the
+# test can SIGKILL worker 0 while worker 1 still has everything ahead of it.
+SITECUSTOMIZE = r"""
+import os, pathlib, time
+rank = os.environ.get("BATCHRUN_WORKER_RANK")
+if rank is not None and "TEST_HOOK_DIR" in os.environ:
+    hook = pathlib.Path(os.environ["TEST_HOOK_DIR"])
+    from batchrun.engine import Engine
+    real_stream = Engine.stream
+    def stream(self, *args, **kwargs):
+        if rank == "1":
+            while not (hook / "go1").exists():
+                time.sleep(0.02)
+        for n, out in enumerate(real_stream(self, *args, **kwargs)):
+            yield out
+            if rank == "0":
+                (hook / "ready0").write_text(str(os.getpid()))
+                while True:
+                    time.sleep(1)
+    Engine.stream = stream
+"""
+
+
+def _overrides(tmp_path: Path, tiny_llama_dir: str, out: str, *extra: str) -> list[str]:
+    return [f"model.path={tiny_llama_dir}", f"data.uri={tmp_path / 'in'}", f"output.uri={tmp_path / out}",
+            "engine.kv_cache_memory=67108864", "engine.max_num_seqs=2", "engine.max_num_batched_tokens=1024",
+            "engine.dtype=float32", "sampling.max_tokens=8", "quiet=true", *extra]
+
+
+def _rows(out: Path) -> dict[str, list[dict]]:
+    return {p.stem: pq.read_table(p).to_pylist() for p in sorted((out / "results").glob("*.parquet"))}
+
+
+def _all_ids(out: Path) -> list[str]:
+    return [r["id"] for rows in _rows(out).values() for r in rows]
+
+
+def test_two_worker_processes_give_the_same_rows_as_one(tmp_path, make_shards, tiny_llama_dir):
+    ids = [i for s in make_shards(tmp_path / "in", num_shards=4, rows_per_shard=3) for i in s]
+    one = run_job(cli.load_config(_overrides(tmp_path, tiny_llama_dir, "one")))
+    assert one.exit_code == 0
+    two = run_job(cli.load_config(_overrides(tmp_path, tiny_llama_dir, "two", "launcher.num_workers=2")))
+    assert (two.exit_code, two.status) == (0, "completed"), two.message
+    assert [(s.name, s.status) for s in two.shards] == [(f"part-0{i}", "committed") for i in range(4)]
+
+    rows_one, rows_two = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    assert list(rows_one) == list(rows_two) == [f"part-0{i}" for i in range(4)]
+    for shard in rows_one:
+        assert pq.read_schema(tmp_path / "two" / "results" / f"{shard}.parquet").names == RESULT_COLUMNS
+        strip = lambda rows: [json.dumps({k: v for k, v in r.items() if k not in RUN_DEPENDENT}) for r in rows]  # noqa: E731
+        assert strip(rows_one[shard]) == strip(rows_two[shard])
+    assert sorted(_all_ids(tmp_path / "two")) == sorted(ids)
+
+    out = tmp_path / "two"
+    # Which worker ran which shard depends on who was faster (stealing); that both ran as their
+    # own processes does not.
+    workers = {pq.read_table(p).column("worker")[0].as_py() for p in (out / "metrics").glob("*.parquet")}
+    assert workers <= {0, 1}
+    pids = {json.loads((out / f"_manifest.rank{r}.json").read_text())["worker"]["pid"] for r in (0, 1)}
+    assert len(pids) == 2 and os.getpid() not in pids
+    merged = json.loads((out / "_manifest.json").read_text())
+    assert merged["status"] == "completed" and merged["worker"]["world_size"] == 2
+    assert [s["status"] for s in merged["shards"]] == ["committed"] * 4
+    assert sorted(w["rank"] for w in merged["workers"]) == [0, 1]
+    assert all(json.loads((out / f"_manifest.rank{r}.json").read_text())["status"] == "completed" for r in (0, 1))
+    assert not (out / "_claims").exists() and not (out / "_tmp").exists()
+
+
+def test_a_sigkilled_worker_is_taken_over_and_every_id_appears_once(tmp_path, make_shards, tiny_llama_dir):
+    ids = [i for s in make_shards(tmp_path / "in", num_shards=4, rows_per_shard=3) for i in s]
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {**os.environ, "TEST_HOOK_DIR": str(hook),
+           "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "batchrun", *_overrides(tmp_path, tiny_llama_dir, "out", "launcher.num_workers=2")]
+    launcher = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300  # a hang guard, not a timing assertion
+    while not (hook / "ready0").exists():
+        if launcher.poll() is not None:
+            pytest.fail(f"launcher exited early ({launcher.returncode}): {launcher.stderr.read()}")
+        assert time.monotonic() < deadline, "worker 0 never reached its first shard"
+        time.sleep(0.05)
+    time.sleep(0.1)  # ready0 is written before its pid text lands only in theory; read it whole
+    worker0 = int((hook / "ready0").read_text())
+    out = tmp_path / "out"
+    assert (out / "_claims" / "part-00").is_dir()  # worker 0 holds its first shard
+    os.kill(worker0, signal.SIGKILL)
+    (hook / "go1").touch()
+    stdout, stderr = launcher.communicate(timeout=300)
+
+    # Worker 1 took over worker 0's half-done shard and its unstarted one: the run completed.
+    assert launcher.returncode == 0, stderr
+    assert "died by a signal; the others took their shards over" in stderr
+    assert "completed: 2 workers: 4 committed" in stdout
+    assert sorted(_all_ids(out)) == sorted(ids) and len(_all_ids(out)) == len(ids)
+    merged = json.loads((out / "_manifest.json").read_text())
+    assert merged["status"] == "completed"
+    assert [(s["name"], s["status"], s["worker"]) for s in merged["shards"]] == [
+        (f"part-0{i}", "committed", 1) for i in range(4)]
+    rank0 = json.loads((out / "_manifest.rank0.json").read_text())
+    assert rank0["status"] == "running" and rank0["shards"][0]["status"] == "running"  # what SIGKILL left
+    assert not (out / "_tmp").exists()
+
+    # A rerun finds nothing to do and changes nothing.
+    before = {p.name: p.read_bytes() for p in (out / "results").iterdir()}
+    rerun = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert {p.name: p.read_bytes() for p in (out / "results").iterdir()} == before
+
+
+# ---- claims, without an engine ------------------------------------------------------------------
+
+def test_a_claim_is_exclusive_until_released_or_its_owner_is_gone(tmp_path):
+    store = RunStore(str(tmp_path / "out"), {})
+    a, b = ClaimBook(store, lease_s=60), ClaimBook(store, lease_s=60)
+    b.owner = "other"  # same host and pid as `a`: only the owner id tells them apart
+    assert a.try_claim("s0") and a.try_claim("s0")  # idempotent for the owner
+    assert not b.try_claim("s0") and b.holder("s0") == a.owner
+    a.release("s0")
+    assert b.try_claim("s0") and sorted(p.name for p in (tmp_path / "out" / "_claims" / "s0").iterdir()) == [
+        "000000.json", "000001.json"]
+
+    # An owner on this host whose process is gone: taken over at once.
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    c = ClaimBook(store, lease_s=60)
+    c.pid = dead.pid
+    assert c.try_claim("s1")
+    assert a.try_claim("s1") and a.holder("s1") == a.owner
+
+    # An owner elsewhere that stopped beating: taken over once the lease has run out.
+    far = ClaimBook(store, lease_s=60)
+    far.host = "elsewhere"
+    assert far.try_claim("s2") and not a.try_claim("s2")
+    short = ClaimBook(store, lease_s=1e-3)
+    time.sleep(0.01)
+    assert short.try_claim("s2")
+
+
+def test_claims_on_an_object_store_filesystem(make_shards):
+    import fsspec
+
+    fsspec.filesystem("memory").store.clear()
+    store = RunStore("memory://claims-run", {})
+    a, b = ClaimBook(store, lease_s=60), ClaimBook(store, lease_s=60)
+    b.owner = "other"
+    assert a.try_claim("s0") and not b.try_claim("s0")
+    a.drop("s0")
+    assert b.try_claim("s0")
+
+
+def test_the_second_committer_of_a_shard_discards_its_attempt(tmp_path):
+    store = RunStore(str(tmp_path / "out"), {})
+
+    def attempt(content: bytes):
+        a = store.begin("s0")
+        Path(a.results_tmp).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.results_tmp).write_bytes(content)
+        Path(a.metrics_tmp).write_bytes(b"m")
+        return a
+
+    # Two workers on one shard (an expired lease, a race on an object store): the first marker stands.
+    assert store.commit(attempt(b"first"), {"shard": "s0", "by": "first"})
+    assert not store.commit(attempt(b"second"), {"shard": "s0", "by": "second"})
+    assert (tmp_path / "out" / "results" / "s0.parquet").read_bytes() == b"first"
+    assert store.read_marker("s0")["by"] == "first"
+    assert not (tmp_path / "out" / "_tmp" / "s0").exists()
+
+
+def test_steal_order_takes_each_owners_last_shards_first():
+    shards = [Shard(f"s{i}", f"s{i}", f"s{i}") for i in range(7)]
+    # Worker 0 of 3 owns s0, s3, s6; worker 1 owns s1, s4; worker 2 owns s2, s5.
+    assert [s.name for s in steal_order(shards, Worker(0, 3, "t"))] == ["s4", "s5", "s1", "s2"]
+    assert steal_order(shards, Worker(0, 1, "t")) == []

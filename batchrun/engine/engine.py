@@ -247,6 +247,11 @@ class Engine:
     def reset_peak_stats(self) -> None:
         self.kv.reset_peak()
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the cached prefix blocks that no request holds, so the next request starts cold
+        (benchmarks that repeat a workload); returns the number of blocks forgotten."""
+        return self.kv.reset_prefix_cache()
+
     def abort_all(self) -> None:
         """Drop every unfinished request and free its blocks (used when a stream is abandoned)."""
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):

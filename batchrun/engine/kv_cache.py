@@ -70,6 +70,14 @@ class BlockPool:
         self.block_hash[block_id] = h
         self.hash_to_block[h] = block_id
 
+    def forget_free_blocks(self) -> int:
+        """Drop the cached content of every block no request holds; return how many had some."""
+        dropped = [block_id for block_id in self.free if self.block_hash[block_id] is not None]
+        for block_id in dropped:
+            del self.hash_to_block[self.block_hash[block_id]]  # type: ignore[index]
+            self.block_hash[block_id] = None
+        return len(dropped)
+
     def release(self, block_ids: Sequence[int]) -> None:
         """Drop one reference on each block; the given order is the eviction order among them."""
         for block_id in block_ids:
@@ -161,6 +169,10 @@ class KVCacheManager:
 
     def _note_peak(self) -> None:
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget cached blocks no request holds (a benchmark repeats a workload from cold)."""
+        return self.pool.forget_free_blocks()
 
     def reset_peak(self) -> None:
         self.peak_used_blocks = self.pool.num_used_blocks

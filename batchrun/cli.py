@@ -23,6 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from batchrun.job import ConfigError, JobError, RunConfig, build_run_config, format_summary, run_job
+from batchrun.job.benchmark import run_benchmark
+from batchrun.job.benchmark_report import format_benchmark
 from batchrun.job.config import unknown_key
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -59,7 +61,12 @@ _exit_codes: list[int] = []  # one per job (several under --multirun)
 def _run(cfg: DictConfig) -> None:
     # Expected failures are reported here: raised through Hydra they would gain an extra line.
     try:
-        result = run_job(to_run_config(cfg))
+        config = to_run_config(cfg)
+        if config.job.name == "benchmark":  # job=benchmark measures instead of writing results
+            print(format_benchmark(run_benchmark(config)), flush=True)
+            _exit_codes.append(0)
+            return None
+        result = run_job(config)
     except ConfigError as e:
         return _report(2, f"config error: {e}")
     except MissingMandatoryValue as e:

@@ -2,9 +2,9 @@
 
 The cli composes YAML with Hydra and hands a plain dict to `build_run_config`; nothing below the cli
 sees Hydra or OmegaConf. Each config group's dataclass lives next to the code that reads it (data in
-reader.py, job in prompts.py, output in writer.py, launcher in shards.py, planner in planner.py);
-this module assembles them and checks every key and type, so a typo stops the run with one line
-naming the key.
+reader.py, job in prompts.py, output in writer.py, launcher in shards.py, planner in planner.py,
+benchmark in benchmark.py); this module assembles them and checks every key and type, so a typo
+stops the run with one line naming the key.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Union
 
 from batchrun.engine import EngineConfig, SamplingParams
+from batchrun.job.benchmark import BenchmarkConfig
 from batchrun.job.errors import ConfigError
 from batchrun.job.planner import PlannerConfig
 from batchrun.job.prompts import JobConfig
@@ -42,6 +43,7 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)  # read by job=benchmark only
     quiet: bool = False  # no progress bar (for log files); per-shard log lines remain
 
     def __post_init__(self) -> None:
@@ -59,6 +61,7 @@ class RunConfig:
 _SECTIONS: dict[str, type] = {
     "job": JobConfig, "model": ModelConfig, "engine": EngineConfig, "sampling": SamplingParams,
     "data": DataConfig, "output": OutputConfig, "launcher": LauncherConfig, "planner": PlannerConfig,
+    "benchmark": BenchmarkConfig,
 }
 _HIDDEN_FIELDS = {"engine": {"model"}}
 _TOP_LEVEL_SCALARS = {"quiet": bool}
@@ -76,6 +79,8 @@ def unknown_key(dotted_key: str) -> ConfigError:
     if dotted_key in _MOVED_KEYS:
         return ConfigError(dotted_key, f"set {_MOVED_KEYS[dotted_key]} instead")
     parts = dotted_key.split(".")
+    if len(parts) == 1 and parts[0] in _SECTIONS:  # a group this job's composed config does not have
+        return ConfigError(dotted_key, "not a group of this job" + (" (use job=benchmark)" if dotted_key == "benchmark" else ""))
     if parts[0] not in _SECTIONS:
         allowed, prefix, key = [*_SECTIONS, *_TOP_LEVEL_SCALARS], "", parts[0]
     else:

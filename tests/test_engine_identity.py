@@ -107,10 +107,11 @@ def test_smollm2_greedy_matches_hf(smollm2_cache_dir):
     from batchrun.model.loader import load_model
     from transformers import AutoModelForCausalLM
 
-    engine = Engine(EngineConfig(model="smollm2-135m", dtype="float32", cache_dir=smollm2_cache_dir))
+    engine = Engine(EngineConfig(model="smollm2-135m", dtype="float32", cache_dir=smollm2_cache_dir, max_num_seqs=4,
+                                 max_num_batched_tokens=512, kv_cache_memory=64 << 20))
     tok = engine.tokenizer
     questions = ["What is the capital of France?", "Write a haiku about batch jobs.",
-                 "Summarize: " + sample_texts()[5][:600]]
+                 "Summarize: " + sample_texts()[5][:400]]
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
                for q in questions]
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))

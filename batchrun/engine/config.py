@@ -55,11 +55,13 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     num_threads: Optional[int] = None  # torch intra-op threads on CPU; None leaves torch's default
     cache_dir: Optional[str] = None  # converted-weights cache; None means $BATCHRUN_CACHE or ~/.cache/batchrun
-    # Weights: none | int8 (weight-only, per channel) | w8a8 (int8 weights and per-token activations,
-    # the CPU throughput mode) | int4 (weight-only, groups) | fp8 (e4m3) | gguf (keep a GGUF file's
-    # Q8_0/Q4_0/Q4_1 blocks). See batchrun/model/quant.py.
+    # Weights: none | int8 (weight-only, groups) | w8a8 (int8 weights per channel and activations per
+    # token, SmoothQuant-calibrated: the CPU throughput mode) | int4 (weight-only, groups) | fp8 (e4m3)
+    # | gguf (keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks). See batchrun/model/quant.py.
     quantization: str = "none"
-    quant_group_size: int = 64  # int4 group along the input dim: 32, 64, 128 or 256
+    # int8/int4 group along the input dim: 32 (GGUF's Q8_0/Q4_x block; 64 measured far worse for int4
+    # on SmolLM2), 64, 128 or 256
+    quant_group_size: int = 32
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8, with a scale per token and head
 
     def __post_init__(self) -> None:

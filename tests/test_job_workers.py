@@ -15,8 +15,9 @@ import pytest
 
 from batchrun import cli
 from batchrun.job import run_job
+from batchrun.job.affinity import partition_by_group, shard_groups
 from batchrun.job.claims import ClaimBook, steal_order
-from batchrun.job.shards import Shard, Worker
+from batchrun.job.shards import Shard, Worker, assign_shards, discover_shards, open_filesystem
 from batchrun.job.store import RunStore
 from batchrun.job.writer import RESULT_COLUMNS
 
@@ -217,8 +218,28 @@ def test_the_second_committer_of_a_shard_discards_its_attempt(tmp_path):
 def test_steal_order_takes_each_owners_last_shards_first():
     shards = [Shard(f"s{i}", f"s{i}", f"s{i}") for i in range(7)]
     # Worker 0 of 3 owns s0, s3, s6; worker 1 owns s1, s4; worker 2 owns s2, s5.
-    assert [s.name for s in steal_order(shards, Worker(0, 3, "t"))] == ["s4", "s5", "s1", "s2"]
-    assert steal_order(shards, Worker(0, 1, "t")) == []
+    parts = [assign_shards(shards, Worker(r, 3, "t")) for r in range(3)]
+    assert [s.name for s in steal_order(parts, 0)] == ["s4", "s5", "s1", "s2"]
+    assert steal_order([shards], 0) == []
+
+
+def test_prefix_affinity_puts_a_group_on_one_worker(tmp_path):
+    import pyarrow as pa
+
+    # Shards of documents A (3 shards), B (2) and C (1); row order inside a shard does not matter.
+    docs = {"a1": "A", "a2": "A", "a3": "A", "b1": "B", "b2": "B", "c1": "C"}
+    (tmp_path / "in").mkdir()
+    for name, doc in docs.items():
+        pq.write_table(pa.table({"id": [f"{name}-0", f"{name}-1"], "doc": [doc, doc], "text": ["q", "q"]}),
+                       tmp_path / "in" / f"{name}.parquet")
+    fs, path = open_filesystem(str(tmp_path / "in"), {})
+    shards = discover_shards(fs, path, str(tmp_path / "in"))
+    groups = shard_groups(fs, shards, "doc")
+    parts = partition_by_group(shards, groups, 2)
+    assert [[s.name for s in p] for p in parts] == [["a1", "a2", "a3"], ["b1", "b2", "c1"]]
+    assert sorted(s.name for p in partition_by_group(shards, groups, 4) for s in p) == sorted(docs)
+    # Round-robin would have split A across both workers.
+    assert {s.name for s in assign_shards(shards, Worker(1, 2, "t"))} & {"a1", "a2", "a3"}
 
 
 def test_the_slurm_launcher_preset_composes(tmp_path):

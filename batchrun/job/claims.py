@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 from fsspec.implementations.local import LocalFileSystem
 
-from batchrun.job.shards import Shard, Worker
+from batchrun.job.shards import Shard
 from batchrun.job.store import RunStore
 
 log = logging.getLogger("batchrun.job")
@@ -192,18 +192,18 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def steal_order(all_shards: Sequence[Shard], worker: Worker) -> list[Shard]:
-    """Other workers' shards in the order an idle worker should try them: each owner's last shard
-    first (the one it would reach last), owners taken in turn starting after this worker."""
-    world = worker.world_size
-    queues = [list(all_shards[r::world]) for r in range(world)]
+def steal_order(parts: Sequence[Sequence[Shard]], rank: int) -> list[Shard]:
+    """Other workers' shards (`parts`: every worker's, by rank) in the order an idle worker `rank`
+    should try them: each owner's last shard first (the one it would reach last), owners taken in
+    turn starting after this worker."""
+    world = len(parts)
     order: list[Shard] = []
-    depth = max((len(q) for q in queues), default=0)
+    depth = max((len(p) for p in parts), default=0)
     for level in range(depth):
         for step in range(1, world):
-            queue = queues[(worker.rank + step) % world]
-            if level < len(queue):
-                order.append(queue[len(queue) - 1 - level])
+            part = parts[(rank + step) % world]
+            if level < len(part):
+                order.append(part[len(part) - 1 - level])
     return order
 
 

@@ -27,6 +27,9 @@ class DataConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec
     on_too_long: Literal["error", "truncate"] = "error"  # prompts over max_model_len - max_tokens
     batch_size: int = 256  # rows read at a time
+    # Rows with equal values here share a long prompt prefix (e.g. one document, many questions):
+    # with several workers, shards go to workers by it (prefix affinity, affinity.py). null: by name.
+    group_column: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.uri:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Optional
 
 from batchrun.engine import Engine, EngineConfig, EngineRequest, EngineStats, SamplingParams
+from batchrun.job.affinity import partition_by_group, shard_groups
 from batchrun.job.claims import FAILED, ClaimBook, claimed_shards, steal_order
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import JobError, ShardError
@@ -100,7 +101,13 @@ class _JobRun:
         assert data_uri is not None, "DataConfig requires a uri"
         self.data_fs, data_path = open_filesystem(data_uri, config.data.storage_options)
         all_shards = discover_shards(self.data_fs, data_path, data_uri)
-        self.shards = assign_shards(all_shards, self.worker)
+        if config.data.group_column and self.worker.world_size > 1:
+            groups = shard_groups(self.data_fs, all_shards, config.data.group_column)
+            parts = partition_by_group(all_shards, groups, self.worker.world_size)
+        else:
+            world = self.worker.world_size
+            parts = [assign_shards(all_shards, Worker(r, world, self.worker.source)) for r in range(world)]
+        self.shards = list(parts[self.worker.rank])
         try:
             self.store = RunStore(config.output.uri, config.output.storage_options)
             committed = self.store.committed_shards()
@@ -112,7 +119,7 @@ class _JobRun:
         self.todo = [s for s in self.shards if s.name not in committed]
         self.all_shards = all_shards
         # Shards of other workers this one may take once its own are done (none without stealing).
-        self.steal = [s for s in steal_order(all_shards, self.worker) if s.name not in committed] \
+        self.steal = [s for s in steal_order(parts, self.worker.rank) if s.name not in committed] \
             if config.launcher.work_stealing and self.worker.world_size > 1 else []
         self.claims = ClaimBook(self.store, config.launcher.claim_lease_s)
         for shard in self.shards:

@@ -125,7 +125,7 @@ def run_benchmark(config: RunConfig, engine: Optional[Engine] = None) -> Benchma
     load_start = os.getloadavg()
     engine = engine or load_engine(config.engine)
     workload = build_workload(config, engine)
-    systems = _build_systems(config, engine, workload)
+    systems = _build_systems(config, engine)
     log.info("benchmark %s: %d prompts (%.0f prompt tokens on average), %d new tokens, systems %s, %d rounds",
              bench.workload, len(workload.prompts), sum(map(len, workload.prompts)) / len(workload.prompts),
              bench.max_tokens, ", ".join(systems), bench.repeats)
@@ -245,7 +245,7 @@ def _random_prompts(bench: BenchmarkConfig, engine: Engine, max_prompt_tokens: i
 RunFn = Callable[[list[list[int]], SamplingParams], TimedRun]
 
 
-def _build_systems(config: RunConfig, engine: Engine, workload: BenchmarkWorkload) -> dict[str, RunFn]:
+def _build_systems(config: RunConfig, engine: Engine) -> dict[str, RunFn]:
     from batchrun.job.runner import load_engine
 
     names = config.benchmark.system_names()

@@ -254,3 +254,26 @@ def test_the_slurm_launcher_preset_composes(tmp_path):
     assert (launcher.signal_delay_s, launcher.tasks_per_node, launcher.max_num_timeout) == (90, 1, 20)
     assert cfg.hydra.sweep.dir == f"{tmp_path}/_submitit" and cfg.hydra.sweep.subdir == "rank3"
     assert cfg.launcher.rank == 3 and cfg.launcher.world_size == 4  # the batchrun side is untouched
+
+
+def test_a_worker_waits_for_its_shards_held_elsewhere_and_takes_back_a_dead_owners(tmp_path):
+    from batchrun.job.claims import claimed_shards
+
+    store = RunStore(str(tmp_path / "out"), {})
+    other = ClaimBook(store, lease_s=0.2)
+    other.host = "elsewhere"  # its pid cannot be checked from here: only the lease tells
+    assert other.try_claim("s0") and other.try_claim("s1")
+    committed: set[str] = set()
+    skipped: list[tuple[str, str]] = []
+
+    def on_skip(shard, status):
+        skipped.append((shard.name, status))
+        if shard.name == "s1":
+            committed.add("s1")  # the other worker finishes s1 while this one waits
+
+    mine = ClaimBook(store, lease_s=0.2)
+    own = [Shard(n, n, n) for n in ("s0", "s1", "s2")]
+    got = [s.name for s in claimed_shards(own, [], mine, committed.__contains__, on_skip, lambda: False, 0.01)]
+    # s2 at once; s1 was committed by its holder; s0's holder stopped beating, so it came back.
+    assert got == ["s2", "s0"]
+    assert skipped[:2] == [("s0", "elsewhere"), ("s1", "elsewhere")] and ("s1", "skipped") in skipped

@@ -209,13 +209,17 @@ def steal_order(parts: Sequence[Sequence[Shard]], rank: int) -> list[Shard]:
 
 def claimed_shards(own: Sequence[Shard], steal: Sequence[Shard], book: ClaimBook,
                    is_committed: Callable[[str], bool], on_skip: Callable[[Shard, str], None],
-                   should_stop: Callable[[], bool]) -> Iterator[Shard]:
+                   should_stop: Callable[[], bool], poll_s: float = 1.0) -> Iterator[Shard]:
     """Own shards, then others' shards, each yielded only once this worker holds its claim.
 
     A shard that got committed meanwhile is reported to `on_skip(shard, "skipped")`; one of ours
-    that another worker holds, to `on_skip(shard, "elsewhere")`. Stolen shards are not reported
-    when someone else has them: they were never ours.
+    that another worker holds, to `on_skip(shard, "elsewhere")`, and once all else is done this
+    worker waits for those: until they are committed, or their claim goes stale (its owner died)
+    and it takes them itself. So a worker ends with every one of its own shards committed or
+    failed, whoever ran them. Stolen shards are not reported when someone else has them: they were
+    never ours.
     """
+    held_elsewhere: list[Shard] = []
     for is_own, shard in [*((True, s) for s in own), *((False, s) for s in steal)]:
         if should_stop():
             return
@@ -226,6 +230,7 @@ def claimed_shards(own: Sequence[Shard], steal: Sequence[Shard], book: ClaimBook
         if not book.try_claim(shard.name):
             if is_own:
                 on_skip(shard, "elsewhere")
+                held_elsewhere.append(shard)
             continue
         if is_committed(shard.name):  # committed between the check and the claim
             book.drop(shard.name)
@@ -233,3 +238,18 @@ def claimed_shards(own: Sequence[Shard], steal: Sequence[Shard], book: ClaimBook
                 on_skip(shard, "skipped")
             continue
         yield shard
+    while held_elsewhere and not should_stop():
+        time.sleep(min(poll_s, book.lease_s / 4))
+        waiting = []
+        for shard in held_elsewhere:
+            if is_committed(shard.name):
+                on_skip(shard, "skipped")
+            elif book.try_claim(shard.name):
+                if is_committed(shard.name):
+                    book.drop(shard.name)
+                    on_skip(shard, "skipped")
+                else:
+                    yield shard
+            else:
+                waiting.append(shard)
+        held_elsewhere = waiting

@@ -240,7 +240,7 @@ class _JobRun:
         if count["elsewhere"]:
             done += f", {count['elsewhere']} being done by other workers"
         # A signal that arrives after the last commit changes nothing: the run is complete.
-        if stop.requested and (count["interrupted"] or count["pending"]):
+        if stop.requested and (count["interrupted"] or count["pending"] or count["elsewhere"]):
             exit_code, status = stop.exit_code, "interrupted"
             message = (f"interrupted by {stop.name}: {done}, {count['interrupted']} abandoned, "
                        f"{count['pending']} not started; rerun the same command to resume")

@@ -13,8 +13,9 @@ def test_bf16_agrees_with_fp32_on_real_text(smollm2_cache_dir):
     sizes = dict(kv_cache_memory=64 << 20, max_num_seqs=8, max_num_batched_tokens=1024, cache_dir=smollm2_cache_dir)
     fp32 = make_engine(dtype="float32", **sizes)
     seqs = quality_sequences(fp32.tokenizer, num_seqs=4, seq_len=256)
-    ref = teacher_forced(fp32, seqs)
+    ref = teacher_forced(fp32.model, fp32.runner, seqs)
     del fp32
-    bf16 = teacher_forced(make_engine(dtype="bfloat16", **sizes), seqs)
+    engine = make_engine(dtype="bfloat16", **sizes)
+    bf16 = teacher_forced(engine.model, engine.runner, seqs)
     assert agreement(ref, bf16) >= 0.95
     assert bf16.perplexity <= ref.perplexity * 1.01

@@ -111,7 +111,7 @@ def engine_teacher_forced(engine: Engine, sequences: list[list[int]]) -> Teacher
 def make_engine(quantization: str = "none", dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
                 cache_dir: Optional[str] = None, threads: Optional[int] = None,
                 kv_cache_memory: float = 256 << 20, max_num_seqs: int = 64,
-                max_num_batched_tokens: int = 2048, group_size: int = 64) -> Engine:
+                max_num_batched_tokens: int = 2048, group_size: int = 32) -> Engine:
     # Fixed batch limits: the start-up profile would pick per mode and blur the comparison.
     return Engine(EngineConfig(model="smollm2-135m", dtype=dtype, device="cpu", quantization=quantization,
                                quant_group_size=group_size, kv_cache_dtype=kv_cache_dtype, cache_dir=cache_dir,
@@ -166,7 +166,9 @@ def run_quality(modes: list[str], dtype: str, cache_dir: Optional[str], threads:
     del base
     for mode in modes:
         quant, kv = ("none", mode[3:]) if mode.startswith("kv-") else (mode, "auto")
-        e = make_engine(quant, dtype, kv_cache_dtype=kv, cache_dir=cache_dir, threads=threads)
+        quant, _, group = quant.partition("@")  # "int4@64": another group size
+        e = make_engine(quant, dtype, kv_cache_dtype=kv, cache_dir=cache_dir, threads=threads,
+                        group_size=int(group or 32))
         tf = engine_teacher_forced(e, seqs)
         rows[mode] = {"ppl": tf.perplexity, "agree": agreement(ref, tf), "weight_bytes": e.settings["weight_bytes"],
                       "formats": e.settings["quant_formats"]}
@@ -187,12 +189,12 @@ def run_quality(modes: list[str], dtype: str, cache_dir: Optional[str], threads:
 
 
 def run_speed(modes: list[str], cache_dir: Optional[str], threads: Optional[int], rounds: int,
-              batch_sizes: tuple[int, ...], summarize: bool) -> dict:
+              batch_sizes: tuple[int, ...], summarize: bool, summarize_docs: int = 32) -> dict:
     engines = {}
     for mode in modes:
         dtype = mode if mode in ("float32", "bfloat16") else "bfloat16"
         engines[mode] = make_engine("none" if mode == dtype else mode, dtype, cache_dir=cache_dir, threads=threads)
-    prompts = summarize_prompts(next(iter(engines.values())).tokenizer) if summarize else []
+    prompts = summarize_prompts(next(iter(engines.values())).tokenizer)[:summarize_docs] if summarize else []
     for e in engines.values():  # warm-up: first calls pay one-off setup
         decode_tokens_per_s(e, 2, max_tokens=4)
     results: dict[str, dict[str, list[float]]] = {m: {} for m in engines}
@@ -225,11 +227,12 @@ def run_speed(modes: list[str], cache_dir: Optional[str], threads: Optional[int]
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", choices=("quality", "speed"), default=None)
-    ap.add_argument("--quality-modes", default="int8,w8a8,int4,fp8,gguf,kv-int8,kv-fp8")
+    ap.add_argument("--quality-modes", default="int8,w8a8,int4,int4@64,fp8,gguf,kv-int8,kv-fp8")
     ap.add_argument("--quality-dtype", default="float32")
     ap.add_argument("--speed-modes", default="float32,bfloat16,int8,w8a8,int4")
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--no-summarize", action="store_true")
+    ap.add_argument("--summarize-docs", type=int, default=32, help="first N of the 32 bundled documents")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cache-dir", default=None)
@@ -242,7 +245,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         out["quality"] = run_quality(args.quality_modes.split(","), args.quality_dtype, args.cache_dir, args.threads)
     if args.only in (None, "speed"):
         out["speed"] = run_speed(args.speed_modes.split(","), args.cache_dir, args.threads, args.rounds,
-                                 tuple(int(b) for b in args.batch_sizes.split(",")), not args.no_summarize)
+                                 tuple(int(b) for b in args.batch_sizes.split(",")), not args.no_summarize,
+                                 args.summarize_docs)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

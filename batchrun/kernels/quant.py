@@ -59,7 +59,12 @@ def int8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Ten
         # A per-channel scale factors out of the sum over k, so the weight is only cast, not scaled.
         y = torch.nn.functional.linear(x, qweight.to(x.dtype)) * scales[:, 0].to(x.dtype)
     else:
-        y = torch.nn.functional.linear(x, dequantize_int8(qweight, scales, x.dtype))
+        # Dequantized straight into x's dtype (|q| <= 127 is exact in bf16): two passes over the
+        # weight instead of four through float32; the same float32 numbers when x is float32.
+        n, k = qweight.shape
+        num_groups = scales.shape[1]
+        w = qweight.to(x.dtype).view(n, num_groups, k // num_groups) * scales.to(x.dtype)[..., None]
+        y = torch.nn.functional.linear(x, w.view(n, k))
     return y if bias is None else y + bias
 
 

@@ -118,7 +118,7 @@ def quantize_weight(w: torch.Tensor, fmt: str, group_size: Optional[int] = None)
         qw, s = qk.quantize_int8(w, effective_group_size(k, group_size) if group_size else None)
         return QuantizedWeight("int8", qw, s, None, k)
     if fmt == "int4":
-        qw, s, m = qk.quantize_int4(w, effective_group_size(k, group_size or 64))
+        qw, s, m = qk.quantize_int4(w, effective_group_size(k, group_size or 32))
         return QuantizedWeight("int4", qw, s, m, k)
     if fmt == "fp8":
         qw, s = qk.quantize_fp8(w)

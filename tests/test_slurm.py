@@ -148,10 +148,15 @@ def test_array_job_commits_every_shard_once_and_a_preempted_task_resumes(slurm, 
     (hook / "go").touch()
     log1 = tmp_path / "task-1.out"
     _wait(lambda: log1.exists() and "requeueing" in log1.read_text(), "task 1 to requeue itself")
+    requeued_at = time.monotonic()
 
     def resumed() -> bool:
         # Slurm holds a requeued job back for a while (reason BeginTime); an admin may start it now.
-        if _squeue(slurm, "-j", f"{job_id}_1", "-o", "%T:%r") == ["PENDING:BeginTime"]:
+        # Not in the same second as the requeue: slurmd revokes the old job credential with
+        # one-second resolution and kills a relaunch whose credential is not newer
+        # ("Job credential revoked", seen when released at once).
+        if (time.monotonic() - requeued_at > 3
+                and _squeue(slurm, "-j", f"{job_id}_1", "-o", "%T:%r") == ["PENDING:BeginTime"]):
             subprocess.run(["scontrol", "update", f"JobId={job_id}_1", "StartTime=now"], env=env, check=True)
         text = log1.read_text()
         return "restart 1" in text and "batchrun array task: exit" in text.split("restart 1")[-1]

@@ -4,7 +4,8 @@
 
 Every system runs the same token-id prompts with greedy decoding. Runs alternate (round 1: each
 system once, round 2: each again, ...) so that all systems see the same drift of a shared machine,
-and ratios are taken within a round, then the median over rounds. Before every batchrun run the
+and ratios are taken within a round, then the median over rounds; the order within a round rotates
+by one system per round. Before every batchrun run the
 engine's prefix cache is emptied: a repeat must not reuse the previous repeat's blocks.
 
 Systems (benchmark.systems; null picks batchrun, hf_fp32 and hf_bf16, plus batchrun_no_prefix_cache
@@ -135,8 +136,12 @@ def run_benchmark(config: RunConfig, engine: Optional[Engine] = None) -> Benchma
     shape = (min(max(engine.max_num_batched_tokens, 256), 2048), hidden, intermediate)
     runs: dict[str, list[TimedRun]] = {name: [] for name in systems}
     peaks: dict[str, float] = {}
+    names = list(systems)
     for round_index in range(bench.repeats):
-        for name, run in systems.items():
+        # Each round starts one system later, so no system always runs first (or last) while the
+        # machine's load rises or falls through the round.
+        for name in names[round_index % len(names):] + names[: round_index % len(names)]:
+            run = systems[name]
             gc.collect()
             timed = run(workload.prompts, workload.params)
             runs[name].append(timed)

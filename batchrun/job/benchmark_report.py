@@ -42,7 +42,9 @@ SUMMARY_COLUMNS = [
     "flops_per_s", "peak_flops_per_s", "peak_fraction",
     # greedy_match: tokens identical to batchrun's for every prompt, recorded where both must agree
     # (HF in float32 against a float32 engine; batchrun variants of the same engine); else null.
-    "greedy_match", "identical_fraction",  # identical_fraction: prompts whose tokens equal batchrun's
+    # identical_fraction: prompts whose tokens equal batchrun's, or the first system's when batchrun
+    # did not run (that system's own row: its last round against its first)
+    "greedy_match", "identical_fraction",
     "max_num_seqs", "max_num_batched_tokens", "hf_batch_size",
 ]
 
@@ -59,7 +61,8 @@ class BenchmarkResult:
 def build_result(bench: BenchmarkConfig, runs: dict[str, list[TimedRun]], settings: dict[str, Any]) -> BenchmarkResult:
     engine = settings["engine"]
     engine_dtype = engine["dtype"]
-    reference = runs["batchrun"][0].token_ids if "batchrun" in runs else None
+    reference_name = "batchrun" if "batchrun" in runs else next(iter(runs))
+    reference = runs[reference_name][0].token_ids
     rows, run_rows = [], []
     for system, timed in runs.items():
         dtype = {"hf_fp32": "float32", "hf_bf16": "bfloat16"}.get(system, engine_dtype)
@@ -68,9 +71,10 @@ def build_result(bench: BenchmarkConfig, runs: dict[str, list[TimedRun]], settin
         itls = [v for t in timed for v in t.itls_s]
         peak = settings["matmul_peak_flops_per_s"].get(dtype)
         flops = statistics.median(2.0 * settings["num_parameters"] * t.num_computed_tokens / t.wall_s for t in timed)
-        identical = (sum(a == b for a, b in zip(timed[0].token_ids, reference, strict=True)) / len(reference)
-                     if reference is not None else None)
-        must_match = system != "batchrun" and (system.startswith("batchrun") or
+        # batchrun itself: its last round against its first (greedy runs must repeat exactly).
+        mine = timed[-1].token_ids if system == reference_name else timed[0].token_ids
+        identical = sum(a == b for a, b in zip(mine, reference, strict=True)) / len(reference)
+        must_match = system != reference_name and (system.startswith("batchrun") or
                                                 (system == "hf_fp32" and engine_dtype == "float32"))
         is_batchrun = system.startswith("batchrun")
         first = timed[0]
@@ -87,7 +91,7 @@ def build_result(bench: BenchmarkConfig, runs: dict[str, list[TimedRun]], settin
             "itl_p50_s": _percentile(itls, 50), "itl_p95_s": _percentile(itls, 95),
             **{column: _ratio(timed, runs.get(ref)) for column, ref in REFERENCES.items()},
             "flops_per_s": flops, "peak_flops_per_s": peak, "peak_fraction": flops / peak if peak else None,
-            "greedy_match": (identical == 1.0) if must_match and identical is not None else None,
+            "greedy_match": (identical == 1.0) if must_match else None,
             "identical_fraction": identical,
             "max_num_seqs": engine["max_num_seqs"] if is_batchrun else None,
             "max_num_batched_tokens": engine["max_num_batched_tokens"] if is_batchrun else None,
@@ -160,7 +164,8 @@ def _plot(result: BenchmarkResult) -> bytes:
         label = f"{r['output_tok_s']:.0f}"
         if r["system"] == "batchrun" and r["ratio_vs_hf_bf16"] is not None:
             label += f"\n{r['ratio_vs_hf_bf16']:.1f}x hf_bf16"
-        left.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
+        left.annotate(label, (bar.get_x() + bar.get_width() / 2, r["output_tok_s_max"]), ha="center", va="bottom",
+                      fontsize=8)
     left.set_xticks(x, names, rotation=20, ha="right")
     left.set_ylabel("output tokens / s (median, min..max over rounds)")
     left.set_title(f"{result.workload}: {rows[0]['num_prompts']} prompts, {rows[0]['max_tokens']} new tokens")

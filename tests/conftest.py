@@ -5,6 +5,18 @@ import os
 
 import pytest
 
+@pytest.fixture(autouse=True)
+def _restore_root_logging():
+    """Undo logging set-up a test caused (cli.main in-process runs Hydra's dictConfig on the root logger)."""
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
 # Tests never reach a hub: everything is built locally or shipped in an installed package.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -118,3 +118,27 @@ def test_cli_error_in_a_real_process_is_one_line_without_traceback(tmp_path):
         "batchrun: config error: sampling.temprature: unknown key (did you mean temperature?)")]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert list(tmp_path.iterdir()) == []
+
+
+def test_log_lines_follow_a_replaced_stderr(monkeypatch):
+    # The CLI's log handler (conf/hydra/job_logging) must not keep the stream it first saw: in a
+    # notebook or test, sys.stderr is swapped and the old one closed between calls.
+    import io
+    import logging
+
+    from batchrun.utils.logs import StderrHandler
+
+    handler = StderrHandler()
+    logger = logging.getLogger("batchrun.test_stderr_handler")
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        first, second = io.StringIO(), io.StringIO()
+        monkeypatch.setattr("sys.stderr", first)
+        logger.warning("one")
+        first.close()
+        monkeypatch.setattr("sys.stderr", second)
+        logger.warning("two")
+        assert second.getvalue() == "two\n"
+    finally:
+        logger.removeHandler(handler)

@@ -26,20 +26,28 @@ pytestmark = pytest.mark.skipif(
     not all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel")),
     reason="Slurm is not installed (apt-get install slurm-wlm)")
 
-# Every Python process of the test loads this (PYTHONPATH): array task 1, on its first attempt only,
-# pauses after its first output until the test has sent the preemption signal.
+# Every Python process of the test loads this (PYTHONPATH). On their first attempt only, array task 1
+# pauses after its first output until the test has sent the preemption signal, and task 0 pauses
+# after its first output until task 1 has reached that point.
 SITECUSTOMIZE = r"""
 import os, pathlib, time
-if os.environ.get("SLURM_ARRAY_TASK_ID") == "1" and os.environ.get("SLURM_RESTART_COUNT", "0") == "0":
-    hook = pathlib.Path(os.environ["TEST_HOOK_DIR"])
+hook = pathlib.Path(os.environ.get("TEST_HOOK_DIR", "."))
+task, first_attempt = os.environ.get("SLURM_ARRAY_TASK_ID"), os.environ.get("SLURM_RESTART_COUNT", "0") == "0"
+if task in ("0", "1") and first_attempt:
     from batchrun.engine import Engine
     real_stream = Engine.stream
     def stream(self, *args, **kwargs):
         for n, out in enumerate(real_stream(self, *args, **kwargs)):
             yield out
-            if n == 0 and not (hook / "go").exists():
+            if n == 0 and task == "1" and not (hook / "go").exists():
                 (hook / "ready").touch()
                 while not (hook / "go").exists():
+                    time.sleep(0.02)
+            elif n == 0 and task == "0":
+                # Workers steal unstarted shards: task 0 must not finish all four before task 1 has
+                # started (its Python start-up can lag by seconds on a loaded machine).
+                deadline = time.monotonic() + 300
+                while not (hook / "ready").exists() and time.monotonic() < deadline:
                     time.sleep(0.02)
     Engine.stream = stream
 """
@@ -80,10 +88,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait(predicate, what: str, timeout_s: float = 300) -> None:
+def _wait(predicate, what: str, timeout_s: float = 300, logs: Path | None = None) -> None:
     deadline = time.monotonic() + timeout_s  # a hang guard, not a timing assertion
     while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        if time.monotonic() >= deadline:
+            detail = "".join(f"\n--- {p.name} ---\n{p.read_text()[-3000:]}" for p in sorted(logs.glob("*.out"))) \
+                if logs else ""
+            raise AssertionError(f"timed out waiting for {what}{detail}")
         time.sleep(0.2)
 
 
@@ -143,11 +154,11 @@ def test_array_job_commits_every_shard_once_and_a_preempted_task_resumes(slurm, 
     job_id = submit.stdout.strip().split(";")[0]
 
     # Preempt task 1 in the middle of its first shard, the way Slurm does before a time limit.
-    _wait(lambda: (hook / "ready").exists(), "array task 1 to reach its first shard")
+    _wait(lambda: (hook / "ready").exists(), "array task 1 to reach its first shard", logs=tmp_path)
     subprocess.run(["scancel", "--batch", "--signal=USR1", f"{job_id}_1"], env=env, check=True)
     (hook / "go").touch()
     log1 = tmp_path / "task-1.out"
-    _wait(lambda: log1.exists() and "requeueing" in log1.read_text(), "task 1 to requeue itself")
+    _wait(lambda: log1.exists() and "requeueing" in log1.read_text(), "task 1 to requeue itself", logs=tmp_path)
     requeued_at = time.monotonic()
 
     def resumed() -> bool:
@@ -161,7 +172,7 @@ def test_array_job_commits_every_shard_once_and_a_preempted_task_resumes(slurm, 
         text = log1.read_text()
         return "restart 1" in text and "batchrun array task: exit" in text.split("restart 1")[-1]
 
-    _wait(resumed, "the requeued task 1 to run and finish")
+    _wait(resumed, "the requeued task 1 to run and finish", logs=tmp_path)
     _wait(lambda: not _squeue(slurm, "-j", job_id), "the array job to leave the queue")
 
     text1 = log1.read_text()

@@ -76,3 +76,16 @@ def test_int8_kv_cache_agrees_with_float(reference):
     tf = teacher_forced(engine.model, runner, seqs)
     assert agreement(ref, tf) >= 0.97
     assert tf.perplexity / ref.perplexity - 1.0 <= 0.02
+
+
+def test_gguf_native_blocks_give_the_float_models_exact_greedy_output(reference, smollm2_cache_dir):
+    # Q4_1 blocks kept as int4 (groups of 32, q/k rows un-permuted) dequantize to exactly the floats
+    # transformers produces from the same file, so in float32 the outputs are identical, not close.
+    from batchrun.engine import SamplingParams
+
+    engine, _, _ = reference
+    gguf = Engine(dataclasses.replace(engine.config, quantization="gguf"))
+    assert gguf.quantization.num_from_gguf == 4 * gguf.model.spec.num_layers
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    assert [o.token_ids for o in gguf.generate(prompts, params)] == [o.token_ids for o in engine.generate(prompts, params)]

@@ -10,9 +10,9 @@ KV cache, against an unquantized engine of the same compute dtype. The text runs
 sequence (its first token, then the rest) so every attention read goes through the KV cache, which
 is what an int8/fp8 KV cache changes.
 
-Speed: all engines are built first and then measured in alternating rounds in this process (the
-machine's other load drifts; alternating keeps the ratios fair), and the ratio to bf16 is taken per
-round. Decode tokens/s at batch 1, 16 and 64 is batch size / mean inter-token latency; the
+Speed: all engines are built first and then measured in rounds in this process, each workload run
+on every engine back to back (the machine's other load drifts; adjacent runs keep the ratios fair),
+and the ratio to bf16 is taken per round, then the median over rounds. Decode tokens/s at batch 1, 16 and 64 is batch size / mean inter-token latency; the
 summarization workload is the bundled sample shards (32 CPython doc topics) through the summarize
 job's prompt (chat template, greedy, 64 tokens), output tokens / wall seconds.
 """
@@ -199,10 +199,13 @@ def run_speed(modes: list[str], cache_dir: Optional[str], threads: Optional[int]
         decode_tokens_per_s(e, 2, max_tokens=4)
     results: dict[str, dict[str, list[float]]] = {m: {} for m in engines}
     for r in range(rounds):
-        for mode, e in engines.items():
-            for b in batch_sizes:
+        # Engines innermost: the measurements a ratio compares run back to back, so drift in the
+        # machine's other load (other jobs on a shared box) hits both sides alike.
+        for b in batch_sizes:
+            for mode, e in engines.items():
                 results[mode].setdefault(f"decode@{b}", []).append(decode_tokens_per_s(e, b))
-            if summarize:
+        if summarize:
+            for mode, e in engines.items():
                 results[mode].setdefault("summarize", []).append(summarize_tokens_per_s(e, prompts))
         print(f"round {r + 1}/{rounds}: " + ", ".join(
             f"{m} " + "/".join(f"{v[-1]:.0f}" for v in res.values()) for m, res in results.items()), flush=True)

@@ -127,7 +127,7 @@ def test_quantized_kv_cache_round_trip(kv_dtype, max_rel):
     x = torch.randn(5, 2, 16) * torch.tensor([1.0, 30.0])[None, :, None]  # heads of very different size
     slots = torch.tensor([0, 3, 8, 9, 31])
     cache.write(x, slots)
-    got = cache.view(-1, 2, 16)[slots]
+    got = cache.gather_slots(slots).transpose(0, 1)  # (num_kv_heads, slots, dim) -> (slots, num_kv_heads, dim)
     assert ((got - x).norm(dim=-1) / x.norm(dim=-1)).max().item() < max_rel
     assert cache[torch.tensor([[1, 0]])].shape == (1, 2, 8, 2, 16)
     assert cache.nbytes() == 4 * 8 * 2 * (16 + 4)

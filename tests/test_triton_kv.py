@@ -32,6 +32,7 @@ CASES = {
 
 
 def run_case(spec: dict[str, Any], device: str = "cpu", num_tokens: int = 9) -> None:
+    from batchrun.kernels.attention import as_kv_cache_layout
     from batchrun.kernels.triton_kv import (rotary_write_kv_cache, rotary_write_kv_cache_reference, write_kv_cache,
                                             write_kv_cache_reference)
 
@@ -49,18 +50,19 @@ def run_case(spec: dict[str, Any], device: str = "cpu", num_tokens: int = 9) -> 
     slots[2] = -1
     keep = slots >= 0
 
-    def caches():
-        return [torch.randn(num_blocks, bs, kv_heads, dim, generator=gen).to(device, dtype) for _ in range(2)]
+    def caches():  # in the engine's head-major layout, through the logical (blocks, block_size, heads, dim) view
+        return [torch.randn(kv_heads, num_blocks, bs, dim, generator=gen).to(device, dtype).permute(1, 2, 0, 3)
+                for _ in range(2)]
 
     want_k, want_v = caches()
-    got_k, got_v = want_k.clone(), want_v.clone()
+    got_k, got_v = as_kv_cache_layout(want_k), as_kv_cache_layout(want_v)
     write_kv_cache_reference(want_k, want_v, k[keep], v[keep], slots[keep])
     write_kv_cache(got_k, got_v, k, v, slots)
     torch.testing.assert_close(got_k, want_k, rtol=0, atol=0)
     torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)
 
     want_k, want_v = caches()
-    got_k, got_v = want_k.clone(), want_v.clone()
+    got_k, got_v = as_kv_cache_layout(want_k), as_kv_cache_layout(want_v)
     want_q, want_kr = rotary_write_kv_cache_reference(q[keep], k[keep], v[keep], cos[keep], sin[keep], want_k, want_v,
                                                       slots[keep])
     got_q, got_kr = rotary_write_kv_cache(q, k, v, cos, sin, got_k, got_v, slots)

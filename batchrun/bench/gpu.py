@@ -35,7 +35,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from batchrun.kernels.attention import AttentionMetadata, paged_attention_reference, write_kv_cache_reference
+from batchrun.kernels.attention import (AttentionMetadata, new_kv_cache, paged_attention_reference,
+                                        write_kv_cache_reference)
 
 # ---------------------------------------------------------------------------------------------
 # random inputs (also used by the tests)
@@ -78,7 +79,8 @@ def attention_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: in
     def randn(*size: int) -> torch.Tensor:
         return torch.randn(size, generator=dev_gen, device=device).to(dtype)
 
-    k_cache, v_cache = randn(*shape), randn(*shape)
+    # the engine's head-major layout (kernels/attention.py), seen through the logical shape
+    k_cache, v_cache = (randn(num_kv_heads, num_blocks, block_size, head_dim).permute(1, 2, 0, 3) for _ in range(2))
     q = randn(num_tokens, num_heads, head_dim)
     k_new, v_new = randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
@@ -173,7 +175,7 @@ def _kernel_checks(device: torch.device, smoke: bool) -> list[tuple[str, float, 
             emb = torch.cat([angles, angles], dim=-1)
             cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
             slots = torch.randperm(num_blocks * bs, generator=gen)[:tokens].to(device)
-            caches = [torch.zeros(num_blocks, bs, kv_heads, dim, dtype=dtype, device=device) for _ in range(4)]
+            caches = [new_kv_cache(num_blocks, bs, kv_heads, dim, dtype, device) for _ in range(4)]
             q_ref, k_ref = tk.rotary_write_kv_cache_reference(q, k, v, cos, sin, caches[0], caches[1], slots)
             q_got, k_got = tk.rotary_write_kv_cache(q, k, v, cos, sin, caches[2], caches[3], slots)
             return (torch.cat([q_got.flatten(), caches[2].flatten(), caches[3].flatten()]),

@@ -9,7 +9,7 @@ import torch
 
 from batchrun.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from batchrun.engine.scheduler import ScheduledBatch
-from batchrun.kernels.attention import AttentionMetadata
+from batchrun.kernels.attention import AttentionMetadata, new_kv_cache
 from batchrun.kernels.quant import KV_CACHE_DTYPES, QuantizedKVCache, kv_bytes_per_token_head
 from batchrun.model.decoder import DecoderLM
 
@@ -48,7 +48,7 @@ class ModelRunner:
             ]
         else:
             self.kv_caches = [
-                (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                (new_kv_cache(*shape, dtype=dtype, device=device), new_kv_cache(*shape, dtype=dtype, device=device))
                 for _ in range(s.num_layers)
             ]
         # GPU only: pure decode steps replay CUDA graphs (engine/cuda_graphs.py); None on CPU.

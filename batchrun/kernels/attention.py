@@ -5,6 +5,14 @@ sequences back to back with no padding: sequence i owns query rows
 `query_start_loc[i]:query_start_loc[i+1]`, which are the last `query_len` positions of its
 `seq_len` tokens of context; its keys and values live in the cache blocks listed in its row of
 `block_tables`.
+
+Cache layout. Every kernel indexes one layer's K (or V) cache as (num_blocks, block_size,
+num_kv_heads, head_dim) through its strides, but the engine stores it head-major,
+(num_kv_heads, num_blocks, block_size, head_dim), and hands out the permuted view
+(`new_kv_cache`). Then one block of one head is a contiguous block_size x head_dim tile, so the CPU
+decode path gathers a batch's contexts with one `index_select` straight into the
+(kv_head, sequence, position, head_dim) order its batched matmuls read, with no second copy (the
+token-major layout needed a gather and then a transposing copy of K and V in every layer).
 """
 from __future__ import annotations
 
@@ -71,6 +79,44 @@ class AttentionMetadata:
         return self._memo[key]
 
 
+def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str) -> torch.Tensor:
+    """One layer's zeroed K (or V) cache: logical (num_blocks, block_size, num_kv_heads, head_dim)
+    over head-major storage (see the module docstring)."""
+    return torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device).permute(1, 2, 0, 3)
+
+
+def as_kv_cache_layout(cache: torch.Tensor) -> torch.Tensor:
+    """A copy of a (num_blocks, block_size, num_kv_heads, head_dim) cache in the engine's layout."""
+    out = new_kv_cache(*cache.shape, dtype=cache.dtype, device=cache.device)
+    out.copy_(cache)
+    return out
+
+
+def _by_head(cache: torch.Tensor) -> torch.Tensor:
+    """(num_kv_heads, num_blocks, block_size * head_dim): a view of a head-major cache (a copy of any other)."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    return cache.permute(2, 0, 1, 3).reshape(num_kv_heads, num_blocks, block_size * head_dim)
+
+
+def gather_blocks(cache, tables: torch.Tensor) -> torch.Tensor:
+    """(num_kv_heads, num_seqs, num_blocks * block_size, head_dim): the cache blocks listed in each
+    row of `tables` (num_seqs, num_blocks), in the order the batched matmuls read them."""
+    if isinstance(cache, QuantizedKVCache):
+        return cache.gather_blocks(tables)
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    out = _by_head(cache).index_select(1, tables.flatten())
+    return out.view(num_kv_heads, tables.shape[0], -1, head_dim)
+
+
+def gather_slots(cache, slots: torch.Tensor) -> torch.Tensor:
+    """(num_kv_heads, len(slots), head_dim): the entries at flat slots (block * block_size + offset)."""
+    if isinstance(cache, QuantizedKVCache):
+        return cache.gather_slots(slots)
+    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
+    return _by_head(cache).view(num_kv_heads, -1, head_dim).index_select(1, slots)
+
+
 def _use_triton(x: torch.Tensor, k_cache) -> bool:
     """The Triton kernels (batchrun.kernels.triton_attention, triton_kv) serve plain float caches on
     CUDA when triton is installed; the CPU path below is also their reference."""
@@ -110,10 +156,10 @@ def write_kv_cache_reference(
     v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     slot_mapping: torch.Tensor,  # (num_tokens,)
 ) -> None:
-    """The plain-torch cache write: the CPU path, and what triton_kv.write_kv_cache is checked against."""
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """The plain-torch cache write: the CPU path, and what triton_kv.write_kv_cache is checked against.
+    Any cache layout (flattening the two leading dims is a view of every layout used)."""
+    k_cache.flatten(0, 1).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.flatten(0, 1).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 def _attend(
@@ -142,25 +188,26 @@ def _attend(
 
 def _decode_attend(
     q: torch.Tensor,  # (batch, num_heads, head_dim): one query per sequence
-    k: torch.Tensor,  # (batch, kv_len, num_kv_heads, head_dim) padded contexts
-    v: torch.Tensor,  # (batch, kv_len, num_kv_heads, head_dim)
+    k: torch.Tensor,  # (num_kv_heads, batch, kv_len, head_dim) padded contexts (gather_blocks)
+    v: torch.Tensor,  # (num_kv_heads, batch, kv_len, head_dim)
     mask: torch.Tensor,  # (batch, kv_len) bool, True where allowed
     scale: float,
     softcap: Optional[float],
 ) -> torch.Tensor:
     """Single-query attention as grouped batched matmuls: the query heads that share a KV head are
-    one matrix, so KV is never repeated, and the masked softmax runs in float32. (SDPA's CPU kernel
-    with a mask is several times slower than this for one query in bf16.)"""
+    one matrix, so KV is never repeated, and the masked softmax runs in float32. K and V are read in
+    the layout they were gathered in (K through a transposed view). (SDPA's CPU kernel with a mask
+    is several times slower than this for one query in bf16.)"""
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
-    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)).float() * scale  # (batch, num_kv_heads, group, kv_len)
+    num_kv_heads = k.shape[0]
+    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
+    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # (num_kv_heads, batch, group, kv_len)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask[:, None, None, :], float("-inf"))
+    scores = scores.masked_fill(~mask[None, :, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
-    out = torch.matmul(probs, v.transpose(1, 2))  # (batch, num_kv_heads, group, head_dim)
-    return out.reshape(batch, num_heads, head_dim)
+    out = torch.matmul(probs, v)  # (num_kv_heads, batch, group, head_dim)
+    return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 
 def paged_attention(
@@ -198,28 +245,23 @@ def paged_attention_reference(
     v_new: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The plain-torch attention: the CPU path, and what triton_attention.paged_attention is checked against."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
 
     if meta.decode_seq_ids.numel() > 0:
         rows, tables, mask = meta.decode_inputs(sliding_window)
-        k = k_cache[tables].flatten(1, 2)  # (num_decode, num_blocks * block_size, num_kv_heads, head_dim)
-        v = v_cache[tables].flatten(1, 2)
+        k, v = gather_blocks(k_cache, tables), gather_blocks(v_cache, tables)
         out[rows] = _decode_attend(q[rows], k, v, mask, scale, softcap)
 
-    flat_k = k_cache.view(-1, num_kv_heads, head_dim)
-    flat_v = v_cache.view(-1, num_kv_heads, head_dim)
     for i in meta.prefill_seq_ids:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         slots, mask = meta.prefill_inputs(i, sliding_window)
         if slots is None and k_new is not None:
-            k, v = k_new[start:end], v_new[start:end]  # a fresh prompt: its keys are all new
+            k, v = k_new[start:end].transpose(0, 1), v_new[start:end].transpose(0, 1)  # a fresh prompt: all new
         else:
             if slots is None:
                 slots = meta.slot_mapping[start:end]
-            k, v = flat_k[slots], flat_v[slots]  # (seq_len, num_kv_heads, head_dim)
+            k, v = gather_slots(k_cache, slots), gather_slots(v_cache, slots)  # (num_kv_heads, seq_len, head_dim)
         qp = q[start:end].transpose(0, 1).unsqueeze(0)  # (1, num_heads, q_len, head_dim)
-        o = _attend(qp, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                    None if mask is None else mask[None, None], scale, softcap)
+        o = _attend(qp, k.unsqueeze(0), v.unsqueeze(0), None if mask is None else mask[None, None], scale, softcap)
         out[start:end] = o[0].transpose(0, 1)
     return out

@@ -235,10 +235,11 @@ def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> t
 class QuantizedKVCache:
     """One layer's K (or V) cache held as int8/fp8 with a float32 scale per (slot, head).
 
-    It stands in for the float cache tensor in `paged_attention`: `.shape` and `.view(-1, heads,
-    head_dim)` behave like the tensor's, and indexing (`cache[block_tables]`, `flat[slots]`) returns
-    the gathered entries dequantized to `out_dtype`, so attention reads floats and the float path
-    keeps its code. `write_kv_cache` quantizes new entries on the way in.
+    It stands in for the float cache tensor in `paged_attention`: `.shape` is the logical
+    (num_blocks, block_size, num_kv_heads, head_dim), the storage is head-major like the float
+    cache's (kernels/attention.py), and `gather_blocks` / `gather_slots` return the gathered
+    entries dequantized to `out_dtype`, so attention reads floats and the float path keeps its code.
+    `write_kv_cache` quantizes new entries on the way in.
     """
 
     def __init__(self, data: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> None:
@@ -250,8 +251,10 @@ class QuantizedKVCache:
     @staticmethod
     def empty(shape: tuple[int, ...], dtype: torch.dtype, out_dtype: torch.dtype,
               device: torch.device) -> "QuantizedKVCache":
-        return QuantizedKVCache(torch.zeros(shape, dtype=dtype, device=device),
-                                torch.ones(shape[:-1], dtype=torch.float32, device=device), out_dtype)
+        num_blocks, block_size, num_kv_heads, head_dim = shape
+        data = torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device)
+        scale = torch.ones((num_kv_heads, num_blocks, block_size), dtype=torch.float32, device=device)
+        return QuantizedKVCache(data.permute(1, 2, 0, 3), scale.permute(1, 2, 0), out_dtype)
 
     @property
     def shape(self) -> torch.Size:
@@ -265,23 +268,40 @@ class QuantizedKVCache:
     def device(self) -> torch.device:
         return self.data.device
 
-    def view(self, *shape: int) -> "QuantizedKVCache":
-        assert shape[-1] == self.data.shape[-1], "only leading dims can be reshaped"
-        return QuantizedKVCache(self.data.view(*shape), self.scale.view(*shape[:-1]), self.out_dtype)
+    def _by_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(data (num_kv_heads, num_slots, head_dim), scale (num_kv_heads, num_slots)); views when head-major."""
+        num_kv_heads, head_dim = self.data.shape[2], self.data.shape[3]
+        return (self.data.permute(2, 0, 1, 3).reshape(num_kv_heads, -1, head_dim),
+                self.scale.permute(2, 0, 1).reshape(num_kv_heads, -1))
+
+    def gather_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """(num_kv_heads, len(slots), head_dim) dequantized."""
+        data, scale = self._by_head()
+        q = data.view(torch.uint8) if data.dtype != torch.int8 else data  # no float8 index kernel on CPU
+        q = q.index_select(1, slots)
+        return dequantize_kv(q.view(data.dtype), scale.index_select(1, slots), self.out_dtype)
+
+    def gather_blocks(self, tables: torch.Tensor) -> torch.Tensor:
+        """(num_kv_heads, num_seqs, num_blocks * block_size, head_dim) dequantized, like attention.gather_blocks."""
+        block_size = self.data.shape[1]
+        offsets = torch.arange(block_size, device=tables.device)
+        slots = (tables[:, :, None] * block_size + offsets).flatten()
+        out = self.gather_slots(slots)
+        return out.view(out.shape[0], tables.shape[0], -1, out.shape[-1])
 
     def __getitem__(self, index) -> torch.Tensor:
+        """Indexing the logical (num_blocks, block_size, num_kv_heads, head_dim) shape, dequantized."""
         return dequantize_kv(self.data[index], self.scale[index], self.out_dtype)
 
     def write(self, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Quantize (num_tokens, num_kv_heads, head_dim) and store it at the given flat slots."""
-        num_kv_heads, head_dim = x.shape[1], x.shape[2]
         q, scale = quantize_kv(x, self.data.dtype)
         # index_copy_ has no float8 kernel on the CPU; the bytes are the same through a uint8 view.
-        flat = self.data.view(-1, num_kv_heads, head_dim)
+        flat = self.data.flatten(0, 1)
         if flat.dtype != torch.int8:
             flat, q = flat.view(torch.uint8), q.view(torch.uint8)
         flat.index_copy_(0, slot_mapping, q)
-        self.scale.view(-1, num_kv_heads).index_copy_(0, slot_mapping, scale)
+        self.scale.flatten(0, 1).index_copy_(0, slot_mapping, scale)
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()

@@ -6,7 +6,13 @@ Batch 1 (max_num_seqs=1): decode tokens/s (output tokens / time after the first 
 speculation off, n-gram and self, and their acceptance rates. Full batch: output tokens/s of the
 whole workload, off against the adaptive policy (ngram). Engines are built first and measured in
 alternating rounds, so drift on a shared machine hits every configuration alike; ratios are
-per round, then averaged. Greedy outputs are checked identical to speculation off.
+per round, then averaged.
+
+Greedy outputs are compared with speculation off and the agreement is printed, not asserted: the
+engines run in bfloat16 (dtype auto), where verifying k+1 tokens in one forward rounds differently
+from k+1 single-token decode steps (other matmul shapes, the chunk attention path), so a near-tie
+can flip an argmax and the texts part from there on. In float32 the outputs are token-identical
+(tests/test_speculative.py, on tiny models and the real one).
 """
 from __future__ import annotations
 
@@ -28,6 +34,7 @@ def _engine(method: str, max_num_seqs: Optional[int], cache_dir: Optional[str], 
 
 def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, list[list[int]], dict]:
     """(decode tok/s per request, whole-workload output tok/s, outputs, spec stats)."""
+    engine.reset_prefix_cache()  # every round prefills afresh, as the first did
     before = engine.stats()
     t = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
@@ -43,6 +50,16 @@ def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[flo
     return statistics.mean(decode), sum(len(o.token_ids) for o in outs) / wall, [o.token_ids for o in outs], spec
 
 
+def _agreement(got: list[list[int]], want: list[list[int]]) -> str:
+    """'k/n identical' plus the mean share of each output that matches before the first difference."""
+    same = sum(g == w for g, w in zip(got, want))
+    prefix = []
+    for g, w in zip(got, want):
+        n = next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), min(len(g), len(w)))
+        prefix.append(n / max(len(w), 1))
+    return f"{same}/{len(want)} identical, {100 * statistics.mean(prefix):.0f}% of tokens before the first difference"
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=8, help="batch-1 prompts (full batch uses all 32)")
@@ -50,8 +67,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--self-layers", type=int, default=None)
     ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--only", choices=("batch1", "full"), default=None)
     args = ap.parse_args(argv)
 
+    if args.only != "full":
+        _batch_one(args)
+    if args.only != "batch1":
+        _full_batch(args)
+
+
+def _batch_one(args) -> None:
     single = {"off": _engine("none", 1, args.cache_dir), "ngram": _engine("ngram", 1, args.cache_dir, adaptive=False),
               "self": _engine("self", 1, args.cache_dir, adaptive=False, self_layers=args.self_layers)}
     prompts = summarize_prompts(single["off"].tokenizer)
@@ -61,21 +86,27 @@ def main(argv: Optional[list[str]] = None) -> None:
     for r in range(args.rounds):
         res = {name: _run(e, few, args.max_tokens) for name, e in single.items()}
         for name in ("ngram", "self"):
-            assert res[name][2] == res["off"][2], f"{name} changed greedy output"
             ratios[name].append(res[name][0] / res["off"][0])
         print(f"  round {r}: " + ", ".join(f"{n} {v[0]:.1f} decode tok/s {v[3] or ''}" for n, v in res.items()))
+        print("    bf16 agreement with off: " + ", ".join(
+            f"{name} {_agreement(res[name][2], res['off'][2])}" for name in ("ngram", "self")))
     for name, vals in ratios.items():
         print(f"  {name} / off decode tok/s at batch 1: {statistics.mean(vals):.2f}x")
-    del single
 
-    full = {"off": _engine("none", None, args.cache_dir), "adaptive": _engine("ngram", None, args.cache_dir)}
-    print(f"full batch: {len(prompts)} prompts, max_num_seqs {full['off'].max_num_seqs}")
+
+def _full_batch(args) -> None:
+    off = _engine("none", None, args.cache_dir)
+    # the same batch limit for both (each engine's start-up profile alone could pick another)
+    full = {"off": off, "adaptive": _engine("ngram", off.max_num_seqs, args.cache_dir)}
+    prompts = summarize_prompts(off.tokenizer)
+    print(f"full batch: {len(prompts)} prompts, max_num_seqs {off.max_num_seqs} for both")
     full_ratios = []
     for r in range(args.rounds):
-        res = {name: _run(e, prompts, args.max_tokens) for name, e in full.items()}
-        assert res["adaptive"][2] == res["off"][2], "adaptive ngram changed greedy output"
+        order = list(full) if r % 2 == 0 else list(reversed(full))  # who runs first alternates
+        res = {name: _run(full[name], prompts, args.max_tokens) for name in order}
         full_ratios.append(res["adaptive"][1] / res["off"][1])
         print(f"  round {r}: " + ", ".join(f"{n} {v[1]:.1f} out tok/s {v[3] or ''}" for n, v in res.items()))
+        print(f"    bf16 agreement with off: {_agreement(res['adaptive'][2], res['off'][2])}")
     print(f"  adaptive ngram / off at full batch: {statistics.mean(full_ratios):.3f}x")
 
 

@@ -25,6 +25,12 @@ import torch.nn.functional as F
 from batchrun.kernels.quant import QuantizedKVCache
 
 
+# Decodes that start with the same cached blocks (a shared system prompt or document) attend to
+# that prefix once for all of them (AttentionMetadata.decode_groups, _decode_attend_shared).
+MIN_SHARED_SEQS = 2
+MIN_SHARED_TOKENS = 64
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # (num_tokens,) int64: cache slot (block * block_size + offset) of each new token
@@ -53,6 +59,42 @@ class AttentionMetadata:
             rows = torch.tensor([self.query_start_loc[i] for i in self.decode_seq_ids.tolist()],
                                 dtype=torch.long, device=seq_lens.device)
             self._memo[key] = (rows, tables, mask)
+        return self._memo[key]
+
+    def decode_groups(self, sliding_window: Optional[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+        """The batched decodes split for attention: [(query rows, block tables, key mask, num_shared)].
+
+        Decodes whose block tables start with the same blocks (the same cached system prompt or
+        document) form a group with num_shared > 0: the leading block columns all of its sequences
+        share, with every position inside every context. The rest form one group with num_shared 0.
+        Under a sliding window everything stays in one plain group."""
+        key = ("groups", sliding_window)
+        if key not in self._memo:
+            rows, tables, mask = self.decode_inputs(sliding_window)
+            groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
+            plain = torch.ones(len(rows), dtype=torch.bool, device=rows.device)
+            if sliding_window is None and len(rows) >= MIN_SHARED_SEQS:
+                first = tables[:, 0]
+                values, counts = torch.unique(first, return_counts=True)
+                for value in values[counts >= MIN_SHARED_SEQS].tolist():
+                    sel = torch.nonzero(first == value).flatten()
+                    lens = self.decode_seq_lens[sel]
+                    full = int(lens.min()) // self.block_size  # blocks inside every context of the group
+                    t = tables[sel]
+                    same = (t[:, :full] == t[:1, :full]).all(dim=0)
+                    num_shared = int(same.long().cumprod(0).sum()) if full else 0
+                    if num_shared * self.block_size < MIN_SHARED_TOKENS:
+                        continue
+                    width = -(-int(lens.max()) // self.block_size)
+                    groups.append((rows[sel], t[:, :width], mask[sel, : width * self.block_size], num_shared))
+                    plain[sel] = False
+            if bool(plain.all()):
+                groups = [(rows, tables, mask, 0)]
+            elif bool(plain.any()):
+                sel = torch.nonzero(plain).flatten()
+                width = -(-int(self.decode_seq_lens[sel].max()) // self.block_size)
+                groups.append((rows[sel], tables[sel, :width], mask[sel, : width * self.block_size], 0))
+            self._memo[key] = groups
         return self._memo[key]
 
     def prefill_inputs(self, i: int, sliding_window: Optional[int]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
@@ -210,6 +252,55 @@ def _decode_attend(
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 
+def _partial_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                    softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unnormalized attention of q (..., rows, dim) over k, v (..., keys, dim): (out float32
+    (..., rows, dim), row max (..., rows, 1), row sum of exp (..., rows, 1)), to be merged."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)  # rows with no key
+    weights = torch.exp(scores - row_max)
+    out = torch.matmul(weights.to(v.dtype), v).float()
+    return out, row_max, weights.sum(dim=-1, keepdim=True)
+
+
+def _decode_attend_shared(
+    q: torch.Tensor,  # (batch, num_heads, head_dim)
+    k_cache, v_cache,
+    shared_blocks: torch.Tensor,  # (num_shared,) block ids every sequence starts with
+    tables: torch.Tensor,  # (batch, num_blocks) the rest of each sequence's blocks
+    mask: torch.Tensor,  # (batch, num_blocks * block_size) for the rest
+    scale: float,
+    softcap: Optional[float],
+) -> torch.Tensor:
+    """Decode attention split at a prefix every sequence shares (cascade attention): all queries
+    attend to the shared blocks in one matmul, gathered once instead of once per sequence, each
+    sequence attends to its own remaining blocks as in _decode_attend, and the two partial softmaxes
+    are merged exactly by their row maxima and sums."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    qg = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)  # (num_kv_heads, batch, group, head_dim)
+    k_shared = gather_blocks(k_cache, shared_blocks[None])[:, 0]  # (num_kv_heads, shared_len, head_dim)
+    v_shared = gather_blocks(v_cache, shared_blocks[None])[:, 0]
+    o1, m1, l1 = _partial_attend(qg.reshape(num_kv_heads, batch * group, head_dim), k_shared, v_shared, None,
+                                 scale, softcap)
+    o1, m1, l1 = (t.view(num_kv_heads, batch, group, -1) for t in (o1, m1, l1))
+    if tables.shape[1] == 0:
+        out = o1 / l1
+    else:
+        k, v = gather_blocks(k_cache, tables), gather_blocks(v_cache, tables)  # (num_kv_heads, batch, len, head_dim)
+        o2, m2, l2 = _partial_attend(qg, k, v, mask[None, :, None, :], scale, softcap)
+        m = torch.maximum(m1, m2)
+        a1, a2 = torch.exp(m1 - m), torch.exp(m2 - m)
+        out = (o1 * a1 + o2 * a2) / (l1 * a1 + l2 * a2)
+    return out.to(q.dtype).transpose(0, 1).reshape(batch, num_heads, head_dim)
+
+
 def paged_attention(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), this step's keys already written
@@ -248,9 +339,14 @@ def paged_attention_reference(
     out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
 
     if meta.decode_seq_ids.numel() > 0:
-        rows, tables, mask = meta.decode_inputs(sliding_window)
-        k, v = gather_blocks(k_cache, tables), gather_blocks(v_cache, tables)
-        out[rows] = _decode_attend(q[rows], k, v, mask, scale, softcap)
+        for rows, tables, mask, num_shared in meta.decode_groups(sliding_window):
+            if num_shared:
+                out[rows] = _decode_attend_shared(q[rows], k_cache, v_cache, tables[0, :num_shared],
+                                                  tables[:, num_shared:], mask[:, num_shared * meta.block_size:],
+                                                  scale, softcap)
+            else:
+                k, v = gather_blocks(k_cache, tables), gather_blocks(v_cache, tables)
+                out[rows] = _decode_attend(q[rows], k, v, mask, scale, softcap)
 
     for i in meta.prefill_seq_ids:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]

@@ -68,6 +68,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--self-layers", type=int, default=None)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--only", choices=("batch1", "full"), default=None)
+    ap.add_argument("--no-self", action="store_true", help="batch 1: skip self-speculation (slow on small models)")
     args = ap.parse_args(argv)
 
     if args.only != "full":
@@ -77,19 +78,21 @@ def main(argv: Optional[list[str]] = None) -> None:
 
 
 def _batch_one(args) -> None:
-    single = {"off": _engine("none", 1, args.cache_dir), "ngram": _engine("ngram", 1, args.cache_dir, adaptive=False),
-              "self": _engine("self", 1, args.cache_dir, adaptive=False, self_layers=args.self_layers)}
+    single = {"off": _engine("none", 1, args.cache_dir), "ngram": _engine("ngram", 1, args.cache_dir, adaptive=False)}
+    if not args.no_self:
+        single["self"] = _engine("self", 1, args.cache_dir, adaptive=False, self_layers=args.self_layers)
+    methods = [m for m in ("ngram", "self") if m in single]
     prompts = summarize_prompts(single["off"].tokenizer)
     few = prompts[: args.prompts]
     print(f"batch 1: {len(few)} prompts, {args.max_tokens} tokens, rounds {args.rounds}")
-    ratios: dict[str, list[float]] = {"ngram": [], "self": []}
+    ratios: dict[str, list[float]] = {m: [] for m in methods}
     for r in range(args.rounds):
         res = {name: _run(e, few, args.max_tokens) for name, e in single.items()}
-        for name in ("ngram", "self"):
+        for name in methods:
             ratios[name].append(res[name][0] / res["off"][0])
         print(f"  round {r}: " + ", ".join(f"{n} {v[0]:.1f} decode tok/s {v[3] or ''}" for n, v in res.items()))
         print("    bf16 agreement with off: " + ", ".join(
-            f"{name} {_agreement(res[name][2], res['off'][2])}" for name in ("ngram", "self")))
+            f"{name} {_agreement(res[name][2], res['off'][2])}" for name in methods))
     for name, vals in ratios.items():
         print(f"  {name} / off decode tok/s at batch 1: {statistics.mean(vals):.2f}x")
 

@@ -6,13 +6,13 @@ imported, and in a pytest session some other module may already have imported it
 """
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from triton_child import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -50,10 +50,7 @@ def _interpreted_check(num_tokens: int) -> None:
 
 
 def test_triton_grouped_gemm_matches_reference_interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, __file__, "1", "21"], env=env, capture_output=True, text=True, timeout=120)
+    proc = run_interpreted(__file__, "1", "21", timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "ok 1\nok 21"
 

@@ -7,12 +7,11 @@ imported, and in a pytest session some other module may already have imported it
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+
+from triton_child import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -41,10 +40,7 @@ def _check_all(device: str, dtype: torch.dtype, rtol: float, atol: float, **tile
 
 
 def test_triton_quant_gemms_match_reference_interpreted():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+    proc = run_interpreted(__file__)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "ok"
 

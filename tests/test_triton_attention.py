@@ -16,14 +16,12 @@ has no bf16), so the kernels upcast the operands there (`_dot_f32`); compiled ke
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 import torch
+
+from triton_child import interpreted_cases, report_cases
 
 pytest.importorskip("triton")
 
@@ -89,17 +87,7 @@ def run_case(spec: dict[str, Any], device: str = "cpu") -> None:
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict[str, Any]]:
     """case id -> {"ok": bool, "msg": str}, from one interpreted child process for every case."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            results[row["id"]] = row
-    assert results, f"the interpreted child reported nothing:\n{proc.stdout}\n{proc.stderr}"
-    return results
+    return interpreted_cases(__file__)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
@@ -128,9 +116,4 @@ def test_triton_attention_large_on_gpu(dtype, heads, kv_heads, head_dim):
 
 
 if __name__ == "__main__":
-    for case_id, spec in CASES.items():
-        try:
-            run_case(spec)
-            print(json.dumps({"id": case_id, "ok": True, "msg": ""}), flush=True)
-        except Exception as exc:  # noqa: BLE001 - every case reports, whatever breaks
-            print(json.dumps({"id": case_id, "ok": False, "msg": f"{type(exc).__name__}: {exc}"}), flush=True)
+    report_cases(CASES, run_case)

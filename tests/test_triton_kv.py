@@ -9,14 +9,12 @@ each elementwise op).
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from typing import Any
 
 import pytest
 import torch
+
+from triton_child import interpreted_cases, report_cases
 
 pytest.importorskip("triton")
 
@@ -73,13 +71,7 @@ def run_case(spec: dict[str, Any], device: str = "cpu", num_tokens: int = 9) -> 
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict[str, dict[str, Any]]:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    results = {json.loads(line)["id"]: json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")}
-    assert results, f"the interpreted child reported nothing:\n{proc.stdout}\n{proc.stderr}"
-    return results
+    return interpreted_cases(__file__)
 
 
 @pytest.mark.parametrize("case_id", list(CASES))
@@ -96,9 +88,4 @@ def test_triton_kv_write_matches_reference_on_gpu(case_id):
 
 
 if __name__ == "__main__":
-    for case_id, spec in CASES.items():
-        try:
-            run_case(spec)
-            print(json.dumps({"id": case_id, "ok": True, "msg": ""}), flush=True)
-        except Exception as exc:  # noqa: BLE001 - every case reports, whatever breaks
-            print(json.dumps({"id": case_id, "ok": False, "msg": f"{type(exc).__name__}: {exc}"}), flush=True)
+    report_cases(CASES, run_case)

@@ -6,7 +6,6 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-import torch
 import yaml
 
 from batchrun import cli
@@ -17,20 +16,10 @@ from batchrun.job.benchmark_report import SUMMARY_COLUMNS
 from batchrun.job.planner import PlannerConfig
 from batchrun.job.runner import load_engine
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_torch_thread")]
 
 TINY_ENGINE = ["engine.dtype=float32", "engine.max_num_seqs=8", "engine.max_num_batched_tokens=512",
                f"engine.kv_cache_memory={64 << 20}", "engine.num_threads=1"]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: on a shared 2-core machine a tiny model runs ~30x faster than with two
-    threads waiting on each other. Restored afterwards (the setting is process-wide)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_benchmark_job_writes_its_table_and_plot(tmp_path, tiny_llama_dir, capsys, monkeypatch):

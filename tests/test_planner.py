@@ -8,7 +8,6 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-import torch
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -20,17 +19,8 @@ from batchrun.job.config import config_fields
 from batchrun.job.planner import PlannerConfig, plan_order, plan_requests
 from batchrun.job.writer import ResultWriter
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_torch_thread")]
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread: on a shared 2-core machine a tiny model runs far faster than with two
-    threads waiting on each other. Restored afterwards (the setting is process-wide)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 ORDERS = ["longest_first", "shortest_first", "input"]
 BLOCK = 4

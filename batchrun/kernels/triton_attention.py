@@ -59,6 +59,21 @@ def _scores(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT_F32: tl.constex
 
 
 @triton.jit
+def _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, p_ok, d, d_ok, kv_head, block_size,
+                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh):
+    """K and V of one KV head at token positions `pos` (BLOCK_N,) of a sequence, through its block
+    table; (BLOCK_N, HEAD_DIM_PAD) each, zero where ~p_ok or past head_dim."""
+    block = tl.load(table + pos // block_size, mask=p_ok, other=0).to(tl.int64)
+    offset = pos % block_size
+    kv_mask = p_ok[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + (block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vt + kv_head * stride_vh)[:, None] + d[None, :],
+                mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _accumulate(acc, p, v, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
     if DOT_F32:
         pv = tl.dot(p, v.to(tl.float32))
@@ -114,13 +129,8 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) token positions
         p_ok = pos < end
-        block = tl.load(table + pos // block_size, mask=p_ok, other=0).to(tl.int64)
-        offset = pos % block_size
-        kv_mask = p_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + (block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_DIM_PAD)
-        v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vt + kv_head * stride_vh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, p_ok, d, d_ok, kv_head, block_size,
+                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh)  # (BLOCK_N, HEAD_DIM_PAD)
         s = _scores(q, k, scale, softcap, HAS_SOFTCAP, DOT_F32, IEEE)  # (GROUP_PAD, BLOCK_N)
         s = tl.where(p_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -212,13 +222,8 @@ def _prefill_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
         p_ok = pos < hi
-        block = tl.load(table + pos // block_size, mask=p_ok, other=0).to(tl.int64)
-        offset = pos % block_size
-        kv_mask = p_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + (block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)  # (BLOCK_N, HEAD_DIM_PAD)
-        v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vt + kv_head * stride_vh)[:, None] + d[None, :],
-                    mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, p_ok, d, d_ok, kv_head, block_size,
+                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh)  # (BLOCK_N, HEAD_DIM_PAD)
         s = _scores(q, k, scale, softcap, HAS_SOFTCAP, DOT_F32, IEEE)  # (BLOCK_M, BLOCK_N)
         visible = p_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:

@@ -228,6 +228,17 @@ def _attend(
     return torch.matmul(probs, v)
 
 
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+            softcap: Optional[float]) -> torch.Tensor:
+    """float32 logits q @ k.T * scale, soft-capped if asked, -inf where `mask` (broadcast) is False."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return scores
+
+
 def _decode_attend(
     q: torch.Tensor,  # (batch, num_heads, head_dim): one query per sequence
     k: torch.Tensor,  # (num_kv_heads, batch, kv_len, head_dim) padded contexts (gather_blocks)
@@ -243,10 +254,7 @@ def _decode_attend(
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[0]
     qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim).transpose(0, 1)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).float() * scale  # (num_kv_heads, batch, group, kv_len)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask[None, :, None, :], float("-inf"))
+    scores = _scores(qg, k, mask[None, :, None, :], scale, softcap)  # (num_kv_heads, batch, group, kv_len)
     probs = torch.softmax(scores, dim=-1).to(q.dtype)
     out = torch.matmul(probs, v)  # (num_kv_heads, batch, group, head_dim)
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
@@ -256,11 +264,7 @@ def _partial_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
                     softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unnormalized attention of q (..., rows, dim) over k, v (..., keys, dim): (out float32
     (..., rows, dim), row max (..., rows, 1), row sum of exp (..., rows, 1)), to be merged."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
+    scores = _scores(q, k, mask, scale, softcap)
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)  # rows with no key
     weights = torch.exp(scores - row_max)

@@ -31,6 +31,7 @@ CASES = {
 
 def run_case(spec: dict[str, Any], device: str = "cpu", num_tokens: int = 9) -> None:
     from batchrun.kernels.attention import as_kv_cache_layout
+    from batchrun.kernels.kv_layout import from_head_major
     from batchrun.kernels.triton_kv import (rotary_write_kv_cache, rotary_write_kv_cache_reference, write_kv_cache,
                                             write_kv_cache_reference)
 
@@ -49,7 +50,7 @@ def run_case(spec: dict[str, Any], device: str = "cpu", num_tokens: int = 9) -> 
     keep = slots >= 0
 
     def caches():  # in the engine's head-major layout, through the logical (blocks, block_size, heads, dim) view
-        return [torch.randn(kv_heads, num_blocks, bs, dim, generator=gen).to(device, dtype).permute(1, 2, 0, 3)
+        return [from_head_major(torch.randn(kv_heads, num_blocks, bs, dim, generator=gen).to(device, dtype))
                 for _ in range(2)]
 
     want_k, want_v = caches()

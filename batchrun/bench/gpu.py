@@ -37,6 +37,7 @@ import torch
 
 from batchrun.kernels.attention import (AttentionMetadata, new_kv_cache, paged_attention_reference,
                                         write_kv_cache_reference)
+from batchrun.kernels.kv_layout import from_head_major
 
 # ---------------------------------------------------------------------------------------------
 # random inputs (also used by the tests)
@@ -80,7 +81,7 @@ def attention_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: in
         return torch.randn(size, generator=dev_gen, device=device).to(dtype)
 
     # the engine's head-major layout (kernels/attention.py), seen through the logical shape
-    k_cache, v_cache = (randn(num_kv_heads, num_blocks, block_size, head_dim).permute(1, 2, 0, 3) for _ in range(2))
+    k_cache, v_cache = (from_head_major(randn(num_kv_heads, num_blocks, block_size, head_dim)) for _ in range(2))
     q = randn(num_tokens, num_heads, head_dim)
     k_new, v_new = randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)

@@ -6,9 +6,9 @@ sequences back to back with no padding: sequence i owns query rows
 `seq_len` tokens of context; its keys and values live in the cache blocks listed in its row of
 `block_tables`.
 
-Cache layout. Every kernel indexes one layer's K (or V) cache as (num_blocks, block_size,
-num_kv_heads, head_dim) through its strides, but the engine stores it head-major,
-(num_kv_heads, num_blocks, block_size, head_dim), and hands out the permuted view
+Cache layout (kernels/kv_layout.py). Every kernel indexes one layer's K (or V) cache as
+(num_blocks, block_size, num_kv_heads, head_dim) through its strides, but the engine stores it
+head-major, (num_kv_heads, num_blocks, block_size, head_dim), and hands out the permuted view
 (`new_kv_cache`). Then one block of one head is a contiguous block_size x head_dim tile, so the CPU
 decode path gathers a batch's contexts with one `index_select` straight into the
 (kv_head, sequence, position, head_dim) order its batched matmuls read, with no second copy (the
@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from batchrun.kernels.kv_layout import from_head_major, slots_by_head
 from batchrun.kernels.quant import QuantizedKVCache
 
 
@@ -123,9 +124,8 @@ class AttentionMetadata:
 
 def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str) -> torch.Tensor:
-    """One layer's zeroed K (or V) cache: logical (num_blocks, block_size, num_kv_heads, head_dim)
-    over head-major storage (see the module docstring)."""
-    return torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device).permute(1, 2, 0, 3)
+    """One layer's zeroed K (or V) cache in the engine's layout (kernels/kv_layout.py)."""
+    return from_head_major(torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device))
 
 
 def as_kv_cache_layout(cache: torch.Tensor) -> torch.Tensor:
@@ -135,28 +135,21 @@ def as_kv_cache_layout(cache: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _by_head(cache: torch.Tensor) -> torch.Tensor:
-    """(num_kv_heads, num_blocks, block_size * head_dim): a view of a head-major cache (a copy of any other)."""
-    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
-    return cache.permute(2, 0, 1, 3).reshape(num_kv_heads, num_blocks, block_size * head_dim)
-
-
 def gather_blocks(cache, tables: torch.Tensor) -> torch.Tensor:
     """(num_kv_heads, num_seqs, num_blocks * block_size, head_dim): the cache blocks listed in each
     row of `tables` (num_seqs, num_blocks), in the order the batched matmuls read them."""
     if isinstance(cache, QuantizedKVCache):
         return cache.gather_blocks(tables)
-    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
-    out = _by_head(cache).index_select(1, tables.flatten())
-    return out.view(num_kv_heads, tables.shape[0], -1, head_dim)
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    by_block = slots_by_head(cache).reshape(num_kv_heads, num_blocks, block_size * head_dim)  # a view if head-major
+    return by_block.index_select(1, tables.flatten()).view(num_kv_heads, tables.shape[0], -1, head_dim)
 
 
 def gather_slots(cache, slots: torch.Tensor) -> torch.Tensor:
     """(num_kv_heads, len(slots), head_dim): the entries at flat slots (block * block_size + offset)."""
     if isinstance(cache, QuantizedKVCache):
         return cache.gather_slots(slots)
-    num_kv_heads, head_dim = cache.shape[2], cache.shape[3]
-    return _by_head(cache).view(num_kv_heads, -1, head_dim).index_select(1, slots)
+    return slots_by_head(cache).index_select(1, slots)
 
 
 def _use_triton(x: torch.Tensor, k_cache) -> bool:

@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from batchrun.kernels.kv_layout import from_head_major, slots_by_head
+
 INT8_MAX = 127.0
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 # A group or row of all zeros gets this scale instead of 0, so dividing by it stays finite.
@@ -254,7 +256,7 @@ class QuantizedKVCache:
         num_blocks, block_size, num_kv_heads, head_dim = shape
         data = torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device)
         scale = torch.ones((num_kv_heads, num_blocks, block_size), dtype=torch.float32, device=device)
-        return QuantizedKVCache(data.permute(1, 2, 0, 3), scale.permute(1, 2, 0), out_dtype)
+        return QuantizedKVCache(from_head_major(data), from_head_major(scale), out_dtype)
 
     @property
     def shape(self) -> torch.Size:
@@ -268,15 +270,9 @@ class QuantizedKVCache:
     def device(self) -> torch.device:
         return self.data.device
 
-    def _by_head(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(data (num_kv_heads, num_slots, head_dim), scale (num_kv_heads, num_slots)); views when head-major."""
-        num_kv_heads, head_dim = self.data.shape[2], self.data.shape[3]
-        return (self.data.permute(2, 0, 1, 3).reshape(num_kv_heads, -1, head_dim),
-                self.scale.permute(2, 0, 1).reshape(num_kv_heads, -1))
-
     def gather_slots(self, slots: torch.Tensor) -> torch.Tensor:
         """(num_kv_heads, len(slots), head_dim) dequantized."""
-        data, scale = self._by_head()
+        data, scale = slots_by_head(self.data), slots_by_head(self.scale)
         q = data.view(torch.uint8) if data.dtype != torch.int8 else data  # no float8 index kernel on CPU
         q = q.index_select(1, slots)
         return dequantize_kv(q.view(data.dtype), scale.index_select(1, slots), self.out_dtype)

@@ -11,23 +11,13 @@ import torch
 import torch.nn.functional as F
 
 from batchrun import Engine, EngineConfig, SamplingParams
+from batchrun.bench.moe import per_token as _naive_moe  # the definition: a loop over tokens and experts
 from batchrun.kernels.moe import fused_experts, grouped_gemm_reference, sort_by_expert
 from batchrun.model.moe import SparseMoeBlock, fused_moe_weights, route
 from batchrun.testing import make_tiny_model, sample_texts
 
 # Explicit small limits: a small KV pool is quick to allocate, and given limits skip the start-up profile.
 ENGINE_KW = dict(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=16)
-
-
-def _naive_moe(x, gate_up, down, topk_weights, topk_ids):
-    """The definition: a Python loop over tokens and their k experts."""
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(topk_ids.shape[1]):
-            e = int(topk_ids[t, j])
-            g, u = (gate_up[e] @ x[t]).chunk(2)
-            out[t] += float(topk_weights[t, j]) * (down[e] @ (F.silu(g) * u))
-    return out
 
 
 def _random_moe(num_tokens, num_experts, top_k, hidden=32, inter=48, seed=0):

@@ -114,6 +114,8 @@ def test_engine_greedy_output_is_the_same_with_and_without_the_shared_prefix_pat
     from batchrun.engine import Engine, EngineConfig, SamplingParams
     from batchrun.kernels import attention
 
+    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")  # the torch decode path (the native kernel has no split)
+
     engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
                                  max_num_seqs=8, max_num_batched_tokens=512, block_size=16))
     shared = list(range(5, 5 + 150))  # ~9 full blocks every prompt starts with

@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from batchrun.kernels import cpu_attention
 from batchrun.kernels.kv_layout import from_head_major, slots_by_head
 from batchrun.kernels.quant import QuantizedKVCache
 
@@ -318,7 +319,8 @@ def paged_attention(
         from batchrun.kernels.triton_attention import paged_attention as paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_new, v_new)
-    return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_new, v_new)
+    return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_new, v_new,
+                                     native_decode=True)
 
 
 def paged_attention_reference(
@@ -331,11 +333,18 @@ def paged_attention_reference(
     softcap: Optional[float] = None,
     k_new: Optional[torch.Tensor] = None,  # (num_tokens, num_kv_heads, head_dim): this step's keys, if at hand
     v_new: Optional[torch.Tensor] = None,
+    native_decode: bool = False,
 ) -> torch.Tensor:
-    """The plain-torch attention: the CPU path, and what triton_attention.paged_attention is checked against."""
+    """The plain-torch attention: the CPU path, and what triton_attention.paged_attention is checked
+    against. With `native_decode` (the CPU path), decodes run the native kernel
+    (kernels/cpu_attention.py) when it is built and serves the cache's dtype."""
     out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
 
-    if meta.decode_seq_ids.numel() > 0:
+    if meta.decode_seq_ids.numel() > 0 and native_decode and cpu_attention.supports(q, k_cache):
+        rows, tables, _ = meta.decode_inputs(None)
+        out[rows] = cpu_attention.paged_decode_attention(q[rows], k_cache, v_cache, tables, meta.decode_seq_lens,
+                                                         scale, sliding_window, softcap)
+    elif meta.decode_seq_ids.numel() > 0:
         for rows, tables, mask, num_shared in meta.decode_groups(sliding_window):
             if num_shared:
                 out[rows] = _decode_attend_shared(q[rows], k_cache, v_cache, tables[0, :num_shared],

@@ -1,0 +1,127 @@
+"""The native CPU decode attention (kernels/cpu_attention.py, csrc/paged_attention.cpp).
+
+It must equal the plain-torch decode path (gather_blocks + _decode_attend, itself checked against
+dense attention in test_attention.py) for every shape the engine can hand it: both dtypes, the
+AVX-512 instances (head_dim 64/128, groups 1-8, block sizes that are multiples of 16) and the
+portable fallback (other head dims, groups and block sizes), sliding windows that start inside a
+16-position tile, soft-capping, one-token contexts, and the engine's head-major cache as well as a
+token-major one. The engine must give the same greedy tokens with the kernel on and off.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from batchrun.kernels import cpu_attention
+from batchrun.kernels.attention import _decode_attend, gather_blocks, new_kv_cache
+
+pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler: the native kernel is not built")
+
+
+def _reference(q, k_cache, v_cache, tables, seq_lens, scale, window, softcap):
+    num_blocks = tables.shape[1]
+    pos = torch.arange(num_blocks * k_cache.shape[1])
+    mask = pos[None] < seq_lens[:, None]
+    if window is not None:
+        mask &= pos[None] > (seq_lens[:, None] - 1 - window)
+    k = gather_blocks(k_cache, tables).float()
+    v = gather_blocks(v_cache, tables).float()
+    return _decode_attend(q.float(), k, v, mask, scale, softcap)
+
+
+def _case(heads, kv_heads, dim, block, dtype, seq_lens, head_major=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block) for n in seq_lens) + 1
+    num_blocks = len(seq_lens) * width + 3
+    if head_major:
+        k_cache, v_cache = (new_kv_cache(num_blocks, block, kv_heads, dim, dtype, "cpu") for _ in range(2))
+    else:
+        k_cache, v_cache = (torch.zeros(num_blocks, block, kv_heads, dim, dtype=dtype) for _ in range(2))
+    k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
+    v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
+    tables = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width].view(len(seq_lens), width)
+    q = torch.randn(len(seq_lens), heads, dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(seq_lens)
+
+
+SEQ_LENS = (1, 15, 16, 17, 40, 100, 257)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim,block", [
+    (9, 3, 64, 16),  # SmolLM2: AVX-512 path
+    (4, 4, 128, 32),  # no GQA, head_dim 128, bigger blocks
+    (16, 2, 64, 16),  # group 8
+    (6, 2, 40, 16),  # head_dim not a multiple of 16: portable path
+    (12, 1, 64, 16),  # group 12: portable path
+    (4, 2, 64, 8),  # block size not a multiple of 16: portable path
+])
+@pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 7.0), (33, 7.0)])
+def test_native_decode_equals_the_torch_path(dtype, heads, kv_heads, dim, block, window, softcap):
+    q, k_cache, v_cache, tables, lens = _case(heads, kv_heads, dim, block, dtype, SEQ_LENS)
+    got = cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.17, window, softcap)
+    want = _reference(q, k_cache, v_cache, tables, lens, 0.17, window, softcap)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the kernel's output is rounded once, to bf16
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+
+
+def test_token_major_cache_and_thread_counts(one_torch_thread):
+    q, k_cache, v_cache, tables, lens = _case(9, 3, 64, 16, torch.float32, SEQ_LENS, head_major=False, seed=3)
+    want = _reference(q, k_cache, v_cache, tables, lens, 0.125, None, None)
+    torch.testing.assert_close(cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bad_head_counts_are_refused():
+    q, k_cache, v_cache, tables, lens = _case(8, 3, 64, 16, torch.float32, (5,))
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+
+
+def test_supports_only_plain_cpu_caches_of_the_query_dtype(monkeypatch):
+    q, k_cache, _, _, _ = _case(9, 3, 64, 16, torch.bfloat16, (5,))
+    assert cpu_attention.supports(q, k_cache)
+    assert not cpu_attention.supports(q.float(), k_cache)  # dtypes differ
+    assert not cpu_attention.supports(q.half(), k_cache.half())  # float16: torch path
+    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    assert not cpu_attention.supports(q, k_cache)
+
+
+def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
+    broken = tmp_path / "cxx"
+    broken.write_text("#!/bin/sh\necho 'no compiler here' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CXX", str(broken))
+    monkeypatch.setenv("BATCHRUN_KERNEL_CACHE", str(tmp_path / "cache"))
+    cpu_attention._library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="batchrun.kernels.cpu_attention"):
+            assert not cpu_attention.available()
+        assert "no compiler here" in caplog.text and "plain-torch path" in caplog.text
+        assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-written is left to be loaded
+    finally:
+        monkeypatch.undo()
+        cpu_attention._library.cache_clear()
+    assert cpu_attention.available()  # the real compiler again
+
+
+def test_engine_greedy_output_is_the_same_with_the_kernel_on_and_off(tiny_llama_dir, monkeypatch):
+    from batchrun.engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
+                                 max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
+    prompts = [[5 + (7 * i + j) % 200 for j in range(20 + 13 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    calls = []
+    real = cpu_attention.paged_decode_attention
+    monkeypatch.setattr(cpu_attention, "paged_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    on = [o.token_ids for o in engine.generate(prompts, params)]
+    assert calls  # decode steps went through the kernel
+    engine.reset_prefix_cache()
+    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    calls.clear()
+    assert [o.token_ids for o in engine.generate(prompts, params)] == on
+    assert not calls

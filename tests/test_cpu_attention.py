@@ -14,10 +14,10 @@ import logging
 import pytest
 import torch
 
-from batchrun.kernels import cpu_attention
+from batchrun.kernels import cpu_attention, cpu_native
 from batchrun.kernels.attention import _decode_attend, gather_blocks, new_kv_cache
 
-pytestmark = pytest.mark.skipif(not cpu_attention.available(), reason="no C++ compiler: the native kernel is not built")
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C++ compiler: the native kernel is not built")
 
 
 def _reference(q, k_cache, v_cache, tables, seq_lens, scale, window, softcap):
@@ -96,16 +96,16 @@ def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog)
     broken.chmod(0o755)
     monkeypatch.setenv("CXX", str(broken))
     monkeypatch.setenv("BATCHRUN_KERNEL_CACHE", str(tmp_path / "cache"))
-    cpu_attention._library.cache_clear()
+    cpu_native.library.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="batchrun.kernels.cpu_attention"):
-            assert not cpu_attention.available()
+        with caplog.at_level(logging.WARNING, logger="batchrun.kernels.cpu_native"):
+            assert not cpu_native.available()
         assert "no compiler here" in caplog.text and "plain-torch path" in caplog.text
         assert not list((tmp_path / "cache").glob("*.so"))  # nothing half-written is left to be loaded
     finally:
         monkeypatch.undo()
-        cpu_attention._library.cache_clear()
-    assert cpu_attention.available()  # the real compiler again
+        cpu_native.library.cache_clear()
+    assert cpu_native.available()  # the real compiler again
 
 
 def test_engine_greedy_output_is_the_same_with_the_kernel_on_and_off(tiny_llama_dir, monkeypatch):

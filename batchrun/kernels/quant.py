@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch
 
+from batchrun.kernels import cpu_native
+from batchrun.kernels.cpu_native import DTYPE_CODES
 from batchrun.kernels.kv_layout import from_head_major, slots_by_head
 
 INT8_MAX = 127.0
@@ -86,12 +88,43 @@ def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     elementwise passes cost about as much as the int8 GEMM saves (linalg.vector_norm(inf) alone
     was 7x slower than abs().amax() here).
     """
+    if cpu_native.usable(x) and x.dtype in DTYPE_CODES and x.dim() == 2 and x.stride(1) == 1:
+        return _quantize_per_token_int8_native(x)
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True).div_(INT8_MAX).clamp_(min=_MIN_SCALE)  # (M, 1)
     # |x / scale| <= 127 by construction, so no clamp is needed before the cast; divide in place
     # when x.float() made a copy.
     xs = xf.div_(scale) if xf.data_ptr() != x.data_ptr() else xf / scale
     return xs.round_().to(torch.int8), scale
+
+
+def _quantize_per_token_int8_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_per_token_int8 in one pass (csrc/quant.cpp); bitwise equal to the torch code."""
+    m, k = x.shape
+    xq = torch.empty((m, k), dtype=torch.int8)
+    scale = torch.empty((m, 1), dtype=torch.float32)
+    cpu_native.library().batchrun_quantize_per_token_int8(x.data_ptr(), DTYPE_CODES[x.dtype], m, k, x.stride(0),
+                                                          xq.data_ptr(), scale.data_ptr(), torch.get_num_threads())
+    return xq, scale
+
+
+def _w8a8_epilogue(acc: torch.Tensor, w_scales: torch.Tensor, x_scales: torch.Tensor, bias: Optional[torch.Tensor],
+                   dtype: torch.dtype) -> torch.Tensor:
+    """((acc float32 * w_scales) * x_scales).to(dtype) (+ bias), the torch way or in one native pass."""
+    if (cpu_native.usable(acc) and dtype in DTYPE_CODES and acc.is_contiguous() and w_scales.dtype == torch.float32
+            and x_scales.dtype == torch.float32 and (bias is None or bias.dtype == dtype)):
+        m, n = acc.shape
+        y = torch.empty((m, n), dtype=dtype)
+        ws, xs = w_scales.reshape(-1).contiguous(), x_scales.reshape(-1).contiguous()
+        b = bias.contiguous() if bias is not None else None
+        cpu_native.library().batchrun_w8a8_epilogue(acc.data_ptr(), m, n, ws.data_ptr(), xs.data_ptr(),
+                                                    b.data_ptr() if b is not None else None, y.data_ptr(),
+                                                    DTYPE_CODES[dtype], torch.get_num_threads())
+        return y
+    # Convert first, then scale in place: mixed-dtype multiplies (int32 * float, or a float32
+    # result into a bf16 out=) take torch's slow casting path, 3.5x slower here in total.
+    y = acc.to(torch.float32).mul_(w_scales.reshape(-1)).mul_(x_scales).to(dtype)
+    return y + bias if bias is not None else y
 
 
 def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
@@ -107,11 +140,7 @@ def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     if xq.is_cuda and m <= 16:  # cuBLAS int8 GEMM wants more than 16 rows
         xq = torch.nn.functional.pad(xq, (0, 0, 0, 17 - m))
     acc = torch._int_mm(xq, qweight.t())[:m]  # (M, N) int32
-    # Convert first, then scale in place: mixed-dtype multiplies (int32 * float, or a float32
-    # result into a bf16 out=) take torch's slow casting path, 3.5x slower here in total.
-    y = acc.to(torch.float32).mul_(scales[:, 0]).mul_(sx).to(x.dtype)
-    if bias is not None:
-        y = y + bias
+    y = _w8a8_epilogue(acc, scales[:, 0], sx, bias, x.dtype)
     return y.reshape(*shape[:-1], y.shape[-1])
 
 

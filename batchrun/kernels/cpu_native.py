@@ -1,0 +1,130 @@
+"""The native CPU kernels (csrc/*.cpp): built on first use, loaded with ctypes.
+
+- csrc/paged_attention.cpp: decode attention straight over the paged KV cache
+  (kernels/cpu_attention.py);
+- csrc/quant.cpp: the per-token int8 quantization and the int32 -> float epilogue around W8A8's
+  int8 GEMM (kernels/quant.py: w8a8_matmul).
+
+They are compiled together with the system C++ compiler (`$CXX`, `c++`, `g++` or `clang++`;
+-O3 -march=native -fopenmp) into one library in a per-user cache ($BATCHRUN_KERNEL_CACHE, else
+~/.cache/batchrun/kernels), keyed by the sources, the compiler, its flags and the CPU's feature
+flags (a cache on a shared home directory can be reached from different CPUs), written atomically
+(data-parallel workers may build at once). Without a compiler, when the build fails (a warning
+says why), or with BATCHRUN_CPU_KERNELS=0, every caller takes its plain-torch path; each kernel is
+tested against that path. ctypes releases the GIL during a call; OpenMP resolves to the libgomp
+torch already loaded, so the kernels share torch's threads instead of competing with them.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# Argument types of each C entry point (all return int: 0, or a negative error code).
+_SIGNATURES = {
+    "batchrun_paged_decode_attention": "ptr i32 i64 i64 i64 ptr ptr i32 i64 i64 i64 i64 i64 ptr i64 ptr f32 f32 i64 ptr i32",
+    "batchrun_quantize_per_token_int8": "ptr i32 i64 i64 i64 ptr ptr i32",
+    "batchrun_w8a8_epilogue": "ptr i64 i64 ptr ptr ptr ptr i32 i32",
+}
+
+
+def enabled() -> bool:
+    return os.environ.get("BATCHRUN_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("BATCHRUN_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batchrun", "kernels")
+    return Path(root)
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _build(compiler: str) -> Path:
+    """Compile the kernel into the cache (atomically: concurrent workers may build at once)."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\n".join([*(p.read_text() for p in SOURCES), version, " ".join(FLAGS),
+                                    _cpu_fingerprint()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"batchrun_cpu_{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> Optional[ctypes.CDLL]:
+    """The loaded kernels, or None (no compiler, or the build failed: logged once)."""
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C++ compiler found (c++, g++, clang++ or $CXX): the native CPU kernels are off and "
+                    "attention and W8A8 take their slower plain-torch paths")
+        return None
+    try:
+        torch.ones(1).add_(1)  # torch's libgomp is loaded first, so the kernel's OpenMP resolves to it
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError) as exc:
+        log.warning("native CPU kernels unavailable, using the plain-torch paths: %s", exc)
+        return None
+    i64, i32, f32, ptr = ctypes.c_int64, ctypes.c_int, ctypes.c_float, ctypes.c_void_p
+    for name, args in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes = [{"i64": i64, "i32": i32, "f32": f32, "ptr": ptr}[a] for a in args.split()]
+        fn.restype = ctypes.c_int
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernels are built and loaded (building them on the first call)."""
+    return library() is not None
+
+
+def usable(*tensors: torch.Tensor) -> bool:
+    """Enabled (BATCHRUN_CPU_KERNELS, read on every call), every tensor on the CPU, and built."""
+    return enabled() and all(t.device.type == "cpu" for t in tensors) and available()
+
+
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+

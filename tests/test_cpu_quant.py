@@ -1,0 +1,63 @@
+"""The native W8A8 helpers (csrc/quant.cpp): per-token int8 quantization and the int32 -> float
+epilogue must be bitwise equal to the plain-torch code they replace (kernels/quant.py)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchrun.kernels import cpu_native
+from batchrun.kernels import quant as qk
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C++ compiler: the native kernels are not built")
+
+
+def _torch_path(monkeypatch, fn, *args):
+    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    try:
+        return fn(*args)
+    finally:
+        monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "1")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k", [(1, 576), (7, 100), (33, 1536), (64, 2048)])
+def test_per_token_quantization_is_bitwise_equal_to_torch(monkeypatch, dtype, m, k):
+    gen = torch.Generator().manual_seed(m * k)
+    wide = (torch.randn(m, k + 9, generator=gen) * torch.logspace(-3, 2, m)[:, None]).to(dtype)
+    x = wide[:, 3:3 + k]  # rows further apart than their length
+    x[0, :5] = 0
+    if m > 2:
+        x[2] = 0  # an all-zero row: the minimum scale
+    got_q, got_s = qk.quantize_per_token_int8(x)
+    want_q, want_s = _torch_path(monkeypatch, qk.quantize_per_token_int8, x)
+    assert torch.equal(got_s, want_s) and got_s.shape == (m, 1)
+    assert torch.equal(got_q, want_q) and got_q.dtype == torch.int8
+
+
+def test_round_half_to_even_like_torch(monkeypatch):
+    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5, -126.5]])  # scale 1: exact halves
+    got_q, _ = qk.quantize_per_token_int8(x)
+    assert got_q.tolist() == [[127, 0, 2, 2, 0, -2, 126, -126]]
+    assert torch.equal(got_q, _torch_path(monkeypatch, qk.quantize_per_token_int8, x)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("m", [1, 5, 64])
+def test_w8a8_matmul_is_bitwise_equal_to_torch(monkeypatch, dtype, with_bias, m):
+    gen = torch.Generator().manual_seed(m)
+    w = torch.randn(96, 80, generator=gen)
+    qweight, scales = _per_channel(w)
+    bias = torch.randn(96, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(m, 80, generator=gen).to(dtype)
+    got = qk.w8a8_matmul(x, qweight, scales, bias)
+    want = _torch_path(monkeypatch, qk.w8a8_matmul, x, qweight, scales, bias)
+    assert got.dtype == dtype and torch.equal(got, want)
+    # and it is the int8 product it claims to be
+    ref = x.float() @ w.t() + (bias.float() if bias is not None else 0)
+    assert (got.float() - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def _per_channel(w):
+    scales = (w.abs().amax(dim=1, keepdim=True) / qk.INT8_MAX).clamp(min=1e-10)
+    return torch.round(w / scales).clamp(-127, 127).to(torch.int8), scales

@@ -23,6 +23,7 @@ from batchrun.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from batchrun.model.decoder import DecoderLM
 from batchrun.model.loader import load_model
 from batchrun.model.quant import module_weight_bytes
+from batchrun.kernels import cpu_native
 
 log = logging.getLogger("batchrun.engine")
 
@@ -120,6 +121,8 @@ class Engine:
             "kv_cache_bytes": num_blocks * per_block, "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
             "batch_limits_profile": limits.profile,
+            # csrc/ kernels (decode attention, W8A8 quantization) built and on; False: plain torch
+            "native_cpu_kernels": self.device.type == "cpu" and cpu_native.enabled() and cpu_native.available(),
         }
         self.settings.update({  # weights and KV format (issue 5): also what the benchmark table shows
             "quantization": config.quantization, "quant_group_size": config.quant_group_size,

@@ -31,7 +31,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = sorted(Path(__file__).with_name("csrc").glob("*.cpp"))
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.cpp"))
+HEADERS = sorted(CSRC.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 # Argument types of each C entry point (all return int: 0, or a negative error code).
 _SIGNATURES = {
@@ -74,7 +76,7 @@ def _compiler() -> Optional[str]:
 def _build(compiler: str) -> Path:
     """Compile the kernel into the cache (atomically: concurrent workers may build at once)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\n".join([*(p.read_text() for p in SOURCES), version, " ".join(FLAGS),
+    key = hashlib.sha256("\n".join([*(p.read_text() for p in SOURCES + HEADERS), version, " ".join(FLAGS),
                                     _cpu_fingerprint()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"batchrun_cpu_{key}.so"
     if target.exists():

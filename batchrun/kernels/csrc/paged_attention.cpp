@@ -16,25 +16,30 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "bf16.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-inline float bf16_to_f32(uint16_t h) {
-    uint32_t x = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &x, sizeof f);
-    return f;
-}
+using batchrun::bf16_to_f32;
+using batchrun::f32_to_bf16;
 
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch does
-    uint32_t x;
-    std::memcpy(&x, &f, sizeof x);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return static_cast<uint16_t>(x >> 16);
+// Soft-caps (if softcap > 0) and exponentiates n scores in place, minus their max; returns their
+// sum (the softmax denominator).
+inline float softmax_in_place(float* s, int64_t n, float softcap) {
+    if (softcap > 0.f)
+        for (int64_t i = 0; i < n; ++i) s[i] = std::tanh(s[i] / softcap) * softcap;
+    float m = -INFINITY;
+    for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+    float sum = 0.f;
+    for (int64_t i = 0; i < n; ++i) {
+        s[i] = std::exp(s[i] - m);
+        sum += s[i];
+    }
+    return sum;
 }
 
 // One K or V row widened to float32.
@@ -107,20 +112,8 @@ void decode_one(int64_t b, int64_t h, const void* q, bool q_bf16, int64_t num_he
             scores[g * n + (j - start)] = s * scale;
         }
     });
-    if (softcap > 0.f)
-        for (int64_t i = 0; i < group * n; ++i) scores[i] = std::tanh(scores[i] / softcap) * softcap;
     float denom[64];  // group <= 64 (checked by the caller)
-    for (int64_t g = 0; g < group; ++g) {
-        float* sg = scores + g * n;
-        float m = -INFINITY;
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
-        float sum = 0.f;
-        for (int64_t i = 0; i < n; ++i) {
-            sg[i] = std::exp(sg[i] - m);
-            sum += sg[i];
-        }
-        denom[g] = sum;
-    }
+    for (int64_t g = 0; g < group; ++g) denom[g] = softmax_in_place(scores + g * n, n, softcap);
     std::fill(acc, acc + group * head_dim, 0.f);
     for_each_row(v_cache, elem_bytes, elem_bytes * head_dim, start, seq_len, block_size, table, stride_block,
                  stride_offset, h * stride_head, [&](int64_t j, int64_t off) {
@@ -237,19 +230,7 @@ void decode_one_avx512(int64_t b, int64_t h, const void* q, bool q_bf16, int64_t
         j = tile_end;
     }
     float denom[G];
-    for (int g = 0; g < G; ++g) {
-        float* sg = scores + g * n16;
-        if (softcap > 0.f)
-            for (int64_t i = 0; i < n; ++i) sg[i] = std::tanh(sg[i] / softcap) * softcap;
-        float m = -INFINITY;
-        for (int64_t i = 0; i < n; ++i) m = std::max(m, sg[i]);
-        float sum = 0.f;
-        for (int64_t i = 0; i < n; ++i) {
-            sg[i] = std::exp(sg[i] - m);
-            sum += sg[i];
-        }
-        denom[g] = sum;
-    }
+    for (int g = 0; g < G; ++g) denom[g] = softmax_in_place(scores + g * n16, n, softcap);
     __m512 acc[G][DC];
     for (int g = 0; g < G; ++g)
         for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_setzero_ps();

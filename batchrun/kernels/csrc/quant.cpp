@@ -9,22 +9,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
+
 namespace {
 
-inline float bf16_to_f32_q(uint16_t h) {
-    uint32_t x = static_cast<uint32_t>(h) << 16;
-    float f;
-    std::memcpy(&f, &x, sizeof f);
-    return f;
-}
-
-inline uint16_t f32_to_bf16_q(float f) {  // round to nearest even, as torch does
-    uint32_t x;
-    std::memcpy(&x, &f, sizeof x);
-    if ((x & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
-    x += 0x7fffu + ((x >> 16) & 1u);
-    return static_cast<uint16_t>(x >> 16);
-}
+using batchrun::bf16_to_f32;
+using batchrun::f32_to_bf16;
 
 // Round to nearest, ties to even, for |v| < 2^22 (here |v| <= 127): adding and subtracting
 // 1.5 * 2^23 leaves the rounded value in the default rounding mode. Inlined and vectorized, where
@@ -36,7 +26,7 @@ inline float round_half_even(float v) {
 
 template <bool BF16, typename T>
 inline float widen(T v) {
-    if constexpr (BF16) return bf16_to_f32_q(v);
+    if constexpr (BF16) return bf16_to_f32(v);
     else return v;
 }
 
@@ -96,10 +86,10 @@ int batchrun_w8a8_epilogue(const void* acc, int64_t m, int64_t n, const void* w_
         if (y_bf16) {
             uint16_t* yr = static_cast<uint16_t*>(y) + r * n;
 #pragma omp simd
-            for (int64_t c = 0; c < n; ++c) yr[c] = f32_to_bf16_q((static_cast<float>(ar[c]) * ws[c]) * sx);
+            for (int64_t c = 0; c < n; ++c) yr[c] = f32_to_bf16((static_cast<float>(ar[c]) * ws[c]) * sx);
             if (bias) {
                 const uint16_t* b = static_cast<const uint16_t*>(bias);
-                for (int64_t c = 0; c < n; ++c) yr[c] = f32_to_bf16_q(bf16_to_f32_q(yr[c]) + bf16_to_f32_q(b[c]));
+                for (int64_t c = 0; c < n; ++c) yr[c] = f32_to_bf16(bf16_to_f32(yr[c]) + bf16_to_f32(b[c]));
             }
         } else {
             float* yr = static_cast<float*>(y) + r * n;

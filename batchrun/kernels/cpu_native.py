@@ -12,7 +12,8 @@ flags (a cache on a shared home directory can be reached from different CPUs), w
 (data-parallel workers may build at once). Without a compiler, when the build fails (a warning
 says why), or with BATCHRUN_CPU_KERNELS=0, every caller takes its plain-torch path; each kernel is
 tested against that path. ctypes releases the GIL during a call; OpenMP resolves to the libgomp
-torch already loaded, so the kernels share torch's threads instead of competing with them.
+that importing torch already loaded (same soname), so the kernels share torch's threads instead of
+competing with them.
 """
 from __future__ import annotations
 
@@ -104,7 +105,6 @@ def library() -> Optional[ctypes.CDLL]:
                     "attention and W8A8 take their slower plain-torch paths")
         return None
     try:
-        torch.ones(1).add_(1)  # torch's libgomp is loaded first, so the kernel's OpenMP resolves to it
         lib = ctypes.CDLL(str(_build(compiler)))
     except (OSError, RuntimeError) as exc:
         log.warning("native CPU kernels unavailable, using the plain-torch paths: %s", exc)

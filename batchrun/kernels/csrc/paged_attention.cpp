@@ -8,8 +8,8 @@
 // per (sequence, KV head) computes the scores of the query heads that share that KV head (GQA),
 // a float32 softmax and the weighted sum of V. Accumulation is float32; bf16 is widened on load.
 //
-// Plain C ABI (called through ctypes, which releases the GIL), built by cpu_attention.py with the
-// system compiler; OpenMP resolves to the libgomp torch already loaded, so the kernel shares
+// Plain C ABI (called through ctypes, which releases the GIL), built by kernels/cpu_native.py with
+// the system compiler; OpenMP resolves to the libgomp torch already loaded, so the kernel shares
 // torch's thread pool instead of competing with it.
 #include <algorithm>
 #include <cmath>
@@ -61,6 +61,13 @@ inline void load_row(const void* base, int64_t offset, bool bf16, int64_t dyn_d,
 // (no division per row). Blocks lie anywhere in the cache, so the hardware prefetcher cannot
 // guess the next one: its rows are prefetched while the current block is processed (without this
 // the kernel waits on memory latency, at a fraction of the bandwidth).
+// Prefetches the rows of one block (of one KV head) at `base`; locality as __builtin_prefetch's.
+template <int Locality = 3>
+inline void prefetch_block(const char* base, int64_t block_size, int64_t row_stride_bytes, int64_t row_bytes) {
+    for (int64_t r = 0; r < block_size; ++r)
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(base + r * row_stride_bytes + b, 0, Locality);
+}
+
 template <typename F>
 inline void for_each_row(const void* cache, int64_t elem_bytes, int64_t row_bytes, int64_t start, int64_t seq_len,
                          int64_t block_size, const int64_t* table, int64_t stride_block, int64_t stride_offset,
@@ -68,11 +75,9 @@ inline void for_each_row(const void* cache, int64_t elem_bytes, int64_t row_byte
     const char* bytes = static_cast<const char*>(cache);
     const int64_t last_blk = (seq_len - 1) / block_size;
     for (int64_t blk = start / block_size, j = start; j < seq_len; ++blk) {
-        if (blk + 1 <= last_blk) {
-            const char* next = bytes + (table[blk + 1] * stride_block + head_offset) * elem_bytes;
-            for (int64_t r = 0; r < block_size; ++r)
-                for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(next + r * stride_offset * elem_bytes + b);
-        }
+        if (blk + 1 <= last_blk)
+            prefetch_block(bytes + (table[blk + 1] * stride_block + head_offset) * elem_bytes, block_size,
+                           stride_offset * elem_bytes, row_bytes);
         const int64_t end = std::min(seq_len, (blk + 1) * block_size);
         int64_t off = table[blk] * stride_block + head_offset + (j - blk * block_size) * stride_offset;
         for (; j < end; ++j, off += stride_offset) f(j, off);
@@ -194,14 +199,12 @@ void decode_one_avx512(int64_t b, int64_t h, const void* q, bool q_bf16, int64_t
         const int64_t tile_end = std::min({seq_len, (blk + 1) * block_size, (j / 16 + 1) * 16});
         if (j % block_size == 0 || j == start) {  // entering a block: prefetch the next one's rows
             const int64_t nb = (blk + 1) * block_size < seq_len ? table[blk + 1] : -1;
-            if (nb >= 0) {
-                const char* next = static_cast<const char*>(k_cache) + (nb * stride_block + head_offset) * elem_bytes;
-                const char* next_v = static_cast<const char*>(v_cache) + (nb * stride_block + head_offset) * elem_bytes;
-                for (int64_t r = 0; r < block_size; ++r)
-                    for (int64_t o = 0; o < D * elem_bytes; o += 64) {
-                        __builtin_prefetch(next + r * stride_offset * elem_bytes + o);
-                        __builtin_prefetch(next_v + r * stride_offset * elem_bytes + o, 0, 2);
-                    }
+            if (nb >= 0) {  // V too, into L2: the V pass below reads it after this K pass
+                const int64_t at = (nb * stride_block + head_offset) * elem_bytes;
+                prefetch_block(static_cast<const char*>(k_cache) + at, block_size, stride_offset * elem_bytes,
+                               D * elem_bytes);
+                prefetch_block<2>(static_cast<const char*>(v_cache) + at, block_size, stride_offset * elem_bytes,
+                                  D * elem_bytes);
             }
         }
         const int64_t base = table[blk] * stride_block + head_offset;

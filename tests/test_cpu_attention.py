@@ -1,4 +1,5 @@
-"""The native CPU decode attention (kernels/cpu_attention.py, csrc/paged_attention.cpp).
+"""The native CPU attention kernels (kernels/cpu_attention.py): decode (csrc/paged_attention.cpp)
+and prefill (csrc/prefill_attention.cpp).
 
 It must equal the plain-torch decode path (gather_blocks + _decode_attend, itself checked against
 dense attention in test_attention.py) for every shape the engine can hand it: both dtypes, the
@@ -6,6 +7,12 @@ AVX-512 instances (head_dim 64/128, groups 1-8, block sizes that are multiples o
 portable fallback (other head dims, groups and block sizes), sliding windows that start inside a
 16-position tile, soft-capping, one-token contexts, and the engine's head-major cache as well as a
 token-major one. The engine must give the same greedy tokens with the kernel on and off.
+
+The prefill kernel must equal the torch prefill path (one SDPA call per sequence) on batches that
+mix fresh prompts, prompts whose start is cached (a query shorter than its context) and decodes,
+with query and context lengths on both sides of the 16-key tiles and 32-query chunks, in both
+dtypes (bf16 within the error torch's own bf16 path makes against float32), and must refuse the
+shapes its build does not serve, which then take the torch path.
 """
 from __future__ import annotations
 
@@ -15,7 +22,8 @@ import pytest
 import torch
 
 from batchrun.kernels import cpu_attention, cpu_native
-from batchrun.kernels.attention import _decode_attend, gather_blocks, new_kv_cache
+from batchrun.kernels.attention import (AttentionMetadata, _decode_attend, gather_blocks, new_kv_cache,
+                                        paged_attention_reference)
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C++ compiler: the native kernel is not built")
 
@@ -114,14 +122,108 @@ def test_engine_greedy_output_is_the_same_with_the_kernel_on_and_off(tiny_llama_
     engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
                                  max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
     prompts = [[5 + (7 * i + j) % 200 for j in range(20 + 13 * i)] for i in range(6)]
+    prompts += [list(range(5, 5 + 40)) + [100 + i] * (3 + 17 * i) for i in range(3)]  # a cached 32-token start
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     calls = []
-    real = cpu_attention.paged_decode_attention
-    monkeypatch.setattr(cpu_attention, "paged_decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    for name in ("paged_decode_attention", "paged_prefill_attention"):
+        real = getattr(cpu_attention, name)
+        monkeypatch.setattr(cpu_attention, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     on = [o.token_ids for o in engine.generate(prompts, params)]
-    assert calls  # decode steps went through the kernel
+    # Decode steps and prefills (whole prompts, chunks of 64 after a first chunk, cached prefixes)
+    # went through the kernels.
+    assert {"paged_decode_attention", "paged_prefill_attention"} <= set(calls)
     engine.reset_prefix_cache()
     monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
     calls.clear()
     assert [o.token_ids for o in engine.generate(prompts, params)] == on
     assert not calls
+
+
+# ---------------------------------------------------------------------------------------------
+# prefill
+
+
+def _prefill_case(heads, kv_heads, dim, block, dtype, seqs, seed=0):
+    """A batch over a paged cache: seqs are (query length, context length); query length 1 is a decode."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block) for _, n in seqs)
+    num_blocks = len(seqs) * width + 2
+    k_cache, v_cache = (new_kv_cache(num_blocks, block, kv_heads, dim, dtype, "cpu") for _ in range(2))
+    k_cache.copy_(torch.randn(k_cache.shape, generator=gen))
+    v_cache.copy_(torch.randn(v_cache.shape, generator=gen))
+    tables = torch.randperm(num_blocks, generator=gen)[: len(seqs) * width].view(len(seqs), width)
+    starts = [0]
+    for q_len, _ in seqs:
+        starts.append(starts[-1] + q_len)
+    decodes = [i for i, (q_len, _) in enumerate(seqs) if q_len == 1]
+    slots = [int(tables[i, p // block]) * block + p % block for i, (q_len, n) in enumerate(seqs) for p in range(n - q_len, n)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots), query_start_loc=starts,
+        seq_lens=[n for _, n in seqs], block_tables=tables, block_size=block,
+        decode_seq_ids=torch.tensor(decodes, dtype=torch.long),
+        decode_seq_lens=torch.tensor([seqs[i][1] for i in decodes], dtype=torch.long),
+        prefill_seq_ids=[i for i, (q_len, _) in enumerate(seqs) if q_len > 1])
+    q = torch.randn(starts[-1], heads, dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, meta
+
+
+# (query length, context length): fresh prompts of 2..70 tokens (tile and chunk edges), prompts
+# with a cached start (the query is the tail), and two decodes in the same batch.
+PREFILL_SEQS = [(37, 37), (2, 2), (16, 16), (33, 33), (70, 70), (5, 40), (64, 100), (17, 49), (1, 23), (1, 64)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim,block", [
+    (9, 3, 64, 16),  # SmolLM2
+    (4, 4, 128, 32),  # no GQA, head_dim 128, bigger blocks
+    (16, 2, 64, 48),  # group 8, blocks of three tiles
+    (4, 1, 64, 16),  # one KV head for all
+    (4, 2, 16, 16),  # the smallest head_dim served
+])
+@pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 7.0), (33, 7.0)])
+def test_native_prefill_equals_the_torch_path(dtype, heads, kv_heads, dim, block, window, softcap):
+    q, k_cache, v_cache, meta = _prefill_case(heads, kv_heads, dim, block, dtype, PREFILL_SEQS)
+    assert cpu_attention.supports_prefill(q, k_cache)
+    scale = dim ** -0.5
+    got = paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap, native=True)
+    # The torch path in float32 on the same (bf16-valued) inputs is the truth for both dtypes.
+    want = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, scale, window, softcap)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    else:
+        torch_bf16 = paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap)
+        torch_err = (torch_bf16.float() - want).abs()
+        err = (got.float() - want).abs()
+        # bf16 output rounding alone is up to 2^-9 relative; the kernel also rounds probabilities to
+        # bf16 (as torch's flash kernel does), so allow twice torch's own largest error.
+        assert err.max() <= 2 * torch_err.max() + 1e-3, (err.max(), torch_err.max())
+        assert err.mean() <= 2 * torch_err.mean() + 1e-4, (err.mean(), torch_err.mean())
+
+
+def test_prefill_across_threads_and_many_chunks(one_torch_thread):
+    # One thread (the test fixture) and a long prompt split into many 32-query chunks.
+    q, k_cache, v_cache, meta = _prefill_case(9, 3, 64, 16, torch.float32, [(300, 300), (130, 400)])
+    got = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, native=True)
+    want = paged_attention_reference(q, k_cache, v_cache, meta, 0.125)
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("dim,block", [(40, 16), (64, 8), (96, 16)])
+def test_prefill_shapes_the_build_does_not_serve_take_the_torch_path(dim, block, monkeypatch):
+    q, k_cache, v_cache, meta = _prefill_case(4, 2, dim, block, torch.float32, [(20, 20), (7, 30)])
+    assert not cpu_attention.supports_prefill(q, k_cache)
+    with pytest.raises(ValueError, match="does not serve head_dim"):
+        cpu_attention.paged_prefill_attention(q, k_cache, v_cache, *meta.prefill_native_inputs(), torch.empty_like(q), 0.2)
+    calls = []
+    monkeypatch.setattr(cpu_attention, "paged_prefill_attention", lambda *a, **k: calls.append(1))
+    got = paged_attention_reference(q, k_cache, v_cache, meta, 0.2, native=True)
+    torch.testing.assert_close(got, paged_attention_reference(q, k_cache, v_cache, meta, 0.2), rtol=1e-5, atol=1e-5)
+    assert not calls
+
+
+def test_prefill_is_off_with_the_switch(monkeypatch):
+    q, k_cache, _, _ = _prefill_case(9, 3, 64, 16, torch.float32, [(20, 20)])
+    assert cpu_attention.supports_prefill(q, k_cache)
+    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    assert not cpu_attention.supports_prefill(q, k_cache)
+    assert not cpu_attention.supports_prefill(q.bfloat16(), k_cache)  # dtype mismatch

@@ -99,6 +99,19 @@ class AttentionMetadata:
             self._memo[key] = groups
         return self._memo[key]
 
+    def prefill_native_inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block tables, first query rows, query lengths, context lengths) of the prefilling
+        sequences, as int64 tensors for the native prefill kernel."""
+        if "prefill_native" not in self._memo:
+            ids = self.prefill_seq_ids
+            starts = [self.query_start_loc[i] for i in ids]
+            q_lens = [self.query_start_loc[i + 1] - self.query_start_loc[i] for i in ids]
+            self._memo["prefill_native"] = (
+                self.block_tables[torch.tensor(ids, dtype=torch.long, device=self.block_tables.device)],
+                torch.tensor(starts, dtype=torch.long), torch.tensor(q_lens, dtype=torch.long),
+                torch.tensor([self.seq_lens[i] for i in ids], dtype=torch.long))
+        return self._memo["prefill_native"]
+
     def prefill_inputs(self, i: int, sliding_window: Optional[int]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(context slots, mask) of prefill sequence i; both None when it has no earlier context
         and no window, so its causal attention runs on the new keys alone."""
@@ -320,7 +333,7 @@ def paged_attention(
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_new, v_new)
     return paged_attention_reference(q, k_cache, v_cache, meta, scale, sliding_window, softcap, k_new, v_new,
-                                     native_decode=True)
+                                     native=True)
 
 
 def paged_attention_reference(
@@ -333,14 +346,21 @@ def paged_attention_reference(
     softcap: Optional[float] = None,
     k_new: Optional[torch.Tensor] = None,  # (num_tokens, num_kv_heads, head_dim): this step's keys, if at hand
     v_new: Optional[torch.Tensor] = None,
-    native_decode: bool = False,
+    native: bool = False,
 ) -> torch.Tensor:
     """The plain-torch attention: the CPU path, and what triton_attention.paged_attention is checked
-    against. With `native_decode` (the CPU path), decodes run the native kernel
-    (kernels/cpu_attention.py) when it is built and serves the cache's dtype."""
-    out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
+    against. With `native` (the CPU path), decodes and prefills run the native kernels
+    (kernels/cpu_attention.py) when they are built and serve the cache's dtype and shape."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (num_tokens, num_heads, head_dim)
 
-    if meta.decode_seq_ids.numel() > 0 and native_decode and cpu_attention.supports(q, k_cache):
+    if meta.prefill_seq_ids and native and cpu_attention.supports_prefill(q, k_cache):
+        cpu_attention.paged_prefill_attention(q.contiguous(), k_cache, v_cache, *meta.prefill_native_inputs(), out, scale,
+                                              sliding_window, softcap)
+        prefill_ids: list[int] = []
+    else:
+        prefill_ids = meta.prefill_seq_ids
+
+    if meta.decode_seq_ids.numel() > 0 and native and cpu_attention.supports(q, k_cache):
         rows, tables, _ = meta.decode_inputs(None)
         out[rows] = cpu_attention.paged_decode_attention(q[rows], k_cache, v_cache, tables, meta.decode_seq_lens,
                                                          scale, sliding_window, softcap)
@@ -354,7 +374,7 @@ def paged_attention_reference(
                 k, v = gather_blocks(k_cache, tables), gather_blocks(v_cache, tables)
                 out[rows] = _decode_attend(q[rows], k, v, mask, scale, softcap)
 
-    for i in meta.prefill_seq_ids:
+    for i in prefill_ids:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         slots, mask = meta.prefill_inputs(i, sliding_window)
         if slots is None and k_new is not None:

@@ -1,9 +1,16 @@
-"""Native CPU decode attention over the paged KV cache (csrc/paged_attention.cpp, built by cpu_native).
+"""Native CPU attention over the paged KV cache (built by cpu_native): decode (csrc/paged_attention.cpp)
+and prefill (csrc/prefill_attention.cpp).
 
 The torch path for a decode step (kernels/attention.py: gather_blocks + _decode_attend) copies
 every sequence's context out of the cache and runs batched matmuls over the copy, in every layer;
 this kernel reads K and V where they lie, through the block table, so a decode step's attention
 costs one pass over the context instead of three. The two agree to float32 rounding (tested).
+
+For prefills the torch path runs one SDPA call per sequence, after copying the context out of the
+cache and building a mask whenever part of the prompt was cached (which sends SDPA to its slow
+masked path); the prefill kernel computes causal flash attention for all prefilling sequences in
+one call, reading the cache in place (bf16 on AVX512-BF16 dot products, probabilities rounded to
+bf16 for the second product as torch's CPU flash attention does).
 """
 from __future__ import annotations
 
@@ -51,3 +58,47 @@ def paged_decode_attention(
     if rc != 0:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}, at most 64 times it")
     return out
+
+
+def supports_prefill(q: torch.Tensor, k_cache) -> bool:
+    """Whether the native prefill kernel serves this query and cache: `supports`, and a head_dim,
+    block size and dtype that this build's AVX-512 instances cover (16, 32, 64, 128 or 256; blocks of
+    a multiple of 16; bf16 needs AVX512-BF16)."""
+    if not supports(q, k_cache):
+        return False
+    _, block_size, _, head_dim = k_cache.shape
+    return bool(cpu_native.library().batchrun_prefill_attention_supported(
+        head_dim, DTYPE_CODES[q.dtype], block_size, k_cache.stride(1)))
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim): the batch's query rows
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), this step's keys written
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # (num_seqs, >= ceil(max seq_len / block_size)) int64: the prefilling sequences'
+    q_starts: torch.Tensor,  # (num_seqs,) int64: each sequence's first row in q
+    q_lens: torch.Tensor,  # (num_seqs,) int64: its number of query rows, the last of its context
+    seq_lens: torch.Tensor,  # (num_seqs,) int64: its context length after this step
+    out: torch.Tensor,  # like q: the rows of these sequences are written, the others left alone
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+) -> None:
+    """Causal attention of each prefilling sequence's query rows over its cached context, into `out`."""
+    lib = cpu_native.library()
+    assert lib is not None, "paged_prefill_attention needs the native kernels (check supports_prefill() first)"
+    assert q.is_contiguous() and out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype
+    _, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    assert v_cache.stride() == k_cache.stride() and v_cache.dtype == k_cache.dtype
+    tables = block_tables.to(torch.int64).contiguous()
+    starts, lens, ctx = (t.to(torch.int64).contiguous() for t in (q_starts, q_lens, seq_lens))
+    rc = lib.batchrun_paged_prefill_attention(
+        q.data_ptr(), DTYPE_CODES[q.dtype], len(starts), num_heads, head_dim, k_cache.data_ptr(), v_cache.data_ptr(),
+        num_kv_heads, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_size, tables.data_ptr(),
+        tables.shape[1], starts.data_ptr(), lens.data_ptr(), ctx.data_ptr(), float(scale), float(softcap or 0.0),
+        int(sliding_window or 0), out.data_ptr(), torch.get_num_threads())
+    if rc == -1:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if rc != 0:
+        raise ValueError(f"the native prefill kernel does not serve head_dim {head_dim}, block_size {block_size}")

@@ -2,6 +2,8 @@
 
 - csrc/paged_attention.cpp: decode attention straight over the paged KV cache
   (kernels/cpu_attention.py);
+- csrc/prefill_attention.cpp: causal prefill attention over the paged KV cache, flash-style, on
+  AVX-512 (bf16 on AVX512-BF16 dot products) (kernels/cpu_attention.py);
 - csrc/quant.cpp: the per-token int8 quantization and the int32 -> float epilogue around W8A8's
   int8 GEMM (kernels/quant.py: w8a8_matmul).
 
@@ -39,6 +41,8 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 # Argument types of each C entry point (all return int: 0, or a negative error code).
 _SIGNATURES = {
     "batchrun_paged_decode_attention": "ptr i32 i64 i64 i64 ptr ptr i32 i64 i64 i64 i64 i64 ptr i64 ptr f32 f32 i64 ptr i32",
+    "batchrun_prefill_attention_supported": "i64 i32 i64 i64",
+    "batchrun_paged_prefill_attention": "ptr i32 i64 i64 i64 ptr ptr i64 i64 i64 i64 i64 ptr i64 ptr ptr ptr f32 f32 i64 ptr i32",
     "batchrun_quantize_per_token_int8": "ptr i32 i64 i64 i64 ptr ptr i32",
     "batchrun_w8a8_epilogue": "ptr i64 i64 ptr ptr ptr ptr i32 i32",
 }

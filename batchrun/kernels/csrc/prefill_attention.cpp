@@ -1,0 +1,328 @@
+// CPU prefill attention straight over the paged KV cache (batchrun/kernels/cpu_attention.py).
+//
+// The torch path (kernels/attention.py) runs one SDPA call per prefilling sequence; when part of
+// the prompt is already cached (a shared system prompt, the previous chunk of a chunked prefill) it
+// first copies the whole context out of the cache and builds a boolean mask, which sends SDPA to
+// its slow masked path. On the summarize workload that was a quarter of all operator time on a
+// 2-core machine (~50 GFLOP/s). This kernel reads K and V where they lie, through the block table,
+// and computes causal attention flash-style (online softmax, float32 state):
+//
+// - One work item per (sequence, KV head, chunk of QCHUNK query positions); its rows are the chunk's
+//   positions times the G query heads that share the KV head (GQA), so every K/V tile is prepared
+//   once for G * QCHUNK query rows. Items run largest first under OpenMP's dynamic schedule (later
+//   chunks see more keys).
+// - Keys go 16 at a time (a tile never crosses a cache block: block_size % 16 == 0).
+// - bf16: both products run on AVX512-BF16 dot-product instructions (vdpbf16ps: pairs of bf16
+//   products summed into float32 lanes). The K tile is transposed into 16-key lanes of (d, d+1)
+//   pairs by a gather; the V tile is interleaved into (key, key+1) pairs per d; probabilities are
+//   rounded to bf16 for the second product, as torch's own CPU flash attention does.
+// - float32: the same loop with FMAs over a transposed float32 K tile.
+//
+// Only head_dim 16, 32, 64, 128 and 256 on an AVX-512 build (bf16 also needs AVX512-BF16); everything else is
+// refused (batchrun_prefill_attention_supported) and takes the torch path.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "bf16.h"
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QCHUNK = 32;  // query positions per work item
+
+#if defined(__AVX512F__)
+
+// e^x for float32 lanes, about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, a degree-7 Taylor
+// polynomial in r, then scaled by 2^n. Lanes below -87.3 give 0 (as exp underflows to).
+inline __m512 exp512(__m512 x) {
+    const __m512 lo = _mm512_set1_ps(-87.3f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.7f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts (Cody-Waite)
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.f / 5040.f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~under), p, n);
+}
+
+// softcap * tanh(s / softcap), with tanh(y) = 1 - 2 / (e^{2y} + 1).
+inline __m512 softcap512(__m512 s, float softcap) {
+    const __m512 e = exp512(_mm512_mul_ps(s, _mm512_set1_ps(2.f / softcap)));
+    const __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.f), _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
+    return _mm512_mul_ps(t, _mm512_set1_ps(softcap));
+}
+
+inline __m512 load16(const void* base, int64_t offset, bool bf16) {
+    if (bf16) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + offset));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_loadu_ps(static_cast<const float*>(base) + offset);
+}
+
+struct Shape {
+    int64_t num_heads, num_kv_heads, block_size, stride_block, stride_offset, stride_head;
+    float scale, softcap;
+    int64_t window;
+};
+
+// One tile's K and V, prepared for the products (see the top of the file).
+template <int DC, bool BF16>
+struct Tile {
+    static constexpr int D = 16 * DC;
+    // bf16: k[p] lane j = the (2p, 2p+1) bf16 pair of key j's row; v[jp][c] lane i = (V[2jp][16c+i], V[2jp+1][16c+i]).
+    // float32: kf[d] lane j = K[j][d]; vf[j][c] = V[j][16c .. 16c+15].
+    alignas(64) __m512i k[BF16 ? D / 2 : 1];
+    alignas(64) __m512i v[BF16 ? 8 : 1][DC];
+    alignas(64) __m512 kf[BF16 ? 1 : D];
+    alignas(64) __m512 vf[BF16 ? 1 : 16][DC];
+
+    // Rows `off + j * stride_offset` (elements) for j < valid; the rest are zero.
+    void load(const void* k_cache, const void* v_cache, int64_t off, int64_t stride_offset, int valid) {
+        const __mmask16 m = valid >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
+        const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32(static_cast<int>(stride_offset)));
+        if constexpr (BF16) {
+            // Element offsets of the rows in units of 4 bytes (a pair): stride_offset is even for
+            // every layout with head_dim >= 2 (checked by the caller).
+            const __m512i pair_rows = _mm512_srli_epi32(rows, 1);
+            const int32_t* kbase = reinterpret_cast<const int32_t*>(static_cast<const uint16_t*>(k_cache) + off);
+            for (int p = 0; p < D / 2; ++p)
+                k[p] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, pair_rows, kbase + p, 4);
+            const uint16_t* vbase = static_cast<const uint16_t*>(v_cache) + off;
+            for (int jp = 0; jp < 8; ++jp)
+                for (int c = 0; c < DC; ++c) {
+                    const int j0 = 2 * jp, j1 = 2 * jp + 1;
+                    const __m512i a = j0 < valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                        reinterpret_cast<const __m256i*>(vbase + j0 * stride_offset + 16 * c))) : _mm512_setzero_si512();
+                    const __m512i b = j1 < valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                        reinterpret_cast<const __m256i*>(vbase + j1 * stride_offset + 16 * c))) : _mm512_setzero_si512();
+                    v[jp][c] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+                }
+        } else {
+            const float* kbase = static_cast<const float*>(k_cache) + off;
+            for (int d = 0; d < D; ++d) kf[d] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, rows, kbase + d, 4);
+            const float* vbase = static_cast<const float*>(v_cache) + off;
+            for (int j = 0; j < 16; ++j)
+                for (int c = 0; c < DC; ++c)
+                    vf[j][c] = j < valid ? _mm512_loadu_ps(vbase + j * stride_offset + 16 * c) : _mm512_setzero_ps();
+        }
+    }
+};
+
+// Attention of query positions [pos0, pos0 + nq) of one sequence, the G query heads of KV head h,
+// over keys [0, pos] of each (within the window), read through `table`.
+template <int DC, bool BF16>
+void prefill_item(const void* q, int64_t q_row0, int64_t pos0, int64_t nq, int64_t h, const Shape& s,
+                  const void* k_cache, const void* v_cache, const int64_t* table, void* out,
+                  std::vector<float>& scratch) {
+    constexpr int D = 16 * DC;
+    const int64_t G = s.num_heads / s.num_kv_heads;
+    const int64_t R = nq * G;  // row r: position pos0 + r / G, head h * G + r % G
+    // scratch: float32 accumulators (R x D), running max and sum (R each), queries (R x D: bf16
+    // pairs as uint32 words, or float32), and a Tile (aligned inside).
+    const size_t tile_floats = sizeof(Tile<DC, BF16>) / sizeof(float) + 16;
+    scratch.resize(static_cast<size_t>(R * D + 2 * R + R * D) + tile_floats);
+    float* acc = scratch.data();
+    float* mx = acc + R * D;
+    float* sum = mx + R;
+    float* qs = sum + R;
+    auto* tile = reinterpret_cast<Tile<DC, BF16>*>(
+        (reinterpret_cast<uintptr_t>(qs + R * D) + 63) & ~uintptr_t(63));
+    std::fill(acc, acc + R * D, 0.f);
+    std::fill(mx, mx + R, -INFINITY);
+    std::fill(sum, sum + R, 0.f);
+    for (int64_t r = 0; r < R; ++r) {
+        const int64_t src = ((q_row0 + r / G) * s.num_heads + h * G + r % G) * D;
+        if constexpr (BF16) std::memcpy(qs + r * (D / 2), static_cast<const uint16_t*>(q) + src, D * 2);
+        else std::memcpy(qs + r * D, static_cast<const float*>(q) + src, D * 4);
+    }
+    const int64_t last = pos0 + nq - 1;
+    const int64_t first_key = s.window > 0 ? std::max<int64_t>(0, pos0 - s.window + 1) : 0;
+    const int64_t head_offset = h * s.stride_head;
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 scale = _mm512_set1_ps(s.scale);
+
+    for (int64_t k0 = first_key & ~int64_t(15); k0 <= last; k0 += 16) {
+        const int64_t blk = k0 / s.block_size;
+        const int valid = static_cast<int>(std::min<int64_t>(16, last + 1 - k0));
+        tile->load(k_cache, v_cache, table[blk] * s.stride_block + head_offset + (k0 - blk * s.block_size) * s.stride_offset,
+                   s.stride_offset, valid);
+        const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0)));
+        // Rows are in position order: those before the tile's first key see none of it.
+        for (int64_t r = std::max<int64_t>(0, k0 - pos0) * G; r < R; ++r) {
+            const int64_t pos = pos0 + r / G;
+            if (s.window > 0 && k0 + 15 <= pos - s.window) continue;
+            __m512 sc = _mm512_setzero_ps();
+            if constexpr (BF16) {
+                const uint32_t* qp = reinterpret_cast<const uint32_t*>(qs) + r * (D / 2);
+                for (int p = 0; p < D / 2; ++p)
+                    sc = _mm512_dpbf16_ps(sc, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[p])), (__m512bh)tile->k[p]);
+            } else {
+                const float* qr = qs + r * D;
+                for (int d = 0; d < D; ++d) sc = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), tile->kf[d], sc);
+            }
+            sc = _mm512_mul_ps(sc, scale);
+            if (s.softcap > 0.f) sc = softcap512(sc, s.softcap);
+            __mmask16 ok = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos)), _MM_CMPINT_LE);
+            if (s.window > 0)
+                ok &= _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos - s.window)), _MM_CMPINT_GT);
+            if (!ok) continue;
+            const float tile_max = _mm512_mask_reduce_max_ps(ok, sc);
+            const float m_new = std::max(mx[r], tile_max);
+            const __m512 p = _mm512_maskz_mov_ps(ok, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
+            float* a = acc + r * D;
+            __m512 av[DC];
+            for (int c = 0; c < DC; ++c) av[c] = _mm512_loadu_ps(a + 16 * c);
+            if (m_new > mx[r]) {
+                const float alpha = mx[r] == -INFINITY ? 0.f : std::exp(mx[r] - m_new);
+                sum[r] *= alpha;
+                for (int c = 0; c < DC; ++c) av[c] = _mm512_mul_ps(av[c], _mm512_set1_ps(alpha));
+                mx[r] = m_new;
+            }
+            if constexpr (BF16) {
+                // The row's sum takes the bf16-rounded probabilities that the product uses, so the
+                // normalisation matches the numerator.
+                const __m256i pb = (__m256i)_mm512_cvtneps_pbh(p);
+                sum[r] += _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+                alignas(32) uint32_t pairs[8];
+                _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), pb);
+                for (int jp = 0; jp < 8; ++jp) {
+                    if (2 * jp >= valid) break;
+                    const __m512bh bp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[jp]));
+                    for (int c = 0; c < DC; ++c) av[c] = _mm512_dpbf16_ps(av[c], bp, (__m512bh)tile->v[jp][c]);
+                }
+            } else {
+                sum[r] += _mm512_reduce_add_ps(p);
+                alignas(64) float pf[16];
+                _mm512_store_ps(pf, p);
+                for (int j = 0; j < valid; ++j) {
+                    const __m512 bp = _mm512_set1_ps(pf[j]);
+                    for (int c = 0; c < DC; ++c) av[c] = _mm512_fmadd_ps(bp, tile->vf[j][c], av[c]);
+                }
+            }
+            for (int c = 0; c < DC; ++c) _mm512_storeu_ps(a + 16 * c, av[c]);
+        }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+        const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+        const int64_t dst = ((q_row0 + r / G) * s.num_heads + h * G + r % G) * D;
+        for (int c = 0; c < DC; ++c) {
+            const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), _mm512_set1_ps(inv));
+            if constexpr (BF16) {
+                _mm256_storeu_si256(reinterpret_cast<__m256i*>(static_cast<uint16_t*>(out) + dst + 16 * c),
+                                    (__m256i)_mm512_cvtneps_pbh(o));
+            } else {
+                _mm512_storeu_ps(static_cast<float*>(out) + dst + 16 * c, o);
+            }
+        }
+    }
+}
+
+#endif  // __AVX512F__
+
+bool supported(int64_t head_dim, int bf16, int64_t block_size, int64_t stride_offset) {
+#if defined(__AVX512F__)
+    if (head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128 && head_dim != 256) return false;
+    if (block_size % 16 != 0 || stride_offset % 2 != 0) return false;
+    if (stride_offset * 15 > INT32_MAX / 2) return false;  // gather offsets are int32
+    if (bf16) {
+#if defined(__AVX512BF16__)
+        return true;
+#else
+        return false;
+#endif
+    }
+    return true;
+#else
+    (void)head_dim, (void)bf16, (void)block_size, (void)stride_offset;
+    return false;
+#endif
+}
+
+}  // namespace
+
+extern "C" {
+
+// 1 if batchrun_paged_prefill_attention serves this shape on this build, else 0.
+int batchrun_prefill_attention_supported(int64_t head_dim, int bf16, int64_t block_size, int64_t stride_offset) {
+    return supported(head_dim, bf16, block_size, stride_offset) ? 1 : 0;
+}
+
+// Causal attention of each sequence's query rows over its cached context (keys already written).
+// q, out: (num_tokens, num_heads, head_dim) contiguous, float32 or bf16 (bf16); sequence i owns
+//   rows q_starts[i] .. q_starts[i] + q_lens[i] - 1, the last q_lens[i] of its seq_lens[i] positions.
+// k_cache, v_cache: element (block, offset, kv_head, d) at block * stride_block +
+//   offset * stride_offset + kv_head * stride_head + d, same dtype as q.
+// block_tables: (num_seqs, table_stride) int64. window > 0: only keys j > i - window; softcap > 0:
+//   tanh soft-capping. Returns 0, -1 for a bad head count, -2 for a shape this build does not serve.
+int batchrun_paged_prefill_attention(const void* q, int bf16, int64_t num_seqs, int64_t num_heads, int64_t head_dim,
+                                     const void* k_cache, const void* v_cache, int64_t num_kv_heads,
+                                     int64_t stride_block, int64_t stride_offset, int64_t stride_head,
+                                     int64_t block_size, const int64_t* block_tables, int64_t table_stride,
+                                     const int64_t* q_starts, const int64_t* q_lens, const int64_t* seq_lens,
+                                     float scale, float softcap, int64_t window, void* out, int num_threads) {
+    if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
+    if (!supported(head_dim, bf16, block_size, stride_offset)) return -2;
+#if defined(__AVX512F__)
+    // Work items, largest first: (sequence, chunk) pairs by descending last position, times KV heads.
+    std::vector<std::pair<int64_t, int64_t>> chunks;  // (sequence, first query index within it)
+    for (int64_t i = 0; i < num_seqs; ++i)
+        for (int64_t c = 0; c < q_lens[i]; c += QCHUNK) chunks.emplace_back(i, c);
+    std::sort(chunks.begin(), chunks.end(), [&](const auto& a, const auto& b) {
+        return seq_lens[a.first] - q_lens[a.first] + a.second > seq_lens[b.first] - q_lens[b.first] + b.second;
+    });
+    const Shape s{num_heads, num_kv_heads, block_size, stride_block, stride_offset, stride_head, scale, softcap, window};
+    const int64_t items = static_cast<int64_t>(chunks.size()) * num_kv_heads;
+#pragma omp parallel num_threads(num_threads)
+    {
+        std::vector<float> scratch;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < items; ++item) {
+            const auto [i, c] = chunks[item / num_kv_heads];
+            const int64_t h = item % num_kv_heads;
+            const int64_t nq = std::min(QCHUNK, q_lens[i] - c);
+            const int64_t pos0 = seq_lens[i] - q_lens[i] + c;
+            const int64_t* table = block_tables + i * table_stride;
+            const int64_t row0 = q_starts[i] + c;
+#define BATCHRUN_ITEM(DC, BF)                                                                                   \
+    prefill_item<DC, BF>(q, row0, pos0, nq, h, s, k_cache, v_cache, table, out, scratch)
+#define BATCHRUN_DIMS(BF)                                 \
+    switch (head_dim) {                                   \
+        case 16: BATCHRUN_ITEM(1, BF); break;             \
+        case 32: BATCHRUN_ITEM(2, BF); break;             \
+        case 64: BATCHRUN_ITEM(4, BF); break;             \
+        case 128: BATCHRUN_ITEM(8, BF); break;            \
+        default: BATCHRUN_ITEM(16, BF); break;            \
+    }
+            if (bf16) {
+#if defined(__AVX512BF16__)
+                BATCHRUN_DIMS(true)
+#endif
+            } else {
+                BATCHRUN_DIMS(false)
+            }
+#undef BATCHRUN_DIMS
+#undef BATCHRUN_ITEM
+        }
+    }
+    return 0;
+#else
+    return -2;
+#endif
+}
+
+}  // extern "C"

@@ -61,3 +61,34 @@ def test_w8a8_matmul_is_bitwise_equal_to_torch(monkeypatch, dtype, with_bias, m)
 def _per_channel(w):
     scales = (w.abs().amax(dim=1, keepdim=True) / qk.INT8_MAX).clamp(min=1e-10)
     return torch.round(w / scales).clamp(-127, 127).to(torch.int8), scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantization_that_skips_outlier_columns_is_bitwise_equal_to_torch(monkeypatch, dtype):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(33, 200, generator=gen).to(dtype)
+    skip = torch.zeros(200, dtype=torch.bool)
+    skip[[0, 17, 199]] = True
+    x[:, skip] *= 100  # the skipped columns must not set the scale
+    got_q, got_s = qk.quantize_per_token_int8(x, skip)
+    want_q, want_s = _torch_path(monkeypatch, qk.quantize_per_token_int8, x, skip)
+    assert torch.equal(got_q, want_q) and torch.equal(got_s, want_s)
+    assert torch.all(got_q[:, skip] == 0)
+    torch.testing.assert_close(got_s, x.float().masked_fill(skip, 0).abs().amax(-1, keepdim=True) / 127)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_matmul_with_float_channels_is_bitwise_equal_to_torch(monkeypatch, dtype):
+    gen = torch.Generator().manual_seed(9)
+    w = torch.randn(96, 80, generator=gen)
+    index = torch.tensor([2, 40, 79])
+    skip = torch.zeros(80, dtype=torch.bool)
+    skip[index] = True
+    qweight, scales = _per_channel(w.masked_fill(skip, 0))
+    outliers = qk.OutlierChannels(index, skip, w[:, index].t().contiguous().to(dtype))
+    x = torch.randn(12, 80, generator=gen).to(dtype)
+    got = qk.w8a8_matmul(x, qweight, scales, None, outliers)
+    want = _torch_path(monkeypatch, qk.w8a8_matmul, x, qweight, scales, None, outliers)
+    assert got.dtype == dtype and torch.equal(got, want)
+    ref = x.float() @ w.t()
+    assert (got.float() - ref).abs().max() < 0.05 * ref.abs().max()

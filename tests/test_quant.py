@@ -283,13 +283,18 @@ def test_engine_config_validates_quantization_fields():
 
     for kwargs, field in [(dict(quantization="int3"), "engine.quantization"),
                           (dict(quant_group_size=48), "engine.quant_group_size"),
-                          (dict(kv_cache_dtype="int4"), "engine.kv_cache_dtype")]:
+                          (dict(kv_cache_dtype="int4"), "engine.kv_cache_dtype"),
+                          (dict(w8a8_outlier_channels=-1), "engine.w8a8_outlier_channels"),
+                          (dict(w8a8_outlier_channels=2.5), "engine.w8a8_outlier_channels")]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(**kwargs)
 
 
-@pytest.mark.parametrize("mode,kv_dtype,dtype,linear_key", [("int4", "int8", "float32", "linear:int4/g32"),
-                                                            ("w8a8", "fp8", "bfloat16", "linear:w8a8")])
+@pytest.mark.parametrize("mode,kv_dtype,dtype,linear_key", [
+    ("int4", "int8", "float32", {"linear:int4/g32": 4}),
+    # an eighth of the input channels in float: 8 of the 64 hidden, 16 of down_proj's 128
+    ("w8a8", "fp8", "bfloat16", {"linear:w8a8/float8": 3, "linear:w8a8/float16": 1}),
+])
 def test_quantized_engine_runs_through_the_whole_job(mode, kv_dtype, dtype, linear_key, tmp_path, make_shards,
                                                      tiny_llama_dir):
     import json
@@ -315,7 +320,8 @@ def test_quantized_engine_runs_through_the_whole_job(mode, kv_dtype, dtype, line
     manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
     settings = manifest["engine_settings"]
     assert settings["quantization"] == mode and settings["kv_cache_dtype"] == kv_dtype
-    assert settings["quant_formats"] == {linear_key: 4 * engine.model.spec.num_layers}  # 4 projections a layer
+    assert settings["quant_formats"] == {k: n * engine.model.spec.num_layers for k, n in linear_key.items()}
+    assert settings["w8a8_outlier_channels"] == (64 if mode == "w8a8" else None)
     assert manifest["config"]["engine"]["quantization"] == mode
 
 
@@ -331,3 +337,35 @@ def test_int8_kv_cache_halves_kv_bytes_and_keeps_greedy_close(tiny_llama_dir):
     params = SamplingParams(temperature=0.0, max_tokens=12)
     a, b = plain.generate(prompts, params), int8.generate(prompts, params)
     assert sum(x == y for o, p in zip(a, b) for x, y in zip(o.token_ids, p.token_ids)) >= 0.75 * 24
+
+
+def test_w8a8_float_outlier_channels_cut_the_error_of_outlier_heavy_activations():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 256, generator=gen) * 0.05
+    x = torch.randn(40, 256, generator=gen)
+    x[:, [3, 100, 201]] *= 60.0  # a few channels far larger than the rest, in every token
+    absmax = x.abs().amax(dim=0)
+    want = x @ w.t()
+    plain = mq.W8A8Linear(mq.quantize_weight(w, "int8"))
+    zeroed, outliers = mq.split_outlier_channels(w, absmax, 8)
+    assert {3, 100, 201} <= set(outliers.index.tolist())
+    assert outliers.skip.sum() == 8 and torch.all(zeroed[:, outliers.skip] == 0)
+    split = mq.W8A8Linear(mq.quantize_weight(zeroed, "int8"), outliers=outliers)
+    assert split.format_key == "w8a8/float8"
+    err_plain = (plain(x) - want).abs().mean()
+    err_split = (split(x) - want).abs().mean()
+    assert err_split < 0.25 * err_plain, (err_split, err_plain)
+    # the float channels go where the module goes
+    moved = split.to(torch.bfloat16)
+    assert moved.outliers.weight_t.dtype == torch.bfloat16 and moved.outliers.weight_t is moved.outlier_weight_t
+    assert (moved(x.bfloat16()).float() - want).abs().mean() < 0.5 * err_plain
+
+
+def test_w8a8_calibrated_model_keeps_an_eighth_at_most_in_float(tiny_llama_dir):
+    model = _tiny_decoder(tiny_llama_dir)
+    absmax = {name: torch.rand(lin.in_features) + 0.1 for name, lin in mq._projections(model)}
+    summary = mq.quantize_model(model, "w8a8", input_absmax=absmax, outlier_channels=64)
+    assert summary.formats == {"linear:w8a8/float8": 3 * model.spec.num_layers,
+                               "linear:w8a8/float16": model.spec.num_layers}
+    plain = mq.quantize_model(_tiny_decoder(tiny_llama_dir), "w8a8", input_absmax=absmax, outlier_channels=0)
+    assert plain.formats == {"linear:w8a8": 4 * model.spec.num_layers}

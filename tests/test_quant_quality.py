@@ -38,10 +38,10 @@ def reference(smollm2_cache_dir):
     return engine, seqs, teacher_forced(engine.model, engine.runner, seqs)
 
 
-def _quantized(reference, mode: str):
+def _quantized(reference, mode: str, **settings):
     engine, seqs, ref = reference
     model = copy.deepcopy(engine.model)
-    config = dataclasses.replace(engine.config, quantization=mode)
+    config = dataclasses.replace(engine.config, quantization=mode, **settings)
     summary = quantize_for_engine(model, config, engine.tokenizer, None, torch.float32, torch.device("cpu"))
     assert summary.num_quantized == 4 * model.spec.num_layers
     tf = teacher_forced(model, engine.runner, seqs)
@@ -60,11 +60,19 @@ def test_int4_weights_agree_with_float(reference):
     assert ppl_increase <= 0.12
 
 
-def test_w8a8_perplexity_within_the_int8_bound(reference):
-    # Per-token int8 activations after SmoothQuant: measured 94.4% and +0.7%. The perplexity bound of
-    # int8 holds; the 97% top-1 bound does NOT (without SmoothQuant: 91%, +3.5%). The agreement
-    # bound below guards that number from regressing; it is not the bound.
+def test_w8a8_agrees_with_float_within_the_int8_bounds(reference):
+    # Per-token int8 activations after SmoothQuant, the 64 largest input channels of each projection
+    # in float (the default): measured 97.9% and +0.6% (simulated: 97.9%; int8 weights alone 97.0%).
     agree, ppl_increase = _quantized(reference, "w8a8")
+    assert agree >= 0.97
+    assert ppl_increase <= 0.02
+
+
+def test_w8a8_without_float_channels_keeps_perplexity_but_not_agreement(reference):
+    # The fastest setting: measured 94.4% and +0.7%. The perplexity bound of int8 holds; the 97%
+    # top-1 bound does NOT (without SmoothQuant: 91%, +3.5%). The agreement bound below guards that
+    # number from regressing; it is not the bound.
+    agree, ppl_increase = _quantized(reference, "w8a8", w8a8_outlier_channels=0)
     assert ppl_increase <= 0.02
     assert agree >= 0.93
 

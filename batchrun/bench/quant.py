@@ -112,9 +112,17 @@ def make_engine(quantization: str = "none", dtype: str = "bfloat16", kv_cache_dt
                 cache_dir: Optional[str] = None, threads: Optional[int] = None,
                 kv_cache_memory: float = 256 << 20, max_num_seqs: int = 64,
                 max_num_batched_tokens: int = 2048, group_size: int = 32) -> Engine:
+    """An engine for one mode. `quantization` may carry a setting after "@": "int4@64" is int4 in
+    groups of 64, "w8a8@0" is W8A8 with no input channels kept in float."""
+    quantization, _, setting = quantization.partition("@")
+    extra = {}
+    if setting and quantization == "w8a8":
+        extra["w8a8_outlier_channels"] = int(setting)
+    elif setting:
+        group_size = int(setting)
     # Fixed batch limits: the start-up profile would pick per mode and blur the comparison.
     return Engine(EngineConfig(model="smollm2-135m", dtype=dtype, device="cpu", quantization=quantization,
-                               quant_group_size=group_size, kv_cache_dtype=kv_cache_dtype, cache_dir=cache_dir,
+                               quant_group_size=group_size, **extra, kv_cache_dtype=kv_cache_dtype, cache_dir=cache_dir,
                                num_threads=threads, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=max_num_batched_tokens))
 
@@ -166,9 +174,7 @@ def run_quality(modes: list[str], dtype: str, cache_dir: Optional[str], threads:
     del base
     for mode in modes:
         quant, kv = ("none", mode[3:]) if mode.startswith("kv-") else (mode, "auto")
-        quant, _, group = quant.partition("@")  # "int4@64": another group size
-        e = make_engine(quant, dtype, kv_cache_dtype=kv, cache_dir=cache_dir, threads=threads,
-                        group_size=int(group or 32))
+        e = make_engine(quant, dtype, kv_cache_dtype=kv, cache_dir=cache_dir, threads=threads)
         tf = engine_teacher_forced(e, seqs)
         rows[mode] = {"ppl": tf.perplexity, "agree": agreement(ref, tf), "weight_bytes": e.settings["weight_bytes"],
                       "formats": e.settings["quant_formats"]}
@@ -230,9 +236,10 @@ def run_speed(modes: list[str], cache_dir: Optional[str], threads: Optional[int]
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", choices=("quality", "speed"), default=None)
-    ap.add_argument("--quality-modes", default="int8,w8a8,int4,int4@64,fp8,gguf,kv-int8,kv-fp8")
+    ap.add_argument("--quality-modes", default="int8,w8a8,w8a8@0,int4,int4@64,fp8,gguf,kv-int8,kv-fp8",
+                    help="@N after a mode: int4/int8 group size N, or w8a8 with N float channels")
     ap.add_argument("--quality-dtype", default="float32")
-    ap.add_argument("--speed-modes", default="float32,bfloat16,int8,w8a8,int4")
+    ap.add_argument("--speed-modes", default="float32,bfloat16,int8,w8a8,w8a8@0,int4")
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--no-summarize", action="store_true")
     ap.add_argument("--summarize-docs", type=int, default=32, help="first N of the 32 bundled documents")

@@ -56,12 +56,16 @@ class EngineConfig:
     num_threads: Optional[int] = None  # torch intra-op threads on CPU; None leaves torch's default
     cache_dir: Optional[str] = None  # converted-weights cache; None means $BATCHRUN_CACHE or ~/.cache/batchrun
     # Weights: none | int8 (weight-only, groups) | w8a8 (int8 weights per channel and activations per
-    # token, SmoothQuant-calibrated: the CPU throughput mode) | int4 (weight-only, groups) | fp8 (e4m3)
+    # token, SmoothQuant-calibrated; the CPU throughput mode with w8a8_outlier_channels=0) | int4
+    # (weight-only, groups) | fp8 (e4m3)
     # | gguf (keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks). See batchrun/model/quant.py.
     quantization: str = "none"
     # int8/int4 group along the input dim: 32 (GGUF's Q8_0/Q4_x block; 64 measured far worse for int4
     # on SmolLM2), 64, 128 or 256
     quant_group_size: int = 32
+    # w8a8: input channels per projection kept in float (the largest after SmoothQuant). 0 is the
+    # fastest; 64 keeps SmolLM2 within the int8 quality bound (97% top-1 agreement), see model/quant.py.
+    w8a8_outlier_channels: int = 64
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8, with a scale per token and head
 
     def __post_init__(self) -> None:
@@ -72,6 +76,10 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.quant_group_size not in (32, 64, 128, 256):
             raise ValueError(f"engine.quant_group_size must be 32, 64, 128 or 256, got {self.quant_group_size!r}")
+        if isinstance(self.w8a8_outlier_channels, bool) or not isinstance(self.w8a8_outlier_channels, int) \
+                or self.w8a8_outlier_channels < 0:
+            raise ValueError(f"engine.w8a8_outlier_channels must be a whole number >= 0, "
+                             f"got {self.w8a8_outlier_channels!r}")
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
             raise ValueError(f"engine.kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):

@@ -121,11 +121,12 @@ class Engine:
             "kv_cache_bytes": num_blocks * per_block, "max_model_len": self.max_model_len,
             "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
             "batch_limits_profile": limits.profile,
-            # csrc/ kernels (decode attention, W8A8 quantization) built and on; False: plain torch
+            # csrc/ kernels (decode and prefill attention, W8A8 quantization) built and on; False: plain torch
             "native_cpu_kernels": self.device.type == "cpu" and cpu_native.enabled() and cpu_native.available(),
         }
         self.settings.update({  # weights and KV format (issue 5): also what the benchmark table shows
             "quantization": config.quantization, "quant_group_size": config.quant_group_size,
+            "w8a8_outlier_channels": config.w8a8_outlier_channels if config.quantization == "w8a8" else None,
             "quant_formats": dict(self.quantization.formats), "weight_bytes": module_weight_bytes(model),
             "kv_cache_dtype": config.kv_cache_dtype,
         })

@@ -36,4 +36,4 @@ def quantize_for_engine(model: DecoderLM, config: EngineConfig, tokenizer: Any,
         run = prefill_forward(model, config.block_size, dtype, device)
         input_absmax = collect_input_absmax(model, run, calibration_token_ids(tokenizer))
     return quantize_model(model, config.quantization, config.quant_group_size, prequantized=gguf_weights,
-                          input_absmax=input_absmax)
+                          input_absmax=input_absmax, outlier_channels=config.w8a8_outlier_channels)

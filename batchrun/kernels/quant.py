@@ -18,6 +18,7 @@ GPU kernels in `batchrun.kernels.triton_quant` are checked against). `int8_weigh
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -81,16 +82,21 @@ def int8_weight_matmul_cpu(x: torch.Tensor, qweight: torch.Tensor, scales_bf16: 
 # W8A8: int8 weights and per-token int8 activations
 
 
-def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token_int8(x: torch.Tensor, skip: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_q int8 (M, K), scale float32 (M, 1)) with x ~= x_q * scale row by row.
+
+    `skip`: a (K,) bool mask of columns left out (W8A8's outlier channels, which run in float):
+    they count as 0 for the scale and come out as 0.
 
     Written as few full passes as torch allows: it runs before every W8A8 GEMM and on a CPU these
     elementwise passes cost about as much as the int8 GEMM saves (linalg.vector_norm(inf) alone
     was 7x slower than abs().amax() here).
     """
     if cpu_native.usable(x) and x.dtype in DTYPE_CODES and x.dim() == 2 and x.stride(1) == 1:
-        return _quantize_per_token_int8_native(x)
+        return _quantize_per_token_int8_native(x, skip)
     xf = x.float()
+    if skip is not None:
+        xf = xf.masked_fill(skip, 0.0)
     scale = xf.abs().amax(dim=-1, keepdim=True).div_(INT8_MAX).clamp_(min=_MIN_SCALE)  # (M, 1)
     # |x / scale| <= 127 by construction, so no clamp is needed before the cast; divide in place
     # when x.float() made a copy.
@@ -98,13 +104,15 @@ def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return xs.round_().to(torch.int8), scale
 
 
-def _quantize_per_token_int8_native(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_per_token_int8_native(x: torch.Tensor, skip: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_per_token_int8 in one pass (csrc/quant.cpp); bitwise equal to the torch code."""
     m, k = x.shape
     xq = torch.empty((m, k), dtype=torch.int8)
     scale = torch.empty((m, 1), dtype=torch.float32)
-    cpu_native.library().batchrun_quantize_per_token_int8(x.data_ptr(), DTYPE_CODES[x.dtype], m, k, x.stride(0),
-                                                          xq.data_ptr(), scale.data_ptr(), torch.get_num_threads())
+    skip_u8 = None if skip is None else skip.to(torch.uint8).contiguous()
+    cpu_native.library().batchrun_quantize_per_token_int8(
+        x.data_ptr(), DTYPE_CODES[x.dtype], m, k, x.stride(0), None if skip_u8 is None else skip_u8.data_ptr(),
+        xq.data_ptr(), scale.data_ptr(), torch.get_num_threads())
     return xq, scale
 
 
@@ -127,20 +135,35 @@ def _w8a8_epilogue(acc: torch.Tensor, w_scales: torch.Tensor, x_scales: torch.Te
     return y + bias if bias is not None else y
 
 
+@dataclass
+class OutlierChannels:
+    """W8A8's input channels that stay in float: their activations are left out of the per-token int8
+    quantization (so they no longer set every token's step) and multiply `weight_t` in x's dtype."""
+
+    index: torch.Tensor  # (k,) int64 input channels
+    skip: torch.Tensor  # (K,) bool: True at those channels
+    weight_t: torch.Tensor  # (k, N) in the compute dtype: W[:, index].T
+
+
 def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """y = (q_x @ q_W.T) * s_x * s_W with an exact int32 accumulation (torch._int_mm; VNNI on x86).
+                bias: Optional[torch.Tensor] = None, outliers: Optional[OutlierChannels] = None) -> torch.Tensor:
+    """y = (q_x @ q_W.T) * s_x * s_W with an exact int32 accumulation (torch._int_mm; VNNI on x86),
+    plus x[:, outliers] @ W[:, outliers].T in x's dtype when some channels stay in float (their
+    columns of q_W are zero).
 
     `scales` is per output channel (N, 1).
     """
     assert scales.shape[1] == 1, "W8A8 needs per-channel weight scales"
     shape = x.shape
-    xq, sx = quantize_per_token_int8(x.reshape(-1, shape[-1]))
+    x2 = x.reshape(-1, shape[-1])
+    xq, sx = quantize_per_token_int8(x2, None if outliers is None else outliers.skip)
     m = xq.shape[0]
     if xq.is_cuda and m <= 16:  # cuBLAS int8 GEMM wants more than 16 rows
         xq = torch.nn.functional.pad(xq, (0, 0, 0, 17 - m))
     acc = torch._int_mm(xq, qweight.t())[:m]  # (M, N) int32
     y = _w8a8_epilogue(acc, scales[:, 0], sx, bias, x.dtype)
+    if outliers is not None:
+        y = torch.addmm(y, x2.index_select(1, outliers.index), outliers.weight_t.to(x.dtype))
     return y.reshape(*shape[:-1], y.shape[-1])
 
 

@@ -31,16 +31,25 @@ inline float widen(T v) {
 }
 
 template <bool BF16, typename T>
-void quantize_rows(const T* x, int64_t m, int64_t k, int64_t x_stride, int8_t* q, float* scales, int num_threads) {
+void quantize_rows(const T* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* skip, int8_t* q, float* scales,
+                   int num_threads) {
     const float min_scale = 1e-10f;  // kernels/quant.py: _MIN_SCALE
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k > 65536)
     for (int64_t r = 0; r < m; ++r) {
         const T* xr = x + r * x_stride;
         float amax = 0.f;
+        if (skip) {
 #pragma omp simd reduction(max : amax)
-        for (int64_t i = 0; i < k; ++i) {
-            const float a = std::fabs(widen<BF16>(xr[i]));
-            amax = a > amax ? a : amax;
+            for (int64_t i = 0; i < k; ++i) {
+                const float a = skip[i] ? 0.f : std::fabs(widen<BF16>(xr[i]));
+                amax = a > amax ? a : amax;
+            }
+        } else {
+#pragma omp simd reduction(max : amax)
+            for (int64_t i = 0; i < k; ++i) {
+                const float a = std::fabs(widen<BF16>(xr[i]));
+                amax = a > amax ? a : amax;
+            }
         }
         float scale = amax / 127.0f;
         scale = scale < min_scale ? min_scale : scale;
@@ -50,6 +59,9 @@ void quantize_rows(const T* x, int64_t m, int64_t k, int64_t x_stride, int8_t* q
         for (int64_t i = 0; i < k; ++i)
             qr[i] = static_cast<int8_t>(static_cast<int32_t>(
                 round_half_even(widen<BF16>(xr[i]) / scale)));
+        if (skip)
+            for (int64_t i = 0; i < k; ++i)
+                if (skip[i]) qr[i] = 0;
     }
 }
 
@@ -59,14 +71,16 @@ extern "C" {
 
 // x: (m, k) float32 or bf16, rows `x_stride` elements apart. Per row: scale = max(absmax / 127,
 // min_scale); q = round_half_even(x / scale) as int8 (|x / scale| <= 127 by construction).
-// q: (m, k) int8 contiguous; scales: (m,) float32.
-int batchrun_quantize_per_token_int8(const void* x, int x_bf16, int64_t m, int64_t k, int64_t x_stride, void* q,
-                                     void* scales, int num_threads) {
+// skip: (k,) uint8 or null: columns that are left out (W8A8's outlier channels, which run in float):
+// they count as 0 for the scale and are written as 0. q: (m, k) int8 contiguous; scales: (m,) float32.
+int batchrun_quantize_per_token_int8(const void* x, int x_bf16, int64_t m, int64_t k, int64_t x_stride,
+                                     const void* skip, void* q, void* scales, int num_threads) {
+    const uint8_t* sk = static_cast<const uint8_t*>(skip);
     if (x_bf16)
-        quantize_rows<true>(static_cast<const uint16_t*>(x), m, k, x_stride, static_cast<int8_t*>(q),
+        quantize_rows<true>(static_cast<const uint16_t*>(x), m, k, x_stride, sk, static_cast<int8_t*>(q),
                             static_cast<float*>(scales), num_threads);
     else
-        quantize_rows<false>(static_cast<const float*>(x), m, k, x_stride, static_cast<int8_t*>(q),
+        quantize_rows<false>(static_cast<const float*>(x), m, k, x_stride, sk, static_cast<int8_t*>(q),
                              static_cast<float*>(scales), num_threads);
     return 0;
 }

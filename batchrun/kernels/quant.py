@@ -109,9 +109,10 @@ def _quantize_per_token_int8_native(x: torch.Tensor, skip: Optional[torch.Tensor
     m, k = x.shape
     xq = torch.empty((m, k), dtype=torch.int8)
     scale = torch.empty((m, 1), dtype=torch.float32)
-    skip_u8 = None if skip is None else skip.to(torch.uint8).contiguous()
+    # A contiguous bool mask is read as its bytes (0/1): no conversion on this per-projection path.
+    skip = None if skip is None else skip.contiguous()  # held until the call returns
     cpu_native.library().batchrun_quantize_per_token_int8(
-        x.data_ptr(), DTYPE_CODES[x.dtype], m, k, x.stride(0), None if skip_u8 is None else skip_u8.data_ptr(),
+        x.data_ptr(), DTYPE_CODES[x.dtype], m, k, x.stride(0), None if skip is None else skip.data_ptr(),
         xq.data_ptr(), scale.data_ptr(), torch.get_num_threads())
     return xq, scale
 

@@ -65,14 +65,6 @@ inline __m512 softcap512(__m512 s, float softcap) {
     return _mm512_mul_ps(t, _mm512_set1_ps(softcap));
 }
 
-inline __m512 load16(const void* base, int64_t offset, bool bf16) {
-    if (bf16) {
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + offset));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-    return _mm512_loadu_ps(static_cast<const float*>(base) + offset);
-}
-
 struct Shape {
     int64_t num_heads, num_kv_heads, block_size, stride_block, stride_offset, stride_head;
     float scale, softcap;

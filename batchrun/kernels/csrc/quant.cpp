@@ -30,38 +30,35 @@ inline float widen(T v) {
     else return v;
 }
 
-template <bool BF16, typename T>
+// Element i of a row as float32; with SKIP, 0 where skip[i] != 0 (like the torch path's
+// masked_fill(skip, 0)), selected branch-free so the loops below still vectorize.
+template <bool BF16, bool SKIP, typename T>
+inline float element(const T* __restrict xr, const uint8_t* __restrict skip, int64_t i) {
+    const float v = widen<BF16>(xr[i]);
+    if constexpr (SKIP) return skip[i] ? 0.f : v;
+    else return v;
+}
+
+template <bool BF16, bool SKIP, typename T>
 void quantize_rows(const T* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* skip, int8_t* q, float* scales,
                    int num_threads) {
     const float min_scale = 1e-10f;  // kernels/quant.py: _MIN_SCALE
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k > 65536)
     for (int64_t r = 0; r < m; ++r) {
-        const T* xr = x + r * x_stride;
+        const T* __restrict xr = x + r * x_stride;
         float amax = 0.f;
-        if (skip) {
 #pragma omp simd reduction(max : amax)
-            for (int64_t i = 0; i < k; ++i) {
-                const float a = skip[i] ? 0.f : std::fabs(widen<BF16>(xr[i]));
-                amax = a > amax ? a : amax;
-            }
-        } else {
-#pragma omp simd reduction(max : amax)
-            for (int64_t i = 0; i < k; ++i) {
-                const float a = std::fabs(widen<BF16>(xr[i]));
-                amax = a > amax ? a : amax;
-            }
+        for (int64_t i = 0; i < k; ++i) {
+            const float a = std::fabs(element<BF16, SKIP>(xr, skip, i));
+            amax = a > amax ? a : amax;
         }
         float scale = amax / 127.0f;
         scale = scale < min_scale ? min_scale : scale;
         scales[r] = scale;
-        int8_t* qr = q + r * k;
+        int8_t* __restrict qr = q + r * k;
 #pragma omp simd
         for (int64_t i = 0; i < k; ++i)
-            qr[i] = static_cast<int8_t>(static_cast<int32_t>(
-                round_half_even(widen<BF16>(xr[i]) / scale)));
-        if (skip)
-            for (int64_t i = 0; i < k; ++i)
-                if (skip[i]) qr[i] = 0;
+            qr[i] = static_cast<int8_t>(static_cast<int32_t>(round_half_even(element<BF16, SKIP>(xr, skip, i) / scale)));
     }
 }
 
@@ -76,12 +73,14 @@ extern "C" {
 int batchrun_quantize_per_token_int8(const void* x, int x_bf16, int64_t m, int64_t k, int64_t x_stride,
                                      const void* skip, void* q, void* scales, int num_threads) {
     const uint8_t* sk = static_cast<const uint8_t*>(skip);
-    if (x_bf16)
-        quantize_rows<true>(static_cast<const uint16_t*>(x), m, k, x_stride, sk, static_cast<int8_t*>(q),
-                            static_cast<float*>(scales), num_threads);
-    else
-        quantize_rows<false>(static_cast<const float*>(x), m, k, x_stride, sk, static_cast<int8_t*>(q),
-                             static_cast<float*>(scales), num_threads);
+    int8_t* qi = static_cast<int8_t*>(q);
+    float* sc = static_cast<float*>(scales);
+    const uint16_t* xb = static_cast<const uint16_t*>(x);
+    const float* xf = static_cast<const float*>(x);
+    if (x_bf16 && sk) quantize_rows<true, true>(xb, m, k, x_stride, sk, qi, sc, num_threads);
+    else if (x_bf16) quantize_rows<true, false>(xb, m, k, x_stride, sk, qi, sc, num_threads);
+    else if (sk) quantize_rows<false, true>(xf, m, k, x_stride, sk, qi, sc, num_threads);
+    else quantize_rows<false, false>(xf, m, k, x_stride, sk, qi, sc, num_threads);
     return 0;
 }
 

@@ -77,11 +77,12 @@ def _hf_block(model_type: str, **kw):
 ])
 def test_sparse_moe_block_matches_hf(model_type, kw):
     """Routing (exact top-k ids and weights) and the block output, against HF's own modules."""
-    from batchrun.model.decoder import DecoderSpec, _act
+    from batchrun.kernels.elementwise import activation
+    from batchrun.model.decoder import DecoderSpec
 
     config, hf = _hf_block(model_type, **kw)
     spec = DecoderSpec.from_hf(config)
-    ours = SparseMoeBlock(spec, _act(spec.activation))
+    ours = SparseMoeBlock(spec, activation(spec.activation))
     sd = {f"layers.0.mlp.{k}": v for k, v in hf.state_dict().items()}  # in-memory (fused 3D) names
     loaded = fused_moe_weights(sd, "layers.0.", spec.num_experts, spec.shared_expert_intermediate_size > 0)
     assert not sd, f"left unloaded: {sorted(sd)}"

@@ -5,7 +5,9 @@
 - csrc/prefill_attention.cpp: causal prefill attention over the paged KV cache, flash-style, on
   AVX-512 (bf16 on AVX512-BF16 dot products) (kernels/cpu_attention.py);
 - csrc/quant.cpp: the per-token int8 quantization and the int32 -> float epilogue around W8A8's
-  int8 GEMM (kernels/quant.py: w8a8_matmul).
+  int8 GEMM (kernels/quant.py: w8a8_matmul);
+- csrc/elementwise.cpp: RMSNorm (with the residual add before it), rotary embedding and
+  silu(gate) * up in bf16, one pass each (kernels/elementwise.py).
 
 They are compiled together with the system C++ compiler (`$CXX`, `c++`, `g++` or `clang++`;
 -O3 -march=native -fopenmp) into one library in a per-user cache ($BATCHRUN_KERNEL_CACHE, else
@@ -45,6 +47,9 @@ _SIGNATURES = {
     "batchrun_paged_prefill_attention": "ptr i32 i64 i64 i64 ptr ptr i64 i64 i64 i64 i64 ptr i64 ptr ptr ptr f32 f32 i64 ptr i32",
     "batchrun_quantize_per_token_int8": "ptr i32 i64 i64 i64 ptr ptr ptr i32",
     "batchrun_w8a8_epilogue": "ptr i64 i64 ptr ptr ptr ptr i32 i32",
+    "batchrun_rms_norm_bf16": "ptr i64 i64 i64 ptr ptr f32 i32 ptr i32",
+    "batchrun_rotary_bf16": "ptr i64 i64 i64 i64 ptr ptr i32",
+    "batchrun_silu_mul_bf16": "ptr i64 i64 i64 ptr i32",
 }
 
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
 from batchrun.model.moe import (SparseMoeBlock, expert_token_counts, fused_moe_weights, moe_config_fields,
                                 reset_expert_token_counts)
@@ -102,16 +102,6 @@ class DecoderSpec:
         )
 
 
-def _act(name: str):
-    if name in ("silu", "swish"):
-        return F.silu
-    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
-        return lambda x: F.gelu(x, approximate="tanh")
-    if name == "gelu":
-        return F.gelu
-    raise ValueError(f"activation {name!r} is not supported")
-
-
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32, as HF does; Gemma scales by (1 + w) instead of w."""
 
@@ -122,12 +112,12 @@ class RMSNorm(nn.Module):
         self.is_gemma = is_gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel for the normalization (the unfused pow/mean/rsqrt/mul chain costs ~5
-        # passes over the activations); the weight multiply keeps HF's rounding order.
-        normed = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
-        if self.is_gemma:
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+        return ew.rms_norm(x, self.weight, self.eps, self.is_gemma)
+
+    def add_forward(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + h), residual + h), one pass; `residual` may be updated in place."""
+        assert not self.is_gemma, "Gemma adds its sublayer outputs after their own norms"
+        return ew.add_rms_norm(h, residual, self.weight, self.eps)
 
 
 class RotaryTables:
@@ -162,11 +152,6 @@ class RotaryTables:
         return out
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
         super().__init__()
@@ -191,9 +176,7 @@ class Attention(nn.Module):
         if s.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin[self.rope_key]
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        q, k = ew.apply_rotary(q, cos, sin), ew.apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache
         write_kv_cache(k_cache, v_cache, k, v, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, s.attn_scale, self.window, s.attn_logit_softcap, k, v)
@@ -205,11 +188,11 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
-        self.act = _act(spec.activation)
+        self.activation = spec.activation
+        ew.activation(spec.activation)  # an unsupported name fails at construction
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(ew.act_mul(self.gate_up_proj(x), self.activation))
 
 
 class DecoderLayer(nn.Module):
@@ -218,7 +201,7 @@ class DecoderLayer(nn.Module):
         self.spec = spec
         self.self_attn = Attention(spec, layer_idx)
         is_moe = bool(spec.moe_layers) and spec.moe_layers[layer_idx]
-        self.mlp = SparseMoeBlock(spec, _act(spec.activation)) if is_moe else MLP(spec)
+        self.mlp = SparseMoeBlock(spec, ew.activation(spec.activation)) if is_moe else MLP(spec)
         g = spec.gemma_norms
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g)
@@ -226,13 +209,21 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g)
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g)
 
-    def forward(self, x, cos_sin, kv_cache, meta) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta)
+    def forward(self, x, residual, cos_sin, kv_cache, meta) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(x, residual) -> (x', residual'): the hidden state is x + residual, or x where residual is
+        None. The add of each sublayer's output is left to the next norm, which fuses it."""
         if self.spec.gemma_norms:
-            x = x + self.post_attention_layernorm(h)
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+            if residual is not None:
+                x = x + residual
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), None
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos_sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderLM(nn.Module):
@@ -263,9 +254,10 @@ class DecoderLM(nn.Module):
             x = x * torch.tensor(self.spec.hidden_size ** 0.5, dtype=x.dtype)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
+        residual: Optional[torch.Tensor] = None
         for layer, kv in zip(layers, kv_caches):
-            x = layer(x, cos_sin, kv, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos_sin, kv, meta)
+        return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

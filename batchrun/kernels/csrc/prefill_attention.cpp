@@ -27,43 +27,15 @@
 #include <vector>
 
 #include "bf16.h"
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 namespace {
 
 constexpr int64_t QCHUNK = 32;  // query positions per work item
 
 #if defined(__AVX512F__)
-
-// e^x for float32 lanes, about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, a degree-7 Taylor
-// polynomial in r, then scaled by 2^n. Lanes below -87.3 give 0 (as exp underflows to).
-inline __m512 exp512(__m512 x) {
-    const __m512 lo = _mm512_set1_ps(-87.3f);
-    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, lo), _mm512_set1_ps(88.7f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln2 in two parts (Cody-Waite)
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.f / 5040.f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-    return _mm512_maskz_scalef_ps(static_cast<__mmask16>(~under), p, n);
-}
-
-// softcap * tanh(s / softcap), with tanh(y) = 1 - 2 / (e^{2y} + 1).
-inline __m512 softcap512(__m512 s, float softcap) {
-    const __m512 e = exp512(_mm512_mul_ps(s, _mm512_set1_ps(2.f / softcap)));
-    const __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.f), _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
-    return _mm512_mul_ps(t, _mm512_set1_ps(softcap));
-}
+using batchrun::exp512;
+using batchrun::softcap512;
 
 struct Shape {
     int64_t num_heads, num_kv_heads, block_size, stride_block, stride_offset, stride_head;

@@ -1,0 +1,163 @@
+// The elementwise work between the bf16 GEMMs of a decoder layer, one pass each
+// (batchrun/kernels/fused.py; batchrun/model/decoder.py calls it):
+//
+// - RMSNorm, optionally after adding the sublayer output into the residual stream;
+// - rotary position embedding, in place on the q or k heads (which may be a strided view of the
+//   fused qkv projection's output);
+// - silu(gate) * up over the fused gate/up projection's output.
+//
+// In torch these are 2 to 5 separate passes each (a cast, the op, a cast back, a multiply...), and
+// on a 2-core CPU they took about a sixth of a summarize run's operator time. Every function keeps
+// the torch code's bf16 roundings where torch has them (each op's result is rounded to bf16 before
+// the next op reads it), so rotary and the residual add are bitwise equal to torch and RMSNorm and
+// silu differ only where a float32 sum order or exp's last bit tips a bf16 rounding (tested).
+// bf16 only: the float32 path stays on torch ops, bitwise the arithmetic of the HF oracle.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "bf16.h"
+#include "vec_math.h"
+
+namespace {
+
+using batchrun::bf16_to_f32;
+using batchrun::f32_to_bf16;
+
+// Rounds like torch's bf16 ops: a float32 result rounded to bf16, read back as float32.
+inline float round_bf16(float v) { return bf16_to_f32(f32_to_bf16(v)); }
+
+// One row of RMSNorm in float32 as torch.nn.functional.rms_norm computes it on x.float(), then
+// HF's weight multiply: bf16(w * bf16(x * rrms)); Gemma: bf16((x * rrms) * (1 + w)) in float32.
+void rms_norm_row(const uint16_t* __restrict x, const uint16_t* __restrict w, int64_t k, float eps, bool gemma,
+                  uint16_t* __restrict out) {
+    float sum_sq = 0.f;
+#pragma omp simd reduction(+ : sum_sq)
+    for (int64_t i = 0; i < k; ++i) {
+        const float v = bf16_to_f32(x[i]);
+        sum_sq += v * v;
+    }
+    const float rrms = 1.f / std::sqrt(sum_sq / static_cast<float>(k) + eps);
+    if (gemma) {
+#pragma omp simd
+        for (int64_t i = 0; i < k; ++i) out[i] = f32_to_bf16((bf16_to_f32(x[i]) * rrms) * (1.f + bf16_to_f32(w[i])));
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < k; ++i) out[i] = f32_to_bf16(bf16_to_f32(w[i]) * round_bf16(bf16_to_f32(x[i]) * rrms));
+    }
+}
+
+#if defined(__AVX512F__)
+inline __m512 load_bf16(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// v rounded to bf16 (nearest even; NaN -> 0x7fc0, as bf16.h), kept in float32 lanes.
+inline __m512 round_bf16_512(__m512 v) {
+    const __m512i x = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), lsb),
+                                 _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(r);
+}
+
+inline void store_bf16(uint16_t* p, __m512 v) {
+    const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_512(v)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+// silu(g) = g / (1 + e^-g) as torch computes it for bf16 (in float32, rounded to bf16); e^-g
+// overflows to inf below g = -88.72, where torch's quotient is -0 (and NaN at g = -inf).
+inline __m512 silu512(__m512 g) {
+    const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), g);
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), batchrun::exp512(neg)));
+    const __mmask16 over = _mm512_cmp_ps_mask(neg, _mm512_set1_ps(88.72f), _CMP_GT_OQ) &
+                           _mm512_cmp_ps_mask(neg, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+    const __mmask16 inf = _mm512_cmp_ps_mask(neg, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
+    return _mm512_mask_mov_ps(_mm512_mask_mov_ps(s, over, _mm512_set1_ps(-0.f)), inf, _mm512_set1_ps(NAN));
+}
+#endif
+
+void silu_mul_row(const uint16_t* __restrict gate, const uint16_t* __restrict up, int64_t n, uint16_t* __restrict out) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        const __m512 s = round_bf16_512(silu512(load_bf16(gate + i)));
+        store_bf16(out + i, _mm512_mul_ps(s, load_bf16(up + i)));
+    }
+#endif
+    for (; i < n; ++i) {
+        const float g = bf16_to_f32(gate[i]);
+        out[i] = f32_to_bf16(round_bf16(g / (1.f + std::exp(-g))) * bf16_to_f32(up[i]));
+    }
+}
+
+// One head of rotary embedding in place: x * cos + rotate_half(x) * sin with rotate_half(x) =
+// cat(-x2, x1), each product and the sum rounded to bf16 as torch's three ops round them.
+void rotary_head(uint16_t* __restrict x, const uint16_t* __restrict cos, const uint16_t* __restrict sin, int64_t d) {
+    const int64_t half = d / 2;
+    float v[512];
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) v[i] = bf16_to_f32(x[i]);
+#pragma omp simd
+    for (int64_t i = 0; i < half; ++i)
+        x[i] = f32_to_bf16(round_bf16(v[i] * bf16_to_f32(cos[i])) + round_bf16(-v[i + half] * bf16_to_f32(sin[i])));
+#pragma omp simd
+    for (int64_t i = half; i < d; ++i)
+        x[i] = f32_to_bf16(round_bf16(v[i] * bf16_to_f32(cos[i])) + round_bf16(v[i - half] * bf16_to_f32(sin[i])));
+}
+
+}  // namespace
+
+extern "C" {
+
+// x: (m, k) bf16, rows x_stride apart; residual: (m, k) bf16 contiguous or null: when given,
+// residual = bf16(residual + x) first (in place) and the norm is taken of the new residual; w: (k,)
+// bf16; out: (m, k) bf16 contiguous.
+int batchrun_rms_norm_bf16(const void* x, int64_t m, int64_t k, int64_t x_stride, void* residual, const void* w,
+                           float eps, int gemma, void* out, int num_threads) {
+    const uint16_t* xb = static_cast<const uint16_t*>(x);
+    uint16_t* rb = static_cast<uint16_t*>(residual);
+    const uint16_t* wb = static_cast<const uint16_t*>(w);
+    uint16_t* ob = static_cast<uint16_t*>(out);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k > 32768)
+    for (int64_t r = 0; r < m; ++r) {
+        const uint16_t* src = xb + r * x_stride;
+        if (rb) {
+            uint16_t* __restrict res = rb + r * k;
+#pragma omp simd
+            for (int64_t i = 0; i < k; ++i) res[i] = f32_to_bf16(bf16_to_f32(res[i]) + bf16_to_f32(src[i]));
+            src = res;
+        }
+        rms_norm_row(src, wb, k, eps, gemma != 0, ob + r * k);
+    }
+    return 0;
+}
+
+// x: (m, num_heads, head_dim) bf16 with strides (row_stride, head_dim, 1), rotated in place;
+// cos, sin: (m, head_dim) bf16 contiguous. head_dim even and at most 512, else -2.
+int batchrun_rotary_bf16(void* x, int64_t m, int64_t num_heads, int64_t head_dim, int64_t row_stride, const void* cos,
+                         const void* sin, int num_threads) {
+    if (head_dim % 2 != 0 || head_dim > 512) return -2;
+    uint16_t* xb = static_cast<uint16_t*>(x);
+    const uint16_t* cb = static_cast<const uint16_t*>(cos);
+    const uint16_t* sb = static_cast<const uint16_t*>(sin);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m * num_heads * head_dim > 32768)
+    for (int64_t r = 0; r < m; ++r)
+        for (int64_t h = 0; h < num_heads; ++h)
+            rotary_head(xb + r * row_stride + h * head_dim, cb + r * head_dim, sb + r * head_dim, head_dim);
+    return 0;
+}
+
+// gate_up: (m, 2n) bf16, rows gu_stride apart, gate in the first n columns; out: (m, n) bf16
+// contiguous = bf16(bf16(silu(gate)) * up).
+int batchrun_silu_mul_bf16(const void* gate_up, int64_t m, int64_t n, int64_t gu_stride, void* out, int num_threads) {
+    const uint16_t* g = static_cast<const uint16_t*>(gate_up);
+    uint16_t* o = static_cast<uint16_t*>(out);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m * n > 32768)
+    for (int64_t r = 0; r < m; ++r) silu_mul_row(g + r * gu_stride, g + r * gu_stride + n, n, o + r * n);
+    return 0;
+}
+
+}  // extern "C"

@@ -1,0 +1,146 @@
+"""The native bf16 elementwise kernels (kernels/elementwise.py, csrc/elementwise.cpp) against their
+plain-torch references.
+
+Rotary embedding and the residual add must be bitwise equal to torch (same roundings in the same
+order); RMSNorm and silu(gate) * up may differ from torch only by one bf16 rounding step in a few
+elements (a float32 sum order or exp's last bit can tip a rounding), nowhere more. Shapes cover the
+AVX-512 bodies and their scalar tails, strided views (q and k heads inside the fused qkv output),
+the special values silu meets, both thread counts, and the engine: greedy tokens of a bf16 model
+are the same with the kernels on and off, and float32 never takes the native path.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchrun.kernels import cpu_native
+from batchrun.kernels import elementwise as ew
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C++ compiler: the native kernels are not built")
+
+BF16 = torch.bfloat16
+
+
+def _assert_within_one_rounding(got: torch.Tensor, want: torch.Tensor, max_fraction: float = 0.005) -> None:
+    """Equal, except a few elements one bf16 rounding step apart (relative 2^-8 of the value)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    g, w = got.float(), want.float()
+    differ = g != w
+    assert differ.float().mean().item() <= max_fraction, f"{differ.sum().item()} of {got.numel()} differ"
+    step = w.abs() * 2.0 ** -7 + 1e-30  # one bf16 ulp is 2^-7 of the value at most
+    assert bool(((g - w).abs() <= step)[differ].all()), "a difference larger than one bf16 rounding"
+
+
+@pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows,k", [(1, 576), (7, 64), (33, 100), (300, 576), (5, 17)])
+@pytest.mark.parametrize("is_gemma", [False, True])
+def test_rms_norm_matches_torch(rows, k, is_gemma, threads):
+    torch.manual_seed(rows * k)
+    x = (torch.randn(rows, k) * 4).to(BF16)
+    w = (torch.randn(k) * 0.3 + (0.0 if is_gemma else 1.0)).to(BF16)
+    _assert_within_one_rounding(ew.rms_norm(x, w, 1e-6, is_gemma), ew.rms_norm_reference(x, w, 1e-6, is_gemma))
+
+
+def test_rms_norm_of_strided_head_views_matches_torch():
+    # Qwen3 / Gemma 3 q_norm: (tokens, heads, head_dim) views into the fused qkv output.
+    torch.manual_seed(0)
+    qkv = torch.randn(9, 4 * 32 + 2 * 2 * 32).to(BF16)
+    q = qkv[:, :128].view(9, 4, 32)
+    w = (torch.rand(32) + 0.5).to(BF16)
+    got = ew.rms_norm(q, w, 1e-6)
+    assert got.shape == q.shape
+    _assert_within_one_rounding(got, ew.rms_norm_reference(q, w, 1e-6))
+
+
+@pytest.mark.parametrize("rows,k", [(3, 576), (130, 576), (4, 48)])
+def test_add_rms_norm_updates_the_residual_in_place_bitwise(rows, k, threads):
+    torch.manual_seed(k)
+    h = torch.randn(rows, k).to(BF16)
+    residual = (torch.randn(rows, k) * 8).to(BF16)
+    w = (torch.rand(k) + 0.5).to(BF16)
+    want_normed, want_residual = ew.add_rms_norm_reference(h, residual, w, 1e-5)
+    mine = residual.clone()
+    normed, new_residual = ew.add_rms_norm(h, mine, w, 1e-5)
+    assert new_residual.data_ptr() == mine.data_ptr()  # in place: the native path ran
+    assert torch.equal(new_residual, want_residual)
+    _assert_within_one_rounding(normed, want_normed)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128, 80, 6])
+def test_rotary_is_bitwise_torch_on_qkv_views(head_dim, threads):
+    torch.manual_seed(head_dim)
+    tokens, heads, kv_heads = 37, 6, 2
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim) * 3).to(BF16)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    angles = torch.rand(tokens, head_dim // 2) * 50
+    cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(BF16)
+    sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(BF16)
+    want_q, want_k = ew.apply_rotary_reference(q, cos, sin), ew.apply_rotary_reference(k, cos, sin)
+    got_q, got_k = ew.apply_rotary(q, cos, sin), ew.apply_rotary(k, cos, sin)
+    assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # rotated in place
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("rows,n", [(1, 1536), (64, 1536), (5, 40), (3, 7)])
+def test_silu_mul_matches_torch(rows, n, threads):
+    torch.manual_seed(n)
+    gate_up = (torch.randn(rows, 2 * n) * 5).to(BF16)
+    _assert_within_one_rounding(ew.act_mul(gate_up, "silu"), ew.act_mul_reference(gate_up, "silu"))
+
+
+def test_silu_mul_special_values_match_torch():
+    gate = torch.tensor([-1e4, -100.0, -89.0, -88.7, -88.0, -20.0, -1e-30, -0.0, 0.0, 1e-30, 3.0, 88.0, 1e4,
+                         float("inf"), float("-inf"), float("nan")]).to(BF16)
+    up = torch.tensor([1.0, -2.0, 3.0, 0.5] * 4).to(BF16)
+    gate_up = torch.cat([gate, up])[None].repeat(3, 1)
+    got, want = ew.act_mul(gate_up, "silu"), ew.act_mul_reference(gate_up, "silu")
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+
+
+def test_float32_and_the_switch_take_the_torch_path(monkeypatch):
+    calls = []
+    real = ew._rms_norm_native
+    monkeypatch.setattr(ew, "_rms_norm_native", lambda *a, **k: calls.append(1) or real(*a, **k))
+    x, w = torch.randn(4, 64), torch.rand(64)
+    assert torch.equal(ew.rms_norm(x, w, 1e-6), ew.rms_norm_reference(x, w, 1e-6))
+    assert not calls  # float32 is the HF-identical path: torch ops only
+    ew.rms_norm(x.to(BF16), w.to(BF16), 1e-6)
+    assert calls
+    calls.clear()
+    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    ew.rms_norm(x.to(BF16), w.to(BF16), 1e-6)
+    qkv = torch.randn(4, 3, 64).to(BF16)
+    assert ew.apply_rotary(qkv, torch.ones(4, 64, dtype=BF16), torch.zeros(4, 64, dtype=BF16)).data_ptr() != qkv.data_ptr()
+    assert not calls
+
+
+def test_engine_greedy_output_is_the_same_with_the_kernels_on_and_off(tiny_llama_dir, monkeypatch):
+    from batchrun.engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="bfloat16", device="cpu", kv_cache_memory=16 << 20,
+                                 max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
+    prompts = [[5 + (7 * i + j) % 200 for j in range(20 + 13 * i)] for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    calls = []
+    for name in ("_rms_norm_native", "act_mul", "apply_rotary"):
+        real = getattr(ew, name)
+        monkeypatch.setattr(ew, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    on = [o.token_ids for o in engine.generate(prompts, params)]
+    assert {"_rms_norm_native", "act_mul", "apply_rotary"} <= set(calls)
+    engine.reset_prefix_cache()
+    # Only these kernels off (BATCHRUN_CPU_KERNELS=0 would switch the attention kernels off too).
+    monkeypatch.setattr(ew, "_native", lambda *tensors: False)
+    calls.clear()
+    assert [o.token_ids for o in engine.generate(prompts, params)] == on
+    assert "_rms_norm_native" not in calls

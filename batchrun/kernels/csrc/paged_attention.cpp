@@ -18,9 +18,7 @@
 #include <vector>
 
 #include "bf16.h"
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "vec_math.h"
 
 namespace {
 
@@ -28,14 +26,32 @@ using batchrun::bf16_to_f32;
 using batchrun::f32_to_bf16;
 
 // Soft-caps (if softcap > 0) and exponentiates n scores in place, minus their max; returns their
-// sum (the softmax denominator).
+// sum (the softmax denominator). Vectorized on AVX-512: with ~400 keys and 9 heads per sequence a
+// scalar std::exp per score was most of a decode step's attention time.
 inline float softmax_in_place(float* s, int64_t n, float softcap) {
+    int64_t i = 0;
+#if defined(__AVX512F__)
     if (softcap > 0.f)
-        for (int64_t i = 0; i < n; ++i) s[i] = std::tanh(s[i] / softcap) * softcap;
+        for (; i + 16 <= n; i += 16) _mm512_storeu_ps(s + i, batchrun::softcap512(_mm512_loadu_ps(s + i), softcap));
+#endif
+    if (softcap > 0.f)
+        for (; i < n; ++i) s[i] = std::tanh(s[i] / softcap) * softcap;
     float m = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+#pragma omp simd reduction(max : m)
+    for (int64_t j = 0; j < n; ++j) m = s[j] > m ? s[j] : m;
     float sum = 0.f;
-    for (int64_t i = 0; i < n; ++i) {
+    i = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 mv = _mm512_set1_ps(m);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 e = batchrun::exp512(_mm512_sub_ps(_mm512_loadu_ps(s + i), mv));
+        _mm512_storeu_ps(s + i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; i < n; ++i) {
         s[i] = std::exp(s[i] - m);
         sum += s[i];
     }

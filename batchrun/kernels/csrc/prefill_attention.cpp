@@ -130,15 +130,19 @@ void prefill_item(const void* q, int64_t q_row0, int64_t pos0, int64_t nq, int64
         for (int64_t r = std::max<int64_t>(0, k0 - pos0) * G; r < R; ++r) {
             const int64_t pos = pos0 + r / G;
             if (s.window > 0 && k0 + 15 <= pos - s.window) continue;
-            __m512 sc = _mm512_setzero_ps();
+            // Four independent accumulators: one chain of D / 2 dependent dot products per row
+            // waited on the instruction's latency (the kernel ran at ~100 GFLOP/s that way).
+            __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
             if constexpr (BF16) {
                 const uint32_t* qp = reinterpret_cast<const uint32_t*>(qs) + r * (D / 2);
                 for (int p = 0; p < D / 2; ++p)
-                    sc = _mm512_dpbf16_ps(sc, (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[p])), (__m512bh)tile->k[p]);
+                    part[p % 4] = _mm512_dpbf16_ps(part[p % 4], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[p])),
+                                                   (__m512bh)tile->k[p]);
             } else {
                 const float* qr = qs + r * D;
-                for (int d = 0; d < D; ++d) sc = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), tile->kf[d], sc);
+                for (int d = 0; d < D; ++d) part[d % 4] = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), tile->kf[d], part[d % 4]);
             }
+            __m512 sc = _mm512_add_ps(_mm512_add_ps(part[0], part[1]), _mm512_add_ps(part[2], part[3]));
             sc = _mm512_mul_ps(sc, scale);
             if (s.softcap > 0.f) sc = softcap512(sc, s.softcap);
             __mmask16 ok = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos)), _MM_CMPINT_LE);

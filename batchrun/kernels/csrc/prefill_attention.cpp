@@ -87,6 +87,84 @@ struct Tile {
     }
 };
 
+// Rows r0 .. r0 + NR - 1 of a work item against one K/V tile: scores, online-softmax update, and
+// the probability-weighted V added to the rows' float32 accumulators. A row whose keys the tile
+// does not reach (causal, or outside the window) gets all-zero probabilities and keeps its state.
+template <int DC, bool BF16, int NR>
+inline void rows_x_tile(const Tile<DC, BF16>& tile, int64_t r0, int64_t pos0, int64_t G, int64_t k0, __m512i key,
+                        int valid, const Shape& s, const float* qs, float* acc, float* mx, float* sum) {
+    constexpr int D = 16 * DC;
+    __m512 sc[NR];
+    __mmask16 ok[NR];
+    for (int i = 0; i < NR; ++i) {
+        sc[i] = _mm512_setzero_ps();
+        const int64_t pos = pos0 + (r0 + i) / G;
+        ok[i] = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos)), _MM_CMPINT_LE);
+        if (s.window > 0)
+            ok[i] &= _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos - s.window)), _MM_CMPINT_GT);
+    }
+    if constexpr (BF16) {
+        const uint32_t* qp = reinterpret_cast<const uint32_t*>(qs) + r0 * (D / 2);
+        for (int p = 0; p < D / 2; ++p) {
+            const __m512bh kp = (__m512bh)tile.k[p];
+            for (int i = 0; i < NR; ++i)
+                sc[i] = _mm512_dpbf16_ps(sc[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[i * (D / 2) + p])), kp);
+        }
+    } else {
+        const float* qr = qs + r0 * D;
+        for (int d = 0; d < D; ++d) {
+            const __m512 kd = tile.kf[d];
+            for (int i = 0; i < NR; ++i) sc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qr[i * D + d]), kd, sc[i]);
+        }
+    }
+    __m512 av[NR][DC];
+    alignas(64) uint32_t pairs[NR][8];  // bf16: the rows' probabilities as (key, key + 1) pairs
+    alignas(64) float pf[NR][16];  // float32: the rows' probabilities
+    for (int i = 0; i < NR; ++i) {
+        const int64_t r = r0 + i;
+        __m512 si = _mm512_mul_ps(sc[i], _mm512_set1_ps(s.scale));
+        if (s.softcap > 0.f) si = softcap512(si, s.softcap);
+        const float tile_max = ok[i] ? _mm512_mask_reduce_max_ps(ok[i], si) : -INFINITY;
+        const float m_new = std::max(mx[r], tile_max);
+        const __m512 p = ok[i] ? _mm512_maskz_mov_ps(ok[i], exp512(_mm512_sub_ps(si, _mm512_set1_ps(m_new))))
+                               : _mm512_setzero_ps();
+        float* a = acc + r * D;
+        for (int c = 0; c < DC; ++c) av[i][c] = _mm512_loadu_ps(a + 16 * c);
+        if (m_new > mx[r]) {
+            const float alpha = mx[r] == -INFINITY ? 0.f : std::exp(mx[r] - m_new);
+            sum[r] *= alpha;
+            for (int c = 0; c < DC; ++c) av[i][c] = _mm512_mul_ps(av[i][c], _mm512_set1_ps(alpha));
+            mx[r] = m_new;
+        }
+        if constexpr (BF16) {
+            // The row's sum takes the bf16-rounded probabilities that the product uses, so the
+            // normalisation matches the numerator.
+            const __m256i pb = (__m256i)_mm512_cvtneps_pbh(p);
+            sum[r] += _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[i]), pb);
+        } else {
+            sum[r] += _mm512_reduce_add_ps(p);
+            _mm512_store_ps(pf[i], p);
+        }
+    }
+    if constexpr (BF16) {
+        for (int jp = 0; 2 * jp < valid; ++jp)
+            for (int c = 0; c < DC; ++c) {
+                const __m512bh vv = (__m512bh)tile.v[jp][c];
+                for (int i = 0; i < NR; ++i)
+                    av[i][c] = _mm512_dpbf16_ps(av[i][c], (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[i][jp])), vv);
+            }
+    } else {
+        for (int j = 0; j < valid; ++j)
+            for (int c = 0; c < DC; ++c) {
+                const __m512 vv = tile.vf[j][c];
+                for (int i = 0; i < NR; ++i) av[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(pf[i][j]), vv, av[i][c]);
+            }
+    }
+    for (int i = 0; i < NR; ++i)
+        for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + (r0 + i) * D + 16 * c, av[i][c]);
+}
+
 // Attention of query positions [pos0, pos0 + nq) of one sequence, the G query heads of KV head h,
 // over keys [0, pos] of each (within the window), read through `table`.
 template <int DC, bool BF16>
@@ -118,7 +196,6 @@ void prefill_item(const void* q, int64_t q_row0, int64_t pos0, int64_t nq, int64
     const int64_t first_key = s.window > 0 ? std::max<int64_t>(0, pos0 - s.window + 1) : 0;
     const int64_t head_offset = h * s.stride_head;
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512 scale = _mm512_set1_ps(s.scale);
 
     for (int64_t k0 = first_key & ~int64_t(15); k0 <= last; k0 += 16) {
         const int64_t blk = k0 / s.block_size;
@@ -126,64 +203,11 @@ void prefill_item(const void* q, int64_t q_row0, int64_t pos0, int64_t nq, int64
         tile->load(k_cache, v_cache, table[blk] * s.stride_block + head_offset + (k0 - blk * s.block_size) * s.stride_offset,
                    s.stride_offset, valid);
         const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0)));
-        // Rows are in position order: those before the tile's first key see none of it.
-        for (int64_t r = std::max<int64_t>(0, k0 - pos0) * G; r < R; ++r) {
-            const int64_t pos = pos0 + r / G;
-            if (s.window > 0 && k0 + 15 <= pos - s.window) continue;
-            // Four independent accumulators: one chain of D / 2 dependent dot products per row
-            // waited on the instruction's latency (the kernel ran at ~100 GFLOP/s that way).
-            __m512 part[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-            if constexpr (BF16) {
-                const uint32_t* qp = reinterpret_cast<const uint32_t*>(qs) + r * (D / 2);
-                for (int p = 0; p < D / 2; ++p)
-                    part[p % 4] = _mm512_dpbf16_ps(part[p % 4], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[p])),
-                                                   (__m512bh)tile->k[p]);
-            } else {
-                const float* qr = qs + r * D;
-                for (int d = 0; d < D; ++d) part[d % 4] = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), tile->kf[d], part[d % 4]);
-            }
-            __m512 sc = _mm512_add_ps(_mm512_add_ps(part[0], part[1]), _mm512_add_ps(part[2], part[3]));
-            sc = _mm512_mul_ps(sc, scale);
-            if (s.softcap > 0.f) sc = softcap512(sc, s.softcap);
-            __mmask16 ok = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos)), _MM_CMPINT_LE);
-            if (s.window > 0)
-                ok &= _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos - s.window)), _MM_CMPINT_GT);
-            if (!ok) continue;
-            const float tile_max = _mm512_mask_reduce_max_ps(ok, sc);
-            const float m_new = std::max(mx[r], tile_max);
-            const __m512 p = _mm512_maskz_mov_ps(ok, exp512(_mm512_sub_ps(sc, _mm512_set1_ps(m_new))));
-            float* a = acc + r * D;
-            __m512 av[DC];
-            for (int c = 0; c < DC; ++c) av[c] = _mm512_loadu_ps(a + 16 * c);
-            if (m_new > mx[r]) {
-                const float alpha = mx[r] == -INFINITY ? 0.f : std::exp(mx[r] - m_new);
-                sum[r] *= alpha;
-                for (int c = 0; c < DC; ++c) av[c] = _mm512_mul_ps(av[c], _mm512_set1_ps(alpha));
-                mx[r] = m_new;
-            }
-            if constexpr (BF16) {
-                // The row's sum takes the bf16-rounded probabilities that the product uses, so the
-                // normalisation matches the numerator.
-                const __m256i pb = (__m256i)_mm512_cvtneps_pbh(p);
-                sum[r] += _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
-                alignas(32) uint32_t pairs[8];
-                _mm256_store_si256(reinterpret_cast<__m256i*>(pairs), pb);
-                for (int jp = 0; jp < 8; ++jp) {
-                    if (2 * jp >= valid) break;
-                    const __m512bh bp = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[jp]));
-                    for (int c = 0; c < DC; ++c) av[c] = _mm512_dpbf16_ps(av[c], bp, (__m512bh)tile->v[jp][c]);
-                }
-            } else {
-                sum[r] += _mm512_reduce_add_ps(p);
-                alignas(64) float pf[16];
-                _mm512_store_ps(pf, p);
-                for (int j = 0; j < valid; ++j) {
-                    const __m512 bp = _mm512_set1_ps(pf[j]);
-                    for (int c = 0; c < DC; ++c) av[c] = _mm512_fmadd_ps(bp, tile->vf[j][c], av[c]);
-                }
-            }
-            for (int c = 0; c < DC; ++c) _mm512_storeu_ps(a + 16 * c, av[c]);
-        }
+        // Rows are in position order: those before the tile's first key see none of it. Four rows
+        // at a time share each K and V register load (one row at a time was load-bound).
+        int64_t r = std::max<int64_t>(0, k0 - pos0) * G;
+        for (; r + 4 <= R; r += 4) rows_x_tile<DC, BF16, 4>(*tile, r, pos0, G, k0, key, valid, s, qs, acc, mx, sum);
+        for (; r < R; ++r) rows_x_tile<DC, BF16, 1>(*tile, r, pos0, G, k0, key, valid, s, qs, acc, mx, sum);
     }
     for (int64_t r = 0; r < R; ++r) {
         const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;

@@ -144,3 +144,59 @@ def test_engine_greedy_output_is_the_same_with_the_kernels_on_and_off(tiny_llama
     calls.clear()
     assert [o.token_ids for o in engine.generate(prompts, params)] == on
     assert "_rms_norm_native" not in calls
+
+
+# ---------------------------------------------------------------------------------------------
+# oneDNN-packed bf16 linears (kernels/cpu_linear.py)
+
+
+@pytest.mark.skipif(not __import__("batchrun.kernels.cpu_linear", fromlist=["x"]).packing_available(),
+                    reason="this torch build has no oneDNN linear packing")
+@pytest.mark.parametrize("rows", [1, 5, 32, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_is_bitwise_f_linear(rows, bias):
+    from batchrun.kernels.cpu_linear import PackedLinear, pack_linear
+
+    torch.manual_seed(rows)
+    linear = torch.nn.Linear(96, 200, bias=bias).to(BF16)
+    packed = pack_linear(linear)
+    assert isinstance(packed, PackedLinear)
+    x = torch.randn(rows, 96).to(BF16)
+    with torch.inference_mode():
+        assert torch.equal(packed(x), linear(x))
+        assert torch.equal(packed(x.view(1, rows, 96)), linear(x).view(1, rows, 200))  # leading dims kept
+    assert pack_linear(torch.nn.Linear(96, 200)) is None  # float32 stays on F.linear
+
+
+@pytest.mark.skipif(not __import__("batchrun.kernels.cpu_linear", fromlist=["x"]).packing_available(),
+                    reason="this torch build has no oneDNN linear packing")
+def test_engine_packs_bf16_linears_and_the_tokens_stay(tiny_llama_dir):
+    from batchrun.engine import Engine, EngineConfig, SamplingParams
+    from batchrun.kernels.cpu_linear import PackedLinear
+
+    def run(dtype):
+        engine = Engine(EngineConfig(model=tiny_llama_dir, dtype=dtype, device="cpu", kv_cache_memory=16 << 20,
+                                     max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
+        prompts = [[5 + (3 * i + j) % 150 for j in range(10 + 9 * i)] for i in range(5)]
+        return engine, [o.token_ids for o in engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))]
+
+    engine, tokens = run("bfloat16")
+    num_layers = engine.model.spec.num_layers
+    assert engine.settings["packed_linears"] == 4 * num_layers + 1  # qkv, o, gate_up, down per layer, LM head
+    assert sum(isinstance(m, PackedLinear) for m in engine.model.modules()) == 4 * num_layers + 1
+    # The same engine with the packed layers swapped back for plain ones gives the same tokens.
+    for parent in list(engine.model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, PackedLinear):
+                plain = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None).to(BF16)
+                with torch.no_grad():
+                    plain.weight.copy_(child.packed_weight.to_dense())
+                    if child.bias is not None:
+                        plain.bias.copy_(child.bias)
+                setattr(parent, name, plain)
+    engine.reset_prefix_cache()
+    prompts = [[5 + (3 * i + j) % 150 for j in range(10 + 9 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == tokens
+    fp32_engine, _ = run("float32")
+    assert fp32_engine.settings["packed_linears"] == 0

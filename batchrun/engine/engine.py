@@ -88,6 +88,8 @@ class Engine:
         model.load_hf_state_dict(loaded.state_dict)
         self.quantization = quantize_for_engine(model, config, loaded.tokenizer, loaded.quantized_weights,
                                                 self.dtype, self.device)
+        # bf16 on the CPU: weights packed once for oneDNN instead of reordered on every call.
+        num_packed = model.pack_cpu_linears() if self.device.type == "cpu" and self.dtype == torch.bfloat16 else 0
         self.model = model.eval()
         del loaded
 
@@ -123,6 +125,7 @@ class Engine:
             "batch_limits_profile": limits.profile,
             # csrc/ kernels (decode and prefill attention, W8A8 quantization) built and on; False: plain torch
             "native_cpu_kernels": self.device.type == "cpu" and cpu_native.enabled() and cpu_native.available(),
+            "packed_linears": num_packed,  # bf16 CPU linears whose weights oneDNN got packed at load
         }
         self.settings.update({  # weights and KV format (issue 5): also what the benchmark table shows
             "quantization": config.quantization, "quant_group_size": config.quant_group_size,

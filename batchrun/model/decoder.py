@@ -16,6 +16,7 @@ from torch import nn
 
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+from batchrun.kernels.cpu_linear import pack_linear
 from batchrun.model.moe import (SparseMoeBlock, expert_token_counts, fused_moe_weights, moe_config_fields,
                                 reset_expert_token_counts)
 
@@ -266,6 +267,19 @@ class DecoderLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+    def pack_cpu_linears(self, batch_hint: int = 32) -> int:
+        """Swap each bf16 CPU nn.Linear (the unquantized projections and the LM head) for its
+        oneDNN-packed twin (kernels/cpu_linear.py), bitwise the same outputs; returns how many.
+        A tied LM head gets its own packed copy: the embedding keeps the plain matrix."""
+        count = 0
+        for parent in list(self.modules()):
+            for name, child in list(parent.named_children()):
+                packed = pack_linear(child, batch_hint) if isinstance(child, nn.Linear) else None
+                if packed is not None:
+                    setattr(parent, name, packed)
+                    count += 1
+        return count
 
     def expert_token_counts(self) -> Optional[list[list[int]]]:
         """Per MoE layer, tokens routed to each expert since construction; None for dense models."""

@@ -534,6 +534,9 @@ def module_weight_bytes(model: nn.Module) -> int:
     seen: set[int] = set()
     total = 0
     for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_mkldnn:  # oneDNN-packed weights (kernels/cpu_linear.py): opaque, never shared
+            total += t.numel() * t.element_size()
+            continue
         ptr = t.untyped_storage().data_ptr()
         if ptr in seen:
             continue

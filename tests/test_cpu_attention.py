@@ -227,3 +227,43 @@ def test_prefill_is_off_with_the_switch(monkeypatch):
     monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
     assert not cpu_attention.supports_prefill(q, k_cache)
     assert not cpu_attention.supports_prefill(q.bfloat16(), k_cache)  # dtype mismatch
+
+
+# ---------------------------------------------------------------------------------------------
+# cache write
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_major", [True, False])
+def test_native_cache_write_equals_index_copy(dtype, head_major, monkeypatch):
+    from batchrun.kernels.attention import write_kv_cache, write_kv_cache_reference
+
+    torch.manual_seed(1)
+    num_blocks, block, heads, dim, tokens = 9, 16, 3, 64, 37
+    shape = (num_blocks, block, heads, dim)
+    make = (lambda: new_kv_cache(*shape, dtype=dtype, device="cpu")) if head_major else (lambda: torch.zeros(shape, dtype=dtype))
+    qkv = torch.randn(tokens, (4 + 2) * heads * dim).to(dtype)  # k and v as strided views, as the decoder has them
+    k = qkv[:, 4 * heads * dim: 5 * heads * dim].view(tokens, heads, dim)
+    v = qkv[:, 5 * heads * dim:].view(tokens, heads, dim)
+    slots = torch.randperm(num_blocks * block)[:tokens]
+    want_k, want_v, got_k, got_v = make(), make(), make(), make()
+    write_kv_cache_reference(want_k, want_v, k, v, slots)
+    calls = []
+    real = cpu_attention.write_kv_cache
+    monkeypatch.setattr(cpu_attention, "write_kv_cache", lambda *a: calls.append(1) or real(*a))
+    write_kv_cache(got_k, got_v, k, v, slots)
+    assert calls and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    # negative slots are skipped (nothing else written)
+    skip_k, skip_v = make(), make()
+    assert cpu_attention.write_kv_cache(skip_k, skip_v, k, v, torch.where(torch.arange(tokens) % 2 == 0, slots, -1))
+    want_k2, want_v2 = make(), make()
+    write_kv_cache_reference(want_k2, want_v2, k[::2], v[::2], slots[::2])
+    assert torch.equal(skip_k, want_k2) and torch.equal(skip_v, want_v2)
+
+
+def test_cache_write_refuses_what_it_does_not_serve():
+    cache = new_kv_cache(4, 16, 2, 32, dtype=torch.bfloat16, device="cpu")
+    k = torch.randn(3, 2, 32)  # float32 rows for a bf16 cache: the torch path casts
+    assert not cpu_attention.write_kv_cache(cache, cache.clone(), k, k, torch.arange(3))
+    assert not cpu_attention.write_kv_cache(cache, cache.clone(), k.to(torch.bfloat16), k.to(torch.bfloat16),
+                                            torch.arange(3, dtype=torch.int32))

@@ -195,6 +195,8 @@ def write_kv_cache(
 
         write_kv_cache_triton(k_cache, v_cache, k, v, slot_mapping)
         return
+    if cpu_attention.write_kv_cache(k_cache, v_cache, k, v, slot_mapping):
+        return
     write_kv_cache_reference(k_cache, v_cache, k, v, slot_mapping)
 
 
@@ -362,6 +364,9 @@ def paged_attention_reference(
 
     if meta.decode_seq_ids.numel() > 0 and native and cpu_attention.supports(q, k_cache):
         rows, tables, _ = meta.decode_inputs(None)
+        if not meta.prefill_seq_ids:  # a pure decode step: every row is a decode, in order
+            return cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, meta.decode_seq_lens,
+                                                        scale, sliding_window, softcap)
         out[rows] = cpu_attention.paged_decode_attention(q[rows], k_cache, v_cache, tables, meta.decode_seq_lens,
                                                          scale, sliding_window, softcap)
     elif meta.decode_seq_ids.numel() > 0:

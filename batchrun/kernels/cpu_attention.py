@@ -60,6 +60,28 @@ def paged_decode_attention(
     return out
 
 
+def write_kv_cache(
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), any strides but a unit last one
+    v_cache: torch.Tensor,  # same layout as k_cache
+    k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim) in the cache's dtype, unit last and head_dim head strides
+    v: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (num_tokens,) int64; negative = skip
+) -> bool:
+    """Copy this step's K and V rows into their cache slots in one native pass; False (nothing
+    written) when the kernel does not serve these tensors and the caller must take the torch path."""
+    head_dim = k.shape[-1]
+    if not (isinstance(k_cache, torch.Tensor) and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+            and k.dtype in DTYPE_CODES and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+            and k.stride(2) == v.stride(2) == k_cache.stride(3) == 1 and k.stride(1) == v.stride(1) == head_dim
+            and v_cache.stride() == k_cache.stride() and cpu_native.usable(k, k_cache)):
+        return False
+    cpu_native.library().batchrun_write_kv_cache(
+        k.data_ptr(), v.data_ptr(), k.element_size(), k.shape[0], k.shape[1], head_dim, k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), slot_mapping.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_cache.shape[1],
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), torch.get_num_threads())
+    return True
+
+
 def supports_prefill(q: torch.Tensor, k_cache) -> bool:
     """Whether the native prefill kernel serves this query and cache: `supports`, and a head_dim,
     block size and dtype that this build's AVX-512 instances cover (16, 32, 64, 128 or 256; blocks of

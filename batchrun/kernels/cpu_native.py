@@ -7,7 +7,8 @@
 - csrc/quant.cpp: the per-token int8 quantization and the int32 -> float epilogue around W8A8's
   int8 GEMM (kernels/quant.py: w8a8_matmul);
 - csrc/elementwise.cpp: RMSNorm (with the residual add before it), rotary embedding and
-  silu(gate) * up in bf16, one pass each (kernels/elementwise.py).
+  silu(gate) * up in bf16, one pass each (kernels/elementwise.py), and the KV-cache write
+  (kernels/cpu_attention.py).
 
 They are compiled together with the system C++ compiler (`$CXX`, `c++`, `g++` or `clang++`;
 -O3 -march=native -fopenmp) into one library in a per-user cache ($BATCHRUN_KERNEL_CACHE, else
@@ -50,6 +51,7 @@ _SIGNATURES = {
     "batchrun_rms_norm_bf16": "ptr i64 i64 i64 ptr ptr f32 i32 ptr i32",
     "batchrun_rotary_bf16": "ptr i64 i64 i64 i64 ptr ptr i32",
     "batchrun_silu_mul_bf16": "ptr i64 i64 i64 ptr i32",
+    "batchrun_write_kv_cache": "ptr ptr i64 i64 i64 i64 i64 i64 i64 i64 ptr ptr ptr i64 i64 i64 i64 i32",
 }
 
 

@@ -4,7 +4,9 @@
 // - RMSNorm, optionally after adding the sublayer output into the residual stream;
 // - rotary position embedding, in place on the q or k heads (which may be a strided view of the
 //   fused qkv projection's output);
-// - silu(gate) * up over the fused gate/up projection's output.
+// - silu(gate) * up over the fused gate/up projection's output;
+// - the step's K and V rows copied into their paged-cache slots (torch: a cast and an index_copy_
+//   per tensor, per layer).
 //
 // In torch these are 2 to 5 separate passes each (a cast, the op, a cast back, a multiply...), and
 // on a 2-core CPU they took about a sixth of a summarize run's operator time. Every function keeps
@@ -157,6 +159,32 @@ int batchrun_silu_mul_bf16(const void* gate_up, int64_t m, int64_t n, int64_t gu
     uint16_t* o = static_cast<uint16_t*>(out);
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m * n > 32768)
     for (int64_t r = 0; r < m; ++r) silu_mul_row(g + r * gu_stride, g + r * gu_stride + n, n, o + r * n);
+    return 0;
+}
+
+// k, v: (num_tokens, num_kv_heads, head_dim) of elem_size-byte elements with strides
+// (k_row, k_head, 1) and (v_row, v_head, 1); slots: (num_tokens,) int64, negative = skip; caches:
+// (num_blocks, block_size, num_kv_heads, head_dim) of the same dtype with strides (c0, c1, c2, 1),
+// the same for K and V. Row t goes to block slots[t] / block_size, offset slots[t] % block_size.
+int batchrun_write_kv_cache(const void* k, const void* v, int64_t elem_size, int64_t num_tokens, int64_t num_kv_heads,
+                            int64_t head_dim, int64_t k_row, int64_t k_head, int64_t v_row, int64_t v_head,
+                            const int64_t* slots, void* k_cache, void* v_cache, int64_t block_size, int64_t c0,
+                            int64_t c1, int64_t c2, int num_threads) {
+    const char* kb = static_cast<const char*>(k);
+    const char* vb = static_cast<const char*>(v);
+    char* kc = static_cast<char*>(k_cache);
+    char* vc = static_cast<char*>(v_cache);
+    const size_t row_bytes = static_cast<size_t>(head_dim * elem_size);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens * num_kv_heads * head_dim > 65536)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t base = (slot / block_size) * c0 + (slot % block_size) * c1;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            std::memcpy(kc + (base + h * c2) * elem_size, kb + (t * k_row + h * k_head) * elem_size, row_bytes);
+            std::memcpy(vc + (base + h * c2) * elem_size, vb + (t * v_row + h * v_head) * elem_size, row_bytes);
+        }
+    }
     return 0;
 }
 

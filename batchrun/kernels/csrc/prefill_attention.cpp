@@ -132,7 +132,7 @@ inline void rows_x_tile(const Tile<DC, BF16>& tile, int64_t r0, int64_t pos0, in
         for (int c = 0; c < DC; ++c) av[i][c] = _mm512_loadu_ps(a + 16 * c);
         if (m_new > mx[r]) {
             const float alpha = mx[r] == -INFINITY ? 0.f : std::exp(mx[r] - m_new);
-            sum[r] *= alpha;
+            _mm512_storeu_ps(sum + 16 * r, _mm512_mul_ps(_mm512_loadu_ps(sum + 16 * r), _mm512_set1_ps(alpha)));
             for (int c = 0; c < DC; ++c) av[i][c] = _mm512_mul_ps(av[i][c], _mm512_set1_ps(alpha));
             mx[r] = m_new;
         }
@@ -140,10 +140,11 @@ inline void rows_x_tile(const Tile<DC, BF16>& tile, int64_t r0, int64_t pos0, in
             // The row's sum takes the bf16-rounded probabilities that the product uses, so the
             // normalisation matches the numerator.
             const __m256i pb = (__m256i)_mm512_cvtneps_pbh(p);
-            sum[r] += _mm512_reduce_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16)));
+            _mm512_storeu_ps(sum + 16 * r, _mm512_add_ps(_mm512_loadu_ps(sum + 16 * r),
+                             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16))));
             _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[i]), pb);
         } else {
-            sum[r] += _mm512_reduce_add_ps(p);
+            _mm512_storeu_ps(sum + 16 * r, _mm512_add_ps(_mm512_loadu_ps(sum + 16 * r), p));
             _mm512_store_ps(pf[i], p);
         }
     }
@@ -174,19 +175,20 @@ void prefill_item(const void* q, int64_t q_row0, int64_t pos0, int64_t nq, int64
     constexpr int D = 16 * DC;
     const int64_t G = s.num_heads / s.num_kv_heads;
     const int64_t R = nq * G;  // row r: position pos0 + r / G, head h * G + r % G
-    // scratch: float32 accumulators (R x D), running max and sum (R each), queries (R x D: bf16
-    // pairs as uint32 words, or float32), and a Tile (aligned inside).
+    // scratch: float32 accumulators (R x D), running max (R) and sum (R x 16 lanes, reduced at the
+    // end instead of once per tile), queries (R x D: bf16 pairs as uint32 words, or float32), and
+    // a Tile (aligned inside).
     const size_t tile_floats = sizeof(Tile<DC, BF16>) / sizeof(float) + 16;
-    scratch.resize(static_cast<size_t>(R * D + 2 * R + R * D) + tile_floats);
+    scratch.resize(static_cast<size_t>(R * D + R + 16 * R + R * D) + tile_floats);
     float* acc = scratch.data();
     float* mx = acc + R * D;
     float* sum = mx + R;
-    float* qs = sum + R;
+    float* qs = sum + 16 * R;
     auto* tile = reinterpret_cast<Tile<DC, BF16>*>(
         (reinterpret_cast<uintptr_t>(qs + R * D) + 63) & ~uintptr_t(63));
     std::fill(acc, acc + R * D, 0.f);
     std::fill(mx, mx + R, -INFINITY);
-    std::fill(sum, sum + R, 0.f);
+    std::fill(sum, sum + 16 * R, 0.f);
     for (int64_t r = 0; r < R; ++r) {
         const int64_t src = ((q_row0 + r / G) * s.num_heads + h * G + r % G) * D;
         if constexpr (BF16) std::memcpy(qs + r * (D / 2), static_cast<const uint16_t*>(q) + src, D * 2);
@@ -210,7 +212,8 @@ void prefill_item(const void* q, int64_t q_row0, int64_t pos0, int64_t nq, int64
         for (; r < R; ++r) rows_x_tile<DC, BF16, 1>(*tile, r, pos0, G, k0, key, valid, s, qs, acc, mx, sum);
     }
     for (int64_t r = 0; r < R; ++r) {
-        const float inv = sum[r] > 0.f ? 1.f / sum[r] : 0.f;
+        const float total = _mm512_reduce_add_ps(_mm512_loadu_ps(sum + 16 * r));
+        const float inv = total > 0.f ? 1.f / total : 0.f;
         const int64_t dst = ((q_row0 + r / G) * s.num_heads + h * G + r % G) * D;
         for (int c = 0; c < DC; ++c) {
             const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), _mm512_set1_ps(inv));

@@ -182,6 +182,7 @@ def test_engine_packs_bf16_linears_and_the_tokens_stay(tiny_llama_dir):
 
     engine, tokens = run("bfloat16")
     num_layers = engine.model.spec.num_layers
+    assert not engine.model.spec.tie_word_embeddings
     assert engine.settings["packed_linears"] == 4 * num_layers + 1  # qkv, o, gate_up, down per layer, LM head
     assert sum(isinstance(m, PackedLinear) for m in engine.model.modules()) == 4 * num_layers + 1
     # The same engine with the packed layers swapped back for plain ones gives the same tokens.
@@ -200,3 +201,18 @@ def test_engine_packs_bf16_linears_and_the_tokens_stay(tiny_llama_dir):
     assert [o.token_ids for o in engine.generate(prompts, params)] == tokens
     fp32_engine, _ = run("float32")
     assert fp32_engine.settings["packed_linears"] == 0
+
+
+@pytest.mark.skipif(not __import__("batchrun.kernels.cpu_linear", fromlist=["x"]).packing_available(),
+                    reason="this torch build has no oneDNN linear packing")
+def test_a_tied_lm_head_is_not_packed():
+    # Packing it would hold a second copy of the vocabulary matrix beside the embedding's.
+    from transformers import LlamaConfig
+
+    from batchrun.model.decoder import DecoderLM
+
+    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = DecoderLM(config).to(BF16)
+    assert model.pack_cpu_linears() == 4 * 2
+    assert model.lm_head.weight is model.embed_tokens.weight

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from batchrun.kernels.attention import write_kv_cache_reference
+from batchrun.kernels.elementwise import apply_rotary_reference
 
 
 @triton.jit
@@ -108,11 +109,6 @@ def _rotary_write_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=c_mask)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def rotary_write_kv_cache_reference(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
     k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
@@ -124,9 +120,7 @@ def rotary_write_kv_cache_reference(
     slot_mapping: torch.Tensor,  # (num_tokens,)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rotated q, rotated k), with rotated k and v written to the cache: what the decoder does."""
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    q = q * cos + _rotate_half(q) * sin
-    k = k * cos + _rotate_half(k) * sin
+    q, k = apply_rotary_reference(q, cos, sin), apply_rotary_reference(k, cos, sin)
     write_kv_cache_reference(k_cache, v_cache, k, v, slot_mapping)
     return q, k
 

@@ -269,12 +269,16 @@ class DecoderLM(nn.Module):
         return logits
 
     def pack_cpu_linears(self, batch_hint: int = 32) -> int:
-        """Swap each bf16 CPU nn.Linear (the unquantized projections and the LM head) for its
-        oneDNN-packed twin (kernels/cpu_linear.py), bitwise the same outputs; returns how many.
-        A tied LM head gets its own packed copy: the embedding keeps the plain matrix."""
+        """Swap each bf16 CPU nn.Linear (the unquantized projections and an untied LM head) for its
+        oneDNN-packed twin (kernels/cpu_linear.py), bitwise the same outputs; returns how many. A
+        tied LM head stays plain: packing it would keep a second copy of the vocabulary matrix
+        beside the embedding's (56 MB for SmolLM2, GBs for large vocabularies) for ~2% of a step."""
+        tied = self.lm_head.weight is self.embed_tokens.weight
         count = 0
         for parent in list(self.modules()):
             for name, child in list(parent.named_children()):
+                if tied and child is self.lm_head:
+                    continue
                 packed = pack_linear(child, batch_hint) if isinstance(child, nn.Linear) else None
                 if packed is not None:
                     setattr(parent, name, packed)

@@ -92,3 +92,25 @@ def test_w8a8_matmul_with_float_channels_is_bitwise_equal_to_torch(monkeypatch, 
     assert got.dtype == dtype and torch.equal(got, want)
     ref = x.float() @ w.t()
     assert (got.float() - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,k,num_float", [(1, 576, 64), (9, 100, 7), (40, 1536, 64)])
+def test_quantization_with_float_channels_gathers_them_in_the_same_pass(monkeypatch, dtype, m, k, num_float):
+    gen = torch.Generator().manual_seed(k + num_float)
+    wide = (torch.randn(m, k + 5, generator=gen) * 3).to(dtype)
+    x = wide[:, 2:2 + k]  # rows further apart than their length
+    index = torch.randperm(k, generator=gen)[:num_float].sort().values
+    skip = torch.zeros(k, dtype=torch.bool)
+    skip[index] = True
+    outliers = qk.OutlierChannels(index, skip, torch.randn(num_float, 8, generator=gen).to(dtype))
+    calls = []
+    real = qk._quantize_per_token_int8_native
+    monkeypatch.setattr(qk, "_quantize_per_token_int8_native", lambda *a: calls.append(len(a)) or real(*a))
+    got = qk.quantize_with_outliers(x, outliers)
+    assert calls == [3]  # the native pass, with the gather
+    want = _torch_path(monkeypatch, qk.quantize_with_outliers, x, outliers)
+    assert len(got) == len(want) == 3
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and torch.equal(g, w)
+    assert torch.equal(got[2], x[:, index])

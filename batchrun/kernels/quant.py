@@ -104,17 +104,32 @@ def quantize_per_token_int8(x: torch.Tensor, skip: Optional[torch.Tensor] = None
     return xs.round_().to(torch.int8), scale
 
 
-def _quantize_per_token_int8_native(x: torch.Tensor, skip: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_per_token_int8 in one pass (csrc/quant.cpp); bitwise equal to the torch code."""
+def _quantize_per_token_int8_native(x: torch.Tensor, skip: Optional[torch.Tensor],
+                                    gather: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+    """quantize_per_token_int8 in one pass (csrc/quant.cpp); bitwise equal to the torch code. With
+    `gather` ((n,) int64 column indices) also returns x[:, gather], copied in the same pass."""
     m, k = x.shape
     xq = torch.empty((m, k), dtype=torch.int8)
     scale = torch.empty((m, 1), dtype=torch.float32)
     # A contiguous bool mask is read as its bytes (0/1): no conversion on this per-projection path.
     skip = None if skip is None else skip.contiguous()  # held until the call returns
+    gathered = None if gather is None else torch.empty((m, gather.numel()), dtype=x.dtype)  # (m, n)
     cpu_native.library().batchrun_quantize_per_token_int8(
         x.data_ptr(), DTYPE_CODES[x.dtype], m, k, x.stride(0), None if skip is None else skip.data_ptr(),
-        xq.data_ptr(), scale.data_ptr(), torch.get_num_threads())
-    return xq, scale
+        xq.data_ptr(), scale.data_ptr(), None if gather is None else gather.data_ptr(),
+        0 if gather is None else gather.numel(), None if gathered is None else gathered.data_ptr(),
+        torch.get_num_threads())
+    return (xq, scale) if gather is None else (xq, scale, gathered)
+
+
+def quantize_with_outliers(x: torch.Tensor, outliers: OutlierChannels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x_q, scale) of quantize_per_token_int8(x, outliers.skip), and x[:, outliers.index] for the
+    float product: one native pass where the kernels serve x, else the torch code and an index_select."""
+    if (cpu_native.usable(x) and x.dtype in DTYPE_CODES and x.dim() == 2 and x.stride(1) == 1
+            and outliers.index.dtype == torch.int64 and outliers.index.is_contiguous()):
+        return _quantize_per_token_int8_native(x, outliers.skip, outliers.index)
+    xq, scale = quantize_per_token_int8(x, outliers.skip)
+    return xq, scale, x.index_select(1, outliers.index)
 
 
 def _w8a8_epilogue(acc: torch.Tensor, w_scales: torch.Tensor, x_scales: torch.Tensor, bias: Optional[torch.Tensor],
@@ -157,14 +172,17 @@ def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
     assert scales.shape[1] == 1, "W8A8 needs per-channel weight scales"
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    xq, sx = quantize_per_token_int8(x2, None if outliers is None else outliers.skip)
+    if outliers is None:
+        xq, sx = quantize_per_token_int8(x2)
+    else:
+        xq, sx, x_float = quantize_with_outliers(x2, outliers)  # x_float: (M, num_outliers)
     m = xq.shape[0]
     if xq.is_cuda and m <= 16:  # cuBLAS int8 GEMM wants more than 16 rows
         xq = torch.nn.functional.pad(xq, (0, 0, 0, 17 - m))
     acc = torch._int_mm(xq, qweight.t())[:m]  # (M, N) int32
     y = _w8a8_epilogue(acc, scales[:, 0], sx, bias, x.dtype)
     if outliers is not None:
-        y = torch.addmm(y, x2.index_select(1, outliers.index), outliers.weight_t.to(x.dtype))
+        y = torch.addmm(y, x_float, outliers.weight_t.to(x.dtype))
     return y.reshape(*shape[:-1], y.shape[-1])
 
 

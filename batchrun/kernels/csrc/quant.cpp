@@ -41,7 +41,7 @@ inline float element(const T* __restrict xr, const uint8_t* __restrict skip, int
 
 template <bool BF16, bool SKIP, typename T>
 void quantize_rows(const T* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* skip, int8_t* q, float* scales,
-                   int num_threads) {
+                   const int64_t* gather_idx, int64_t n_gather, T* gathered, int num_threads) {
     const float min_scale = 1e-10f;  // kernels/quant.py: _MIN_SCALE
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k > 65536)
     for (int64_t r = 0; r < m; ++r) {
@@ -59,6 +59,8 @@ void quantize_rows(const T* x, int64_t m, int64_t k, int64_t x_stride, const uin
 #pragma omp simd
         for (int64_t i = 0; i < k; ++i)
             qr[i] = static_cast<int8_t>(static_cast<int32_t>(round_half_even(element<BF16, SKIP>(xr, skip, i) / scale)));
+        // The float channels' values, copied out while the row is in cache (torch: an index_select pass).
+        for (int64_t j = 0; j < n_gather; ++j) gathered[r * n_gather + j] = xr[gather_idx[j]];
     }
 }
 
@@ -70,17 +72,24 @@ extern "C" {
 // min_scale); q = round_half_even(x / scale) as int8 (|x / scale| <= 127 by construction).
 // skip: (k,) uint8 or null: columns that are left out (W8A8's outlier channels, which run in float):
 // they count as 0 for the scale and are written as 0. q: (m, k) int8 contiguous; scales: (m,) float32.
+// gather_idx: (n_gather,) int64 column indices or null; gathered: (m, n_gather) in x's dtype,
+// contiguous: x[:, gather_idx] (W8A8's float channels, for their float product).
 int batchrun_quantize_per_token_int8(const void* x, int x_bf16, int64_t m, int64_t k, int64_t x_stride,
-                                     const void* skip, void* q, void* scales, int num_threads) {
+                                     const void* skip, void* q, void* scales, const void* gather_idx, int64_t n_gather,
+                                     void* gathered, int num_threads) {
     const uint8_t* sk = static_cast<const uint8_t*>(skip);
     int8_t* qi = static_cast<int8_t*>(q);
     float* sc = static_cast<float*>(scales);
+    const int64_t* gi = static_cast<const int64_t*>(gather_idx);
+    if (!gi) n_gather = 0;
     const uint16_t* xb = static_cast<const uint16_t*>(x);
     const float* xf = static_cast<const float*>(x);
-    if (x_bf16 && sk) quantize_rows<true, true>(xb, m, k, x_stride, sk, qi, sc, num_threads);
-    else if (x_bf16) quantize_rows<true, false>(xb, m, k, x_stride, sk, qi, sc, num_threads);
-    else if (sk) quantize_rows<false, true>(xf, m, k, x_stride, sk, qi, sc, num_threads);
-    else quantize_rows<false, false>(xf, m, k, x_stride, sk, qi, sc, num_threads);
+    uint16_t* gb = static_cast<uint16_t*>(gathered);
+    float* gf = static_cast<float*>(gathered);
+    if (x_bf16 && sk) quantize_rows<true, true>(xb, m, k, x_stride, sk, qi, sc, gi, n_gather, gb, num_threads);
+    else if (x_bf16) quantize_rows<true, false>(xb, m, k, x_stride, sk, qi, sc, gi, n_gather, gb, num_threads);
+    else if (sk) quantize_rows<false, true>(xf, m, k, x_stride, sk, qi, sc, gi, n_gather, gf, num_threads);
+    else quantize_rows<false, false>(xf, m, k, x_stride, sk, qi, sc, gi, n_gather, gf, num_threads);
     return 0;
 }
 

@@ -105,13 +105,17 @@ def activation(name: str):
 
 def act_mul(gate_up: torch.Tensor, name: str) -> torch.Tensor:
     """act(gate) * up for the fused gate/up projection's output (num_tokens, 2 * n), gate first."""
-    n = gate_up.shape[-1] // 2
     if name in ("silu", "swish") and _native(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
-        out = torch.empty((gate_up.shape[0], n), dtype=gate_up.dtype)  # (num_tokens, n)
-        cpu_native.library().batchrun_silu_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], n, gate_up.stride(0),
-                                                    out.data_ptr(), torch.get_num_threads())
-        return out
+        return _silu_mul_native(gate_up)
     return act_mul_reference(gate_up, name)
+
+
+def _silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
+    n = gate_up.shape[-1] // 2
+    out = torch.empty((gate_up.shape[0], n), dtype=gate_up.dtype)  # (num_tokens, n)
+    cpu_native.library().batchrun_silu_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], n, gate_up.stride(0),
+                                                out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def act_mul_reference(gate_up: torch.Tensor, name: str) -> torch.Tensor:

@@ -92,7 +92,7 @@ def quantize_per_token_int8(x: torch.Tensor, skip: Optional[torch.Tensor] = None
     elementwise passes cost about as much as the int8 GEMM saves (linalg.vector_norm(inf) alone
     was 7x slower than abs().amax() here).
     """
-    if cpu_native.usable(x) and x.dtype in DTYPE_CODES and x.dim() == 2 and x.stride(1) == 1:
+    if _native_rows(x):
         return _quantize_per_token_int8_native(x, skip)
     xf = x.float()
     if skip is not None:
@@ -102,6 +102,11 @@ def quantize_per_token_int8(x: torch.Tensor, skip: Optional[torch.Tensor] = None
     # when x.float() made a copy.
     xs = xf.div_(scale) if xf.data_ptr() != x.data_ptr() else xf / scale
     return xs.round_().to(torch.int8), scale
+
+
+def _native_rows(x: torch.Tensor) -> bool:
+    """Whether the native quantization pass serves x: kernels on, a float32/bf16 CPU matrix with unit column stride."""
+    return cpu_native.usable(x) and x.dtype in DTYPE_CODES and x.dim() == 2 and x.stride(1) == 1
 
 
 def _quantize_per_token_int8_native(x: torch.Tensor, skip: Optional[torch.Tensor],
@@ -125,8 +130,7 @@ def _quantize_per_token_int8_native(x: torch.Tensor, skip: Optional[torch.Tensor
 def quantize_with_outliers(x: torch.Tensor, outliers: OutlierChannels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_q, scale) of quantize_per_token_int8(x, outliers.skip), and x[:, outliers.index] for the
     float product: one native pass where the kernels serve x, else the torch code and an index_select."""
-    if (cpu_native.usable(x) and x.dtype in DTYPE_CODES and x.dim() == 2 and x.stride(1) == 1
-            and outliers.index.dtype == torch.int64 and outliers.index.is_contiguous()):
+    if _native_rows(x) and outliers.index.dtype == torch.int64 and outliers.index.is_contiguous():
         return _quantize_per_token_int8_native(x, outliers.skip, outliers.index)
     xq, scale = quantize_per_token_int8(x, outliers.skip)
     return xq, scale, x.index_select(1, outliers.index)

@@ -50,9 +50,7 @@ void rms_norm_row(const uint16_t* __restrict x, const uint16_t* __restrict w, in
 }
 
 #if defined(__AVX512F__)
-inline __m512 load_bf16(const uint16_t* p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+using batchrun::load_bf16x16;
 
 // v rounded to bf16 (nearest even; NaN -> 0x7fc0, as bf16.h), kept in float32 lanes.
 inline __m512 round_bf16_512(__m512 v) {
@@ -85,8 +83,8 @@ void silu_mul_row(const uint16_t* __restrict gate, const uint16_t* __restrict up
     int64_t i = 0;
 #if defined(__AVX512F__)
     for (; i + 16 <= n; i += 16) {
-        const __m512 s = round_bf16_512(silu512(load_bf16(gate + i)));
-        store_bf16(out + i, _mm512_mul_ps(s, load_bf16(up + i)));
+        const __m512 s = round_bf16_512(silu512(load_bf16x16(gate + i)));
+        store_bf16(out + i, _mm512_mul_ps(s, load_bf16x16(up + i)));
     }
 #endif
     for (; i < n; ++i) {

@@ -166,10 +166,7 @@ void decode_one(int64_t b, int64_t h, const void* q, bool q_bf16, int64_t num_he
 // horizontal sum per score); V accumulates in registers.
 
 inline __m512 load16(const void* base, int64_t offset, bool bf16) {
-    if (bf16) {
-        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(base) + offset));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
+    if (bf16) return batchrun::load_bf16x16(static_cast<const uint16_t*>(base) + offset);
     return _mm512_loadu_ps(static_cast<const float*>(base) + offset);
 }
 

@@ -140,8 +140,7 @@ inline void rows_x_tile(const Tile<DC, BF16>& tile, int64_t r0, int64_t pos0, in
             // The row's sum takes the bf16-rounded probabilities that the product uses, so the
             // normalisation matches the numerator.
             const __m256i pb = (__m256i)_mm512_cvtneps_pbh(p);
-            _mm512_storeu_ps(sum + 16 * r, _mm512_add_ps(_mm512_loadu_ps(sum + 16 * r),
-                             _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pb), 16))));
+            _mm512_storeu_ps(sum + 16 * r, _mm512_add_ps(_mm512_loadu_ps(sum + 16 * r), batchrun::bf16x16_to_f32(pb)));
             _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[i]), pb);
         } else {
             _mm512_storeu_ps(sum + 16 * r, _mm512_add_ps(_mm512_loadu_ps(sum + 16 * r), p));

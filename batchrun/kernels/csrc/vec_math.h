@@ -4,7 +4,14 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <cstdint>
+
 namespace batchrun {
+
+// 16 bf16 values widened to float32 lanes (exact: a bf16 is the top half of a float32).
+inline __m512 bf16x16_to_f32(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+inline __m512 load_bf16x16(const uint16_t* p) { return bf16x16_to_f32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 
 // e^x for float32 lanes, about 1 ulp: x = n ln2 + r with |r| <= ln2 / 2, a degree-7 Taylor
 // polynomial in r, then scaled by 2^n. Lanes below -87.3 give 0 (as exp underflows to).

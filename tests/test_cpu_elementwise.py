@@ -31,6 +31,17 @@ def _assert_within_one_rounding(got: torch.Tensor, want: torch.Tensor, max_fract
     assert bool(((g - w).abs() <= step)[differ].all()), "a difference larger than one bf16 rounding"
 
 
+@pytest.fixture
+def native_calls(monkeypatch):
+    """Names of the native entry points called during the test: a comparison with the reference
+    proves nothing if the dispatcher quietly took the reference path."""
+    calls: list[str] = []
+    for name in ("_rms_norm_native", "_silu_mul_native"):
+        real = getattr(ew, name)
+        monkeypatch.setattr(ew, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    return calls
+
+
 @pytest.fixture(params=[1, 2], ids=["1thread", "2threads"])
 def threads(request):
     before = torch.get_num_threads()
@@ -41,14 +52,15 @@ def threads(request):
 
 @pytest.mark.parametrize("rows,k", [(1, 576), (7, 64), (33, 100), (300, 576), (5, 17)])
 @pytest.mark.parametrize("is_gemma", [False, True])
-def test_rms_norm_matches_torch(rows, k, is_gemma, threads):
+def test_rms_norm_matches_torch(rows, k, is_gemma, threads, native_calls):
     torch.manual_seed(rows * k)
     x = (torch.randn(rows, k) * 4).to(BF16)
     w = (torch.randn(k) * 0.3 + (0.0 if is_gemma else 1.0)).to(BF16)
     _assert_within_one_rounding(ew.rms_norm(x, w, 1e-6, is_gemma), ew.rms_norm_reference(x, w, 1e-6, is_gemma))
+    assert native_calls == ["_rms_norm_native"]
 
 
-def test_rms_norm_of_strided_head_views_matches_torch():
+def test_rms_norm_of_strided_head_views_matches_torch(native_calls):
     # Qwen3 / Gemma 3 q_norm: (tokens, heads, head_dim) views into the fused qkv output.
     torch.manual_seed(0)
     qkv = torch.randn(9, 4 * 32 + 2 * 2 * 32).to(BF16)
@@ -57,6 +69,7 @@ def test_rms_norm_of_strided_head_views_matches_torch():
     got = ew.rms_norm(q, w, 1e-6)
     assert got.shape == q.shape
     _assert_within_one_rounding(got, ew.rms_norm_reference(q, w, 1e-6))
+    assert native_calls == ["_rms_norm_native"]
 
 
 @pytest.mark.parametrize("rows,k", [(3, 576), (130, 576), (4, 48)])
@@ -92,13 +105,14 @@ def test_rotary_is_bitwise_torch_on_qkv_views(head_dim, threads):
 
 
 @pytest.mark.parametrize("rows,n", [(1, 1536), (64, 1536), (5, 40), (3, 7)])
-def test_silu_mul_matches_torch(rows, n, threads):
+def test_silu_mul_matches_torch(rows, n, threads, native_calls):
     torch.manual_seed(n)
     gate_up = (torch.randn(rows, 2 * n) * 5).to(BF16)
     _assert_within_one_rounding(ew.act_mul(gate_up, "silu"), ew.act_mul_reference(gate_up, "silu"))
+    assert native_calls == ["_silu_mul_native"]
 
 
-def test_silu_mul_special_values_match_torch():
+def test_silu_mul_special_values_match_torch(native_calls):
     gate = torch.tensor([-1e4, -100.0, -89.0, -88.7, -88.0, -20.0, -1e-30, -0.0, 0.0, 1e-30, 3.0, 88.0, 1e4,
                          float("inf"), float("-inf"), float("nan")]).to(BF16)
     up = torch.tensor([1.0, -2.0, 3.0, 0.5] * 4).to(BF16)
@@ -106,6 +120,7 @@ def test_silu_mul_special_values_match_torch():
     got, want = ew.act_mul(gate_up, "silu"), ew.act_mul_reference(gate_up, "silu")
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    assert native_calls == ["_silu_mul_native"]
 
 
 def test_float32_and_the_switch_take_the_torch_path(monkeypatch):
@@ -133,17 +148,17 @@ def test_engine_greedy_output_is_the_same_with_the_kernels_on_and_off(tiny_llama
     prompts = [[5 + (7 * i + j) % 200 for j in range(20 + 13 * i)] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     calls = []
-    for name in ("_rms_norm_native", "act_mul", "apply_rotary"):
+    for name in ("_rms_norm_native", "_silu_mul_native", "apply_rotary"):
         real = getattr(ew, name)
         monkeypatch.setattr(ew, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     on = [o.token_ids for o in engine.generate(prompts, params)]
-    assert {"_rms_norm_native", "act_mul", "apply_rotary"} <= set(calls)
+    assert {"_rms_norm_native", "_silu_mul_native", "apply_rotary"} <= set(calls)
     engine.reset_prefix_cache()
     # Only these kernels off (BATCHRUN_CPU_KERNELS=0 would switch the attention kernels off too).
     monkeypatch.setattr(ew, "_native", lambda *tensors: False)
     calls.clear()
     assert [o.token_ids for o in engine.generate(prompts, params)] == on
-    assert "_rms_norm_native" not in calls
+    assert "_rms_norm_native" not in calls and "_silu_mul_native" not in calls
 
 
 # ---------------------------------------------------------------------------------------------

@@ -162,7 +162,7 @@ def test_engine_greedy_output_is_the_same_with_the_kernels_on_and_off(tiny_llama
 
 
 # ---------------------------------------------------------------------------------------------
-# oneDNN-packed bf16 linears (kernels/cpu_linear.py)
+# oneDNN-packed bf16 linears (kernels/cpu_linear.py; the native ones: tests/test_cpu_linear.py)
 
 
 @pytest.mark.skipif(not __import__("batchrun.kernels.cpu_linear", fromlist=["x"]).packing_available(),
@@ -185,9 +185,13 @@ def test_packed_linear_is_bitwise_f_linear(rows, bias):
 
 @pytest.mark.skipif(not __import__("batchrun.kernels.cpu_linear", fromlist=["x"]).packing_available(),
                     reason="this torch build has no oneDNN linear packing")
-def test_engine_packs_bf16_linears_and_the_tokens_stay(tiny_llama_dir):
+def test_engine_packs_bf16_linears_and_the_tokens_stay(tiny_llama_dir, monkeypatch):
     from batchrun.engine import Engine, EngineConfig, SamplingParams
+    from batchrun.kernels import cpu_linear
     from batchrun.kernels.cpu_linear import PackedLinear
+
+    # oneDNN's packing, where the native kernel would otherwise take these shapes (tests/test_cpu_linear.py).
+    monkeypatch.setattr(cpu_linear, "native_supported", lambda *shape: False)
 
     def run(dtype):
         engine = Engine(EngineConfig(model=tiny_llama_dir, dtype=dtype, device="cpu", kv_cache_memory=16 << 20,
@@ -199,6 +203,7 @@ def test_engine_packs_bf16_linears_and_the_tokens_stay(tiny_llama_dir):
     num_layers = engine.model.spec.num_layers
     assert not engine.model.spec.tie_word_embeddings
     assert engine.settings["packed_linears"] == 4 * num_layers + 1  # qkv, o, gate_up, down per layer, LM head
+    assert engine.settings["native_linears"] == 0
     assert sum(isinstance(m, PackedLinear) for m in engine.model.modules()) == 4 * num_layers + 1
     # The same engine with the packed layers swapped back for plain ones gives the same tokens.
     for parent in list(engine.model.modules()):
@@ -220,8 +225,12 @@ def test_engine_packs_bf16_linears_and_the_tokens_stay(tiny_llama_dir):
 
 @pytest.mark.skipif(not __import__("batchrun.kernels.cpu_linear", fromlist=["x"]).packing_available(),
                     reason="this torch build has no oneDNN linear packing")
-def test_a_tied_lm_head_is_not_packed():
-    # Packing it would hold a second copy of the vocabulary matrix beside the embedding's.
+def test_a_tied_lm_head_is_not_packed_for_onednn(monkeypatch):
+    # Packing it would hold a second copy of the vocabulary matrix beside the embedding's (a native
+    # kernel's tied head is packed: tests/test_cpu_linear.py).
+    from batchrun.kernels import cpu_linear
+
+    monkeypatch.setattr(cpu_linear, "native_supported", lambda *shape: False)
     from transformers import LlamaConfig
 
     from batchrun.model.decoder import DecoderLM

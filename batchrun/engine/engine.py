@@ -24,6 +24,7 @@ from batchrun.model.decoder import DecoderLM
 from batchrun.model.loader import load_model
 from batchrun.model.quant import module_weight_bytes
 from batchrun.kernels import cpu_native
+from batchrun.kernels.cpu_linear import NativeLinear
 
 log = logging.getLogger("batchrun.engine")
 
@@ -88,8 +89,10 @@ class Engine:
         model.load_hf_state_dict(loaded.state_dict)
         self.quantization = quantize_for_engine(model, config, loaded.tokenizer, loaded.quantized_weights,
                                                 self.dtype, self.device)
-        # bf16 on the CPU: weights packed once for oneDNN instead of reordered on every call.
+        # bf16 on the CPU: weights packed once (for the native kernel, else oneDNN) instead of
+        # reordered on every call.
         num_packed = model.pack_cpu_linears() if self.device.type == "cpu" and self.dtype == torch.bfloat16 else 0
+        num_native = sum(isinstance(m, NativeLinear) for m in model.modules())
         self.model = model.eval()
         del loaded
 
@@ -125,7 +128,8 @@ class Engine:
             "batch_limits_profile": limits.profile,
             # csrc/ kernels (decode and prefill attention, W8A8 quantization) built and on; False: plain torch
             "native_cpu_kernels": self.device.type == "cpu" and cpu_native.enabled() and cpu_native.available(),
-            "packed_linears": num_packed,  # bf16 CPU linears whose weights oneDNN got packed at load
+            "packed_linears": num_packed,  # bf16 CPU linears whose weights were packed at load
+            "native_linears": num_native,  # of those, the ones csrc/linear.cpp runs (the others: oneDNN)
         }
         self.settings.update({  # weights and KV format (issue 5): also what the benchmark table shows
             "quantization": config.quantization, "quant_group_size": config.quant_group_size,

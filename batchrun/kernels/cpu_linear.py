@@ -1,14 +1,26 @@
-"""bf16 linear layers on the CPU with their weights packed once for oneDNN.
+"""bf16 linear layers on the CPU with their weights packed once at load.
 
-`F.linear` hands oneDNN a plain (N, K) weight on every call, and oneDNN reorders it into its
-blocked layout each time; at the row counts of a decode step that reorder is a large part of the
-call (measured here for SmolLM2's shapes at 32 rows: 83 -> 61 us for qkv, 232 -> 184 us for
-gate/up, 4.6 -> 3.6 ms for the LM head; at 512 rows within noise). Packing once at load
-(torch.ops.mkldnn._reorder_linear_weight, the op torch.compile's CPU backend uses) removes it.
-The product is the same oneDNN kernel, so outputs are bitwise those of F.linear; `pack_linear`
-checks that on a probe input and leaves a layer alone when the build lacks the ops or they disagree.
+Two packed forms, both chosen per layer by `pack_linear`:
 
-bf16 only: the float32 path stays on F.linear, the one held token-identical to HF transformers.
+- NativeLinear (csrc/linear.cpp), where the native kernels are built with AVX512-BF16 and the
+  shape fits (out_features a multiple of 32, in_features even and at most NATIVE_MAX_IN_FEATURES).
+  At a decode step's row counts each weight byte comes from DRAM once per step, and the kernel
+  prefetches the next weight tile while it computes the current one, which oneDNN's GEMM does not:
+  SmolLM2's 120 projections, run one after another as in a step, took 9.7 ms at 32 rows against
+  13.7 ms through oneDNN's packed weights (5.1 vs 6.8 ms at 1 row, 17.4 vs 22.5 at 64; at 512
+  rows 125 vs 128 ms). Its float32 sums run in a different order from oneDNN's, so outputs can
+  differ from F.linear in the last bf16 bit (tested against a float32 reference).
+- PackedLinear, elsewhere: `F.linear` hands oneDNN a plain (N, K) weight on every call, and
+  oneDNN reorders it into its blocked layout each time; at the row counts of a decode step that
+  reorder is a large part of the call (measured here for SmolLM2's shapes at 32 rows: 83 -> 61 us
+  for qkv, 232 -> 184 us for gate/up, 4.6 -> 3.6 ms for the LM head; at 512 rows within noise).
+  Packing once at load (torch.ops.mkldnn._reorder_linear_weight, the op torch.compile's CPU
+  backend uses) removes it. The product is the same oneDNN kernel, so outputs are bitwise those
+  of F.linear; `pack_linear` checks that on a probe input and leaves a layer alone when the build
+  lacks the ops or they disagree.
+
+Either way the packed weight replaces the plain one (no second copy). bf16 only: the float32 path
+stays on F.linear, the one held token-identical to HF transformers.
 """
 from __future__ import annotations
 
@@ -16,7 +28,10 @@ import logging
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from batchrun.kernels import cpu_native
 
 log = logging.getLogger(__name__)
 
@@ -43,17 +58,109 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=oneDNN"
 
 
-def pack_linear(linear: nn.Linear, batch_hint: int = 32) -> Optional[PackedLinear]:
-    """The packed twin of a bf16 CPU nn.Linear, or None when it does not apply or does not match
-    F.linear bitwise on a probe. `batch_hint`: the row count oneDNN picks its layout for."""
+# A weight tile (32 output columns x in_features bf16) is reused from L2 by every 12-row block of a
+# large batch; past this width the tile outgrows L2 and oneDNN's K-blocked GEMM is the safer choice.
+NATIVE_MAX_IN_FEATURES = 8192
+_TILE_N = 32  # csrc/linear.cpp's output columns per weight tile
+
+
+def native_supported(out_features: int, in_features: int) -> bool:
+    """Whether NativeLinear serves an (out_features, in_features) weight here: kernels on and built
+    with AVX512-BF16, out_features a multiple of 32, in_features even and not too wide."""
+    if not (cpu_native.enabled() and cpu_native.available()) or in_features > NATIVE_MAX_IN_FEATURES:
+        return False
+    return bool(cpu_native.library().batchrun_linear_bf16_supported(out_features, in_features))
+
+
+def pack_native_weight(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) -> csrc/linear.cpp's tile layout [N / 32][K / 2][32][2], as a (N, K)-sized bf16 tensor."""
+    n, k = w.shape
+    return w.reshape(n // _TILE_N, _TILE_N, k // 2, 2).permute(0, 2, 1, 3).contiguous().reshape(n, k)
+
+
+def unpack_native_weight(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_native_weight: the plain (N, K) weight."""
+    n, k = packed.shape
+    return packed.reshape(n // _TILE_N, k // 2, _TILE_N, 2).permute(0, 2, 1, 3).reshape(n, k)
+
+
+class NativeLinear(nn.Module):
+    """y = x @ W.T + b through csrc/linear.cpp, W held in its tile layout (pack_native_weight)."""
+
+    def __init__(self, packed_weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        super().__init__()
+        self.out_features, self.in_features = packed_weight.shape
+        self.register_buffer("packed_weight", packed_weight)  # (out_features, in_features) bf16, tiled
+        self.register_buffer("bias", bias)  # (out_features,) or None, in the model dtype
+        # The kernel adds the bias in float32 before its one rounding, as F.linear does.
+        self.register_buffer("bias_f32", None if bias is None else bias.float().contiguous(), persistent=False)
+
+    def weight(self) -> torch.Tensor:
+        """The plain (out_features, in_features) weight (a copy)."""
+        return unpack_native_weight(self.packed_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Called for every projection of every step: checks kept to the few that can fail here (the
+        # weight is on the CPU and the library loaded, or this module would not exist).
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if x2.dtype != torch.bfloat16 or x2.stride(1) != 1 or x2.is_cuda or not cpu_native.enabled():
+            return F.linear(x, self.weight(), self.bias)  # kernels switched off since load, or an odd input
+        m = x2.shape[0]
+        y = torch.empty((m, self.out_features), dtype=torch.bfloat16)
+        if m:
+            bias = self.bias_f32
+            rc = cpu_native.library().batchrun_linear_bf16(
+                x2.data_ptr(), m, self.in_features, x2.stride(0), self.packed_weight.data_ptr(), self.out_features,
+                None if bias is None else bias.data_ptr(), y.data_ptr(), self.out_features, torch.get_num_threads())
+            if rc != 0:
+                raise RuntimeError(f"batchrun_linear_bf16 failed ({rc}) for weight {tuple(self.packed_weight.shape)}")
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed=native"
+
+
+class NativeEmbedding(nn.Module):
+    """A token embedding tied to a NativeLinear LM head: rows are read out of the head's tiled
+    weight, so the vocabulary matrix is held once (the values are the same bf16 numbers)."""
+
+    def __init__(self, head: NativeLinear) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = head.packed_weight.shape
+        self.register_buffer("packed_weight", head.packed_weight)  # the head's tensor, shared
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        n, k = self.packed_weight.shape
+        tiles = self.packed_weight.view(n // _TILE_N, k // 2, _TILE_N, 2)
+        ids = input_ids.reshape(-1)
+        rows = tiles[ids // _TILE_N, :, ids % _TILE_N, :]  # (num_ids, k / 2, 2)
+        return rows.reshape(*input_ids.shape, k)
+
+
+def pack_linear(linear: nn.Linear, batch_hint: int = 32) -> Optional[nn.Module]:
+    """The packed twin of a bf16 CPU nn.Linear: a NativeLinear where native_supported, else a
+    PackedLinear; None when neither applies or the result disagrees with F.linear on a probe
+    (bitwise for oneDNN's, within bf16 rounding for the native kernel). `batch_hint`: the row count
+    oneDNN picks its layout for."""
     w = linear.weight
-    if not (type(linear) is nn.Linear and w.dtype == torch.bfloat16 and w.device.type == "cpu"
-            and packing_available()):
+    if not (type(linear) is nn.Linear and w.dtype == torch.bfloat16 and w.device.type == "cpu"):
         return None
     bias = None if linear.bias is None else linear.bias.detach()
+    probe = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0)).to(w.dtype)
+    if native_supported(linear.out_features, linear.in_features):
+        native = NativeLinear(pack_native_weight(w.detach()), bias)
+        with torch.inference_mode():
+            want = nn.functional.linear(probe.float(), w.float(), None if bias is None else bias.float())
+            got = native(probe).float()
+        # One bf16 rounding of a float32 sum: within half a bf16 step (2^-8 relative) of the exact
+        # product, plus float32 summation noise.
+        if bool(((got - want).abs() <= want.abs() * 2.0 ** -8 + 1e-5 * want.abs().amax()).all()):
+            return native
+        log.warning("native bf16 linear disagrees with F.linear for %s; using oneDNN", tuple(w.shape))
+    if not packing_available():
+        return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), batch_hint)
-        probe = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0)).to(w.dtype)
         module = PackedLinear(packed, bias, linear.in_features, linear.out_features)
         with torch.inference_mode():
             same = torch.equal(module(probe), nn.functional.linear(probe, w, bias))

@@ -8,7 +8,9 @@
   int8 GEMM (kernels/quant.py: w8a8_matmul);
 - csrc/elementwise.cpp: RMSNorm (with the residual add before it), rotary embedding and
   silu(gate) * up in bf16, one pass each (kernels/elementwise.py), and the KV-cache write
-  (kernels/cpu_attention.py).
+  (kernels/cpu_attention.py);
+- csrc/linear.cpp: bf16 linear layers over weights packed at load, prefetching the weight stream
+  (kernels/cpu_linear.py: NativeLinear).
 
 They are compiled together with the system C++ compiler (`$CXX`, `c++`, `g++` or `clang++`;
 -O3 -march=native -fopenmp) into one library in a per-user cache ($BATCHRUN_KERNEL_CACHE, else
@@ -52,6 +54,8 @@ _SIGNATURES = {
     "batchrun_rotary_bf16": "ptr i64 i64 i64 i64 ptr ptr i32",
     "batchrun_silu_mul_bf16": "ptr i64 i64 i64 ptr i32",
     "batchrun_write_kv_cache": "ptr ptr i64 i64 i64 i64 i64 i64 i64 i64 ptr ptr ptr i64 i64 i64 i64 i32",
+    "batchrun_linear_bf16_supported": "i64 i64",
+    "batchrun_linear_bf16": "ptr i64 i64 i64 ptr i64 ptr ptr i64 i32",
 }
 
 

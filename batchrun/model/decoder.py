@@ -16,7 +16,7 @@ from torch import nn
 
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
-from batchrun.kernels.cpu_linear import pack_linear
+from batchrun.kernels.cpu_linear import NativeEmbedding, NativeLinear, pack_linear
 from batchrun.model.moe import (SparseMoeBlock, expert_token_counts, fused_moe_weights, moe_config_fields,
                                 reset_expert_token_counts)
 
@@ -269,10 +269,12 @@ class DecoderLM(nn.Module):
         return logits
 
     def pack_cpu_linears(self, batch_hint: int = 32) -> int:
-        """Swap each bf16 CPU nn.Linear (the unquantized projections and an untied LM head) for its
-        oneDNN-packed twin (kernels/cpu_linear.py), bitwise the same outputs; returns how many. A
-        tied LM head stays plain: packing it would keep a second copy of the vocabulary matrix
-        beside the embedding's (56 MB for SmolLM2, GBs for large vocabularies) for ~2% of a step."""
+        """Swap each bf16 CPU nn.Linear (the unquantized projections and the LM head) for its packed
+        twin (kernels/cpu_linear.py), returns how many. A tied LM head is packed only where the
+        native kernel serves it: the embedding then reads its rows out of the same packed tensor
+        (NativeEmbedding). oneDNN's packed layout cannot be read that way, and packing the head for it
+        would keep a second copy of the vocabulary matrix (56 MB for SmolLM2, GBs for large
+        vocabularies) for ~2% of a step, so a tied head stays plain there."""
         tied = self.lm_head.weight is self.embed_tokens.weight
         count = 0
         for parent in list(self.modules()):
@@ -283,6 +285,11 @@ class DecoderLM(nn.Module):
                 if packed is not None:
                     setattr(parent, name, packed)
                     count += 1
+        if tied and isinstance(self.lm_head, nn.Linear) and isinstance(self.embed_tokens, nn.Embedding):
+            head = pack_linear(self.lm_head, batch_hint)
+            if isinstance(head, NativeLinear):
+                self.lm_head, self.embed_tokens = head, NativeEmbedding(head)
+                count += 1
         return count
 
     def expert_token_counts(self) -> Optional[list[list[int]]]:

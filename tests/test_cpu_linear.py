@@ -1,0 +1,173 @@
+"""The native bf16 linear kernel (csrc/linear.cpp, kernels/cpu_linear.py: NativeLinear) and its
+tied embedding, against float32 references and F.linear.
+
+One bf16 rounding of a float32 sum: each output is within half a bf16 step of the exact product
+of the bf16 inputs, and within one step of F.linear (whose float32 sums run in another order).
+Row counts cover the micro kernel's every tail (1-12 rows), several row blocks, and the split of
+rows across threads (more than 96 rows); thread counts 1-3 split the weight tiles unevenly.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchrun.kernels import cpu_linear
+from batchrun.kernels.cpu_linear import (NATIVE_MAX_IN_FEATURES, NativeEmbedding, NativeLinear, pack_linear,
+                                         pack_native_weight, unpack_native_weight)
+
+BF16 = torch.bfloat16
+
+pytestmark = pytest.mark.skipif(not cpu_linear.native_supported(32, 64),
+                                reason="native kernels not built here, or built without AVX512-BF16")
+
+
+def _linear(in_features: int, out_features: int, bias: bool, seed: int = 0) -> torch.nn.Linear:
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias).to(BF16)
+    with torch.no_grad():  # biases on the scale of the products, so their float32 add matters
+        if bias:
+            linear.bias.normal_(0.0, 0.5)
+    return linear
+
+
+def _assert_one_rounding_of_exact(got: torch.Tensor, x: torch.Tensor, linear: torch.nn.Linear) -> None:
+    exact = torch.nn.functional.linear(x.double(), linear.weight.double(),
+                                       None if linear.bias is None else linear.bias.double())
+    err = (got.double() - exact).abs()
+    # Half a bf16 step (2^-8 of the value at most), plus float32 summation error over K terms.
+    bound = exact.abs() * 2.0 ** -8 + 1e-6 * (x.double().abs() @ linear.weight.double().abs().t())
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"
+
+
+def _assert_within_one_step_of(got: torch.Tensor, want: torch.Tensor) -> None:
+    g, w = got.float(), want.float()
+    assert bool(((g - w).abs() <= w.abs() * 2.0 ** -7 + 1e-30).all())
+    assert (g != w).float().mean().item() < 0.01
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 13, 32, 97, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_linear_is_one_rounding_of_the_exact_product(rows, bias):
+    linear = _linear(96, 224, bias, seed=rows)
+    native = pack_linear(linear)
+    assert isinstance(native, NativeLinear)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(BF16)
+    with torch.inference_mode():
+        got = native(x)
+        assert got.dtype == BF16 and got.shape == (rows, 224)
+        _assert_one_rounding_of_exact(got, x, linear)
+        _assert_within_one_step_of(got, linear(x))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_linear_the_same_on_any_thread_count(threads):
+    # Each output element is one tile's sum in k order, whichever thread computes it.
+    linear = _linear(128, 320, True)
+    native = pack_linear(linear)
+    x = torch.randn(150, 128).to(BF16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.inference_mode():
+            want = native(x)
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            assert torch.equal(native(x), want)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_native_linear_input_layouts():
+    linear = _linear(64, 96, True)
+    native = pack_linear(linear)
+    wide = torch.randn(7, 80).to(BF16)
+    x = wide[:, 8:72]  # rows 80 apart: the row stride is passed through
+    assert not x.is_contiguous()
+    with torch.inference_mode():
+        want = native(x.contiguous())
+        assert torch.equal(native(x), want)
+        assert torch.equal(native(x.contiguous().view(1, 7, 64)), want.view(1, 7, 96))  # leading dims kept
+        assert native(torch.empty(0, 64, dtype=BF16)).shape == (0, 96)
+        # A float32 input goes to F.linear over the unpacked weight, which refuses it as nn.Linear does.
+        xf = torch.randn(3, 64)
+        with pytest.raises(RuntimeError, match="same dtype"):
+            linear(xf)
+        with pytest.raises(RuntimeError, match="same dtype"):
+            native(xf)
+
+
+def test_native_linear_falls_back_when_the_kernels_are_switched_off(monkeypatch):
+    linear = _linear(64, 96, True)
+    native = pack_linear(linear)
+    x = torch.randn(5, 64).to(BF16)
+    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    with torch.inference_mode():
+        assert torch.equal(native(x), linear(x))  # F.linear on the unpacked weight: bitwise
+
+
+def test_the_packed_layout_round_trips_and_replaces_the_plain_weight():
+    w = torch.randn(96, 40).to(BF16)
+    packed = pack_native_weight(w)
+    assert packed.shape == w.shape and not torch.equal(packed, w)  # tiles, not rows
+    assert torch.equal(unpack_native_weight(packed), w)
+    native = pack_linear(_linear(40, 96, False))
+    assert [name for name, _ in native.named_buffers()] == ["packed_weight"]  # no plain copy kept
+
+
+def test_pack_linear_chooses_by_shape():
+    assert isinstance(pack_linear(_linear(96, 224, False)), NativeLinear)
+    assert not isinstance(pack_linear(_linear(96, 200, False)), NativeLinear)  # 200 columns: not whole tiles
+    assert not isinstance(pack_linear(_linear(95, 224, False)), NativeLinear)  # odd K: no (k, k + 1) pairs
+    assert not isinstance(pack_linear(_linear(NATIVE_MAX_IN_FEATURES + 2, 32, False)), NativeLinear)
+    assert pack_linear(torch.nn.Linear(96, 224)) is None  # float32 stays on F.linear
+
+
+def test_a_tied_lm_head_is_packed_once_and_the_embedding_reads_it():
+    from transformers import LlamaConfig
+
+    from batchrun.model.decoder import DecoderLM
+    from batchrun.model.quant import module_weight_bytes
+
+    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = DecoderLM(config).to(BF16)
+    table = model.embed_tokens.weight.detach().clone()
+    bytes_before = module_weight_bytes(model)
+    assert model.pack_cpu_linears() == 4 * 2 + 1
+    assert isinstance(model.lm_head, NativeLinear) and isinstance(model.embed_tokens, NativeEmbedding)
+    assert model.embed_tokens.packed_weight is model.lm_head.packed_weight
+    assert module_weight_bytes(model) <= bytes_before + 4 * 2 * 1024  # at most the float32 bias copies
+    ids = torch.tensor([[0, 1, 31, 32, 33], [319, 288, 7, 7, 100]])
+    with torch.inference_mode():
+        assert torch.equal(model.embed_tokens(ids), table[ids])
+        h = torch.randn(4, 64).to(BF16)
+        _assert_within_one_step_of(model.compute_logits(h).to(BF16), torch.nn.functional.linear(h, table))
+
+
+def test_engine_runs_its_bf16_linears_natively_and_the_tokens_match_plain_linears(tiny_llama_dir):
+    from batchrun.engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="bfloat16", device="cpu", kv_cache_memory=16 << 20,
+                                 max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
+    num_layers = engine.model.spec.num_layers
+    assert engine.settings["native_linears"] == engine.settings["packed_linears"] == 4 * num_layers + 1
+    prompts = [[5 + (3 * i + j) % 150 for j in range(10 + 9 * i)] for i in range(5)]
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    tokens = [o.token_ids for o in engine.generate(prompts, params)]
+    # The same weights through F.linear: outputs differ at most in a last bf16 bit here and there,
+    # which does not move this model's greedy tokens.
+    for parent in list(engine.model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, NativeLinear):
+                plain = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None).to(BF16)
+                with torch.no_grad():
+                    plain.weight.copy_(child.weight())
+                    if child.bias is not None:
+                        plain.bias.copy_(child.bias)
+                setattr(parent, name, plain)
+    engine.reset_prefix_cache()
+    assert [o.token_ids for o in engine.generate(prompts, params)] == tokens
+    fp32 = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
+                               max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
+    assert fp32.settings["native_linears"] == 0

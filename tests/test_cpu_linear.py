@@ -171,3 +171,107 @@ def test_engine_runs_its_bf16_linears_natively_and_the_tokens_match_plain_linear
     fp32 = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
                                max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
     assert fp32.settings["native_linears"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# W8A8 through the native kernel (kernels/quant.py: w8a8_matmul_native, model/quant.py: W8A8Linear)
+
+needs_native_w8a8 = pytest.mark.skipif(
+    not __import__("batchrun.kernels.quant", fromlist=["x"]).w8a8_native_supported(32, 64, 8),
+    reason="native kernels not built here, or built without AVX512-VNNI")
+
+
+def _w8a8_layer(n: int, k: int, num_float: int, bias: bool, native: bool, seed: int = 0):
+    from batchrun.kernels import quant as qk
+    from batchrun.model import quant as mq
+
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(BF16)
+    b = (torch.randn(n, generator=g) * 0.5).to(BF16) if bias else None
+    outliers = None
+    if num_float:
+        w, outliers = mq.split_outlier_channels(w, torch.rand(k, generator=g), num_float)
+    qw = mq.quantize_weight(w, "int8")
+    return mq.W8A8Linear(qw, b, outliers, BF16 if native else None), qw, outliers, b
+
+
+def _activations(rows: int, k: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, k, generator=g) * torch.linspace(0.2, 4.0, k)).to(BF16)  # uneven channels
+
+
+@needs_native_w8a8
+@pytest.mark.parametrize("rows", [1, 7, 12, 13, 32, 130])
+def test_native_w8a8_without_float_channels_is_bitwise_the_torch_path(rows):
+    from batchrun.kernels import quant as qk
+
+    layer, qw, _, _ = _w8a8_layer(96, 128, 0, False, native=True, seed=rows)
+    assert layer.is_native and not hasattr(layer, "qweight")  # only the kernel's tiles are held
+    x = _activations(rows, 128, seed=rows)
+    with torch.inference_mode():
+        # Same int32 sums, same (acc * w_scale) * x_scale: bitwise, without a bias (the torch path
+        # adds a bias after its rounding, the kernel before: compared below against the exact value).
+        assert torch.equal(layer(x), qk.w8a8_matmul(x, qw.qweight, qw.scales))
+
+
+@needs_native_w8a8
+@pytest.mark.parametrize("rows", [1, 5, 32, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_w8a8_is_one_rounding_of_its_exact_value(rows, bias):
+    from batchrun.kernels import quant as qk
+
+    layer, qw, outliers, b = _w8a8_layer(64, 96, 8, bias, native=True, seed=rows)
+    assert layer.is_native and layer.format_key == "w8a8/float8"
+    x = _activations(rows, 96, seed=rows)
+    xq, sx, xo = qk.quantize_with_outliers(x, outliers)
+    exact = ((xq.double() @ qw.qweight.double().t()) * qw.scales.double().t() * sx.double()
+             + xo.double() @ outliers.weight_t.double())
+    if b is not None:
+        exact = exact + b.double()
+    with torch.inference_mode():
+        got = layer(x)
+    bound = exact.abs() * 2.0 ** -8 + 1e-5 * exact.abs().amax()  # half a bf16 step, plus float32 sums
+    assert bool(((got.double() - exact).abs() <= bound).all())
+    # The torch path rounds before adding the float channels (and the bias): never closer.
+    ref = qk.w8a8_matmul(x, qw.qweight, qw.scales, b, outliers)
+    assert (got.double() - exact).abs().mean() <= (ref.double() - exact).abs().mean()
+
+
+@needs_native_w8a8
+def test_native_w8a8_falls_back_to_the_torch_path_when_the_kernels_are_off(monkeypatch):
+    from batchrun.kernels import quant as qk
+
+    layer, qw, outliers, _ = _w8a8_layer(64, 96, 8, False, native=True)
+    reference_layer, *_ = _w8a8_layer(64, 96, 8, False, native=False)
+    assert not reference_layer.is_native
+    x = _activations(9, 96)
+    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    with torch.inference_mode():
+        assert torch.equal(layer(x), reference_layer(x))  # the unpacked weights through w8a8_matmul
+        assert torch.equal(qk.unpack_w8a8_weight(layer.packed_qweight), qw.qweight)
+
+
+@needs_native_w8a8
+def test_native_w8a8_shapes_it_does_not_serve_stay_on_the_torch_path():
+    from batchrun.kernels import quant as qk
+
+    assert not qk.w8a8_native_supported(100, 64)  # columns not whole tiles of 32
+    assert not qk.w8a8_native_supported(64, 66)  # K not a multiple of 4
+    assert not qk.w8a8_native_supported(64, 64, 3)  # an odd number of float channels
+    layer, *_ = _w8a8_layer(64, 96, 0, False, native=False)  # float32 models: not native
+    assert not layer.is_native and hasattr(layer, "qweight")
+
+
+@needs_native_w8a8
+def test_a_bf16_w8a8_engine_runs_natively(tiny_llama_dir):
+    from batchrun.engine import Engine, EngineConfig, SamplingParams
+    from batchrun.model.quant import W8A8Linear
+
+    engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="bfloat16", device="cpu", quantization="w8a8",
+                                 w8a8_outlier_channels=8, kv_cache_memory=16 << 20, max_num_seqs=8,
+                                 max_num_batched_tokens=64, block_size=16))
+    layers = [m for m in engine.model.modules() if isinstance(m, W8A8Linear)]
+    assert len(layers) == 4 * engine.model.spec.num_layers and all(m.is_native for m in layers)
+    prompts = [[5 + (3 * i + j) % 150 for j in range(10 + 9 * i)] for i in range(3)]
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
+    assert all(len(o.token_ids) == 8 for o in outs)

@@ -56,6 +56,8 @@ _SIGNATURES = {
     "batchrun_write_kv_cache": "ptr ptr i64 i64 i64 i64 i64 i64 i64 i64 ptr ptr ptr i64 i64 i64 i64 i32",
     "batchrun_linear_bf16_supported": "i64 i64",
     "batchrun_linear_bf16": "ptr i64 i64 i64 ptr i64 ptr ptr i64 i32",
+    "batchrun_w8a8_linear_supported": "i64 i64 i64",
+    "batchrun_w8a8_linear": "ptr i64 i64 i64 ptr ptr ptr i64 ptr i64 i64 ptr ptr ptr i64 i32",
 }
 
 

@@ -178,20 +178,39 @@ class Int8Linear(QuantLinear):
 
 class W8A8Linear(QuantLinear):
     """int8 weights per channel and int8 activations per token, integer GEMM; `outliers`, if given,
-    are input channels kept in float (their columns of `weight` are zero)."""
+    are input channels kept in float (their columns of `weight` are zero).
+
+    For bf16 on a CPU where the native kernel serves the shape (kernels/quant.py:
+    w8a8_native_supported), the weight is held only in that kernel's tiles (and the float channels'
+    weight in bf16 tiles), and every call runs it; otherwise torch._int_mm and the epilogue."""
 
     def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None,
-                 outliers: Optional[qk.OutlierChannels] = None) -> None:
+                 outliers: Optional[qk.OutlierChannels] = None, compute_dtype: Optional[torch.dtype] = None) -> None:
         assert weight.format == "int8" and weight.scales.shape[1] == 1, "W8A8 needs per-channel int8"
         super().__init__(weight.in_features, weight.out_features, bias)
-        self.register_buffer("qweight", weight.qweight)  # (N, K) int8
+        num_float = 0 if outliers is None else outliers.index.numel()
+        self.is_native = (weight.qweight.device.type == "cpu" and compute_dtype == torch.bfloat16
+                          and qk.w8a8_native_supported(weight.out_features, weight.in_features, num_float))
         self.register_buffer("scales", weight.scales)  # (N, 1) float32
+        if self.is_native:
+            from batchrun.kernels.cpu_linear import pack_native_weight
+
+            self.register_buffer("packed_qweight", qk.pack_w8a8_weight(weight.qweight))  # (N, K) uint8 tiles
+            self.register_buffer("scales_flat", weight.scales[:, 0].float().contiguous(), persistent=False)
+            self.register_buffer("bias_f32", None if bias is None else bias.float().contiguous(), persistent=False)
+            packed_out = None
+            if outliers is not None:  # (N, num_float) bf16 tiles; the (num_float, N) copy is not kept
+                packed_out = pack_native_weight(outliers.weight_t.t().to(torch.bfloat16).contiguous())
+                outliers = qk.OutlierChannels(outliers.index, outliers.skip, outliers.weight_t.new_empty((0, weight.out_features)))
+            self.register_buffer("packed_outlier_weight", packed_out)
+        else:
+            self.register_buffer("qweight", weight.qweight)  # (N, K) int8
         self.outliers = outliers
         if outliers is not None:  # buffers, so .to() and the weight-bytes count see them
             self.register_buffer("outlier_index", outliers.index)
             self.register_buffer("outlier_skip", outliers.skip)
             self.register_buffer("outlier_weight_t", outliers.weight_t)
-        self.format_key = "w8a8" if outliers is None else f"w8a8/float{outliers.index.numel()}"
+        self.format_key = "w8a8" if outliers is None else f"w8a8/float{num_float}"
 
     def _apply(self, fn, recurse=True):  # keep `outliers` pointing at the moved buffers
         super()._apply(fn, recurse)
@@ -200,7 +219,22 @@ class W8A8Linear(QuantLinear):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_native:
+            if x.dtype == torch.bfloat16 and x.stride(-1) == 1 and not x.is_cuda and qk.cpu_native.enabled():
+                return qk.w8a8_matmul_native(x, self.packed_qweight, self.scales_flat, self.bias_f32, self.outliers,
+                                             self.packed_outlier_weight)
+            return self._reference(x)  # kernels switched off since load, or an odd input
         return qk.w8a8_matmul(x, self.qweight, self.scales, self.bias, self.outliers)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        """w8a8_matmul over the unpacked weights (slow; only when the native kernel cannot run)."""
+        from batchrun.kernels.cpu_linear import unpack_native_weight
+
+        outliers = self.outliers
+        if outliers is not None:
+            weight_t = unpack_native_weight(self.packed_outlier_weight).t().contiguous()
+            outliers = qk.OutlierChannels(outliers.index, outliers.skip, weight_t)
+        return qk.w8a8_matmul(x, qk.unpack_w8a8_weight(self.packed_qweight), self.scales, self.bias, outliers)
 
 
 class Int4Linear(QuantLinear):
@@ -284,7 +318,7 @@ def make_linear(weight: QuantizedWeight, mode: str, bias: Optional[torch.Tensor]
     if weight.format == "fp8":
         return Fp8Linear(weight, bias)
     if mode == "w8a8" and weight.scales.shape[1] == 1:
-        return W8A8Linear(weight, bias, outliers)
+        return W8A8Linear(weight, bias, outliers, compute_dtype)
     return Int8Linear(weight, bias)
 
 

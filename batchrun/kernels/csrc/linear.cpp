@@ -17,6 +17,7 @@
 // Plain C ABI (ctypes), OpenMP from torch's libgomp, like the other kernels here.
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -32,25 +33,35 @@ constexpr int64_t ROW_CHUNK = 96;  // rows per work item when rows are split acr
 
 #if defined(BATCHRUN_LINEAR_BF16)
 
-// Rows [0, R) of x times one weight tile -> 32 columns of y. `pf` (or null): bytes of the next
-// tile to prefetch into L2 while this one computes, spread evenly over the k steps.
+// Each k step of a tile is 128 bytes of weights (32 columns x one bf16 pair or int8 quad), so the
+// next tile (or null), the same size, is prefetched into L2 two cache lines per step.
+inline void prefetch_step(const char* pf, int64_t step) {
+    if (pf) {
+        _mm_prefetch(pf + step * 128, _MM_HINT_T1);
+        _mm_prefetch(pf + step * 128 + 64, _MM_HINT_T1);
+    }
+}
+
+// Rows [0, R) of x times one weight tile -> 32 columns of y; `pf`: the next tile, or null.
 template <int R>
-void micro(const uint16_t* x, int64_t ldx, const uint32_t* tile, int64_t kp_count, const float* bias, uint16_t* y,
-           int64_t ldy, const char* pf, int64_t pf_bytes) {
-    __m512 acc[R][2];
-    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+__attribute__((noinline)) void micro(const uint16_t* x, int64_t ldx, const uint32_t* tile, int64_t kp_count, const float* bias, uint16_t* y,
+           int64_t ldy, const char* pf) {
+    __m512 acc0[R], acc1[R];
+    for (int r = 0; r < R; ++r) {
+        acc0[r] = _mm512_setzero_ps();
+        acc1[r] = _mm512_setzero_ps();
+    }
     const uint32_t* xr[R];
     for (int r = 0; r < R; ++r) xr[r] = reinterpret_cast<const uint32_t*>(x + r * ldx);
-    const int64_t pf_per_step = pf ? ((pf_bytes / kp_count + 63) & ~int64_t(63)) : 0;
     for (int64_t kp = 0; kp < kp_count; ++kp) {
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + kp * TILE_N);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(tile + kp * TILE_N + 16);
-        for (int64_t b = 0; b < pf_per_step; b += 64) _mm_prefetch(pf + kp * pf_per_step + b, _MM_HINT_T1);
+        prefetch_step(pf, kp);
 #pragma GCC unroll 12
         for (int r = 0; r < R; ++r) {
             const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[r][kp]));
-            acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
-            acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
+            acc0[r] = _mm512_dpbf16_ps(acc0[r], xb, w0);
+            acc1[r] = _mm512_dpbf16_ps(acc1[r], xb, w1);
         }
     }
     __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
@@ -59,23 +70,113 @@ void micro(const uint16_t* x, int64_t ldx, const uint32_t* tile, int64_t kp_coun
         b1 = _mm512_loadu_ps(bias + 16);
     }
     for (int r = 0; r < R; ++r) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc0[r], b0)));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1)));
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc1[r], b1)));
     }
 }
 
 void rows(int64_t m, const uint16_t* x, int64_t ldx, const uint32_t* tile, int64_t kp_count, const float* bias,
-          uint16_t* y, int64_t ldy, const char* pf, int64_t pf_bytes) {
+          uint16_t* y, int64_t ldy, const char* pf) {
     switch (m) {
 #define BATCHRUN_ROWS(n) \
-    case n: micro<n>(x, ldx, tile, kp_count, bias, y, ldy, pf, pf_bytes); break;
+    case n: micro<n>(x, ldx, tile, kp_count, bias, y, ldy, pf); break;
         BATCHRUN_ROWS(1) BATCHRUN_ROWS(2) BATCHRUN_ROWS(3) BATCHRUN_ROWS(4) BATCHRUN_ROWS(5) BATCHRUN_ROWS(6)
         BATCHRUN_ROWS(7) BATCHRUN_ROWS(8) BATCHRUN_ROWS(9) BATCHRUN_ROWS(10) BATCHRUN_ROWS(11) BATCHRUN_ROWS(12)
 #undef BATCHRUN_ROWS
         default: break;
     }
 }
+
+#if defined(__AVX512VNNI__)
+#define BATCHRUN_W8A8 1
+
+// W8A8: rows [0, R) of per-token int8 activations times one int8 weight tile (32 columns), then
+// (acc * w_scale) * x_scale in float32, plus the float outlier channels (bf16 pairs, dot products
+// into the same float32 registers), plus bias, one rounding to bf16. vpdpbusd multiplies unsigned
+// by signed bytes, and only its signed operand can be a broadcast from memory: the weight is
+// stored as w + 128 (unsigned) and x broadcast as it is, and 128 * (the row's sum of x) taken
+// off again, so the int32 sum is exactly that of x * w.
+// acc += a (unsigned bytes) . b (signed bytes), four products per int32 lane. Inline asm: GCC's
+// register allocation around the _mm512_dpbusd_epi32 builtin spilled most of the 24 accumulators
+// to the stack on every step (the bf16 builtin does not), which halved the kernel's speed.
+inline __m512i dpbusd(__m512i acc, __m512i a, __m512i b) {
+    asm("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+    return acc;
+}
+
+template <int R>
+__attribute__((noinline)) void w8a8_micro(const int8_t* xq, int64_t ldq, const float* sx, const uint32_t* tile, int64_t kq_count,
+                const int32_t* rowsum128, const float* sw, const uint16_t* xo, int64_t ldo, const uint32_t* otile,
+                int64_t op_count, const float* bias, uint16_t* y, int64_t ldy, const char* pf) {
+    __m512i acc0[R], acc1[R];
+    for (int r = 0; r < R; ++r) {
+        acc0[r] = _mm512_setzero_si512();
+        acc1[r] = _mm512_setzero_si512();
+    }
+    const uint32_t* xr[R];
+    for (int r = 0; r < R; ++r) xr[r] = reinterpret_cast<const uint32_t*>(xq + r * ldq);
+    for (int64_t kq = 0; kq < kq_count; ++kq) {
+        const __m512i w0 = _mm512_loadu_si512(tile + kq * TILE_N);
+        const __m512i w1 = _mm512_loadu_si512(tile + kq * TILE_N + 16);
+        prefetch_step(pf, kq);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) {
+            const __m512i xb = _mm512_set1_epi32(static_cast<int>(xr[r][kq]));
+            acc0[r] = dpbusd(acc0[r], w0, xb);
+            acc1[r] = dpbusd(acc1[r], w1, xb);
+        }
+    }
+    const __m512 s0 = _mm512_loadu_ps(sw), s1 = _mm512_loadu_ps(sw + 16);
+    __m512 f[R][2];
+    for (int r = 0; r < R; ++r) {
+        const __m512 xs = _mm512_set1_ps(sx[r]);
+        const __m512i c = _mm512_set1_epi32(rowsum128[r]);
+        f[r][0] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc0[r], c)), s0), xs);
+        f[r][1] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc1[r], c)), s1), xs);
+    }
+    for (int64_t op = 0; op < op_count; ++op) {
+        const __m512bh o0 = (__m512bh)_mm512_loadu_si512(otile + op * TILE_N);
+        const __m512bh o1 = (__m512bh)_mm512_loadu_si512(otile + op * TILE_N + 16);
+#pragma GCC unroll 12
+        for (int r = 0; r < R; ++r) {
+            const __m512bh xb = (__m512bh)_mm512_set1_epi32(
+                static_cast<int>(reinterpret_cast<const uint32_t*>(xo + r * ldo)[op]));
+            f[r][0] = _mm512_dpbf16_ps(f[r][0], xb, o0);
+            f[r][1] = _mm512_dpbf16_ps(f[r][1], xb, o1);
+        }
+    }
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) {
+        b0 = _mm512_loadu_ps(bias);
+        b1 = _mm512_loadu_ps(bias + 16);
+    }
+    for (int r = 0; r < R; ++r) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(f[r][0], b0)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(f[r][1], b1)));
+    }
+}
+
+struct W8A8Args {
+    const int8_t* xq; int64_t ldq; const float* sx; const uint32_t* tile; int64_t kq_count; const int32_t* rowsum128;
+    const float* sw; const uint16_t* xo; int64_t ldo; const uint32_t* otile; int64_t op_count; const float* bias;
+    uint16_t* y; int64_t ldy; const char* pf;
+};
+
+void w8a8_rows(int64_t m, const W8A8Args& a) {
+    switch (m) {
+#define BATCHRUN_ROWS(n) \
+    case n: w8a8_micro<n>(a.xq, a.ldq, a.sx, a.tile, a.kq_count, a.rowsum128, a.sw, a.xo, a.ldo, a.otile, a.op_count, \
+                          a.bias, a.y, a.ldy, a.pf); break;
+        BATCHRUN_ROWS(1) BATCHRUN_ROWS(2) BATCHRUN_ROWS(3) BATCHRUN_ROWS(4) BATCHRUN_ROWS(5) BATCHRUN_ROWS(6)
+        BATCHRUN_ROWS(7) BATCHRUN_ROWS(8) BATCHRUN_ROWS(9) BATCHRUN_ROWS(10) BATCHRUN_ROWS(11) BATCHRUN_ROWS(12)
+#undef BATCHRUN_ROWS
+        default: break;
+    }
+}
+
+#endif  // __AVX512VNNI__
 
 #endif  // BATCHRUN_LINEAR_BF16
 
@@ -120,13 +221,92 @@ int batchrun_linear_bf16(const void* x, int64_t m, int64_t k, int64_t ldx, const
             for (int64_t r0 = r_begin; r0 < r_end; r0 += MR) {
                 const int64_t rows_here = r_end - r0 < MR ? r_end - r0 : MR;
                 rows(rows_here, xp + r0 * ldx, ldx, tile, kp_count, bias ? bias + t * TILE_N : nullptr,
-                     yp + r0 * ldy + t * TILE_N, ldy, r0 == r_begin ? pf : nullptr, tile_bytes);
+                     yp + r0 * ldy + t * TILE_N, ldy, r0 == r_begin ? pf : nullptr);
             }
         }
     }
     return 0;
 #else
     (void)x, (void)m, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)num_threads;
+    return -2;
+#endif
+}
+
+
+// 1 if batchrun_w8a8_linear serves an (N, K) int8 weight with n_out float channels on this build:
+// AVX512-VNNI and BF16, N a multiple of 32, K a multiple of 4, n_out even.
+int batchrun_w8a8_linear_supported(int64_t n, int64_t k, int64_t n_out) {
+#if defined(BATCHRUN_W8A8)
+    return n > 0 && k > 0 && n % TILE_N == 0 && k % 4 == 0 && n_out >= 0 && n_out % 2 == 0 ? 1 : 0;
+#else
+    (void)n, (void)k, (void)n_out;
+    return 0;
+#endif
+}
+
+// y (M, N) bf16 = ((xq @ Wq.T) * w_scales) * x_scales + xo @ Wo.T + bias, where
+// xq: (M, K) int8 (row stride ldq), x_scales: (M,) float32, packed: Wq + 128 as uint8 tiles
+// [N / 32][K / 4][32][4] (the unsigned operand of vpdpbusd), w_scales: (N,) float32,
+// xo: (M, n_out) bf16 (row stride ldo) the float channels' activations, or null with n_out = 0,
+// packed_out: Wo (N, n_out) in batchrun_linear_bf16's tiles, bias: (N,) float32 or null.
+int batchrun_w8a8_linear(const void* xq, int64_t m, int64_t k, int64_t ldq, const float* x_scales, const void* packed,
+                         const float* w_scales, int64_t n, const void* xo, int64_t n_out,
+                         int64_t ldo, const void* packed_out, const float* bias, void* y, int64_t ldy,
+                         int num_threads) {
+    if (!batchrun_w8a8_linear_supported(n, k, n_out)) return -2;
+#if defined(BATCHRUN_W8A8)
+    const int64_t kq_count = k / 4, op_count = n_out / 2, tiles = n / TILE_N;
+    const int64_t tile_bytes = kq_count * TILE_N * 4, otile_bytes = op_count * TILE_N * 4;
+    const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK, items = tiles * chunks;
+    const auto* xqp = static_cast<const int8_t*>(xq);
+    const auto* xop = static_cast<const uint16_t*>(xo);
+    auto* yp = static_cast<uint16_t*>(y);
+    const auto* wp = static_cast<const char*>(packed);
+    const auto* op = static_cast<const char*>(packed_out);
+    std::vector<int32_t> rowsum128(static_cast<size_t>(m));  // 128 * sum_k xq[r, k]
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; ++r) {
+            const int8_t* xr = xqp + r * ldq;
+            int32_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < k; ++i) sum += xr[i];
+            rowsum128[r] = 128 * sum;
+        }  // the implicit barrier: every row's sum is in before any tile uses it
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t first = items * tid / nt, last = items * (tid + 1) / nt;
+        for (int64_t item = first; item < last; ++item) {
+            const int64_t t = item / chunks, r_begin = (item % chunks) * ROW_CHUNK;
+            const int64_t r_end = r_begin + ROW_CHUNK < m ? r_begin + ROW_CHUNK : m;
+            W8A8Args a{};
+            a.tile = reinterpret_cast<const uint32_t*>(wp + t * tile_bytes);
+            a.kq_count = kq_count;
+            a.sw = w_scales + t * TILE_N;
+            a.otile = op_count ? reinterpret_cast<const uint32_t*>(op + t * otile_bytes) : nullptr;
+            a.op_count = op_count;
+            a.bias = bias ? bias + t * TILE_N : nullptr;
+            const char* pf = (item % chunks == chunks - 1 && t + 1 < tiles && item + 1 < last)
+                                 ? wp + (t + 1) * tile_bytes : nullptr;
+            for (int64_t r0 = r_begin; r0 < r_end; r0 += MR) {
+                const int64_t rows_here = r_end - r0 < MR ? r_end - r0 : MR;
+                a.xq = xqp + r0 * ldq;
+                a.ldq = ldq;
+                a.sx = x_scales + r0;
+                a.rowsum128 = rowsum128.data() + r0;
+                a.xo = op_count ? xop + r0 * ldo : nullptr;
+                a.ldo = ldo;
+                a.y = yp + r0 * ldy + t * TILE_N;
+                a.ldy = ldy;
+                a.pf = r0 == r_begin ? pf : nullptr;
+                w8a8_rows(rows_here, a);
+            }
+        }
+    }
+    return 0;
+#else
+    (void)xq, (void)m, (void)ldq, (void)x_scales, (void)packed, (void)w_scales, (void)xo, (void)ldo;
+    (void)packed_out, (void)bias, (void)y, (void)ldy, (void)num_threads;
     return -2;
 #endif
 }

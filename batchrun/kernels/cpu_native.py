@@ -10,7 +10,8 @@
   silu(gate) * up in bf16, one pass each (kernels/elementwise.py), and the KV-cache write
   (kernels/cpu_attention.py);
 - csrc/linear.cpp: bf16 linear layers over weights packed at load, prefetching the weight stream
-  (kernels/cpu_linear.py: NativeLinear).
+  (kernels/cpu_linear.py: NativeLinear), and W8A8's int8 GEMM with its scales and float channels
+  (kernels/quant.py: w8a8_matmul_native).
 
 They are compiled together with the system C++ compiler (`$CXX`, `c++`, `g++` or `clang++`;
 -O3 -march=native -fopenmp) into one library in a per-user cache ($BATCHRUN_KERNEL_CACHE, else

@@ -10,10 +10,10 @@ Modes (`engine.quantization`):
 - `w8a8`: int8 weights per channel and int8 activations per token, an exact int32 GEMM
   (torch._int_mm: VNNI on x86 CPUs), after SmoothQuant moves activation outliers into the weights
   (calibrated at load on 1k tokens of built-in text); the `outlier_channels` input channels of each
-  projection whose range is still largest stay in float (`split_outlier_channels`). Measured on
-  SmolLM2 with 2 cores: 64 float channels (the default) 97.9% top-1 agreement at 0.73-0.99x bf16's
-  summarize tokens/s (the float channels' small second GEMM per projection); none 94.7% at
-  1.11-1.30x (the CPU throughput setting).
+  projection whose range is still largest stay in float (`split_outlier_channels`). In bf16 on a
+  CPU with AVX512-VNNI one native kernel does it all (kernels/quant.py: w8a8_matmul_native).
+  Measured on SmolLM2 with 2 cores: 64 float channels (the default) 97.9% top-1 agreement at
+  1.15-1.22x bf16's summarize tokens/s; none 94.7% at 1.28-1.36x.
 - `int4`: weight-only asymmetric int4 in groups along K (`group_size`), packed two per byte.
 - `fp8`: e4m3 weights per channel; on Hopper-class GPUs per-token e4m3 activations and
   torch._scaled_mm. Elsewhere a dequantizing reference (slow: the CPU has no fp8 GEMM).

@@ -273,5 +273,110 @@ def test_a_bf16_w8a8_engine_runs_natively(tiny_llama_dir):
     layers = [m for m in engine.model.modules() if isinstance(m, W8A8Linear)]
     assert len(layers) == 4 * engine.model.spec.num_layers and all(m.is_native for m in layers)
     prompts = [[5 + (3 * i + j) % 150 for j in range(10 + 9 * i)] for i in range(3)]
-    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
-    assert all(len(o.token_ids) == 8 for o in outs)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    tokens = [o.token_ids for o in engine.generate(prompts, params)]
+    # The same layers on the torch path (_int_mm, then the float channels after a first rounding):
+    # the outputs differ in last bits only, which does not move this model's greedy tokens.
+    for m in layers:
+        m._kernel_ok = False
+    engine.reset_prefix_cache()
+    assert [o.token_ids for o in engine.generate(prompts, params)] == tokens
+
+
+def test_a_native_linear_moved_to_another_dtype_stops_using_the_kernel():
+    # The kernel reads bf16 pairs and a float32 bias: after .float() its buffers are float32, and
+    # reading them as bf16 would be garbage, so the module takes F.linear over the unpacked weight.
+    linear = _linear(64, 96, True)
+    native = pack_linear(linear).float()
+    x = torch.randn(5, 64)
+    with torch.inference_mode():
+        want = torch.nn.functional.linear(x, linear.weight.float(), linear.bias.float())
+        assert torch.equal(native(x), want)
+        with pytest.raises(RuntimeError, match="same dtype"):  # as a float32 nn.Linear refuses bf16 input
+            native(x.to(BF16))
+
+
+@needs_native_w8a8
+def test_a_native_w8a8_layer_follows_to_dtype():
+    # .to(bf16) casts the float32 scales (and bias): the kernel's float32 copies are rebuilt from
+    # them, not read as the wrong type. .float() casts the float channels' bf16 weight, which the
+    # kernel cannot read: the layer takes the reference path, like a layer that was never native.
+    layer, *_ = _w8a8_layer(64, 96, 8, True, native=True)
+    x = _activations(9, 96)
+    with torch.inference_mode():
+        before = layer(x)
+        layer = layer.to(BF16)
+        assert layer._kernel_ok
+        after = layer(x)
+        assert bool(torch.isfinite(after).all())
+        assert (after.float() - before.float()).abs().max() <= 0.02 * before.float().abs().max()
+        reference_layer, *_ = _w8a8_layer(64, 96, 8, True, native=False)
+        layer, reference_layer = layer.float(), reference_layer.to(BF16).float()
+        assert not layer._kernel_ok
+        assert torch.equal(layer(x.float()), reference_layer(x.float()))
+
+
+@needs_native_w8a8
+def test_native_w8a8_refuses_an_input_of_the_wrong_width():
+    layer, *_ = _w8a8_layer(64, 96, 0, False, native=True)
+    with pytest.raises(ValueError, match="features"):
+        layer(_activations(3, 128))
+
+
+def test_a_native_linear_refuses_an_input_of_the_wrong_width_as_nn_linear_does():
+    native = pack_linear(_linear(64, 96, False))
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        native(torch.randn(3, 32).to(BF16))
+
+
+def test_load_state_dict_refreshes_what_the_kernels_read():
+    a, b = pack_linear(_linear(64, 96, True, seed=1)), pack_linear(_linear(64, 96, True, seed=2))
+    a.load_state_dict(b.state_dict())
+    x = torch.randn(4, 64).to(BF16)
+    with torch.inference_mode():
+        assert torch.equal(a(x), b(x))  # the float32 bias copy follows the loaded bias
+
+
+@needs_native_w8a8
+def test_load_state_dict_refreshes_the_native_w8a8_scales():
+    a, *_ = _w8a8_layer(64, 96, 8, True, native=True, seed=1)
+    b, *_ = _w8a8_layer(64, 96, 8, True, native=True, seed=2)
+    a.load_state_dict(b.state_dict())
+    x = _activations(4, 96)
+    with torch.inference_mode():
+        assert torch.equal(a(x), b(x))
+
+
+def test_more_threads_than_weight_tiles():
+    linear = _linear(64, 32, True)  # one tile
+    native = pack_linear(linear)
+    x = torch.randn(5, 64).to(BF16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.inference_mode():
+            want = native(x)
+        torch.set_num_threads(3)
+        with torch.inference_mode():
+            assert torch.equal(native(x), want)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_tied_embedding_refuses_negative_ids_and_packing_twice_is_harmless():
+    from transformers import LlamaConfig
+
+    from batchrun.model.decoder import DecoderLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = DecoderLM(config).to(BF16)
+    assert model.pack_cpu_linears() == 4 + 1
+    assert model.pack_cpu_linears() == 0  # nothing left to pack
+    with pytest.raises(IndexError):
+        model.embed_tokens(torch.tensor([3, -1]))
+    with pytest.raises(IndexError):
+        model.embed_tokens(torch.tensor([64]))
+    model = model.float()  # one tensor still: the embedding reads the head's, converted once
+    assert model.embed_tokens.packed_weight is model.lm_head.packed_weight
+    assert model.embed_tokens.packed_weight.dtype == torch.float32

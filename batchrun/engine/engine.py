@@ -57,6 +57,17 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
 
 
+def _weight_count(model: torch.nn.Module) -> int:
+    """Elements of a model's parameters and buffers, a tensor shared by two modules counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel()
+    return total
+
+
 def _available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]
@@ -247,8 +258,8 @@ class Engine:
             draft.load_hf_state_dict(loaded.state_dict)
             # Same block ids and slot mapping as the target, so one block table serves both caches.
             runner = ModelRunner(draft.eval(), num_blocks, self.config.block_size, self.dtype, self.device)
-            draft_params = sum(p.numel() for p in draft.parameters())
-            draft_cost = draft_params / sum(p.numel() for p in self.model.parameters())
+            # Weights as parameters or as buffers (packed, quantized, a tied head's tiles), each once.
+            draft_cost = _weight_count(draft) / _weight_count(self.model)
             self.settings["draft_model"] = loaded.path
         cost = StepCostModel(profile.get("decode_tok_s") or {1: 1.0})
         policy = SpeculationPolicy(spec, cost, draft_cost)

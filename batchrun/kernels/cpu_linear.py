@@ -85,30 +85,48 @@ def unpack_native_weight(packed: torch.Tensor) -> torch.Tensor:
 
 
 class NativeLinear(nn.Module):
-    """y = x @ W.T + b through csrc/linear.cpp, W held in its tile layout (pack_native_weight)."""
+    """y = x @ W.T + b through csrc/linear.cpp, W held in its tile layout (pack_native_weight).
+
+    The kernel also reads a float32 copy of the bias; that copy and the check that the buffers are
+    still what the kernel reads are rebuilt after .to() and load_state_dict (`_refresh`). A module
+    whose weight is no longer bf16 on the CPU takes F.linear over the unpacked weight."""
 
     def __init__(self, packed_weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
         super().__init__()
         self.out_features, self.in_features = packed_weight.shape
         self.register_buffer("packed_weight", packed_weight)  # (out_features, in_features) bf16, tiled
         self.register_buffer("bias", bias)  # (out_features,) or None, in the model dtype
+        self._refresh()
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh())
+
+    def _refresh(self) -> None:
+        w, b = self.packed_weight, self.bias
         # The kernel adds the bias in float32 before its one rounding, as F.linear does.
-        self.register_buffer("bias_f32", None if bias is None else bias.float().contiguous(), persistent=False)
+        self._bias_f32 = None if b is None else b.detach().float().contiguous()
+        self._kernel_ok = (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
+                           and (b is None or b.device.type == "cpu"))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._refresh()
+        return self
 
     def weight(self) -> torch.Tensor:
         """The plain (out_features, in_features) weight (a copy)."""
         return unpack_native_weight(self.packed_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Called for every projection of every step: checks kept to the few that can fail here (the
-        # weight is on the CPU and the library loaded, or this module would not exist).
+        # Called for every projection of every step: a few cheap checks, the rest was settled at load.
+        if (x.dtype != torch.bfloat16 or x.shape[-1] != self.in_features or x.is_cuda or not self._kernel_ok
+                or not cpu_native.enabled()):
+            return F.linear(x, self.weight(), self.bias)  # an odd input (F.linear's errors), or kernels off
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if x2.dtype != torch.bfloat16 or x2.stride(1) != 1 or x2.is_cuda or not cpu_native.enabled():
-            return F.linear(x, self.weight(), self.bias)  # kernels switched off since load, or an odd input
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
         m = x2.shape[0]
         y = torch.empty((m, self.out_features), dtype=torch.bfloat16)
         if m:
-            bias = self.bias_f32
+            bias = self._bias_f32
             rc = cpu_native.library().batchrun_linear_bf16(
                 x2.data_ptr(), m, self.in_features, x2.stride(0), self.packed_weight.data_ptr(), self.out_features,
                 None if bias is None else bias.data_ptr(), y.data_ptr(), self.out_features, torch.get_num_threads())
@@ -122,18 +140,27 @@ class NativeLinear(nn.Module):
 
 class NativeEmbedding(nn.Module):
     """A token embedding tied to a NativeLinear LM head: rows are read out of the head's tiled
-    weight, so the vocabulary matrix is held once (the values are the same bf16 numbers)."""
+    weight, so the vocabulary matrix is held once (the values are the same bf16 numbers). The head
+    is referenced, not registered: its buffer belongs to the head alone, so .to() converts it once
+    and the two stay one tensor."""
 
     def __init__(self, head: NativeLinear) -> None:
         super().__init__()
+        object.__setattr__(self, "_head", head)  # not a submodule (see above)
         self.num_embeddings, self.embedding_dim = head.packed_weight.shape
-        self.register_buffer("packed_weight", head.packed_weight)  # the head's tensor, shared
+
+    @property
+    def packed_weight(self) -> torch.Tensor:
+        return self._head.packed_weight
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        n, k = self.packed_weight.shape
-        tiles = self.packed_weight.view(n // _TILE_N, k // 2, _TILE_N, 2)
+        packed = self._head.packed_weight
+        n, k = packed.shape
+        tiles = packed.view(n // _TILE_N, k // 2, _TILE_N, 2)
         ids = input_ids.reshape(-1)
-        rows = tiles[ids // _TILE_N, :, ids % _TILE_N, :]  # (num_ids, k / 2, 2)
+        if ids.numel() and int(ids.min()) < 0:  # floor division would wrap a negative id to a real row
+            raise IndexError(f"token id {int(ids.min())} out of range for an embedding of {n} rows")
+        rows = tiles[ids // _TILE_N, :, ids % _TILE_N, :]  # (num_ids, k / 2, 2); ids >= n raise IndexError
         return rows.reshape(*input_ids.shape, k)
 
 

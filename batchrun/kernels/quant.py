@@ -236,6 +236,8 @@ def w8a8_matmul_native(x: torch.Tensor, packed: torch.Tensor, w_scales: torch.Te
     native pass as w8a8_matmul's, so the int32 sums are identical; the float channels are added
     before the single rounding instead of after one (more exact)."""
     shape = x.shape
+    if shape[-1] != packed.shape[1]:  # the kernel takes K from the input: a wrong width would read past W
+        raise ValueError(f"input has {shape[-1]} features, the weight {packed.shape[1]}")
     x2 = x.reshape(-1, shape[-1])
     if outliers is None:
         xq, sx = quantize_per_token_int8(x2)

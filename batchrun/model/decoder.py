@@ -275,7 +275,8 @@ class DecoderLM(nn.Module):
         (NativeEmbedding). oneDNN's packed layout cannot be read that way, and packing the head for it
         would keep a second copy of the vocabulary matrix (56 MB for SmolLM2, GBs for large
         vocabularies) for ~2% of a step, so a tied head stays plain there."""
-        tied = self.lm_head.weight is self.embed_tokens.weight
+        tied = (isinstance(self.lm_head, nn.Linear) and isinstance(self.embed_tokens, nn.Embedding)
+                and self.lm_head.weight is self.embed_tokens.weight)
         count = 0
         for parent in list(self.modules()):
             for name, child in list(parent.named_children()):
@@ -285,7 +286,7 @@ class DecoderLM(nn.Module):
                 if packed is not None:
                     setattr(parent, name, packed)
                     count += 1
-        if tied and isinstance(self.lm_head, nn.Linear) and isinstance(self.embed_tokens, nn.Embedding):
+        if tied:
             head = pack_linear(self.lm_head, batch_hint)
             if isinstance(head, NativeLinear):
                 self.lm_head, self.embed_tokens = head, NativeEmbedding(head)

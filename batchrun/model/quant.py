@@ -196,8 +196,6 @@ class W8A8Linear(QuantLinear):
             from batchrun.kernels.cpu_linear import pack_native_weight
 
             self.register_buffer("packed_qweight", qk.pack_w8a8_weight(weight.qweight))  # (N, K) uint8 tiles
-            self.register_buffer("scales_flat", weight.scales[:, 0].float().contiguous(), persistent=False)
-            self.register_buffer("bias_f32", None if bias is None else bias.float().contiguous(), persistent=False)
             packed_out = None
             if outliers is not None:  # (N, num_float) bf16 tiles; the (num_float, N) copy is not kept
                 packed_out = pack_native_weight(outliers.weight_t.t().to(torch.bfloat16).contiguous())
@@ -211,17 +209,33 @@ class W8A8Linear(QuantLinear):
             self.register_buffer("outlier_skip", outliers.skip)
             self.register_buffer("outlier_weight_t", outliers.weight_t)
         self.format_key = "w8a8" if outliers is None else f"w8a8/float{num_float}"
+        self._refresh()
+        self.register_load_state_dict_post_hook(lambda module, _keys: module._refresh())
 
-    def _apply(self, fn, recurse=True):  # keep `outliers` pointing at the moved buffers
-        super()._apply(fn, recurse)
+    def _refresh(self) -> None:
+        """Keep `outliers` pointing at the current buffers and, for the native kernel, rebuild the
+        float32 copies it reads (per-channel scales, bias) and the check that its buffers are still
+        the dtypes it reads (a later .to(dtype/device) may change them: then the reference path)."""
         if self.outliers is not None:
             self.outliers = qk.OutlierChannels(self.outlier_index, self.outlier_skip, self.outlier_weight_t)
+        if self.is_native:
+            self._scales_f32 = self.scales[:, 0].detach().float().contiguous()
+            self._bias_f32 = None if self.bias is None else self.bias.detach().float().contiguous()
+            out = self.packed_outlier_weight
+            self._kernel_ok = (self.packed_qweight.dtype == torch.uint8 and self.packed_qweight.device.type == "cpu"
+                               and self.scales.device.type == "cpu"
+                               and (out is None or (out.dtype == torch.bfloat16 and out.device.type == "cpu")))
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self._refresh()
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_native:
-            if x.dtype == torch.bfloat16 and x.stride(-1) == 1 and not x.is_cuda and qk.cpu_native.enabled():
-                return qk.w8a8_matmul_native(x, self.packed_qweight, self.scales_flat, self.bias_f32, self.outliers,
+            if (x.dtype == torch.bfloat16 and x.stride(-1) == 1 and not x.is_cuda and self._kernel_ok
+                    and qk.cpu_native.enabled()):
+                return qk.w8a8_matmul_native(x, self.packed_qweight, self._scales_f32, self._bias_f32, self.outliers,
                                              self.packed_outlier_weight)
             return self._reference(x)  # kernels switched off since load, or an odd input
         return qk.w8a8_matmul(x, self.qweight, self.scales, self.bias, self.outliers)

@@ -72,16 +72,27 @@ def native_supported(out_features: int, in_features: int) -> bool:
     return bool(cpu_native.library().batchrun_linear_bf16_supported(out_features, in_features))
 
 
-def pack_native_weight(w: torch.Tensor) -> torch.Tensor:
-    """(N, K) -> csrc/linear.cpp's tile layout [N / 32][K / 2][32][2], as a (N, K)-sized bf16 tensor."""
+def pack_tiles(w: torch.Tensor, group: int) -> torch.Tensor:
+    """(N, K) -> csrc/linear.cpp's tile layout [N / 32][K / group][32][group] (groups of `group`
+    consecutive k per column: bf16 pairs, int8 quads), as an (N, K)-shaped tensor."""
     n, k = w.shape
-    return w.reshape(n // _TILE_N, _TILE_N, k // 2, 2).permute(0, 2, 1, 3).contiguous().reshape(n, k)
+    return w.reshape(n // _TILE_N, _TILE_N, k // group, group).permute(0, 2, 1, 3).contiguous().reshape(n, k)
+
+
+def unpack_tiles(packed: torch.Tensor, group: int) -> torch.Tensor:
+    """The inverse of pack_tiles: the plain (N, K) matrix."""
+    n, k = packed.shape
+    return packed.reshape(n // _TILE_N, k // group, _TILE_N, group).permute(0, 2, 1, 3).reshape(n, k)
+
+
+def pack_native_weight(w: torch.Tensor) -> torch.Tensor:
+    """(N, K) bf16 -> batchrun_linear_bf16's tiles [N / 32][K / 2][32][2] (vdpbf16ps pairs)."""
+    return pack_tiles(w, 2)
 
 
 def unpack_native_weight(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_native_weight: the plain (N, K) weight."""
-    n, k = packed.shape
-    return packed.reshape(n // _TILE_N, k // 2, _TILE_N, 2).permute(0, 2, 1, 3).reshape(n, k)
+    return unpack_tiles(packed, 2)
 
 
 class NativeLinear(nn.Module):

@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from batchrun.kernels import cpu_native
+from batchrun.kernels.cpu_linear import pack_tiles, unpack_tiles
 from batchrun.kernels.cpu_native import DTYPE_CODES
 from batchrun.kernels.kv_layout import from_head_major, slots_by_head
 
@@ -203,9 +204,6 @@ def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 # _int_mm and 10.4 for bf16; with 64 float channels 10.4 against 24.5; at 512 rows 72 and 88 ms
 # against 83 and 116 (bf16: 123).
 
-_W8A8_TILE_N = 32
-
-
 def w8a8_native_supported(out_features: int, in_features: int, num_float_channels: int = 0) -> bool:
     """Whether batchrun_w8a8_linear serves this weight here (kernels on and built with AVX512-VNNI
     and BF16; out_features a multiple of 32, in_features of 4, an even number of float channels)."""
@@ -216,16 +214,12 @@ def w8a8_native_supported(out_features: int, in_features: int, num_float_channel
 
 def pack_w8a8_weight(qweight: torch.Tensor) -> torch.Tensor:
     """(N, K) int8 -> the kernel's tiles [N / 32][K / 4][32][4] of Wq + 128 (uint8), shaped (N, K)."""
-    n, k = qweight.shape
-    shifted = (qweight.to(torch.int16) + 128).to(torch.uint8)
-    return shifted.reshape(n // _W8A8_TILE_N, _W8A8_TILE_N, k // 4, 4).permute(0, 2, 1, 3).contiguous().reshape(n, k)
+    return pack_tiles((qweight.to(torch.int16) + 128).to(torch.uint8), 4)
 
 
 def unpack_w8a8_weight(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_w8a8_weight: the plain (N, K) int8 weight."""
-    n, k = packed.shape
-    plain = packed.reshape(n // _W8A8_TILE_N, k // 4, _W8A8_TILE_N, 4).permute(0, 2, 1, 3).reshape(n, k)
-    return (plain.to(torch.int16) - 128).to(torch.int8)
+    return (unpack_tiles(packed, 4).to(torch.int16) - 128).to(torch.int8)
 
 
 def w8a8_matmul_native(x: torch.Tensor, packed: torch.Tensor, w_scales: torch.Tensor, bias_f32: Optional[torch.Tensor],

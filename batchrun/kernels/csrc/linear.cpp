@@ -17,6 +17,7 @@
 // Plain C ABI (ctypes), OpenMP from torch's libgomp, like the other kernels here.
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -42,6 +43,61 @@ inline void prefetch_step(const char* pf, int64_t step) {
     }
 }
 
+// Rows [0, R) of a tile's output, float32 sums for columns 0-15 (c0) and 16-31 (c1): plus bias
+// (32 float32, or null), one rounding to bf16, stored.
+template <int R>
+inline void store_tile(const __m512* c0, const __m512* c1, const float* bias, uint16_t* y, int64_t ldy) {
+    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (bias) {
+        b0 = _mm512_loadu_ps(bias);
+        b1 = _mm512_loadu_ps(bias + 16);
+    }
+    for (int r = 0; r < R; ++r) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c0[r], b0)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16),
+                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(c1[r], b1)));
+    }
+}
+
+// f(std::integral_constant<int, m>) for 1 <= m <= MR: the micro kernels' row count is a template
+// argument (their accumulators live in registers).
+template <typename F>
+inline void with_rows(int64_t m, F&& f) {
+    switch (m) {
+#define BATCHRUN_ROWS(n) \
+    case n: f(std::integral_constant<int, n>{}); break;
+        BATCHRUN_ROWS(1) BATCHRUN_ROWS(2) BATCHRUN_ROWS(3) BATCHRUN_ROWS(4) BATCHRUN_ROWS(5) BATCHRUN_ROWS(6)
+        BATCHRUN_ROWS(7) BATCHRUN_ROWS(8) BATCHRUN_ROWS(9) BATCHRUN_ROWS(10) BATCHRUN_ROWS(11) BATCHRUN_ROWS(12)
+#undef BATCHRUN_ROWS
+        default: break;
+    }
+}
+
+// The work split both kernels share, inside one parallel region: `prologue()` runs first on every
+// thread (it may hold an omp for, whose barrier ends it), then body(t, r0, rows, pf) for every block
+// of up to MR rows of every weight tile t. Items are (tile, chunk of ROW_CHUNK rows), tile-major,
+// in contiguous runs per thread; `pf`, for the first row block of a tile's last chunk, is the next
+// tile when the same thread goes on to it (else null).
+template <typename Prologue, typename Body>
+void for_each_tile_block(int64_t m, int64_t tiles, int64_t tile_bytes, const char* weights, int num_threads,
+                         Prologue&& prologue, Body&& body) {
+    const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK, items = tiles * chunks;
+#pragma omp parallel num_threads(num_threads)
+    {
+        prologue();
+        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
+        const int64_t first = items * tid / nt, last = items * (tid + 1) / nt;
+        for (int64_t item = first; item < last; ++item) {
+            const int64_t t = item / chunks, r_begin = (item % chunks) * ROW_CHUNK;
+            const int64_t r_end = r_begin + ROW_CHUNK < m ? r_begin + ROW_CHUNK : m;
+            const char* pf = (item % chunks == chunks - 1 && t + 1 < tiles && item + 1 < last)
+                                 ? weights + (t + 1) * tile_bytes : nullptr;
+            for (int64_t r0 = r_begin; r0 < r_end; r0 += MR)
+                body(t, r0, r_end - r0 < MR ? r_end - r0 : MR, r0 == r_begin ? pf : nullptr);
+        }
+    }
+}
+
 // Rows [0, R) of x times one weight tile -> 32 columns of y; `pf`: the next tile, or null.
 template <int R>
 __attribute__((noinline)) void micro(const uint16_t* x, int64_t ldx, const uint32_t* tile, int64_t kp_count, const float* bias, uint16_t* y,
@@ -64,28 +120,7 @@ __attribute__((noinline)) void micro(const uint16_t* x, int64_t ldx, const uint3
             acc1[r] = _mm512_dpbf16_ps(acc1[r], xb, w1);
         }
     }
-    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    if (bias) {
-        b0 = _mm512_loadu_ps(bias);
-        b1 = _mm512_loadu_ps(bias + 16);
-    }
-    for (int r = 0; r < R; ++r) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc0[r], b0)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc1[r], b1)));
-    }
-}
-
-void rows(int64_t m, const uint16_t* x, int64_t ldx, const uint32_t* tile, int64_t kp_count, const float* bias,
-          uint16_t* y, int64_t ldy, const char* pf) {
-    switch (m) {
-#define BATCHRUN_ROWS(n) \
-    case n: micro<n>(x, ldx, tile, kp_count, bias, y, ldy, pf); break;
-        BATCHRUN_ROWS(1) BATCHRUN_ROWS(2) BATCHRUN_ROWS(3) BATCHRUN_ROWS(4) BATCHRUN_ROWS(5) BATCHRUN_ROWS(6)
-        BATCHRUN_ROWS(7) BATCHRUN_ROWS(8) BATCHRUN_ROWS(9) BATCHRUN_ROWS(10) BATCHRUN_ROWS(11) BATCHRUN_ROWS(12)
-#undef BATCHRUN_ROWS
-        default: break;
-    }
+    store_tile<R>(acc0, acc1, bias, y, ldy);
 }
 
 #if defined(__AVX512VNNI__)
@@ -128,12 +163,12 @@ __attribute__((noinline)) void w8a8_micro(const int8_t* xq, int64_t ldq, const f
         }
     }
     const __m512 s0 = _mm512_loadu_ps(sw), s1 = _mm512_loadu_ps(sw + 16);
-    __m512 f[R][2];
+    __m512 f0[R], f1[R];
     for (int r = 0; r < R; ++r) {
         const __m512 xs = _mm512_set1_ps(sx[r]);
         const __m512i c = _mm512_set1_epi32(rowsum128[r]);
-        f[r][0] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc0[r], c)), s0), xs);
-        f[r][1] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc1[r], c)), s1), xs);
+        f0[r] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc0[r], c)), s0), xs);
+        f1[r] = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc1[r], c)), s1), xs);
     }
     for (int64_t op = 0; op < op_count; ++op) {
         const __m512bh o0 = (__m512bh)_mm512_loadu_si512(otile + op * TILE_N);
@@ -142,38 +177,11 @@ __attribute__((noinline)) void w8a8_micro(const int8_t* xq, int64_t ldq, const f
         for (int r = 0; r < R; ++r) {
             const __m512bh xb = (__m512bh)_mm512_set1_epi32(
                 static_cast<int>(reinterpret_cast<const uint32_t*>(xo + r * ldo)[op]));
-            f[r][0] = _mm512_dpbf16_ps(f[r][0], xb, o0);
-            f[r][1] = _mm512_dpbf16_ps(f[r][1], xb, o1);
+            f0[r] = _mm512_dpbf16_ps(f0[r], xb, o0);
+            f1[r] = _mm512_dpbf16_ps(f1[r], xb, o1);
         }
     }
-    __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-    if (bias) {
-        b0 = _mm512_loadu_ps(bias);
-        b1 = _mm512_loadu_ps(bias + 16);
-    }
-    for (int r = 0; r < R; ++r) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy), (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(f[r][0], b0)));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + 16),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(f[r][1], b1)));
-    }
-}
-
-struct W8A8Args {
-    const int8_t* xq; int64_t ldq; const float* sx; const uint32_t* tile; int64_t kq_count; const int32_t* rowsum128;
-    const float* sw; const uint16_t* xo; int64_t ldo; const uint32_t* otile; int64_t op_count; const float* bias;
-    uint16_t* y; int64_t ldy; const char* pf;
-};
-
-void w8a8_rows(int64_t m, const W8A8Args& a) {
-    switch (m) {
-#define BATCHRUN_ROWS(n) \
-    case n: w8a8_micro<n>(a.xq, a.ldq, a.sx, a.tile, a.kq_count, a.rowsum128, a.sw, a.xo, a.ldo, a.otile, a.op_count, \
-                          a.bias, a.y, a.ldy, a.pf); break;
-        BATCHRUN_ROWS(1) BATCHRUN_ROWS(2) BATCHRUN_ROWS(3) BATCHRUN_ROWS(4) BATCHRUN_ROWS(5) BATCHRUN_ROWS(6)
-        BATCHRUN_ROWS(7) BATCHRUN_ROWS(8) BATCHRUN_ROWS(9) BATCHRUN_ROWS(10) BATCHRUN_ROWS(11) BATCHRUN_ROWS(12)
-#undef BATCHRUN_ROWS
-        default: break;
-    }
+    store_tile<R>(f0, f1, bias, y, ldy);
 }
 
 #endif  // __AVX512VNNI__
@@ -202,29 +210,16 @@ int batchrun_linear_bf16(const void* x, int64_t m, int64_t k, int64_t ldx, const
     if (!batchrun_linear_bf16_supported(n, k)) return -2;
 #if defined(BATCHRUN_LINEAR_BF16)
     const int64_t kp_count = k / 2, tiles = n / TILE_N, tile_bytes = kp_count * TILE_N * 4;
-    const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK;
-    const int64_t items = tiles * chunks;  // tile-major: a thread's items run along its tiles
     const auto* xp = static_cast<const uint16_t*>(x);
     auto* yp = static_cast<uint16_t*>(y);
     const auto* wp = static_cast<const char*>(packed);
-#pragma omp parallel num_threads(num_threads)
-    {
-        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t first = items * tid / nt, last = items * (tid + 1) / nt;
-        for (int64_t item = first; item < last; ++item) {
-            const int64_t t = item / chunks, r_begin = (item % chunks) * ROW_CHUNK;
-            const int64_t r_end = r_begin + ROW_CHUNK < m ? r_begin + ROW_CHUNK : m;
-            const auto* tile = reinterpret_cast<const uint32_t*>(wp + t * tile_bytes);
-            // The next tile this thread will need, fetched while the first rows of this one run.
-            const char* pf = (item % chunks == chunks - 1 && t + 1 < tiles && item + 1 < last)
-                                 ? wp + (t + 1) * tile_bytes : nullptr;
-            for (int64_t r0 = r_begin; r0 < r_end; r0 += MR) {
-                const int64_t rows_here = r_end - r0 < MR ? r_end - r0 : MR;
-                rows(rows_here, xp + r0 * ldx, ldx, tile, kp_count, bias ? bias + t * TILE_N : nullptr,
-                     yp + r0 * ldy + t * TILE_N, ldy, r0 == r_begin ? pf : nullptr);
-            }
-        }
-    }
+    for_each_tile_block(m, tiles, tile_bytes, wp, num_threads, [] {},
+                        [&](int64_t t, int64_t r0, int64_t rows, const char* pf) {
+        with_rows(rows, [&](auto r) {
+            micro<decltype(r)::value>(xp + r0 * ldx, ldx, reinterpret_cast<const uint32_t*>(wp + t * tile_bytes),
+                                      kp_count, bias ? bias + t * TILE_N : nullptr, yp + r0 * ldy + t * TILE_N, ldy, pf);
+        });
+    });
     return 0;
 #else
     (void)x, (void)m, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)num_threads;
@@ -257,15 +252,13 @@ int batchrun_w8a8_linear(const void* xq, int64_t m, int64_t k, int64_t ldq, cons
 #if defined(BATCHRUN_W8A8)
     const int64_t kq_count = k / 4, op_count = n_out / 2, tiles = n / TILE_N;
     const int64_t tile_bytes = kq_count * TILE_N * 4, otile_bytes = op_count * TILE_N * 4;
-    const int64_t chunks = (m + ROW_CHUNK - 1) / ROW_CHUNK, items = tiles * chunks;
     const auto* xqp = static_cast<const int8_t*>(xq);
     const auto* xop = static_cast<const uint16_t*>(xo);
     auto* yp = static_cast<uint16_t*>(y);
     const auto* wp = static_cast<const char*>(packed);
     const auto* op = static_cast<const char*>(packed_out);
     std::vector<int32_t> rowsum128(static_cast<size_t>(m));  // 128 * sum_k xq[r, k]
-#pragma omp parallel num_threads(num_threads)
-    {
+    const auto row_sums = [&] {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; ++r) {
             const int8_t* xr = xqp + r * ldq;
@@ -274,35 +267,17 @@ int batchrun_w8a8_linear(const void* xq, int64_t m, int64_t k, int64_t ldq, cons
             for (int64_t i = 0; i < k; ++i) sum += xr[i];
             rowsum128[r] = 128 * sum;
         }  // the implicit barrier: every row's sum is in before any tile uses it
-        const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num();
-        const int64_t first = items * tid / nt, last = items * (tid + 1) / nt;
-        for (int64_t item = first; item < last; ++item) {
-            const int64_t t = item / chunks, r_begin = (item % chunks) * ROW_CHUNK;
-            const int64_t r_end = r_begin + ROW_CHUNK < m ? r_begin + ROW_CHUNK : m;
-            W8A8Args a{};
-            a.tile = reinterpret_cast<const uint32_t*>(wp + t * tile_bytes);
-            a.kq_count = kq_count;
-            a.sw = w_scales + t * TILE_N;
-            a.otile = op_count ? reinterpret_cast<const uint32_t*>(op + t * otile_bytes) : nullptr;
-            a.op_count = op_count;
-            a.bias = bias ? bias + t * TILE_N : nullptr;
-            const char* pf = (item % chunks == chunks - 1 && t + 1 < tiles && item + 1 < last)
-                                 ? wp + (t + 1) * tile_bytes : nullptr;
-            for (int64_t r0 = r_begin; r0 < r_end; r0 += MR) {
-                const int64_t rows_here = r_end - r0 < MR ? r_end - r0 : MR;
-                a.xq = xqp + r0 * ldq;
-                a.ldq = ldq;
-                a.sx = x_scales + r0;
-                a.rowsum128 = rowsum128.data() + r0;
-                a.xo = op_count ? xop + r0 * ldo : nullptr;
-                a.ldo = ldo;
-                a.y = yp + r0 * ldy + t * TILE_N;
-                a.ldy = ldy;
-                a.pf = r0 == r_begin ? pf : nullptr;
-                w8a8_rows(rows_here, a);
-            }
-        }
-    }
+    };
+    for_each_tile_block(m, tiles, tile_bytes, wp, num_threads, row_sums,
+                        [&](int64_t t, int64_t r0, int64_t rows, const char* pf) {
+        with_rows(rows, [&](auto r) {
+            w8a8_micro<decltype(r)::value>(
+                xqp + r0 * ldq, ldq, x_scales + r0, reinterpret_cast<const uint32_t*>(wp + t * tile_bytes), kq_count,
+                rowsum128.data() + r0, w_scales + t * TILE_N, op_count ? xop + r0 * ldo : nullptr, ldo,
+                op_count ? reinterpret_cast<const uint32_t*>(op + t * otile_bytes) : nullptr, op_count,
+                bias ? bias + t * TILE_N : nullptr, yp + r0 * ldy + t * TILE_N, ldy, pf);
+        });
+    });
     return 0;
 #else
     (void)xq, (void)m, (void)ldq, (void)x_scales, (void)packed, (void)w_scales, (void)xo, (void)ldo;

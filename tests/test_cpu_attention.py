@@ -188,24 +188,32 @@ def test_native_prefill_equals_the_torch_path(dtype, heads, kv_heads, dim, block
     got = paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap, native=True)
     # The torch path in float32 on the same (bf16-valued) inputs is the truth for both dtypes.
     want = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, scale, window, softcap)
-    if dtype == torch.float32:
+    _assert_prefill_close(got, want, q, k_cache, v_cache, meta, scale, window, softcap)
+
+
+def _assert_prefill_close(got, want, q, k_cache, v_cache, meta, scale, window=None, softcap=None):
+    """float32: the torch path to float32 rounding; bf16: within twice the error of the torch
+    path's own bf16 run (`want` is the float32 torch path on the same bf16-valued inputs)."""
+    if q.dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
-    else:
-        torch_bf16 = paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap)
-        torch_err = (torch_bf16.float() - want).abs()
-        err = (got.float() - want).abs()
-        # bf16 output rounding alone is up to 2^-9 relative; the kernel also rounds probabilities to
-        # bf16 (as torch's flash kernel does), so allow twice torch's own largest error.
-        assert err.max() <= 2 * torch_err.max() + 1e-3, (err.max(), torch_err.max())
-        assert err.mean() <= 2 * torch_err.mean() + 1e-4, (err.mean(), torch_err.mean())
+        return
+    torch_bf16 = paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap)
+    torch_err = (torch_bf16.float() - want).abs()
+    err = (got.float() - want).abs()
+    # bf16 output rounding alone is up to 2^-9 relative; the kernel also rounds probabilities to
+    # bf16 (as torch's flash kernel does), so allow twice torch's own largest error.
+    assert err.max() <= 2 * torch_err.max() + 1e-3, (err.max(), torch_err.max())
+    assert err.mean() <= 2 * torch_err.mean() + 1e-4, (err.mean(), torch_err.mean())
 
 
-def test_prefill_across_threads_and_many_chunks(one_torch_thread):
-    # One thread (the test fixture) and a long prompt split into many 32-query chunks.
-    q, k_cache, v_cache, meta = _prefill_case(9, 3, 64, 16, torch.float32, [(300, 300), (130, 400)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_across_threads_and_many_chunks(one_torch_thread, dtype):
+    # One thread (the test fixture) and long prompts split into many 32-query chunks, each over
+    # many 64-key steps, one of them starting mid-step (a cached start of 270 keys).
+    q, k_cache, v_cache, meta = _prefill_case(9, 3, 64, 16, dtype, [(300, 300), (130, 400)])
     got = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, native=True)
-    want = paged_attention_reference(q, k_cache, v_cache, meta, 0.125)
-    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+    want = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
+    _assert_prefill_close(got, want, q, k_cache, v_cache, meta, 0.125)
 
 
 @pytest.mark.parametrize("dim,block", [(40, 16), (64, 8), (96, 16)])

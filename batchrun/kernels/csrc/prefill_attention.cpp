@@ -11,7 +11,8 @@
 //   positions times the G query heads that share the KV head (GQA), so every K/V tile is prepared
 //   once for G * QCHUNK query rows. Items run largest first under OpenMP's dynamic schedule (later
 //   chunks see more keys).
-// - Keys go 16 at a time (a tile never crosses a cache block: block_size % 16 == 0).
+// - Keys go 64 at a time, in four 16-key sub-tiles (a sub-tile never crosses a cache block:
+//   block_size % 16 == 0); each row's online-softmax bookkeeping is paid once per 64 keys.
 // - bf16: both products run on AVX512-BF16 dot-product instructions (vdpbf16ps: pairs of bf16
 //   products summed into float32 lanes). The K tile is transposed into 16-key lanes of (d, d+1)
 //   pairs by a gather; the V tile is interleaved into (key, key+1) pairs per d; probabilities are
@@ -32,6 +33,8 @@
 namespace {
 
 constexpr int64_t QCHUNK = 32;  // query positions per work item
+constexpr int KT = 4;  // 16-key sub-tiles per step
+constexpr int NR = 4;  // rows per micro-kernel call
 
 #if defined(__AVX512F__)
 using batchrun::exp512;
@@ -43,19 +46,24 @@ struct Shape {
     int64_t window;
 };
 
-// One tile's K and V, prepared for the products (see the top of the file).
+// One step's keys: KT sub-tiles of 16 keys (a sub-tile never crosses a cache block: block_size % 16
+// == 0), K and V prepared for the products (see the top of the file). A step covers 16 * KT keys so
+// that each row's softmax bookkeeping (max, rescale, accumulator load and store) is paid once per
+// 16 * KT keys instead of once per 16: with 16-key steps it cost as much as the products.
 template <int DC, bool BF16>
 struct Tile {
     static constexpr int D = 16 * DC;
-    // bf16: k[p] lane j = the (2p, 2p+1) bf16 pair of key j's row; v[jp][c] lane i = (V[2jp][16c+i], V[2jp+1][16c+i]).
-    // float32: kf[d] lane j = K[j][d]; vf[j][c] = V[j][16c .. 16c+15].
-    alignas(64) __m512i k[BF16 ? D / 2 : 1];
-    alignas(64) __m512i v[BF16 ? 8 : 1][DC];
-    alignas(64) __m512 kf[BF16 ? 1 : D];
-    alignas(64) __m512 vf[BF16 ? 1 : 16][DC];
+    // bf16: k[t][p] lane j = the (2p, 2p+1) bf16 pair of key 16t + j's row;
+    //       v[jp][c] lane i = (V[2jp][16c+i], V[2jp+1][16c+i]) over the step's keys.
+    // float32: kf[t][d] lane j = K[16t + j][d]; vf[j][c] = V[j][16c .. 16c+15].
+    alignas(64) __m512i k[BF16 ? KT : 1][BF16 ? D / 2 : 1];
+    alignas(64) __m512i v[BF16 ? 8 * KT : 1][DC];
+    alignas(64) __m512 kf[BF16 ? 1 : KT][BF16 ? 1 : D];
+    alignas(64) __m512 vf[BF16 ? 1 : 16 * KT][DC];
 
-    // Rows `off + j * stride_offset` (elements) for j < valid; the rest are zero.
-    void load(const void* k_cache, const void* v_cache, int64_t off, int64_t stride_offset, int valid) {
+    // Sub-tile t: rows `off + j * stride_offset` (elements) for j < valid; the rest are zero (V
+    // must be: a zero probability times a garbage bf16 could be NaN).
+    void load(int t, const void* k_cache, const void* v_cache, int64_t off, int64_t stride_offset, int valid) {
         const __mmask16 m = valid >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
         const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                 _mm512_set1_epi32(static_cast<int>(stride_offset)));
@@ -65,7 +73,7 @@ struct Tile {
             const __m512i pair_rows = _mm512_srli_epi32(rows, 1);
             const int32_t* kbase = reinterpret_cast<const int32_t*>(static_cast<const uint16_t*>(k_cache) + off);
             for (int p = 0; p < D / 2; ++p)
-                k[p] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, pair_rows, kbase + p, 4);
+                k[t][p] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, pair_rows, kbase + p, 4);
             const uint16_t* vbase = static_cast<const uint16_t*>(v_cache) + off;
             for (int jp = 0; jp < 8; ++jp)
                 for (int c = 0; c < DC; ++c) {
@@ -74,92 +82,119 @@ struct Tile {
                         reinterpret_cast<const __m256i*>(vbase + j0 * stride_offset + 16 * c))) : _mm512_setzero_si512();
                     const __m512i b = j1 < valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
                         reinterpret_cast<const __m256i*>(vbase + j1 * stride_offset + 16 * c))) : _mm512_setzero_si512();
-                    v[jp][c] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
+                    v[8 * t + jp][c] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
                 }
         } else {
             const float* kbase = static_cast<const float*>(k_cache) + off;
-            for (int d = 0; d < D; ++d) kf[d] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, rows, kbase + d, 4);
+            for (int d = 0; d < D; ++d) kf[t][d] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, rows, kbase + d, 4);
             const float* vbase = static_cast<const float*>(v_cache) + off;
             for (int j = 0; j < 16; ++j)
                 for (int c = 0; c < DC; ++c)
-                    vf[j][c] = j < valid ? _mm512_loadu_ps(vbase + j * stride_offset + 16 * c) : _mm512_setzero_ps();
+                    vf[16 * t + j][c] = j < valid ? _mm512_loadu_ps(vbase + j * stride_offset + 16 * c) : _mm512_setzero_ps();
         }
     }
 };
 
-// Rows r0 .. r0 + NR - 1 of a work item against one K/V tile: scores, online-softmax update, and
-// the probability-weighted V added to the rows' float32 accumulators. A row whose keys the tile
-// does not reach (causal, or outside the window) gets all-zero probabilities and keeps its state.
+// Rows r0 .. r0 + NR - 1 of a work item against one step's keys (k0 .. k0 + 16 * KT - 1, the first
+// `valid` of them present): scores, online-softmax update, and the probability-weighted V added to
+// the rows' float32 accumulators. A row that sees none of the step's keys (causal, or outside the
+// window) gets all-zero probabilities and keeps its state.
 template <int DC, bool BF16, int NR>
 inline void rows_x_tile(const Tile<DC, BF16>& tile, int64_t r0, int64_t pos0, int64_t G, int64_t k0, __m512i key,
                         int valid, const Shape& s, const float* qs, float* acc, float* mx, float* sum) {
     constexpr int D = 16 * DC;
-    __m512 sc[NR];
-    __mmask16 ok[NR];
+    __m512 sc[NR][KT];
+    __mmask16 ok[NR][KT];
     for (int i = 0; i < NR; ++i) {
-        sc[i] = _mm512_setzero_ps();
         const int64_t pos = pos0 + (r0 + i) / G;
-        ok[i] = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos)), _MM_CMPINT_LE);
-        if (s.window > 0)
-            ok[i] &= _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(static_cast<int>(pos - s.window)), _MM_CMPINT_GT);
+        for (int t = 0; t < KT; ++t) {
+            sc[i][t] = _mm512_setzero_ps();
+            const __m512i kt = _mm512_add_epi32(key, _mm512_set1_epi32(16 * t));
+            ok[i][t] = _mm512_cmp_epi32_mask(kt, _mm512_set1_epi32(static_cast<int>(pos)), _MM_CMPINT_LE);
+            if (s.window > 0)
+                ok[i][t] &= _mm512_cmp_epi32_mask(kt, _mm512_set1_epi32(static_cast<int>(pos - s.window)), _MM_CMPINT_GT);
+        }
     }
+    const int nt = (valid + 15) / 16;  // sub-tiles holding keys
     if constexpr (BF16) {
         const uint32_t* qp = reinterpret_cast<const uint32_t*>(qs) + r0 * (D / 2);
         for (int p = 0; p < D / 2; ++p) {
-            const __m512bh kp = (__m512bh)tile.k[p];
-            for (int i = 0; i < NR; ++i)
-                sc[i] = _mm512_dpbf16_ps(sc[i], (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[i * (D / 2) + p])), kp);
+            __m512bh qb[NR];
+            for (int i = 0; i < NR; ++i) qb[i] = (__m512bh)_mm512_set1_epi32(static_cast<int>(qp[i * (D / 2) + p]));
+            for (int t = 0; t < KT; ++t) {
+                if (t >= nt) break;
+                const __m512bh kp = (__m512bh)tile.k[t][p];
+                for (int i = 0; i < NR; ++i) sc[i][t] = _mm512_dpbf16_ps(sc[i][t], qb[i], kp);
+            }
         }
     } else {
         const float* qr = qs + r0 * D;
         for (int d = 0; d < D; ++d) {
-            const __m512 kd = tile.kf[d];
-            for (int i = 0; i < NR; ++i) sc[i] = _mm512_fmadd_ps(_mm512_set1_ps(qr[i * D + d]), kd, sc[i]);
+            __m512 qd[NR];
+            for (int i = 0; i < NR; ++i) qd[i] = _mm512_set1_ps(qr[i * D + d]);
+            for (int t = 0; t < KT; ++t) {
+                if (t >= nt) break;
+                const __m512 kd = tile.kf[t][d];
+                for (int i = 0; i < NR; ++i) sc[i][t] = _mm512_fmadd_ps(qd[i], kd, sc[i][t]);
+            }
         }
     }
-    __m512 av[NR][DC];
-    alignas(64) uint32_t pairs[NR][8];  // bf16: the rows' probabilities as (key, key + 1) pairs
-    alignas(64) float pf[NR][16];  // float32: the rows' probabilities
+    // bf16: the rows' probabilities as (key, key + 1) pairs; float32: the probabilities.
+    alignas(64) uint32_t pairs[BF16 ? NR : 1][8 * KT];
+    alignas(64) float pf[BF16 ? 1 : NR][16 * KT];
+    float alpha[NR];
     for (int i = 0; i < NR; ++i) {
         const int64_t r = r0 + i;
-        __m512 si = _mm512_mul_ps(sc[i], _mm512_set1_ps(s.scale));
-        if (s.softcap > 0.f) si = softcap512(si, s.softcap);
-        const float tile_max = ok[i] ? _mm512_mask_reduce_max_ps(ok[i], si) : -INFINITY;
-        const float m_new = std::max(mx[r], tile_max);
-        const __m512 p = ok[i] ? _mm512_maskz_mov_ps(ok[i], exp512(_mm512_sub_ps(si, _mm512_set1_ps(m_new))))
-                               : _mm512_setzero_ps();
-        float* a = acc + r * D;
-        for (int c = 0; c < DC; ++c) av[i][c] = _mm512_loadu_ps(a + 16 * c);
-        if (m_new > mx[r]) {
-            const float alpha = mx[r] == -INFINITY ? 0.f : std::exp(mx[r] - m_new);
-            _mm512_storeu_ps(sum + 16 * r, _mm512_mul_ps(_mm512_loadu_ps(sum + 16 * r), _mm512_set1_ps(alpha)));
-            for (int c = 0; c < DC; ++c) av[i][c] = _mm512_mul_ps(av[i][c], _mm512_set1_ps(alpha));
-            mx[r] = m_new;
+        __m512 si[KT];
+        __m512 mv = _mm512_set1_ps(-INFINITY);
+        for (int t = 0; t < nt; ++t) {
+            si[t] = _mm512_mul_ps(sc[i][t], _mm512_set1_ps(s.scale));
+            if (s.softcap > 0.f) si[t] = softcap512(si[t], s.softcap);
+            mv = _mm512_mask_max_ps(mv, ok[i][t], mv, si[t]);
         }
-        if constexpr (BF16) {
-            // The row's sum takes the bf16-rounded probabilities that the product uses, so the
-            // normalisation matches the numerator.
-            const __m256i pb = (__m256i)_mm512_cvtneps_pbh(p);
-            _mm512_storeu_ps(sum + 16 * r, _mm512_add_ps(_mm512_loadu_ps(sum + 16 * r), batchrun::bf16x16_to_f32(pb)));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[i]), pb);
-        } else {
-            _mm512_storeu_ps(sum + 16 * r, _mm512_add_ps(_mm512_loadu_ps(sum + 16 * r), p));
-            _mm512_store_ps(pf[i], p);
+        const float m_new = std::max(mx[r], _mm512_reduce_max_ps(mv));
+        // m_new == -inf: the row has seen no key yet (outside the window): it keeps zero state.
+        alpha[i] = m_new == -INFINITY || mx[r] == -INFINITY ? 0.f : std::exp(mx[r] - m_new);
+        mx[r] = m_new;
+        const __m512 mn = _mm512_set1_ps(m_new == -INFINITY ? 0.f : m_new);
+        __m512 row_sum = _mm512_mul_ps(_mm512_loadu_ps(sum + 16 * r), _mm512_set1_ps(alpha[i]));
+        for (int t = 0; t < nt; ++t) {
+            const __m512 p = _mm512_maskz_mov_ps(ok[i][t], exp512(_mm512_sub_ps(si[t], mn)));
+            if constexpr (BF16) {
+                // The row's sum takes the bf16-rounded probabilities that the product uses, so the
+                // normalisation matches the numerator.
+                const __m256i pb = (__m256i)_mm512_cvtneps_pbh(p);
+                row_sum = _mm512_add_ps(row_sum, batchrun::bf16x16_to_f32(pb));
+                _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[i] + 8 * t), pb);
+            } else {
+                row_sum = _mm512_add_ps(row_sum, p);
+                _mm512_store_ps(pf[i] + 16 * t, p);
+            }
         }
+        _mm512_storeu_ps(sum + 16 * r, row_sum);
     }
+    __m512 av[NR][DC];
+    for (int i = 0; i < NR; ++i)
+        for (int c = 0; c < DC; ++c)
+            av[i][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + i) * D + 16 * c), _mm512_set1_ps(alpha[i]));
     if constexpr (BF16) {
-        for (int jp = 0; 2 * jp < valid; ++jp)
+        for (int jp = 0; 2 * jp < valid; ++jp) {
+            __m512bh pb[NR];
+            for (int i = 0; i < NR; ++i) pb[i] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[i][jp]));
             for (int c = 0; c < DC; ++c) {
                 const __m512bh vv = (__m512bh)tile.v[jp][c];
-                for (int i = 0; i < NR; ++i)
-                    av[i][c] = _mm512_dpbf16_ps(av[i][c], (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[i][jp])), vv);
+                for (int i = 0; i < NR; ++i) av[i][c] = _mm512_dpbf16_ps(av[i][c], pb[i], vv);
             }
+        }
     } else {
-        for (int j = 0; j < valid; ++j)
+        for (int j = 0; j < valid; ++j) {
+            __m512 pj[NR];
+            for (int i = 0; i < NR; ++i) pj[i] = _mm512_set1_ps(pf[i][j]);
             for (int c = 0; c < DC; ++c) {
                 const __m512 vv = tile.vf[j][c];
-                for (int i = 0; i < NR; ++i) av[i][c] = _mm512_fmadd_ps(_mm512_set1_ps(pf[i][j]), vv, av[i][c]);
+                for (int i = 0; i < NR; ++i) av[i][c] = _mm512_fmadd_ps(pj[i], vv, av[i][c]);
             }
+        }
     }
     for (int i = 0; i < NR; ++i)
         for (int c = 0; c < DC; ++c) _mm512_storeu_ps(acc + (r0 + i) * D + 16 * c, av[i][c]);
@@ -198,16 +233,18 @@ void prefill_item(const void* q, int64_t q_row0, int64_t pos0, int64_t nq, int64
     const int64_t head_offset = h * s.stride_head;
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 
-    for (int64_t k0 = first_key & ~int64_t(15); k0 <= last; k0 += 16) {
-        const int64_t blk = k0 / s.block_size;
-        const int valid = static_cast<int>(std::min<int64_t>(16, last + 1 - k0));
-        tile->load(k_cache, v_cache, table[blk] * s.stride_block + head_offset + (k0 - blk * s.block_size) * s.stride_offset,
-                   s.stride_offset, valid);
+    for (int64_t k0 = first_key & ~int64_t(15); k0 <= last; k0 += 16 * KT) {
+        const int valid = static_cast<int>(std::min<int64_t>(16 * KT, last + 1 - k0));
+        for (int t = 0; 16 * t < valid; ++t) {
+            const int64_t k = k0 + 16 * t, blk = k / s.block_size;
+            tile->load(t, k_cache, v_cache, table[blk] * s.stride_block + head_offset + (k - blk * s.block_size) * s.stride_offset,
+                       s.stride_offset, std::min(16, valid - 16 * t));
+        }
         const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0)));
-        // Rows are in position order: those before the tile's first key see none of it. Four rows
+        // Rows are in position order: those before the step's first key see none of it. NR rows
         // at a time share each K and V register load (one row at a time was load-bound).
         int64_t r = std::max<int64_t>(0, k0 - pos0) * G;
-        for (; r + 4 <= R; r += 4) rows_x_tile<DC, BF16, 4>(*tile, r, pos0, G, k0, key, valid, s, qs, acc, mx, sum);
+        for (; r + NR <= R; r += NR) rows_x_tile<DC, BF16, NR>(*tile, r, pos0, G, k0, key, valid, s, qs, acc, mx, sum);
         for (; r < R; ++r) rows_x_tile<DC, BF16, 1>(*tile, r, pos0, G, k0, key, valid, s, qs, acc, mx, sum);
     }
     for (int64_t r = 0; r < R; ++r) {

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from batchrun.kernels import cpu_linear
-from batchrun.kernels.cpu_linear import (NATIVE_MAX_IN_FEATURES, NativeEmbedding, NativeLinear, pack_linear,
-                                         pack_native_weight, unpack_native_weight)
+from batchrun.kernels.cpu_linear import (NATIVE_MAX_IN_FEATURES, NativeEmbedding, NativeLinear, NativeSiluMulLinear,
+                                         pack_linear, pack_native_weight, pack_silu_mul, unpack_native_weight)
 
 BF16 = torch.bfloat16
 
@@ -146,6 +146,28 @@ def test_a_tied_lm_head_is_packed_once_and_the_embedding_reads_it():
         _assert_within_one_step_of(model.compute_logits(h).to(BF16), torch.nn.functional.linear(h, table))
 
 
+def _mlps(model):
+    from batchrun.model.decoder import MLP
+
+    return [m for m in model.modules() if isinstance(m, MLP)]
+
+
+def _unpack_to_plain_linears(model) -> None:
+    """Every NativeLinear back to an nn.Linear of the same weights; fused MLPs unfused."""
+    for mlp in _mlps(model):
+        mlp.fused_act = False
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, NativeLinear):
+                bias = child.plain_bias()
+                plain = torch.nn.Linear(child.in_features, child.out_features, bias=bias is not None).to(BF16)
+                with torch.no_grad():
+                    plain.weight.copy_(child.weight())
+                    if bias is not None:
+                        plain.bias.copy_(bias)
+                setattr(parent, name, plain)
+
+
 def test_engine_runs_its_bf16_linears_natively_and_the_tokens_match_plain_linears(tiny_llama_dir):
     from batchrun.engine import Engine, EngineConfig, SamplingParams
 
@@ -158,20 +180,97 @@ def test_engine_runs_its_bf16_linears_natively_and_the_tokens_match_plain_linear
     tokens = [o.token_ids for o in engine.generate(prompts, params)]
     # The same weights through F.linear: outputs differ at most in a last bf16 bit here and there,
     # which does not move this model's greedy tokens.
-    for parent in list(engine.model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, NativeLinear):
-                plain = torch.nn.Linear(child.in_features, child.out_features, bias=child.bias is not None).to(BF16)
-                with torch.no_grad():
-                    plain.weight.copy_(child.weight())
-                    if child.bias is not None:
-                        plain.bias.copy_(child.bias)
-                setattr(parent, name, plain)
+    assert all(mlp.fused_act for mlp in _mlps(engine.model))  # silu(gate) * up in the gate/up kernel
+    _unpack_to_plain_linears(engine.model)
     engine.reset_prefix_cache()
     assert [o.token_ids for o in engine.generate(prompts, params)] == tokens
     fp32 = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
                                max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
     assert fp32.settings["native_linears"] == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# silu(gate) * up fused into the gate/up projection (NativeSiluMulLinear)
+
+
+def _gate_up(in_features: int, n: int, bias: bool, seed: int = 0) -> torch.nn.Linear:
+    linear = _linear(in_features, 2 * n, bias, seed)
+    with torch.no_grad():  # gates spread over silu's whole range, far below zero included
+        linear.weight.mul_(4.0)
+    return linear
+
+
+def _two_passes(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The unfused native path: NativeLinear, then the native silu-mul pass."""
+    from batchrun.kernels.elementwise import act_mul
+
+    return act_mul(pack_linear(linear)(x), "silu")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 11, 12, 13, 32, 97, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_silu_mul_is_bitwise_the_two_passes(rows, bias):
+    linear = _gate_up(96, 160, bias, seed=rows)
+    fused = pack_silu_mul(linear)
+    assert isinstance(fused, NativeSiluMulLinear) and fused.act_features == 160
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(BF16)
+    with torch.inference_mode():
+        got = fused(x)
+        assert got.shape == (rows, 160)
+        assert torch.equal(got, _two_passes(linear, x))
+        assert torch.equal(fused(x.view(1, rows, 96)), got.view(1, rows, 160))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_fused_silu_mul_the_same_on_any_thread_count(threads):
+    linear = _gate_up(64, 96, True)  # three tile pairs: three threads get one each
+    fused = pack_silu_mul(linear)
+    x = torch.randn(130, 64).to(BF16)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with torch.inference_mode():
+            want = fused(x)
+        torch.set_num_threads(threads)
+        with torch.inference_mode():
+            assert torch.equal(fused(x), want)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_fused_silu_mul_keeps_the_weight_and_falls_back_with_the_kernels_off(monkeypatch):
+    from batchrun.kernels.elementwise import act_mul_reference
+
+    linear = _gate_up(64, 64, True)
+    fused = pack_silu_mul(linear)
+    assert torch.equal(fused.weight(), linear.weight) and torch.equal(fused.plain_bias(), linear.bias)
+    assert [name for name, _ in fused.named_buffers()] == ["packed_weight", "bias"]  # no plain copy kept
+    x = torch.randn(5, 64).to(BF16)
+    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    with torch.inference_mode():
+        assert torch.equal(fused(x), act_mul_reference(linear(x), "silu"))
+
+
+def test_fused_silu_mul_only_where_it_serves():
+    assert pack_silu_mul(_gate_up(64, 48, False)) is None  # 48 outputs: not whole tiles
+    assert pack_silu_mul(_gate_up(63, 64, False)) is None  # odd K
+    assert pack_silu_mul(torch.nn.Linear(64, 128)) is None  # float32
+    from transformers import LlamaConfig
+
+    from batchrun.model.decoder import DecoderLM
+
+    for hidden_act, intermediate, fused in (("silu", 128, True), ("gelu_pytorch_tanh", 128, False), ("silu", 80, False)):
+        config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=1,
+                             num_attention_heads=4, num_key_value_heads=2, hidden_act=hidden_act)
+        torch.manual_seed(0)
+        model = DecoderLM(config).to(BF16)
+        x = torch.randn(3, 64).to(BF16)
+        with torch.inference_mode():
+            want = model.layers[0].mlp(x)
+            model.pack_cpu_linears()
+            mlp = model.layers[0].mlp
+            assert mlp.fused_act == fused and isinstance(mlp.gate_up_proj, NativeSiluMulLinear) == fused
+            _assert_within_one_step_of(mlp(x), want)
 
 
 # ---------------------------------------------------------------------------------------------

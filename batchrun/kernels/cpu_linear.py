@@ -19,6 +19,11 @@ Two packed forms, both chosen per layer by `pack_linear`:
   of F.linear; `pack_linear` checks that on a probe input and leaves a layer alone when the build
   lacks the ops or they disagree.
 
+A silu MLP's gate/up projection is packed as a NativeSiluMulLinear (`pack_silu_mul`): the same
+kernel with silu(gate) * up applied in its tile store, so the (rows, 2 * intermediate) projection
+output is never written and read back by a separate activation pass (bitwise the two passes'
+result; summarize in-process A/B 1.05x).
+
 Either way the packed weight replaces the plain one (no second copy). bf16 only: the float32 path
 stays on F.linear, the one held token-identical to HF transformers.
 """
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchrun.kernels import cpu_native
+from batchrun.kernels.elementwise import act_mul, act_mul_reference
 
 log = logging.getLogger(__name__)
 
@@ -126,27 +132,85 @@ class NativeLinear(nn.Module):
         """The plain (out_features, in_features) weight (a copy)."""
         return unpack_native_weight(self.packed_weight)
 
+    def plain_bias(self) -> Optional[torch.Tensor]:
+        """The bias in the plain weight's row order, or None."""
+        return self.bias
+
+    # The C entry point and the width of its output; the subclass below fuses an activation.
+    _kernel = "batchrun_linear_bf16"
+
+    @property
+    def _kernel_out(self) -> int:
+        return self.out_features
+
+    def _fallback(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight(), self.plain_bias())
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Called for every projection of every step: a few cheap checks, the rest was settled at load.
         if (x.dtype != torch.bfloat16 or x.shape[-1] != self.in_features or x.is_cuda or not self._kernel_ok
                 or not cpu_native.enabled()):
-            return F.linear(x, self.weight(), self.bias)  # an odd input (F.linear's errors), or kernels off
+            return self._fallback(x)  # an odd input (F.linear's errors), or kernels off
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
-        m = x2.shape[0]
-        y = torch.empty((m, self.out_features), dtype=torch.bfloat16)
+        m, n = x2.shape[0], self._kernel_out
+        y = torch.empty((m, n), dtype=torch.bfloat16)
         if m:
             bias = self._bias_f32
-            rc = cpu_native.library().batchrun_linear_bf16(
-                x2.data_ptr(), m, self.in_features, x2.stride(0), self.packed_weight.data_ptr(), self.out_features,
-                None if bias is None else bias.data_ptr(), y.data_ptr(), self.out_features, torch.get_num_threads())
+            rc = getattr(cpu_native.library(), self._kernel)(
+                x2.data_ptr(), m, self.in_features, x2.stride(0), self.packed_weight.data_ptr(), n,
+                None if bias is None else bias.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
             if rc != 0:
-                raise RuntimeError(f"batchrun_linear_bf16 failed ({rc}) for weight {tuple(self.packed_weight.shape)}")
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+                raise RuntimeError(f"{self._kernel} failed ({rc}) for weight {tuple(self.packed_weight.shape)}")
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, packed=native"
+
+
+def silu_pair_order(n: int) -> torch.Tensor:
+    """Row order of a (2n, K) gate/up weight (gate rows first) for batchrun_linear_silu_mul_bf16:
+    32 gate rows, the same 32 up rows, the next 32 gate rows, ... (n a multiple of 32)."""
+    return torch.arange(2 * n).view(2, n // _TILE_N, _TILE_N).permute(1, 0, 2).reshape(-1)
+
+
+class NativeSiluMulLinear(NativeLinear):
+    """silu(gate) * up of a fused gate/up projection in one kernel call (csrc/linear.cpp:
+    micro_silu_mul): the activation is applied in the GEMM's tile store, so the (rows, 2n)
+    projection output is never written and read back. Bitwise the result of NativeLinear followed
+    by the native silu-mul pass (the same roundings, tested). The weight and bias are held with
+    their rows in `silu_pair_order`; `weight()` and the fallback path restore HF's order."""
+
+    _kernel = "batchrun_linear_silu_mul_bf16"
+
+    def __init__(self, packed_weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+        super().__init__(packed_weight, bias)
+        self.act_features = self.out_features // 2
+        self._plain_order = torch.argsort(silu_pair_order(self.act_features))
+
+    @staticmethod
+    def from_linear(linear: nn.Linear) -> "NativeSiluMulLinear":
+        order = silu_pair_order(linear.out_features // 2)
+        bias = None if linear.bias is None else linear.bias.detach()[order]
+        return NativeSiluMulLinear(pack_native_weight(linear.weight.detach()[order]), bias)
+
+    @property
+    def _kernel_out(self) -> int:
+        return self.act_features
+
+    def weight(self) -> torch.Tensor:
+        """The plain (2n, in_features) gate/up weight, gate rows first (a copy)."""
+        return unpack_native_weight(self.packed_weight)[self._plain_order]
+
+    def plain_bias(self) -> Optional[torch.Tensor]:
+        return None if self.bias is None else self.bias[self._plain_order]
+
+    def _fallback(self, x: torch.Tensor) -> torch.Tensor:
+        return act_mul(F.linear(x, self.weight(), self.plain_bias()), "silu")
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + ", fused=silu_mul"
 
 
 class NativeEmbedding(nn.Module):
@@ -175,6 +239,35 @@ class NativeEmbedding(nn.Module):
         return rows.reshape(*input_ids.shape, k)
 
 
+def _within_bf16_rounding(got: torch.Tensor, want: torch.Tensor, half_steps: float, atol: float = 1e-5) -> bool:
+    """Every output within `half_steps` halves of a bf16 step (2^-8 relative at most, each) of the
+    float32 reference, plus `atol` times the largest reference value (float32 summation noise)."""
+    return bool(((got - want).abs() <= want.abs() * half_steps * 2.0 ** -8 + atol * want.abs().amax()).all())
+
+
+def pack_silu_mul(linear: nn.Linear) -> Optional[NativeSiluMulLinear]:
+    """The fused silu(gate) * up twin of a bf16 CPU gate/up projection (gate rows first), or None
+    where the native kernel does not serve its shape (n = out_features / 2 a multiple of 32) or
+    disagrees on a probe with the float32 reference beyond the roundings it makes."""
+    w = linear.weight
+    n = linear.out_features // 2
+    if not (type(linear) is nn.Linear and w.dtype == torch.bfloat16 and w.device.type == "cpu"
+            and linear.out_features == 2 * n and n % _TILE_N == 0 and native_supported(2 * n, linear.in_features)):
+        return None
+    fused = NativeSiluMulLinear.from_linear(linear)
+    probe = torch.randn(3, linear.in_features, generator=torch.Generator().manual_seed(0)).to(w.dtype)
+    with torch.inference_mode():
+        gate_up = nn.functional.linear(probe.float(), w.float(), None if linear.bias is None else linear.bias.float())
+        want = act_mul_reference(gate_up, "silu")
+        got = fused(probe).float()
+    # gate, up, silu(gate) and the product are each rounded to bf16 once (silu's slope is at most
+    # 1.1); far below zero silu's relative error grows with |gate| but its value vanishes.
+    if _within_bf16_rounding(got, want, 5, atol=2.0 ** -8):
+        return fused
+    log.warning("fused native silu-mul disagrees with its float32 reference for %s; not fusing", tuple(w.shape))
+    return None
+
+
 def pack_linear(linear: nn.Linear, batch_hint: int = 32) -> Optional[nn.Module]:
     """The packed twin of a bf16 CPU nn.Linear: a NativeLinear where native_supported, else a
     PackedLinear; None when neither applies or the result disagrees with F.linear on a probe
@@ -190,9 +283,8 @@ def pack_linear(linear: nn.Linear, batch_hint: int = 32) -> Optional[nn.Module]:
         with torch.inference_mode():
             want = nn.functional.linear(probe.float(), w.float(), None if bias is None else bias.float())
             got = native(probe).float()
-        # One bf16 rounding of a float32 sum: within half a bf16 step (2^-8 relative) of the exact
-        # product, plus float32 summation noise.
-        if bool(((got - want).abs() <= want.abs() * 2.0 ** -8 + 1e-5 * want.abs().amax()).all()):
+        # One bf16 rounding of a float32 sum: within half a bf16 step of the exact product.
+        if _within_bf16_rounding(got, want, 1):
             return native
         log.warning("native bf16 linear disagrees with F.linear for %s; using oneDNN", tuple(w.shape))
     if not packing_available():

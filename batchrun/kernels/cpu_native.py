@@ -10,7 +10,8 @@
   silu(gate) * up in bf16, one pass each (kernels/elementwise.py), and the KV-cache write
   (kernels/cpu_attention.py);
 - csrc/linear.cpp: bf16 linear layers over weights packed at load, prefetching the weight stream
-  (kernels/cpu_linear.py: NativeLinear), and W8A8's int8 GEMM with its scales and float channels
+  (kernels/cpu_linear.py: NativeLinear; with silu(gate) * up fused into a gate/up projection's
+  store: NativeSiluMulLinear), and W8A8's int8 GEMM with its scales and float channels
   (kernels/quant.py: w8a8_matmul_native).
 
 They are compiled together with the system C++ compiler (`$CXX`, `c++`, `g++` or `clang++`;
@@ -57,6 +58,7 @@ _SIGNATURES = {
     "batchrun_write_kv_cache": "ptr ptr i64 i64 i64 i64 i64 i64 i64 i64 ptr ptr ptr i64 i64 i64 i64 i32",
     "batchrun_linear_bf16_supported": "i64 i64",
     "batchrun_linear_bf16": "ptr i64 i64 i64 ptr i64 ptr ptr i64 i32",
+    "batchrun_linear_silu_mul_bf16": "ptr i64 i64 i64 ptr i64 ptr ptr i64 i32",
     "batchrun_w8a8_linear_supported": "i64 i64 i64",
     "batchrun_w8a8_linear": "ptr i64 i64 i64 ptr ptr ptr i64 ptr i64 i64 ptr ptr ptr i64 i32",
 }

@@ -16,7 +16,7 @@ from torch import nn
 
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
-from batchrun.kernels.cpu_linear import NativeEmbedding, NativeLinear, pack_linear
+from batchrun.kernels.cpu_linear import NativeEmbedding, NativeLinear, pack_linear, pack_silu_mul
 from batchrun.model.moe import (SparseMoeBlock, expert_token_counts, fused_moe_weights, moe_config_fields,
                                 reset_expert_token_counts)
 
@@ -191,8 +191,11 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.activation = spec.activation
         ew.activation(spec.activation)  # an unsupported name fails at construction
+        self.fused_act = False  # gate_up_proj returns act(gate) * up itself (pack_cpu_linears)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused_act:
+            return self.down_proj(self.gate_up_proj(x))
         return self.down_proj(ew.act_mul(self.gate_up_proj(x), self.activation))
 
 
@@ -270,7 +273,8 @@ class DecoderLM(nn.Module):
 
     def pack_cpu_linears(self, batch_hint: int = 32) -> int:
         """Swap each bf16 CPU nn.Linear (the unquantized projections and the LM head) for its packed
-        twin (kernels/cpu_linear.py), returns how many. A tied LM head is packed only where the
+        twin (kernels/cpu_linear.py), returns how many. A silu MLP's gate/up projection becomes a
+        NativeSiluMulLinear, which applies the activation itself, where the native kernel serves it. A tied LM head is packed only where the
         native kernel serves it: the embedding then reads its rows out of the same packed tensor
         (NativeEmbedding). oneDNN's packed layout cannot be read that way, and packing the head for it
         would keep a second copy of the vocabulary matrix (56 MB for SmolLM2, GBs for large
@@ -282,6 +286,13 @@ class DecoderLM(nn.Module):
             for name, child in list(parent.named_children()):
                 if tied and child is self.lm_head:
                     continue
+                if (isinstance(parent, MLP) and child is parent.gate_up_proj and parent.activation in ("silu", "swish")
+                        and isinstance(child, nn.Linear)):
+                    fused = pack_silu_mul(child)
+                    if fused is not None:
+                        parent.gate_up_proj, parent.fused_act = fused, True
+                        count += 1
+                        continue
                 packed = pack_linear(child, batch_hint) if isinstance(child, nn.Linear) else None
                 if packed is not None:
                     setattr(parent, name, packed)

@@ -14,11 +14,16 @@
 // in float32, one round-to-nearest-even to bf16 at the end (F.linear's semantics; the sums are
 // ordered differently from oneDNN's, so results can differ from it in the last bf16 bit).
 //
+// A silu MLP's gate/up projection runs the same micro kernel with silu(gate) * up applied in its
+// store (silu_mul_pair), which removes the activation pass and its (M, 2N) intermediate.
+//
 // Plain C ABI (ctypes), OpenMP from torch's libgomp, like the other kernels here.
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#include "vec_math.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -73,7 +78,7 @@ inline void with_rows(int64_t m, F&& f) {
     }
 }
 
-// The work split both kernels share, inside one parallel region: `prologue()` runs first on every
+// The work split the kernels share, inside one parallel region: `prologue()` runs first on every
 // thread (it may hold an omp for, whose barrier ends it), then body(t, r0, rows, pf) for every block
 // of up to MR rows of every weight tile t. Items are (tile, chunk of ROW_CHUNK rows), tile-major,
 // in contiguous runs per thread; `pf`, for the first row block of a tile's last chunk, is the next
@@ -98,10 +103,11 @@ void for_each_tile_block(int64_t m, int64_t tiles, int64_t tile_bytes, const cha
     }
 }
 
-// Rows [0, R) of x times one weight tile -> 32 columns of y; `pf`: the next tile, or null.
-template <int R>
-__attribute__((noinline)) void micro(const uint16_t* x, int64_t ldx, const uint32_t* tile, int64_t kp_count, const float* bias, uint16_t* y,
-           int64_t ldy, const char* pf) {
+// Rows [0, R) of x times one weight tile: 32 columns of float32 sums per row, handed to
+// store(c0, c1) (columns 0-15 and 16-31 of each row); `pf`: the next tile, or null.
+template <int R, typename Store>
+__attribute__((noinline)) void micro(const uint16_t* x, int64_t ldx, const uint32_t* tile, int64_t kp_count,
+                                     const char* pf, Store&& store) {
     __m512 acc0[R], acc1[R];
     for (int r = 0; r < R; ++r) {
         acc0[r] = _mm512_setzero_ps();
@@ -120,7 +126,43 @@ __attribute__((noinline)) void micro(const uint16_t* x, int64_t ldx, const uint3
             acc1[r] = _mm512_dpbf16_ps(acc1[r], xb, w1);
         }
     }
-    store_tile<R>(acc0, acc1, bias, y, ldy);
+    store(static_cast<const __m512*>(acc0), static_cast<const __m512*>(acc1));
+}
+
+// A gate/up projection with silu(gate) * up fused into its tile store (the activation pass and the
+// (M, 2N) intermediate of the unfused pair disappear). The weight's rows are permuted at load so
+// that tiles alternate gate and up columns of the same 32 outputs: tile 2t = gate columns
+// 32t .. 32t + 31, tile 2t + 1 = the matching up columns; a work unit is that pair. For each block
+// of rows the gate tile's sums go to a small float32 scratch (L1), then the up tile's store
+// combines them. Gate and up are rounded to bf16 as the unfused projection's store rounds them,
+// and silu and the product are computed exactly as batchrun_silu_mul_bf16 computes them, so the
+// result is bitwise that of the two passes.
+template <int R>
+void silu_mul_pair(const uint16_t* x, int64_t ldx, const uint32_t* pair, int64_t kp_count, const float* bias,
+                   uint16_t* y, int64_t ldy, const char* pf) {
+    __m512 gate[MR][2];
+    const __m512 zero = _mm512_setzero_ps();
+    // Rounded as the unfused projection's store (store_tile) rounds it, read back as float32.
+    auto projected = [](__m512 acc, __m512 b) {
+        return batchrun::bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc, b)));
+    };
+    const __m512 bg0 = bias ? _mm512_loadu_ps(bias) : zero, bg1 = bias ? _mm512_loadu_ps(bias + 16) : zero;
+    const __m512 bu0 = bias ? _mm512_loadu_ps(bias + 32) : zero, bu1 = bias ? _mm512_loadu_ps(bias + 48) : zero;
+    micro<R>(x, ldx, pair, kp_count, pf, [&](const __m512* c0, const __m512* c1) {
+        for (int r = 0; r < R; ++r) {
+            gate[r][0] = projected(c0[r], bg0);
+            gate[r][1] = projected(c1[r], bg1);
+        }
+    });
+    micro<R>(x, ldx, pair + kp_count * TILE_N, kp_count, pf ? pf + kp_count * TILE_N * 4 : nullptr,
+             [&](const __m512* c0, const __m512* c1) {
+        for (int r = 0; r < R; ++r) {
+            const __m512 up[2] = {projected(c0[r], bu0), projected(c1[r], bu1)};
+            for (int h = 0; h < 2; ++h)
+                batchrun::store_bf16(y + r * ldy + 16 * h,
+                                     _mm512_mul_ps(batchrun::round_bf16_512(batchrun::silu512(gate[r][h])), up[h]));
+        }
+    });
 }
 
 #if defined(__AVX512VNNI__)
@@ -216,8 +258,37 @@ int batchrun_linear_bf16(const void* x, int64_t m, int64_t k, int64_t ldx, const
     for_each_tile_block(m, tiles, tile_bytes, wp, num_threads, [] {},
                         [&](int64_t t, int64_t r0, int64_t rows, const char* pf) {
         with_rows(rows, [&](auto r) {
-            micro<decltype(r)::value>(xp + r0 * ldx, ldx, reinterpret_cast<const uint32_t*>(wp + t * tile_bytes),
-                                      kp_count, bias ? bias + t * TILE_N : nullptr, yp + r0 * ldy + t * TILE_N, ldy, pf);
+            constexpr int R = decltype(r)::value;
+            const float* b = bias ? bias + t * TILE_N : nullptr;
+            uint16_t* out = yp + r0 * ldy + t * TILE_N;
+            micro<R>(xp + r0 * ldx, ldx, reinterpret_cast<const uint32_t*>(wp + t * tile_bytes), kp_count, pf,
+                     [&](const __m512* c0, const __m512* c1) { store_tile<R>(c0, c1, b, out, ldy); });
+        });
+    });
+    return 0;
+#else
+    (void)x, (void)m, (void)ldx, (void)packed, (void)bias, (void)y, (void)ldy, (void)num_threads;
+    return -2;
+#endif
+}
+
+// y (M, N) bf16 = silu(x W_gate^T + b_gate) * (x W_up^T + b_up), from a (2N, K) gate/up weight
+// packed with its tiles alternating gate and up (see silu_mul_pair) and its bias (2N float32 in
+// the same permuted order, or null). Returns 0, or -2 for a shape this build does not serve.
+int batchrun_linear_silu_mul_bf16(const void* x, int64_t m, int64_t k, int64_t ldx, const void* packed, int64_t n,
+                                  const float* bias, void* y, int64_t ldy, int num_threads) {
+    if (!batchrun_linear_bf16_supported(2 * n, k) || n % TILE_N != 0) return -2;
+#if defined(BATCHRUN_LINEAR_BF16)
+    const int64_t kp_count = k / 2, pairs = n / TILE_N, pair_bytes = 2 * kp_count * TILE_N * 4;
+    const auto* xp = static_cast<const uint16_t*>(x);
+    auto* yp = static_cast<uint16_t*>(y);
+    const auto* wp = static_cast<const char*>(packed);
+    for_each_tile_block(m, pairs, pair_bytes, wp, num_threads, [] {},
+                        [&](int64_t t, int64_t r0, int64_t rows, const char* pf) {
+        with_rows(rows, [&](auto r) {
+            silu_mul_pair<decltype(r)::value>(xp + r0 * ldx, ldx, reinterpret_cast<const uint32_t*>(wp + t * pair_bytes),
+                                              kp_count, bias ? bias + t * 2 * TILE_N : nullptr,
+                                              yp + r0 * ldy + t * TILE_N, ldy, pf);
         });
     });
     return 0;

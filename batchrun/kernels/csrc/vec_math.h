@@ -4,6 +4,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace batchrun {
@@ -39,6 +40,32 @@ inline __m512 softcap512(__m512 s, float softcap) {
     const __m512 e = exp512(_mm512_mul_ps(s, _mm512_set1_ps(2.f / softcap)));
     const __m512 t = _mm512_sub_ps(_mm512_set1_ps(1.f), _mm512_div_ps(_mm512_set1_ps(2.f), _mm512_add_ps(e, _mm512_set1_ps(1.f))));
     return _mm512_mul_ps(t, _mm512_set1_ps(softcap));
+}
+
+// v rounded to bf16 (nearest even; NaN -> 0x7fc0, as bf16.h), kept in float32 lanes.
+inline __m512 round_bf16_512(__m512 v) {
+    const __m512i x = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(x, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), lsb),
+                                 _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+    return _mm512_castsi512_ps(r);
+}
+
+inline void store_bf16(uint16_t* p, __m512 v) {
+    const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(round_bf16_512(v)), 16);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+}
+
+// silu(g) = g / (1 + e^-g) as torch computes it for bf16 (in float32, rounded to bf16); e^-g
+// overflows to inf below g = -88.72, where torch's quotient is -0 (and NaN at g = -inf).
+inline __m512 silu512(__m512 g) {
+    const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), g);
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), batchrun::exp512(neg)));
+    const __mmask16 over = _mm512_cmp_ps_mask(neg, _mm512_set1_ps(88.72f), _CMP_GT_OQ) &
+                           _mm512_cmp_ps_mask(neg, _mm512_set1_ps(INFINITY), _CMP_LT_OQ);
+    const __mmask16 inf = _mm512_cmp_ps_mask(neg, _mm512_set1_ps(INFINITY), _CMP_EQ_OQ);
+    return _mm512_mask_mov_ps(_mm512_mask_mov_ps(s, over, _mm512_set1_ps(-0.f)), inf, _mm512_set1_ps(NAN));
 }
 
 }  // namespace batchrun

@@ -15,7 +15,7 @@
 //   block_size % 16 == 0); each row's online-softmax bookkeeping is paid once per 64 keys.
 // - bf16: both products run on AVX512-BF16 dot-product instructions (vdpbf16ps: pairs of bf16
 //   products summed into float32 lanes). The K tile is transposed into 16-key lanes of (d, d+1)
-//   pairs by a gather; the V tile is interleaved into (key, key+1) pairs per d; probabilities are
+//   pairs in registers (16 x 16 transposes of 32-bit elements; a gather for head_dim 16); the V tile is interleaved into (key, key+1) pairs per d; probabilities are
 //   rounded to bf16 for the second product, as torch's own CPU flash attention does.
 // - float32: the same loop with FMAs over a transposed float32 K tile.
 //
@@ -37,7 +37,7 @@ constexpr int KT = 4;  // 16-key sub-tiles per step
 constexpr int NR = 4;  // rows per micro-kernel call
 
 #if defined(__AVX512F__)
-using batchrun::exp512;
+using batchrun::exp2_512;
 using batchrun::softcap512;
 
 struct Shape {
@@ -45,6 +45,29 @@ struct Shape {
     float scale, softcap;
     int64_t window;
 };
+
+// out[c] lane j = r[j] lane c: a 16 x 16 transpose of 32-bit elements (r is clobbered).
+inline void transpose16x16(__m512i r[16], __m512i out[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 8; ++i) {  // per 128-bit block b: (r2i, r2i+1) at columns 4b, 4b+1 / 4b+2, 4b+3
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // r[4i + e], block b: rows 4i .. 4i + 3 at column 4b + e
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; ++e) {  // gather the four row quads of column 4b + e
+        const __m512i a = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x88), b = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xdd);
+        const __m512i c = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x88), d = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xdd);
+        out[e] = _mm512_shuffle_i32x4(a, c, 0x88);
+        out[8 + e] = _mm512_shuffle_i32x4(a, c, 0xdd);
+        out[4 + e] = _mm512_shuffle_i32x4(b, d, 0x88);
+        out[12 + e] = _mm512_shuffle_i32x4(b, d, 0xdd);
+    }
+}
 
 // One step's keys: KT sub-tiles of 16 keys (a sub-tile never crosses a cache block: block_size % 16
 // == 0), K and V prepared for the products (see the top of the file). A step covers 16 * KT keys so
@@ -64,16 +87,26 @@ struct Tile {
     // Sub-tile t: rows `off + j * stride_offset` (elements) for j < valid; the rest are zero (V
     // must be: a zero probability times a garbage bf16 could be NaN).
     void load(int t, const void* k_cache, const void* v_cache, int64_t off, int64_t stride_offset, int valid) {
-        const __mmask16 m = valid >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
-        const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                _mm512_set1_epi32(static_cast<int>(stride_offset)));
         if constexpr (BF16) {
             // Element offsets of the rows in units of 4 bytes (a pair): stride_offset is even for
             // every layout with head_dim >= 2 (checked by the caller).
-            const __m512i pair_rows = _mm512_srli_epi32(rows, 1);
-            const int32_t* kbase = reinterpret_cast<const int32_t*>(static_cast<const uint16_t*>(k_cache) + off);
-            for (int p = 0; p < D / 2; ++p)
-                k[t][p] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, pair_rows, kbase + p, 4);
+            if constexpr (D >= 32) {  // 16 pairs of each row at a time, transposed in registers
+                const uint16_t* kbase = static_cast<const uint16_t*>(k_cache) + off;
+                for (int b = 0; b < D / 32; ++b) {
+                    __m512i r[16];
+                    for (int j = 0; j < 16; ++j)
+                        r[j] = j < valid ? _mm512_loadu_si512(kbase + j * stride_offset + 32 * b) : _mm512_setzero_si512();
+                    transpose16x16(r, k[t] + 16 * b);
+                }
+            } else {  // head_dim 16: eight pairs per row, gathered
+                const __mmask16 m = valid >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
+                const __m512i pair_rows = _mm512_srli_epi32(_mm512_mullo_epi32(
+                    _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                    _mm512_set1_epi32(static_cast<int>(stride_offset))), 1);
+                const int32_t* kbase = reinterpret_cast<const int32_t*>(static_cast<const uint16_t*>(k_cache) + off);
+                for (int p = 0; p < D / 2; ++p)
+                    k[t][p] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, pair_rows, kbase + p, 4);
+            }
             const uint16_t* vbase = static_cast<const uint16_t*>(v_cache) + off;
             for (int jp = 0; jp < 8; ++jp)
                 for (int c = 0; c < DC; ++c) {
@@ -86,7 +119,12 @@ struct Tile {
                 }
         } else {
             const float* kbase = static_cast<const float*>(k_cache) + off;
-            for (int d = 0; d < D; ++d) kf[t][d] = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, rows, kbase + d, 4);
+            for (int b = 0; b < D / 16; ++b) {  // 16 dims of each row at a time, transposed in registers
+                __m512i r[16];
+                for (int j = 0; j < 16; ++j)
+                    r[j] = j < valid ? _mm512_loadu_si512(kbase + j * stride_offset + 16 * b) : _mm512_setzero_si512();
+                transpose16x16(r, reinterpret_cast<__m512i*>(kf[t] + 16 * b));
+            }
             const float* vbase = static_cast<const float*>(v_cache) + off;
             for (int j = 0; j < 16; ++j)
                 for (int c = 0; c < DC; ++c)
@@ -143,23 +181,29 @@ inline void rows_x_tile(const Tile<DC, BF16>& tile, int64_t r0, int64_t pos0, in
     alignas(64) uint32_t pairs[BF16 ? NR : 1][8 * KT];
     alignas(64) float pf[BF16 ? 1 : NR][16 * KT];
     float alpha[NR];
+    // Scores in log2 units (times log2 e), so that each probability is one exp2 of a difference;
+    // the running max `mx` is kept in the same units. bf16 rounds the probabilities to 8 bits, so
+    // a degree-4 exp2 suffices there; float32 takes degree 7.
+    constexpr float LOG2E = 1.44269504088896341f;
+    const __m512 to_log2 = _mm512_set1_ps(s.softcap > 0.f ? s.scale : s.scale * LOG2E);
     for (int i = 0; i < NR; ++i) {
         const int64_t r = r0 + i;
         __m512 si[KT];
         __m512 mv = _mm512_set1_ps(-INFINITY);
         for (int t = 0; t < nt; ++t) {
-            si[t] = _mm512_mul_ps(sc[i][t], _mm512_set1_ps(s.scale));
-            if (s.softcap > 0.f) si[t] = softcap512(si[t], s.softcap);
+            si[t] = _mm512_mul_ps(sc[i][t], to_log2);
+            if (s.softcap > 0.f) si[t] = _mm512_mul_ps(softcap512(si[t], s.softcap), _mm512_set1_ps(LOG2E));
             mv = _mm512_mask_max_ps(mv, ok[i][t], mv, si[t]);
         }
         const float m_new = std::max(mx[r], _mm512_reduce_max_ps(mv));
         // m_new == -inf: the row has seen no key yet (outside the window): it keeps zero state.
-        alpha[i] = m_new == -INFINITY || mx[r] == -INFINITY ? 0.f : std::exp(mx[r] - m_new);
+        alpha[i] = m_new == -INFINITY || mx[r] == -INFINITY ? 0.f : std::exp2(mx[r] - m_new);
         mx[r] = m_new;
         const __m512 mn = _mm512_set1_ps(m_new == -INFINITY ? 0.f : m_new);
         __m512 row_sum = _mm512_mul_ps(_mm512_loadu_ps(sum + 16 * r), _mm512_set1_ps(alpha[i]));
         for (int t = 0; t < nt; ++t) {
-            const __m512 p = _mm512_maskz_mov_ps(ok[i][t], exp512(_mm512_sub_ps(si[t], mn)));
+            const __m512 d = _mm512_sub_ps(si[t], mn);
+            const __m512 p = _mm512_maskz_mov_ps(ok[i][t], BF16 ? exp2_512<4>(d) : exp2_512<7>(d));
             if constexpr (BF16) {
                 // The row's sum takes the bf16-rounded probabilities that the product uses, so the
                 // normalisation matches the numerator.

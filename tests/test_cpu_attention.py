@@ -116,27 +116,35 @@ def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog)
     assert cpu_native.available()  # the real compiler again
 
 
-def test_engine_greedy_output_is_the_same_with_the_kernel_on_and_off(tiny_llama_dir, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_engine_greedy_output_is_the_same_with_the_kernel_on_and_off(tiny_llama_dir, monkeypatch, kv_cache_dtype):
+    # int8: the kernels read the int8 cache as it is and write it natively; off, the torch path
+    # quantizes with torch ops and gathers the cache dequantized (float32: the same values).
     from batchrun.engine import Engine, EngineConfig, SamplingParams
 
     engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
-                                 max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
+                                 max_num_seqs=8, max_num_batched_tokens=64, block_size=16,
+                                 kv_cache_dtype=kv_cache_dtype))
     prompts = [[5 + (7 * i + j) % 200 for j in range(20 + 13 * i)] for i in range(6)]
     prompts += [list(range(5, 5 + 40)) + [100 + i] * (3 + 17 * i) for i in range(3)]  # a cached 32-token start
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     calls = []
-    for name in ("paged_decode_attention", "paged_prefill_attention"):
+    for name in ("paged_decode_attention", "paged_prefill_attention", "write_kv_cache"):
         real = getattr(cpu_attention, name)
         monkeypatch.setattr(cpu_attention, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     on = [o.token_ids for o in engine.generate(prompts, params)]
     # Decode steps and prefills (whole prompts, chunks of 64 after a first chunk, cached prefixes)
     # went through the kernels.
-    assert {"paged_decode_attention", "paged_prefill_attention"} <= set(calls)
+    # (This model's head_dim is 16: over an int8 cache its prefills take the torch path, as
+    # test_an_int8_cache_with_head_dim_16_prefills_on_the_torch_path shows.)
+    assert engine.model.spec.head_dim == 16
+    native = {"paged_decode_attention", "write_kv_cache"} | ({"paged_prefill_attention"} if kv_cache_dtype == "auto" else set())
+    assert native <= set(calls)
     engine.reset_prefix_cache()
     monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
     calls.clear()
     assert [o.token_ids for o in engine.generate(prompts, params)] == on
-    assert not calls
+    assert "paged_decode_attention" not in calls and "paged_prefill_attention" not in calls
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,6 +224,53 @@ def test_prefill_across_threads_and_many_chunks(one_torch_thread, dtype):
     _assert_prefill_close(got, want, q, k_cache, v_cache, meta, 0.125)
 
 
+def _int8_case(heads, kv_heads, dim, block, dtype, seqs):
+    """_prefill_case over an int8 cache (engine.kv_cache_dtype: int8), plus float32 caches of its
+    dequantized values (the truth both paths are measured against)."""
+    from batchrun.kernels.quant import QuantizedKVCache
+
+    q, k_float, v_float, meta = _prefill_case(heads, kv_heads, dim, block, dtype, seqs)
+    caches, exact = [], []
+    for src in (k_float, v_float):
+        cache = QuantizedKVCache.empty(tuple(src.shape), torch.int8, dtype, "cpu")
+        cache.write(src.flatten(0, 1) * 3.0, torch.arange(src.shape[0] * src.shape[1]))  # scales well above 1/127
+        caches.append(cache)
+        exact.append(QuantizedKVCache(cache.data, cache.scale, torch.float32)[:])
+    return q, caches, exact, meta
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim,block", [(9, 3, 64, 16), (4, 4, 128, 32), (16, 2, 64, 48), (4, 2, 32, 16)])
+@pytest.mark.parametrize("window,softcap", [(None, None), (33, 7.0)])
+def test_native_attention_over_an_int8_cache(dtype, heads, kv_heads, dim, block, window, softcap):
+    # Prefills, cached-start prefills and decodes in one batch, read straight from the int8 cache
+    # (K's scale on the scores, V's on the probabilities) against the torch path, which gathers
+    # the cache dequantized to the model dtype.
+    q, (k_cache, v_cache), (k_exact, v_exact), meta = _int8_case(heads, kv_heads, dim, block, dtype, PREFILL_SEQS)
+    assert cpu_attention.supports(q, k_cache) and cpu_attention.supports_prefill(q, k_cache)
+    scale = dim ** -0.5
+    got = paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap, native=True)
+    want = paged_attention_reference(q.float(), k_exact, v_exact, meta, scale, window, softcap)
+    if dtype == torch.float32:  # dequantized exactly as the torch path does: float32 rounding apart
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(got, paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap),
+                                   rtol=2e-5, atol=2e-5)
+        return
+    torch_err = (paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap).float() - want).abs()
+    err = (got.float() - want).abs()
+    # The kernel keeps K and V as their integers (exact in bf16) and applies the scales in float32;
+    # the torch path rounds the dequantized values to bf16 first. Both round probabilities and output.
+    assert err.max() <= 2 * torch_err.max() + 1e-3, (err.max(), torch_err.max())
+    assert err.mean() <= 2 * torch_err.mean() + 1e-4, (err.mean(), torch_err.mean())
+
+
+def test_an_int8_cache_with_head_dim_16_prefills_on_the_torch_path():
+    q, (k_cache, v_cache), (k_exact, v_exact), meta = _int8_case(4, 2, 16, 16, torch.float32, [(20, 20), (1, 30)])
+    assert cpu_attention.supports(q, k_cache) and not cpu_attention.supports_prefill(q, k_cache)
+    got = paged_attention_reference(q, k_cache, v_cache, meta, 0.25, native=True)
+    torch.testing.assert_close(got, paged_attention_reference(q, k_exact, v_exact, meta, 0.25), rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.parametrize("dim,block", [(40, 16), (64, 8), (96, 16)])
 def test_prefill_shapes_the_build_does_not_serve_take_the_torch_path(dim, block, monkeypatch):
     q, k_cache, v_cache, meta = _prefill_case(4, 2, dim, block, torch.float32, [(20, 20), (7, 30)])
@@ -267,6 +322,34 @@ def test_native_cache_write_equals_index_copy(dtype, head_major, monkeypatch):
     want_k2, want_v2 = make(), make()
     write_kv_cache_reference(want_k2, want_v2, k[::2], v[::2], slots[::2])
     assert torch.equal(skip_k, want_k2) and torch.equal(skip_v, want_v2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_int8_cache_write_is_bitwise_quantize_kv(dtype, monkeypatch):
+    from batchrun.kernels.attention import write_kv_cache
+    from batchrun.kernels.quant import QuantizedKVCache
+
+    torch.manual_seed(2)
+    shape, tokens = (9, 16, 3, 64), 37
+    qkv = torch.randn(tokens, 6 * 3 * 64).to(dtype)  # k and v as strided views, as the decoder has them
+    qkv *= torch.logspace(-14, 3, tokens)[:, None].to(dtype)  # down to rows whose scale is clamped
+    qkv[4] = 0.0
+    k = qkv[:, 4 * 192: 5 * 192].view(tokens, 3, 64)
+    v = qkv[:, 5 * 192:].view(tokens, 3, 64)
+    slots = torch.randperm(9 * 16)[:tokens]
+    slots[7] = -1  # skipped
+    make = lambda: QuantizedKVCache.empty(shape, torch.int8, dtype, "cpu")  # noqa: E731
+    got_k, got_v, want_k, want_v = make(), make(), make(), make()
+    calls = []
+    real = cpu_attention.write_kv_cache
+    monkeypatch.setattr(cpu_attention, "write_kv_cache", lambda *a: calls.append(1) or real(*a))
+    write_kv_cache(got_k, got_v, k, v, slots)
+    keep = slots >= 0
+    want_k.write(k[keep], slots[keep])  # the torch path: kernels/quant.py quantize_kv + index_copy_
+    want_v.write(v[keep], slots[keep])
+    assert calls
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        assert torch.equal(got.data, want.data) and torch.equal(got.scale, want.scale)
 
 
 def test_cache_write_refuses_what_it_does_not_serve():

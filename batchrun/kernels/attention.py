@@ -186,7 +186,10 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # (num_tokens,)
 ) -> None:
     if isinstance(k_cache, QuantizedKVCache):
-        # int8/fp8 cache (engine.kv_cache_dtype): quantized on write, dequantized when gathered.
+        # int8/fp8 cache (engine.kv_cache_dtype): quantized on write (natively for int8 on the CPU),
+        # read by the native CPU kernels as it is or dequantized when gathered.
+        if not k.is_cuda and cpu_attention.write_kv_cache(k_cache, v_cache, k, v, slot_mapping):
+            return
         k_cache.write(k, slot_mapping)
         v_cache.write(v, slot_mapping)
         return

@@ -47,15 +47,16 @@ HEADERS = sorted(CSRC.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 # Argument types of each C entry point (all return int: 0, or a negative error code).
 _SIGNATURES = {
-    "batchrun_paged_decode_attention": "ptr i32 i64 i64 i64 ptr ptr i32 i64 i64 i64 i64 i64 ptr i64 ptr f32 f32 i64 ptr i32",
-    "batchrun_prefill_attention_supported": "i64 i32 i64 i64",
-    "batchrun_paged_prefill_attention": "ptr i32 i64 i64 i64 ptr ptr i64 i64 i64 i64 i64 ptr i64 ptr ptr ptr f32 f32 i64 ptr i32",
+    "batchrun_paged_decode_attention": "ptr i32 i64 i64 i64 ptr ptr i32 i64 i64 i64 i64 ptr ptr i64 i64 i64 i64 ptr i64 ptr f32 f32 i64 ptr i32",
+    "batchrun_prefill_attention_supported": "i64 i32 i64 i64 i32",
+    "batchrun_paged_prefill_attention": "ptr i32 i64 i64 i64 ptr ptr i32 i64 i64 i64 i64 ptr ptr i64 i64 i64 i64 ptr i64 ptr ptr ptr f32 f32 i64 ptr i32",
     "batchrun_quantize_per_token_int8": "ptr i32 i64 i64 i64 ptr ptr ptr ptr i64 ptr i32",
     "batchrun_w8a8_epilogue": "ptr i64 i64 ptr ptr ptr ptr i32 i32",
     "batchrun_rms_norm_bf16": "ptr i64 i64 i64 ptr ptr f32 i32 ptr i32",
     "batchrun_rotary_bf16": "ptr i64 i64 i64 i64 ptr ptr i32",
     "batchrun_silu_mul_bf16": "ptr i64 i64 i64 ptr i32",
     "batchrun_write_kv_cache": "ptr ptr i64 i64 i64 i64 i64 i64 i64 i64 ptr ptr ptr i64 i64 i64 i64 i32",
+    "batchrun_write_kv_cache_int8": "ptr ptr i64 i64 i64 i64 i64 i64 i64 i64 ptr ptr ptr ptr ptr i64 i64 i64 i64 i64 i64 i64 i32",
     "batchrun_linear_bf16_supported": "i64 i64",
     "batchrun_linear_bf16": "ptr i64 i64 i64 ptr i64 ptr ptr i64 i32",
     "batchrun_linear_silu_mul_bf16": "ptr i64 i64 i64 ptr i64 ptr ptr i64 i32",

@@ -14,6 +14,7 @@
 // the next op reads it), so rotary and the residual add are bitwise equal to torch and RMSNorm and
 // silu differ only where a float32 sum order or exp's last bit tips a bf16 rounding (tested).
 // bf16 only: the float32 path stays on torch ops, bitwise the arithmetic of the HF oracle.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -158,6 +159,51 @@ int batchrun_write_kv_cache(const void* k, const void* v, int64_t elem_size, int
         for (int64_t h = 0; h < num_kv_heads; ++h) {
             std::memcpy(kc + (base + h * c2) * elem_size, kb + (t * k_row + h * k_head) * elem_size, row_bytes);
             std::memcpy(vc + (base + h * c2) * elem_size, vb + (t * v_row + h * v_head) * elem_size, row_bytes);
+        }
+    }
+    return 0;
+}
+
+// The same copy into an int8 cache (engine.kv_cache_dtype: int8), quantizing each (token, head)
+// row on the way as kernels/quant.py: quantize_kv does: scale = max(amax / 127, 1e-10) in float32,
+// q = round-half-even(clamp(x / scale, -127, 127)) (bitwise its result). k, v: bf16 (elem_size 2) or
+// float32 (4); k_scale, v_scale: float32 (num_blocks, block_size, num_kv_heads) with strides
+// (s0, s1, s2).
+int batchrun_write_kv_cache_int8(const void* k, const void* v, int64_t elem_size, int64_t num_tokens,
+                                 int64_t num_kv_heads, int64_t head_dim, int64_t k_row, int64_t k_head, int64_t v_row,
+                                 int64_t v_head, const int64_t* slots, void* k_cache, void* v_cache, float* k_scale,
+                                 float* v_scale, int64_t block_size, int64_t c0, int64_t c1, int64_t c2, int64_t s0,
+                                 int64_t s1, int64_t s2, int num_threads) {
+    if (head_dim > 1024 || (elem_size != 2 && elem_size != 4)) return -2;
+    auto quantize_row = [&](const void* src, int64_t at, int8_t* dst, float* scale_out) {
+        float x[1024];
+        if (elem_size == 2) {
+            const uint16_t* p = static_cast<const uint16_t*>(src) + at;
+#pragma omp simd
+            for (int64_t d = 0; d < head_dim; ++d) x[d] = bf16_to_f32(p[d]);
+        } else {
+            std::memcpy(x, static_cast<const float*>(src) + at, head_dim * sizeof(float));
+        }
+        float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+        for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(x[d]));
+        const float scale = std::max(amax / 127.f, 1e-10f);
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d)
+            dst[d] = static_cast<int8_t>(std::nearbyint(std::min(std::max(x[d] / scale, -127.f), 127.f)));
+        *scale_out = scale;
+    };
+    int8_t* kc = static_cast<int8_t*>(k_cache);
+    int8_t* vc = static_cast<int8_t*>(v_cache);
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (num_tokens * num_kv_heads * head_dim > 65536)
+    for (int64_t t = 0; t < num_tokens; ++t) {
+        const int64_t slot = slots[t];
+        if (slot < 0) continue;
+        const int64_t blk = slot / block_size, off = slot % block_size;
+        for (int64_t h = 0; h < num_kv_heads; ++h) {
+            const int64_t at = blk * c0 + off * c1 + h * c2, sat = blk * s0 + off * s1 + h * s2;
+            quantize_row(k, t * k_row + h * k_head, kc + at, k_scale + sat);
+            quantize_row(v, t * v_row + h * v_head, vc + at, v_scale + sat);
         }
     }
     return 0;

@@ -7,6 +7,8 @@
 // this kernel reads each K and V row once, where it lies, through the block table: one work item
 // per (sequence, KV head) computes the scores of the query heads that share that KV head (GQA),
 // a float32 softmax and the weighted sum of V. Accumulation is float32; bf16 is widened on load.
+// An int8 cache (engine.kv_cache_dtype: int8, one float32 scale per slot and head) is read as it
+// is stored, at half the bytes of bf16: K's scale multiplies each score, V's each probability.
 //
 // Plain C ABI (called through ctypes, which releases the GIL), built by kernels/cpu_native.py with
 // the system compiler; OpenMP resolves to the libgomp torch already loaded, so the kernel shares
@@ -21,6 +23,21 @@
 #include "vec_math.h"
 
 namespace {
+
+// The cache's element type (the C entry's kv_dtype code).
+enum Kv : int { KV_F32 = 0, KV_BF16 = 1, KV_I8 = 2 };
+inline int64_t kv_bytes(int kv) { return kv == KV_F32 ? 4 : kv == KV_BF16 ? 2 : 1; }
+
+// An int8 cache's scales: element (block, offset, kv_head) at block * block + offset * offset +
+// kv_head * head; null for a float cache.
+struct Scales {
+    const float* k = nullptr;
+    const float* v = nullptr;
+    int64_t block = 0, offset = 0, head = 0;
+    float at(const float* s, const int64_t* table, int64_t pos, int64_t block_size, int64_t h) const {
+        return s[table[pos / block_size] * block + (pos % block_size) * offset + h * head];
+    }
+};
 
 using batchrun::bf16_to_f32;
 using batchrun::f32_to_bf16;
@@ -58,11 +75,15 @@ inline float softmax_in_place(float* s, int64_t n, float softcap) {
     return sum;
 }
 
-// One K or V row widened to float32.
+// One K or V row widened to float32 (an int8 row as its integers: the caller applies the scale).
 template <int D>
-inline void load_row(const void* base, int64_t offset, bool bf16, int64_t dyn_d, float* dst) {
+inline void load_row(const void* base, int64_t offset, int kv, int64_t dyn_d, float* dst) {
     const int64_t d_len = D > 0 ? D : dyn_d;
-    if (bf16) {
+    if (kv == KV_I8) {
+        const int8_t* src = static_cast<const int8_t*>(base) + offset;
+#pragma omp simd
+        for (int64_t d = 0; d < d_len; ++d) dst[d] = static_cast<float>(src[d]);
+    } else if (kv == KV_BF16) {
         const uint16_t* src = static_cast<const uint16_t*>(base) + offset;
 #pragma omp simd
         for (int64_t d = 0; d < d_len; ++d) dst[d] = bf16_to_f32(src[d]);
@@ -102,7 +123,7 @@ inline void for_each_row(const void* cache, int64_t elem_bytes, int64_t row_byte
 
 template <int D>
 void decode_one(int64_t b, int64_t h, const void* q, bool q_bf16, int64_t num_heads, int64_t dyn_d,
-                const void* k_cache, const void* v_cache, bool kv_bf16, int64_t num_kv_heads,
+                const void* k_cache, const void* v_cache, int kv, const Scales& sc, int64_t num_kv_heads,
                 int64_t stride_block, int64_t stride_offset, int64_t stride_head, int64_t block_size,
                 const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens, float scale,
                 float softcap, int64_t window, void* out, std::vector<float>& scratch) {
@@ -120,17 +141,18 @@ void decode_one(int64_t b, int64_t h, const void* q, bool q_bf16, int64_t num_he
     for (int64_t g = 0; g < group; ++g)
         load_row<D>(q, (b * num_heads + h * group + g) * head_dim, q_bf16, head_dim, qf + g * head_dim);
     const int64_t* table = block_tables + b * table_stride;
-    const int64_t elem_bytes = kv_bf16 ? 2 : 4;
+    const int64_t elem_bytes = kv_bytes(kv);
 
     for_each_row(k_cache, elem_bytes, elem_bytes * head_dim, start, seq_len, block_size, table, stride_block,
                  stride_offset, h * stride_head, [&](int64_t j, int64_t off) {
-        load_row<D>(k_cache, off, kv_bf16, head_dim, row);
+        load_row<D>(k_cache, off, kv, head_dim, row);
+        const float row_scale = kv == KV_I8 ? sc.at(sc.k, table, j, block_size, h) * scale : scale;
         for (int64_t g = 0; g < group; ++g) {
             const float* qg = qf + g * head_dim;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
             for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * row[d];
-            scores[g * n + (j - start)] = s * scale;
+            scores[g * n + (j - start)] = s * row_scale;
         }
     });
     float denom[64];  // group <= 64 (checked by the caller)
@@ -138,9 +160,10 @@ void decode_one(int64_t b, int64_t h, const void* q, bool q_bf16, int64_t num_he
     std::fill(acc, acc + group * head_dim, 0.f);
     for_each_row(v_cache, elem_bytes, elem_bytes * head_dim, start, seq_len, block_size, table, stride_block,
                  stride_offset, h * stride_head, [&](int64_t j, int64_t off) {
-        load_row<D>(v_cache, off, kv_bf16, head_dim, row);
+        load_row<D>(v_cache, off, kv, head_dim, row);
+        const float row_scale = kv == KV_I8 ? sc.at(sc.v, table, j, block_size, h) : 1.f;
         for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * n + (j - start)];
+            const float p = scores[g * n + (j - start)] * row_scale;
             float* ag = acc + g * head_dim;
 #pragma omp simd
             for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * row[d];
@@ -165,8 +188,11 @@ void decode_one(int64_t b, int64_t h, const void* q, bool q_bf16, int64_t num_he
 // tile of 16 positions are reduced to 16 scores by one transposing add tree (instead of a
 // horizontal sum per score); V accumulates in registers.
 
-inline __m512 load16(const void* base, int64_t offset, bool bf16) {
-    if (bf16) return batchrun::load_bf16x16(static_cast<const uint16_t*>(base) + offset);
+inline __m512 load16(const void* base, int64_t offset, int kv) {
+    if (kv == KV_BF16) return batchrun::load_bf16x16(static_cast<const uint16_t*>(base) + offset);
+    if (kv == KV_I8)
+        return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(base) + offset))));
     return _mm512_loadu_ps(static_cast<const float*>(base) + offset);
 }
 
@@ -187,7 +213,7 @@ inline __m512 sum16x16(__m512 v[16]) {
 
 template <int DC, int G>
 void decode_one_avx512(int64_t b, int64_t h, const void* q, bool q_bf16, int64_t num_heads, const void* k_cache,
-                       const void* v_cache, bool kv_bf16, int64_t stride_block, int64_t stride_offset,
+                       const void* v_cache, int kv, const Scales& sc, int64_t stride_block, int64_t stride_offset,
                        int64_t stride_head, int64_t block_size, const int64_t* block_tables, int64_t table_stride,
                        const int64_t* seq_lens, float scale, float softcap, int64_t window, void* out,
                        std::vector<float>& scratch) {
@@ -203,7 +229,7 @@ void decode_one_avx512(int64_t b, int64_t h, const void* q, bool q_bf16, int64_t
         for (int c = 0; c < DC; ++c)
             qv[g][c] = _mm512_mul_ps(load16(q, (b * num_heads + h * G + g) * D + 16 * c, q_bf16), _mm512_set1_ps(scale));
     const int64_t* table = block_tables + b * table_stride;
-    const int64_t elem_bytes = kv_bf16 ? 2 : 4;
+    const int64_t elem_bytes = kv_bytes(kv);
     const int64_t head_offset = h * stride_head;
 
     // Scores, 16 positions at a time (a tile never crosses a block: block_size % 16 == 0).
@@ -223,24 +249,29 @@ void decode_one_avx512(int64_t b, int64_t h, const void* q, bool q_bf16, int64_t
         const int64_t base = table[blk] * stride_block + head_offset;
         __m512 part[G][16];
         const int64_t t0 = j & ~int64_t(15);  // tile start position (may precede `start`)
+        alignas(64) float row_scale[16];  // int8: K's scale of each position
         for (int r = 0; r < 16; ++r) {
             const int64_t pos = t0 + r;
             if (pos < j || pos >= tile_end) {
                 for (int g = 0; g < G; ++g) part[g][r] = _mm512_setzero_ps();
+                row_scale[r] = 0.f;
                 continue;
             }
+            if (kv == KV_I8) row_scale[r] = sc.at(sc.k, table, pos, block_size, h);
             const int64_t off = base + (pos - blk * block_size) * stride_offset;
             __m512 acc[G];
             for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
             for (int c = 0; c < DC; ++c) {
-                const __m512 kv = load16(k_cache, off + 16 * c, kv_bf16);
-                for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(qv[g][c], kv, acc[g]);
+                const __m512 kvec = load16(k_cache, off + 16 * c, kv);
+                for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(qv[g][c], kvec, acc[g]);
             }
             for (int g = 0; g < G; ++g) part[g][r] = acc[g];
         }
         for (int g = 0; g < G; ++g) {
             alignas(64) float tile[16];
-            _mm512_store_ps(tile, sum16x16(part[g]));
+            __m512 sums = sum16x16(part[g]);
+            if (kv == KV_I8) sums = _mm512_mul_ps(sums, _mm512_load_ps(row_scale));
+            _mm512_store_ps(tile, sums);
             for (int64_t pos = j; pos < tile_end; ++pos) scores[g * n16 + (pos - start)] = tile[pos - t0];
         }
         j = tile_end;
@@ -252,10 +283,11 @@ void decode_one_avx512(int64_t b, int64_t h, const void* q, bool q_bf16, int64_t
         for (int c = 0; c < DC; ++c) acc[g][c] = _mm512_setzero_ps();
     for_each_row(v_cache, 0, 0, start, seq_len, block_size, table, stride_block, stride_offset, head_offset,
                  [&](int64_t j, int64_t off) {
+        const float vs = kv == KV_I8 ? sc.at(sc.v, table, j, block_size, h) : 1.f;  // int8: V's scale
         __m512 p[G];
-        for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[g * n16 + (j - start)]);
+        for (int g = 0; g < G; ++g) p[g] = _mm512_set1_ps(scores[g * n16 + (j - start)] * vs);
         for (int c = 0; c < DC; ++c) {
-            const __m512 vv = load16(v_cache, off + 16 * c, kv_bf16);
+            const __m512 vv = load16(v_cache, off + 16 * c, kv);
             for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(p[g], vv, acc[g][c]);
         }
     });
@@ -278,14 +310,14 @@ void decode_one_avx512(int64_t b, int64_t h, const void* q, bool q_bf16, int64_t
 
 // Calls the AVX-512 instance for (head_dim, group) if there is one; false if not.
 inline bool decode_avx512(int64_t head_dim, int64_t group, int64_t block_size, int64_t b, int64_t h, const void* q,
-                          bool q_bf16, int64_t num_heads, const void* k_cache, const void* v_cache, bool kv_bf16,
-                          int64_t stride_block, int64_t stride_offset, int64_t stride_head,
+                          bool q_bf16, int64_t num_heads, const void* k_cache, const void* v_cache, int kv,
+                          const Scales& sc, int64_t stride_block, int64_t stride_offset, int64_t stride_head,
                           const int64_t* block_tables, int64_t table_stride, const int64_t* seq_lens, float scale,
                           float softcap, int64_t window, void* out, std::vector<float>& scratch) {
     if (block_size % 16 != 0) return false;
 #define BATCHRUN_CASE(DC, G)                                                                                     \
     if (head_dim == 16 * DC && group == G) {                                                                     \
-        decode_one_avx512<DC, G>(b, h, q, q_bf16, num_heads, k_cache, v_cache, kv_bf16, stride_block,              \
+        decode_one_avx512<DC, G>(b, h, q, q_bf16, num_heads, k_cache, v_cache, kv, sc, stride_block,              \
                                  stride_offset, stride_head, block_size, block_tables, table_stride, seq_lens, scale, \
                                  softcap, window, out, scratch);                                                 \
         return true;                                                                                             \
@@ -307,17 +339,24 @@ extern "C" {
 
 // q, out: (num_seqs, num_heads, head_dim) contiguous, float32 or bf16 (q_bf16).
 // k_cache, v_cache: element (block, offset, kv_head, d) at block * stride_block +
-//   offset * stride_offset + kv_head * stride_head + d, float32 or bf16 (kv_bf16).
+//   offset * stride_offset + kv_head * stride_head + d; kv_dtype 0 float32, 1 bf16, 2 int8.
+// k_scale, v_scale: int8 only (else null), float32 element (block, offset, kv_head) at
+//   block * scale_stride_block + offset * scale_stride_offset + kv_head * scale_stride_head.
 // block_tables: (num_seqs, table_stride) int64; seq_lens: (num_seqs,) int64, the query's own
 //   position included. window > 0: only the last `window` keys; softcap > 0: tanh soft-capping.
-// Returns 0, or -1 when num_heads is not a multiple of num_kv_heads.
+// Returns 0, -1 when num_heads is not a multiple of num_kv_heads, -2 for an int8 cache without scales.
 int batchrun_paged_decode_attention(const void* q, int q_bf16, int64_t num_seqs, int64_t num_heads,
-                                    int64_t head_dim, const void* k_cache, const void* v_cache, int kv_bf16,
+                                    int64_t head_dim, const void* k_cache, const void* v_cache, int kv_dtype,
                                     int64_t num_kv_heads, int64_t stride_block, int64_t stride_offset,
-                                    int64_t stride_head, int64_t block_size, const int64_t* block_tables,
+                                    int64_t stride_head, const float* k_scale, const float* v_scale,
+                                    int64_t scale_stride_block, int64_t scale_stride_offset,
+                                    int64_t scale_stride_head, int64_t block_size, const int64_t* block_tables,
                                     int64_t table_stride, const int64_t* seq_lens, float scale, float softcap,
                                     int64_t window, void* out, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0 || num_heads / num_kv_heads > 64) return -1;
+    if (kv_dtype == KV_I8 && (k_scale == nullptr || v_scale == nullptr)) return -2;
+    const Scales sc{k_scale, v_scale, scale_stride_block, scale_stride_offset, scale_stride_head};
+    const int kv = kv_dtype;
     const int64_t items = num_seqs * num_kv_heads;
 #pragma omp parallel num_threads(num_threads)
     {
@@ -327,12 +366,12 @@ int batchrun_paged_decode_attention(const void* q, int q_bf16, int64_t num_seqs,
             const int64_t b = item / num_kv_heads, h = item % num_kv_heads;
 #if defined(__AVX512F__)
             if (decode_avx512(head_dim, num_heads / num_kv_heads, block_size, b, h, q, q_bf16 != 0, num_heads, k_cache,
-                              v_cache, kv_bf16 != 0, stride_block, stride_offset, stride_head, block_tables,
+                              v_cache, kv, sc, stride_block, stride_offset, stride_head, block_tables,
                               table_stride, seq_lens, scale, softcap, window, out, scratch))
                 continue;
 #endif
 #define BATCHRUN_DECODE(DIM)                                                                              \
-    decode_one<DIM>(b, h, q, q_bf16 != 0, num_heads, head_dim, k_cache, v_cache, kv_bf16 != 0, num_kv_heads, \
+    decode_one<DIM>(b, h, q, q_bf16 != 0, num_heads, head_dim, k_cache, v_cache, kv, sc, num_kv_heads,     \
                     stride_block, stride_offset, stride_head, block_size, block_tables, table_stride,      \
                     seq_lens, scale, softcap, window, out, scratch)
             if (head_dim == 64) BATCHRUN_DECODE(64);

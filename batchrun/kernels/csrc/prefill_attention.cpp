@@ -44,6 +44,11 @@ struct Shape {
     int64_t num_heads, num_kv_heads, block_size, stride_block, stride_offset, stride_head;
     float scale, softcap;
     int64_t window;
+    // An int8 cache's float32 scales, element (block, offset, kv_head) at block * scale_block +
+    // offset * scale_offset + kv_head * scale_head; null for a float cache.
+    const float* k_scale;
+    const float* v_scale;
+    int64_t scale_block, scale_offset, scale_head;
 };
 
 // out[c] lane j = r[j] lane c: a 16 x 16 transpose of 32-bit elements (r is clobbered).
@@ -73,6 +78,22 @@ inline void transpose16x16(__m512i r[16], __m512i out[16]) {
 // == 0), K and V prepared for the products (see the top of the file). A step covers 16 * KT keys so
 // that each row's softmax bookkeeping (max, rescale, accumulator load and store) is paid once per
 // 16 * KT keys instead of once per 16: with 16-key steps it cost as much as the products.
+// 16 int8 at p widened to float32 lanes.
+inline __m512 i8x16_to_f32(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// Where one sub-tile's keys lie: element offset `off` of its first row, the rows `stride`
+// elements apart, `valid` of them; for an int8 cache also its first row's K and V scales, the
+// rows' scales `scale_stride` floats apart.
+struct SubTile {
+    int64_t off, stride;
+    int valid;
+    const float* k_scale = nullptr;
+    const float* v_scale = nullptr;
+    int64_t scale_stride = 0;
+};
+
 template <int DC, bool BF16>
 struct Tile {
     static constexpr int D = 16 * DC;
@@ -83,22 +104,61 @@ struct Tile {
     alignas(64) __m512i v[BF16 ? 8 * KT : 1][DC];
     alignas(64) __m512 kf[BF16 ? 1 : KT][BF16 ? 1 : D];
     alignas(64) __m512 vf[BF16 ? 1 : 16 * KT][DC];
+    // bf16 over an int8 cache: K and V hold the integers (exact in bf16); each key's K scale then
+    // multiplies its scores (ks) and its V scale its probabilities (vs). float32 dequantizes on load.
+    bool scaled;
+    alignas(64) float ks[KT][16], vs[KT][16];
 
-    // Sub-tile t: rows `off + j * stride_offset` (elements) for j < valid; the rest are zero (V
-    // must be: a zero probability times a garbage bf16 could be NaN).
-    void load(int t, const void* k_cache, const void* v_cache, int64_t off, int64_t stride_offset, int valid) {
+    // Sub-tile t of a float cache of the tile's dtype, or of an int8 cache (int8). Rows past
+    // `valid` are zero (V must be: a zero probability times a garbage bf16 could be NaN).
+    void load(int t, const void* k_cache, const void* v_cache, const SubTile& st, bool int8) {
+        const int valid = st.valid;
+        const int64_t stride_offset = st.stride, off = st.off;
+        alignas(64) float kscale[16], vscale[16];
+        if (int8)
+            for (int j = 0; j < 16; ++j) {
+                kscale[j] = j < valid ? st.k_scale[j * st.scale_stride] : 0.f;
+                vscale[j] = j < valid ? st.v_scale[j * st.scale_stride] : 0.f;
+            }
+        // Row j's 16 elements from d0 as float32 lanes (float or int8 cache), or row j's 16
+        // (d, d+1) bf16 pairs from d0 (bf16 or int8 cache), zero past `valid`.
+        auto row16f = [&](const void* base, int j, int d0) {
+            if (j >= valid) return _mm512_setzero_ps();
+            if (int8) return i8x16_to_f32(static_cast<const int8_t*>(base) + off + j * stride_offset + d0);
+            return _mm512_loadu_ps(static_cast<const float*>(base) + off + j * stride_offset + d0);
+        };
+        auto row16pairs = [&](const void* base, int j, int d0) {
+            if (j >= valid) return _mm512_setzero_si512();
+            if (int8) {
+                const int8_t* p = static_cast<const int8_t*>(base) + off + j * stride_offset + d0;
+                return (__m512i)_mm512_cvtne2ps_pbh(i8x16_to_f32(p + 16), i8x16_to_f32(p));
+            }
+            return _mm512_loadu_si512(static_cast<const uint16_t*>(base) + off + j * stride_offset + d0);
+        };
+        // Row j's 16 V elements from d0 as bf16 in the low halves of 32-bit lanes.
+        auto v16 = [&](int j, int d0) {
+            if (j >= valid) return _mm512_setzero_si512();
+            if (int8)
+                return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+                    i8x16_to_f32(static_cast<const int8_t*>(v_cache) + off + j * stride_offset + d0)));
+            return _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(v_cache) + off + j * stride_offset + d0)));
+        };
+        scaled = BF16 && int8;  // (the tile lives in raw scratch memory: no constructor ran)
         if constexpr (BF16) {
-            // Element offsets of the rows in units of 4 bytes (a pair): stride_offset is even for
-            // every layout with head_dim >= 2 (checked by the caller).
+            if (int8) {
+                _mm512_store_ps(ks[t], _mm512_load_ps(kscale));
+                _mm512_store_ps(vs[t], _mm512_load_ps(vscale));
+            }
             if constexpr (D >= 32) {  // 16 pairs of each row at a time, transposed in registers
-                const uint16_t* kbase = static_cast<const uint16_t*>(k_cache) + off;
                 for (int b = 0; b < D / 32; ++b) {
                     __m512i r[16];
-                    for (int j = 0; j < 16; ++j)
-                        r[j] = j < valid ? _mm512_loadu_si512(kbase + j * stride_offset + 32 * b) : _mm512_setzero_si512();
+                    for (int j = 0; j < 16; ++j) r[j] = row16pairs(k_cache, j, 32 * b);
                     transpose16x16(r, k[t] + 16 * b);
                 }
-            } else {  // head_dim 16: eight pairs per row, gathered
+            } else {  // head_dim 16 (bf16 cache only): eight pairs per row, gathered
+                // Element offsets of the rows in units of 4 bytes (a pair): stride_offset is even
+                // for every layout with head_dim >= 2 (checked by the caller).
                 const __mmask16 m = valid >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
                 const __m512i pair_rows = _mm512_srli_epi32(_mm512_mullo_epi32(
                     _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -107,28 +167,24 @@ struct Tile {
                 for (int p = 0; p < D / 2; ++p)
                     k[t][p] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, pair_rows, kbase + p, 4);
             }
-            const uint16_t* vbase = static_cast<const uint16_t*>(v_cache) + off;
             for (int jp = 0; jp < 8; ++jp)
-                for (int c = 0; c < DC; ++c) {
-                    const int j0 = 2 * jp, j1 = 2 * jp + 1;
-                    const __m512i a = j0 < valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                        reinterpret_cast<const __m256i*>(vbase + j0 * stride_offset + 16 * c))) : _mm512_setzero_si512();
-                    const __m512i b = j1 < valid ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                        reinterpret_cast<const __m256i*>(vbase + j1 * stride_offset + 16 * c))) : _mm512_setzero_si512();
-                    v[8 * t + jp][c] = _mm512_or_si512(a, _mm512_slli_epi32(b, 16));
-                }
+                for (int c = 0; c < DC; ++c)
+                    v[8 * t + jp][c] = _mm512_or_si512(v16(2 * jp, 16 * c), _mm512_slli_epi32(v16(2 * jp + 1, 16 * c), 16));
         } else {
-            const float* kbase = static_cast<const float*>(k_cache) + off;
+            const __m512 ksv = _mm512_load_ps(kscale);
             for (int b = 0; b < D / 16; ++b) {  // 16 dims of each row at a time, transposed in registers
                 __m512i r[16];
-                for (int j = 0; j < 16; ++j)
-                    r[j] = j < valid ? _mm512_loadu_si512(kbase + j * stride_offset + 16 * b) : _mm512_setzero_si512();
-                transpose16x16(r, reinterpret_cast<__m512i*>(kf[t] + 16 * b));
+                for (int j = 0; j < 16; ++j) r[j] = _mm512_castps_si512(row16f(k_cache, j, 16 * b));
+                __m512* dst = kf[t] + 16 * b;
+                transpose16x16(r, reinterpret_cast<__m512i*>(dst));
+                if (int8)
+                    for (int c = 0; c < 16; ++c) dst[c] = _mm512_mul_ps(dst[c], ksv);  // lanes are keys
             }
-            const float* vbase = static_cast<const float*>(v_cache) + off;
             for (int j = 0; j < 16; ++j)
-                for (int c = 0; c < DC; ++c)
-                    vf[16 * t + j][c] = j < valid ? _mm512_loadu_ps(vbase + j * stride_offset + 16 * c) : _mm512_setzero_ps();
+                for (int c = 0; c < DC; ++c) {
+                    const __m512 row = row16f(v_cache, j, 16 * c);
+                    vf[16 * t + j][c] = int8 ? _mm512_mul_ps(row, _mm512_set1_ps(vscale[j])) : row;
+                }
         }
     }
 };
@@ -191,7 +247,8 @@ inline void rows_x_tile(const Tile<DC, BF16>& tile, int64_t r0, int64_t pos0, in
         __m512 si[KT];
         __m512 mv = _mm512_set1_ps(-INFINITY);
         for (int t = 0; t < nt; ++t) {
-            si[t] = _mm512_mul_ps(sc[i][t], to_log2);
+            const __m512 raw = tile.scaled ? _mm512_mul_ps(sc[i][t], _mm512_load_ps(tile.ks[t])) : sc[i][t];
+            si[t] = _mm512_mul_ps(raw, to_log2);
             if (s.softcap > 0.f) si[t] = _mm512_mul_ps(softcap512(si[t], s.softcap), _mm512_set1_ps(LOG2E));
             mv = _mm512_mask_max_ps(mv, ok[i][t], mv, si[t]);
         }
@@ -207,9 +264,11 @@ inline void rows_x_tile(const Tile<DC, BF16>& tile, int64_t r0, int64_t pos0, in
             if constexpr (BF16) {
                 // The row's sum takes the bf16-rounded probabilities that the product uses, so the
                 // normalisation matches the numerator.
+                // Over an int8 cache the product takes p times V's scale (tile.vs), the sum p alone.
                 const __m256i pb = (__m256i)_mm512_cvtneps_pbh(p);
                 row_sum = _mm512_add_ps(row_sum, batchrun::bf16x16_to_f32(pb));
-                _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[i] + 8 * t), pb);
+                const __m256i pv = tile.scaled ? (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(p, _mm512_load_ps(tile.vs[t]))) : pb;
+                _mm256_store_si256(reinterpret_cast<__m256i*>(pairs[i] + 8 * t), pv);
             } else {
                 row_sum = _mm512_add_ps(row_sum, p);
                 _mm512_store_ps(pf[i] + 16 * t, p);
@@ -281,8 +340,15 @@ void prefill_item(const void* q, int64_t q_row0, int64_t pos0, int64_t nq, int64
         const int valid = static_cast<int>(std::min<int64_t>(16 * KT, last + 1 - k0));
         for (int t = 0; 16 * t < valid; ++t) {
             const int64_t k = k0 + 16 * t, blk = k / s.block_size;
-            tile->load(t, k_cache, v_cache, table[blk] * s.stride_block + head_offset + (k - blk * s.block_size) * s.stride_offset,
-                       s.stride_offset, std::min(16, valid - 16 * t));
+            SubTile st{table[blk] * s.stride_block + head_offset + (k - blk * s.block_size) * s.stride_offset,
+                       s.stride_offset, std::min(16, valid - 16 * t)};
+            if (s.k_scale) {
+                const int64_t at = table[blk] * s.scale_block + h * s.scale_head + (k - blk * s.block_size) * s.scale_offset;
+                st.k_scale = s.k_scale + at;
+                st.v_scale = s.v_scale + at;
+                st.scale_stride = s.scale_offset;
+            }
+            tile->load(t, k_cache, v_cache, st, s.k_scale != nullptr);
         }
         const __m512i key = _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(k0)));
         // Rows are in position order: those before the step's first key see none of it. NR rows
@@ -309,11 +375,15 @@ void prefill_item(const void* q, int64_t q_row0, int64_t pos0, int64_t nq, int64
 
 #endif  // __AVX512F__
 
-bool supported(int64_t head_dim, int bf16, int64_t block_size, int64_t stride_offset) {
+bool supported(int64_t head_dim, int bf16, int64_t block_size, int64_t stride_offset, int kv_dtype) {
 #if defined(__AVX512F__)
     if (head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128 && head_dim != 256) return false;
-    if (block_size % 16 != 0 || stride_offset % 2 != 0) return false;
-    if (stride_offset * 15 > INT32_MAX / 2) return false;  // gather offsets are int32
+    if (block_size % 16 != 0) return false;
+    if (kv_dtype == 2) {  // int8 cache: converted row by row (no head_dim-16 gather)
+        if (head_dim < 32) return false;
+    } else if (kv_dtype != bf16 || stride_offset % 2 != 0 || stride_offset * 15 > INT32_MAX / 2) {
+        return false;  // a cache of q's dtype; the head_dim-16 gather takes int32 pair offsets
+    }
     if (bf16) {
 #if defined(__AVX512BF16__)
         return true;
@@ -323,7 +393,7 @@ bool supported(int64_t head_dim, int bf16, int64_t block_size, int64_t stride_of
     }
     return true;
 #else
-    (void)head_dim, (void)bf16, (void)block_size, (void)stride_offset;
+    (void)head_dim, (void)bf16, (void)block_size, (void)stride_offset, (void)kv_dtype;
     return false;
 #endif
 }
@@ -332,26 +402,32 @@ bool supported(int64_t head_dim, int bf16, int64_t block_size, int64_t stride_of
 
 extern "C" {
 
-// 1 if batchrun_paged_prefill_attention serves this shape on this build, else 0.
-int batchrun_prefill_attention_supported(int64_t head_dim, int bf16, int64_t block_size, int64_t stride_offset) {
-    return supported(head_dim, bf16, block_size, stride_offset) ? 1 : 0;
+// 1 if batchrun_paged_prefill_attention serves this shape on this build, else 0. kv_dtype: the
+// cache's element code (0 float32, 1 bf16, 2 int8); a float cache must be of q's dtype.
+int batchrun_prefill_attention_supported(int64_t head_dim, int bf16, int64_t block_size, int64_t stride_offset,
+                                         int kv_dtype) {
+    return supported(head_dim, bf16, block_size, stride_offset, kv_dtype) ? 1 : 0;
 }
 
 // Causal attention of each sequence's query rows over its cached context (keys already written).
 // q, out: (num_tokens, num_heads, head_dim) contiguous, float32 or bf16 (bf16); sequence i owns
 //   rows q_starts[i] .. q_starts[i] + q_lens[i] - 1, the last q_lens[i] of its seq_lens[i] positions.
 // k_cache, v_cache: element (block, offset, kv_head, d) at block * stride_block +
-//   offset * stride_offset + kv_head * stride_head + d, same dtype as q.
+//   offset * stride_offset + kv_head * stride_head + d; kv_dtype 0 float32 or 1 bf16 (q's dtype),
+//   or 2 int8 with k_scale, v_scale: float32 element (block, offset, kv_head) at
+//   block * scale_stride_block + offset * scale_stride_offset + kv_head * scale_stride_head.
 // block_tables: (num_seqs, table_stride) int64. window > 0: only keys j > i - window; softcap > 0:
 //   tanh soft-capping. Returns 0, -1 for a bad head count, -2 for a shape this build does not serve.
 int batchrun_paged_prefill_attention(const void* q, int bf16, int64_t num_seqs, int64_t num_heads, int64_t head_dim,
-                                     const void* k_cache, const void* v_cache, int64_t num_kv_heads,
+                                     const void* k_cache, const void* v_cache, int kv_dtype, int64_t num_kv_heads,
                                      int64_t stride_block, int64_t stride_offset, int64_t stride_head,
-                                     int64_t block_size, const int64_t* block_tables, int64_t table_stride,
+                                     const float* k_scale, const float* v_scale, int64_t scale_stride_block,
+                                     int64_t scale_stride_offset, int64_t scale_stride_head, int64_t block_size, const int64_t* block_tables, int64_t table_stride,
                                      const int64_t* q_starts, const int64_t* q_lens, const int64_t* seq_lens,
                                      float scale, float softcap, int64_t window, void* out, int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
-    if (!supported(head_dim, bf16, block_size, stride_offset)) return -2;
+    if (!supported(head_dim, bf16, block_size, stride_offset, kv_dtype)) return -2;
+    if (kv_dtype == 2 && (k_scale == nullptr || v_scale == nullptr)) return -2;
 #if defined(__AVX512F__)
     // Work items, largest first: (sequence, chunk) pairs by descending last position, times KV heads.
     std::vector<std::pair<int64_t, int64_t>> chunks;  // (sequence, first query index within it)
@@ -360,7 +436,10 @@ int batchrun_paged_prefill_attention(const void* q, int bf16, int64_t num_seqs, 
     std::sort(chunks.begin(), chunks.end(), [&](const auto& a, const auto& b) {
         return seq_lens[a.first] - q_lens[a.first] + a.second > seq_lens[b.first] - q_lens[b.first] + b.second;
     });
-    const Shape s{num_heads, num_kv_heads, block_size, stride_block, stride_offset, stride_head, scale, softcap, window};
+    const bool int8 = kv_dtype == 2;
+    const Shape s{num_heads, num_kv_heads, block_size, stride_block, stride_offset, stride_head, scale, softcap, window,
+                  int8 ? k_scale : nullptr, int8 ? v_scale : nullptr, scale_stride_block, scale_stride_offset,
+                  scale_stride_head};
     const int64_t items = static_cast<int64_t>(chunks.size()) * num_kv_heads;
 #pragma omp parallel num_threads(num_threads)
     {

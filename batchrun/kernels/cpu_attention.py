@@ -80,8 +80,10 @@ def paged_decode_attention(
         q.data_ptr(), DTYPE_CODES[q.dtype], num_seqs, num_heads, head_dim, *_kv_args(k_cache, v_cache), block_size,
         tables.data_ptr(), tables.shape[1] if tables.dim() == 2 else 0, lens.data_ptr(), float(scale),
         float(softcap or 0.0), int(sliding_window or 0), out.data_ptr(), torch.get_num_threads())
-    if rc != 0:
+    if rc == -1:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}, at most 64 times it")
+    if rc != 0:
+        raise ValueError(f"the native decode kernel refused the cache ({rc}): an int8 cache needs its scales")
     return out
 
 

@@ -1,14 +1,14 @@
 """The native CPU kernels (csrc/*.cpp): built on first use, loaded with ctypes.
 
-- csrc/paged_attention.cpp: decode attention straight over the paged KV cache
+- csrc/paged_attention.cpp: decode attention straight over the paged KV cache, float or int8
   (kernels/cpu_attention.py);
-- csrc/prefill_attention.cpp: causal prefill attention over the paged KV cache, flash-style, on
-  AVX-512 (bf16 on AVX512-BF16 dot products) (kernels/cpu_attention.py);
+- csrc/prefill_attention.cpp: causal prefill attention over the paged KV cache, float or int8,
+  flash-style, on AVX-512 (bf16 on AVX512-BF16 dot products) (kernels/cpu_attention.py);
 - csrc/quant.cpp: the per-token int8 quantization and the int32 -> float epilogue around W8A8's
   int8 GEMM (kernels/quant.py: w8a8_matmul);
 - csrc/elementwise.cpp: RMSNorm (with the residual add before it), rotary embedding and
-  silu(gate) * up in bf16, one pass each (kernels/elementwise.py), and the KV-cache write
-  (kernels/cpu_attention.py);
+  silu(gate) * up in bf16, one pass each (kernels/elementwise.py), and the KV-cache write, also
+  quantizing into an int8 cache (kernels/cpu_attention.py);
 - csrc/linear.cpp: bf16 linear layers over weights packed at load, prefetching the weight stream
   (kernels/cpu_linear.py: NativeLinear; with silu(gate) * up fused into a gate/up projection's
   store: NativeSiluMulLinear), and W8A8's int8 GEMM with its scales and float channels

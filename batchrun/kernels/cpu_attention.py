@@ -122,8 +122,8 @@ def write_kv_cache(
 
 def supports_prefill(q: torch.Tensor, k_cache) -> bool:
     """Whether the native prefill kernel serves this query and cache: `supports`, and a head_dim,
-    block size and dtype that this build's AVX-512 instances cover (16, 32, 64, 128 or 256, at
-    least 32 over an int8 cache; blocks of a multiple of 16; bf16 needs AVX512-BF16)."""
+    block size and dtype that this build's AVX-512 instances cover (16, 32, 64, 128 or 256; blocks of
+    a multiple of 16; bf16 needs AVX512-BF16)."""
     if not supports(q, k_cache):
         return False
     _, block_size, _, head_dim = k_cache.shape

@@ -156,14 +156,27 @@ struct Tile {
                     for (int j = 0; j < 16; ++j) r[j] = row16pairs(k_cache, j, 32 * b);
                     transpose16x16(r, k[t] + 16 * b);
                 }
-            } else {  // head_dim 16 (bf16 cache only): eight pairs per row, gathered
+            } else {  // head_dim 16: eight pairs per row, gathered
+                // An int8 sub-tile is widened to bf16 rows in a scratch first, gathered from there.
+                alignas(64) uint16_t widened[16 * 16];
+                const uint16_t* src = static_cast<const uint16_t*>(k_cache) + off;
+                int64_t src_stride = stride_offset;
+                if (int8) {
+                    for (int j = 0; j < 16; ++j)
+                        _mm256_store_si256(reinterpret_cast<__m256i*>(widened + 16 * j),
+                                           j < valid ? (__m256i)_mm512_cvtneps_pbh(i8x16_to_f32(
+                                                           static_cast<const int8_t*>(k_cache) + off + j * stride_offset))
+                                                     : _mm256_setzero_si256());
+                    src = widened;
+                    src_stride = 16;
+                }
                 // Element offsets of the rows in units of 4 bytes (a pair): stride_offset is even
-                // for every layout with head_dim >= 2 (checked by the caller).
+                // for every bf16 layout with head_dim >= 2 (checked by the caller).
                 const __mmask16 m = valid >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1u);
                 const __m512i pair_rows = _mm512_srli_epi32(_mm512_mullo_epi32(
                     _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                    _mm512_set1_epi32(static_cast<int>(stride_offset))), 1);
-                const int32_t* kbase = reinterpret_cast<const int32_t*>(static_cast<const uint16_t*>(k_cache) + off);
+                    _mm512_set1_epi32(static_cast<int>(src_stride))), 1);
+                const int32_t* kbase = reinterpret_cast<const int32_t*>(src);
                 for (int p = 0; p < D / 2; ++p)
                     k[t][p] = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, pair_rows, kbase + p, 4);
             }
@@ -379,11 +392,10 @@ bool supported(int64_t head_dim, int bf16, int64_t block_size, int64_t stride_of
 #if defined(__AVX512F__)
     if (head_dim != 16 && head_dim != 32 && head_dim != 64 && head_dim != 128 && head_dim != 256) return false;
     if (block_size % 16 != 0) return false;
-    if (kv_dtype == 2) {  // int8 cache: converted row by row (no head_dim-16 gather)
-        if (head_dim < 32) return false;
-    } else if (kv_dtype != bf16 || stride_offset % 2 != 0 || stride_offset * 15 > INT32_MAX / 2) {
-        return false;  // a cache of q's dtype; the head_dim-16 gather takes int32 pair offsets
-    }
+    // A float cache must be of q's dtype, and the head_dim-16 gather takes int32 pair offsets; an
+    // int8 cache is widened row by row.
+    if (kv_dtype != 2 && (kv_dtype != bf16 || stride_offset % 2 != 0 || stride_offset * 15 > INT32_MAX / 2))
+        return false;
     if (bf16) {
 #if defined(__AVX512BF16__)
         return true;

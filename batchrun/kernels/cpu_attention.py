@@ -161,4 +161,5 @@ def paged_prefill_attention(
     if rc == -1:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     if rc != 0:
-        raise ValueError(f"the native prefill kernel does not serve head_dim {head_dim}, block_size {block_size}")
+        raise ValueError(f"the native prefill kernel does not serve head_dim {head_dim}, block_size {block_size} "
+                         "and this cache (an int8 cache needs its scales)")

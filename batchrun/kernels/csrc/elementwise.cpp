@@ -185,12 +185,19 @@ int batchrun_write_kv_cache_int8(const void* k, const void* v, int64_t elem_size
             std::memcpy(x, static_cast<const float*>(src) + at, head_dim * sizeof(float));
         }
         float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-        for (int64_t d = 0; d < head_dim; ++d) amax = std::max(amax, std::fabs(x[d]));
-        const float scale = std::max(amax / 127.f, 1e-10f);
+        int nan = 0;
+#pragma omp simd reduction(max : amax) reduction(| : nan)
+        for (int64_t d = 0; d < head_dim; ++d) {
+            amax = std::max(amax, std::fabs(x[d]));
+            nan |= x[d] != x[d];
+        }
+        // A NaN row: torch's amax, scale and quotients are NaN, and NaN -> int8 stores 0.
+        const float scale = nan ? NAN : std::max(amax / 127.f, 1e-10f);
 #pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d)
-            dst[d] = static_cast<int8_t>(std::nearbyint(std::min(std::max(x[d] / scale, -127.f), 127.f)));
+        for (int64_t d = 0; d < head_dim; ++d) {
+            const float v = x[d] / scale;
+            dst[d] = v != v ? int8_t(0) : static_cast<int8_t>(std::nearbyint(std::min(std::max(v, -127.f), 127.f)));
+        }
         *scale_out = scale;
     };
     int8_t* kc = static_cast<int8_t*>(k_cache);

@@ -114,11 +114,11 @@ struct Tile {
     void load(int t, const void* k_cache, const void* v_cache, const SubTile& st, bool int8) {
         const int valid = st.valid;
         const int64_t stride_offset = st.stride, off = st.off;
-        alignas(64) float kscale[16], vscale[16];
+        alignas(64) float kscale[16] = {}, vscale[16] = {};
         if (int8)
-            for (int j = 0; j < 16; ++j) {
-                kscale[j] = j < valid ? st.k_scale[j * st.scale_stride] : 0.f;
-                vscale[j] = j < valid ? st.v_scale[j * st.scale_stride] : 0.f;
+            for (int j = 0; j < valid; ++j) {
+                kscale[j] = st.k_scale[j * st.scale_stride];
+                vscale[j] = st.v_scale[j * st.scale_stride];
             }
         // Row j's 16 elements from d0 as float32 lanes (float or int8 cache), or row j's 16
         // (d, d+1) bf16 pairs from d0 (bf16 or int8 cache), zero past `valid`.

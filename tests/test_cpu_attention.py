@@ -147,6 +147,12 @@ def test_engine_greedy_output_is_the_same_with_the_kernel_on_and_off(tiny_llama_
 # prefill
 
 
+def _skip_without_the_prefill_kernel(dtype, int8: bool) -> None:
+    code = cpu_native.DTYPE_CODES[dtype]
+    if not cpu_native.library().batchrun_prefill_attention_supported(64, code, 16, 128, 2 if int8 else code):
+        pytest.skip("this build has no prefill kernel for this dtype (needs AVX-512, and AVX512-BF16 for bf16)")
+
+
 def _prefill_case(heads, kv_heads, dim, block, dtype, seqs, seed=0):
     """A batch over a paged cache: seqs are (query length, context length); query length 1 is a decode."""
     gen = torch.Generator().manual_seed(seed)
@@ -187,6 +193,7 @@ PREFILL_SEQS = [(37, 37), (2, 2), (16, 16), (33, 33), (70, 70), (5, 40), (64, 10
 @pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 7.0), (33, 7.0)])
 def test_native_prefill_equals_the_torch_path(dtype, heads, kv_heads, dim, block, window, softcap):
     q, k_cache, v_cache, meta = _prefill_case(heads, kv_heads, dim, block, dtype, PREFILL_SEQS)
+    _skip_without_the_prefill_kernel(dtype, int8=False)
     assert cpu_attention.supports_prefill(q, k_cache)
     scale = dim ** -0.5
     got = paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap, native=True)
@@ -244,8 +251,7 @@ def test_native_attention_over_an_int8_cache(dtype, heads, kv_heads, dim, block,
     # (K's scale on the scores, V's on the probabilities) against the torch path, which gathers
     # the cache dequantized to the model dtype.
     q, (k_cache, v_cache), (k_exact, v_exact), meta = _int8_case(heads, kv_heads, dim, block, dtype, PREFILL_SEQS)
-    if not cpu_native.library().batchrun_prefill_attention_supported(64, cpu_native.DTYPE_CODES[dtype], 16, 128, 2):
-        pytest.skip("this build has no prefill kernel for this dtype (needs AVX-512, and AVX512-BF16 for bf16)")
+    _skip_without_the_prefill_kernel(dtype, int8=True)
     assert cpu_attention.supports(q, k_cache) and cpu_attention.supports_prefill(q, k_cache)
     scale = dim ** -0.5
     got = paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap, native=True)

@@ -63,17 +63,19 @@ def test_native_linear_is_one_rounding_of_the_exact_product(rows, bias):
 @pytest.mark.parametrize("out_features", [320, 32])  # ten weight tiles; one (more threads than tiles)
 def test_native_linear_the_same_on_any_thread_count(threads, out_features):
     # Each output element is one tile's sum in k order, whichever thread computes it.
-    linear = _linear(128, out_features, True)
-    native = pack_linear(linear)
-    x = torch.randn(150, 128).to(BF16)
+    _assert_the_same_on(threads, pack_linear(_linear(128, out_features, True)), torch.randn(150, 128).to(BF16))
+
+
+def _assert_the_same_on(threads: int, module, x: torch.Tensor) -> None:
+    """module(x) on `threads` threads is bitwise module(x) on one."""
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         with torch.inference_mode():
-            want = native(x)
+            want = module(x)
         torch.set_num_threads(threads)
         with torch.inference_mode():
-            assert torch.equal(native(x), want)
+            assert torch.equal(module(x), want)
     finally:
         torch.set_num_threads(before)
 
@@ -223,19 +225,8 @@ def test_fused_silu_mul_is_bitwise_the_two_passes(rows, bias):
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_fused_silu_mul_the_same_on_any_thread_count(threads):
-    linear = _gate_up(64, 96, True)  # three tile pairs: three threads get one each
-    fused = pack_silu_mul(linear)
-    x = torch.randn(130, 64).to(BF16)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        with torch.inference_mode():
-            want = fused(x)
-        torch.set_num_threads(threads)
-        with torch.inference_mode():
-            assert torch.equal(fused(x), want)
-    finally:
-        torch.set_num_threads(before)
+    # Three tile pairs: three threads get one each.
+    _assert_the_same_on(threads, pack_silu_mul(_gate_up(64, 96, True)), torch.randn(130, 64).to(BF16))
 
 
 def test_fused_silu_mul_keeps_the_weight_and_falls_back_with_the_kernels_off(monkeypatch):

@@ -177,7 +177,7 @@ def silu_pair_order(n: int) -> torch.Tensor:
 
 class NativeSiluMulLinear(NativeLinear):
     """silu(gate) * up of a fused gate/up projection in one kernel call (csrc/linear.cpp:
-    micro_silu_mul): the activation is applied in the GEMM's tile store, so the (rows, 2n)
+    silu_mul_pair): the activation is applied in the GEMM's tile store, so the (rows, 2n)
     projection output is never written and read back. Bitwise the result of NativeLinear followed
     by the native silu-mul pass (the same roundings, tested). The weight and bias are held with
     their rows in `silu_pair_order`; `weight()` and the fallback path restore HF's order."""

@@ -274,9 +274,9 @@ class DecoderLM(nn.Module):
     def pack_cpu_linears(self, batch_hint: int = 32) -> int:
         """Swap each bf16 CPU nn.Linear (the unquantized projections and the LM head) for its packed
         twin (kernels/cpu_linear.py), returns how many. A silu MLP's gate/up projection becomes a
-        NativeSiluMulLinear, which applies the activation itself, where the native kernel serves it. A tied LM head is packed only where the
-        native kernel serves it: the embedding then reads its rows out of the same packed tensor
-        (NativeEmbedding). oneDNN's packed layout cannot be read that way, and packing the head for it
+        NativeSiluMulLinear, which applies the activation itself, where the native kernel serves
+        it. A tied LM head is packed only where the native kernel serves it: the embedding then
+        reads its rows out of the same packed tensor (NativeEmbedding). oneDNN's packed layout cannot be read that way, and packing the head for it
         would keep a second copy of the vocabulary matrix (56 MB for SmolLM2, GBs for large
         vocabularies) for ~2% of a step, so a tied head stays plain there."""
         tied = (isinstance(self.lm_head, nn.Linear) and isinstance(self.embed_tokens, nn.Embedding)

@@ -285,7 +285,8 @@ def test_engine_config_validates_quantization_fields():
                           (dict(quant_group_size=48), "engine.quant_group_size"),
                           (dict(kv_cache_dtype="int4"), "engine.kv_cache_dtype"),
                           (dict(w8a8_outlier_channels=-1), "engine.w8a8_outlier_channels"),
-                          (dict(w8a8_outlier_channels=2.5), "engine.w8a8_outlier_channels")]:
+                          (dict(w8a8_outlier_channels=2.5), "engine.w8a8_outlier_channels"),
+                          (dict(quantization="w4a8", quant_group_size=64), "engine.quant_group_size")]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(**kwargs)
 
@@ -294,6 +295,7 @@ def test_engine_config_validates_quantization_fields():
     ("int4", "int8", "float32", {"linear:int4/g32": 4}),
     # an eighth of the input channels in float: 8 of the 64 hidden, 16 of down_proj's 128
     ("w8a8", "fp8", "bfloat16", {"linear:w8a8/float8": 3, "linear:w8a8/float16": 1}),
+    ("w4a8", "int8", "bfloat16", {"linear:w4a8/g32": 4}),
 ])
 def test_quantized_engine_runs_through_the_whole_job(mode, kv_dtype, dtype, linear_key, tmp_path, make_shards,
                                                      tiny_llama_dir):

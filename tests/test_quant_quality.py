@@ -77,6 +77,15 @@ def test_w8a8_without_float_channels_keeps_perplexity_but_not_agreement(referenc
     assert agree >= 0.93
 
 
+def test_w4a8_agrees_with_float_within_the_int4_bounds(reference):
+    # int4 weights in groups of 32 (here exactly the source's Q4_1 grid, see top) and int8
+    # activations in groups of 32: all of the difference is the activations'. Measured 97.2% and
+    # +0.28% on 8 x 512 tokens (per-token activation scales instead: 91%, simulated).
+    agree, ppl_increase = _quantized(reference, "w4a8")
+    assert agree >= 0.85 and ppl_increase <= 0.12  # the issue's int4 bounds
+    assert agree >= 0.96 and ppl_increase <= 0.01  # what it measures, guarded from regressing
+
+
 def test_int8_kv_cache_agrees_with_float(reference):
     engine, seqs, ref = reference
     runner = ModelRunner(engine.model, engine.kv.num_blocks, engine.runner.block_size, torch.float32,

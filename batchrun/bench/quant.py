@@ -165,6 +165,15 @@ def summarize_tokens_per_s(engine: Engine, prompts: list[list[int]]) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
+def _split_kv(mode: str) -> tuple[str, str]:
+    """A mode spec -> (weight quantization, KV cache dtype): "kv-int8" is an int8 cache on float
+    weights, "w4a8+kv-int8" both."""
+    if mode.startswith("kv-"):
+        return "none", mode[3:]
+    quant, _, kv = mode.partition("+kv-")
+    return quant, kv or "auto"
+
+
 def run_quality(modes: list[str], dtype: str, cache_dir: Optional[str], threads: Optional[int]) -> dict:
     base = make_engine("none", dtype, cache_dir=cache_dir, threads=threads)
     seqs = quality_sequences(base.tokenizer)
@@ -173,7 +182,7 @@ def run_quality(modes: list[str], dtype: str, cache_dir: Optional[str], threads:
     outputs = {"none": greedy(base)}
     del base
     for mode in modes:
-        quant, kv = ("none", mode[3:]) if mode.startswith("kv-") else (mode, "auto")
+        quant, kv = _split_kv(mode)
         e = make_engine(quant, dtype, kv_cache_dtype=kv, cache_dir=cache_dir, threads=threads)
         tf = engine_teacher_forced(e, seqs)
         rows[mode] = {"ppl": tf.perplexity, "agree": agreement(ref, tf), "weight_bytes": e.settings["weight_bytes"],
@@ -199,7 +208,8 @@ def run_speed(modes: list[str], cache_dir: Optional[str], threads: Optional[int]
     engines = {}
     for mode in modes:
         dtype = mode if mode in ("float32", "bfloat16") else "bfloat16"
-        engines[mode] = make_engine("none" if mode == dtype else mode, dtype, cache_dir=cache_dir, threads=threads)
+        quant, kv = ("none", "auto") if mode == dtype else _split_kv(mode)
+        engines[mode] = make_engine(quant, dtype, kv_cache_dtype=kv, cache_dir=cache_dir, threads=threads)
     prompts = summarize_prompts(next(iter(engines.values())).tokenizer)[:summarize_docs] if summarize else []
     for e in engines.values():  # warm-up: first calls pay one-off setup
         decode_tokens_per_s(e, 2, max_tokens=4)
@@ -236,10 +246,11 @@ def run_speed(modes: list[str], cache_dir: Optional[str], threads: Optional[int]
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", choices=("quality", "speed"), default=None)
-    ap.add_argument("--quality-modes", default="int8,w8a8,w8a8@0,int4,int4@64,fp8,gguf,kv-int8,kv-fp8",
-                    help="@N after a mode: int4/int8 group size N, or w8a8 with N float channels")
+    ap.add_argument("--quality-modes", default="int8,w8a8,w8a8@0,int4,int4@64,w4a8,fp8,gguf,kv-int8,kv-fp8",
+                    help="@N after a mode: int4/int8 group size N, or w8a8 with N float channels; "
+                         "+kv-int8 after a mode: with an int8 KV cache")
     ap.add_argument("--quality-dtype", default="float32")
-    ap.add_argument("--speed-modes", default="float32,bfloat16,int8,w8a8,w8a8@0,int4")
+    ap.add_argument("--speed-modes", default="float32,bfloat16,int8,w8a8,w8a8@0,int4,w4a8")
     ap.add_argument("--batch-sizes", default="1,16,64")
     ap.add_argument("--no-summarize", action="store_true")
     ap.add_argument("--summarize-docs", type=int, default=32, help="first N of the 32 bundled documents")

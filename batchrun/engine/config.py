@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Union
 
 
-QUANTIZATION_MODES = ("none", "int8", "w8a8", "int4", "fp8", "gguf")
+QUANTIZATION_MODES = ("none", "int8", "w8a8", "int4", "w4a8", "fp8", "gguf")
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ class EngineConfig:
     cache_dir: Optional[str] = None  # converted-weights cache; None means $BATCHRUN_CACHE or ~/.cache/batchrun
     # Weights: none | int8 (weight-only, groups) | w8a8 (int8 weights per channel and activations per
     # token, SmoothQuant-calibrated; the CPU throughput mode with w8a8_outlier_channels=0) | int4
-    # (weight-only, groups) | fp8 (e4m3)
+    # (weight-only, groups) | w4a8 (int4 weights and int8 activations, both in groups of 32; the
+    # CPU throughput mode for int4) | fp8 (e4m3)
     # | gguf (keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks). See batchrun/model/quant.py.
     quantization: str = "none"
     # int8/int4 group along the input dim: 32 (GGUF's Q8_0/Q4_x block; 64 measured far worse for int4
@@ -76,6 +77,9 @@ class EngineConfig:
                              f"got {self.quantization!r}")
         if self.quant_group_size not in (32, 64, 128, 256):
             raise ValueError(f"engine.quant_group_size must be 32, 64, 128 or 256, got {self.quant_group_size!r}")
+        if self.quantization == "w4a8" and self.quant_group_size != 32:
+            raise ValueError(f"engine.quant_group_size must be 32 with engine.quantization=w4a8 (its kernel "
+                             f"works in groups of 32, GGUF's Q4 block), got {self.quant_group_size!r}")
         if isinstance(self.w8a8_outlier_channels, bool) or not isinstance(self.w8a8_outlier_channels, int) \
                 or self.w8a8_outlier_channels < 0:
             raise ValueError(f"engine.w8a8_outlier_channels must be a whole number >= 0, "

@@ -226,6 +226,70 @@ __attribute__((noinline)) void w8a8_micro(const int8_t* xq, int64_t ldq, const f
     store_tile<R>(f0, f1, bias, y, ldy);
 }
 
+
+// W4A8: int4 weights in groups of 32 along K (w = q * scale + min, q in [0, 15]) times int8
+// activations quantized in groups of 32 along K (x = xq * x_scale), llama.cpp's Q4_1 x Q8_1
+// scheme. Each group's integer dot product is exact (vpdpbusd: q is its unsigned operand as it is,
+// xq the signed one), then added into float32 sums with both scales, and the min term added from
+// the group's x_scale * sum(xq):
+//   y[r, n] = sum_g (dot_g(q, xq) * x_scale[r, g]) * w_scale[n, g] + w_min[n, g] * x_sum[r, g].
+// Tile layout: [N / 32][K / 4][64] bytes, a k-quad step of 32 columns in one 64-byte vector whose
+// low nibbles are columns 0-15 and high nibbles columns 16-31 (each byte of either half: the 4 k of
+// one column, as vpdpbusd reads them). The high nibbles are read in place, as 16 q (one AND, no
+// shift), so columns 16-31's scales are stored divided by 16 (exact). Scales and mins: float32
+// [N / 32][K / 32][32].
+// Up to 6 rows per call: 12 int32 and 12 float32 accumulators, the two weight halves and the
+// group's scales and mins fit the 32 registers.
+constexpr int W4_MR = 6;
+constexpr int64_t W4_GROUP = 32;
+
+template <int R>
+__attribute__((noinline)) void w4a8_micro(const int8_t* xq, int64_t ldq, const float* xs, const float* xsum,
+                                          int64_t ldg, const uint8_t* tile, int64_t groups, const float* ws,
+                                          const float* wm, const float* bias, uint16_t* y, int64_t ldy,
+                                          const char* pf) {
+    __m512 f0[R], f1[R];
+    for (int r = 0; r < R; ++r) {
+        f0[r] = _mm512_setzero_ps();
+        f1[r] = _mm512_setzero_ps();
+    }
+    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8(static_cast<char>(0xF0));
+    constexpr int64_t steps = W4_GROUP / 4;
+    for (int64_t g = 0; g < groups; ++g) {
+        __m512i a0[R], a1[R];
+        for (int r = 0; r < R; ++r) {
+            a0[r] = _mm512_setzero_si512();
+            a1[r] = _mm512_setzero_si512();
+        }
+        const uint8_t* tg = tile + g * steps * 64;
+        for (int64_t s = 0; s < steps; ++s) {
+            const __m512i v = _mm512_loadu_si512(tg + s * 64);
+            const __m512i w0 = _mm512_and_si512(v, low);
+            const __m512i w1 = _mm512_and_si512(v, high);  // 16 q: its scales are stored / 16
+            if (pf) _mm_prefetch(pf + (g * steps + s) * 64, _MM_HINT_T1);
+#pragma GCC unroll 6
+            for (int r = 0; r < R; ++r) {
+                int32_t quad;
+                std::memcpy(&quad, xq + r * ldq + g * W4_GROUP + s * 4, 4);
+                const __m512i xb = _mm512_set1_epi32(quad);
+                a0[r] = dpbusd(a0[r], w0, xb);
+                a1[r] = dpbusd(a1[r], w1, xb);
+            }
+        }
+        const __m512 d0 = _mm512_loadu_ps(ws + g * TILE_N), d1 = _mm512_loadu_ps(ws + g * TILE_N + 16);
+        const __m512 m0 = _mm512_loadu_ps(wm + g * TILE_N), m1 = _mm512_loadu_ps(wm + g * TILE_N + 16);
+#pragma GCC unroll 6
+        for (int r = 0; r < R; ++r) {
+            const __m512 sx = _mm512_set1_ps(xs[r * ldg + g]), sm = _mm512_set1_ps(xsum[r * ldg + g]);
+            f0[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a0[r]), sx), d0, f0[r]);
+            f1[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a1[r]), sx), d1, f1[r]);
+            f0[r] = _mm512_fmadd_ps(m0, sm, f0[r]);
+            f1[r] = _mm512_fmadd_ps(m1, sm, f1[r]);
+        }
+    }
+    store_tile<R>(f0, f1, bias, y, ldy);
+}
+
 #endif  // __AVX512VNNI__
 
 #endif  // BATCHRUN_LINEAR_BF16
@@ -353,6 +417,50 @@ int batchrun_w8a8_linear(const void* xq, int64_t m, int64_t k, int64_t ldq, cons
 #else
     (void)xq, (void)m, (void)ldq, (void)x_scales, (void)packed, (void)w_scales, (void)xo, (void)ldo;
     (void)packed_out, (void)bias, (void)y, (void)ldy, (void)num_threads;
+    return -2;
+#endif
+}
+
+// 1 if batchrun_w4a8_linear serves an (N, K) int4 weight on this build: AVX512-VNNI and BF16, N a
+// multiple of 32, K of 32 (the group).
+int batchrun_w4a8_linear_supported(int64_t n, int64_t k) {
+#if defined(BATCHRUN_W8A8)
+    return n > 0 && k > 0 && n % TILE_N == 0 && k % W4_GROUP == 0 ? 1 : 0;
+#else
+    (void)n, (void)k;
+    return 0;
+#endif
+}
+
+// y (M, N) bf16 = W4A8 (see w4a8_micro) + bias, where xq: (M, K) int8 (row stride ldq), x_scales
+// and x_sums: (M, K / 32) float32 contiguous (a group's scale, and scale * sum of its xq), packed:
+// the nibble tiles, w_scales and w_mins: float32 [N / 32][K / 32][32], bias: (N,) float32 or null.
+int batchrun_w4a8_linear(const void* xq, int64_t m, int64_t k, int64_t ldq, const float* x_scales,
+                         const float* x_sums, const void* packed, const float* w_scales, const float* w_mins,
+                         int64_t n, const float* bias, void* y, int64_t ldy, int num_threads) {
+    if (!batchrun_w4a8_linear_supported(n, k)) return -2;
+#if defined(BATCHRUN_W8A8)
+    const int64_t groups = k / W4_GROUP, tiles = n / TILE_N, tile_bytes = k / 4 * 64;
+    const auto* xqp = static_cast<const int8_t*>(xq);
+    auto* yp = static_cast<uint16_t*>(y);
+    const auto* wp = static_cast<const char*>(packed);
+    for_each_tile_block(m, tiles, tile_bytes, wp, num_threads, [] {},
+                        [&](int64_t t, int64_t r0, int64_t rows, const char* pf) {
+        for (int64_t h = 0; h < rows; h += W4_MR) {
+            const int64_t r = r0 + h;
+            with_rows(rows - h < W4_MR ? rows - h : W4_MR, [&](auto rr) {
+                w4a8_micro<decltype(rr)::value>(
+                    xqp + r * ldq, ldq, x_scales + r * groups, x_sums + r * groups, groups,
+                    reinterpret_cast<const uint8_t*>(wp + t * tile_bytes), groups, w_scales + t * groups * TILE_N,
+                    w_mins + t * groups * TILE_N, bias ? bias + t * TILE_N : nullptr, yp + r * ldy + t * TILE_N, ldy,
+                    h == 0 ? pf : nullptr);
+            });
+        }
+    });
+    return 0;
+#else
+    (void)xq, (void)m, (void)ldq, (void)x_scales, (void)x_sums, (void)packed, (void)w_scales, (void)w_mins;
+    (void)bias, (void)y, (void)ldy, (void)num_threads;
     return -2;
 #endif
 }

@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "bf16.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -121,6 +122,82 @@ int batchrun_w8a8_epilogue(const void* acc, int64_t m, int64_t n, const void* w_
                 const float* b = static_cast<const float*>(bias);
                 for (int64_t c = 0; c < n; ++c) yr[c] += b[c];
             }
+        }
+    }
+    return 0;
+}
+
+// x: (m, k) float32 or bf16, rows `x_stride` elements apart, quantized in groups of `group`
+// consecutive columns (k a multiple of it): per group, scale = max(absmax / 127, min_scale) and
+// q = round_half_even(x / scale) as int8. q: (m, k) int8 contiguous; scales and sums: (m, k / group)
+// float32 contiguous, sums = scale * (the group's integer sum of q) (W4A8's min term).
+int batchrun_quantize_groups_int8(const void* x, int x_bf16, int64_t m, int64_t k, int64_t x_stride, int64_t group,
+                                  void* q, void* scales, void* sums, int num_threads) {
+    if (group <= 0 || group > 512 || k % group != 0) return -2;
+    const float min_scale = 1e-10f;  // kernels/quant.py: _MIN_SCALE
+    const int64_t groups = k / group;
+#if defined(__AVX512F__)
+    if (group == 32) {  // W4A8's group: two vectors, the same arithmetic (div, round half to even)
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k > 65536)
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t g = 0; g < groups; ++g) {
+                __m512 a, b;
+                if (x_bf16) {
+                    const uint16_t* xr = static_cast<const uint16_t*>(x) + r * x_stride + g * 32;
+                    a = batchrun::load_bf16x16(xr);
+                    b = batchrun::load_bf16x16(xr + 16);
+                } else {
+                    const float* xr = static_cast<const float*>(x) + r * x_stride + g * 32;
+                    a = _mm512_loadu_ps(xr);
+                    b = _mm512_loadu_ps(xr + 16);
+                }
+                float scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) / 127.0f;
+                scale = scale < min_scale ? min_scale : scale;
+                const __m512 sv = _mm512_set1_ps(scale);
+                const __m512i qa = _mm512_cvtps_epi32(_mm512_div_ps(a, sv));  // MXCSR: nearest, ties to even
+                const __m512i qb = _mm512_cvtps_epi32(_mm512_div_ps(b, sv));
+                int8_t* qr = static_cast<int8_t*>(q) + r * k + g * 32;
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(qr), _mm512_cvtepi32_epi8(qa));
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + 16), _mm512_cvtepi32_epi8(qb));
+                static_cast<float*>(scales)[r * groups + g] = scale;
+                static_cast<float*>(sums)[r * groups + g] =
+                    scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+            }
+        return 0;
+    }
+#endif
+#pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k > 65536)
+    for (int64_t r = 0; r < m; ++r) {
+        for (int64_t g = 0; g < groups; ++g) {
+            float v[512];  // the group as float32 (group <= 512, checked above)
+            const int64_t c0 = g * group;
+            if (x_bf16) {
+                const uint16_t* xr = static_cast<const uint16_t*>(x) + r * x_stride + c0;
+#pragma omp simd
+                for (int64_t i = 0; i < group; ++i) v[i] = bf16_to_f32(xr[i]);
+            } else {
+                const float* xr = static_cast<const float*>(x) + r * x_stride + c0;
+#pragma omp simd
+                for (int64_t i = 0; i < group; ++i) v[i] = xr[i];
+            }
+            float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+            for (int64_t i = 0; i < group; ++i) {
+                const float a = std::fabs(v[i]);
+                amax = a > amax ? a : amax;
+            }
+            float scale = amax / 127.0f;
+            scale = scale < min_scale ? min_scale : scale;
+            int8_t* __restrict qr = static_cast<int8_t*>(q) + r * k + c0;
+            int32_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t i = 0; i < group; ++i) {
+                const int32_t qi = static_cast<int32_t>(round_half_even(v[i] / scale));
+                qr[i] = static_cast<int8_t>(qi);
+                sum += qi;
+            }
+            static_cast<float*>(scales)[r * groups + g] = scale;
+            static_cast<float*>(sums)[r * groups + g] = scale * static_cast<float>(sum);
         }
     }
     return 0;

@@ -1,0 +1,241 @@
+"""W4A8: int4 weights and int8 activations, both in groups of 32 along K (kernels/quant.py:
+quantize_groups_int8, w4a8_matmul, w4a8_matmul_native; model/quant.py: W4A8Linear).
+
+The integer dot product of each group is exact, so every output is the float sum
+sum_g (dot_g * x_scale) * w_scale + w_min * x_sum, here computed in float64 as the "exact" value:
+the native kernel sums it in float32 and rounds to bf16 once (within half a bf16 step plus the
+float32 sums' error), the reference in a float32 matmul. Row counts cover the kernel's 6-row micro
+tails (1-6), whole and partial 12-row blocks, and rows split across threads (more than 96).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from batchrun.kernels import quant as qk
+from batchrun.model import quant as mq
+
+BF16 = torch.bfloat16
+
+needs_native_w4a8 = pytest.mark.skipif(not qk.w4a8_native_supported(32, 64),
+                                       reason="native kernels not built here, or built without AVX512-VNNI")
+
+
+def _weight(n: int, k: int, seed: int = 0) -> mq.QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) / k ** 0.5 + 0.02 * torch.randn(n, 1, generator=g)  # offset rows: mins matter
+    return mq.quantize_weight(w, "int4", 32)
+
+
+def _activations(rows: int, k: int, seed: int = 1, dtype: torch.dtype = BF16) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * torch.linspace(0.2, 4.0, k)  # uneven channels
+    if rows > 2:
+        x[1] = 0.0  # an all-zero row: scales clamp, sums are 0
+        x[2, :32] *= 50.0  # one loud group: per-group scales keep the other groups' steps fine
+    return x.to(dtype)
+
+
+def _exact(x: torch.Tensor, qw: mq.QuantizedWeight, bias=None) -> torch.Tensor:
+    """The W4A8 value in float64: the grouped int8 activations times the int4 weight."""
+    xq, xs, _ = qk.quantize_groups_int8(x)
+    m, k = xq.shape
+    xd = (xq.double().reshape(m, k // 32, 32) * xs.double()[..., None]).reshape(m, k)
+    y = xd @ qw.dequantize(torch.float64).t()
+    return y if bias is None else y + bias.double()
+
+
+def _assert_one_rounding_of(got: torch.Tensor, exact: torch.Tensor) -> None:
+    bound = exact.abs() * 2.0 ** -8 + 1e-5 * exact.abs().amax()  # half a bf16 step, plus float32 sums
+    assert bool(((got.double() - exact).abs() <= bound).all()), float((got.double() - exact).abs().max())
+
+
+# ---- activation quantization in groups ------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("rows", [1, 7, 40])
+def test_group_quantization_native_is_bitwise_the_torch_code(rows, dtype, monkeypatch):
+    x = _activations(rows, 96, seed=rows, dtype=dtype)
+    native = qk.quantize_groups_int8(x)
+    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    torch_code = qk.quantize_groups_int8(x)
+    assert all(torch.equal(a, b) for a, b in zip(native, torch_code))
+
+
+def test_group_quantization_is_within_half_a_step_per_group():
+    x = _activations(9, 128, dtype=torch.float32)
+    xq, xs, xsum = qk.quantize_groups_int8(x)
+    assert xq.dtype == torch.int8 and xs.shape == xsum.shape == (9, 4)
+    step = xs.repeat_interleave(32, dim=1)
+    assert bool(((xq.float() * step - x).abs() <= step / 2 * (1 + 1e-6)).all())
+    assert int(xq.abs().max()) == 127  # each non-zero group uses the whole range
+    assert torch.equal(xsum, xq.float().reshape(9, 4, 32).sum(-1) * xs)
+    # a loud group does not coarsen the others: a per-token scale would be xs[2, 0] for all of them
+    assert xs[2, 0] > 5 * xs[2, 1:].max()
+
+
+def test_group_quantization_refuses_a_partial_group():
+    with pytest.raises(ValueError, match="groups of 32"):
+        qk.quantize_groups_int8(torch.randn(2, 48))
+
+
+# ---- packing --------------------------------------------------------------------------------
+
+
+def test_the_nibble_tiles_round_trip_exactly():
+    qw = _weight(96, 160)
+    packed, scales, mins = qk.pack_w4a8_weight(qw.qweight, qw.scales, qw.mins)
+    assert packed.dtype == torch.uint8 and packed.shape == (96, 80)  # two weights a byte
+    back = qk.unpack_w4a8_weight(packed, scales, mins)
+    assert torch.equal(back[0], qw.qweight) and torch.equal(back[1], qw.scales) and torch.equal(back[2], qw.mins)
+    # byte b of a tile's k-quad step: column b // 4 (low nibble), column 16 + b // 4 (high), k = b % 4
+    q = qk.unpack_int4(qw.qweight)
+    assert int(packed[0, 9]) == int(q[2, 1]) | (int(q[18, 1]) << 4)
+    # columns 16-31 are read as 16 q: their stored scales are / 16
+    assert torch.equal(scales.reshape(-1)[16:32], qw.scales[16:32, 0].float() / 16)  # tile 0, group 0
+
+
+# ---- the reference and the native kernel -----------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 13])
+def test_the_reference_is_the_exact_value_in_float32(rows):
+    qw = _weight(64, 96)
+    x = _activations(rows, 96, dtype=torch.float32)
+    got = qk.w4a8_matmul(x, qw.qweight, qw.scales, qw.mins)
+    exact = _exact(x, qw)
+    assert got.dtype == torch.float32
+    assert float((got.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
+
+
+@needs_native_w4a8
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 32, 100, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_w4a8_is_one_rounding_of_its_exact_value(rows, bias):
+    qw = _weight(96, 160, seed=rows)
+    b = (torch.randn(96, generator=torch.Generator().manual_seed(rows)) * 0.5).to(BF16) if bias else None
+    layer = mq.W4A8Linear(qw, b, BF16)
+    assert layer.is_native and not hasattr(layer, "qweight")  # only the kernel's tiles are held
+    x = _activations(rows, 160, seed=rows)
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.dtype == BF16 and got.shape == (rows, 96)
+    _assert_one_rounding_of(got, _exact(x, qw, b))
+
+
+@needs_native_w4a8
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_w4a8_the_same_on_any_thread_count(threads):
+    layer = mq.W4A8Linear(_weight(160, 64), None, BF16)
+    x = _activations(150, 64)
+    before = torch.get_num_threads()
+    with torch.inference_mode():
+        want = layer(x)
+        try:
+            torch.set_num_threads(threads)
+            got = layer(x)
+        finally:
+            torch.set_num_threads(before)
+    assert torch.equal(got, want)
+
+
+@needs_native_w4a8
+def test_native_w4a8_falls_back_to_the_reference_with_the_kernels_off(monkeypatch):
+    qw = _weight(64, 96)
+    layer = mq.W4A8Linear(qw, None, BF16)
+    x = _activations(9, 96)
+    with torch.inference_mode():
+        native = layer(x)
+        monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+        reference = layer(x)
+    assert torch.equal(reference, qk.w4a8_matmul(x, qw.qweight, qw.scales, qw.mins))
+    assert float((native.float() - reference.float()).abs().max()) <= 0.01 * float(reference.float().abs().max())
+
+
+@needs_native_w4a8
+def test_native_w4a8_refuses_an_input_of_the_wrong_width():
+    layer = mq.W4A8Linear(_weight(64, 96), None, BF16)
+    with pytest.raises(ValueError, match="features"):
+        layer(_activations(3, 128))
+
+
+@needs_native_w4a8
+def test_a_native_w4a8_layer_follows_to_dtype_and_load_state_dict():
+    a = mq.W4A8Linear(_weight(64, 96, seed=1), torch.ones(64, dtype=BF16), BF16)
+    b = mq.W4A8Linear(_weight(64, 96, seed=2), torch.full((64,), 2.0, dtype=BF16), BF16)
+    x = _activations(5, 96)
+    with torch.inference_mode():
+        a.load_state_dict(b.state_dict())
+        assert torch.equal(a(x), b(x))  # the float32 bias copy follows the loaded bias
+        a = a.to(BF16)  # casts the float32 scales and mins: the kernel cannot read them any more
+        assert not a._kernel_ok
+        _assert_one_rounding_of(a(x), _exact(x, qk_weight(a), torch.full((64,), 2.0, dtype=BF16)))
+
+
+def qk_weight(layer: mq.W4A8Linear) -> mq.QuantizedWeight:
+    qweight, scales, mins = layer.int4_weight()
+    return mq.QuantizedWeight("int4", qweight, scales, mins, layer.in_features)
+
+
+# ---- in the model and the engine -------------------------------------------------------------
+
+
+def _tiny_decoder(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+    from batchrun.model.decoder import DecoderLM
+    from batchrun.model.loader import load_model
+
+    loaded = load_model(model_dir)
+    model = DecoderLM(loaded.config).to(dtype)
+    model.load_hf_state_dict(loaded.state_dict)
+    return model.eval()
+
+
+def test_quantize_model_w4a8_swaps_every_projection(tiny_llama_dir):
+    model = _tiny_decoder(tiny_llama_dir, BF16)
+    summary = mq.quantize_model(model, "w4a8")
+    layers = [m for m in model.modules() if isinstance(m, mq.W4A8Linear)]
+    assert summary.num_quantized == len(layers) == 4 * model.spec.num_layers
+    assert summary.formats == {"linear:w4a8/g32": len(layers)}
+    assert all(m.is_native == qk.w4a8_native_supported(m.out_features, m.in_features) for m in layers)
+
+
+def test_a_projection_w4a8_cannot_group_by_32_stays_int4_weight_only():
+    weight = mq.quantize_weight(torch.randn(32, 48), "int4", 32)  # 48 inputs: groups of 16
+    assert weight.group_size == 16
+    assert isinstance(mq.make_linear(weight, "w4a8", None, BF16), mq.Int4Linear)
+
+
+def test_w4a8_takes_gguf_q4_blocks_as_they_are(tiny_llama_dir):
+    model = _tiny_decoder(tiny_llama_dir, torch.float32)
+    name = "layers.0.mlp.down_proj"
+    w = model.get_submodule(name).weight.data
+    gguf_block = mq.quantize_weight(w + 0.01, "int4", 32)  # blocks that differ from requantizing w
+    summary = mq.quantize_model(model, "w4a8", prequantized={name: gguf_block})
+    assert summary.num_from_gguf == 1
+    layer = model.get_submodule(name)
+    assert all(torch.equal(a, b) for a, b in zip(layer.int4_weight(), (gguf_block.qweight, gguf_block.scales,
+                                                                         gguf_block.mins)))
+
+
+@needs_native_w4a8
+def test_a_bf16_w4a8_engine_runs_natively(tiny_llama_dir, monkeypatch):
+    from batchrun.engine import Engine, EngineConfig, SamplingParams
+
+    engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="bfloat16", device="cpu", quantization="w4a8",
+                                 kv_cache_memory=16 << 20, max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
+    layers = [m for m in engine.model.modules() if isinstance(m, mq.W4A8Linear)]
+    assert len(layers) == 4 * engine.model.spec.num_layers and all(m.is_native for m in layers)
+    calls = []
+    native = qk.w4a8_matmul_native
+    monkeypatch.setattr(qk, "w4a8_matmul_native", lambda *a: calls.append(1) or native(*a))
+    prompts = [[5 + (3 * i + j) % 150 for j in range(10 + 9 * i)] for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    tokens = [o.token_ids for o in engine.generate(prompts, params)]
+    assert len(calls) >= 4 * engine.model.spec.num_layers * 8  # every projection, every step
+    # The reference (float32 matmul over the dequantized weight, then one rounding): the same sums
+    # in another order, which does not move this model's greedy tokens.
+    for m in layers:
+        m._kernel_ok = False
+    engine.reset_prefix_cache()
+    assert [o.token_ids for o in engine.generate(prompts, params)] == tokens

@@ -371,3 +371,21 @@ def test_w8a8_calibrated_model_keeps_an_eighth_at_most_in_float(tiny_llama_dir):
                                "linear:w8a8/float16": model.spec.num_layers}
     plain = mq.quantize_model(_tiny_decoder(tiny_llama_dir), "w8a8", input_absmax=absmax, outlier_channels=0)
     assert plain.formats == {"linear:w8a8": 4 * model.spec.num_layers}
+
+
+def test_the_quantization_benchmark_measures_summarize_from_an_empty_prefix_cache(tiny_llama_dir, monkeypatch):
+    # Its rounds repeat the same prompts: without the reset, a mode whose KV cache keeps more
+    # blocks (int8) served later rounds from cached prefixes and showed a false speed-up.
+    from batchrun.bench import quant as bq
+    from batchrun.engine import Engine, EngineConfig
+
+    engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
+                                 max_num_seqs=4, max_num_batched_tokens=256, block_size=16))
+    prompts = [[5 + (7 * i + j) % 150 for j in range(40)] for i in range(3)]
+    generate = engine.generate
+    cached = []
+    monkeypatch.setattr(engine, "generate", lambda *a, **k: [
+        cached.append(o.metrics.num_cached_tokens) or o for o in generate(*a, **k)])
+    for _ in range(2):
+        bq.summarize_tokens_per_s(engine, prompts)
+    assert len(cached) == 6 and cached == [0] * 6

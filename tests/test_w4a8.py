@@ -239,3 +239,4 @@ def test_a_bf16_w4a8_engine_runs_natively(tiny_llama_dir, monkeypatch):
         m._kernel_ok = False
     engine.reset_prefix_cache()
     assert [o.token_ids for o in engine.generate(prompts, params)] == tokens
+

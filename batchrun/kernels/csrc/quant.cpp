@@ -1,4 +1,5 @@
-// The elementwise work around W8A8's int8 GEMM (kernels/quant.py: w8a8_matmul), one pass each.
+// The elementwise work around W8A8's int8 GEMM (kernels/quant.py: w8a8_matmul), one pass each, and
+// W4A8's activation quantization in groups (quantize_groups_int8).
 //
 // In torch, the per-token activation quantization before the GEMM and the int32 -> float epilogue
 // after it take about six full passes over small tensors, and on a 2-core CPU those cost as much

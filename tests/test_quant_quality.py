@@ -86,6 +86,50 @@ def test_w4a8_agrees_with_float_within_the_int4_bounds(reference):
     assert agree >= 0.96 and ppl_increase <= 0.01  # what it measures, guarded from regressing
 
 
+def test_a_bf16_w4a8_engine_keeps_the_gguf_blocks_and_its_kernel_is_one_rounding_of_the_reference(reference):
+    # Through the engine: the file's Q4_1 blocks are the weights as they are (not re-quantized).
+    # On the real weights and real hidden states (K 576 and 1536, 18 and 48 groups), every
+    # projection's native output is within a bf16 step of the reference path's (a float32 matmul
+    # over the dequantized weight, then one rounding): the same sums in another float32 order.
+    # (Teacher-forced top-1 agreement between the two paths measured 95.9% on 1,022 positions, and
+    # 97.7% between bf16 with and without the native kernels: in bf16 a last-bit difference grows
+    # over 30 layers, more so where it can move an activation across an int8 rounding boundary.)
+    from batchrun.kernels.quant import GroupQuantized
+    from batchrun.model.quant import W4A8Linear
+
+    engine, seqs, _ = reference
+    w4a8 = Engine(dataclasses.replace(engine.config, quantization="w4a8", dtype="bfloat16"))
+    assert w4a8.quantization.num_from_gguf == 4 * w4a8.model.spec.num_layers
+    layers = {name: m for name, m in w4a8.model.named_modules() if isinstance(m, W4A8Linear)}
+    if not all(m.is_native for m in layers.values()):
+        pytest.skip("the native W4A8 kernel is not built here (needs AVX512-VNNI and AVX512-BF16)")
+    inputs = {}
+
+    def keep_first(name):
+        def hook(_module, args, out) -> None:
+            inputs.setdefault(name, (args[0], out))
+        return hook
+
+    hooks = [m.register_forward_hook(keep_first(name)) for name, m in layers.items()]
+    teacher_forced(w4a8.model, w4a8.runner, [seqs[0][:200]])
+    for h in hooks:
+        h.remove()
+    assert inputs.keys() == layers.keys()
+    for name, (x, native) in inputs.items():
+        layer = layers[name]
+        layer._kernel_ok = False
+        with torch.inference_mode():
+            ref = layer(x)
+        layer._kernel_ok = True
+        slack = torch.zeros(())
+        if isinstance(native, GroupQuantized):  # the fused gate/up: silu(gate) * up, quantized for down_proj
+            slack = native.scales.repeat_interleave(32, dim=1)  # a rounding may land one int8 step apart
+            native = native.dequantize()
+        native, ref = native.float(), ref.float()
+        excess = (native - ref).abs() - ref.abs() * 2.0 ** -7 - 1.01 * slack
+        assert float(excess.max()) <= 1e-3 * float(ref.abs().max()), name
+
+
 def test_int8_kv_cache_agrees_with_float(reference):
     engine, seqs, ref = reference
     runner = ModelRunner(engine.model, engine.kv.num_blocks, engine.runner.block_size, torch.float32,

@@ -53,14 +53,44 @@ def _assert_one_rounding_of(got: torch.Tensor, exact: torch.Tensor) -> None:
 # ---- activation quantization in groups ------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, BF16])
-@pytest.mark.parametrize("rows", [1, 7, 40])
-def test_group_quantization_native_is_bitwise_the_torch_code(rows, dtype, monkeypatch):
-    x = _activations(rows, 96, seed=rows, dtype=dtype)
-    native = qk.quantize_groups_int8(x)
+needs_native = pytest.mark.skipif(not qk.cpu_native.available(), reason="native kernels not built here")
+
+
+def _bitwise(x: torch.Tensor, group: int, monkeypatch) -> None:
+    native = qk.quantize_groups_int8(x, group)
     monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
-    torch_code = qk.quantize_groups_int8(x)
+    torch_code = qk.quantize_groups_int8(x, group)
+    monkeypatch.delenv("BATCHRUN_CPU_KERNELS")
     assert all(torch.equal(a, b) for a, b in zip(native, torch_code))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("rows", [1, 7, 40, 600])  # 600 x 128: the rows split across threads
+@pytest.mark.parametrize("group", [32, 64])  # 32: the AVX-512 path, 64: the generic one
+def test_group_quantization_native_is_bitwise_the_torch_code(rows, dtype, group, monkeypatch):
+    x = _activations(rows, 128, seed=rows, dtype=dtype)
+    if rows > 3:  # exact ties after the division (2.5 -> 2, -0.5 -> 0, 3.5 -> 4: half to even) and tiny values
+        x[3, :4] = torch.tensor([127.0, 2.5, -0.5, 3.5])
+        x[3, 32:40] = 1e-12
+    _bitwise(x, group, monkeypatch)
+    _bitwise(_activations(rows, 256, dtype=dtype)[:, ::2], group, monkeypatch)  # rows 256 apart
+
+
+@needs_native
+@pytest.mark.parametrize("group", [32, 64])
+def test_group_quantization_of_a_nan_group_is_what_torch_gives(group, monkeypatch):
+    # A NaN scale and sum and zeros, so the product is NaN, not finite garbage (max() alone drops the
+    # NaN, and NaN cast to int32 is INT_MIN).
+    x = torch.ones(2, 128)
+    x[0, 7] = float("nan")
+    q, scales, sums = qk.quantize_groups_int8(x, group)
+    assert bool(scales[0, 0].isnan()) and bool(sums[0, 0].isnan()) and not bool(q[0, :group].any())
+    assert bool(torch.isfinite(scales[1]).all()) and bool(torch.isfinite(scales[0, 1:]).all())
+    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    torch_code = qk.quantize_groups_int8(x, group)
+    assert all(torch.equal(a, b) for a, b in zip((q, scales, sums), torch_code) if a.dtype == torch.int8)
+    assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip((scales, sums), torch_code[1:]))
 
 
 def test_group_quantization_is_within_half_a_step_per_group():
@@ -122,6 +152,34 @@ def test_native_w4a8_is_one_rounding_of_its_exact_value(rows, bias):
         got = layer(x)
     assert got.dtype == BF16 and got.shape == (rows, 96)
     _assert_one_rounding_of(got, _exact(x, qw, b))
+
+
+@needs_native_w4a8
+@pytest.mark.parametrize("k", [1536, 4096])  # SmolLM2's down_proj: 48 groups; a wide one: 128
+def test_native_w4a8_over_many_groups(k):
+    qw = _weight(64, k, seed=k)
+    x = _activations(13, k, seed=k)
+    with torch.inference_mode():
+        _assert_one_rounding_of(mq.W4A8Linear(qw, None, BF16)(x), _exact(x, qw))
+
+
+@needs_native_w4a8
+def test_native_w4a8_gives_nan_for_a_row_with_a_nan():
+    layer = mq.W4A8Linear(_weight(64, 96), None, BF16)
+    x = _activations(3, 96)
+    x[1, 40] = float("nan")
+    with torch.inference_mode():
+        y = layer(x)
+    assert bool(y[1].isnan().all()) and bool(torch.isfinite(y[[0, 2]]).all())
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_w4a8_of_no_rows_is_an_empty_output(kernels, monkeypatch):
+    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", kernels)
+    layer = mq.W4A8Linear(_weight(64, 96), None, BF16)
+    with torch.inference_mode():
+        assert layer(torch.empty(0, 96, dtype=BF16)).shape == (0, 64)
+        assert layer(torch.empty(3, 0, 96, dtype=BF16)).shape == (3, 0, 64)
 
 
 @needs_native_w4a8
@@ -226,13 +284,15 @@ def test_a_bf16_w4a8_engine_runs_natively(tiny_llama_dir, monkeypatch):
                                  kv_cache_memory=16 << 20, max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
     layers = [m for m in engine.model.modules() if isinstance(m, mq.W4A8Linear)]
     assert len(layers) == 4 * engine.model.spec.num_layers and all(m.is_native for m in layers)
+    assert sum(isinstance(m, mq.W4A8SiluMulLinear) for m in layers) == engine.model.spec.num_layers
     calls = []
-    native = qk.w4a8_matmul_native
-    monkeypatch.setattr(qk, "w4a8_matmul_native", lambda *a: calls.append(1) or native(*a))
+    for name in ("w4a8_matmul_native", "w4a8_silu_quant_native"):
+        monkeypatch.setattr(qk, name, lambda *a, fn=getattr(qk, name), name=name: calls.append(name) or fn(*a))
     prompts = [[5 + (3 * i + j) % 150 for j in range(10 + 9 * i)] for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=8)
     tokens = [o.token_ids for o in engine.generate(prompts, params)]
-    assert len(calls) >= 4 * engine.model.spec.num_layers * 8  # every projection, every step
+    steps = len(calls) // (4 * engine.model.spec.num_layers)
+    assert steps >= 8 and calls.count("w4a8_silu_quant_native") == steps * engine.model.spec.num_layers
     # The reference (float32 matmul over the dequantized weight, then one rounding): the same sums
     # in another order, which does not move this model's greedy tokens.
     for m in layers:
@@ -240,3 +300,67 @@ def test_a_bf16_w4a8_engine_runs_natively(tiny_llama_dir, monkeypatch):
     engine.reset_prefix_cache()
     assert [o.token_ids for o in engine.generate(prompts, params)] == tokens
 
+
+
+# ---- the fused silu MLP input (W4A8SiluMulLinear) ---------------------------------------------
+
+
+@needs_native_w4a8
+@pytest.mark.parametrize("rows", [1, 6, 7, 13, 130])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_silu_quant_is_bitwise_the_three_passes(rows, bias):
+    from batchrun.kernels import elementwise as ew
+
+    qw = _weight(192, 64, seed=rows)  # gate and up: 96 outputs each, three groups of 32
+    b = (torch.randn(192, generator=torch.Generator().manual_seed(rows)) * 0.5).to(BF16) if bias else None
+    plain, fused = mq.W4A8Linear(qw, b, BF16), mq.W4A8SiluMulLinear(qw, b)
+    x = _activations(rows, 64, seed=rows)
+    with torch.inference_mode():
+        want = qk.quantize_groups_int8(ew.act_mul(plain(x), "silu"))
+        got = fused(x)
+    assert isinstance(got, qk.GroupQuantized) and got.lead_shape == (rows,) and got.dtype == BF16
+    assert all(torch.equal(a, b) for a, b in zip(got[:3], want))
+    # it holds its rows in silu pair order, and gives the plain ones back
+    assert all(torch.equal(a, b) for a, b in zip(fused.int4_weight(), (qw.qweight, qw.scales, qw.mins)))
+
+
+@needs_native_w4a8
+def test_fused_silu_quant_with_the_kernels_off_returns_the_activation(monkeypatch):
+    from batchrun.kernels import elementwise as ew
+
+    qw = _weight(128, 64)
+    plain, fused = mq.W4A8Linear(qw, None, BF16), mq.W4A8SiluMulLinear(qw, None)
+    down = mq.W4A8Linear(_weight(32, 64, seed=3), None, BF16)
+    x = _activations(9, 64)
+    with torch.inference_mode():
+        on = down(fused(x))
+        monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+        h = fused(x)
+        assert torch.equal(h, ew.act_mul(plain(x), "silu"))  # plain's reference path, then the activation
+        off = down(h)
+    assert float((on.float() - off.float()).abs().max()) <= 0.02 * float(off.float().abs().max())
+
+
+@needs_native_w4a8
+def test_the_down_projection_takes_quantized_groups_on_either_path():
+    qw = _weight(64, 96)
+    down = mq.W4A8Linear(qw, torch.ones(64, dtype=BF16), BF16)
+    x = _activations(5, 96)
+    groups = qk.GroupQuantized(*qk.quantize_groups_int8(x), (5,), BF16)
+    with torch.inference_mode():
+        assert torch.equal(down(groups), down(x))  # the kernel, on the same quantized input
+        down._kernel_ok = False
+        assert torch.equal(down(groups), down(x))  # the reference, likewise
+    with pytest.raises(ValueError, match="features"):
+        mq.W4A8Linear(_weight(64, 128), None, BF16)(groups)
+
+
+@needs_native_w4a8
+def test_quantize_model_fuses_the_silu_mlps_of_a_bf16_w4a8_model(tiny_llama_dir):
+    model = _tiny_decoder(tiny_llama_dir, BF16)
+    mq.quantize_model(model, "w4a8")
+    mlps = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
+    assert mlps and all(m.fused_act and isinstance(m.gate_up_proj, mq.W4A8SiluMulLinear) for m in mlps)
+    float32_model = _tiny_decoder(tiny_llama_dir, torch.float32)  # no native kernel in float32: not fused
+    mq.quantize_model(float32_model, "w4a8")
+    assert not any(getattr(m, "fused_act", False) for m in float32_model.modules())

@@ -89,7 +89,7 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         t0 = time.perf_counter()
         loaded = load_model(config.model, dtype=self.dtype, cache_dir=config.cache_dir,
-                            keep_gguf_quantization=config.quantization == "gguf")
+                            keep_gguf_quantization=config.quantization in ("gguf", "w4a8"))
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
         self.model_fingerprint = loaded.fingerprint

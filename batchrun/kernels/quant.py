@@ -19,7 +19,7 @@ GPU kernels in `batchrun.kernels.triton_quant` are checked against). `int8_weigh
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 
@@ -351,20 +351,17 @@ def quantize_groups_int8(x: torch.Tensor, group: int = W4A8_GROUP) -> tuple[torc
     return q.to(torch.int8).reshape(m, k), scales, sums
 
 
-def w4a8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Reference W4A8: x quantized in groups of 32 (quantize_groups_int8), times the int4 weight
-    (our layout: packed (N, K // 2), scales and mins (N, K // 32)), in float32, then x's dtype.
-    The same sum as the native kernel's, in a different float32 order."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    xq, xs, _ = quantize_groups_int8(x2, W4A8_GROUP)
-    m, k = xq.shape
-    xd = (xq.float().reshape(m, k // W4A8_GROUP, W4A8_GROUP) * xs[..., None]).reshape(m, k)
-    y = xd @ dequantize_int4(qweight, scales, mins, torch.float32).t()
+def w4a8_matmul(x: Union[torch.Tensor, "GroupQuantized"], qweight: torch.Tensor, scales: torch.Tensor,
+                mins: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Reference W4A8: x quantized in groups of 32 (quantize_groups_int8; or already quantized),
+    times the int4 weight (our layout: packed (N, K // 2), scales and mins (N, K // 32)), in
+    float32, then x's dtype. The same sum as the native kernel's, in a different float32 order."""
+    if not isinstance(x, GroupQuantized):
+        x = GroupQuantized(*quantize_groups_int8(x.reshape(-1, x.shape[-1]), W4A8_GROUP), tuple(x.shape[:-1]), x.dtype)
+    y = x.dequantize() @ dequantize_int4(qweight, scales, mins, torch.float32).t()
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype).reshape(*shape[:-1], -1)
+    return y.to(x.dtype).reshape(*x.lead_shape, qweight.shape[0])
 
 
 def w4a8_native_supported(out_features: int, in_features: int) -> bool:
@@ -381,8 +378,6 @@ def pack_w4a8_weight(qweight: torch.Tensor, scales: torch.Tensor,
     kernel's: nibble tiles (N, K // 2) uint8 ([N / 32][K / 4][64]: byte b of a k-quad step holds
     column b // 4's (low nibble) and column 16 + b // 4's (high nibble) k = b % 4), and scales
     (columns 16-31 divided by 16) and mins as float32 [N / 32][K / 32][32]."""
-    from batchrun.kernels.cpu_linear import pack_tiles
-
     n, k = qweight.shape[0], qweight.shape[1] * 2
     tiles = pack_tiles(unpack_int4(qweight), 4).reshape(n // 32, k // 4, 2, 64)
     packed = (tiles[:, :, 0] | (tiles[:, :, 1] << 4)).reshape(n, k // 2)
@@ -401,8 +396,6 @@ def pack_w4a8_weight(qweight: torch.Tensor, scales: torch.Tensor,
 def unpack_w4a8_weight(packed: torch.Tensor, w_scales: torch.Tensor,
                        w_mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of pack_w4a8_weight (scales and mins come back as float16, exact: they were)."""
-    from batchrun.kernels.cpu_linear import unpack_tiles
-
     n, k = packed.shape[0], packed.shape[1] * 2
     steps = packed.reshape(n // 32, k // 4, 64)
     tiles = torch.stack((steps & 0xF, steps >> 4), dim=2).reshape(n, k)
@@ -416,16 +409,38 @@ def unpack_w4a8_weight(packed: torch.Tensor, w_scales: torch.Tensor,
     return pack_int4(unpack_tiles(tiles, 4)), plain(scales.reshape(n, groups)), plain(w_mins)
 
 
-def w4a8_matmul_native(x: torch.Tensor, packed: torch.Tensor, w_scales: torch.Tensor, w_mins: torch.Tensor,
-                       bias_f32: Optional[torch.Tensor]) -> torch.Tensor:
-    """w4a8_matmul for a bf16 CPU x through the native kernel (pack_w4a8_weight's tensors; bias
-    float32 or None): the same integer group sums, scaled and summed in float32 in registers, one
-    rounding to bf16."""
-    shape = x.shape
+class GroupQuantized(NamedTuple):
+    """Activations already quantized in groups of 32 (quantize_groups_int8's three tensors), as the
+    fused W4A8 gate/up projection hands them to the down projection; `lead_shape`: the leading
+    dims of the activations they stand for."""
+
+    q: torch.Tensor  # (M, K) int8
+    scales: torch.Tensor  # (M, K // 32) float32
+    sums: torch.Tensor  # (M, K // 32) float32
+    lead_shape: tuple[int, ...]
+    dtype: torch.dtype  # of the activations they stand for: the dtype a projection returns
+
+    def dequantize(self) -> torch.Tensor:
+        """(M, K) float32: q * scale."""
+        m, k = self.q.shape
+        return (self.q.float().reshape(m, k // W4A8_GROUP, W4A8_GROUP) * self.scales[..., None]).reshape(m, k)
+
+
+def w4a8_matmul_native(x: Union[torch.Tensor, GroupQuantized], packed: torch.Tensor, w_scales: torch.Tensor,
+                       w_mins: torch.Tensor, bias_f32: Optional[torch.Tensor]) -> torch.Tensor:
+    """w4a8_matmul for a bf16 CPU x (or x already quantized) through the native kernel
+    (pack_w4a8_weight's tensors; bias float32 or None): the same integer group sums, scaled and
+    summed in float32 in registers, one rounding to bf16."""
     k = packed.shape[1] * 2
+    if isinstance(x, GroupQuantized):
+        shape = (*x.lead_shape, x.q.shape[1])
+        xq, xs, xsum = x.q, x.scales, x.sums
+    else:
+        shape = x.shape
+        if shape[-1] == k:
+            xq, xs, xsum = quantize_groups_int8(x.reshape(-1, k), W4A8_GROUP)
     if shape[-1] != k:  # the kernel takes K from the input: a wrong width would read past W
         raise ValueError(f"input has {shape[-1]} features, the weight {k}")
-    xq, xs, xsum = quantize_groups_int8(x.reshape(-1, k), W4A8_GROUP)
     m, n = xq.shape[0], packed.shape[0]
     y = torch.empty((m, n), dtype=torch.bfloat16)
     if m:
@@ -436,6 +451,31 @@ def w4a8_matmul_native(x: torch.Tensor, packed: torch.Tensor, w_scales: torch.Te
         if rc != 0:
             raise RuntimeError(f"batchrun_w4a8_linear failed ({rc}) for weight {tuple(packed.shape)}")
     return y.reshape(*shape[:-1], n)
+
+
+def w4a8_silu_quant_native(x: torch.Tensor, packed: torch.Tensor, w_scales: torch.Tensor, w_mins: torch.Tensor,
+                           bias_f32: Optional[torch.Tensor]) -> GroupQuantized:
+    """silu(gate) * up of a W4A8 gate/up projection, quantized in groups of 32 for the down
+    projection, in one native pass (csrc/linear.cpp: w4a8_silu_quant_pair): `packed` etc. are
+    pack_w4a8_weight's tensors of the (2N, K) weight with its rows in silu pair order
+    (kernels/cpu_linear.py: silu_pair_order). Bitwise: the projection, batchrun_silu_mul_bf16's
+    product and quantize_groups_int8."""
+    k = packed.shape[1] * 2
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight {k}")
+    xq, xs, xsum = quantize_groups_int8(x.reshape(-1, k), W4A8_GROUP)
+    m, n = xq.shape[0], packed.shape[0] // 2
+    q = torch.empty((m, n), dtype=torch.int8)
+    scales = torch.empty((m, n // W4A8_GROUP), dtype=torch.float32)
+    sums = torch.empty((m, n // W4A8_GROUP), dtype=torch.float32)
+    if m:
+        rc = cpu_native.library().batchrun_w4a8_silu_quant(
+            xq.data_ptr(), m, k, xq.stride(0), xs.data_ptr(), xsum.data_ptr(), packed.data_ptr(), w_scales.data_ptr(),
+            w_mins.data_ptr(), n, None if bias_f32 is None else bias_f32.data_ptr(), q.data_ptr(), scales.data_ptr(),
+            sums.data_ptr(), torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"batchrun_w4a8_silu_quant failed ({rc}) for weight {tuple(packed.shape)}")
+    return GroupQuantized(q, scales, sums, tuple(x.shape[:-1]), x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -11,14 +11,14 @@ Modes (`engine.quantization`):
   (torch._int_mm: VNNI on x86 CPUs), after SmoothQuant moves activation outliers into the weights
   (calibrated at load on 1k tokens of built-in text); the `outlier_channels` input channels of each
   projection whose range is still largest stay in float (`split_outlier_channels`). In bf16 on a
-  CPU with AVX512-VNNI one native kernel does it all (kernels/quant.py: w8a8_matmul_native).
+  CPU with AVX512-VNNI and AVX512-BF16 one native kernel does it all (kernels/quant.py: w8a8_matmul_native).
   Measured on SmolLM2 with 2 cores: 64 float channels (the default) 97.9% top-1 agreement at
   1.15-1.22x bf16's summarize tokens/s; none 94.7% at 1.28-1.36x.
 - `int4`: weight-only asymmetric int4 in groups along K (`group_size`), packed two per byte.
 - `w4a8`: int4 weights in groups of 32 (GGUF's Q4_0/Q4_1 blocks kept as they are) and int8
   activations quantized per group of 32 on the fly, an exact integer dot product per group, scaled
   and summed in float32 (llama.cpp's Q4_1 x Q8_1 scheme). The CPU throughput mode for int4: in bf16
-  on a CPU with AVX512-VNNI one native kernel (kernels/quant.py: w4a8_matmul_native), where `int4`
+  on a CPU with AVX512-VNNI and AVX512-BF16 one native kernel (kernels/quant.py: w4a8_matmul_native), where `int4`
   dequantizes into a bf16 GEMM. Per-group activation scales are what keep quality without
   SmoothQuant (which would move the weights off the Q4 grid): simulated on SmolLM2 (the reference
   being the dequantized Q4_1 model, teacher-forced) per-token int8 activations give 91.0% top-1
@@ -44,11 +44,12 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
 
+from batchrun.kernels import elementwise as ew
 from batchrun.kernels import quant as qk
 
 log = logging.getLogger("batchrun.model.quant")
@@ -298,7 +299,7 @@ class Int4Linear(QuantLinear):
 class W4A8Linear(QuantLinear):
     """int4 weights in groups of 32 (w = q * scale + min: GGUF's Q4_1 grid) and int8 activations
     quantized in groups of 32 on the fly, an exact integer dot product per group (llama.cpp's
-    Q4_1 x Q8_1). For bf16 on a CPU with AVX512-VNNI the weight is held only in the native kernel's
+    Q4_1 x Q8_1). For bf16 on a CPU with AVX512-VNNI and AVX512-BF16 the weight is held only in the native kernel's
     nibble tiles (kernels/quant.py: w4a8_matmul_native); elsewhere the reference (w4a8_matmul,
     which dequantizes the weight on every call: slow, for checks and float32 models)."""
 
@@ -341,12 +342,69 @@ class W4A8Linear(QuantLinear):
             return qk.unpack_w4a8_weight(self.packed_qweight, self.packed_scales, self.packed_mins)
         return self.qweight, self.scales, self.mins
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.is_native and self._kernel_ok and x.dtype == torch.bfloat16 and not x.is_cuda
-                and x.stride(-1) == 1 and qk.cpu_native.enabled()):
+    def _native_ok(self, x: torch.Tensor) -> bool:
+        return (self.is_native and self._kernel_ok and x.dtype == torch.bfloat16 and not x.is_cuda
+                and x.stride(-1) == 1 and qk.cpu_native.enabled())
+
+    def forward(self, x: Union[torch.Tensor, qk.GroupQuantized]) -> torch.Tensor:
+        """x: activations, or activations already quantized in groups (W4A8SiluMulLinear's output)."""
+        if isinstance(x, qk.GroupQuantized):
+            native = self.is_native and self._kernel_ok and x.dtype == torch.bfloat16 and qk.cpu_native.enabled()
+        else:
+            native = self._native_ok(x)
+        if native:
             return qk.w4a8_matmul_native(x, self.packed_qweight, self.packed_scales, self.packed_mins, self._bias_f32)
         qweight, scales, mins = self.int4_weight()
         return qk.w4a8_matmul(x, qweight, scales, mins, self.bias)
+
+
+class W4A8SiluMulLinear(W4A8Linear):
+    """A silu MLP's W4A8 gate/up projection that returns silu(gate) * up already quantized in groups
+    of 32 for its down projection (kernels/quant.py: w4a8_silu_quant_native: one pass, bitwise the
+    projection, the activation and the quantization done apart). Its rows are held in silu pair
+    order (kernels/cpu_linear.py: silu_pair_order); `int4_weight()` gives the plain order back.
+    Where the kernel cannot run (switched off, another dtype) it returns silu(gate) * up as a
+    tensor, from the reference projection, and the down projection quantizes it itself."""
+
+    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> None:
+        from batchrun.kernels.cpu_linear import silu_pair_order
+
+        order = silu_pair_order(weight.out_features // 2)
+        permuted = QuantizedWeight("int4", weight.qweight[order], weight.scales[order], weight.mins[order],
+                                   weight.in_features)
+        super().__init__(permuted, None if bias is None else bias[order], torch.bfloat16)
+        assert self.is_native, "W4A8SiluMulLinear needs the native kernel"
+        self.format_key = f"w4a8/g{qk.W4A8_GROUP}"
+        self.register_buffer("_plain_order", torch.argsort(order), persistent=False)
+
+    def int4_weight(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qweight, scales, mins = super().int4_weight()
+        o = self._plain_order
+        return qweight[o], scales[o], mins[o]
+
+    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, qk.GroupQuantized]:
+        if self._native_ok(x):
+            return qk.w4a8_silu_quant_native(x, self.packed_qweight, self.packed_scales, self.packed_mins,
+                                             self._bias_f32)
+        qweight, scales, mins = self.int4_weight()
+        bias = None if self.bias is None else self.bias[self._plain_order]
+        return ew.act_mul(qk.w4a8_matmul(x, qweight, scales, mins, bias), "silu")
+
+
+def fuse_w4a8_mlps(model: nn.Module) -> int:
+    """Swap the gate/up projection of every silu MLP whose two projections run the native W4A8
+    kernel for a W4A8SiluMulLinear (and mark the MLP `fused_act`); returns how many."""
+    count = 0
+    for mlp in model.modules():
+        gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
+        if (getattr(mlp, "activation", None) in ("silu", "swish") and hasattr(mlp, "fused_act")
+                and type(gate_up) is W4A8Linear and type(down) is W4A8Linear and gate_up.is_native and down.is_native
+                and gate_up.out_features == 2 * down.in_features and down.in_features % qk.W4A8_GROUP == 0):
+            qweight, scales, mins = gate_up.int4_weight()
+            weight = QuantizedWeight("int4", qweight, scales, mins, gate_up.in_features)
+            mlp.gate_up_proj, mlp.fused_act = W4A8SiluMulLinear(weight, gate_up.bias), True
+            count += 1
+    return count
 
 
 class Fp8Linear(QuantLinear):
@@ -617,6 +675,14 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32, include_em
         _set_module(model, name, module)
         record(module, from_gguf)
 
+    if mode == "w4a8":
+        fuse_w4a8_mlps(model)
+        slow = [m for m in model.modules() if isinstance(m, W4A8Linear) and not m.is_native]
+        if slow and slow[0].qweight.device.type == "cpu":
+            summary.notes.append(f"w4a8: {len(slow)} projections run the reference path (a float32 matmul over "
+                                 "the weight dequantized on every call, slower than int4): the native kernel "
+                                 "needs a bf16 model and a CPU with AVX512-VNNI and AVX512-BF16")
+            log.warning(summary.notes[-1])
     if include_embeddings and isinstance(getattr(model, "embed_tokens", None), nn.Embedding):
         _quantize_embeddings(model, mode, record)
     log.info("quantized %d modules (%s)%s", summary.num_quantized, mode,

@@ -243,11 +243,11 @@ __attribute__((noinline)) void w8a8_micro(const int8_t* xq, int64_t ldq, const f
 constexpr int W4_MR = 6;
 constexpr int64_t W4_GROUP = 32;
 
-template <int R>
+// The float32 sums of rows [0, R) go to store(f0, f1) (columns 0-15 and 16-31 of each row).
+template <int R, typename Store>
 __attribute__((noinline)) void w4a8_micro(const int8_t* xq, int64_t ldq, const float* xs, const float* xsum,
                                           int64_t ldg, const uint8_t* tile, int64_t groups, const float* ws,
-                                          const float* wm, const float* bias, uint16_t* y, int64_t ldy,
-                                          const char* pf) {
+                                          const float* wm, const char* pf, Store&& store) {
     __m512 f0[R], f1[R];
     for (int r = 0; r < R; ++r) {
         f0[r] = _mm512_setzero_ps();
@@ -287,7 +287,46 @@ __attribute__((noinline)) void w4a8_micro(const int8_t* xq, int64_t ldq, const f
             f1[r] = _mm512_fmadd_ps(m1, sm, f1[r]);
         }
     }
-    store_tile<R>(f0, f1, bias, y, ldy);
+    store(static_cast<const __m512*>(f0), static_cast<const __m512*>(f1));
+}
+
+// A silu MLP's gate/up projection in W4A8 with silu(gate) * up and the down projection's input
+// quantization (groups of 32) fused into its store: tiles alternate gate and up columns of the same
+// 32 outputs (as in silu_mul_pair), and those 32 outputs of a row are exactly one group of the down
+// projection's input. Gate and up are rounded to bf16 as the plain layer's store rounds them, the
+// product as batchrun_silu_mul_bf16 computes it, and the group quantized as
+// batchrun_quantize_groups_int8 quantizes it: bitwise the three passes, without the (M, 2N) and
+// (M, N) bf16 intermediates. q: (M, N) int8 (row stride ldo), scales and sums: (M, N / 32).
+template <int R>
+void w4a8_silu_quant_pair(const int8_t* xq, int64_t ldq, const float* xs, const float* xsum, int64_t ldg,
+                          const uint8_t* pair, int64_t groups, const float* ws, const float* wm, const float* bias,
+                          int8_t* q, int64_t ldo, float* q_scales, float* q_sums, int64_t ld_out_groups,
+                          const char* pf) {
+    __m512 gate[W4_MR][2];
+    const __m512 zero = _mm512_setzero_ps();
+    auto projected = [](__m512 acc, __m512 b) {
+        return batchrun::bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc, b)));
+    };
+    const __m512 bg0 = bias ? _mm512_loadu_ps(bias) : zero, bg1 = bias ? _mm512_loadu_ps(bias + 16) : zero;
+    const __m512 bu0 = bias ? _mm512_loadu_ps(bias + 32) : zero, bu1 = bias ? _mm512_loadu_ps(bias + 48) : zero;
+    const int64_t tile_bytes = groups * W4_GROUP / 4 * 64, tile_scales = groups * TILE_N;
+    w4a8_micro<R>(xq, ldq, xs, xsum, ldg, pair, groups, ws, wm, pf, [&](const __m512* f0, const __m512* f1) {
+        for (int r = 0; r < R; ++r) {
+            gate[r][0] = projected(f0[r], bg0);
+            gate[r][1] = projected(f1[r], bg1);
+        }
+    });
+    w4a8_micro<R>(xq, ldq, xs, xsum, ldg, pair + tile_bytes, groups, ws + tile_scales, wm + tile_scales,
+                  pf ? pf + tile_bytes : nullptr, [&](const __m512* f0, const __m512* f1) {
+        for (int r = 0; r < R; ++r) {
+            __m512 h[2];
+            const __m512 up[2] = {projected(f0[r], bu0), projected(f1[r], bu1)};
+            for (int i = 0; i < 2; ++i)  // the bf16 value batchrun_silu_mul_bf16 stores
+                h[i] = batchrun::round_bf16_512(
+                    _mm512_mul_ps(batchrun::round_bf16_512(batchrun::silu512(gate[r][i])), up[i]));
+            batchrun::quantize_group32(h[0], h[1], q + r * ldo, q_scales + r * ld_out_groups, q_sums + r * ld_out_groups);
+        }
+    });
 }
 
 #endif  // __AVX512VNNI__
@@ -449,11 +488,13 @@ int batchrun_w4a8_linear(const void* xq, int64_t m, int64_t k, int64_t ldq, cons
         for (int64_t h = 0; h < rows; h += W4_MR) {
             const int64_t r = r0 + h;
             with_rows(rows - h < W4_MR ? rows - h : W4_MR, [&](auto rr) {
-                w4a8_micro<decltype(rr)::value>(
-                    xqp + r * ldq, ldq, x_scales + r * groups, x_sums + r * groups, groups,
-                    reinterpret_cast<const uint8_t*>(wp + t * tile_bytes), groups, w_scales + t * groups * TILE_N,
-                    w_mins + t * groups * TILE_N, bias ? bias + t * TILE_N : nullptr, yp + r * ldy + t * TILE_N, ldy,
-                    h == 0 ? pf : nullptr);
+                constexpr int R = decltype(rr)::value;
+                const float* b = bias ? bias + t * TILE_N : nullptr;
+                uint16_t* out = yp + r * ldy + t * TILE_N;
+                w4a8_micro<R>(xqp + r * ldq, ldq, x_scales + r * groups, x_sums + r * groups, groups,
+                              reinterpret_cast<const uint8_t*>(wp + t * tile_bytes), groups,
+                              w_scales + t * groups * TILE_N, w_mins + t * groups * TILE_N, h == 0 ? pf : nullptr,
+                              [&](const __m512* f0, const __m512* f1) { store_tile<R>(f0, f1, b, out, ldy); });
             });
         }
     });
@@ -461,6 +502,43 @@ int batchrun_w4a8_linear(const void* xq, int64_t m, int64_t k, int64_t ldq, cons
 #else
     (void)xq, (void)m, (void)ldq, (void)x_scales, (void)x_sums, (void)packed, (void)w_scales, (void)w_mins;
     (void)bias, (void)y, (void)ldy, (void)num_threads;
+    return -2;
+#endif
+}
+
+// The fused silu MLP input in W4A8 (see w4a8_silu_quant_pair): x as for batchrun_w4a8_linear, the
+// (2N, K) gate/up weight packed with its rows in silu pair order (its scales, mins and bias, 2N
+// float32 or null, in the same order); out: q (M, N) int8 contiguous, q_scales and q_sums
+// (M, N / 32) float32 contiguous, the down projection's quantized input.
+int batchrun_w4a8_silu_quant(const void* xq, int64_t m, int64_t k, int64_t ldq, const float* x_scales,
+                             const float* x_sums, const void* packed, const float* w_scales, const float* w_mins,
+                             int64_t n, const float* bias, void* q, void* q_scales, void* q_sums, int num_threads) {
+    if (!batchrun_w4a8_linear_supported(2 * n, k) || n % TILE_N != 0) return -2;
+#if defined(BATCHRUN_W8A8)
+    const int64_t groups = k / W4_GROUP, pairs = n / TILE_N, pair_bytes = 2 * (k / 4 * 64);
+    const int64_t out_groups = n / W4_GROUP;
+    const auto* xqp = static_cast<const int8_t*>(xq);
+    const auto* wp = static_cast<const char*>(packed);
+    auto* qp = static_cast<int8_t*>(q);
+    auto* qs = static_cast<float*>(q_scales);
+    auto* qm = static_cast<float*>(q_sums);
+    for_each_tile_block(m, pairs, pair_bytes, wp, num_threads, [] {},
+                        [&](int64_t t, int64_t r0, int64_t rows, const char* pf) {
+        for (int64_t h = 0; h < rows; h += W4_MR) {
+            const int64_t r = r0 + h;
+            with_rows(rows - h < W4_MR ? rows - h : W4_MR, [&](auto rr) {
+                w4a8_silu_quant_pair<decltype(rr)::value>(
+                    xqp + r * ldq, ldq, x_scales + r * groups, x_sums + r * groups, groups,
+                    reinterpret_cast<const uint8_t*>(wp + t * pair_bytes), groups, w_scales + t * 2 * groups * TILE_N,
+                    w_mins + t * 2 * groups * TILE_N, bias ? bias + t * 2 * TILE_N : nullptr, qp + r * n + t * TILE_N,
+                    n, qs + r * out_groups + t, qm + r * out_groups + t, out_groups, h == 0 ? pf : nullptr);
+            });
+        }
+    });
+    return 0;
+#else
+    (void)xq, (void)m, (void)ldq, (void)x_scales, (void)x_sums, (void)packed, (void)w_scales, (void)w_mins;
+    (void)bias, (void)q, (void)q_scales, (void)q_sums, (void)num_threads;
     return -2;
 #endif
 }

@@ -152,17 +152,9 @@ int batchrun_quantize_groups_int8(const void* x, int x_bf16, int64_t m, int64_t 
                     a = _mm512_loadu_ps(xr);
                     b = _mm512_loadu_ps(xr + 16);
                 }
-                float scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) / 127.0f;
-                scale = scale < min_scale ? min_scale : scale;
-                const __m512 sv = _mm512_set1_ps(scale);
-                const __m512i qa = _mm512_cvtps_epi32(_mm512_div_ps(a, sv));  // MXCSR: nearest, ties to even
-                const __m512i qb = _mm512_cvtps_epi32(_mm512_div_ps(b, sv));
-                int8_t* qr = static_cast<int8_t*>(q) + r * k + g * 32;
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(qr), _mm512_cvtepi32_epi8(qa));
-                _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + 16), _mm512_cvtepi32_epi8(qb));
-                static_cast<float*>(scales)[r * groups + g] = scale;
-                static_cast<float*>(sums)[r * groups + g] =
-                    scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+                batchrun::quantize_group32(a, b, static_cast<int8_t*>(q) + r * k + g * 32,
+                                           static_cast<float*>(scales) + r * groups + g,
+                                           static_cast<float*>(sums) + r * groups + g);
             }
         return 0;
     }
@@ -182,14 +174,22 @@ int batchrun_quantize_groups_int8(const void* x, int x_bf16, int64_t m, int64_t 
                 for (int64_t i = 0; i < group; ++i) v[i] = xr[i];
             }
             float amax = 0.f;
-#pragma omp simd reduction(max : amax)
+            int nan = 0;
+#pragma omp simd reduction(max : amax) reduction(| : nan)
             for (int64_t i = 0; i < group; ++i) {
                 const float a = std::fabs(v[i]);
                 amax = a > amax ? a : amax;
+                nan |= v[i] != v[i];
             }
             float scale = amax / 127.0f;
             scale = scale < min_scale ? min_scale : scale;
             int8_t* __restrict qr = static_cast<int8_t*>(q) + r * k + c0;
+            if (nan) {  // as torch: a NaN scale and sum, and NaN / NaN cast to int8 gives 0
+                std::memset(qr, 0, static_cast<size_t>(group));
+                static_cast<float*>(scales)[r * groups + g] = std::nanf("");
+                static_cast<float*>(sums)[r * groups + g] = std::nanf("");
+                continue;
+            }
             int32_t sum = 0;
 #pragma omp simd reduction(+ : sum)
             for (int64_t i = 0; i < group; ++i) {

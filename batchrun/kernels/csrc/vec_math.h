@@ -84,6 +84,27 @@ inline __m512 silu512(__m512 g) {
     return _mm512_mask_mov_ps(_mm512_mask_mov_ps(s, over, _mm512_set1_ps(-0.f)), inf, _mm512_set1_ps(NAN));
 }
 
+// One group of 32 float32 values (a, b) quantized to int8 as kernels/quant.py:
+// quantize_groups_int8 does it: scale = max(absmax / 127, 1e-10), q = round half to even of x / scale,
+// sum = scale * the integer sum of q. A group holding a NaN gets what torch gives: a NaN scale and
+// sum, and q = 0 (max would drop the NaN and the int conversion of NaN is INT_MIN).
+inline void quantize_group32(__m512 a, __m512 b, int8_t* q, float* scale_out, float* sum_out) {
+    if (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q)) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_setzero_si256());
+        *scale_out = *sum_out = std::nanf("");
+        return;
+    }
+    float scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) / 127.0f;
+    scale = scale < 1e-10f ? 1e-10f : scale;  // kernels/quant.py: _MIN_SCALE
+    const __m512 sv = _mm512_set1_ps(scale);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_div_ps(a, sv));  // MXCSR: nearest, ties to even
+    const __m512i qb = _mm512_cvtps_epi32(_mm512_div_ps(b, sv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+    *scale_out = scale;
+    *sum_out = scale * static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb)));
+}
+
 }  // namespace batchrun
 
 #endif  // __AVX512F__

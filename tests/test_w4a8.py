@@ -74,18 +74,23 @@ def test_group_quantization_native_is_bitwise_the_torch_code(rows, dtype, group,
         x[3, :4] = torch.tensor([127.0, 2.5, -0.5, 3.5])
         x[3, 32:40] = 1e-12
     _bitwise(x, group, monkeypatch)
-    _bitwise(_activations(rows, 256, dtype=dtype)[:, ::2], group, monkeypatch)  # rows 256 apart
+    strided = _activations(rows, 256, dtype=dtype)[:, :128]  # rows 256 apart
+    assert qk._native_rows(strided)
+    _bitwise(strided, group, monkeypatch)
 
 
 @needs_native
 @pytest.mark.parametrize("group", [32, 64])
-def test_group_quantization_of_a_nan_group_is_what_torch_gives(group, monkeypatch):
-    # A NaN scale and sum and zeros, so the product is NaN, not finite garbage (max() alone drops the
-    # NaN, and NaN cast to int32 is INT_MIN).
-    x = torch.ones(2, 128)
+def test_group_quantization_of_a_nan_or_inf_group_is_what_torch_gives(group, monkeypatch):
+    # A NaN (inf) scale, a NaN sum and zeros, so the product is NaN, not finite garbage (max() alone
+    # drops the NaN, and NaN cast to int32 is INT_MIN).
+    x = torch.ones(3, 128)
     x[0, 7] = float("nan")
+    x[2, 70] = float("inf")
     q, scales, sums = qk.quantize_groups_int8(x, group)
     assert bool(scales[0, 0].isnan()) and bool(sums[0, 0].isnan()) and not bool(q[0, :group].any())
+    g = 70 // group
+    assert bool(scales[2, g].isinf()) and bool(sums[2, g].isnan()) and not bool(q[2, g * group:(g + 1) * group].any())
     assert bool(torch.isfinite(scales[1]).all()) and bool(torch.isfinite(scales[0, 1:]).all())
     monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
     torch_code = qk.quantize_groups_int8(x, group)
@@ -306,18 +311,24 @@ def test_a_bf16_w4a8_engine_runs_natively(tiny_llama_dir, monkeypatch):
 
 
 @needs_native_w4a8
-@pytest.mark.parametrize("rows", [1, 6, 7, 13, 130])
+@pytest.mark.parametrize("rows,k,threads", [(1, 64, 1), (6, 32, 2), (7, 64, 3), (13, 1536, 2), (130, 64, 1),
+                                            (130, 64, 2), (130, 96, 3)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_fused_silu_quant_is_bitwise_the_three_passes(rows, bias):
+def test_fused_silu_quant_is_bitwise_the_three_passes(rows, k, threads, bias):
     from batchrun.kernels import elementwise as ew
 
-    qw = _weight(192, 64, seed=rows)  # gate and up: 96 outputs each, three groups of 32
+    qw = _weight(192, k, seed=rows)  # gate and up: 96 outputs each, three groups of 32
     b = (torch.randn(192, generator=torch.Generator().manual_seed(rows)) * 0.5).to(BF16) if bias else None
     plain, fused = mq.W4A8Linear(qw, b, BF16), mq.W4A8SiluMulLinear(qw, b)
-    x = _activations(rows, 64, seed=rows)
+    x = _activations(rows, k, seed=rows)
+    before = torch.get_num_threads()
     with torch.inference_mode():
         want = qk.quantize_groups_int8(ew.act_mul(plain(x), "silu"))
-        got = fused(x)
+        try:
+            torch.set_num_threads(threads)
+            got = fused(x)
+        finally:
+            torch.set_num_threads(before)
     assert isinstance(got, qk.GroupQuantized) and got.lead_shape == (rows,) and got.dtype == BF16
     assert all(torch.equal(a, b) for a, b in zip(got[:3], want))
     # it holds its rows in silu pair order, and gives the plain ones back

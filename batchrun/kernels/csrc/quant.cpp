@@ -184,9 +184,9 @@ int batchrun_quantize_groups_int8(const void* x, int x_bf16, int64_t m, int64_t 
             float scale = amax / 127.0f;
             scale = scale < min_scale ? min_scale : scale;
             int8_t* __restrict qr = static_cast<int8_t*>(q) + r * k + c0;
-            if (nan) {  // as torch: a NaN scale and sum, and NaN / NaN cast to int8 gives 0
+            if (nan || std::isinf(scale)) {  // as torch: q = 0 (NaN cast to int8), a NaN sum, the scale NaN or inf
                 std::memset(qr, 0, static_cast<size_t>(group));
-                static_cast<float*>(scales)[r * groups + g] = std::nanf("");
+                static_cast<float*>(scales)[r * groups + g] = nan ? std::nanf("") : scale;
                 static_cast<float*>(sums)[r * groups + g] = std::nanf("");
                 continue;
             }

@@ -87,7 +87,8 @@ inline __m512 silu512(__m512 g) {
 // One group of 32 float32 values (a, b) quantized to int8 as kernels/quant.py:
 // quantize_groups_int8 does it: scale = max(absmax / 127, 1e-10), q = round half to even of x / scale,
 // sum = scale * the integer sum of q. A group holding a NaN gets what torch gives: a NaN scale and
-// sum, and q = 0 (max would drop the NaN and the int conversion of NaN is INT_MIN).
+// sum, and q = 0 (max would drop the NaN and the int conversion of NaN is INT_MIN); one holding an
+// infinity an infinite scale, q = 0 and a NaN sum.
 inline void quantize_group32(__m512 a, __m512 b, int8_t* q, float* scale_out, float* sum_out) {
     if (_mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(b, b, _CMP_UNORD_Q)) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_setzero_si256());
@@ -96,6 +97,12 @@ inline void quantize_group32(__m512 a, __m512 b, int8_t* q, float* scale_out, fl
     }
     float scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) / 127.0f;
     scale = scale < 1e-10f ? 1e-10f : scale;  // kernels/quant.py: _MIN_SCALE
+    if (std::isinf(scale)) {  // an infinite value: torch gives q = 0 (inf / inf is NaN, the rest 0) and sum 0 * inf
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_setzero_si256());
+        *scale_out = scale;
+        *sum_out = std::nanf("");
+        return;
+    }
     const __m512 sv = _mm512_set1_ps(scale);
     const __m512i qa = _mm512_cvtps_epi32(_mm512_div_ps(a, sv));  // MXCSR: nearest, ties to even
     const __m512i qb = _mm512_cvtps_epi32(_mm512_div_ps(b, sv));

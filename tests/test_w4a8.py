@@ -1,4 +1,4 @@
-"""W4A8: int4 weights and int8 activations, both in groups of 32 along K (kernels/quant.py:
+"""W4A8: int4 weights and int8 activations, both in groups of 32 along K (kernels/w4a8.py:
 quantize_groups_int8, w4a8_matmul, w4a8_matmul_native; model/quant.py: W4A8Linear).
 
 The integer dot product of each group is exact, so every output is the float sum
@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from batchrun.kernels import quant as qk
+from batchrun.kernels import w4a8 as w4
 from batchrun.model import quant as mq
 
 BF16 = torch.bfloat16
 
-needs_native_w4a8 = pytest.mark.skipif(not qk.w4a8_native_supported(32, 64),
+needs_native_w4a8 = pytest.mark.skipif(not w4.w4a8_native_supported(32, 64),
                                        reason="native kernels not built here, or built without AVX512-VNNI")
 
 
@@ -38,7 +39,7 @@ def _activations(rows: int, k: int, seed: int = 1, dtype: torch.dtype = BF16) ->
 
 def _exact(x: torch.Tensor, qw: mq.QuantizedWeight, bias=None) -> torch.Tensor:
     """The W4A8 value in float64: the grouped int8 activations times the int4 weight."""
-    xq, xs, _ = qk.quantize_groups_int8(x)
+    xq, xs, _ = w4.quantize_groups_int8(x)
     m, k = xq.shape
     xd = (xq.double().reshape(m, k // 32, 32) * xs.double()[..., None]).reshape(m, k)
     y = xd @ qw.dequantize(torch.float64).t()
@@ -57,9 +58,9 @@ needs_native = pytest.mark.skipif(not qk.cpu_native.available(), reason="native 
 
 
 def _bitwise(x: torch.Tensor, group: int, monkeypatch) -> None:
-    native = qk.quantize_groups_int8(x, group)
+    native = w4.quantize_groups_int8(x, group)
     monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
-    torch_code = qk.quantize_groups_int8(x, group)
+    torch_code = w4.quantize_groups_int8(x, group)
     monkeypatch.delenv("BATCHRUN_CPU_KERNELS")
     assert all(torch.equal(a, b) for a, b in zip(native, torch_code))
 
@@ -75,7 +76,7 @@ def test_group_quantization_native_is_bitwise_the_torch_code(rows, dtype, group,
         x[3, 32:40] = 1e-12
     _bitwise(x, group, monkeypatch)
     strided = _activations(rows, 256, dtype=dtype)[:, :128]  # rows 256 apart
-    assert qk._native_rows(strided)
+    assert qk.native_rows(strided)
     _bitwise(strided, group, monkeypatch)
 
 
@@ -87,20 +88,20 @@ def test_group_quantization_of_a_nan_or_inf_group_is_what_torch_gives(group, mon
     x = torch.ones(3, 128)
     x[0, 7] = float("nan")
     x[2, 70] = float("inf")
-    q, scales, sums = qk.quantize_groups_int8(x, group)
+    q, scales, sums = w4.quantize_groups_int8(x, group)
     assert bool(scales[0, 0].isnan()) and bool(sums[0, 0].isnan()) and not bool(q[0, :group].any())
     g = 70 // group
     assert bool(scales[2, g].isinf()) and bool(sums[2, g].isnan()) and not bool(q[2, g * group:(g + 1) * group].any())
     assert bool(torch.isfinite(scales[1]).all()) and bool(torch.isfinite(scales[0, 1:]).all())
     monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
-    torch_code = qk.quantize_groups_int8(x, group)
+    torch_code = w4.quantize_groups_int8(x, group)
     assert all(torch.equal(a, b) for a, b in zip((q, scales, sums), torch_code) if a.dtype == torch.int8)
     assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip((scales, sums), torch_code[1:]))
 
 
 def test_group_quantization_is_within_half_a_step_per_group():
     x = _activations(9, 128, dtype=torch.float32)
-    xq, xs, xsum = qk.quantize_groups_int8(x)
+    xq, xs, xsum = w4.quantize_groups_int8(x)
     assert xq.dtype == torch.int8 and xs.shape == xsum.shape == (9, 4)
     step = xs.repeat_interleave(32, dim=1)
     assert bool(((xq.float() * step - x).abs() <= step / 2 * (1 + 1e-6)).all())
@@ -112,7 +113,7 @@ def test_group_quantization_is_within_half_a_step_per_group():
 
 def test_group_quantization_refuses_a_partial_group():
     with pytest.raises(ValueError, match="groups of 32"):
-        qk.quantize_groups_int8(torch.randn(2, 48))
+        w4.quantize_groups_int8(torch.randn(2, 48))
 
 
 # ---- packing --------------------------------------------------------------------------------
@@ -120,9 +121,9 @@ def test_group_quantization_refuses_a_partial_group():
 
 def test_the_nibble_tiles_round_trip_exactly():
     qw = _weight(96, 160)
-    packed, scales, mins = qk.pack_w4a8_weight(qw.qweight, qw.scales, qw.mins)
+    packed, scales, mins = w4.pack_w4a8_weight(qw.qweight, qw.scales, qw.mins)
     assert packed.dtype == torch.uint8 and packed.shape == (96, 80)  # two weights a byte
-    back = qk.unpack_w4a8_weight(packed, scales, mins)
+    back = w4.unpack_w4a8_weight(packed, scales, mins)
     assert torch.equal(back[0], qw.qweight) and torch.equal(back[1], qw.scales) and torch.equal(back[2], qw.mins)
     # byte b of a tile's k-quad step: column b // 4 (low nibble), column 16 + b // 4 (high), k = b % 4
     q = qk.unpack_int4(qw.qweight)
@@ -138,7 +139,7 @@ def test_the_nibble_tiles_round_trip_exactly():
 def test_the_reference_is_the_exact_value_in_float32(rows):
     qw = _weight(64, 96)
     x = _activations(rows, 96, dtype=torch.float32)
-    got = qk.w4a8_matmul(x, qw.qweight, qw.scales, qw.mins)
+    got = w4.w4a8_matmul(x, qw.qweight, qw.scales, qw.mins)
     exact = _exact(x, qw)
     assert got.dtype == torch.float32
     assert float((got.double() - exact).abs().max()) <= 1e-5 * float(exact.abs().max())
@@ -212,7 +213,7 @@ def test_native_w4a8_falls_back_to_the_reference_with_the_kernels_off(monkeypatc
         native = layer(x)
         monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
         reference = layer(x)
-    assert torch.equal(reference, qk.w4a8_matmul(x, qw.qweight, qw.scales, qw.mins))
+    assert torch.equal(reference, w4.w4a8_matmul(x, qw.qweight, qw.scales, qw.mins))
     assert float((native.float() - reference.float()).abs().max()) <= 0.01 * float(reference.float().abs().max())
 
 
@@ -260,7 +261,7 @@ def test_quantize_model_w4a8_swaps_every_projection(tiny_llama_dir):
     layers = [m for m in model.modules() if isinstance(m, mq.W4A8Linear)]
     assert summary.num_quantized == len(layers) == 4 * model.spec.num_layers
     assert summary.formats == {"linear:w4a8/g32": len(layers)}
-    assert all(m.is_native == qk.w4a8_native_supported(m.out_features, m.in_features) for m in layers)
+    assert all(m.is_native == w4.w4a8_native_supported(m.out_features, m.in_features) for m in layers)
 
 
 def test_a_projection_w4a8_cannot_group_by_32_stays_int4_weight_only():
@@ -292,7 +293,7 @@ def test_a_bf16_w4a8_engine_runs_natively(tiny_llama_dir, monkeypatch):
     assert sum(isinstance(m, mq.W4A8SiluMulLinear) for m in layers) == engine.model.spec.num_layers
     calls = []
     for name in ("w4a8_matmul_native", "w4a8_silu_quant_native"):
-        monkeypatch.setattr(qk, name, lambda *a, fn=getattr(qk, name), name=name: calls.append(name) or fn(*a))
+        monkeypatch.setattr(w4, name, lambda *a, fn=getattr(w4, name), name=name: calls.append(name) or fn(*a))
     prompts = [[5 + (3 * i + j) % 150 for j in range(10 + 9 * i)] for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=8)
     tokens = [o.token_ids for o in engine.generate(prompts, params)]
@@ -323,13 +324,13 @@ def test_fused_silu_quant_is_bitwise_the_three_passes(rows, k, threads, bias):
     x = _activations(rows, k, seed=rows)
     before = torch.get_num_threads()
     with torch.inference_mode():
-        want = qk.quantize_groups_int8(ew.act_mul(plain(x), "silu"))
+        want = w4.quantize_groups_int8(ew.act_mul(plain(x), "silu"))
         try:
             torch.set_num_threads(threads)
             got = fused(x)
         finally:
             torch.set_num_threads(before)
-    assert isinstance(got, qk.GroupQuantized) and got.lead_shape == (rows,) and got.dtype == BF16
+    assert isinstance(got, w4.GroupQuantized) and got.lead_shape == (rows,) and got.dtype == BF16
     assert all(torch.equal(a, b) for a, b in zip(got[:3], want))
     # it holds its rows in silu pair order, and gives the plain ones back
     assert all(torch.equal(a, b) for a, b in zip(fused.int4_weight(), (qw.qweight, qw.scales, qw.mins)))
@@ -357,7 +358,7 @@ def test_the_down_projection_takes_quantized_groups_on_either_path():
     qw = _weight(64, 96)
     down = mq.W4A8Linear(qw, torch.ones(64, dtype=BF16), BF16)
     x = _activations(5, 96)
-    groups = qk.GroupQuantized(*qk.quantize_groups_int8(x), (5,), BF16)
+    groups = w4.GroupQuantized(*w4.quantize_groups_int8(x), (5,), BF16)
     with torch.inference_mode():
         assert torch.equal(down(groups), down(x))  # the kernel, on the same quantized input
         down._kernel_ok = False

@@ -18,7 +18,7 @@ Modes (`engine.quantization`):
 - `w4a8`: int4 weights in groups of 32 (GGUF's Q4_0/Q4_1 blocks kept as they are) and int8
   activations quantized per group of 32 on the fly, an exact integer dot product per group, scaled
   and summed in float32 (llama.cpp's Q4_1 x Q8_1 scheme). The CPU throughput mode for int4: in bf16
-  on a CPU with AVX512-VNNI and AVX512-BF16 one native kernel (kernels/quant.py: w4a8_matmul_native), where `int4`
+  on a CPU with AVX512-VNNI and AVX512-BF16 one native kernel (kernels/w4a8.py: w4a8_matmul_native), where `int4`
   dequantizes into a bf16 GEMM. Per-group activation scales are what keep quality without
   SmoothQuant (which would move the weights off the Q4 grid): simulated on SmolLM2 (the reference
   being the dequantized Q4_1 model, teacher-forced) per-token int8 activations give 91.0% top-1
@@ -51,6 +51,7 @@ from torch import nn
 
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels import quant as qk
+from batchrun.kernels import w4a8 as w4
 
 log = logging.getLogger("batchrun.model.quant")
 
@@ -300,18 +301,18 @@ class W4A8Linear(QuantLinear):
     """int4 weights in groups of 32 (w = q * scale + min: GGUF's Q4_1 grid) and int8 activations
     quantized in groups of 32 on the fly, an exact integer dot product per group (llama.cpp's
     Q4_1 x Q8_1). For bf16 on a CPU with AVX512-VNNI and AVX512-BF16 the weight is held only in the native kernel's
-    nibble tiles (kernels/quant.py: w4a8_matmul_native); elsewhere the reference (w4a8_matmul,
+    nibble tiles (kernels/w4a8.py: w4a8_matmul_native); elsewhere the reference (w4a8_matmul,
     which dequantizes the weight on every call: slow, for checks and float32 models)."""
 
     def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None,
                  compute_dtype: Optional[torch.dtype] = None) -> None:
-        assert weight.format == "int4" and weight.group_size == qk.W4A8_GROUP, "W4A8 needs int4 in groups of 32"
+        assert weight.format == "int4" and weight.group_size == w4.W4A8_GROUP, "W4A8 needs int4 in groups of 32"
         super().__init__(weight.in_features, weight.out_features, bias)
-        self.format_key = f"w4a8/g{qk.W4A8_GROUP}"
+        self.format_key = f"w4a8/g{w4.W4A8_GROUP}"
         self.is_native = (weight.qweight.device.type == "cpu" and compute_dtype == torch.bfloat16
-                          and qk.w4a8_native_supported(weight.out_features, weight.in_features))
+                          and w4.w4a8_native_supported(weight.out_features, weight.in_features))
         if self.is_native:
-            packed, w_scales, w_mins = qk.pack_w4a8_weight(weight.qweight, weight.scales, weight.mins)
+            packed, w_scales, w_mins = w4.pack_w4a8_weight(weight.qweight, weight.scales, weight.mins)
             self.register_buffer("packed_qweight", packed)  # (N, K // 2) uint8 nibble tiles
             self.register_buffer("packed_scales", w_scales)  # (N, K // 32) float32, per tile
             self.register_buffer("packed_mins", w_mins)
@@ -339,28 +340,28 @@ class W4A8Linear(QuantLinear):
     def int4_weight(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(packed (N, K // 2), scales, mins (N, K // 32) float16): our canonical int4 layout."""
         if self.is_native:
-            return qk.unpack_w4a8_weight(self.packed_qweight, self.packed_scales, self.packed_mins)
+            return w4.unpack_w4a8_weight(self.packed_qweight, self.packed_scales, self.packed_mins)
         return self.qweight, self.scales, self.mins
 
     def _native_ok(self, x: torch.Tensor) -> bool:
         return (self.is_native and self._kernel_ok and x.dtype == torch.bfloat16 and not x.is_cuda
                 and x.stride(-1) == 1 and qk.cpu_native.enabled())
 
-    def forward(self, x: Union[torch.Tensor, qk.GroupQuantized]) -> torch.Tensor:
+    def forward(self, x: Union[torch.Tensor, w4.GroupQuantized]) -> torch.Tensor:
         """x: activations, or activations already quantized in groups (W4A8SiluMulLinear's output)."""
-        if isinstance(x, qk.GroupQuantized):
+        if isinstance(x, w4.GroupQuantized):
             native = self.is_native and self._kernel_ok and x.dtype == torch.bfloat16 and qk.cpu_native.enabled()
         else:
             native = self._native_ok(x)
         if native:
-            return qk.w4a8_matmul_native(x, self.packed_qweight, self.packed_scales, self.packed_mins, self._bias_f32)
+            return w4.w4a8_matmul_native(x, self.packed_qweight, self.packed_scales, self.packed_mins, self._bias_f32)
         qweight, scales, mins = self.int4_weight()
-        return qk.w4a8_matmul(x, qweight, scales, mins, self.bias)
+        return w4.w4a8_matmul(x, qweight, scales, mins, self.bias)
 
 
 class W4A8SiluMulLinear(W4A8Linear):
     """A silu MLP's W4A8 gate/up projection that returns silu(gate) * up already quantized in groups
-    of 32 for its down projection (kernels/quant.py: w4a8_silu_quant_native: one pass, bitwise the
+    of 32 for its down projection (kernels/w4a8.py: w4a8_silu_quant_native: one pass, bitwise the
     projection, the activation and the quantization done apart). Its rows are held in silu pair
     order (kernels/cpu_linear.py: silu_pair_order); `int4_weight()` gives the plain order back.
     Where the kernel cannot run (switched off, another dtype) it returns silu(gate) * up as a
@@ -374,7 +375,7 @@ class W4A8SiluMulLinear(W4A8Linear):
                                    weight.in_features)
         super().__init__(permuted, None if bias is None else bias[order], torch.bfloat16)
         assert self.is_native, "W4A8SiluMulLinear needs the native kernel"
-        self.format_key = f"w4a8/g{qk.W4A8_GROUP}"
+        self.format_key = f"w4a8/g{w4.W4A8_GROUP}"
         self.register_buffer("_plain_order", torch.argsort(order), persistent=False)
 
     def int4_weight(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -382,13 +383,13 @@ class W4A8SiluMulLinear(W4A8Linear):
         o = self._plain_order
         return qweight[o], scales[o], mins[o]
 
-    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, qk.GroupQuantized]:
+    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, w4.GroupQuantized]:
         if self._native_ok(x):
-            return qk.w4a8_silu_quant_native(x, self.packed_qweight, self.packed_scales, self.packed_mins,
+            return w4.w4a8_silu_quant_native(x, self.packed_qweight, self.packed_scales, self.packed_mins,
                                              self._bias_f32)
         qweight, scales, mins = self.int4_weight()
         bias = None if self.bias is None else self.bias[self._plain_order]
-        return ew.act_mul(qk.w4a8_matmul(x, qweight, scales, mins, bias), "silu")
+        return ew.act_mul(w4.w4a8_matmul(x, qweight, scales, mins, bias), "silu")
 
 
 def fuse_w4a8_mlps(model: nn.Module) -> int:
@@ -399,7 +400,7 @@ def fuse_w4a8_mlps(model: nn.Module) -> int:
         gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
         if (getattr(mlp, "activation", None) in ("silu", "swish") and hasattr(mlp, "fused_act")
                 and type(gate_up) is W4A8Linear and type(down) is W4A8Linear and gate_up.is_native and down.is_native
-                and gate_up.out_features == 2 * down.in_features and down.in_features % qk.W4A8_GROUP == 0):
+                and gate_up.out_features == 2 * down.in_features and down.in_features % w4.W4A8_GROUP == 0):
             qweight, scales, mins = gate_up.int4_weight()
             weight = QuantizedWeight("int4", qweight, scales, mins, gate_up.in_features)
             mlp.gate_up_proj, mlp.fused_act = W4A8SiluMulLinear(weight, gate_up.bias), True
@@ -448,7 +449,7 @@ class QuantEmbedding(nn.Module):
 def make_linear(weight: QuantizedWeight, mode: str, bias: Optional[torch.Tensor], compute_dtype: torch.dtype,
                 outliers: Optional[qk.OutlierChannels] = None) -> QuantLinear:
     if weight.format == "int4":
-        if mode == "w4a8" and weight.group_size == qk.W4A8_GROUP:
+        if mode == "w4a8" and weight.group_size == w4.W4A8_GROUP:
             return W4A8Linear(weight, bias, compute_dtype)
         return Int4Linear(weight, bias, compute_dtype)
     if weight.format == "fp8":
@@ -653,7 +654,7 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32, include_em
     for name, linear in _projections(model):
         dtype = linear.weight.dtype
         qw = _fused_gguf_weight(name, prequantized) if mode in ("gguf", "w4a8") else None
-        if mode == "w4a8" and qw is not None and (qw.format != "int4" or qw.group_size != qk.W4A8_GROUP):
+        if mode == "w4a8" and qw is not None and (qw.format != "int4" or qw.group_size != w4.W4A8_GROUP):
             qw = None  # only Q4_0/Q4_1 blocks are W4A8's weight as they are; anything else from float
         from_gguf = qw is not None
         outliers = None
@@ -663,10 +664,10 @@ def quantize_model(model: nn.Module, mode: str, group_size: int = 32, include_em
                 weight, outliers = split_outlier_channels(weight, smoothed[name], outlier_channels)
             # W8A8's single integer GEMM needs per-channel weight scales; fp8 is per channel.
             grouped = mode in ("int8", "int4", "gguf")
-            qw = quantize_weight(weight, fmt, qk.W4A8_GROUP if mode == "w4a8" else group_size if grouped else None)
-            if mode == "w4a8" and qw.group_size != qk.W4A8_GROUP:
+            qw = quantize_weight(weight, fmt, w4.W4A8_GROUP if mode == "w4a8" else group_size if grouped else None)
+            if mode == "w4a8" and qw.group_size != w4.W4A8_GROUP:
                 summary.notes.append(f"{name}: int4 weight-only in groups of {qw.group_size} ({linear.in_features} "
-                                     f"is not a multiple of W4A8's group of {qk.W4A8_GROUP})")
+                                     f"is not a multiple of W4A8's group of {w4.W4A8_GROUP})")
             if grouped and qw.group_size != group_size:
                 summary.notes.append(f"{name}: group size {qw.group_size} ({linear.in_features} "
                                      f"is not a multiple of {group_size})")

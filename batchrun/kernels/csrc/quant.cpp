@@ -44,7 +44,7 @@ inline float element(const T* __restrict xr, const uint8_t* __restrict skip, int
 template <bool BF16, bool SKIP, typename T>
 void quantize_rows(const T* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* skip, int8_t* q, float* scales,
                    const int64_t* gather_idx, int64_t n_gather, T* gathered, int num_threads) {
-    const float min_scale = 1e-10f;  // kernels/quant.py: _MIN_SCALE
+    const float min_scale = 1e-10f;  // kernels/quant.py: MIN_SCALE
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k > 65536)
     for (int64_t r = 0; r < m; ++r) {
         const T* __restrict xr = x + r * x_stride;
@@ -135,7 +135,7 @@ int batchrun_w8a8_epilogue(const void* acc, int64_t m, int64_t n, const void* w_
 int batchrun_quantize_groups_int8(const void* x, int x_bf16, int64_t m, int64_t k, int64_t x_stride, int64_t group,
                                   void* q, void* scales, void* sums, int num_threads) {
     if (group <= 0 || group > 512 || k % group != 0) return -2;
-    const float min_scale = 1e-10f;  // kernels/quant.py: _MIN_SCALE
+    const float min_scale = 1e-10f;  // kernels/quant.py: MIN_SCALE
     const int64_t groups = k / group;
 #if defined(__AVX512F__)
     if (group == 32) {  // W4A8's group: two vectors, the same arithmetic (div, round half to even)

@@ -96,7 +96,7 @@ inline void quantize_group32(__m512 a, __m512 b, int8_t* q, float* scale_out, fl
         return;
     }
     float scale = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b))) / 127.0f;
-    scale = scale < 1e-10f ? 1e-10f : scale;  // kernels/quant.py: _MIN_SCALE
+    scale = scale < 1e-10f ? 1e-10f : scale;  // kernels/quant.py: MIN_SCALE
     if (std::isinf(scale)) {  // an infinite value: torch gives q = 0 (inf / inf is NaN, the rest 0) and sum 0 * inf
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_setzero_si256());
         *scale_out = scale;

@@ -170,6 +170,17 @@ def test_native_w4a8_over_many_groups(k):
 
 
 @needs_native_w4a8
+def test_the_native_kernels_read_rows_with_a_stride():
+    # The kernels quantize bf16 rows themselves, reading them `ldx` apart (here 160 for 96 features).
+    plain, fused = mq.W4A8Linear(_weight(64, 96), None, BF16), mq.W4A8SiluMulLinear(_weight(128, 96), None)
+    x = _activations(20, 160)[:, :96]
+    assert x.stride() == (160, 1)
+    with torch.inference_mode():
+        assert torch.equal(plain(x), plain(x.contiguous()))
+        assert all(torch.equal(a, b) for a, b in zip(fused(x)[:3], fused(x.contiguous())[:3]))
+
+
+@needs_native_w4a8
 def test_native_w4a8_gives_nan_for_a_row_with_a_nan():
     layer = mq.W4A8Linear(_weight(64, 96), None, BF16)
     x = _activations(3, 96)

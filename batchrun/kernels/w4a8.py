@@ -20,11 +20,12 @@ from batchrun.kernels.quant import INT8_MAX, MIN_SCALE, dequantize_int4, native_
 
 W4A8_GROUP = 32
 # Measured on SmolLM2's 120 projections (2 cores, csrc/linear.cpp: w4a8_micro, activation
-# quantization included): 3.6 / 10.1 / 93 ms at 1 / 32 / 512 rows, against 5.6 / 10.3 / 127 for the
-# bf16 kernel and 4.1 / 7.3 / 70 for W8A8 without float channels. Per group of 32 the kernel pays
+# quantization included): 2.6 / 7.4 / 89 ms at 1 / 32 / 512 rows, against 5.7 / 9.6 / 120 for the
+# bf16 kernel and 4.0 / 7.0 / 66 for W8A8 without float channels. Per group of 32 the kernel pays
 # a conversion, a multiply and two FMAs per accumulator on top of 8 vpdpbusd (dropping the min
-# term's FMA alone measured 1.46x bf16 at 512 rows), and the group quantization pass costs about
-# twice the per-token one (it was 9x as a scalar loop; now AVX-512, still bitwise the torch code).
+# term's FMA alone measured 1.46x bf16 at 512 rows). Quantizing the activations inside the kernel
+# call rather than in a pass of its own took 3.6 -> 2.6 ms at 1 row and 10.1 -> 7.4 at 32: the
+# pass's own work is small there, its call and three tensors were not.
 
 
 def quantize_groups_int8(x: torch.Tensor, group: int = W4A8_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -124,31 +125,39 @@ class GroupQuantized(NamedTuple):
         return (self.q.float().reshape(m, k // W4A8_GROUP, W4A8_GROUP) * self.scales[..., None]).reshape(m, k)
 
 
+def _kernel_input(x: Union[torch.Tensor, GroupQuantized], k: int) -> tuple[tuple, int, tuple[int, ...]]:
+    """The kernels' activation arguments (xq, ldq, x_scales, x_sums, x, ldx), the row count and the
+    leading shape: quantized groups as they are, or bf16 rows that the kernel quantizes itself (one
+    call instead of two, no intermediate tensors: what a decode step's small projections need)."""
+    if isinstance(x, GroupQuantized):
+        if x.q.shape[1] != k:  # the kernel takes K from the weight: a wrong width would read past x
+            raise ValueError(f"input has {x.q.shape[1]} features, the weight {k}")
+        return ((x.q.data_ptr(), x.q.stride(0), x.scales.data_ptr(), x.sums.data_ptr(), None, 0), x.q.shape[0],
+                x.lead_shape)
+    if x.shape[-1] != k:
+        raise ValueError(f"input has {x.shape[-1]} features, the weight {k}")
+    x2 = x.reshape(-1, k)
+    assert x2.dtype == torch.bfloat16 and x2.stride(1) == 1, "the native W4A8 kernels read bf16 rows"
+    return (None, 0, None, None, x2.data_ptr(), x2.stride(0)), x2.shape[0], tuple(x.shape[:-1])
+
+
 def w4a8_matmul_native(x: Union[torch.Tensor, GroupQuantized], packed: torch.Tensor, w_scales: torch.Tensor,
                        w_mins: torch.Tensor, bias_f32: Optional[torch.Tensor]) -> torch.Tensor:
-    """w4a8_matmul for a bf16 CPU x (or x already quantized) through the native kernel
-    (pack_w4a8_weight's tensors; bias float32 or None): the same integer group sums, scaled and
-    summed in float32 in registers, one rounding to bf16."""
+    """w4a8_matmul for a bf16 CPU x (quantized by the kernel, as quantize_groups_int8 does it) or x
+    already quantized, through the native kernel (pack_w4a8_weight's tensors; bias float32 or
+    None): the same integer group sums, scaled and summed in float32 in registers, one rounding to
+    bf16."""
     k = packed.shape[1] * 2
-    if isinstance(x, GroupQuantized):
-        shape = (*x.lead_shape, x.q.shape[1])
-        xq, xs, xsum = x.q, x.scales, x.sums
-    else:
-        shape = x.shape
-        if shape[-1] == k:
-            xq, xs, xsum = quantize_groups_int8(x.reshape(-1, k), W4A8_GROUP)
-    if shape[-1] != k:  # the kernel takes K from the input: a wrong width would read past W
-        raise ValueError(f"input has {shape[-1]} features, the weight {k}")
-    m, n = xq.shape[0], packed.shape[0]
+    (xq, ldq, xs, xsum, xb, ldx), m, lead_shape = _kernel_input(x, k)
+    n = packed.shape[0]
     y = torch.empty((m, n), dtype=torch.bfloat16)
     if m:
         rc = cpu_native.library().batchrun_w4a8_linear(
-            xq.data_ptr(), m, k, xq.stride(0), xs.data_ptr(), xsum.data_ptr(), packed.data_ptr(), w_scales.data_ptr(),
-            w_mins.data_ptr(), n, None if bias_f32 is None else bias_f32.data_ptr(), y.data_ptr(), n,
-            torch.get_num_threads())
+            xq, m, k, ldq, xs, xsum, xb, ldx, packed.data_ptr(), w_scales.data_ptr(), w_mins.data_ptr(), n,
+            None if bias_f32 is None else bias_f32.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"batchrun_w4a8_linear failed ({rc}) for weight {tuple(packed.shape)}")
-    return y.reshape(*shape[:-1], n)
+    return y.reshape(*lead_shape, n)
 
 
 def w4a8_silu_quant_native(x: torch.Tensor, packed: torch.Tensor, w_scales: torch.Tensor, w_mins: torch.Tensor,
@@ -159,18 +168,16 @@ def w4a8_silu_quant_native(x: torch.Tensor, packed: torch.Tensor, w_scales: torc
     (kernels/cpu_linear.py: silu_pair_order). Bitwise: the projection, batchrun_silu_mul_bf16's
     product and quantize_groups_int8."""
     k = packed.shape[1] * 2
-    if x.shape[-1] != k:
-        raise ValueError(f"input has {x.shape[-1]} features, the weight {k}")
-    xq, xs, xsum = quantize_groups_int8(x.reshape(-1, k), W4A8_GROUP)
-    m, n = xq.shape[0], packed.shape[0] // 2
+    (xq, ldq, xs, xsum, xb, ldx), m, lead_shape = _kernel_input(x, k)
+    n = packed.shape[0] // 2
     q = torch.empty((m, n), dtype=torch.int8)
     scales = torch.empty((m, n // W4A8_GROUP), dtype=torch.float32)
     sums = torch.empty((m, n // W4A8_GROUP), dtype=torch.float32)
     if m:
         rc = cpu_native.library().batchrun_w4a8_silu_quant(
-            xq.data_ptr(), m, k, xq.stride(0), xs.data_ptr(), xsum.data_ptr(), packed.data_ptr(), w_scales.data_ptr(),
-            w_mins.data_ptr(), n, None if bias_f32 is None else bias_f32.data_ptr(), q.data_ptr(), scales.data_ptr(),
-            sums.data_ptr(), torch.get_num_threads())
+            xq, m, k, ldq, xs, xsum, xb, ldx, packed.data_ptr(), w_scales.data_ptr(), w_mins.data_ptr(), n,
+            None if bias_f32 is None else bias_f32.data_ptr(), q.data_ptr(), scales.data_ptr(), sums.data_ptr(),
+            torch.get_num_threads())
         if rc != 0:
             raise RuntimeError(f"batchrun_w4a8_silu_quant failed ({rc}) for weight {tuple(packed.shape)}")
-    return GroupQuantized(q, scales, sums, tuple(x.shape[:-1]), x.dtype)
+    return GroupQuantized(q, scales, sums, lead_shape, x.dtype)

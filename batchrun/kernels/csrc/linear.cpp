@@ -20,6 +20,7 @@
 // Plain C ABI (ctypes), OpenMP from torch's libgomp, like the other kernels here.
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -329,6 +330,46 @@ void w4a8_silu_quant_pair(const int8_t* xq, int64_t ldq, const float* xs, const 
     });
 }
 
+// The W4A8 kernels' activations: either quantized by the caller (xq, scales, sums), or bf16 rows
+// quantized here in groups of 32 (quantize_group32, bitwise kernels/w4a8.py: quantize_groups_int8)
+// by `quantize()`, which every thread of the kernel's parallel region calls first (its omp for
+// ends in a barrier). The second saves a decode step's per-projection pass and its allocations.
+struct W4A8Input {
+    const int8_t* xq;
+    const float* scales;
+    const float* sums;
+    int64_t ldq;
+    const uint16_t* x = nullptr;  // bf16 rows to quantize, or null
+    int64_t ldx = 0, m = 0, k = 0;
+    std::unique_ptr<int8_t[]> q_buf;
+    std::unique_ptr<float[]> s_buf, m_buf;
+
+    W4A8Input(const void* xq_, const float* scales_, const float* sums_, int64_t ldq_, const void* x_, int64_t ldx_,
+              int64_t m_, int64_t k_)
+        : xq(static_cast<const int8_t*>(xq_)), scales(scales_), sums(sums_), ldq(ldq_),
+          x(static_cast<const uint16_t*>(x_)), ldx(ldx_), m(m_), k(k_) {
+        if (!x) return;
+        const int64_t groups = k / W4_GROUP;
+        q_buf.reset(new int8_t[static_cast<size_t>(m * k)]);
+        s_buf.reset(new float[static_cast<size_t>(m * groups)]);
+        m_buf.reset(new float[static_cast<size_t>(m * groups)]);
+        xq = q_buf.get(), scales = s_buf.get(), sums = m_buf.get(), ldq = k;
+    }
+
+    void quantize() {
+        if (!x) return;
+        const int64_t groups = k / W4_GROUP;
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < m; ++r)
+            for (int64_t g = 0; g < groups; ++g) {
+                const uint16_t* xr = x + r * ldx + g * W4_GROUP;
+                batchrun::quantize_group32(batchrun::load_bf16x16(xr), batchrun::load_bf16x16(xr + 16),
+                                           q_buf.get() + r * k + g * W4_GROUP, s_buf.get() + r * groups + g,
+                                           m_buf.get() + r * groups + g);
+            }
+    }
+};
+
 #endif  // __AVX512VNNI__
 
 #endif  // BATCHRUN_LINEAR_BF16
@@ -472,18 +513,21 @@ int batchrun_w4a8_linear_supported(int64_t n, int64_t k) {
 }
 
 // y (M, N) bf16 = W4A8 (see w4a8_micro) + bias, where xq: (M, K) int8 (row stride ldq), x_scales
-// and x_sums: (M, K / 32) float32 contiguous (a group's scale, and scale * sum of its xq), packed:
+// and x_sums: (M, K / 32) float32 contiguous (a group's scale, and scale * sum of its xq), or, with
+// x (M, K) bf16 (row stride ldx) non-null, x quantized here in their place (see W4A8Input), packed:
 // the nibble tiles, w_scales and w_mins: float32 [N / 32][K / 32][32], bias: (N,) float32 or null.
 int batchrun_w4a8_linear(const void* xq, int64_t m, int64_t k, int64_t ldq, const float* x_scales,
-                         const float* x_sums, const void* packed, const float* w_scales, const float* w_mins,
-                         int64_t n, const float* bias, void* y, int64_t ldy, int num_threads) {
+                         const float* x_sums, const void* x, int64_t ldx, const void* packed, const float* w_scales,
+                         const float* w_mins, int64_t n, const float* bias, void* y, int64_t ldy, int num_threads) {
     if (!batchrun_w4a8_linear_supported(n, k)) return -2;
 #if defined(BATCHRUN_W8A8)
     const int64_t groups = k / W4_GROUP, tiles = n / TILE_N, tile_bytes = k / 4 * 64;
-    const auto* xqp = static_cast<const int8_t*>(xq);
+    W4A8Input in(xq, x_scales, x_sums, ldq, x, ldx, m, k);
+    const int8_t* xqp = in.xq;
+    ldq = in.ldq, x_scales = in.scales, x_sums = in.sums;
     auto* yp = static_cast<uint16_t*>(y);
     const auto* wp = static_cast<const char*>(packed);
-    for_each_tile_block(m, tiles, tile_bytes, wp, num_threads, [] {},
+    for_each_tile_block(m, tiles, tile_bytes, wp, num_threads, [&] { in.quantize(); },
                         [&](int64_t t, int64_t r0, int64_t rows, const char* pf) {
         for (int64_t h = 0; h < rows; h += W4_MR) {
             const int64_t r = r0 + h;
@@ -500,8 +544,8 @@ int batchrun_w4a8_linear(const void* xq, int64_t m, int64_t k, int64_t ldq, cons
     });
     return 0;
 #else
-    (void)xq, (void)m, (void)ldq, (void)x_scales, (void)x_sums, (void)packed, (void)w_scales, (void)w_mins;
-    (void)bias, (void)y, (void)ldy, (void)num_threads;
+    (void)xq, (void)m, (void)ldq, (void)x_scales, (void)x_sums, (void)x, (void)ldx, (void)packed, (void)w_scales;
+    (void)w_mins, (void)bias, (void)y, (void)ldy, (void)num_threads;
     return -2;
 #endif
 }
@@ -511,18 +555,21 @@ int batchrun_w4a8_linear(const void* xq, int64_t m, int64_t k, int64_t ldq, cons
 // float32 or null, in the same order); out: q (M, N) int8 contiguous, q_scales and q_sums
 // (M, N / 32) float32 contiguous, the down projection's quantized input.
 int batchrun_w4a8_silu_quant(const void* xq, int64_t m, int64_t k, int64_t ldq, const float* x_scales,
-                             const float* x_sums, const void* packed, const float* w_scales, const float* w_mins,
-                             int64_t n, const float* bias, void* q, void* q_scales, void* q_sums, int num_threads) {
+                             const float* x_sums, const void* x, int64_t ldx, const void* packed,
+                             const float* w_scales, const float* w_mins, int64_t n, const float* bias, void* q,
+                             void* q_scales, void* q_sums, int num_threads) {
     if (!batchrun_w4a8_linear_supported(2 * n, k) || n % TILE_N != 0) return -2;
 #if defined(BATCHRUN_W8A8)
     const int64_t groups = k / W4_GROUP, pairs = n / TILE_N, pair_bytes = 2 * (k / 4 * 64);
     const int64_t out_groups = n / W4_GROUP;
-    const auto* xqp = static_cast<const int8_t*>(xq);
+    W4A8Input in(xq, x_scales, x_sums, ldq, x, ldx, m, k);
+    const int8_t* xqp = in.xq;
+    ldq = in.ldq, x_scales = in.scales, x_sums = in.sums;
     const auto* wp = static_cast<const char*>(packed);
     auto* qp = static_cast<int8_t*>(q);
     auto* qs = static_cast<float*>(q_scales);
     auto* qm = static_cast<float*>(q_sums);
-    for_each_tile_block(m, pairs, pair_bytes, wp, num_threads, [] {},
+    for_each_tile_block(m, pairs, pair_bytes, wp, num_threads, [&] { in.quantize(); },
                         [&](int64_t t, int64_t r0, int64_t rows, const char* pf) {
         for (int64_t h = 0; h < rows; h += W4_MR) {
             const int64_t r = r0 + h;
@@ -537,8 +584,8 @@ int batchrun_w4a8_silu_quant(const void* xq, int64_t m, int64_t k, int64_t ldq, 
     });
     return 0;
 #else
-    (void)xq, (void)m, (void)ldq, (void)x_scales, (void)x_sums, (void)packed, (void)w_scales, (void)w_mins;
-    (void)bias, (void)q, (void)q_scales, (void)q_sums, (void)num_threads;
+    (void)xq, (void)m, (void)ldq, (void)x_scales, (void)x_sums, (void)x, (void)ldx, (void)packed, (void)w_scales;
+    (void)w_mins, (void)bias, (void)q, (void)q_scales, (void)q_sums, (void)num_threads;
     return -2;
 #endif
 }

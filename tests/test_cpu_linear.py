@@ -329,6 +329,25 @@ def test_native_w8a8_is_one_rounding_of_its_exact_value(rows, bias):
 
 
 @needs_native_w8a8
+def test_native_w8a8_quantizes_its_input_as_the_standalone_pass_does():
+    # The kernel quantizes bf16 rows itself (reading them ldx apart, gathering the float channels);
+    # with an index it cannot read as it is, the standalone pass quantizes first. Bitwise the same.
+    from batchrun.kernels import quant as qk
+
+    layer, qw, outliers, _ = _w8a8_layer(64, 96, 8, True, native=True)
+    x = _activations(30, 160)[:, :96]  # rows 160 apart
+    odd_index = outliers.index.repeat_interleave(2)[::2]
+    assert not odd_index.is_contiguous()
+    with torch.inference_mode():
+        self_quantized = layer(x)
+        assert torch.equal(self_quantized, layer(x.contiguous()))
+        pre_quantized = qk.w8a8_matmul_native(x, layer.packed_qweight, layer._scales_f32, layer._bias_f32,
+                                              qk.OutlierChannels(odd_index, outliers.skip, layer.outliers.weight_t),
+                                              layer.packed_outlier_weight)
+    assert torch.equal(self_quantized, pre_quantized)
+
+
+@needs_native_w8a8
 def test_native_w8a8_falls_back_to_the_torch_path_when_the_kernels_are_off(monkeypatch):
     from batchrun.kernels import quant as qk
 

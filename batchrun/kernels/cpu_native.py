@@ -62,7 +62,7 @@ _SIGNATURES = {
     "batchrun_linear_bf16": "ptr i64 i64 i64 ptr i64 ptr ptr i64 i32",
     "batchrun_linear_silu_mul_bf16": "ptr i64 i64 i64 ptr i64 ptr ptr i64 i32",
     "batchrun_w8a8_linear_supported": "i64 i64 i64",
-    "batchrun_w8a8_linear": "ptr i64 i64 i64 ptr ptr ptr i64 ptr i64 i64 ptr ptr ptr i64 i32",
+    "batchrun_w8a8_linear": "ptr i64 i64 i64 ptr ptr i64 ptr ptr ptr ptr i64 ptr i64 i64 ptr ptr ptr i64 i32",
     "batchrun_quantize_groups_int8": "ptr i32 i64 i64 i64 i64 ptr ptr ptr i32",
     "batchrun_w4a8_linear_supported": "i64 i64",
     "batchrun_w4a8_linear": "ptr i64 i64 i64 ptr ptr ptr i64 ptr ptr ptr i64 ptr ptr i64 i32",

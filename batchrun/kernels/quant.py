@@ -226,30 +226,38 @@ def w8a8_matmul_native(x: torch.Tensor, packed: torch.Tensor, w_scales: torch.Te
                        outliers: Optional[OutlierChannels], packed_outliers: Optional[torch.Tensor]) -> torch.Tensor:
     """w8a8_matmul for a bf16 CPU x through the native kernel. `packed`: pack_w8a8_weight's tiles;
     `w_scales`: (N,) float32; `packed_outliers`: the float channels' weight (N, num_outliers) in
-    kernels/cpu_linear.py's bf16 tiles (with `outliers`). The per-token quantization is the same
-    native pass as w8a8_matmul's, so the int32 sums are identical; the float channels are added
-    before the single rounding instead of after one (more exact)."""
+    kernels/cpu_linear.py's bf16 tiles (with `outliers`). The per-token quantization is the code of
+    w8a8_matmul's native pass (csrc/quant_rows.h), run by the kernel itself where it can read x, so
+    the int32 sums are identical; the float channels are added before the single rounding instead
+    of after one (more exact)."""
     shape = x.shape
     if shape[-1] != packed.shape[1]:  # the kernel takes K from the input: a wrong width would read past W
         raise ValueError(f"input has {shape[-1]} features, the weight {packed.shape[1]}")
     x2 = x.reshape(-1, shape[-1])
-    if outliers is None:
-        xq, sx = quantize_per_token_int8(x2)
-        xo = None
-    else:
-        xq, sx, xo = quantize_with_outliers(x2, outliers)
-    m, k = xq.shape
+    m, k = x2.shape
     n = packed.shape[0]
     y = torch.empty((m, n), dtype=torch.bfloat16)
-    if m:
+    if not m:
+        return y.reshape(*shape[:-1], n)
+    num_float = 0 if outliers is None else outliers.index.numel()
+    # The kernel quantizes x itself where it can read x as it is (one call instead of two: what a
+    # decode step's small projections need); a contiguous bool mask is read as its bytes (0/1).
+    self_quantized = x2.dtype == torch.bfloat16 and x2.stride(1) == 1 and (outliers is None or (
+        outliers.index.dtype == torch.int64 and outliers.index.is_contiguous() and outliers.skip.is_contiguous()))
+    xq = sx = xo = None
+    if not self_quantized:
+        xq, sx, xo = quantize_with_outliers(x2, outliers) if outliers is not None else (*quantize_per_token_int8(x2), None)
         sx = sx.reshape(-1).contiguous()
-        rc = cpu_native.library().batchrun_w8a8_linear(
-            xq.data_ptr(), m, k, xq.stride(0), sx.data_ptr(), packed.data_ptr(), w_scales.data_ptr(), n,
-            None if xo is None else xo.data_ptr(), 0 if xo is None else xo.shape[1], 0 if xo is None else xo.stride(0),
-            None if packed_outliers is None else packed_outliers.data_ptr(),
-            None if bias_f32 is None else bias_f32.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"batchrun_w8a8_linear failed ({rc}) for weight {tuple(packed.shape)}")
+    rc = cpu_native.library().batchrun_w8a8_linear(
+        None if xq is None else xq.data_ptr(), m, k, 0 if xq is None else xq.stride(0),
+        None if sx is None else sx.data_ptr(), x2.data_ptr() if self_quantized else None, x2.stride(0),
+        outliers.skip.data_ptr() if self_quantized and outliers is not None else None,
+        outliers.index.data_ptr() if self_quantized and outliers is not None else None,
+        packed.data_ptr(), w_scales.data_ptr(), n, None if xo is None else xo.data_ptr(), num_float,
+        0 if xo is None else xo.stride(0), None if packed_outliers is None else packed_outliers.data_ptr(),
+        None if bias_f32 is None else bias_f32.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"batchrun_w8a8_linear failed ({rc}) for weight {tuple(packed.shape)}")
     return y.reshape(*shape[:-1], n)
 
 

@@ -24,6 +24,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "quant_rows.h"
 #include "vec_math.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -458,8 +459,12 @@ int batchrun_w8a8_linear_supported(int64_t n, int64_t k, int64_t n_out) {
 // xq: (M, K) int8 (row stride ldq), x_scales: (M,) float32, packed: Wq + 128 as uint8 tiles
 // [N / 32][K / 4][32][4] (the unsigned operand of vpdpbusd), w_scales: (N,) float32,
 // xo: (M, n_out) bf16 (row stride ldo) the float channels' activations, or null with n_out = 0,
-// packed_out: Wo (N, n_out) in batchrun_linear_bf16's tiles, bias: (N,) float32 or null.
-int batchrun_w8a8_linear(const void* xq, int64_t m, int64_t k, int64_t ldq, const float* x_scales, const void* packed,
+// packed_out: Wo (N, n_out) in batchrun_linear_bf16's tiles, bias: (N,) float32 or null. Or, with
+// x (M, K) bf16 (row stride ldx) non-null, xq, x_scales and xo are made here from x as
+// batchrun_quantize_per_token_int8 makes them (skip: (K,) uint8 or null, the float channels' mask;
+// gather_idx: their n_out int64 column indices), and the xq, x_scales, xo arguments are ignored.
+int batchrun_w8a8_linear(const void* xq, int64_t m, int64_t k, int64_t ldq, const float* x_scales, const void* x,
+                         int64_t ldx, const void* skip, const void* gather_idx, const void* packed,
                          const float* w_scales, int64_t n, const void* xo, int64_t n_out,
                          int64_t ldo, const void* packed_out, const float* bias, void* y, int64_t ldy,
                          int num_threads) {
@@ -467,8 +472,22 @@ int batchrun_w8a8_linear(const void* xq, int64_t m, int64_t k, int64_t ldq, cons
 #if defined(BATCHRUN_W8A8)
     const int64_t kq_count = k / 4, op_count = n_out / 2, tiles = n / TILE_N;
     const int64_t tile_bytes = kq_count * TILE_N * 4, otile_bytes = op_count * TILE_N * 4;
+    // With x (bf16 rows, ldx apart) the kernel quantizes it itself (quant_rows.h, bitwise the
+    // standalone pass), and gathers the float channels, in its prologue.
+    std::unique_ptr<int8_t[]> q_buf;
+    std::unique_ptr<float[]> s_buf;
+    std::unique_ptr<uint16_t[]> o_buf;
+    if (x) {
+        q_buf.reset(new int8_t[static_cast<size_t>(m * k)]);
+        s_buf.reset(new float[static_cast<size_t>(m)]);
+        if (n_out) o_buf.reset(new uint16_t[static_cast<size_t>(m * n_out)]);
+        xq = q_buf.get(), ldq = k, x_scales = s_buf.get(), xo = o_buf.get(), ldo = n_out;
+    }
     const auto* xqp = static_cast<const int8_t*>(xq);
     const auto* xop = static_cast<const uint16_t*>(xo);
+    const auto* xb = static_cast<const uint16_t*>(x);
+    const auto* sk = static_cast<const uint8_t*>(skip);
+    const auto* gi = static_cast<const int64_t*>(gather_idx);
     auto* yp = static_cast<uint16_t*>(y);
     const auto* wp = static_cast<const char*>(packed);
     const auto* op = static_cast<const char*>(packed_out);
@@ -476,6 +495,15 @@ int batchrun_w8a8_linear(const void* xq, int64_t m, int64_t k, int64_t ldq, cons
     const auto row_sums = [&] {
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < m; ++r) {
+            if (xb) {
+                int8_t* qr = q_buf.get() + r * k;
+                uint16_t* orow = n_out ? o_buf.get() + r * n_out : nullptr;
+                rowsum128[r] = 128 * (sk ? batchrun::quantize_row<true, true>(xb + r * ldx, k, sk, qr, s_buf.get() + r,
+                                                                              gi, n_out, orow)
+                                         : batchrun::quantize_row<true, false>(xb + r * ldx, k, sk, qr,
+                                                                               s_buf.get() + r, gi, n_out, orow));
+                continue;
+            }
             const int8_t* xr = xqp + r * ldq;
             int32_t sum = 0;
 #pragma omp simd reduction(+ : sum)
@@ -495,8 +523,8 @@ int batchrun_w8a8_linear(const void* xq, int64_t m, int64_t k, int64_t ldq, cons
     });
     return 0;
 #else
-    (void)xq, (void)m, (void)ldq, (void)x_scales, (void)packed, (void)w_scales, (void)xo, (void)ldo;
-    (void)packed_out, (void)bias, (void)y, (void)ldy, (void)num_threads;
+    (void)xq, (void)m, (void)ldq, (void)x_scales, (void)x, (void)ldx, (void)skip, (void)gather_idx, (void)packed;
+    (void)w_scales, (void)xo, (void)ldo, (void)packed_out, (void)bias, (void)y, (void)ldy, (void)num_threads;
     return -2;
 #endif
 }

@@ -11,59 +11,22 @@
 #include <cstring>
 
 #include "bf16.h"
+#include "quant_rows.h"
 #include "vec_math.h"
 
 namespace {
 
 using batchrun::bf16_to_f32;
 using batchrun::f32_to_bf16;
-
-// Round to nearest, ties to even, for |v| < 2^22 (here |v| <= 127): adding and subtracting
-// 1.5 * 2^23 leaves the rounded value in the default rounding mode. Inlined and vectorized, where
-// std::nearbyint is a library call per element.
-inline float round_half_even(float v) {
-    const float magic = 12582912.0f;  // the flags never include -ffast-math, which would fold this away
-    return (v + magic) - magic;
-}
-
-template <bool BF16, typename T>
-inline float widen(T v) {
-    if constexpr (BF16) return bf16_to_f32(v);
-    else return v;
-}
-
-// Element i of a row as float32; with SKIP, 0 where skip[i] != 0 (like the torch path's
-// masked_fill(skip, 0)), selected branch-free so the loops below still vectorize.
-template <bool BF16, bool SKIP, typename T>
-inline float element(const T* __restrict xr, const uint8_t* __restrict skip, int64_t i) {
-    const float v = widen<BF16>(xr[i]);
-    if constexpr (SKIP) return skip[i] ? 0.f : v;
-    else return v;
-}
+using batchrun::round_half_even;
 
 template <bool BF16, bool SKIP, typename T>
 void quantize_rows(const T* x, int64_t m, int64_t k, int64_t x_stride, const uint8_t* skip, int8_t* q, float* scales,
                    const int64_t* gather_idx, int64_t n_gather, T* gathered, int num_threads) {
-    const float min_scale = 1e-10f;  // kernels/quant.py: MIN_SCALE
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (m * k > 65536)
-    for (int64_t r = 0; r < m; ++r) {
-        const T* __restrict xr = x + r * x_stride;
-        float amax = 0.f;
-#pragma omp simd reduction(max : amax)
-        for (int64_t i = 0; i < k; ++i) {
-            const float a = std::fabs(element<BF16, SKIP>(xr, skip, i));
-            amax = a > amax ? a : amax;
-        }
-        float scale = amax / 127.0f;
-        scale = scale < min_scale ? min_scale : scale;
-        scales[r] = scale;
-        int8_t* __restrict qr = q + r * k;
-#pragma omp simd
-        for (int64_t i = 0; i < k; ++i)
-            qr[i] = static_cast<int8_t>(static_cast<int32_t>(round_half_even(element<BF16, SKIP>(xr, skip, i) / scale)));
-        // The float channels' values, copied out while the row is in cache (torch: an index_select pass).
-        for (int64_t j = 0; j < n_gather; ++j) gathered[r * n_gather + j] = xr[gather_idx[j]];
-    }
+    for (int64_t r = 0; r < m; ++r)
+        batchrun::quantize_row<BF16, SKIP>(x + r * x_stride, k, skip, q + r * k, scales + r, gather_idx, n_gather,
+                                           gathered + r * n_gather);
 }
 
 }  // namespace

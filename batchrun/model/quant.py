@@ -13,7 +13,7 @@ Modes (`engine.quantization`):
   projection whose range is still largest stay in float (`split_outlier_channels`). In bf16 on a
   CPU with AVX512-VNNI and AVX512-BF16 one native kernel does it all (kernels/quant.py: w8a8_matmul_native).
   Measured on SmolLM2 with 2 cores: 64 float channels (the default) 97.9% top-1 agreement at
-  1.15-1.22x bf16's summarize tokens/s; none 94.7% at 1.28-1.36x.
+  1.21x bf16's summarize tokens/s; none 94.7% at 1.26x (python -m batchrun.bench.quant).
 - `int4`: weight-only asymmetric int4 in groups along K (`group_size`), packed two per byte.
 - `w4a8`: int4 weights in groups of 32 (GGUF's Q4_0/Q4_1 blocks kept as they are) and int8
   activations quantized per group of 32 on the fly, an exact integer dot product per group, scaled

@@ -338,9 +338,16 @@ def test_native_w8a8_quantizes_its_input_as_the_standalone_pass_does():
     x = _activations(30, 160)[:, :96]  # rows 160 apart
     odd_index = outliers.index.repeat_interleave(2)[::2]
     assert not odd_index.is_contiguous()
-    with torch.inference_mode():
+
+    def no_separate_pass(*_args, **_kwargs):
+        raise AssertionError("the kernel was to quantize its input itself")
+
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        for name in ("quantize_per_token_int8", "quantize_with_outliers"):
+            mp.setattr(qk, name, no_separate_pass)
         self_quantized = layer(x)
         assert torch.equal(self_quantized, layer(x.contiguous()))
+    with torch.inference_mode():
         pre_quantized = qk.w8a8_matmul_native(x, layer.packed_qweight, layer._scales_f32, layer._bias_f32,
                                               qk.OutlierChannels(odd_index, outliers.skip, layer.outliers.weight_t),
                                               layer.packed_outlier_weight)

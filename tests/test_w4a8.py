@@ -181,6 +181,32 @@ def test_the_native_kernels_read_rows_with_a_stride():
 
 
 @needs_native_w4a8
+def test_the_native_kernels_hold_the_copy_a_reshape_makes():
+    # 3-D rows that reshape(-1, k) must copy: the kernel reads that copy, which must outlive the call
+    # setting it up (it was freed before the kernel ran: wrong outputs, a use-after-free).
+    plain, fused = mq.W4A8Linear(_weight(64, 96), None, BF16), mq.W4A8SiluMulLinear(_weight(128, 96), None)
+    x = _activations(16, 96).reshape(2, 8, 96)[:, :5, :]
+    assert x.stride(-1) == 1 and not x.is_contiguous()
+    with torch.inference_mode():
+        for _ in range(3):  # a freed block is reused by the allocations that follow
+            assert torch.equal(plain(x), plain(x.contiguous()))
+            assert all(torch.equal(a, b) for a, b in zip(fused(x)[:3], fused(x.contiguous())[:3]))
+
+
+def test_the_native_entry_quantizes_inputs_it_cannot_read_as_they_are():
+    if not w4.w4a8_native_supported(64, 96):
+        pytest.skip("native kernels not built here, or built without AVX512-VNNI and AVX512-BF16")
+    qw = _weight(64, 96)
+    packed = w4.pack_w4a8_weight(qw.qweight, qw.scales, qw.mins)
+    x = _activations(7, 96)
+    with torch.inference_mode():
+        want = w4.w4a8_matmul_native(x, *packed, None)
+        assert torch.equal(w4.w4a8_matmul_native(x.t().contiguous().t(), *packed, None), want)  # column stride 7
+        float32 = w4.w4a8_matmul_native(x.float(), *packed, None)  # quantized first, bf16 output
+    assert torch.equal(float32, want)
+
+
+@needs_native_w4a8
 def test_native_w4a8_gives_nan_for_a_row_with_a_nan():
     layer = mq.W4A8Linear(_weight(64, 96), None, BF16)
     x = _activations(3, 96)

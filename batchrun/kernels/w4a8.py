@@ -125,20 +125,22 @@ class GroupQuantized(NamedTuple):
         return (self.q.float().reshape(m, k // W4A8_GROUP, W4A8_GROUP) * self.scales[..., None]).reshape(m, k)
 
 
-def _kernel_input(x: Union[torch.Tensor, GroupQuantized], k: int) -> tuple[tuple, int, tuple[int, ...]]:
-    """The kernels' activation arguments (xq, ldq, x_scales, x_sums, x, ldx), the row count and the
-    leading shape: quantized groups as they are, or bf16 rows that the kernel quantizes itself (one
-    call instead of two, no intermediate tensors: what a decode step's small projections need)."""
-    if isinstance(x, GroupQuantized):
-        if x.q.shape[1] != k:  # the kernel takes K from the weight: a wrong width would read past x
-            raise ValueError(f"input has {x.q.shape[1]} features, the weight {k}")
-        return ((x.q.data_ptr(), x.q.stride(0), x.scales.data_ptr(), x.sums.data_ptr(), None, 0), x.q.shape[0],
-                x.lead_shape)
-    if x.shape[-1] != k:
-        raise ValueError(f"input has {x.shape[-1]} features, the weight {k}")
-    x2 = x.reshape(-1, k)
-    assert x2.dtype == torch.bfloat16 and x2.stride(1) == 1, "the native W4A8 kernels read bf16 rows"
-    return (None, 0, None, None, x2.data_ptr(), x2.stride(0)), x2.shape[0], tuple(x.shape[:-1])
+def _kernel_input(x: Union[torch.Tensor, GroupQuantized], k: int) -> tuple[tuple, int, tuple[int, ...], object]:
+    """The kernels' activation arguments (xq, ldq, x_scales, x_sums, x, ldx), the row count, the
+    leading shape, and the tensors those pointers point into (the caller holds them until the kernel
+    returns: x.reshape may have made a copy). bf16 rows with unit column stride go as they are and
+    the kernel quantizes them itself (one call instead of two, no intermediate tensors: what a
+    decode step's small projections need); other inputs are quantized here first."""
+    if not isinstance(x, GroupQuantized):
+        if x.shape[-1] != k:
+            raise ValueError(f"input has {x.shape[-1]} features, the weight {k}")
+        x2 = x.reshape(-1, k)
+        if x2.dtype == torch.bfloat16 and x2.stride(1) == 1:
+            return (None, 0, None, None, x2.data_ptr(), x2.stride(0)), x2.shape[0], tuple(x.shape[:-1]), x2
+        x = GroupQuantized(*quantize_groups_int8(x2.contiguous(), W4A8_GROUP), tuple(x.shape[:-1]), x.dtype)
+    if x.q.shape[1] != k:  # the kernel takes K from the weight: a wrong width would read past x
+        raise ValueError(f"input has {x.q.shape[1]} features, the weight {k}")
+    return (x.q.data_ptr(), x.q.stride(0), x.scales.data_ptr(), x.sums.data_ptr(), None, 0), x.q.shape[0], x.lead_shape, x
 
 
 def w4a8_matmul_native(x: Union[torch.Tensor, GroupQuantized], packed: torch.Tensor, w_scales: torch.Tensor,
@@ -148,7 +150,7 @@ def w4a8_matmul_native(x: Union[torch.Tensor, GroupQuantized], packed: torch.Ten
     None): the same integer group sums, scaled and summed in float32 in registers, one rounding to
     bf16."""
     k = packed.shape[1] * 2
-    (xq, ldq, xs, xsum, xb, ldx), m, lead_shape = _kernel_input(x, k)
+    (xq, ldq, xs, xsum, xb, ldx), m, lead_shape, _held = _kernel_input(x, k)
     n = packed.shape[0]
     y = torch.empty((m, n), dtype=torch.bfloat16)
     if m:
@@ -168,7 +170,7 @@ def w4a8_silu_quant_native(x: torch.Tensor, packed: torch.Tensor, w_scales: torc
     (kernels/cpu_linear.py: silu_pair_order). Bitwise: the projection, batchrun_silu_mul_bf16's
     product and quantize_groups_int8."""
     k = packed.shape[1] * 2
-    (xq, ldq, xs, xsum, xb, ldx), m, lead_shape = _kernel_input(x, k)
+    (xq, ldq, xs, xsum, xb, ldx), m, lead_shape, _held = _kernel_input(x, k)
     n = packed.shape[0] // 2
     q = torch.empty((m, n), dtype=torch.int8)
     scales = torch.empty((m, n // W4A8_GROUP), dtype=torch.float32)

@@ -228,7 +228,6 @@ __attribute__((noinline)) void w8a8_micro(const int8_t* xq, int64_t ldq, const f
     store_tile<R>(f0, f1, bias, y, ldy);
 }
 
-
 // W4A8: int4 weights in groups of 32 along K (w = q * scale + min, q in [0, 15]) times int8
 // activations quantized in groups of 32 along K (x = xq * x_scale), llama.cpp's Q4_1 x Q8_1
 // scheme. Each group's integer dot product is exact (vpdpbusd: q is its unsigned operand as it is,

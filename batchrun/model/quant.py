@@ -375,7 +375,6 @@ class W4A8SiluMulLinear(W4A8Linear):
                                    weight.in_features)
         super().__init__(permuted, None if bias is None else bias[order], torch.bfloat16)
         assert self.is_native, "W4A8SiluMulLinear needs the native kernel"
-        self.format_key = f"w4a8/g{w4.W4A8_GROUP}"
         self.register_buffer("_plain_order", torch.argsort(order), persistent=False)
 
     def int4_weight(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -131,6 +131,34 @@ __attribute__((noinline)) void micro(const uint16_t* x, int64_t ldx, const uint3
     store(static_cast<const __m512*>(acc0), static_cast<const __m512*>(acc1));
 }
 
+// The gate/up pair store shared by silu_mul_pair and w4a8_silu_quant_pair: the gate tile's sums
+// plus bias, rounded to bf16 as store_tile rounds them, wait in `gate` (L1); with the up tile's
+// sums, `product` gives silu(gate) * up as batchrun_silu_mul_bf16 computes it, before its final
+// rounding to bf16. `bias`: 64 float32 (gate's 32, then up's), or null.
+struct SiluPair {
+    __m512 gate[MR][2];
+    __m512 bias[4];
+
+    explicit SiluPair(const float* b) {
+        for (int i = 0; i < 4; ++i) bias[i] = b ? _mm512_loadu_ps(b + 16 * i) : _mm512_setzero_ps();
+    }
+
+    // acc + b rounded to bf16 (as store_tile stores it), read back as float32.
+    static __m512 projected(__m512 acc, __m512 b) {
+        return batchrun::bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc, b)));
+    }
+
+    void keep_gate(int r, __m512 c0, __m512 c1) {
+        gate[r][0] = projected(c0, bias[0]);
+        gate[r][1] = projected(c1, bias[1]);
+    }
+
+    // Columns 16 h .. 16 h + 15 of row r, from the up tile's sums `up` of those columns.
+    __m512 product(int r, int h, __m512 up) const {
+        return _mm512_mul_ps(batchrun::round_bf16_512(batchrun::silu512(gate[r][h])), projected(up, bias[2 + h]));
+    }
+};
+
 // A gate/up projection with silu(gate) * up fused into its tile store (the activation pass and the
 // (M, 2N) intermediate of the unfused pair disappear). The weight's rows are permuted at load so
 // that tiles alternate gate and up columns of the same 32 outputs: tile 2t = gate columns
@@ -142,27 +170,15 @@ __attribute__((noinline)) void micro(const uint16_t* x, int64_t ldx, const uint3
 template <int R>
 void silu_mul_pair(const uint16_t* x, int64_t ldx, const uint32_t* pair, int64_t kp_count, const float* bias,
                    uint16_t* y, int64_t ldy, const char* pf) {
-    __m512 gate[MR][2];
-    const __m512 zero = _mm512_setzero_ps();
-    // Rounded as the unfused projection's store (store_tile) rounds it, read back as float32.
-    auto projected = [](__m512 acc, __m512 b) {
-        return batchrun::bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc, b)));
-    };
-    const __m512 bg0 = bias ? _mm512_loadu_ps(bias) : zero, bg1 = bias ? _mm512_loadu_ps(bias + 16) : zero;
-    const __m512 bu0 = bias ? _mm512_loadu_ps(bias + 32) : zero, bu1 = bias ? _mm512_loadu_ps(bias + 48) : zero;
+    SiluPair sp(bias);
     micro<R>(x, ldx, pair, kp_count, pf, [&](const __m512* c0, const __m512* c1) {
-        for (int r = 0; r < R; ++r) {
-            gate[r][0] = projected(c0[r], bg0);
-            gate[r][1] = projected(c1[r], bg1);
-        }
+        for (int r = 0; r < R; ++r) sp.keep_gate(r, c0[r], c1[r]);
     });
     micro<R>(x, ldx, pair + kp_count * TILE_N, kp_count, pf ? pf + kp_count * TILE_N * 4 : nullptr,
              [&](const __m512* c0, const __m512* c1) {
         for (int r = 0; r < R; ++r) {
-            const __m512 up[2] = {projected(c0[r], bu0), projected(c1[r], bu1)};
-            for (int h = 0; h < 2; ++h)
-                batchrun::store_bf16(y + r * ldy + 16 * h,
-                                     _mm512_mul_ps(batchrun::round_bf16_512(batchrun::silu512(gate[r][h])), up[h]));
+            batchrun::store_bf16(y + r * ldy, sp.product(r, 0, c0[r]));
+            batchrun::store_bf16(y + r * ldy + 16, sp.product(r, 1, c1[r]));
         }
     });
 }
@@ -303,30 +319,17 @@ void w4a8_silu_quant_pair(const int8_t* xq, int64_t ldq, const float* xs, const 
                           const uint8_t* pair, int64_t groups, const float* ws, const float* wm, const float* bias,
                           int8_t* q, int64_t ldo, float* q_scales, float* q_sums, int64_t ld_out_groups,
                           const char* pf) {
-    __m512 gate[W4_MR][2];
-    const __m512 zero = _mm512_setzero_ps();
-    auto projected = [](__m512 acc, __m512 b) {
-        return batchrun::bf16x16_to_f32((__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc, b)));
-    };
-    const __m512 bg0 = bias ? _mm512_loadu_ps(bias) : zero, bg1 = bias ? _mm512_loadu_ps(bias + 16) : zero;
-    const __m512 bu0 = bias ? _mm512_loadu_ps(bias + 32) : zero, bu1 = bias ? _mm512_loadu_ps(bias + 48) : zero;
+    SiluPair sp(bias);
     const int64_t tile_bytes = groups * W4_GROUP / 4 * 64, tile_scales = groups * TILE_N;
     w4a8_micro<R>(xq, ldq, xs, xsum, ldg, pair, groups, ws, wm, pf, [&](const __m512* f0, const __m512* f1) {
-        for (int r = 0; r < R; ++r) {
-            gate[r][0] = projected(f0[r], bg0);
-            gate[r][1] = projected(f1[r], bg1);
-        }
+        for (int r = 0; r < R; ++r) sp.keep_gate(r, f0[r], f1[r]);
     });
     w4a8_micro<R>(xq, ldq, xs, xsum, ldg, pair + tile_bytes, groups, ws + tile_scales, wm + tile_scales,
                   pf ? pf + tile_bytes : nullptr, [&](const __m512* f0, const __m512* f1) {
-        for (int r = 0; r < R; ++r) {
-            __m512 h[2];
-            const __m512 up[2] = {projected(f0[r], bu0), projected(f1[r], bu1)};
-            for (int i = 0; i < 2; ++i)  // the bf16 value batchrun_silu_mul_bf16 stores
-                h[i] = batchrun::round_bf16_512(
-                    _mm512_mul_ps(batchrun::round_bf16_512(batchrun::silu512(gate[r][i])), up[i]));
-            batchrun::quantize_group32(h[0], h[1], q + r * ldo, q_scales + r * ld_out_groups, q_sums + r * ld_out_groups);
-        }
+        for (int r = 0; r < R; ++r)  // the bf16 values batchrun_silu_mul_bf16 stores, quantized
+            batchrun::quantize_group32(batchrun::round_bf16_512(sp.product(r, 0, f0[r])),
+                                       batchrun::round_bf16_512(sp.product(r, 1, f1[r])), q + r * ldo,
+                                       q_scales + r * ld_out_groups, q_sums + r * ld_out_groups);
     });
 }
 

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchrun.kernels.attention import (AttentionMetadata, MIN_SHARED_TOKENS, new_kv_cache, paged_attention_reference,
-                                        write_kv_cache_reference)
+from batchrun.kernels.attention_metadata import MIN_SHARED_TOKENS, AttentionMetadata
+from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
+from batchrun.kernels.kv_layout import new_kv_cache
 
 BLOCK = 4
 
@@ -112,7 +113,7 @@ def test_a_batch_with_two_prefix_groups_and_loners_equals_dense_attention():
 
 def test_engine_greedy_output_is_the_same_with_and_without_the_shared_prefix_path(tiny_llama_dir, monkeypatch):
     from batchrun.engine import Engine, EngineConfig, SamplingParams
-    from batchrun.kernels import attention
+    from batchrun.kernels import attention_metadata, attention_torch
 
     monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")  # the torch decode path (the native kernel has no split)
 
@@ -122,10 +123,10 @@ def test_engine_greedy_output_is_the_same_with_and_without_the_shared_prefix_pat
     prompts = [shared + [200 + i, 300 + 7 * i, 17 + i] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     taken = []
-    real = attention._decode_attend_shared
-    monkeypatch.setattr(attention, "_decode_attend_shared", lambda *a, **k: taken.append(1) or real(*a, **k))
+    real = attention_torch.decode_attend_shared
+    monkeypatch.setattr(attention_torch, "decode_attend_shared", lambda *a, **k: taken.append(1) or real(*a, **k))
     with_shared = [o.token_ids for o in engine.generate(prompts, params)]
     assert taken  # the decode steps went through the shared-prefix path
     engine.reset_prefix_cache()
-    monkeypatch.setattr(attention, "MIN_SHARED_SEQS", 10 ** 9)
+    monkeypatch.setattr(attention_metadata, "MIN_SHARED_SEQS", 10 ** 9)
     assert [o.token_ids for o in engine.generate(prompts, params)] == with_shared

@@ -22,8 +22,10 @@ import pytest
 import torch
 
 from batchrun.kernels import cpu_attention, cpu_native
-from batchrun.kernels.attention import (AttentionMetadata, _decode_attend, gather_blocks, new_kv_cache,
-                                        paged_attention_reference)
+from batchrun.kernels.attention_metadata import AttentionMetadata
+from batchrun.kernels.attention_torch import decode_attend, gather_blocks, paged_attention_reference
+from batchrun.kernels.cpu_attention import paged_attention_cpu
+from batchrun.kernels.kv_layout import new_kv_cache
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C++ compiler: the native kernel is not built")
 
@@ -36,7 +38,7 @@ def _reference(q, k_cache, v_cache, tables, seq_lens, scale, window, softcap):
         mask &= pos[None] > (seq_lens[:, None] - 1 - window)
     k = gather_blocks(k_cache, tables).float()
     v = gather_blocks(v_cache, tables).float()
-    return _decode_attend(q.float(), k, v, mask, scale, softcap)
+    return decode_attend(q.float(), k, v, mask, scale, softcap)
 
 
 def _case(heads, kv_heads, dim, block, dtype, seq_lens, head_major=True, seed=0):
@@ -196,7 +198,7 @@ def test_native_prefill_equals_the_torch_path(dtype, heads, kv_heads, dim, block
     _skip_without_the_prefill_kernel(dtype, int8=False)
     assert cpu_attention.supports_prefill(q, k_cache)
     scale = dim ** -0.5
-    got = paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap, native=True)
+    got = paged_attention_cpu(q, k_cache, v_cache, meta, scale, window, softcap)
     # The torch path in float32 on the same (bf16-valued) inputs is the truth for both dtypes.
     want = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, scale, window, softcap)
     _assert_prefill_close(got, want, q, k_cache, v_cache, meta, scale, window, softcap)
@@ -222,7 +224,7 @@ def test_prefill_across_threads_and_many_chunks(one_torch_thread, dtype):
     # One thread (the test fixture) and long prompts split into many 32-query chunks, each over
     # many 64-key steps, one of them starting mid-step (a cached start of 270 keys).
     q, k_cache, v_cache, meta = _prefill_case(9, 3, 64, 16, dtype, [(300, 300), (130, 400)])
-    got = paged_attention_reference(q, k_cache, v_cache, meta, 0.125, native=True)
+    got = paged_attention_cpu(q, k_cache, v_cache, meta, 0.125)
     want = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, 0.125)
     _assert_prefill_close(got, want, q, k_cache, v_cache, meta, 0.125)
 
@@ -254,7 +256,7 @@ def test_native_attention_over_an_int8_cache(dtype, heads, kv_heads, dim, block,
     _skip_without_the_prefill_kernel(dtype, int8=True)
     assert cpu_attention.supports(q, k_cache) and cpu_attention.supports_prefill(q, k_cache)
     scale = dim ** -0.5
-    got = paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap, native=True)
+    got = paged_attention_cpu(q, k_cache, v_cache, meta, scale, window, softcap)
     want = paged_attention_reference(q.float(), k_exact, v_exact, meta, scale, window, softcap)
     if dtype == torch.float32:  # dequantized exactly as the torch path does: float32 rounding apart
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
@@ -277,7 +279,7 @@ def test_prefill_shapes_the_build_does_not_serve_take_the_torch_path(dim, block,
         cpu_attention.paged_prefill_attention(q, k_cache, v_cache, *meta.prefill_native_inputs(), torch.empty_like(q), 0.2)
     calls = []
     monkeypatch.setattr(cpu_attention, "paged_prefill_attention", lambda *a, **k: calls.append(1))
-    got = paged_attention_reference(q, k_cache, v_cache, meta, 0.2, native=True)
+    got = paged_attention_cpu(q, k_cache, v_cache, meta, 0.2)
     torch.testing.assert_close(got, paged_attention_reference(q, k_cache, v_cache, meta, 0.2), rtol=1e-5, atol=1e-5)
     assert not calls
 
@@ -297,7 +299,8 @@ def test_prefill_is_off_with_the_switch(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_major", [True, False])
 def test_native_cache_write_equals_index_copy(dtype, head_major, monkeypatch):
-    from batchrun.kernels.attention import write_kv_cache, write_kv_cache_reference
+    from batchrun.kernels.attention import write_kv_cache
+    from batchrun.kernels.attention_torch import write_kv_cache_reference
 
     torch.manual_seed(1)
     num_blocks, block, heads, dim, tokens = 9, 16, 3, 64, 37

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from batchrun.kernels import quant as qk
-from batchrun.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+from batchrun.kernels.attention import paged_attention, write_kv_cache
+from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.model import quant as mq
 from batchrun.model.gguf_quant import blocks_to_weight, read_gguf_weights, unpermute_rows
 

@@ -4,12 +4,12 @@
     python -m batchrun.bench.gpu --only kernels    # kernels | bandwidth | throughput (repeatable)
     python -m batchrun.bench.gpu --smoke           # CPU: tiny shapes, kernels in Triton's interpreter
 
-1. Kernels: each Triton kernel (paged attention decode and prefill, KV write, fused rotary + KV
-   write, W8A16/W4A16 GEMMs, MoE grouped GEMM) against its torch reference on the device, random
+1. Kernels: each Triton kernel (paged attention decode and prefill, KV write, W8A16/W4A16 GEMMs,
+   MoE grouped GEMM) against its torch reference on the device, random
    inputs, max |error| and relative error ||got - want|| / ||want|| printed.
 2. Bandwidth: a device copy (the HBM ceiling), then the decode attention kernel at the workload's
    shape as achieved KV bytes/s and its fraction of that ceiling (target >= 70%), a small sweep of
-   its tile settings, and the fused rotary + KV write against the unfused pair.
+   its tile settings.
 3. Throughput: nano-vllm's workload (256 sequences, prompt and output lengths uniform in 100-1024,
    ignore_eos) on a Qwen3-0.6B-shaped model and a SmolLM2-135M-shaped one, random weights built
    here from transformers configs (nothing can be downloaded there; the SmolLM2 GGUF is too big to
@@ -35,9 +35,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from batchrun.kernels.attention import (AttentionMetadata, new_kv_cache, paged_attention_reference,
-                                        write_kv_cache_reference)
-from batchrun.kernels.kv_layout import from_head_major
+from batchrun.kernels.attention_metadata import AttentionMetadata
+from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
+from batchrun.kernels.kv_layout import from_head_major, new_kv_cache
 
 # ---------------------------------------------------------------------------------------------
 # random inputs (also used by the tests)
@@ -165,24 +165,6 @@ def _kernel_checks(device: torch.device, smoke: bool) -> list[tuple[str, float, 
             return torch.stack([k_got, v_got]), torch.stack([k_ref, v_ref])
         return run
 
-    def rotary(dtype):
-        def run():
-            gen = torch.Generator(device="cpu").manual_seed(3)
-            num_blocks = -(-tokens // bs) + 2
-            qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(device, dtype)
-            q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-            q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
-            angles = torch.randn(tokens, dim // 2, generator=gen).to(device)
-            emb = torch.cat([angles, angles], dim=-1)
-            cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
-            slots = torch.randperm(num_blocks * bs, generator=gen)[:tokens].to(device)
-            caches = [new_kv_cache(num_blocks, bs, kv_heads, dim, dtype, device) for _ in range(4)]
-            q_ref, k_ref = tk.rotary_write_kv_cache_reference(q, k, v, cos, sin, caches[0], caches[1], slots)
-            q_got, k_got = tk.rotary_write_kv_cache(q, k, v, cos, sin, caches[2], caches[3], slots)
-            return (torch.cat([q_got.flatten(), caches[2].flatten(), caches[3].flatten()]),
-                    torch.cat([q_ref.flatten(), caches[0].flatten(), caches[1].flatten()]))
-        return run
-
     def w8a16(group: Optional[int]):
         def run():
             from batchrun.kernels.quant import int8_weight_matmul, quantize_int8
@@ -234,8 +216,6 @@ def _kernel_checks(device: torch.device, smoke: bool) -> list[tuple[str, float, 
         ("attention decode bf16 (default splits)", bf16_tol, attn(decodes, heads, kv_heads, dim, bf16)),
         ("attention decode bf16 long, 8 splits", bf16_tol, attn(long_decodes, heads, kv_heads, dim, bf16, num_splits=8)),
         ("kv write bf16", 0.0, kv_write(bf16)),
-        ("rotary + kv write bf16", 1e-2, rotary(bf16)),
-        ("rotary + kv write fp32", 1e-6, rotary(f32)),
         ("W8A16 per-channel", bf16_tol, w8a16(None)),
         ("W8A16 group 32", bf16_tol, w8a16(32)),
         ("W4A16 group 32", bf16_tol, w4a16),
@@ -281,7 +261,6 @@ def _time_ms(fn: Callable[[], Any]) -> float:
 
 def check_bandwidth(device: torch.device, smoke: bool, results: Results) -> None:
     from batchrun.kernels import triton_attention as ta
-    from batchrun.kernels import triton_kv as tk
 
     print("\n== bandwidth ==", flush=True)
     src = torch.empty(1 << (31 if not smoke else 20), dtype=torch.uint8, device=device)  # 2 GiB: many times the L2
@@ -322,32 +301,6 @@ def check_bandwidth(device: torch.device, smoke: bool, results: Results) -> None
             results.add(f"decode attention {num_seqs} seqs best setting", f"{best[1] or 'default'}: "
                         f"{100 * best[0] / hbm:.0f}% of copy bandwidth")
         del c
-
-    # Fused rotary + KV write against what the decoder does now (torch rotary, then the Triton write).
-    for tokens in ((256, 8192) if not smoke else (5,)):
-        gen = torch.Generator().manual_seed(8)
-        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(device, torch.bfloat16)
-        q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
-        q, k, v = q.view(tokens, heads, dim), k.view(tokens, kv_heads, dim), v.view(tokens, kv_heads, dim)
-        emb = torch.randn(tokens, dim // 2, generator=gen).repeat(1, 2).to(device)
-        cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
-        num_blocks = -(-tokens // bs) + 1
-        kc = torch.zeros(num_blocks, bs, kv_heads, dim, dtype=torch.bfloat16, device=device)
-        vc = torch.zeros_like(kc)
-        slots = torch.randperm(num_blocks * bs, device=device)[:tokens]
-
-        def unfused():
-            c, s = cos[:, None, :], sin[:, None, :]
-            half = dim // 2
-            qr = q * c + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * s
-            kr = k * c + torch.cat((-k[..., half:], k[..., :half]), dim=-1) * s
-            tk.write_kv_cache(kc, vc, kr, v, slots)
-            return qr
-
-        t_unfused = _time_ms(unfused)
-        t_fused = _time_ms(lambda: tk.rotary_write_kv_cache(q, k, v, cos, sin, kc, vc, slots))
-        results.add(f"rotary + kv write, {tokens} tokens", f"fused {t_fused * 1e3:.1f} us vs unfused "
-                    f"{t_unfused * 1e3:.1f} us per layer ({t_unfused / t_fused:.2f}x)")
 
 
 # ---------------------------------------------------------------------------------------------

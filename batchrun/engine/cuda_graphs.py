@@ -30,7 +30,7 @@ import torch
 
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import ScheduledBatch
-from batchrun.kernels.attention import AttentionMetadata
+from batchrun.kernels.attention_metadata import AttentionMetadata
 
 log = logging.getLogger("batchrun.engine")
 

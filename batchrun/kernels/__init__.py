@@ -1,4 +1,3 @@
-"""Compute kernels: plain-torch references (the CPU path) and, later, Triton versions for the GPU."""
-from batchrun.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
-
-__all__ = ["AttentionMetadata", "paged_attention", "write_kv_cache"]
+"""Compute kernels, as functions over tensors: plain-torch references, native CPU kernels (csrc/,
+kernels/cpu_native.py) and Triton kernels for the GPU, each dispatch choosing among them per call.
+The nn.Modules that hold weights for them live in batchrun.model. See docs/kernels.md."""

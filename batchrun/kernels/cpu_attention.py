@@ -1,10 +1,11 @@
-"""Native CPU attention over the paged KV cache (built by cpu_native): decode (csrc/paged_attention.cpp)
-and prefill (csrc/prefill_attention.cpp).
+"""The CPU attention path: native kernels over the paged KV cache (built by cpu_native), decode
+(csrc/paged_attention.cpp) and prefill (csrc/prefill_attention.cpp), with the plain-torch path
+(kernels/attention_torch.py) for whatever they do not serve (`paged_attention_cpu`).
 
-The torch path for a decode step (kernels/attention.py: gather_blocks + _decode_attend) copies
-every sequence's context out of the cache and runs batched matmuls over the copy, in every layer;
-this kernel reads K and V where they lie, through the block table, so a decode step's attention
-costs one pass over the context instead of three. The two agree to float32 rounding (tested).
+The torch decode path copies every sequence's context out of the cache and runs batched matmuls
+over the copy, in every layer; the decode kernel reads K and V where they lie, through the block
+table, so a decode step's attention is one pass over the context. The two agree to float32
+rounding (tested).
 
 For prefills the torch path runs one SDPA call per sequence, after copying the context out of the
 cache and building a mask whenever part of the prompt was cached (which sends SDPA to its slow
@@ -12,21 +13,25 @@ masked path); the prefill kernel computes causal flash attention for all prefill
 one call, reading the cache in place (bf16 on AVX512-BF16 dot products, probabilities rounded to
 bf16 for the second product as torch's CPU flash attention does).
 
-An int8 cache (engine.kv_cache_dtype: int8, kernels/quant.py: QuantizedKVCache) is read as it is
-stored, at about half the bytes of bf16: K's per-(slot, head) scale multiplies the scores, V's the
-probabilities (the float32 prefill dequantizes on load instead, exactly as the torch path does), and
-the cache write quantizes natively, bitwise as quantize_kv. The torch path had gathered the cache
-dequantized in every layer: summarize with an int8 cache ran at 0.35x bf16's speed, now 1.07x.
+An int8 cache (engine.kv_cache_dtype: int8, kernels/quant/kv.py: QuantizedKVCache) is read as it is
+stored: K's per-(slot, head) scale multiplies the scores, V's the probabilities (the float32
+prefill dequantizes on load instead, exactly as the torch path does), and the cache write
+quantizes natively, bitwise as quantize_kv.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 
 from batchrun.kernels import cpu_native
+from batchrun.kernels.attention_metadata import AttentionMetadata
+from batchrun.kernels.attention_torch import attend_decodes, attend_prefills
 from batchrun.kernels.cpu_native import DTYPE_CODES
 from batchrun.kernels.quant import QuantizedKVCache
+
+log = logging.getLogger(__name__)
 
 INT8_KV_CODE = 2  # the kernels' element code for an int8 cache (float32 0, bf16 1: DTYPE_CODES)
 
@@ -163,3 +168,36 @@ def paged_prefill_attention(
     if rc != 0:
         raise ValueError(f"the native prefill kernel does not serve head_dim {head_dim}, block_size {block_size} "
                          "and this cache (an int8 cache needs its scales)")
+
+
+def paged_attention_cpu(
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim) tensor or QuantizedKVCache, this step's keys written
+    v_cache,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    k_new: Optional[torch.Tensor] = None,  # (num_tokens, num_kv_heads, head_dim): this step's keys, if at hand
+    v_new: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Paged attention on the CPU: decodes and prefills run the native kernels where they are built
+    and serve the cache's dtype and shape (`supports`, `supports_prefill`), the rest the torch path."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (num_tokens, num_heads, head_dim)
+    if meta.prefill_seq_ids and supports_prefill(q, k_cache):
+        paged_prefill_attention(q.contiguous(), k_cache, v_cache, *meta.prefill_native_inputs(), out, scale,
+                                sliding_window, softcap)
+        prefill_ids: list[int] = []
+    else:
+        prefill_ids = meta.prefill_seq_ids
+    if meta.decode_seq_ids.numel() > 0 and supports(q, k_cache):
+        rows, tables, _ = meta.decode_inputs(None)
+        if not meta.prefill_seq_ids:  # a pure decode step: every row is a decode, in order
+            return paged_decode_attention(q, k_cache, v_cache, tables, meta.decode_seq_lens, scale, sliding_window,
+                                          softcap)
+        out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, tables, meta.decode_seq_lens, scale,
+                                           sliding_window, softcap)
+    elif meta.decode_seq_ids.numel() > 0:
+        attend_decodes(out, q, k_cache, v_cache, meta, scale, sliding_window, softcap)
+    attend_prefills(out, q, k_cache, v_cache, meta, prefill_ids, scale, sliding_window, softcap, k_new, v_new)
+    return out

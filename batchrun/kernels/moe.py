@@ -12,10 +12,15 @@ Triton kernel on CUDA when it is installed.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+
+from batchrun.kernels.backend import triton_usable
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -70,16 +75,6 @@ def grouped_gemm_reference(
     return out
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    if x.device.type != "cuda":
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def fused_experts(
     x: torch.Tensor,  # (num_tokens, hidden_size)
     gate_up_proj: torch.Tensor,  # (num_experts, 2 * intermediate_size, hidden_size): [gate; up] per expert
@@ -97,7 +92,7 @@ def fused_experts(
         return x.new_zeros(x.shape)
     d = dispatch if dispatch is not None else sort_by_expert(topk_ids, num_experts)
     if use_triton is None:
-        use_triton = _use_triton(x)
+        use_triton = triton_usable(x)
     if use_triton:
         from batchrun.kernels.triton_moe import grouped_gemm
     else:

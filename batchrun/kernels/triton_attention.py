@@ -1,7 +1,7 @@
 """Triton paged attention for the GPU: batched decode (split-K) and varlen prefill over a paged cache.
 
-Same signature and result as `batchrun.kernels.attention.paged_attention`, which the tests compare
-against (on CPU tensors in Triton's interpreter, TRITON_INTERPRET=1, and on a GPU when there is
+Same signature and result as `batchrun.kernels.attention_torch.paged_attention_reference`, which the
+tests compare against (on CPU tensors in Triton's interpreter, TRITON_INTERPRET=1, and on a GPU when there is
 one). Both kernels read K/V straight from the paged cache (num_blocks, block_size, num_kv_heads,
 head_dim) through the block tables, one token tile at a time: a tile's tokens may span several
 cache blocks, so the tile size does not depend on the cache's block size.
@@ -21,6 +21,7 @@ window W, j > i - W. Softmax runs in float32 in the exp2 domain.
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -29,7 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from batchrun.kernels.attention import AttentionMetadata
+from batchrun.kernels.attention_metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
@@ -428,7 +432,7 @@ def paged_attention(
     k_new: Optional[torch.Tensor] = None,  # unused: the kernels read every key from the cache
     v_new: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """`batchrun.kernels.attention.paged_attention` on Triton kernels."""
+    """`batchrun.kernels.attention.paged_attention` on Triton kernels (CUDA tensors, float caches)."""
     out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
     t = _step_tensors(meta, q.device)
     if meta.decode_seq_ids.shape[0] > 0:

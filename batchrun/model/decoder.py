@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from batchrun.kernels import elementwise as ew
-from batchrun.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+from batchrun.kernels.attention import paged_attention, write_kv_cache
+from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.cpu_linear import NativeEmbedding, NativeLinear, pack_linear, pack_silu_mul
 from batchrun.model.moe import (SparseMoeBlock, expert_token_counts, fused_moe_weights, moe_config_fields,
                                 reset_expert_token_counts)

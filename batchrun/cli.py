@@ -96,7 +96,7 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         _run()
     except (HydraException, OmegaConfBaseException) as e:
         _report(2, f"config error: {_hydra_message(e)}")
-    except KeyboardInterrupt:  # a second Ctrl-C while the first one's graceful stop was under way
+    except KeyboardInterrupt:  # Ctrl-C before the run installed its stop handler (while composing)
         _report(130, "interrupted; nothing partial was committed")
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)

@@ -81,7 +81,7 @@ def test_hydra_writes_nothing_in_the_working_directory(tmp_path, monkeypatch, ca
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["data.uri=" + str(tmp_path / "missing")])
-    assert exit_info.value.code == 1
+    assert exit_info.value.code == 2  # a config error: nothing to read at data.uri
     assert "data.uri: nothing found" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
 

@@ -101,7 +101,8 @@ def test_sigkill_mid_shard_then_rerun_gives_every_id_exactly_once(tmp_path, make
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["status"] == "completed"
     assert [s["status"] for s in manifest["shards"]] == ["skipped", "skipped", "committed", "committed"]
-    assert not (out / "_tmp").exists()
+    # Only the killed attempt's own directory is left (nobody removes another attempt's files).
+    assert [p.parent.name for p in (out / "_attempts").glob("*/*")] == ["s2-00"]
     # Hydra kept to the working directory's contents: nothing but what the test made.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out", "ready"]
 
@@ -125,7 +126,7 @@ def test_sigterm_abandons_the_shard_in_progress_and_the_next_run_resumes(tmp_pat
     assert [(s["name"], s["status"]) for s in manifest["shards"]] == [
         ("s0-00", "committed"), ("s1-00", "committed"), ("s2-00", "interrupted"), ("s3-00", "pending")]
     assert sorted(p.name for p in (out / "results").iterdir()) == ["s0-00.parquet", "s1-00.parquet"]
-    assert not (out / "_tmp" / "s2-00").exists()
+    assert not (out / "_attempts" / "s2-00").exists()
 
     result = run_job(cli.load_config(_overrides(tmp_path, tiny_llama_dir)), engine=tiny_engine)
     assert result.exit_code == 0
@@ -163,6 +164,11 @@ def test_stop_request_turns_the_first_signal_into_a_flag():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)  # let the interpreter run the handler
         assert stop.requested and stop.name == "SIGTERM" and stop.exit_code == 143
-        # The second signal would act as usual again (here: SIGTERM's default, so only check it).
-        assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)
+        # Repeated signals (SIGINT after SIGTERM, SIGTERM again) do not cut the graceful stop short:
+        # this process is still here, and the first signal is the one reported.
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.01)
+        assert stop.name == "SIGTERM" and stop.exit_code == 143
     assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

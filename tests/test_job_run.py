@@ -67,7 +67,7 @@ def test_local_run_writes_every_row_once_in_input_order(tmp_path, make_shards, t
     assert manifest["engine_settings"]["max_num_seqs"] == 8
     assert manifest["config"]["sampling"]["max_tokens"] == 8 and manifest["versions"]["pyarrow"]
     assert manifest["engine_stats"]["num_generated_tokens"] > 0
-    assert not (out / "_tmp").exists()
+    assert not (out / "_attempts").exists()
     table = format_summary(result)
     assert "part-00  committed" in table and "total" in table and str(out) in table
 
@@ -80,11 +80,13 @@ def test_rerun_skips_committed_shards_and_redoes_the_rest(tmp_path, make_shards,
     assert first.exit_code == 0
     before = {p.name: p.read_bytes() for p in (out / "results").iterdir()}
     kept_marker = (out / "_commits" / "part-00.json").stat().st_mtime_ns
-    # As if a run died between publishing part-01's files and writing its marker, with a stale temp file.
+    # As if part-01 had never been committed (its marker lost, an un-committed file left where its
+    # results go), and an attempt at it had been killed part way.
     (out / "_commits" / "part-01.json").unlink()
     pq.write_table(pa.table({"id": ["stale"]}), out / "results" / "part-01.parquet")
-    (out / "_tmp" / "part-01").mkdir(parents=True)
-    (out / "_tmp" / "part-01" / "old.results.parquet").write_bytes(b"partial")
+    crashed = out / "_attempts" / "part-01" / "20261201T000000-deadbeef0000"
+    crashed.mkdir(parents=True)
+    (crashed / "results.parquet").write_bytes(b"partial")
 
     second = run_job(cfg, engine=tiny_engine)
     assert second.exit_code == 0
@@ -98,7 +100,9 @@ def test_rerun_skips_committed_shards_and_redoes_the_rest(tmp_path, make_shards,
     # Greedy: the redone shard says exactly what it said the first time.
     first_time = pq.read_table(pa.BufferReader(before["part-01.parquet"])).to_pylist()
     assert [r["output"] for r in redone] == [r["output"] for r in first_time]
-    assert not (out / "_tmp").exists()
+    # Another attempt's files are never touched (it might be a frozen worker's), only never read.
+    assert (crashed / "results.parquet").read_bytes() == b"partial"
+    assert [p.name for p in (out / "_attempts").iterdir()] == ["part-01"]
     assert "skipped" in format_summary(second)
 
 
@@ -147,7 +151,7 @@ def test_hostile_shards_every_row_gets_a_result_or_a_typed_error(tmp_path, short
 
     assert errors("a-mixed") == [
         ("ok1", None), ("null", "null_prompt"), ("empty", "empty_prompt"), ("blank", "empty_prompt"),
-        ("long", "prompt_too_long"), ("ok1", "duplicate_id"), ("a-mixed-6", "null_id"), ("notag", "template_error"),
+        ("long", "prompt_too_long"), ("ok1", "duplicate_id"), (None, "null_id"), ("notag", "template_error"),
         ("ok2", None)]
     assert errors("b-wrong-type") == [("n1", "wrong_type"), ("n2", "wrong_type")]
     assert errors("c-messages") == [("m1", None), ("m2", "template_error"), ("m3", "empty_prompt")]
@@ -186,7 +190,7 @@ def test_a_shard_that_breaks_part_way_commits_nothing(tmp_path, short_texts, tin
     result = run_job(cfg, engine=tiny_engine)
     assert [(s.name, s.status) for s in result.shards] == [("broken", "failed"), ("ok", "committed")]
     assert "at row 4" in result.shards[0].error
-    assert not (out / "results" / "broken.parquet").exists() and not (out / "_tmp" / "broken").exists()
+    assert not (out / "results" / "broken.parquet").exists() and not (out / "_attempts").exists()
     assert read_rows(out / "results" / "ok.parquet")[0]["error_type"] is None
 
 
@@ -228,7 +232,7 @@ def test_memory_filesystem_in_and_out(make_shards, tmp_path, tiny_engine, tiny_l
         with fs.open("/job-mem/out/results/part-01.parquet", "rb") as f:
             assert pq.read_table(f).column("id").to_pylist() == ids[1]
         assert fs.exists("/job-mem/out/_commits/part-00.json") and fs.exists("/job-mem/out/_manifest.json")
-        assert not fs.exists("/job-mem/out/_tmp/part-00")
+        assert not fs.exists("/job-mem/out/_attempts/part-00")
         assert run_job(run_config("memory://job-mem/in", "memory://job-mem/out", tiny_llama_dir),
                        engine=tiny_engine).shards[0].status == "skipped"
     finally:
@@ -279,7 +283,7 @@ def test_progress_bar_unless_quiet_and_ids_from_row_index_without_an_id_column(
     src = tmp_path / "in"
     src.mkdir()
     _write(src / "noid.parquet", {"text": short_texts[:3]})
-    cfg = run_config(src, tmp_path / "out", tiny_llama_dir)
+    cfg = run_config(src, tmp_path / "out", tiny_llama_dir, data={"id_column": None})
     loud = RunConfig(**{**cfg.__dict__, "quiet": False})
     assert run_job(loud, engine=tiny_engine).exit_code == 0
     err = capsys.readouterr().err
@@ -287,7 +291,7 @@ def test_progress_bar_unless_quiet_and_ids_from_row_index_without_an_id_column(
     assert [r["id"] for r in read_rows(tmp_path / "out" / "results" / "noid.parquet")] == [
         "noid-0", "noid-1", "noid-2"]
 
-    quiet = run_config(src, tmp_path / "out-quiet", tiny_llama_dir)
+    quiet = run_config(src, tmp_path / "out-quiet", tiny_llama_dir, data={"id_column": None})
     assert run_job(quiet, engine=tiny_engine).exit_code == 0
     err = capsys.readouterr().err
     assert "3/3" not in err and "shards 1/1" not in err  # no bar (the per-shard log line may remain)

@@ -69,7 +69,7 @@ def test_s3_in_and_out_with_resume(s3_endpoint, tmp_path, make_shards, tiny_engi
         with fs.open(f"batchrun-test/run/results/part-0{i}.parquet", "rb") as f:
             rows = pq.read_table(f).to_pylist()
         assert [r["id"] for r in rows] == ids[i] and all(r["error_type"] is None for r in rows)
-    assert fs.find("batchrun-test/run/_tmp") == []
+    assert fs.find("batchrun-test/run/_attempts") == []
     manifest = json.loads(fs.cat_file("batchrun-test/run/_manifest.json"))
     assert [s["status"] for s in manifest["shards"]] == ["committed"] * 3
 

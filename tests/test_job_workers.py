@@ -16,7 +16,7 @@ import pytest
 from batchrun import cli
 from batchrun.job import run_job
 from batchrun.job.affinity import partition_by_group, shard_groups
-from batchrun.job.claims import ClaimBook, steal_order
+from batchrun.job.claims import CLAIMED, HELD, QUARANTINED, ClaimBook, ShardQueue, steal_order
 from batchrun.job.shards import Shard, Worker, assign_shards, discover_shards, open_filesystem
 from batchrun.job.store import RunStore
 from batchrun.job.writer import RESULT_COLUMNS
@@ -91,7 +91,7 @@ def test_two_worker_processes_give_the_same_rows_as_one(tmp_path, make_shards, t
     assert [s["status"] for s in merged["shards"]] == ["committed"] * 4
     assert sorted(w["rank"] for w in merged["workers"]) == [0, 1]
     assert all(json.loads((out / f"_manifest.rank{r}.json").read_text())["status"] == "completed" for r in (0, 1))
-    assert not (out / "_claims").exists() and not (out / "_tmp").exists()
+    assert not (out / "_claims").exists() and not (out / "_attempts").exists()
 
     # The analysis notebook's loading cell reads the merged manifest beside the workers' own.
     import contextlib
@@ -147,7 +147,8 @@ def test_a_sigkilled_worker_is_taken_over_and_every_id_appears_once(tmp_path, ma
         (f"part-0{i}", "committed", 1) for i in range(4)]
     rank0 = json.loads((out / "_manifest.rank0.json").read_text())
     assert rank0["status"] == "running" and rank0["shards"][0]["status"] == "running"  # what SIGKILL left
-    assert not (out / "_tmp").exists()
+    # The killed worker's attempt is left as it was (only its owner removes it), and never read.
+    assert [p.parent.name for p in (out / "_attempts").glob("*/*")] == ["part-00"]
 
     # A rerun finds nothing to do and changes nothing.
     before = {p.name: p.read_bytes() for p in (out / "results").iterdir()}
@@ -158,31 +159,99 @@ def test_a_sigkilled_worker_is_taken_over_and_every_id_appears_once(tmp_path, ma
 
 # ---- claims, without an engine ------------------------------------------------------------------
 
+def _elsewhere(book: ClaimBook) -> ClaimBook:
+    """A claim book that looks like a worker on another machine: its pid proves nothing here."""
+    book.identity = {**book.identity, "host": "elsewhere", "boot_id": "another-boot"}
+    return book
+
+
 def test_a_claim_is_exclusive_until_released_or_its_owner_is_gone(tmp_path):
     store = RunStore(str(tmp_path / "out"), {})
     a, b = ClaimBook(store, lease_s=60), ClaimBook(store, lease_s=60)
-    b.owner = "other"  # same host and pid as `a`: only the owner id tells them apart
-    assert a.try_claim("s0") and a.try_claim("s0")  # idempotent for the owner
-    assert not b.try_claim("s0") and b.holder("s0") == a.owner
+    b.owner = "other"  # same process as `a`: only the owner id tells them apart
+    assert a.try_claim("s0") == CLAIMED and a.try_claim("s0") == CLAIMED  # idempotent for the owner
+    assert b.try_claim("s0") == HELD and b.holder("s0") == a.owner
     a.release("s0")
-    assert b.try_claim("s0") and sorted(p.name for p in (tmp_path / "out" / "_claims" / "s0").iterdir()) == [
+    assert b.try_claim("s0") == CLAIMED and sorted(p.name for p in (tmp_path / "out" / "_claims" / "s0").iterdir()) == [
         "000000.json", "000001.json"]
+    assert b.died_attempts("s0") == 0  # a released claim is no died attempt
 
-    # An owner on this host whose process is gone: taken over at once.
+    # An owner in this kernel and pid namespace whose process is gone: taken over at once.
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     c = ClaimBook(store, lease_s=60)
-    c.pid = dead.pid
-    assert c.try_claim("s1")
-    assert a.try_claim("s1") and a.holder("s1") == a.owner
+    c.identity = {**c.identity, "pid": dead.pid}
+    assert c.try_claim("s1") == CLAIMED
+    assert a.try_claim("s1") == CLAIMED and a.holder("s1") == a.owner and a.died_attempts("s1") == 1
 
-    # An owner elsewhere that stopped beating: taken over once the lease has run out.
-    far = ClaimBook(store, lease_s=60)
-    far.host = "elsewhere"
-    assert far.try_claim("s2") and not a.try_claim("s2")
-    short = ClaimBook(store, lease_s=1e-3)
-    time.sleep(0.01)
-    assert short.try_claim("s2")
+    # A live pid that was started at another time is pid reuse: its owner is gone too.
+    reused = ClaimBook(store, lease_s=60)
+    reused.identity = {**reused.identity, "pid_start": -1}
+    assert reused.try_claim("s3") == CLAIMED and a.try_claim("s3") == CLAIMED
+
+    # The same host name but another kernel (a container, another machine): only the lease tells.
+    far = _elsewhere(ClaimBook(store, lease_s=60))
+    far.identity["host"] = a.identity["host"]
+    assert far.try_claim("s2") == CLAIMED and a.try_claim("s2") == HELD
+    short = ClaimBook(store, lease_s=0.05)
+    time.sleep(0.1)
+    assert short.try_claim("s2") == CLAIMED
+
+
+def test_claim_ages_are_read_on_the_stores_clock(tmp_path):
+    """A worker whose clock runs an hour ahead must not think a live claim stale, and one whose
+    clock runs behind must still see a dead one's lease run out: ages are store mtimes against the
+    store's own time (a probe file), never one host's clock against another's."""
+    store = RunStore(str(tmp_path / "out"), {})
+    owner = _elsewhere(ClaimBook(store, lease_s=2))
+    assert owner.try_claim("s0") == CLAIMED
+    ahead, behind = ClaimBook(store, lease_s=2), ClaimBook(store, lease_s=2)
+    real_time = time.time
+    try:
+        time.time = lambda: real_time() + 3600
+        with ahead:  # measures the store's clock against its own
+            assert ahead.try_claim("s0") == HELD
+        time.time = lambda: real_time() - 3600
+        with behind:
+            time.sleep(2.5)  # the owner wrote nothing since
+            assert behind.try_claim("s0") == CLAIMED
+    finally:
+        time.time = real_time
+
+
+def test_a_frozen_owner_finds_its_claim_lost_and_a_failing_heartbeat_warns(tmp_path, caplog):
+    store = RunStore(str(tmp_path / "out"), {})
+    frozen = _elsewhere(ClaimBook(store, lease_s=0.2))
+    assert frozen.try_claim("s0") == CLAIMED
+    time.sleep(0.3)  # frozen: no heartbeat
+    taker = ClaimBook(store, lease_s=0.2)
+    assert taker.try_claim("s0") == CLAIMED and taker.died_attempts("s0") == 1
+    frozen.renew()  # wakes up
+    assert frozen.is_lost("s0") and not taker.is_lost("s0")
+    assert "claim lost" in caplog.text
+    frozen.release("s0")  # must not overwrite anything of the taker's
+    assert taker.holder("s0") == taker.owner
+
+    broken = ClaimBook(store, lease_s=0.2)
+    assert broken.try_claim("s1") == CLAIMED
+    broken.store = RunStore(str(tmp_path / "out"), {})
+    broken.store.write_json = lambda path, obj: (_ for _ in ()).throw(OSError("disk gone"))
+    broken.renew()
+    assert "claim heartbeat failed" in caplog.text and not broken.is_lost("s1")
+    time.sleep(0.25)
+    broken.renew()  # still failing after a whole lease: it cannot prove it holds the shard
+    assert broken.is_lost("s1")
+
+
+def test_a_shard_whose_attempts_die_is_quarantined(tmp_path):
+    store = RunStore(str(tmp_path / "out"), {})
+    for attempt in range(3):
+        book = _elsewhere(ClaimBook(store, lease_s=0.05, max_attempts=3))
+        assert book.try_claim("s0") == (CLAIMED if attempt < 3 else QUARANTINED)
+        time.sleep(0.1)  # ...and dies on it
+    assert ClaimBook(store, lease_s=0.05, max_attempts=3).try_claim("s0") == QUARANTINED
+    assert ClaimBook(store, lease_s=0.05, max_attempts=3).try_claim("s0") == QUARANTINED
+    assert ClaimBook(store, lease_s=0.05, max_attempts=5).try_claim("s0") == CLAIMED  # the limit raised
 
 
 def test_claims_on_an_object_store_filesystem(make_shards):
@@ -192,9 +261,9 @@ def test_claims_on_an_object_store_filesystem(make_shards):
     store = RunStore("memory://claims-run", {})
     a, b = ClaimBook(store, lease_s=60), ClaimBook(store, lease_s=60)
     b.owner = "other"
-    assert a.try_claim("s0") and not b.try_claim("s0")
+    assert a.try_claim("s0") == CLAIMED and b.try_claim("s0") == HELD
     a.drop("s0")
-    assert b.try_claim("s0")
+    assert b.try_claim("s0") == CLAIMED
 
 
 def test_the_second_committer_of_a_shard_discards_its_attempt(tmp_path):
@@ -212,7 +281,7 @@ def test_the_second_committer_of_a_shard_discards_its_attempt(tmp_path):
     assert not store.commit(attempt(b"second"), {"shard": "s0", "by": "second"})
     assert (tmp_path / "out" / "results" / "s0.parquet").read_bytes() == b"first"
     assert store.read_marker("s0")["by"] == "first"
-    assert not (tmp_path / "out" / "_tmp" / "s0").exists()
+    assert not (tmp_path / "out" / "_attempts").exists()
 
 
 def test_steal_order_takes_each_owners_last_shards_first():
@@ -257,12 +326,9 @@ def test_the_slurm_launcher_preset_composes(tmp_path):
 
 
 def test_a_worker_waits_for_its_shards_held_elsewhere_and_takes_back_a_dead_owners(tmp_path):
-    from batchrun.job.claims import claimed_shards
-
     store = RunStore(str(tmp_path / "out"), {})
-    other = ClaimBook(store, lease_s=0.2)
-    other.host = "elsewhere"  # its pid cannot be checked from here: only the lease tells
-    assert other.try_claim("s0") and other.try_claim("s1")
+    other = _elsewhere(ClaimBook(store, lease_s=0.2))
+    assert other.try_claim("s0") == CLAIMED and other.try_claim("s1") == CLAIMED
     committed: set[str] = set()
     skipped: list[tuple[str, str]] = []
 
@@ -273,7 +339,18 @@ def test_a_worker_waits_for_its_shards_held_elsewhere_and_takes_back_a_dead_owne
 
     mine = ClaimBook(store, lease_s=0.2)
     own = [Shard(n, n, n) for n in ("s0", "s1", "s2")]
-    got = [s.name for s in claimed_shards(own, [], mine, committed.__contains__, on_skip, lambda: False, 0.01)]
+    got = [s.name for s in ShardQueue(own, [], mine, committed.__contains__, on_skip, lambda: False, 0.01)]
     # s2 at once; s1 was committed by its holder; s0's holder stopped beating, so it came back.
     assert got == ["s2", "s0"]
     assert skipped[:2] == [("s0", "elsewhere"), ("s1", "elsewhere")] and ("s1", "skipped") in skipped
+
+
+def test_a_claim_error_fails_that_shard_only(tmp_path):
+    store = RunStore(str(tmp_path / "out"), {})
+    book = ClaimBook(store, lease_s=60)
+    errors = []
+    own = [Shard("s0", "s0", "s0"), Shard("x" * 300, "bad", "bad"), Shard("s2", "s2", "s2")]
+    queue = ShardQueue(own, [], book, lambda name: False, lambda *a: None, lambda: False,
+                       on_error=lambda shard, e: errors.append((shard.path, type(e).__name__)))
+    assert [s.name for s in queue] == ["s0", "s2"]
+    assert errors == [("bad", "ValueError")]  # the store refuses the name before any file call

@@ -6,7 +6,9 @@ from batchrun.job.config import ModelConfig, RunConfig, build_run_config, config
 from batchrun.job.errors import ConfigError, JobError, ShardError
 from batchrun.job.prompts import JobConfig
 from batchrun.job.reader import DataConfig
-from batchrun.job.runner import RunResult, ShardSummary, load_engine, run_job
+from batchrun.job.launch import run_job
+from batchrun.job.results import RunResult, ShardSummary
+from batchrun.job.runner import load_engine
 from batchrun.job.shards import LauncherConfig
 from batchrun.job.summary import format_summary
 from batchrun.job.writer import OutputConfig

@@ -2,24 +2,38 @@
 dead worker's shards are redone, while the commit marker stays the only proof that a shard is done.
 
     {output.uri}/_claims/{shard}/{generation:06d}.json
-        {"owner", "host", "pid", "state": running | released | failed, "claimed_at", "heartbeat_at"}
+        {"owner", "host", "boot_id", "pid_ns", "pid", "pid_start", "state", "died_attempts"}
+        state: running | released | failed | quarantined
 
 A worker claims a shard before it starts it by creating the next generation file if-absent: 0 for
 a shard nobody has claimed, g + 1 to take over generation g. The highest generation is the current
-claim. A claim may be taken over when its state is `released` (its owner stopped or abandoned it),
-when its owner ran on this host and its pid is gone (a crash or SIGKILL: taken at once), or when
-its heartbeat is older than `lease_s` (an owner on another host that died or hangs). Owners refresh
-`heartbeat_at` from a background thread every lease_s / 4.
+claim, and exactly one contender gets each generation: create-if-absent is the same exclusive
+operation as the commit marker's (RunStore.create_json: a hard link locally, If-None-Match on S3).
 
-Create-if-absent is atomic on local filesystems (os.open with O_CREAT | O_EXCL): exactly one
-contender gets each generation. Object stores have no portable conditional PUT through fsspec, so
-there a claim is written after an existence check and read back; two workers racing within that
-window may both process a shard. That costs time, never correctness: before publishing anything a
-committer checks for the shard's marker and discards its attempt when another worker committed
-first (RunStore.commit), so a shard is committed once even when it was processed twice.
+A claim may be taken over when
+- its state is `released` (its owner stopped gracefully or gave it up);
+- its owner is provably dead: it ran in this kernel (same boot id) and this pid namespace, and its
+  pid is gone or now belongs to a process started at another time (pid reuse). Hostnames prove
+  nothing: containers share them;
+- or its lease ran out: the claim file was not rewritten for `lease_s` by the STORE's clock. Owners
+  rewrite it every lease_s / 4; its age is the store's modification time against the store's
+  current time, which each worker estimates by writing a probe file (`_claims/.clock/`). No two
+  hosts' clocks are ever compared.
+
+Taking over a claim whose owner did not release it counts one died attempt; when a shard's died
+attempts reach `max_attempts` (launcher.max_shard_attempts) the taker writes a `quarantined` claim
+instead of running it, and every worker reports the shard as failed from then on: a shard that
+kills its worker (OOM) does not go on to kill every worker in turn.
+
+The owner's heartbeat also watches for a newer generation: a frozen owner (SIGSTOP, a long GC or
+swap storm) that wakes up after a takeover finds its claim lost and stops that shard; if it had
+finished first, the commit marker is already someone else's and its attempt is discarded.
+Heartbeat failures are logged as warnings; an owner that cannot renew its claim for a whole lease
+counts it lost too (someone else may rightly have taken it).
 """
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import os
@@ -30,69 +44,107 @@ import time
 import uuid
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-from fsspec.implementations.local import LocalFileSystem
-
 from batchrun.job.shards import Shard
-from batchrun.job.store import RunStore
+from batchrun.job.store import RunStore, checked_name
 
-log = logging.getLogger("batchrun.job")
+log = logging.getLogger(__name__)
 
-RUNNING, RELEASED, FAILED = "running", "released", "failed"
+RUNNING, RELEASED, FAILED, QUARANTINED = "running", "released", "failed", "quarantined"
+# try_claim's answers
+CLAIMED, HELD = "claimed", "held"
 
 
 class ClaimBook:
     """This worker's view of `_claims/`: claim, heartbeat, release."""
 
-    def __init__(self, store: RunStore, lease_s: float) -> None:
-        assert lease_s > 0
-        self.store, self.fs, self.lease_s = store, store.fs, lease_s
-        self.host, self.pid = socket.gethostname(), os.getpid()
-        self.owner = f"{self.host}:{self.pid}:{uuid.uuid4().hex[:8]}"
-        self._is_local = isinstance(self.fs, LocalFileSystem)
-        self._held: dict[str, str] = {}  # shard -> path of our generation file
+    def __init__(self, store: RunStore, lease_s: float, max_attempts: int = 3) -> None:
+        assert lease_s > 0 and max_attempts >= 1
+        self.store, self.fs, self.lease_s, self.max_attempts = store, store.fs, lease_s, max_attempts
+        self.identity = process_identity()
+        self.owner = f"{self.identity['host']}:{self.identity['pid']}:{uuid.uuid4().hex[:8]}"
+        self._held: dict[str, tuple[int, str]] = {}  # shard -> (generation, path) of our claim
+        self._died: dict[str, int] = {}  # shard -> died attempts before ours
+        self._last_renewed: dict[str, float] = {}  # shard -> time.monotonic() of the last good beat
+        self._lost: set[str] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._clock_offset_s = 0.0  # store time minus local time
+        self._clock_path = store.path("_claims", ".clock", f"{uuid.uuid4().hex}.json")
 
     # ---- claiming ---------------------------------------------------------------------------
 
-    def try_claim(self, shard: str) -> bool:
-        """Claim `shard` unless a live claim by another worker exists; True when it is ours now."""
-        generation, current = self._current(shard)
-        if current is not None and not self._is_stale(current):
-            return current.get("owner") == self.owner
-        path = self._path(shard, generation + 1 if current is not None else 0)
-        if not self._create(path, self._doc(RUNNING)):
-            return False
-        with self._lock:
-            self._held[shard] = path
-        return True
+    def try_claim(self, shard: str) -> str:
+        """CLAIMED when `shard` is ours now; HELD when another worker has a live claim on it;
+        QUARANTINED when its attempts died max_attempts times."""
+        generation, current, mtime = self._current(shard)
+        if current is None:
+            return self._create(shard, 0, RUNNING, 0)
+        died = int(current.get("died_attempts") or 0)
+        if current.get("owner") == self.owner:
+            return CLAIMED if shard in self._held else HELD
+        if current.get("state") == QUARANTINED:
+            if died >= self.max_attempts:
+                return QUARANTINED
+            return self._create(shard, generation + 1, RUNNING, died)  # the limit was raised
+        if not self._is_stale(current, mtime):
+            return HELD
+        if current.get("state") == RUNNING:  # not released: its owner died or froze on it
+            died += 1
+            log.warning("shard %s: taking over the claim of %s, which %s (died attempts: %d of %d)", shard,
+                        current.get("owner"), "is dead" if self._is_dead(current) else "let its lease run out",
+                        died, self.max_attempts)
+        if died >= self.max_attempts:
+            self._create(shard, generation + 1, QUARANTINED, died)
+            return QUARANTINED
+        return self._create(shard, generation + 1, RUNNING, died)
 
     def holder(self, shard: str) -> Optional[str]:
         """The owner of the live claim on `shard`, or None."""
-        _, current = self._current(shard)
-        return current.get("owner") if current is not None and not self._is_stale(current) else None
+        _, current, mtime = self._current(shard)
+        return current.get("owner") if current is not None and not self._is_stale(current, mtime) else None
+
+    def died_attempts(self, shard: str) -> int:
+        _, current, _ = self._current(shard)
+        return int((current or {}).get("died_attempts") or 0)
+
+    def is_lost(self, shard: str) -> bool:
+        """True once the heartbeat found our claim taken over or could not renew it for a lease."""
+        with self._lock:
+            return shard in self._lost
 
     def release(self, shard: str, state: str = RELEASED) -> None:
         """Give a claim up: `released` lets anyone take it now; `failed` keeps others off it until
         the lease runs out or this process is gone (a rerun on this host retries it at once)."""
         with self._lock:
-            path = self._held.pop(shard, None)
-        if path is not None:
-            self._write(path, self._doc(state))
+            held = self._held.pop(shard, None)
+            lost = shard in self._lost
+            self._lost.discard(shard)
+        if held is not None and not lost:
+            try:
+                self.store.write_json(held[1], self._doc(state, self._died.get(shard, 0)))
+            except Exception:  # the lease runs out by itself
+                log.warning("shard %s: could not release its claim", shard, exc_info=True)
 
     def drop(self, shard: str) -> None:
         """Remove a committed shard's claim files: the marker is what counts from now on."""
         with self._lock:
             self._held.pop(shard, None)
+            self._lost.discard(shard)
         try:
-            self.fs.rm(self.store.path("_claims", shard), recursive=True)
+            self.fs.rm(self.store.path("_claims", checked_name(shard)), recursive=True)
         except (FileNotFoundError, OSError):
             pass
 
     # ---- heartbeat --------------------------------------------------------------------------
 
     def __enter__(self) -> "ClaimBook":
+        self._stop.clear()
+        try:
+            self._measure_clock()
+        except Exception:
+            log.warning("could not read the output store's clock; claim ages use this host's clock",
+                        exc_info=True)
         self._thread = threading.Thread(target=self._beat, name="batchrun-claims", daemon=True)
         self._thread.start()
         return self
@@ -103,93 +155,170 @@ class ClaimBook:
             self._thread.join()
         for shard in list(self._held):
             self.release(shard)
-        if self._is_local:
-            try:
-                self.fs.rmdir(self.store.path("_claims"))  # only when empty: others may hold claims
-            except OSError:
-                pass
+        try:
+            self.fs.rm(self._clock_path)
+        except (FileNotFoundError, OSError):
+            pass
+        if self.store.is_local:
+            for directory in (posixpath.dirname(self._clock_path), self.store.path("_claims")):
+                try:
+                    os.rmdir(directory)  # only when empty: others may hold claims
+                except OSError:
+                    pass
 
     def _beat(self) -> None:
         while not self._stop.wait(self.lease_s / 4):
-            with self._lock:
-                held = list(self._held.values())
-            for path in held:
-                try:
-                    self._write(path, self._doc(RUNNING))
-                except Exception:  # a missed beat only shortens the lease; the next one retries
-                    log.debug("claim heartbeat failed for %s", path, exc_info=True)
+            self.renew()
+
+    def renew(self) -> None:
+        """One heartbeat: rewrite every claim we hold, or find it lost."""
+        with self._lock:
+            held = [(s, g, p) for s, (g, p) in self._held.items() if s not in self._lost]
+        for shard, generation, path in held:
+            try:
+                newest, _, _ = self._current(shard)
+                if newest > generation:
+                    self._mark_lost(shard, "another worker took it over (this worker's lease had run out)")
+                    continue
+                self.store.write_json(path, self._doc(RUNNING, self._died.get(shard, 0)))
+                self._last_renewed[shard] = time.monotonic()
+            except Exception as e:
+                age = time.monotonic() - self._last_renewed.get(shard, time.monotonic())
+                log.warning("shard %s: claim heartbeat failed (%s: %s), last renewed %.0f s ago", shard,
+                            type(e).__name__, e, age)
+                if age > self.lease_s:
+                    self._mark_lost(shard, f"its claim could not be renewed for {age:.0f} s")
+        try:
+            self._measure_clock()
+        except Exception as e:
+            log.warning("could not read the output store's clock (%s: %s)", type(e).__name__, e)
+
+    def _mark_lost(self, shard: str, why: str) -> None:
+        log.warning("shard %s: claim lost: %s; this worker stops it", shard, why)
+        with self._lock:
+            self._lost.add(shard)
 
     # ---- files ------------------------------------------------------------------------------
 
     def _path(self, shard: str, generation: int) -> str:
-        return self.store.path("_claims", shard, f"{generation:06d}.json")
+        return self.store.path("_claims", checked_name(shard), f"{generation:06d}.json")
 
-    def _doc(self, state: str) -> dict[str, Any]:
-        now = time.time()
-        return {"owner": self.owner, "host": self.host, "pid": self.pid, "state": state, "heartbeat_at": now}
+    def _doc(self, state: str, died: int) -> dict[str, Any]:
+        return {"owner": self.owner, **self.identity, "state": state, "died_attempts": died,
+                "written_at": time.time()}  # written_at: for people reading the file; never compared
 
-    def _current(self, shard: str) -> tuple[int, Optional[dict[str, Any]]]:
-        directory = self.store.path("_claims", shard)
+    def _create(self, shard: str, generation: int, state: str, died: int) -> str:
+        path = self._path(shard, generation)
+        if not self.store.create_json(path, self._doc(state, died)):
+            return HELD  # another contender got this generation first
+        if state == QUARANTINED:
+            log.error("shard %s: quarantined: %d attempts at it died; set launcher.max_shard_attempts higher "
+                      "or delete %s to try it again", shard, died, self.store.url(self.store.path("_claims", checked_name(shard))))
+            return QUARANTINED
+        with self._lock:
+            self._held[shard] = (generation, path)
+            self._died[shard] = died
+            self._lost.discard(shard)
+        self._last_renewed[shard] = time.monotonic()
+        return CLAIMED
+
+    def _current(self, shard: str) -> tuple[int, Optional[dict[str, Any]], Optional[float]]:
+        """(generation, claim document, store modification time) of the newest claim file."""
+        directory = self.store.path("_claims", checked_name(shard))
         self.fs.invalidate_cache(directory)
         try:
-            names = [posixpath.basename(p) for p in self.fs.ls(directory, detail=False)]
+            entries = self.fs.ls(directory, detail=True)
         except (FileNotFoundError, NotADirectoryError):
-            return -1, None
-        generations = sorted(int(n[:-5]) for n in names if n.endswith(".json") and n[:-5].isdigit())
-        if not generations:
-            return -1, None
+            return -1, None, None
+        files = {}
+        for entry in entries:
+            name = posixpath.basename(entry["name"])
+            if name.endswith(".json") and name[:-5].isdigit():
+                files[int(name[:-5])] = entry
+        if not files:
+            return -1, None, None
+        generation = max(files)
         try:
-            doc = json.loads(self.fs.cat_file(self._path(shard, generations[-1])))
+            doc = json.loads(self.fs.cat_file(self._path(shard, generation)))
         except (FileNotFoundError, ValueError):  # being replaced right now: treat it as live
-            doc = {"owner": None, "state": RUNNING, "heartbeat_at": time.time()}
-        return generations[-1], doc
+            return generation, {"owner": None, "state": RUNNING}, None
+        return generation, doc if isinstance(doc, dict) else {"state": RUNNING}, store_mtime(files[generation])
 
-    def _is_stale(self, claim: dict[str, Any]) -> bool:
+    def _measure_clock(self) -> None:
+        """Estimate the store's clock: write a probe file and read its modification time."""
+        before = time.time()
+        self.store.write_json(self._clock_path, {"owner": self.owner})
+        after = time.time()
+        mtime = store_mtime(self.fs.info(self._clock_path))
+        if mtime is not None:
+            self._clock_offset_s = mtime - (before + after) / 2
+
+    def _is_stale(self, claim: dict[str, Any], mtime: Optional[float]) -> bool:
         if claim.get("owner") == self.owner:
             return False
-        if claim.get("state") == RELEASED:
+        if claim.get("state") == RELEASED or self._is_dead(claim):
             return True
-        if claim.get("host") == self.host and isinstance(claim.get("pid"), int) and not _pid_alive(claim["pid"]):
-            return True
-        return time.time() - float(claim.get("heartbeat_at") or 0) > self.lease_s
+        if mtime is None:  # being rewritten right now, or a store without modification times
+            return False
+        return time.time() + self._clock_offset_s - mtime > self.lease_s
 
-    def _create(self, path: str, doc: dict[str, Any]) -> bool:
-        data = json.dumps(doc).encode()
-        if self._is_local:
-            os.makedirs(posixpath.dirname(path), exist_ok=True)
+    def _is_dead(self, claim: dict[str, Any]) -> bool:
+        """Provably dead: same kernel and pid namespace, and its pid is gone or reused."""
+        me = self.identity
+        if not me["boot_id"] or claim.get("boot_id") != me["boot_id"] or claim.get("pid_ns") != me["pid_ns"]:
+            return False
+        pid = claim.get("pid")
+        if not isinstance(pid, int):
+            return False
+        start = process_start_time(pid)
+        return start is None or (claim.get("pid_start") is not None and start != claim["pid_start"])
+
+
+def store_mtime(info: dict[str, Any]) -> Optional[float]:
+    """A file's modification time by the store's clock (POSIX seconds) from fsspec's info()."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "created"):
+        value = info.get(key)
+        if isinstance(value, dt.datetime):
+            return value.timestamp()
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                return False
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            return True
-        # Object store: check, write, read back (see the module docstring for the race it leaves).
-        if self.fs.exists(path):
-            return False
-        self.fs.pipe_file(path, data)
+                return dt.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+            except ValueError:
+                continue
+    return None
+
+
+def process_identity() -> dict[str, Any]:
+    """What proves a claim's owner dead without a lease: kernel boot, pid namespace, pid, start."""
+    def read(path: str) -> Optional[str]:
         try:
-            return json.loads(self.fs.cat_file(path)).get("owner") == self.owner
-        except (FileNotFoundError, ValueError):
-            return False
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return None
 
-    def _write(self, path: str, doc: dict[str, Any]) -> None:
-        self.store.write_json(path, doc)
-
-
-def _pid_alive(pid: int) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    # A zombie (killed, not yet reaped by its parent) has done all it will do.
+        pid_ns: Optional[str] = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pid_ns = None
+    pid = os.getpid()
+    return {"host": socket.gethostname(), "boot_id": read("/proc/sys/kernel/random/boot_id"), "pid_ns": pid_ns,
+            "pid": pid, "pid_start": process_start_time(pid)}
+
+
+def process_start_time(pid: int) -> Optional[int]:
+    """The process's start time in clock ticks since boot, or None when no such live process
+    exists (a zombie, killed but not yet reaped, has done all it will do)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
 
 
 def steal_order(parts: Sequence[Sequence[Shard]], rank: int) -> list[Shard]:
@@ -207,49 +336,76 @@ def steal_order(parts: Sequence[Sequence[Shard]], rank: int) -> list[Shard]:
     return order
 
 
-def claimed_shards(own: Sequence[Shard], steal: Sequence[Shard], book: ClaimBook,
-                   is_committed: Callable[[str], bool], on_skip: Callable[[Shard, str], None],
-                   should_stop: Callable[[], bool], poll_s: float = 1.0) -> Iterator[Shard]:
+class ShardQueue:
     """Own shards, then others' shards, each yielded only once this worker holds its claim.
 
-    A shard that got committed meanwhile is reported to `on_skip(shard, "skipped")`; one of ours
-    that another worker holds, to `on_skip(shard, "elsewhere")`, and once all else is done this
-    worker waits for those: until they are committed, or their claim goes stale (its owner died)
-    and it takes them itself. So a worker ends with every one of its own shards committed or
-    failed, whoever ran them. Stolen shards are not reported when someone else has them: they were
-    never ours.
+    `on_skip(shard, status)` hears about own shards this worker does not run: "skipped" (committed
+    meanwhile), "elsewhere" (another worker holds it) or "quarantined". Once all else is done the
+    worker waits for its own shards held elsewhere: until they are committed, or their claim goes
+    stale (its owner died) and it takes them itself. So a worker ends with every one of its own
+    shards committed, failed or quarantined, whoever ran them. Stolen shards are not reported when
+    someone else has them: they were never ours. `wait_for(shard)` puts an own shard whose claim
+    this worker lost back on the waiting list.
     """
-    held_elsewhere: list[Shard] = []
-    for is_own, shard in [*((True, s) for s in own), *((False, s) for s in steal)]:
-        if should_stop():
-            return
-        if is_committed(shard.name):
-            if is_own:
-                on_skip(shard, "skipped")
-            continue
-        if not book.try_claim(shard.name):
-            if is_own:
-                on_skip(shard, "elsewhere")
-                held_elsewhere.append(shard)
-            continue
-        if is_committed(shard.name):  # committed between the check and the claim
-            book.drop(shard.name)
-            if is_own:
-                on_skip(shard, "skipped")
-            continue
-        yield shard
-    while held_elsewhere and not should_stop():
-        time.sleep(min(poll_s, book.lease_s / 4))
-        waiting = []
-        for shard in held_elsewhere:
-            if is_committed(shard.name):
-                on_skip(shard, "skipped")
-            elif book.try_claim(shard.name):
-                if is_committed(shard.name):
-                    book.drop(shard.name)
-                    on_skip(shard, "skipped")
-                else:
+
+    def __init__(self, own: Sequence[Shard], steal: Sequence[Shard], book: ClaimBook,
+                 is_committed: Callable[[str], bool], on_skip: Callable[[Shard, str], None],
+                 should_stop: Callable[[], bool], poll_s: float = 1.0,
+                 on_error: Optional[Callable[[Shard, BaseException], None]] = None) -> None:
+        self.own, self.steal, self.book = list(own), list(steal), book
+        self.is_committed, self.on_skip, self.should_stop, self.poll_s = is_committed, on_skip, should_stop, poll_s
+        self.on_error = on_error
+        self._own_names = {s.name for s in own}
+        self._waiting: list[Shard] = []
+
+    def wait_for(self, shard: Shard) -> None:
+        if shard.name in self._own_names:
+            self._waiting.append(shard)
+
+    def __iter__(self) -> Iterator[Shard]:
+        for shard in [*self.own, *self.steal]:
+            if self.should_stop():
+                return
+            if self._take(shard):
+                yield shard
+        while self._waiting and not self.should_stop():
+            time.sleep(min(self.poll_s, self.book.lease_s / 4))
+            waiting, self._waiting = self._waiting, []
+            for shard in waiting:
+                if self._take(shard, report_held=False):
                     yield shard
-            else:
-                waiting.append(shard)
-        held_elsewhere = waiting
+
+    def _take(self, shard: Shard, report_held: bool = True) -> bool:
+        """Claim `shard` if it is to be run here. An error (a storage failure that outlasted its
+        retries, a name the store refuses) fails that shard only, through `on_error`."""
+        try:
+            return self._try_take(shard, report_held)
+        except Exception as e:
+            if self.on_error is None:
+                raise
+            self.on_error(shard, e)
+            return False
+
+    def _try_take(self, shard: Shard, report_held: bool) -> bool:
+        is_own = shard.name in self._own_names
+        if self.is_committed(shard.name):
+            if is_own:
+                self.on_skip(shard, "skipped")
+            return False
+        answer = self.book.try_claim(shard.name)
+        if answer == QUARANTINED:
+            if is_own:
+                self.on_skip(shard, QUARANTINED)
+            return False
+        if answer == HELD:
+            if is_own:
+                if report_held:
+                    self.on_skip(shard, "elsewhere")
+                self._waiting.append(shard)
+            return False
+        if self.is_committed(shard.name):  # committed between the check and the claim
+            self.book.drop(shard.name)
+            if is_own:
+                self.on_skip(shard, "skipped")
+            return False
+        return True

@@ -24,6 +24,29 @@ from batchrun.job.store import RunStore
 
 PACKAGES = ("batchrun", "torch", "transformers", "pyarrow", "fsspec", "s3fs", "tokenizers")
 
+# Keys inside storage_options (at any depth) whose values are credentials: never written to a
+# manifest, which often sits in a bucket others can list.
+_SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "key", "auth", "signature", "sas")
+_NOT_SECRET = {"anon", "use_ssl", "endpoint_url", "region_name", "requester_pays"}
+REDACTED = "<redacted>"
+
+
+def redact(config: Any, inside_options: bool = False) -> Any:
+    """A copy of `config` with the credential-like values of every `storage_options` replaced."""
+    if isinstance(config, dict):
+        out = {}
+        for key, value in config.items():
+            name = str(key).lower()
+            if inside_options and not isinstance(value, (dict, list, tuple)) and value not in (None, "") \
+                    and name not in _NOT_SECRET and any(w in name for w in _SECRET_WORDS):
+                out[key] = REDACTED
+            else:
+                out[key] = redact(value, inside_options or name == "storage_options")
+        return out
+    if isinstance(config, (list, tuple)):
+        return [redact(v, inside_options) for v in config]
+    return config
+
 
 def utc_now() -> str:
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
@@ -44,13 +67,15 @@ class ShardRecord:
     name: str
     input: str  # the input file's URL
     # pending -> running -> committed | failed | interrupted; skipped: committed by an earlier run
-    # or another worker; elsewhere: another worker holds its claim (work stealing)
+    # or another worker; elsewhere: another worker holds its claim (work stealing); quarantined:
+    # attempts at it died launcher.max_shard_attempts times (see results.SHARD_STATUSES)
     status: str = "pending"
     started_at: Optional[str] = None
     finished_at: Optional[str] = None
     num_rows: Optional[int] = None
     num_errors: Optional[int] = None
     error: Optional[str] = None  # why a shard failed
+    num_duplicate_ids: Optional[int] = None  # its ids that another shard of this worker's run had too
 
 
 class Manifest:
@@ -71,6 +96,8 @@ class Manifest:
             "model": {"path": None, "fingerprint": None},  # filled once the engine loads
             "engine_settings": None,  # what the engine resolved at start-up (dtype, batch limits, KV blocks)
             "config": config,
+            "commit_method": store.commit_method,  # how commit markers are made exclusive (store.py)
+            "num_duplicate_ids": 0,  # ids that also appeared in another shard this worker ran
             "engine_stats": None,
             "message": None,
         }
@@ -82,6 +109,13 @@ class Manifest:
     def set_engine(self, model_path: str, fingerprint: str, settings: dict[str, Any]) -> None:
         self._doc["model"] = {"path": model_path, "fingerprint": fingerprint}
         self._doc["engine_settings"] = settings
+
+    def set_commit_method(self, method: str) -> None:
+        self._doc["commit_method"] = method
+
+    def add_duplicate_ids(self, shard: str, count: int) -> None:
+        self._doc["num_duplicate_ids"] += count
+        self.update(shard, num_duplicate_ids=count)
 
     def update(self, shard: str, **fields: Any) -> None:
         record = self.shards[shard]
@@ -105,7 +139,8 @@ class Manifest:
 
 
 # A shard's record in the run manifest comes from the worker whose record says the most.
-_STATUS_RANK = {"committed": 6, "skipped": 5, "failed": 4, "interrupted": 3, "running": 2, "elsewhere": 1, "pending": 0}
+_STATUS_RANK = {"committed": 6, "skipped": 5, "quarantined": 4, "failed": 4, "interrupted": 3, "running": 2,
+                "elsewhere": 1, "pending": 0}
 
 
 def read_worker_manifests(store: RunStore) -> list[dict[str, Any]]:
@@ -148,7 +183,7 @@ def merge_manifests(store: RunStore, shards: Sequence[Shard], world_size: int) -
     worker_statuses = {d["status"] for d in docs}
     if statuses == {"committed"}:
         status = "completed"
-    elif "failed" in statuses:
+    elif "failed" in statuses or "quarantined" in statuses:
         status = "failed"
     elif "running" in worker_statuses or len(docs) < world_size:
         status = "running"
@@ -171,6 +206,8 @@ def merge_manifests(store: RunStore, shards: Sequence[Shard], world_size: int) -
         "model": first.get("model"),
         "engine_settings": first.get("engine_settings"),
         "config": first.get("config"),
+        "commit_method": first.get("commit_method"),
+        "num_duplicate_ids": sum(d.get("num_duplicate_ids") or 0 for d in docs),
         "engine_stats": None,  # per worker, under workers
         "message": f"{num_done} of {len(shards)} shards committed",
         "shards": merged_shards,

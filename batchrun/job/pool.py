@@ -20,16 +20,18 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 from batchrun.job.config import RunConfig, build_run_config
 from batchrun.job.errors import ConfigError, JobError
 from batchrun.job.manifest import utc_now, write_merged_manifest
-from batchrun.job.shards import discover_shards, open_filesystem
+from batchrun.job.results import DONE_STATUSES, RunResult, ShardSummary
+from batchrun.job.runner import run_worker
+from batchrun.job.shards import Shard, discover_shards, open_filesystem
 from batchrun.job.signals import StopRequest
 from batchrun.job.store import RunStore
 
-log = logging.getLogger("batchrun.job")
+log = logging.getLogger(__name__)
 
 POLL_S = 0.2
 
@@ -72,16 +74,15 @@ def _gpu_ids(config: RunConfig, env: Mapping[str, str]) -> Optional[list[str]]:
     return [str(i) for i in range(count)]
 
 
-def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> Any:
-    from batchrun.job.runner import RunResult, ShardSummary  # the runner imports this module lazily
-
+def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> RunResult:
     assert config.data.uri is not None
-    data_fs, data_path = open_filesystem(config.data.uri, config.data.storage_options)
-    shards = discover_shards(data_fs, data_path, config.data.uri)
     try:
         store = RunStore(config.output.uri, config.output.storage_options)
     except Exception as e:
         raise JobError(f"output.uri: cannot open {config.output.uri}: {e}") from None
+    data_fs, data_path = open_filesystem(config.data.uri, config.data.storage_options)
+    same_fs = type(data_fs) is type(store.fs) and data_fs.protocol == store.fs.protocol
+    shards = discover_shards(data_fs, data_path, config.data.uri, exclude=store.root if same_fs else None)
     started_at = utc_now()
     workers = worker_configs(config, env)
     log.info("starting %d workers over %d shards; output %s", len(workers), len(shards), store.url(store.root))
@@ -104,6 +105,10 @@ def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> Any:
                 forwarded = True
             time.sleep(POLL_S)
     codes = [p.returncode for p in procs]
+    if not config.launcher.work_stealing:  # the workers ran the shared plan's shards (runner._shared_plan)
+        plan = store.read_json(store.path("_plan.json"))
+        if isinstance(plan, dict) and isinstance(plan.get("shards"), list):
+            shards = [Shard(**s) for s in plan["shards"]]
     doc = write_merged_manifest(store, shards, len(workers))
     summaries = []
     for record in doc["shards"]:
@@ -119,7 +124,7 @@ def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> Any:
         log.warning("worker(s) %s died by a signal; %s", ", ".join(map(str, died)),
                     "the others took their shards over" if doc["status"] == "completed"
                     else "rerun the same command to redo what they left")
-    num_left = sum(s.status not in ("committed", "skipped") for s in summaries)
+    num_left = sum(s.status not in DONE_STATUSES for s in summaries)
     if stop.requested and num_left:
         exit_code, status = stop.exit_code, "interrupted"
     elif num_left == 0:
@@ -137,14 +142,12 @@ def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> Any:
 
 
 def _worker_main(config_path: str) -> int:
-    from batchrun.job.runner import run_job
-
     with open(config_path) as f:
         config = build_run_config(json.load(f))
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"[worker {config.launcher.rank}] %(levelname)s %(message)s")
     try:
-        result = run_job(config)
+        result = run_worker(config)
     except ConfigError as e:
         print(f"batchrun worker {config.launcher.rank}: config error: {e}", file=sys.stderr, flush=True)
         return 2

@@ -5,6 +5,7 @@ bounded by `data.batch_size` whatever the shard's size.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Literal, Optional, Sequence
 
@@ -22,7 +23,9 @@ class DataConfig:
 
     # A directory, a glob or one Parquet file: a local path or any fsspec URL (s3://, gs://, memory://).
     uri: Optional[str] = None
-    id_column: Optional[str] = "id"  # when null or absent from a shard, ids are "<shard>-<row index>"
+    # The column of row ids, kept with its type in the results. null: ids are "<shard>-<row index>".
+    # A shard without it fails; when the first shard lacks it, the run stops with a config error.
+    id_column: Optional[str] = "id"
     text_column: str = "text"  # the prompt text, or an OpenAI-style list of {role, content} messages
     storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec
     on_too_long: Literal["error", "truncate"] = "error"  # prompts over max_model_len - max_tokens
@@ -41,8 +44,11 @@ class DataConfig:
 @dataclass(frozen=True)
 class InputRow:
     index: int  # position in the shard, from 0
-    id: Optional[str]  # None when the id column holds null in this row
-    values: dict[str, Any]  # the columns the job reads, by name
+    # The id column's value as read (its Arrow type kept: int ids stay ints); None when it is null
+    # or NaN; "<shard>-<row index>" when data.id_column is null.
+    id: Any
+    values: dict[str, Any]  # the columns the job reads, by name (None where invalid_columns says so)
+    invalid_columns: tuple[str, ...] = ()  # columns whose text is not valid UTF-8 in this row
 
 
 class ShardReader:
@@ -62,37 +68,69 @@ class ShardReader:
         if missing:
             raise ShardError(f"{shard.url}: missing column {', '.join(map(repr, missing))} "
                              f"(it has {', '.join(self.schema.names)})")
-        self.id_column = config.id_column if config.id_column in names else None
+        if config.id_column is not None and config.id_column not in names:
+            raise ShardError(f"{shard.url}: missing id column {config.id_column!r} (data.id_column; it has "
+                             f"{', '.join(self.schema.names)}); set data.id_column=null for positional ids")
+        self.id_column = config.id_column
         self._columns = list(dict.fromkeys([*columns, *([self.id_column] if self.id_column else [])]))
         self.num_rows: int = self._parquet.metadata.num_rows
 
     def field(self, name: str) -> pa.Field:
         return self.schema.field(name)
 
+    @property
+    def id_type(self) -> pa.DataType:
+        """The results' `id` type: the id column's own, or text for positional ids."""
+        return self.schema.field(self.id_column).type if self.id_column else pa.string()
+
     def rows(self) -> Iterator[InputRow]:
         """Every row in file order; a read failure part way raises ShardError."""
         index = 0
         try:
             for batch in self._parquet.iter_batches(batch_size=self._batch_size, columns=self._columns):
-                ids = batch.column(self.id_column).to_pylist() if self.id_column else None
-                columns = {name: batch.column(name).to_pylist() for name in self._columns}
+                columns, invalid = {}, {}
+                for name in self._columns:
+                    columns[name], invalid[name] = _values(batch.column(name))
                 for i in range(batch.num_rows):
-                    row_id = self._id(ids[i]) if ids is not None else f"{self.shard.name}-{index}"
-                    yield InputRow(index, row_id, {name: values[i] for name, values in columns.items()})
+                    bad = tuple(name for name in self._columns if i in invalid[name])
+                    values = {name: column[i] for name, column in columns.items()}
+                    row_id = _id(values.pop(self.id_column)) if self.id_column else f"{self.shard.name}-{index}"
+                    if self.id_column:
+                        values[self.id_column] = row_id
+                    yield InputRow(index, row_id, values, bad)
                     index += 1
         except ShardError:
             raise
         except Exception as e:
             raise ShardError(f"cannot read {self.shard.url} at row {index}: {_one_line(e)}") from None
 
-    @staticmethod
-    def _id(value: Any) -> Optional[str]:
-        if value is None:
-            return None
-        return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
-
     def close(self) -> None:
         self._file.close()
+
+
+def _id(value: Any) -> Any:
+    """An id as read; null and NaN are no id (NaN != NaN: as keys they would never match)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return None
+    return value
+
+
+def _values(column: pa.Array) -> tuple[list[Any], set[int]]:
+    """A column as Python values, and the rows whose text is not valid UTF-8 (None there). Only a
+    batch that fails to convert as a whole pays for the row-by-row pass that finds them."""
+    try:
+        return column.to_pylist(), set()
+    except UnicodeDecodeError:
+        pass
+    values: list[Any] = []
+    invalid: set[int] = set()
+    for i in range(len(column)):
+        try:
+            values.append(column[i].as_py())
+        except UnicodeDecodeError:
+            values.append(None)
+            invalid.add(i)
+    return values, invalid
 
 
 def _one_line(error: BaseException) -> str:

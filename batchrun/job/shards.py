@@ -1,8 +1,16 @@
 """Which input files make up the run, what each shard is called, and which worker takes which.
 
 Shard names are the input path relative to `data.uri`'s directory, without the suffix and with '/'
-turned into '__' (a flat directory gives plain file stems). The name depends only on the file's own
-path, never on which other files exist, so adding inputs later cannot rename a committed shard.
+turned into '__' (a flat directory gives plain file stems). A name that would not be a plain, safe
+file name (empty, `.`/`..`, a leading dot, separators, control or other unusual characters, more
+than NAME_MAX_BYTES) becomes a readable slug plus a short hash of the relative path instead, so no
+input name can address anything outside its own files in the output directory. The name depends
+only on the file's own path, never on which other files exist, so adding inputs later cannot rename
+a committed shard.
+
+Discovery takes Parquet files only (by extension; the reader checks the magic bytes), skips hidden
+and `_`-prefixed files (Spark's `_SUCCESS`, checksums, our own output), and never takes files under
+the run's own output directory when that lies inside the input.
 
 Assignment is round-robin over shards sorted by name: worker `rank` of `world_size` takes shards
 rank, rank + world_size, ... It needs no file sizes (no extra listing on object stores) and every
@@ -10,6 +18,8 @@ worker computes the same split independently; with many similar shards it balanc
 """
 from __future__ import annotations
 
+import hashlib
+import logging
 import posixpath
 import re
 from dataclasses import dataclass
@@ -34,12 +44,18 @@ class LauncherConfig:
     # Idle workers take unstarted (and dead workers') shards through claim files (claims.py).
     work_stealing: bool = True
     claim_lease_s: float = 120.0  # a claim without a heartbeat for this long may be taken over
+    # A shard whose attempts died this many times (a worker killed or frozen on it: OOM, a crash in
+    # native code) is quarantined, reported as failed and no longer taken by anyone; raise the
+    # limit or delete {output.uri}/_claims/{shard}/ to try it again.
+    max_shard_attempts: int = 3
 
     def __post_init__(self) -> None:
         if self.num_workers < 1:
             raise ValueError(f"launcher.num_workers must be >= 1, got {self.num_workers}")
         if self.claim_lease_s <= 0:
             raise ValueError(f"launcher.claim_lease_s must be > 0, got {self.claim_lease_s}")
+        if self.max_shard_attempts < 1:
+            raise ValueError(f"launcher.max_shard_attempts must be >= 1, got {self.max_shard_attempts}")
 
 
 @dataclass(frozen=True)
@@ -47,6 +63,8 @@ class Shard:
     name: str  # unique within the run; names the output files
     path: str  # path inside the filesystem (what fs.open takes)
     url: str  # the same with its protocol, for logs and the manifest
+    size: Optional[int] = None  # bytes, as listed
+    version: Optional[str] = None  # ETag on object stores, else the modification time, as listed
 
 
 @dataclass(frozen=True)
@@ -56,8 +74,15 @@ class Worker:
     source: str  # where rank and world size came from, for the log and the manifest
 
 
+log = logging.getLogger(__name__)
+
 _GLOB_CHARS = re.compile(r"[*?\[]")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._=-]*")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
+# Shard names become parts of file names (`{name}.parquet`, `{name}.json`, claim directories); the
+# common file-name limit is 255 bytes, and a slug plus hash must stay well within it.
+NAME_MAX_BYTES = 150
+PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
 
 
 def open_filesystem(uri: str, storage_options: Mapping[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -65,28 +90,48 @@ def open_filesystem(uri: str, storage_options: Mapping[str, Any]) -> tuple[fsspe
     return url_to_fs(uri, **dict(storage_options))
 
 
-def discover_shards(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> list[Shard]:
+def discover_shards(fs: fsspec.AbstractFileSystem, path: str, uri: str,
+                    exclude: Optional[str] = None) -> list[Shard]:
     """The Parquet files at `path` in `fs` (a directory, a glob or one file), sorted by shard name.
 
-    `uri` is what the user wrote, for messages.
+    `uri` is what the user wrote, for messages; `exclude` is a path in `fs` whose files are never
+    inputs (the run's output directory when it lies inside the input). Finding no input is a
+    ConfigError naming data.uri.
     """
     path = path.rstrip("/") or path
     try:
         if _GLOB_CHARS.search(path):
             root = _glob_root(path)
-            files = [p for p in fs.glob(path) if fs.isfile(p)]
+            infos = {p: i for p, i in fs.glob(path, detail=True).items() if i.get("type") == "file"}
         elif fs.isdir(path):
             root = path
-            files = [p for p in fs.find(path) if p.endswith(".parquet") and not _is_hidden(posixpath.relpath(p, root))]
+            infos = fs.find(path, detail=True)
         elif fs.isfile(path):
-            root, files = posixpath.dirname(path), [path]
+            root, infos = posixpath.dirname(path), {path: fs.info(path)}
         else:
-            raise JobError(f"data.uri: nothing found at {uri}")
+            raise ConfigError("data.uri", f"nothing found at {uri}")
     except (OSError, PermissionError) as e:
         raise JobError(f"data.uri: cannot list {uri}: {e}") from None
+    candidates = sorted(infos)
+    files, skipped = [], {"hidden or _-prefixed": 0, "not .parquet": 0, "inside output.uri": 0}
+    excluded = exclude.rstrip("/") + "/" if exclude else None
+    for p in candidates:
+        rel = posixpath.relpath(p, root) if root else p
+        if excluded is not None and (p + "/").startswith(excluded):
+            skipped["inside output.uri"] += 1
+        elif _is_hidden(rel):
+            skipped["hidden or _-prefixed"] += 1
+        elif not p.lower().endswith(PARQUET_SUFFIXES):
+            skipped["not .parquet"] += 1
+        else:
+            files.append(p)
+    if any(skipped.values()):
+        log.info("data.uri: %s", ", ".join(f"skipped {n} file(s) {why}" for why, n in skipped.items() if n))
     if not files:
-        raise JobError(f"data.uri: no Parquet files at {uri}")
-    shards = [Shard(shard_name(p, root), p, fs.unstrip_protocol(p)) for p in sorted(files)]
+        raise ConfigError("data.uri", f"no Parquet files (*.parquet) at {uri}"
+                          + (f" ({sum(skipped.values())} other files skipped)" if any(skipped.values()) else ""))
+    shards = [Shard(shard_name(p, root), p, fs.unstrip_protocol(p), infos[p].get("size"), _version(infos[p]))
+              for p in sorted(files)]
     by_name: dict[str, Shard] = {}
     for shard in shards:
         if shard.name in by_name:
@@ -97,9 +142,27 @@ def discover_shards(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> list[
 
 
 def shard_name(path: str, root: str) -> str:
+    """The shard's name: its relative path as a plain file name, or a slug and a hash when that is
+    not safe (see the module docstring). Always matches _SAFE_NAME and fits NAME_MAX_BYTES."""
     rel = posixpath.relpath(path, root) if root else path
     stem = rel[: -len(posixpath.splitext(rel)[1]) or None]
-    return _UNSAFE.sub("_", stem.replace("/", "__")).strip("_") or "shard"
+    plain = stem.replace("/", "__")
+    if _SAFE_NAME.fullmatch(plain) and len(plain) <= NAME_MAX_BYTES and plain not in (".", ".."):
+        return plain
+    slug = _UNSAFE.sub("_", plain).strip("._=-")[: NAME_MAX_BYTES - 12] or "shard"
+    return f"{slug}-{hashlib.sha256(rel.encode('utf-8', 'surrogateescape')).hexdigest()[:10]}"
+
+
+def is_safe_name(name: str) -> bool:
+    """True for names shard_name can produce: a plain file name that cannot leave its directory."""
+    return bool(_SAFE_NAME.fullmatch(name)) and len(name.encode()) <= NAME_MAX_BYTES
+
+
+def _version(info: Mapping[str, Any]) -> Optional[str]:
+    for key in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "created"):
+        if info.get(key) is not None:
+            return f"{key}={info[key]}"
+    return None
 
 
 def _glob_root(pattern: str) -> str:

@@ -1,11 +1,13 @@
 """SIGTERM/SIGINT as a request to stop: the runner stops admitting, abandons the shard in progress
 (uncommitted, so the next run redoes it) and exits through its normal reporting path.
 
-A second signal gets the default behaviour back (SIGINT raises KeyboardInterrupt, SIGTERM kills),
-for when stopping gracefully takes too long.
+Further signals while the stop is under way are noted and otherwise ignored: a scheduler or an
+impatient user that sends SIGTERM twice must not cut the manifest and the claim releases short.
+SIGKILL remains the way to stop at once (and costs nothing that a rerun does not redo).
 """
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from types import FrameType
@@ -34,9 +36,15 @@ class StopRequest:
         return 128 + self.signum
 
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
-        self.signum = signum
-        for sig, previous in self._previous.items():
-            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        if self.signum is None:
+            self.signum = signum
+            return
+        # Not logging: a handler may run inside a logging call, whose lock is not reentrant.
+        try:
+            os.write(2, f"batchrun: got {signal.Signals(signum).name} again; already stopping (nothing partial "
+                        "is committed; SIGKILL stops at once)\n".encode())
+        except OSError:
+            pass
 
     def __enter__(self) -> "StopRequest":
         # Handlers can only be set from the main thread; elsewhere (e.g. a notebook worker) the

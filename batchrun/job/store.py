@@ -1,37 +1,89 @@
 """The output directory's layout and its exactly-once commit protocol.
 
-    {output.uri}/results/{shard}.parquet    one per input shard, rows in input order
-    {output.uri}/metrics/{shard}.parquet    one row per shard
-    {output.uri}/_commits/{shard}.json      the commit marker: the only proof a shard is done
-    {output.uri}/_manifest.json             this run (one per worker when world_size > 1)
-    {output.uri}/_tmp/{shard}/...           files being written; never read by anyone
-    {output.uri}/_claims/{shard}/...        who is working on a shard (claims.py); advisory only
+    {output.uri}/results/{shard}.parquet          the committed attempt's results, rows in input order
+    {output.uri}/metrics/{shard}.parquet          its metrics row
+    {output.uri}/_commits/{shard}.json            the commit marker: the only proof a shard is done
+    {output.uri}/_attempts/{shard}/{attempt}/     one attempt's own files, never read by anyone else
+    {output.uri}/_claims/{shard}/{gen}.json       who is working on a shard (claims.py); advisory
+    {output.uri}/_plan.json                       the shard list, when work stealing is off
+    {output.uri}/_manifest.json                   this run (one per worker when world_size > 1)
 
-Protocol, the same on every filesystem: write both files under _tmp, move them to their final
-names, then write the marker. A shard is committed if and only if its marker exists. A crash before
-the marker leaves at worst complete-but-uncommitted files at the final names, which the rerun
-overwrites; nothing partial is ever at a final name, because local moves are renames and object
-stores publish an object only once it is complete. Reruns skip shards with a marker.
+Protocol. Each attempt at a shard writes its files under its own `_attempts/{shard}/{attempt}/`;
+no attempt deletes or overwrites another's. The commit is ONE create-if-absent of the marker, which
+names the attempt whose files are the result: exactly one attempt wins, however many workers ran
+the shard (a frozen worker that wakes up after its lease, two workers racing on an object store).
+The loser logs it and discards its own attempt. After winning, the winner publishes its files to
+`results/` and `metrics/` (a rename locally; a copy then delete on object stores); anyone who finds
+a marker whose files are not published yet (the winner died in between) finishes the publication
+from the attempt the marker names. So:
+
+- A shard is committed if and only if its marker exists; a marker always names complete files.
+- `results/*.parquet` only ever holds files of committed attempts, one per shard; during the short
+  gap between marker and publication a committed shard's file may be missing there, never extra.
+  `read_committed` (and so the notebook) reads through the markers and sees no such gap.
+- Create-if-absent is a hard link of a complete temp file on local filesystems (atomic, and a
+  reader never sees a half-written marker), `If-None-Match: *` on S3 (s3fs `mode="create"`), and a
+  lock within the process for memory://. Other stores get check-then-put, which two racing
+  committers can both pass: `commit_method` says which one a run used, and the manifest records it.
+
+Every path is built from shard names (shards.py makes them safe) and checked to stay inside
+`output.uri`: a hostile name cannot address anything outside its own files.
 """
 from __future__ import annotations
 
 import json
+import logging
+import os
 import posixpath
+import random
+import threading
+import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
+from fsspec.implementations.memory import MemoryFileSystem
 
-from batchrun.job.shards import open_filesystem
+from batchrun.job.shards import is_safe_name, open_filesystem
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MARKER_PROTOCOL = 2  # markers of this layout carry "protocol": 2 and name their attempt
+_MEMORY_LOCK = threading.Lock()  # memory:// lives in one process: a lock makes create exclusive
+
+# Errors that say something about the request, not about the store's health: never retried.
+_PERMANENT = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError,
+              ValueError, TypeError, KeyError)
+
+
+def with_retries(action: Callable[[], T], what: str, attempts: int = 4, base_delay_s: float = 0.5) -> T:
+    """Run `action`, retrying transient storage errors (timeouts, connection resets, 5xx: any
+    OSError but the permanent ones) with jittered exponential backoff; the last error is raised."""
+    for attempt in range(attempts):
+        try:
+            return action()
+        except _PERMANENT:
+            raise
+        except (OSError, TimeoutError, ConnectionError) as e:
+            if attempt == attempts - 1:
+                raise
+            delay = base_delay_s * (2 ** attempt) * (0.5 + random.random())
+            log.warning("%s failed (%s: %s); retrying in %.1f s", what, type(e).__name__, e, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
 class Attempt:
-    """Temporary file names for one try at one shard."""
+    """One try at one shard: its id and its own file names."""
 
     shard: str
+    attempt_id: str
+    directory: str
     results_tmp: str
     metrics_tmp: str
 
@@ -42,92 +94,232 @@ class RunStore:
         self.fs, root = open_filesystem(uri, storage_options)
         self.root = root.rstrip("/") or root
         self.uri = uri
+        self.is_local = isinstance(self.fs, LocalFileSystem)
+        self.is_memory = isinstance(self.fs, MemoryFileSystem)
         # Object stores have no directories; a local filesystem needs them before a file goes in.
-        self._needs_dirs = isinstance(self.fs, LocalFileSystem)
+        self._needs_dirs = self.is_local
+
+    # ---- paths ------------------------------------------------------------------------------
 
     def path(self, *parts: str) -> str:
-        return posixpath.join(self.root, *parts)
+        """A path inside the output directory. Every part must be one plain path component: a
+        shard name that slipped through unsanitized cannot climb out of (or wipe) the root."""
+        for part in parts:
+            if not part or part in (".", "..") or "/" in part or "\\" in part or "\0" in part:
+                raise ValueError(f"refusing output path component {part!r} (under {self.uri})")
+        out = posixpath.normpath(posixpath.join(self.root, *parts)) if parts else self.root
+        assert out == self.root or out.startswith(self.root.rstrip("/") + "/"), (out, self.root)
+        return out
 
     def url(self, path: str) -> str:
         return self.fs.unstrip_protocol(path)
 
     def results_path(self, shard: str) -> str:
-        return self.path("results", f"{shard}.parquet")
+        return self.path("results", f"{_checked(shard)}.parquet")
 
     def metrics_path(self, shard: str) -> str:
-        return self.path("metrics", f"{shard}.parquet")
+        return self.path("metrics", f"{_checked(shard)}.parquet")
 
     def marker_path(self, shard: str) -> str:
-        return self.path("_commits", f"{shard}.json")
+        return self.path("_commits", f"{_checked(shard)}.json")
 
     def manifest_path(self, rank: int, world_size: int) -> str:
         return self.path("_manifest.json" if world_size == 1 else f"_manifest.rank{rank}.json")
+
+    @property
+    def commit_method(self) -> str:
+        """How the marker is created: the guarantee it gives is in the module docstring."""
+        if self.is_local:
+            return "link (exclusive)"
+        if self.is_memory:
+            return "in-process lock (exclusive)"
+        if _supports_conditional_put(self.fs):
+            return "if-none-match (exclusive)"
+        return "check-then-put (NOT exclusive: two racing committers may both publish)"
+
+    # ---- commit markers -----------------------------------------------------------------------
 
     def committed_shards(self) -> set[str]:
         """Names of shards with a commit marker (one listing, not one request per shard)."""
         commits = self.path("_commits")
         self.fs.invalidate_cache(commits)  # another process may have committed since we last looked
         try:
-            names = self.fs.ls(commits, detail=False)
+            names = with_retries(lambda: self.fs.ls(commits, detail=False), f"listing {self.url(commits)}")
         except (FileNotFoundError, NotADirectoryError):
             return set()
-        return {posixpath.basename(n)[: -len(".json")] for n in names if n.endswith(".json")}
+        return {posixpath.basename(n)[: -len(".json")] for n in names
+                if n.endswith(".json") and is_safe_name(posixpath.basename(n)[: -len(".json")])}
+
+    def published_shards(self) -> set[str]:
+        """Names of shards with a file in results/ (one listing)."""
+        results = self.path("results")
+        self.fs.invalidate_cache(results)
+        try:
+            names = with_retries(lambda: self.fs.ls(results, detail=False), f"listing {self.url(results)}")
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
+        return {posixpath.basename(n)[: -len(".parquet")] for n in names if n.endswith(".parquet")}
 
     def read_marker(self, shard: str) -> Optional[dict[str, Any]]:
+        path = self.marker_path(shard)
+        self.fs.invalidate_cache(posixpath.dirname(path))
         try:
-            return json.loads(self.fs.cat_file(self.marker_path(shard)))
+            doc = json.loads(with_retries(lambda: self.fs.cat_file(path), f"reading {self.url(path)}"))
         except (FileNotFoundError, ValueError):
             return None
+        return doc if isinstance(doc, dict) else None
+
+    def remove_marker(self, shard: str) -> None:
+        """Un-commit a shard (output.on_change=recompute, by the holder of its claim only)."""
+        try:
+            self.fs.rm(self.marker_path(shard))
+        except FileNotFoundError:
+            pass
+
+    # ---- attempts -----------------------------------------------------------------------------
 
     def begin(self, shard: str) -> Attempt:
-        """Fresh temp names for `shard`, after removing what an earlier, abandoned try left."""
-        tmp_dir = self.path("_tmp", shard)
-        self._remove_tree(tmp_dir)
-        token = uuid.uuid4().hex[:12]
+        """A fresh attempt with its own directory; nothing anyone else wrote is touched."""
+        attempt_id = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:12]}"
+        directory = self.path("_attempts", _checked(shard), attempt_id)
         if self._needs_dirs:
-            for d in (tmp_dir, self.path("results"), self.path("metrics"), self.path("_commits")):
-                self.fs.makedirs(d, exist_ok=True)
-        return Attempt(shard, posixpath.join(tmp_dir, f"{token}.results.parquet"),
-                       posixpath.join(tmp_dir, f"{token}.metrics.parquet"))
+            with_retries(lambda: self.fs.makedirs(directory, exist_ok=True), f"creating {directory}")
+        return Attempt(shard, attempt_id, directory, posixpath.join(directory, "results.parquet"),
+                       posixpath.join(directory, "metrics.parquet"))
 
     def commit(self, attempt: Attempt, marker: Mapping[str, Any]) -> bool:
-        """Publish an attempt's files, then its marker; from the marker on, the shard is done.
+        """Create the shard's marker naming this attempt, then publish the attempt's files.
 
-        False, with the attempt discarded, when another worker committed the shard first (two
-        workers can end up processing one shard: see claims.py); the first marker stands.
+        False, with this attempt's files discarded, when another attempt's marker was there first:
+        that commit stands and this attempt's work is redundant.
         """
-        self.fs.invalidate_cache(self.path("_commits"))
-        if self.fs.exists(self.marker_path(attempt.shard)):
+        doc = {**marker, "protocol": MARKER_PROTOCOL, "attempt": attempt.attempt_id,
+               "attempt_dir": posixpath.relpath(attempt.directory, self.root)}
+        if not self.create_json(self.marker_path(attempt.shard), doc):
             self.abandon(attempt)
             return False
-        self.fs.mv(attempt.results_tmp, self.results_path(attempt.shard))
-        self.fs.mv(attempt.metrics_tmp, self.metrics_path(attempt.shard))
-        self.write_json(self.marker_path(attempt.shard), marker)
-        self._remove_tree(self.path("_tmp", attempt.shard))
+        try:
+            self.publish(attempt.shard, doc)
+        except Exception:  # committed all the same: whoever looks next finishes the publication
+            log.warning("shard %s: committed, but publishing its files failed; the next run publishes them",
+                        attempt.shard, exc_info=True)
+        return True
+
+    def publish(self, shard: str, marker: Mapping[str, Any]) -> bool:
+        """Make sure the marker's attempt files are at their published names (idempotent; anyone
+        may call it for any committed shard). False when neither place has them (deleted by hand)."""
+        attempt_dir = marker.get("attempt_dir")
+        if not isinstance(attempt_dir, str):  # a marker of the earlier layout: files were moved first
+            return self.fs.exists(self.results_path(shard))
+        parts = attempt_dir.split("/")
+        source_dir = self.path(*parts)
+        complete = True
+        for name, final in (("results.parquet", self.results_path(shard)),
+                            ("metrics.parquet", self.metrics_path(shard))):
+            complete &= self._move_if_needed(posixpath.join(source_dir, name), final)
+        if complete:
+            self._remove_tree(source_dir)
+        return complete
+
+    def _move_if_needed(self, source: str, final: str) -> bool:
+        """Move `source` to `final` unless it was moved already. A concurrent mover may take the
+        source between our looks, so a missing source means: look at `final` once more."""
+        if not self.fs.exists(source):
+            self.fs.invalidate_cache(posixpath.dirname(final))
+            return self.fs.exists(final)
+        if self._needs_dirs:
+            self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
+        try:
+            if self.is_local:
+                os.replace(source, final)  # atomic: the file is always at one of the two names
+            else:
+                with_retries(lambda: self.fs.copy(source, final), f"publishing {self.url(final)}")
+                self.fs.rm(source)
+        except FileNotFoundError:
+            self.fs.invalidate_cache(posixpath.dirname(final))
+            return self.fs.exists(final)
         return True
 
     def abandon(self, attempt: Attempt) -> None:
-        """Remove what an attempt wrote; it was never visible, this only tidies up."""
-        self._remove_tree(self.path("_tmp", attempt.shard))
+        """Remove this attempt's own files; they were never visible."""
+        self._remove_tree(attempt.directory)
+
+    # ---- files --------------------------------------------------------------------------------
+
+    def create_json(self, path: str, obj: Any) -> bool:
+        """Create `path` holding `obj` if and only if it does not exist; True when we created it.
+        The file appears complete or not at all (see commit_method for what 'only if' rests on)."""
+        data = _encode(obj)
+        if self.is_local:
+            os.makedirs(posixpath.dirname(path), exist_ok=True)
+            tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(tmp, path)  # fails if `path` exists, whoever made it
+                return True
+            except FileExistsError:
+                return False
+            finally:
+                os.unlink(tmp)
+        if self.is_memory:
+            with _MEMORY_LOCK:
+                if self.fs.exists(path):
+                    return False
+                self.fs.pipe_file(path, data)
+                return True
+        if _supports_conditional_put(self.fs):
+            try:
+                with_retries(lambda: self.fs.pipe_file(path, data, mode="create"), f"creating {self.url(path)}")
+                return True
+            except (FileExistsError, OSError) as e:
+                if not _is_precondition_failure(e):
+                    raise
+                # A retried PUT whose first try did land answers 412 too: the bytes tell whose it is.
+                try:
+                    return bool(self.fs.cat_file(path) == data)
+                except FileNotFoundError:
+                    return False
+        self.fs.invalidate_cache(posixpath.dirname(path))
+        if self.fs.exists(path):
+            return False
+        with_retries(lambda: self.fs.pipe_file(path, data), f"writing {self.url(path)}")
+        return True
 
     def write_json(self, path: str, obj: Any) -> None:
         """Replace `path` whole: a reader sees the old or the new content, never a mix."""
-        data = json.dumps(obj, indent=2, sort_keys=False, default=str).encode()
+        data = _encode(obj)
         if not self._needs_dirs:
-            self.fs.pipe_file(path, data)  # an object store publishes a PUT only once it is complete
+            # an object store publishes a PUT only once it is complete
+            with_retries(lambda: self.fs.pipe_file(path, data), f"writing {self.url(path)}")
             return
         self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
         tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
         self.fs.pipe_file(tmp, data)
         self.fs.mv(tmp, path)
 
+    def read_json(self, path: str) -> Optional[Any]:
+        self.fs.invalidate_cache(posixpath.dirname(path))
+        try:
+            return json.loads(with_retries(lambda: self.fs.cat_file(path), f"reading {self.url(path)}"))
+        except (FileNotFoundError, ValueError):
+            return None
+
     def cleanup(self) -> None:
-        """Drop the _tmp directory once it is empty (other workers may still be using it)."""
+        """Drop the working directories once they are empty (other workers may still use them)."""
         if self._needs_dirs:
-            try:
-                self.fs.rmdir(self.path("_tmp"))
-            except OSError:
-                pass
+            for name in ("_attempts", "_tmp"):
+                try:
+                    for shard_dir in self.fs.ls(self.path(name), detail=False):
+                        try:
+                            os.rmdir(shard_dir)
+                        except OSError:
+                            pass
+                    os.rmdir(self.path(name))
+                except (OSError, FileNotFoundError):
+                    pass
 
     def _remove_tree(self, path: str) -> None:
         try:
@@ -135,3 +327,57 @@ class RunStore:
                 self.fs.rm(path, recursive=True)
         except FileNotFoundError:
             pass
+        if self._needs_dirs:  # the shard's and then the run's attempts directory, once empty
+            try:
+                os.rmdir(posixpath.dirname(path))
+                os.rmdir(posixpath.dirname(posixpath.dirname(path)))
+            except OSError:
+                pass
+
+
+def checked_name(shard: str) -> str:
+    """`shard`, when it is a name shards.py could have made; ValueError otherwise."""
+    return _checked(shard)
+
+
+def _checked(shard: str) -> str:
+    if not is_safe_name(shard):
+        raise ValueError(f"unsafe shard name {shard!r}")
+    return shard
+
+
+def _encode(obj: Any) -> bytes:
+    return json.dumps(obj, indent=2, sort_keys=False, default=str).encode()
+
+
+def _supports_conditional_put(fs: fsspec.AbstractFileSystem) -> bool:
+    """s3fs sends If-None-Match for pipe_file(mode="create"); fsspec's generic pipe_file only
+    checks, then writes, which is no exclusion at all."""
+    return type(fs).__module__.split(".")[0] == "s3fs"
+
+
+def _is_precondition_failure(error: BaseException) -> bool:
+    if isinstance(error, FileExistsError):
+        return True
+    text = f"{error} {error.__cause__ or ''} {error.__context__ or ''}"
+    return "PreconditionFailed" in text or "412" in text or "ConditionalRequestConflict" in text
+
+
+
+def committed_files(store: RunStore) -> dict[str, str]:
+    """shard -> path of its committed results file, from the markers alone: what a reader should
+    use to see exactly the committed results, also while workers are running. Read-only: a shard
+    whose publication is pending is read from the attempt its marker names."""
+    out = {}
+    for shard in sorted(store.committed_shards()):
+        marker = store.read_marker(shard)
+        if marker is None:
+            continue
+        path = store.results_path(shard)
+        attempt_dir = marker.get("attempt_dir")
+        if isinstance(attempt_dir, str) and not store.fs.exists(path):
+            pending = posixpath.join(store.path(*attempt_dir.split("/")), "results.parquet")
+            store.fs.invalidate_cache(posixpath.dirname(path))
+            path = pending if store.fs.exists(pending) else path
+        out[shard] = path
+    return out

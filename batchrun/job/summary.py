@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from batchrun.job.runner import RunResult
+from batchrun.job.results import RunResult
 
 _COLUMNS = ("shard", "status", "rows", "ok", "errors", "out tok/s", "TTFT p50")
 

@@ -6,7 +6,7 @@ is written, then writes row groups incrementally, so memory stays bounded for la
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Literal, Optional, Sequence
 
 import fsspec
 import pyarrow as pa
@@ -15,7 +15,9 @@ import pyarrow.parquet as pq
 from batchrun.engine import RequestOutput
 
 RESULT_FIELDS: list[pa.Field] = [
-    pa.field("id", pa.string()),  # the input row's id (data.id_column as text, or "<shard>-<row index>")
+    # The input row's id, in the id column's own type (result_schema), or "<shard>-<row index>"
+    # text with data.id_column=null; null on null_id and some invalid_text rows.
+    pa.field("id", pa.string()),
     pa.field("output", pa.string()),  # generated text; null for error rows
     pa.field("finish_reason", pa.string()),  # stop | length | error
     pa.field("error_type", pa.string()),  # null, or one of the typed errors (null_prompt, ...)
@@ -67,6 +69,9 @@ class OutputConfig:
     uri: str = "runs/summarize"  # a directory: local path or any fsspec URL
     storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec
     keep_columns: tuple[str, ...] = ()  # input columns copied into each result row
+    # A rerun whose settings, model or input differ from what a shard was committed with: `error`
+    # stops with one line naming what changed; `recompute` redoes those shards (fingerprint.py).
+    on_change: Literal["error", "recompute"] = "error"
 
     def __post_init__(self) -> None:
         if not self.uri:
@@ -79,7 +84,7 @@ class OutputConfig:
 ENGINE_ERROR = "engine_error"
 
 
-def error_result(row_id: Optional[str], error_type: str, message: Optional[str],
+def error_result(row_id: Any, error_type: str, message: Optional[str],
                  num_prompt_tokens: Optional[int], keep: dict[str, Any]) -> dict[str, Any]:
     """The result row of an input row that never produced output."""
     return {"id": row_id, "output": None, "finish_reason": "error", "error_type": error_type,
@@ -87,7 +92,7 @@ def error_result(row_id: Optional[str], error_type: str, message: Optional[str],
             "num_cached_tokens": None, "ttft_s": None, "itl_s": None, "latency_s": None, **keep}
 
 
-def output_result(row_id: Optional[str], out: RequestOutput, note: Optional[str],
+def output_result(row_id: Any, out: RequestOutput, note: Optional[str],
                   keep: dict[str, Any]) -> dict[str, Any]:
     """The result row of an engine output; an engine-side failure becomes a typed engine_error."""
     failed = out.finish_reason == "error"
@@ -100,8 +105,9 @@ def output_result(row_id: Optional[str], out: RequestOutput, note: Optional[str]
             "latency_s": m.latency_s, **keep}
 
 
-def result_schema(keep_fields: Sequence[pa.Field]) -> pa.Schema:
-    return pa.schema([*RESULT_FIELDS, *keep_fields])
+def result_schema(keep_fields: Sequence[pa.Field], id_type: pa.DataType = pa.string()) -> pa.Schema:
+    fields = [f.with_type(id_type) if f.name == "id" else f for f in RESULT_FIELDS]
+    return pa.schema([*fields, *keep_fields])
 
 
 class ResultWriter:

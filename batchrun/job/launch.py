@@ -1,0 +1,25 @@
+"""run_job: the entry point of a run. One worker in this process, or, with launcher.num_workers=N
+(and no rank given), N worker processes on this machine (pool.py), each running runner.run_worker."""
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional
+
+from batchrun.engine import Engine
+from batchrun.job.config import RunConfig
+from batchrun.job.pool import run_local_workers
+from batchrun.job.results import RunResult
+from batchrun.job.runner import run_worker
+
+
+def run_job(config: RunConfig, engine: Optional[Engine] = None, env: Optional[Mapping[str, str]] = None) -> RunResult:
+    """Run the job (or this worker's share of it). Raises JobError when it cannot start at all and
+    ConfigError for a configuration it refuses.
+
+    `engine` may be passed in to reuse a loaded one (notebooks, tests); `env` defaults to
+    os.environ and is where torchrun/Slurm ranks are read from when the config leaves them unset.
+    """
+    env = env if env is not None else os.environ
+    if config.launcher.num_workers > 1 and config.launcher.rank is None:
+        return run_local_workers(config, env)
+    return run_worker(config, engine, env)

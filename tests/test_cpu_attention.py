@@ -232,7 +232,7 @@ def test_prefill_across_threads_and_many_chunks(one_torch_thread, dtype):
 def _int8_case(heads, kv_heads, dim, block, dtype, seqs):
     """_prefill_case over an int8 cache (engine.kv_cache_dtype: int8), plus float32 caches of its
     dequantized values (the truth both paths are measured against)."""
-    from batchrun.kernels.quant import QuantizedKVCache
+    from batchrun.kernels.quant.kv import QuantizedKVCache
 
     q, k_float, v_float, meta = _prefill_case(heads, kv_heads, dim, block, dtype, seqs)
     caches, exact = [], []
@@ -328,7 +328,7 @@ def test_native_cache_write_equals_index_copy(dtype, head_major, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_int8_cache_write_is_bitwise_quantize_kv(dtype, monkeypatch):
     from batchrun.kernels.attention import write_kv_cache
-    from batchrun.kernels.quant import QuantizedKVCache
+    from batchrun.kernels.quant.kv import QuantizedKVCache
 
     torch.manual_seed(2)
     shape, tokens = (9, 16, 3, 64), 37

@@ -7,6 +7,7 @@ import torch
 
 from batchrun.kernels import cpu_native
 from batchrun.kernels import quant as qk
+from batchrun.kernels.quant import w8a8
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C++ compiler: the native kernels are not built")
 
@@ -105,8 +106,8 @@ def test_quantization_with_float_channels_gathers_them_in_the_same_pass(monkeypa
     skip[index] = True
     outliers = qk.OutlierChannels(index, skip, torch.randn(num_float, 8, generator=gen).to(dtype))
     calls = []
-    real = qk._quantize_per_token_int8_native
-    monkeypatch.setattr(qk, "_quantize_per_token_int8_native", lambda *a: calls.append(len(a)) or real(*a))
+    real = w8a8._quantize_per_token_int8_native
+    monkeypatch.setattr(w8a8, "_quantize_per_token_int8_native", lambda *a: calls.append(len(a)) or real(*a))
     got = qk.quantize_with_outliers(x, outliers)
     assert calls == [3]  # the native pass, with the gather
     want = _torch_path(monkeypatch, qk.quantize_with_outliers, x, outliers)

@@ -94,7 +94,7 @@ def test_a_bf16_w4a8_engine_keeps_the_gguf_blocks_and_its_kernel_is_one_rounding
     # (Teacher-forced top-1 agreement between the two paths measured 95.9% on 1,022 positions, and
     # 97.7% between bf16 with and without the native kernels: in bf16 a last-bit difference grows
     # over 30 layers, more so where it can move an activation across an int8 rounding boundary.)
-    from batchrun.kernels.w4a8 import GroupQuantized, quantize_groups_int8
+    from batchrun.kernels.quant.w4a8 import GroupQuantized, quantize_groups_int8
     from batchrun.model.quant import W4A8Linear
 
     engine, seqs, _ = reference

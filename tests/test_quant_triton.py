@@ -24,7 +24,7 @@ _CASES = [(1, 64, 40, None, 32), (21, 96, 72, 32, 32), (5, 160, 48, None, 32), (
 
 
 def _check_all(device: str, dtype: torch.dtype, rtol: float, atol: float, **tiles) -> None:
-    from batchrun.kernels.triton_quant import w4a16_matmul, w8a16_matmul
+    from batchrun.kernels.quant.triton_gemm import w4a16_matmul, w8a16_matmul
 
     gen = torch.Generator().manual_seed(0)
     for m, k, n, g8, g4 in _CASES:

@@ -1,4 +1,4 @@
-"""W4A8: int4 weights and int8 activations, both in groups of 32 along K (kernels/w4a8.py:
+"""W4A8: int4 weights and int8 activations, both in groups of 32 along K (kernels/quant/w4a8.py:
 quantize_groups_int8, w4a8_matmul, w4a8_matmul_native; model/quant.py: W4A8Linear).
 
 The integer dot product of each group is exact, so every output is the float sum
@@ -12,8 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from batchrun.kernels import cpu_native
 from batchrun.kernels import quant as qk
-from batchrun.kernels import w4a8 as w4
+from batchrun.kernels.quant import w4a8 as w4
 from batchrun.model import quant as mq
 
 BF16 = torch.bfloat16
@@ -54,7 +55,7 @@ def _assert_one_rounding_of(got: torch.Tensor, exact: torch.Tensor) -> None:
 # ---- activation quantization in groups ------------------------------------------------------
 
 
-needs_native = pytest.mark.skipif(not qk.cpu_native.available(), reason="native kernels not built here")
+needs_native = pytest.mark.skipif(not cpu_native.available(), reason="native kernels not built here")
 
 
 def _bitwise(x: torch.Tensor, group: int, monkeypatch) -> None:

@@ -168,7 +168,7 @@ def _kernel_checks(device: torch.device, smoke: bool) -> list[tuple[str, float, 
     def w8a16(group: Optional[int]):
         def run():
             from batchrun.kernels.quant import int8_weight_matmul, quantize_int8
-            from batchrun.kernels.triton_quant import w8a16_matmul
+            from batchrun.kernels.quant.triton_gemm import w8a16_matmul
 
             m, n, k = gemm
             gen = torch.Generator().manual_seed(4)
@@ -181,7 +181,7 @@ def _kernel_checks(device: torch.device, smoke: bool) -> list[tuple[str, float, 
 
     def w4a16():
         from batchrun.kernels.quant import int4_weight_matmul, quantize_int4
-        from batchrun.kernels.triton_quant import w4a16_matmul
+        from batchrun.kernels.quant.triton_gemm import w4a16_matmul
 
         m, n, k = gemm
         gen = torch.Generator().manual_seed(5)

@@ -11,7 +11,7 @@ from batchrun.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.kv_layout import new_kv_cache
-from batchrun.kernels.quant import KV_CACHE_DTYPES, QuantizedKVCache, kv_bytes_per_token_head
+from batchrun.kernels.quant.kv import KV_CACHE_DTYPES, QuantizedKVCache, kv_bytes_per_token_head
 from batchrun.model.decoder import DecoderLM
 
 

@@ -17,7 +17,7 @@ from batchrun.kernels import cpu_attention
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.attention_torch import write_kv_cache_reference
 from batchrun.kernels.backend import triton_usable
-from batchrun.kernels.quant import QuantizedKVCache
+from batchrun.kernels.quant.kv import QuantizedKVCache
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.kv_layout import slots_by_head
-from batchrun.kernels.quant import QuantizedKVCache
+from batchrun.kernels.quant.kv import QuantizedKVCache
 
 log = logging.getLogger(__name__)
 

@@ -29,7 +29,7 @@ from batchrun.kernels import cpu_native
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.attention_torch import attend_decodes, attend_prefills
 from batchrun.kernels.cpu_native import DTYPE_CODES
-from batchrun.kernels.quant import QuantizedKVCache
+from batchrun.kernels.quant.kv import QuantizedKVCache
 
 log = logging.getLogger(__name__)
 

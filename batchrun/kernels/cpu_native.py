@@ -5,15 +5,15 @@
 - csrc/prefill_attention.cpp: causal prefill attention over the paged KV cache, float or int8,
   flash-style, on AVX-512 (bf16 on AVX512-BF16 dot products) (kernels/cpu_attention.py);
 - csrc/quant.cpp: the per-token int8 quantization and the int32 -> float epilogue around W8A8's
-  int8 GEMM (kernels/quant.py: w8a8_matmul), and W4A8's quantization in groups of 32
-  (kernels/w4a8.py: quantize_groups_int8);
+  int8 GEMM (kernels/quant/w8a8.py: w8a8_matmul), and W4A8's quantization in groups of 32
+  (kernels/quant/w4a8.py: quantize_groups_int8);
 - csrc/elementwise.cpp: RMSNorm (with the residual add before it), rotary embedding and
   silu(gate) * up in bf16, one pass each (kernels/elementwise.py), and the KV-cache write, also
   quantizing into an int8 cache (kernels/cpu_attention.py);
 - csrc/linear.cpp: bf16 linear layers over weights packed at load, prefetching the weight stream
   (kernels/cpu_linear.py: NativeLinear; with silu(gate) * up fused into a gate/up projection's
   store: NativeSiluMulLinear), W8A8's int8 GEMM with its scales and float channels
-  (kernels/quant.py: w8a8_matmul_native), and W4A8's grouped int8 x int4 GEMM (kernels/w4a8.py).
+  (kernels/quant/w8a8.py: w8a8_matmul_native), and W4A8's grouped int8 x int4 GEMM (kernels/quant/w4a8.py).
 
 They are compiled together with the system C++ compiler (`$CXX`, `c++`, `g++` or `clang++`;
 -O3 -march=native -fopenmp) into one library in a per-user cache ($BATCHRUN_KERNEL_CACHE, else

@@ -17,7 +17,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from batchrun.kernels.quant import pack_int4
+from batchrun.kernels.quant.formats import pack_int4
 from batchrun.model.quant import QuantizedWeight
 
 GGUF_BLOCK_SIZE = 32

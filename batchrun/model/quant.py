@@ -49,9 +49,10 @@ from typing import Callable, Optional, Union
 import torch
 from torch import nn
 
+from batchrun.kernels import cpu_native
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels import quant as qk
-from batchrun.kernels import w4a8 as w4
+from batchrun.kernels.quant import w4a8 as w4
 
 log = logging.getLogger("batchrun.model.quant")
 
@@ -174,7 +175,7 @@ class Int8Linear(QuantLinear):
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         if _triton_ok(x2):
-            from batchrun.kernels.triton_quant import w8a16_matmul
+            from batchrun.kernels.quant.triton_gemm import w8a16_matmul
             y = w8a16_matmul(x2, self.qweight, self.scales, self.bias)
         elif (not x2.is_cuda and x2.dtype == torch.bfloat16 and self.is_per_channel
               and x2.shape[0] <= CPU_INT8PACK_MAX_ROWS):
@@ -244,7 +245,7 @@ class W8A8Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_native:
             if (x.dtype == torch.bfloat16 and x.stride(-1) == 1 and not x.is_cuda and self._kernel_ok
-                    and qk.cpu_native.enabled()):
+                    and cpu_native.enabled()):
                 return qk.w8a8_matmul_native(x, self.packed_qweight, self._scales_f32, self._bias_f32, self.outliers,
                                              self.packed_outlier_weight)
             return self._reference(x)  # kernels switched off since load, or an odd input
@@ -290,7 +291,7 @@ class Int4Linear(QuantLinear):
             if self.bias is not None:
                 y = y + self.bias
         elif _triton_ok(x2):
-            from batchrun.kernels.triton_quant import w4a16_matmul
+            from batchrun.kernels.quant.triton_gemm import w4a16_matmul
             y = w4a16_matmul(x2, self.qweight, self.scales, self.mins, self.bias)
         else:
             y = qk.int4_weight_matmul(x2, self.qweight, self.scales, self.mins, self.bias)
@@ -345,12 +346,12 @@ class W4A8Linear(QuantLinear):
 
     def _native_ok(self, x: torch.Tensor) -> bool:
         return (self.is_native and self._kernel_ok and x.dtype == torch.bfloat16 and not x.is_cuda
-                and x.stride(-1) == 1 and qk.cpu_native.enabled())
+                and x.stride(-1) == 1 and cpu_native.enabled())
 
     def forward(self, x: Union[torch.Tensor, w4.GroupQuantized]) -> torch.Tensor:
         """x: activations, or activations already quantized in groups (W4A8SiluMulLinear's output)."""
         if isinstance(x, w4.GroupQuantized):
-            native = self.is_native and self._kernel_ok and x.dtype == torch.bfloat16 and qk.cpu_native.enabled()
+            native = self.is_native and self._kernel_ok and x.dtype == torch.bfloat16 and cpu_native.enabled()
         else:
             native = self._native_ok(x)
         if native:

@@ -1,6 +1,6 @@
 """Triton dequantize-GEMMs for the GPU: W8A16 (int8 weights) and W4A16 (packed int4 in groups).
 
-Same signatures and formats as the torch references in `batchrun.kernels.quant`
+Same signatures and formats as the torch references in `batchrun.kernels.quant.weight_only`
 (`int8_weight_matmul`, `int4_weight_matmul`), which the tests compare them with, on CPU tensors in
 Triton's interpreter (TRITON_INTERPRET=1) and on a GPU when there is one. Each program computes a
 (BLOCK_M, BLOCK_N) tile of y = x @ W.T: it loads the quantized weight tile, dequantizes it in
@@ -11,11 +11,14 @@ even and odd columns of x meet the two nibble planes in two dots, with no interl
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+log = logging.getLogger(__name__)
 
 
 @triton.jit

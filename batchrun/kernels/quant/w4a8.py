@@ -1,5 +1,5 @@
 """W4A8: int4 weights and int8 activations, both in groups of 32 along K (llama.cpp's Q4_1 x Q8_1
-scheme; model/quant.py: W4A8Linear). The activations are quantized per group on the fly
+scheme; model/quant/layers.py: W4A8Linear). The activations are quantized per group on the fly
 (`quantize_groups_int8`), each group's int8 x int4 dot product is exact in int32, then scaled and
 summed in float32. `w4a8_matmul` is the plain-torch reference; in bf16 on a CPU with AVX512-VNNI
 and AVX512-BF16 the native kernel (csrc/linear.cpp: w4a8_micro) runs instead, over the weight in
@@ -8,6 +8,7 @@ projection the activations already quantized (`w4a8_silu_quant_native`, `GroupQu
 """
 from __future__ import annotations
 
+import logging
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -15,17 +16,13 @@ import torch
 from batchrun.kernels import cpu_native
 from batchrun.kernels.cpu_linear import pack_tiles, unpack_tiles
 from batchrun.kernels.cpu_native import DTYPE_CODES
-from batchrun.kernels.quant import INT8_MAX, MIN_SCALE, dequantize_int4, native_rows, pack_int4, unpack_int4
+from batchrun.kernels.quant.formats import INT8_MAX, MIN_SCALE, dequantize_int4, pack_int4, unpack_int4
+from batchrun.kernels.quant.w8a8 import native_rows
+
+log = logging.getLogger(__name__)
 
 
 W4A8_GROUP = 32
-# Measured on SmolLM2's 120 projections (2 cores, csrc/linear.cpp: w4a8_micro, activation
-# quantization included): 2.6 / 7.4 / 89 ms at 1 / 32 / 512 rows, against 5.7 / 9.6 / 120 for the
-# bf16 kernel and 4.0 / 7.0 / 66 for W8A8 without float channels. Per group of 32 the kernel pays
-# a conversion, a multiply and two FMAs per accumulator on top of 8 vpdpbusd (dropping the min
-# term's FMA alone measured 1.46x bf16 at 512 rows). Quantizing the activations inside the kernel
-# call rather than in a pass of its own took 3.6 -> 2.6 ms at 1 row and 10.1 -> 7.4 at 32: the
-# pass's own work is small there, its call and three tensors were not.
 
 
 def quantize_groups_int8(x: torch.Tensor, group: int = W4A8_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -348,7 +348,7 @@ def test_native_int8_cache_write_is_bitwise_quantize_kv(dtype, monkeypatch):
     monkeypatch.setattr(cpu_attention, "write_kv_cache", lambda *a: calls.append(1) or real(*a))
     write_kv_cache(got_k, got_v, k, v, slots)
     keep = slots >= 0
-    want_k.write(k[keep], slots[keep])  # the torch path: kernels/quant.py quantize_kv + index_copy_
+    want_k.write(k[keep], slots[keep])  # the torch path: kernels/quant/kv.py quantize_kv + index_copy_
     want_v.write(v[keep], slots[keep])
     assert calls
     for got, want in ((got_k, want_k), (got_v, want_v)):

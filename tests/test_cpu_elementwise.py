@@ -142,11 +142,11 @@ def test_float32_and_the_switch_take_the_torch_path(monkeypatch):
 
 def test_engine_greedy_output_is_the_same_with_the_kernels_on_and_off(tiny_llama_dir, monkeypatch):
     from batchrun.engine import Engine, EngineConfig, SamplingParams
-    from batchrun.model import decoder
+    from batchrun.model import prepare
 
     # The silu pass as its own kernel: without this the gate/up projections fuse it
     # (NativeSiluMulLinear, tests/test_cpu_linear.py).
-    monkeypatch.setattr(decoder, "pack_silu_mul", lambda linear: None)
+    monkeypatch.setattr(prepare, "pack_silu_mul", lambda linear: None)
     engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="bfloat16", device="cpu", kv_cache_memory=16 << 20,
                                  max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
     prompts = [[5 + (7 * i + j) % 200 for j in range(20 + 13 * i)] for i in range(6)]
@@ -166,7 +166,7 @@ def test_engine_greedy_output_is_the_same_with_the_kernels_on_and_off(tiny_llama
 
 
 # ---------------------------------------------------------------------------------------------
-# oneDNN-packed bf16 linears (kernels/cpu_linear.py; the native ones: tests/test_cpu_linear.py)
+# oneDNN-packed bf16 linears (model/linear.py: PackedLinear; the native ones: tests/test_cpu_linear.py)
 
 
 @pytest.mark.skipif(not __import__("batchrun.kernels.cpu_linear", fromlist=["x"]).packing_available(),
@@ -174,7 +174,7 @@ def test_engine_greedy_output_is_the_same_with_the_kernels_on_and_off(tiny_llama
 @pytest.mark.parametrize("rows", [1, 5, 32, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_is_bitwise_f_linear(rows, bias):
-    from batchrun.kernels.cpu_linear import PackedLinear, pack_linear
+    from batchrun.model.linear import PackedLinear, pack_linear
 
     torch.manual_seed(rows)
     linear = torch.nn.Linear(96, 200, bias=bias).to(BF16)
@@ -192,7 +192,7 @@ def test_packed_linear_is_bitwise_f_linear(rows, bias):
 def test_engine_packs_bf16_linears_and_the_tokens_stay(tiny_llama_dir, monkeypatch):
     from batchrun.engine import Engine, EngineConfig, SamplingParams
     from batchrun.kernels import cpu_linear
-    from batchrun.kernels.cpu_linear import PackedLinear
+    from batchrun.model.linear import PackedLinear
 
     # oneDNN's packing, where the native kernel would otherwise take these shapes (tests/test_cpu_linear.py).
     monkeypatch.setattr(cpu_linear, "native_supported", lambda *shape: False)
@@ -238,9 +238,10 @@ def test_a_tied_lm_head_is_not_packed_for_onednn(monkeypatch):
     from transformers import LlamaConfig
 
     from batchrun.model.decoder import DecoderLM
+    from batchrun.model.prepare import prepare_linears
 
     config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
     model = DecoderLM(config).to(BF16)
-    assert model.pack_cpu_linears() == 4 * 2
+    assert prepare_linears(model, "none", "cpu", BF16).num_packed == 4 * 2
     assert model.lm_head.weight is model.embed_tokens.weight

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from batchrun.kernels import cpu_linear
-from batchrun.kernels.cpu_linear import (NATIVE_MAX_IN_FEATURES, NativeEmbedding, NativeLinear, NativeSiluMulLinear,
-                                         pack_linear, pack_native_weight, pack_silu_mul, unpack_native_weight)
+from batchrun.kernels.cpu_linear import NATIVE_MAX_IN_FEATURES, pack_native_weight, unpack_native_weight
+from batchrun.model.linear import NativeEmbedding, NativeLinear, NativeSiluMulLinear, pack_linear, pack_silu_mul
+from batchrun.model.prepare import prepare_linears
 
 BF16 = torch.bfloat16
 
@@ -129,7 +130,7 @@ def test_a_tied_lm_head_is_packed_once_and_the_embedding_reads_it():
     from transformers import LlamaConfig
 
     from batchrun.model.decoder import DecoderLM
-    from batchrun.model.quant import module_weight_bytes
+    from batchrun.model.prepare import module_weight_bytes
 
     config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
@@ -137,7 +138,7 @@ def test_a_tied_lm_head_is_packed_once_and_the_embedding_reads_it():
     model = DecoderLM(config).to(BF16)
     table = model.embed_tokens.weight.detach().clone()
     bytes_before = module_weight_bytes(model)
-    assert model.pack_cpu_linears() == 4 * 2 + 1
+    assert prepare_linears(model, "none", "cpu", BF16).num_packed == 4 * 2 + 1
     assert isinstance(model.lm_head, NativeLinear) and isinstance(model.embed_tokens, NativeEmbedding)
     assert model.embed_tokens.packed_weight is model.lm_head.packed_weight
     assert module_weight_bytes(model) <= bytes_before + 4 * 2 * 1024  # at most the float32 bias copies
@@ -258,14 +259,14 @@ def test_fused_silu_mul_only_where_it_serves():
         x = torch.randn(3, 64).to(BF16)
         with torch.inference_mode():
             want = model.layers[0].mlp(x)
-            model.pack_cpu_linears()
+            prepare_linears(model, "none", "cpu", BF16).num_packed
             mlp = model.layers[0].mlp
             assert mlp.fused_act == fused and isinstance(mlp.gate_up_proj, NativeSiluMulLinear) == fused
             _assert_within_one_step_of(mlp(x), want)
 
 
 # ---------------------------------------------------------------------------------------------
-# W8A8 through the native kernel (kernels/quant.py: w8a8_matmul_native, model/quant.py: W8A8Linear)
+# W8A8 through the native kernel (kernels/quant/w8a8.py: w8a8_matmul_native, model/quant/layers.py: W8A8Linear)
 
 needs_native_w8a8 = pytest.mark.skipif(
     not __import__("batchrun.kernels.quant", fromlist=["x"]).w8a8_native_supported(32, 64, 8),
@@ -472,8 +473,8 @@ def test_the_tied_embedding_refuses_negative_ids_and_packing_twice_is_harmless()
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
     model = DecoderLM(config).to(BF16)
-    assert model.pack_cpu_linears() == 4 + 1
-    assert model.pack_cpu_linears() == 0  # nothing left to pack
+    assert prepare_linears(model, "none", "cpu", BF16).num_packed == 4 + 1
+    assert prepare_linears(model, "none", "cpu", BF16).num_packed == 0  # nothing left to pack
     with pytest.raises(IndexError):
         model.embed_tokens(torch.tensor([3, -1]))
     with pytest.raises(IndexError):

@@ -10,7 +10,8 @@ from batchrun.kernels import quant as qk
 from batchrun.kernels.attention import paged_attention, write_kv_cache
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.model import quant as mq
-from batchrun.model.gguf_quant import blocks_to_weight, read_gguf_weights, unpermute_rows
+from batchrun.model.gguf import blocks_to_weight, read_gguf_weights, unpermute_rows
+from batchrun.model.prepare import module_weight_bytes, quantize_model
 
 
 def _weights(n: int = 48, k: int = 128, seed: int = 0) -> torch.Tensor:
@@ -240,7 +241,7 @@ def test_smoothing_moves_activation_ranges_into_weights_without_changing_the_out
     ids = list(range(5, 70))
     run = prefill_forward(model, 16, torch.float32, torch.device("cpu"))
     absmax = mq.collect_input_absmax(model, run, [ids])
-    assert set(absmax) == {n for n, _ in mq._projections(model)} and all(a.dim() == 1 for a in absmax.values())
+    assert set(absmax) == {n for n, _ in mq.projections(model)} and all(a.dim() == 1 for a in absmax.values())
     outputs = []
     hook = model.register_forward_hook(lambda _m, _i, out: outputs.append(out.clone()))  # the final hidden states
     run(ids)
@@ -257,26 +258,26 @@ def test_smoothing_moves_activation_ranges_into_weights_without_changing_the_out
 @pytest.mark.parametrize("mode", ["int8", "w8a8", "int4", "fp8"])
 def test_quantize_model_swaps_the_projections_and_shrinks_the_weights(mode, tiny_llama_dir):
     model = _tiny_decoder(tiny_llama_dir)
-    float_bytes = mq.module_weight_bytes(model)
-    summary = mq.quantize_model(model, mode, group_size=32, include_embeddings=True)
+    float_bytes = module_weight_bytes(model)
+    summary = quantize_model(model, mode, group_size=32, include_embeddings=True)
     num_layers = model.spec.num_layers
     assert summary.num_quantized == 4 * num_layers + 2  # 4 projections per layer, embedding, LM head
     assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
     assert isinstance(model.embed_tokens, mq.QuantEmbedding)
-    assert mq.module_weight_bytes(model) < 0.4 * float_bytes
+    assert module_weight_bytes(model) < 0.4 * float_bytes
 
 
 def test_quantize_model_none_leaves_the_model_alone(tiny_llama_dir):
     model = _tiny_decoder(tiny_llama_dir)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    assert mq.quantize_model(model, "none").num_quantized == 0
+    assert quantize_model(model, "none").num_quantized == 0
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_gguf_mode_needs_gguf_blocks(tiny_llama_dir):
     with pytest.raises(ValueError, match="GGUF"):
-        mq.quantize_model(_tiny_decoder(tiny_llama_dir), "gguf")
+        quantize_model(_tiny_decoder(tiny_llama_dir), "gguf")
 
 
 def test_engine_config_validates_quantization_fields():
@@ -366,11 +367,11 @@ def test_w8a8_float_outlier_channels_cut_the_error_of_outlier_heavy_activations(
 
 def test_w8a8_calibrated_model_keeps_an_eighth_at_most_in_float(tiny_llama_dir):
     model = _tiny_decoder(tiny_llama_dir)
-    absmax = {name: torch.rand(lin.in_features) + 0.1 for name, lin in mq._projections(model)}
-    summary = mq.quantize_model(model, "w8a8", input_absmax=absmax, outlier_channels=64)
+    absmax = {name: torch.rand(lin.in_features) + 0.1 for name, lin in mq.projections(model)}
+    summary = quantize_model(model, "w8a8", input_absmax=absmax, outlier_channels=64)
     assert summary.formats == {"linear:w8a8/float8": 3 * model.spec.num_layers,
                                "linear:w8a8/float16": model.spec.num_layers}
-    plain = mq.quantize_model(_tiny_decoder(tiny_llama_dir), "w8a8", input_absmax=absmax, outlier_channels=0)
+    plain = quantize_model(_tiny_decoder(tiny_llama_dir), "w8a8", input_absmax=absmax, outlier_channels=0)
     assert plain.formats == {"linear:w8a8": 4 * model.spec.num_layers}
 
 

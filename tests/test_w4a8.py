@@ -16,6 +16,7 @@ from batchrun.kernels import cpu_native
 from batchrun.kernels import quant as qk
 from batchrun.kernels.quant import w4a8 as w4
 from batchrun.model import quant as mq
+from batchrun.model.prepare import quantize_model
 
 BF16 = torch.bfloat16
 
@@ -295,7 +296,7 @@ def _tiny_decoder(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
 
 def test_quantize_model_w4a8_swaps_every_projection(tiny_llama_dir):
     model = _tiny_decoder(tiny_llama_dir, BF16)
-    summary = mq.quantize_model(model, "w4a8")
+    summary = quantize_model(model, "w4a8")
     layers = [m for m in model.modules() if isinstance(m, mq.W4A8Linear)]
     assert summary.num_quantized == len(layers) == 4 * model.spec.num_layers
     assert summary.formats == {"linear:w4a8/g32": len(layers)}
@@ -313,7 +314,7 @@ def test_w4a8_takes_gguf_q4_blocks_as_they_are(tiny_llama_dir):
     name = "layers.0.mlp.down_proj"
     w = model.get_submodule(name).weight.data
     gguf_block = mq.quantize_weight(w + 0.01, "int4", 32)  # blocks that differ from requantizing w
-    summary = mq.quantize_model(model, "w4a8", prequantized={name: gguf_block})
+    summary = quantize_model(model, "w4a8", prequantized={name: gguf_block})
     assert summary.num_from_gguf == 1
     layer = model.get_submodule(name)
     assert all(torch.equal(a, b) for a, b in zip(layer.int4_weight(), (gguf_block.qweight, gguf_block.scales,
@@ -408,9 +409,9 @@ def test_the_down_projection_takes_quantized_groups_on_either_path():
 @needs_native_w4a8
 def test_quantize_model_fuses_the_silu_mlps_of_a_bf16_w4a8_model(tiny_llama_dir):
     model = _tiny_decoder(tiny_llama_dir, BF16)
-    mq.quantize_model(model, "w4a8")
+    quantize_model(model, "w4a8")
     mlps = [m for m in model.modules() if hasattr(m, "gate_up_proj")]
     assert mlps and all(m.fused_act and isinstance(m.gate_up_proj, mq.W4A8SiluMulLinear) for m in mlps)
     float32_model = _tiny_decoder(tiny_llama_dir, torch.float32)  # no native kernel in float32: not fused
-    mq.quantize_model(float32_model, "w4a8")
+    quantize_model(float32_model, "w4a8")
     assert not any(getattr(m, "fused_act", False) for m in float32_model.modules())

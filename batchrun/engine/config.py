@@ -59,13 +59,13 @@ class EngineConfig:
     # token, SmoothQuant-calibrated; the CPU throughput mode with w8a8_outlier_channels=0) | int4
     # (weight-only, groups) | w4a8 (int4 weights and int8 activations, both in groups of 32; the
     # CPU throughput mode for int4) | fp8 (e4m3)
-    # | gguf (keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks). See batchrun/model/quant.py.
+    # | gguf (keep a GGUF file's Q8_0/Q4_0/Q4_1 blocks). See docs/quantization.md.
     quantization: str = "none"
-    # int8/int4 group along the input dim: 32 (GGUF's Q8_0/Q4_x block; 64 measured far worse for int4
+    # int8/int4 group along the input dim: 32 (GGUF's Q8_0/Q4_x block; 64 is far worse for int4
     # on SmolLM2), 64, 128 or 256
     quant_group_size: int = 32
     # w8a8: input channels per projection kept in float (the largest after SmoothQuant). 0 is the
-    # fastest; 64 keeps SmolLM2 within the int8 quality bound (97% top-1 agreement), see model/quant.py.
+    # fastest; 64 keeps SmolLM2 within the int8 quality bound (tests/test_quant_quality.py).
     w8a8_outlier_channels: int = 64
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8, with a scale per token and head
 

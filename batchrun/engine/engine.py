@@ -14,7 +14,7 @@ from batchrun.engine.drafter import Drafter
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.profiler import default_kv_bytes, pick_batch_limits
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput
-from batchrun.engine.quantization import quantize_for_engine
+from batchrun.engine.quantization import prepare_linears_for_engine
 from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner, RunnerOutput, kv_bytes_per_block
 from batchrun.engine.sampler import Sampler
@@ -22,11 +22,11 @@ from batchrun.engine.speculative import SpeculationPolicy, StepCostModel, record
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from batchrun.model.decoder import DecoderLM
 from batchrun.model.loader import load_model
-from batchrun.model.quant import module_weight_bytes
+from batchrun.model.linear import NativeLinear
+from batchrun.model.prepare import module_weight_bytes
 from batchrun.kernels import cpu_native
-from batchrun.kernels.cpu_linear import NativeLinear
 
-log = logging.getLogger("batchrun.engine")
+log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -98,11 +98,11 @@ class Engine:
             model = DecoderLM(loaded.config)
         model.to(self.dtype)
         model.load_hf_state_dict(loaded.state_dict)
-        self.quantization = quantize_for_engine(model, config, loaded.tokenizer, loaded.quantized_weights,
-                                                self.dtype, self.device)
-        # bf16 on the CPU: weights packed once (for the native kernel, else oneDNN) instead of
-        # reordered on every call.
-        num_packed = model.pack_cpu_linears() if self.device.type == "cpu" and self.dtype == torch.bfloat16 else 0
+        # Every linear's backend in one pass: quantized per engine.quantization, and on a bf16 CPU the
+        # float ones packed once (for the native kernel, else oneDNN) instead of reordered on every call.
+        self.quantization = prepare_linears_for_engine(model, config, loaded.tokenizer, loaded.quantized_weights,
+                                                       self.dtype, self.device)
+        num_packed = self.quantization.num_packed
         num_native = sum(isinstance(m, NativeLinear) for m in model.modules())
         self.model = model.eval()
         del loaded

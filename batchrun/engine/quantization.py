@@ -1,6 +1,8 @@
-"""Applying `engine.quantization` to a freshly loaded model, with the calibration pass it may need."""
+"""Giving a freshly loaded model its linear backends for the engine's settings (`engine.quantization`,
+device and dtype), with the calibration pass W8A8 needs first."""
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import torch
@@ -10,8 +12,10 @@ from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.model.decoder import DecoderLM
-from batchrun.model.quant import (QuantizationSummary, QuantizedWeight, calibration_token_ids, collect_input_absmax,
-                                  quantize_model)
+from batchrun.model.prepare import prepare_linears
+from batchrun.model.quant import QuantizationSummary, QuantizedWeight, calibration_token_ids, collect_input_absmax
+
+log = logging.getLogger(__name__)
 
 
 def prefill_forward(model: DecoderLM, block_size: int, dtype: torch.dtype,
@@ -26,14 +30,15 @@ def prefill_forward(model: DecoderLM, block_size: int, dtype: torch.dtype,
     return run
 
 
-def quantize_for_engine(model: DecoderLM, config: EngineConfig, tokenizer: Any,
-                        gguf_weights: Optional[dict[str, QuantizedWeight]], dtype: torch.dtype,
-                        device: torch.device) -> QuantizationSummary:
-    """quantize_model with the engine's settings. W8A8 first measures each projection's input range
-    on 1k tokens of built-in text (a second or two) so SmoothQuant can even out the activations."""
+def prepare_linears_for_engine(model: DecoderLM, config: EngineConfig, tokenizer: Any,
+                               gguf_weights: Optional[dict[str, QuantizedWeight]], dtype: torch.dtype,
+                               device: torch.device) -> QuantizationSummary:
+    """prepare_linears with the engine's settings. W8A8 first measures each projection's input range
+    on 1k tokens of built-in text, with the float model, so SmoothQuant can even out the activations."""
     input_absmax = None
     if config.quantization == "w8a8":
         run = prefill_forward(model, config.block_size, dtype, device)
         input_absmax = collect_input_absmax(model, run, calibration_token_ids(tokenizer))
-    return quantize_model(model, config.quantization, config.quant_group_size, prequantized=gguf_weights,
-                          input_absmax=input_absmax, outlier_channels=config.w8a8_outlier_channels)
+    return prepare_linears(model, config.quantization, device, dtype, group_size=config.quant_group_size,
+                           prequantized=gguf_weights, input_absmax=input_absmax,
+                           outlier_channels=config.w8a8_outlier_channels)

@@ -100,7 +100,7 @@ def write_kv_cache(
     slot_mapping: torch.Tensor,  # (num_tokens,) int64; negative = skip
 ) -> bool:
     """Copy this step's K and V rows into their cache slots in one native pass (into an int8 cache,
-    quantized on the way exactly as kernels/quant.py: quantize_kv does); False (nothing written)
+    quantized on the way exactly as kernels/quant/kv.py: quantize_kv does); False (nothing written)
     when the kernel does not serve these tensors and the caller must take the torch path."""
     head_dim = k.shape[-1]
     int8 = isinstance(k_cache, QuantizedKVCache)

@@ -17,7 +17,6 @@ from torch import nn
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention import paged_attention, write_kv_cache
 from batchrun.kernels.attention_metadata import AttentionMetadata
-from batchrun.kernels.cpu_linear import NativeEmbedding, NativeLinear, pack_linear, pack_silu_mul
 from batchrun.model.moe import (SparseMoeBlock, expert_token_counts, fused_moe_weights, moe_config_fields,
                                 reset_expert_token_counts)
 
@@ -192,7 +191,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.activation = spec.activation
         ew.activation(spec.activation)  # an unsupported name fails at construction
-        self.fused_act = False  # gate_up_proj returns act(gate) * up itself (pack_cpu_linears)
+        self.fused_act = False  # gate_up_proj returns act(gate) * up itself (model/prepare.py decides)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_act:
@@ -271,39 +270,6 @@ class DecoderLM(nn.Module):
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
         return logits
-
-    def pack_cpu_linears(self, batch_hint: int = 32) -> int:
-        """Swap each bf16 CPU nn.Linear (the unquantized projections and the LM head) for its packed
-        twin (kernels/cpu_linear.py), returns how many. A silu MLP's gate/up projection becomes a
-        NativeSiluMulLinear, which applies the activation itself, where the native kernel serves
-        it. A tied LM head is packed only where the native kernel serves it: the embedding then
-        reads its rows out of the same packed tensor (NativeEmbedding). oneDNN's packed layout cannot be read that way, and packing the head for it
-        would keep a second copy of the vocabulary matrix (56 MB for SmolLM2, GBs for large
-        vocabularies) for ~2% of a step, so a tied head stays plain there."""
-        tied = (isinstance(self.lm_head, nn.Linear) and isinstance(self.embed_tokens, nn.Embedding)
-                and self.lm_head.weight is self.embed_tokens.weight)
-        count = 0
-        for parent in list(self.modules()):
-            for name, child in list(parent.named_children()):
-                if tied and child is self.lm_head:
-                    continue
-                if (isinstance(parent, MLP) and child is parent.gate_up_proj and parent.activation in ("silu", "swish")
-                        and isinstance(child, nn.Linear)):
-                    fused = pack_silu_mul(child)
-                    if fused is not None:
-                        parent.gate_up_proj, parent.fused_act = fused, True
-                        count += 1
-                        continue
-                packed = pack_linear(child, batch_hint) if isinstance(child, nn.Linear) else None
-                if packed is not None:
-                    setattr(parent, name, packed)
-                    count += 1
-        if tied:
-            head = pack_linear(self.lm_head, batch_hint)
-            if isinstance(head, NativeLinear):
-                self.lm_head, self.embed_tokens = head, NativeEmbedding(head)
-                count += 1
-        return count
 
     def expert_token_counts(self) -> Optional[list[list[int]]]:
         """Per MoE layer, tokens routed to each expert since construction; None for dense models."""

@@ -22,7 +22,7 @@ import torch
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-    from batchrun.model.quant import QuantizedWeight
+    from batchrun.model.quant.weights import QuantizedWeight
 
 __all__ = [
     "LoadedModel",
@@ -76,7 +76,7 @@ class LoadedModel:
     path: str  # the resolved .gguf file or model directory
     fingerprint: str  # sha256 hex of the model file(s), the converted-cache key
     # GGUF files loaded with keep_gguf_quantization: module name -> weight in its own blocks
-    # (batchrun.model.gguf_quant); None otherwise.
+    # (batchrun.model.gguf); None otherwise.
     quantized_weights: "dict[str, QuantizedWeight] | None" = None
 
 
@@ -352,7 +352,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: str | N
     """Load config, state dict (floats cast to `dtype`) and tokenizer for a registered name, dir or .gguf.
 
     With `keep_gguf_quantization`, a GGUF file's Q8_0/Q4_0/Q4_1 tensors are also returned in their
-    own blocks (`quantized_weights`) for `quantize_model(mode="gguf")`.
+    own blocks (`quantized_weights`) for `prepare_linears(mode="gguf")`.
     """
     directory, gguf_file = resolve_model(spec)
     cache_root = default_cache_dir(cache_dir)
@@ -372,7 +372,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: str | N
     state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
     quantized_weights = None
     if keep_gguf_quantization and gguf_file is not None:
-        from batchrun.model.gguf_quant import read_gguf_weights
+        from batchrun.model.gguf import read_gguf_weights
 
         quantized_weights = read_gguf_weights(path)
     return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, path=path, fingerprint=fingerprint,

@@ -11,6 +11,7 @@ permutation is undone here. It moves whole rows, so it applies to quantized rows
 """
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Optional
 
@@ -18,7 +19,9 @@ import numpy as np
 import torch
 
 from batchrun.kernels.quant.formats import pack_int4
-from batchrun.model.quant import QuantizedWeight
+from batchrun.model.quant.weights import QuantizedWeight
+
+log = logging.getLogger(__name__)
 
 GGUF_BLOCK_SIZE = 32
 # GGUF tensor name -> module name in our decoder's HF naming, without the "model." prefix.

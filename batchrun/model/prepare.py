@@ -1,0 +1,145 @@
+"""`prepare_linears`: the one pass that gives every linear layer of a loaded decoder its backend.
+
+Per layer: a quantized layer for `mode` (the decoder's projections, model/quant/), else on a bf16
+CPU model a packed float twin (model/linear.py: NativeLinear where the native kernel serves the
+shape, else oneDNN's PackedLinear), else the plain nn.Linear. Per silu MLP, in one place
+(`_fuse_mlp`): whether its gate/up projection applies silu(gate) * up itself (`MLP.fused_act`):
+NativeSiluMulLinear for a float bf16 one, W4A8SiluMulLinear where both W4A8 projections run the
+native kernel. A tied LM head is packed only where the native kernel serves it, so the embedding
+can read its rows from the same tiles (NativeEmbedding); oneDNN's opaque layout cannot be read that
+way, and packing it there would keep a second copy of the vocabulary matrix.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from batchrun.kernels.quant import w4a8 as w4
+from batchrun.model.linear import NativeEmbedding, NativeLinear, pack_linear, pack_silu_mul
+from batchrun.model.quant.layers import W4A8Linear, W4A8SiluMulLinear
+from batchrun.model.quant.smoothquant import PROJECTION_NAMES
+from batchrun.model.quant.surgery import QUANT_MODES, ProjectionQuantizer, QuantizationSummary
+from batchrun.model.quant.weights import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+
+def _is_silu_mlp(module: nn.Module) -> bool:
+    """A decoder MLP (it has the `fused_act` switch) with a silu activation."""
+    return hasattr(module, "fused_act") and getattr(module, "activation", None) in ("silu", "swish")
+
+
+def prepare_linears(model: nn.Module, mode: str = "none", device: Union[torch.device, str, None] = None,
+                    dtype: Optional[torch.dtype] = None, *, group_size: int = 32, include_embeddings: bool = False,
+                    prequantized: Optional[dict[str, QuantizedWeight]] = None,
+                    input_absmax: Optional[dict[str, torch.Tensor]] = None, outlier_channels: int = 0,
+                    batch_hint: int = 32) -> QuantizationSummary:
+    """Swap the linear layers of a loaded decoder for their backends, in place (see the module doc).
+
+    Call after the float weights are loaded and the model is on its device and dtype. Float layers
+    are packed when `device` is the CPU and `dtype` bf16 (None: never). `prequantized`,
+    `input_absmax` and `outlier_channels`: see ProjectionQuantizer. `include_embeddings` also
+    quantizes the token embedding and LM head (one per-row 8-bit matrix, shared when tied).
+    `batch_hint`: the row count oneDNN packs for.
+    """
+    if mode not in QUANT_MODES:
+        raise ValueError(f"quantization mode must be one of {', '.join(QUANT_MODES)}, got {mode!r}")
+    summary = QuantizationSummary(mode, group_size)
+    quantizer = None
+    if mode != "none":
+        quantizer = ProjectionQuantizer(model, mode, group_size, summary, prequantized, input_absmax, outlier_channels)
+    pack = device is not None and torch.device(device).type == "cpu" and dtype == torch.bfloat16
+    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    quantize_embeddings = quantizer is not None and include_embeddings and isinstance(embed, nn.Embedding)
+    tied = isinstance(head, nn.Linear) and isinstance(embed, nn.Embedding) and head.weight is embed.weight
+
+    def backend(name: str, linear: nn.Linear) -> Optional[nn.Module]:
+        if quantizer is not None and name.rsplit(".", 1)[-1] in PROJECTION_NAMES:
+            return quantizer.quantize(name, linear)
+        packed = pack_linear(linear, batch_hint) if pack else None
+        summary.num_packed += packed is not None
+        return packed
+
+    for prefix, parent in list(model.named_modules()):
+        deferred = None  # a float silu MLP's gate/up: packed fused or plain by _fuse_mlp
+        for name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear) or (child is head and (tied or quantize_embeddings)):
+                continue
+            if pack and quantizer is None and _is_silu_mlp(parent) and name == "gate_up_proj":
+                deferred = child
+                continue
+            module = backend(f"{prefix}.{name}" if prefix else name, child)
+            if module is not None:
+                setattr(parent, name, module)
+        if _is_silu_mlp(parent):
+            _fuse_mlp(parent, deferred, batch_hint, summary)
+
+    if mode == "w4a8":
+        slow = [m for m in model.modules() if isinstance(m, W4A8Linear) and not m.is_native]
+        if slow and slow[0].qweight.device.type == "cpu":
+            summary.notes.append(f"w4a8: {len(slow)} projections run the reference path (a float32 matmul over "
+                                 "the weight dequantized on every call, slower than int4): the native kernel "
+                                 "needs a bf16 model and a CPU with AVX512-VNNI and AVX512-BF16")
+            log.warning(summary.notes[-1])
+    if quantize_embeddings:
+        quantizer.quantize_embeddings(model)
+    elif pack and tied:
+        packed_head = pack_linear(head, batch_hint)
+        if isinstance(packed_head, NativeLinear):
+            model.lm_head, model.embed_tokens = packed_head, NativeEmbedding(packed_head)
+            summary.num_packed += 1
+    if quantizer is not None:
+        log.info("quantized %d modules (%s)%s", summary.num_quantized, mode,
+                 f"; {len(summary.notes)} notes" if summary.notes else "")
+    log.debug("packed %d float linears", summary.num_packed)
+    return summary
+
+
+def _fuse_mlp(mlp: nn.Module, float_gate_up: Optional[nn.Linear], batch_hint: int,
+              summary: QuantizationSummary) -> None:
+    """Whether a silu MLP's gate/up projection applies silu(gate) * up itself, and which layer does it.
+
+    `float_gate_up`: its float bf16 gate/up projection when that was left to this choice (packed
+    fused where the native kernel serves it, else packed plain), or None."""
+    if float_gate_up is not None:
+        fused = pack_silu_mul(float_gate_up)
+        module = fused if fused is not None else pack_linear(float_gate_up, batch_hint)
+        if module is not None:
+            mlp.gate_up_proj = module
+            mlp.fused_act = fused is not None
+            summary.num_packed += 1
+        return
+    gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    if (type(gate_up) is W4A8Linear and type(down) is W4A8Linear and gate_up.is_native and down.is_native
+            and gate_up.out_features == 2 * down.in_features and down.in_features % w4.W4A8_GROUP == 0):
+        qweight, scales, mins = gate_up.int4_weight()
+        weight = QuantizedWeight("int4", qweight, scales, mins, gate_up.in_features)
+        mlp.gate_up_proj, mlp.fused_act = W4A8SiluMulLinear(weight, gate_up.bias), True
+
+
+def quantize_model(model: nn.Module, mode: str, group_size: int = 32, include_embeddings: bool = False,
+                   prequantized: Optional[dict[str, QuantizedWeight]] = None,
+                   input_absmax: Optional[dict[str, torch.Tensor]] = None,
+                   outlier_channels: int = 0) -> QuantizationSummary:
+    """prepare_linears without packing the float layers: the quantized layers (and their MLP fusion) alone."""
+    return prepare_linears(model, mode, group_size=group_size, include_embeddings=include_embeddings,
+                           prequantized=prequantized, input_absmax=input_absmax, outlier_channels=outlier_channels)
+
+
+def module_weight_bytes(model: nn.Module) -> int:
+    """Bytes of parameters and buffers, counting shared storage once (tied embeddings)."""
+    seen: set[int] = set()
+    total = 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.is_mkldnn:  # oneDNN-packed weights (model/linear.py: PackedLinear): opaque, never shared
+            total += t.numel() * t.element_size()
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            continue
+        seen.add(ptr)
+        total += t.untyped_storage().nbytes()
+    return total

@@ -1,0 +1,304 @@
+"""The quantized linear and embedding layers (one per format and backend), and `make_linear`, which
+picks one for a QuantizedWeight. All are PackedWeightLinear (model/linear.py): a layer whose kernel
+reads side copies of its buffers says so in `_refresh`."""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+from batchrun.kernels import cpu_native
+from batchrun.kernels import elementwise as ew
+from batchrun.kernels import quant as qk
+from batchrun.kernels.backend import triton_usable
+from batchrun.kernels.cpu_linear import pack_native_weight, silu_pair_order, unpack_native_weight
+from batchrun.kernels.quant import w4a8 as w4
+from batchrun.model.linear import PackedWeightLinear
+from batchrun.model.quant.weights import QuantizedWeight
+
+log = logging.getLogger(__name__)
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's packed int4 CPU kernel takes
+# Up to this many rows torch's packed W8A16 CPU kernel beats dequantizing into a bf16 GEMM; past
+# it the GEMM amortizes the dequantization (see docs/quantization.md).
+CPU_INT8PACK_MAX_ROWS = 4
+
+
+class QuantLinear(PackedWeightLinear):
+    """Base of the quantized linears: y = x @ W.T (+ bias) in x's dtype; W is held quantized."""
+
+    def __init__(self, in_features: int, out_features: int, bias: Optional[torch.Tensor]) -> None:
+        super().__init__(in_features, out_features)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8Linear(QuantLinear):
+    """W8A16: int8 weights (per channel, or in groups for GGUF Q8_0), activations in the model dtype."""
+
+    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> None:
+        assert weight.format == "int8"
+        super().__init__(weight.in_features, weight.out_features, bias)
+        self.register_buffer("qweight", weight.qweight)  # (N, K) int8
+        self.register_buffer("scales", weight.scales)  # (N, num_groups) float32
+        self.is_per_channel = weight.scales.shape[1] == 1
+        self.format_key = "int8" if self.is_per_channel else f"int8/g{weight.group_size}"
+        # torch's packed CPU kernel takes its per-channel scales in bf16.
+        self._scales_bf16 = weight.scales[:, 0].to(torch.bfloat16) if self.is_per_channel else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if triton_usable(x2):
+            from batchrun.kernels.quant.triton_gemm import w8a16_matmul
+            y = w8a16_matmul(x2, self.qweight, self.scales, self.bias)
+        elif (not x2.is_cuda and x2.dtype == torch.bfloat16 and self.is_per_channel
+              and x2.shape[0] <= CPU_INT8PACK_MAX_ROWS):
+            y = qk.int8_weight_matmul_cpu(x2, self.qweight, self._scales_bf16)
+            if self.bias is not None:
+                y = y + self.bias
+        else:
+            y = qk.int8_weight_matmul(x2, self.qweight, self.scales, self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class W8A8Linear(QuantLinear):
+    """int8 weights per channel and int8 activations per token, integer GEMM; `outliers`, if given,
+    are input channels kept in float (their columns of `weight` are zero).
+
+    For bf16 on a CPU where the native kernel serves the shape (kernels/quant/w8a8.py:
+    w8a8_native_supported), the weight is held only in that kernel's tiles (and the float channels'
+    weight in bf16 tiles), and every call runs it; otherwise torch._int_mm and the epilogue."""
+
+    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None,
+                 outliers: Optional[qk.OutlierChannels] = None, compute_dtype: Optional[torch.dtype] = None) -> None:
+        assert weight.format == "int8" and weight.scales.shape[1] == 1, "W8A8 needs per-channel int8"
+        super().__init__(weight.in_features, weight.out_features, bias)
+        num_float = 0 if outliers is None else outliers.index.numel()
+        self.is_native = (weight.qweight.device.type == "cpu" and compute_dtype == torch.bfloat16
+                          and qk.w8a8_native_supported(weight.out_features, weight.in_features, num_float))
+        self.register_buffer("scales", weight.scales)  # (N, 1) float32
+        if self.is_native:
+            self.register_buffer("packed_qweight", qk.pack_w8a8_weight(weight.qweight))  # (N, K) uint8 tiles
+            packed_out = None
+            if outliers is not None:  # (N, num_float) bf16 tiles; the (num_float, N) copy is not kept
+                packed_out = pack_native_weight(outliers.weight_t.t().to(torch.bfloat16).contiguous())
+                outliers = qk.OutlierChannels(outliers.index, outliers.skip, outliers.weight_t.new_empty((0, weight.out_features)))
+            self.register_buffer("packed_outlier_weight", packed_out)
+        else:
+            self.register_buffer("qweight", weight.qweight)  # (N, K) int8
+        self.outliers = outliers
+        if outliers is not None:  # buffers, so .to() and the weight-bytes count see them
+            self.register_buffer("outlier_index", outliers.index)
+            self.register_buffer("outlier_skip", outliers.skip)
+            self.register_buffer("outlier_weight_t", outliers.weight_t)
+        self.format_key = "w8a8" if outliers is None else f"w8a8/float{num_float}"
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Keep `outliers` pointing at the current buffers and, for the native kernel, rebuild the
+        float32 copies it reads (per-channel scales, bias) and the check that its buffers are still
+        the dtypes it reads (a later .to(dtype/device) may change them: then the reference path)."""
+        if self.outliers is not None:
+            self.outliers = qk.OutlierChannels(self.outlier_index, self.outlier_skip, self.outlier_weight_t)
+        if self.is_native:
+            self._scales_f32 = self.scales[:, 0].detach().float().contiguous()
+            self._bias_f32 = None if self.bias is None else self.bias.detach().float().contiguous()
+            out = self.packed_outlier_weight
+            self._kernel_ok = (self.packed_qweight.dtype == torch.uint8 and self.packed_qweight.device.type == "cpu"
+                               and self.scales.device.type == "cpu"
+                               and (out is None or (out.dtype == torch.bfloat16 and out.device.type == "cpu")))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_native:
+            if (x.dtype == torch.bfloat16 and x.stride(-1) == 1 and not x.is_cuda and self._kernel_ok
+                    and cpu_native.enabled()):
+                return qk.w8a8_matmul_native(x, self.packed_qweight, self._scales_f32, self._bias_f32, self.outliers,
+                                             self.packed_outlier_weight)
+            return self._reference(x)  # kernels switched off since load, or an odd input
+        return qk.w8a8_matmul(x, self.qweight, self.scales, self.bias, self.outliers)
+
+    def _reference(self, x: torch.Tensor) -> torch.Tensor:
+        """w8a8_matmul over the unpacked weights (slow; only when the native kernel cannot run)."""
+        outliers = self.outliers
+        if outliers is not None:
+            weight_t = unpack_native_weight(self.packed_outlier_weight).t().contiguous()
+            outliers = qk.OutlierChannels(outliers.index, outliers.skip, weight_t)
+        return qk.w8a8_matmul(x, qk.unpack_w8a8_weight(self.packed_qweight), self.scales, self.bias, outliers)
+
+
+class Int4Linear(QuantLinear):
+    """W4A16 in groups along K. On a CPU with bf16 activations the weight is held only in torch's
+    packed int4 layout (its kernel); otherwise in our canonical layout (Triton on GPU, reference on CPU)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None,
+                 compute_dtype: torch.dtype = torch.float32) -> None:
+        assert weight.format == "int4"
+        super().__init__(weight.in_features, weight.out_features, bias)
+        self.group_size = weight.group_size
+        self.format_key = f"int4/g{self.group_size}"
+        self.is_cpu_packed = (weight.qweight.device.type == "cpu" and compute_dtype == torch.bfloat16
+                              and self.group_size in INT4_GROUP_SIZES)
+        if self.is_cpu_packed:
+            packed, scales_zeros = qk.int4_pack_for_cpu(weight.qweight, weight.scales, weight.mins)
+            self.register_buffer("packed", packed)
+            self.register_buffer("scales_zeros", scales_zeros)  # (num_groups, N, 2) bf16
+        else:
+            self.register_buffer("qweight", weight.qweight)  # (N, K // 2) uint8
+            self.register_buffer("scales", weight.scales)  # (N, num_groups) float16
+            self.register_buffer("mins", weight.mins)  # (N, num_groups) float16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.is_cpu_packed:
+            y = qk.int4_matmul_cpu(x2.to(torch.bfloat16), self.packed, self.group_size, self.scales_zeros).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias
+        elif triton_usable(x2):
+            from batchrun.kernels.quant.triton_gemm import w4a16_matmul
+            y = w4a16_matmul(x2, self.qweight, self.scales, self.mins, self.bias)
+        else:
+            y = qk.int4_weight_matmul(x2, self.qweight, self.scales, self.mins, self.bias)
+        return y.reshape(*shape[:-1], self.out_features)
+
+
+class W4A8Linear(QuantLinear):
+    """int4 weights in groups of 32 (w = q * scale + min: GGUF's Q4_1 grid) and int8 activations
+    quantized in groups of 32 on the fly, an exact integer dot product per group (llama.cpp's
+    Q4_1 x Q8_1). For bf16 on a CPU with AVX512-VNNI and AVX512-BF16 the weight is held only in the native kernel's
+    nibble tiles (kernels/quant/w4a8.py: w4a8_matmul_native); elsewhere the reference (w4a8_matmul,
+    which dequantizes the weight on every call: slow, for checks and float32 models)."""
+
+    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None,
+                 compute_dtype: Optional[torch.dtype] = None) -> None:
+        assert weight.format == "int4" and weight.group_size == w4.W4A8_GROUP, "W4A8 needs int4 in groups of 32"
+        super().__init__(weight.in_features, weight.out_features, bias)
+        self.format_key = f"w4a8/g{w4.W4A8_GROUP}"
+        self.is_native = (weight.qweight.device.type == "cpu" and compute_dtype == torch.bfloat16
+                          and w4.w4a8_native_supported(weight.out_features, weight.in_features))
+        if self.is_native:
+            packed, w_scales, w_mins = w4.pack_w4a8_weight(weight.qweight, weight.scales, weight.mins)
+            self.register_buffer("packed_qweight", packed)  # (N, K // 2) uint8 nibble tiles
+            self.register_buffer("packed_scales", w_scales)  # (N, K // 32) float32, per tile
+            self.register_buffer("packed_mins", w_mins)
+        else:
+            self.register_buffer("qweight", weight.qweight)  # (N, K // 2) uint8
+            self.register_buffer("scales", weight.scales)  # (N, K // 32) float16
+            self.register_buffer("mins", weight.mins)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """The float32 bias the kernel reads, and whether its buffers are still what it reads."""
+        if self.is_native:
+            self._bias_f32 = None if self.bias is None else self.bias.detach().float().contiguous()
+            self._kernel_ok = all(t.device.type == "cpu" and t.is_contiguous() for t in
+                                  (self.packed_qweight, self.packed_scales, self.packed_mins)) \
+                and self.packed_qweight.dtype == torch.uint8 and self.packed_scales.dtype == torch.float32 \
+                and self.packed_mins.dtype == torch.float32
+
+    def int4_weight(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(packed (N, K // 2), scales, mins (N, K // 32) float16): our canonical int4 layout."""
+        if self.is_native:
+            return w4.unpack_w4a8_weight(self.packed_qweight, self.packed_scales, self.packed_mins)
+        return self.qweight, self.scales, self.mins
+
+    def _native_ok(self, x: torch.Tensor) -> bool:
+        return (self.is_native and self._kernel_ok and x.dtype == torch.bfloat16 and not x.is_cuda
+                and x.stride(-1) == 1 and cpu_native.enabled())
+
+    def forward(self, x: Union[torch.Tensor, w4.GroupQuantized]) -> torch.Tensor:
+        """x: activations, or activations already quantized in groups (W4A8SiluMulLinear's output)."""
+        if isinstance(x, w4.GroupQuantized):
+            native = self.is_native and self._kernel_ok and x.dtype == torch.bfloat16 and cpu_native.enabled()
+        else:
+            native = self._native_ok(x)
+        if native:
+            return w4.w4a8_matmul_native(x, self.packed_qweight, self.packed_scales, self.packed_mins, self._bias_f32)
+        qweight, scales, mins = self.int4_weight()
+        return w4.w4a8_matmul(x, qweight, scales, mins, self.bias)
+
+
+class W4A8SiluMulLinear(W4A8Linear):
+    """A silu MLP's W4A8 gate/up projection that returns silu(gate) * up already quantized in groups
+    of 32 for its down projection (kernels/quant/w4a8.py: w4a8_silu_quant_native: one pass, bitwise the
+    projection, the activation and the quantization done apart). Its rows are held in silu pair
+    order (kernels/cpu_linear.py: silu_pair_order); `int4_weight()` gives the plain order back.
+    Where the kernel cannot run (switched off, another dtype) it returns silu(gate) * up as a
+    tensor, from the reference projection, and the down projection quantizes it itself."""
+
+    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> None:
+        order = silu_pair_order(weight.out_features // 2)
+        permuted = QuantizedWeight("int4", weight.qweight[order], weight.scales[order], weight.mins[order],
+                                   weight.in_features)
+        super().__init__(permuted, None if bias is None else bias[order], torch.bfloat16)
+        assert self.is_native, "W4A8SiluMulLinear needs the native kernel"
+        self.register_buffer("_plain_order", torch.argsort(order), persistent=False)
+
+    def int4_weight(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        qweight, scales, mins = super().int4_weight()
+        o = self._plain_order
+        return qweight[o], scales[o], mins[o]
+
+    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, w4.GroupQuantized]:
+        if self._native_ok(x):
+            return w4.w4a8_silu_quant_native(x, self.packed_qweight, self.packed_scales, self.packed_mins,
+                                             self._bias_f32)
+        qweight, scales, mins = self.int4_weight()
+        bias = None if self.bias is None else self.bias[self._plain_order]
+        return ew.act_mul(w4.w4a8_matmul(x, qweight, scales, mins, bias), "silu")
+
+
+class Fp8Linear(QuantLinear):
+    """e4m3 weights per channel: W8A8-FP8 through torch._scaled_mm on GPUs with fp8 tensor cores
+    (compute capability 8.9+), a dequantizing reference elsewhere."""
+
+    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> None:
+        assert weight.format == "fp8"
+        super().__init__(weight.in_features, weight.out_features, bias)
+        self.register_buffer("qweight", weight.qweight)  # (N, K) float8_e4m3fn
+        self.register_buffer("scales", weight.scales)  # (N, 1) float32
+        self.format_key = "fp8"
+        self.use_scaled_mm = weight.qweight.is_cuda and torch.cuda.get_device_capability(weight.qweight.device) >= (8, 9)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.use_scaled_mm:
+            return qk.fp8_scaled_matmul(x, self.qweight, self.scales, self.bias)
+        return qk.fp8_weight_matmul(x, self.qweight, self.scales, self.bias)
+
+
+class QuantEmbedding(nn.Module):
+    """Token embedding held as int8 (or fp8) rows with a scale per row (per row or per group):
+    a lookup dequantizes only the rows it reads."""
+
+    def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        assert weight.format in ("int8", "fp8")
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+        self.dtype = dtype
+        per_row = weight.scales.shape[1] == 1
+        self.format_key = weight.format if per_row else f"{weight.format}/g{weight.group_size}"
+        self.register_buffer("qweight", weight.qweight)  # (vocab, hidden)
+        self.register_buffer("scales", weight.scales)  # (vocab, num_groups) float32
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        q = self.qweight[input_ids].float()  # (num_tokens, hidden)
+        s = self.scales[input_ids]  # (num_tokens, num_groups)
+        return (q.reshape(*s.shape, -1) * s[..., None]).reshape(q.shape).to(self.dtype)
+
+
+def make_linear(weight: QuantizedWeight, mode: str, bias: Optional[torch.Tensor], compute_dtype: torch.dtype,
+                outliers: Optional[qk.OutlierChannels] = None) -> QuantLinear:
+    if weight.format == "int4":
+        if mode == "w4a8" and weight.group_size == w4.W4A8_GROUP:
+            return W4A8Linear(weight, bias, compute_dtype)
+        return Int4Linear(weight, bias, compute_dtype)
+    if weight.format == "fp8":
+        return Fp8Linear(weight, bias)
+    if mode == "w8a8" and weight.scales.shape[1] == 1:
+        return W8A8Linear(weight, bias, outliers, compute_dtype)
+    return Int8Linear(weight, bias)

@@ -23,6 +23,7 @@ A deadline (--budget-s) skips what would not fit, so the table always prints.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import random
@@ -38,6 +39,8 @@ import torch
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
 from batchrun.kernels.kv_layout import from_head_major, new_kv_cache
+
+log = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------------------------
 # random inputs (also used by the tests)

@@ -8,6 +8,7 @@ Prints the best of --repeats timings of each, and the largest difference from th
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from typing import Callable, Optional
 
@@ -16,6 +17,8 @@ import torch.nn.functional as F
 
 from batchrun.kernels.moe import fused_experts
 from batchrun.model.moe import route
+
+log = logging.getLogger(__name__)
 
 
 def per_token(x, gate_up, down, weights, ids):

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import glob
 import json
+import logging
 import math
 import os
 import statistics
@@ -34,6 +35,8 @@ from batchrun.engine import Engine, EngineConfig, SamplingParams
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.testing import sample_texts
+
+log = logging.getLogger(__name__)
 
 SUMMARIZE_SYSTEM = "You are a concise technical writer."
 SUMMARIZE_TEMPLATE = "Summarize the following documentation in two sentences.\n\n{text}"

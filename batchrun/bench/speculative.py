@@ -17,12 +17,15 @@ can flip an argmax and the texts part from there on. In float32 the outputs are 
 from __future__ import annotations
 
 import argparse
+import logging
 import statistics
 import time
 from typing import Optional
 
 from batchrun.bench.quant import summarize_prompts
 from batchrun.engine import Engine, EngineConfig, SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def _engine(method: str, max_num_seqs: Optional[int], cache_dir: Optional[str], adaptive: bool = True,

@@ -1,8 +1,11 @@
 """Engine and sampling configuration: the frozen dataclasses every other engine module reads."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional, Union
+
+log = logging.getLogger(__name__)
 
 
 QUANTIZATION_MODES = ("none", "int8", "w8a8", "int4", "w4a8", "fp8", "gguf")

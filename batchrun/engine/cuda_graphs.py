@@ -32,7 +32,7 @@ from batchrun.engine.request import Request
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.kernels.attention_metadata import AttentionMetadata
 
-log = logging.getLogger("batchrun.engine")
+log = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly (nano-vllm's limit too)
 _NUM_FIXED = 3  # packed columns before the block table: token id, position, slot

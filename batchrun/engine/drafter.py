@@ -9,6 +9,7 @@ runs it over every scheduled token so its cache always covers what the target's 
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
@@ -19,6 +20,8 @@ from batchrun.engine.runner import ModelRunner
 from batchrun.engine.sampler import sampling_probs
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.speculative import SpeculationPolicy, ngram_propose
+
+log = logging.getLogger(__name__)
 
 
 def is_eligible(req: Request) -> bool:

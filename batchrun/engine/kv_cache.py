@@ -7,10 +7,13 @@ they are needed, and are then evicted least recently freed first.
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from typing import Optional, Sequence
 
 from batchrun.engine.request import Request
+
+log = logging.getLogger(__name__)
 
 
 def hash_block(parent_hash: Optional[int], token_ids: Sequence[int]) -> int:

@@ -1,8 +1,11 @@
 """The dataclasses the engine hands across its public seam."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+log = logging.getLogger(__name__)
 
 
 @dataclass

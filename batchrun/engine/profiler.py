@@ -18,7 +18,7 @@ from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner
 from batchrun.engine.scheduler import ScheduledBatch
 
-log = logging.getLogger("batchrun.engine")
+log = logging.getLogger(__name__)
 
 PREFILL_SIZES = (256, 512, 1024, 2048, 4096)
 DECODE_SIZES = (1, 8, 16, 32, 64, 128, 256)

@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import enum
+import logging
 from typing import Any, Optional
 
 import torch
 
 from batchrun.engine.config import SamplingParams
 from batchrun.engine.outputs import RequestMetrics
+
+log = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.Enum):

@@ -1,6 +1,7 @@
 """Runs one scheduled batch through the model: flattened inputs in, last-position logits out."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -13,6 +14,8 @@ from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.kv_layout import new_kv_cache
 from batchrun.kernels.quant.kv import KV_CACHE_DTYPES, QuantizedKVCache, kv_bytes_per_token_head
 from batchrun.model.decoder import DecoderLM
+
+log = logging.getLogger(__name__)
 
 
 @dataclass

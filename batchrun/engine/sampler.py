@@ -5,11 +5,14 @@ a seeded request gets the same tokens whatever else shares its batch.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence
 
 import torch
 
 from batchrun.engine.config import SamplingParams
+
+log = logging.getLogger(__name__)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

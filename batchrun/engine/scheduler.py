@@ -8,12 +8,15 @@ step that preempted nobody.
 """
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.request import Request, RequestStatus
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

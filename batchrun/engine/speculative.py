@@ -18,6 +18,7 @@ again every few steps so a rate can recover.
 from __future__ import annotations
 
 import bisect
+import logging
 from typing import Optional, Sequence
 
 import numpy as np
@@ -26,6 +27,8 @@ import torch
 from batchrun.engine.config import SamplingParams, SpeculativeConfig
 from batchrun.engine.request import Request
 from batchrun.engine.sampler import sampling_probs
+
+log = logging.getLogger(__name__)
 
 PRIOR_ACCEPTANCE = 0.5  # a new request's assumed per-token acceptance rate
 EMA = 0.3  # weight of the latest step in the running acceptance rate

@@ -12,12 +12,15 @@ HF transformers.
 """
 from __future__ import annotations
 
+import logging
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from batchrun.kernels import cpu_native
+
+log = logging.getLogger(__name__)
 
 
 def _native(*tensors: torch.Tensor) -> bool:

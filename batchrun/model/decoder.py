@@ -8,6 +8,7 @@ because one wide matmul beats three narrow ones on every backend.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -19,6 +20,8 @@ from batchrun.kernels.attention import paged_attention, write_kv_cache
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.model.moe import (SparseMoeBlock, expert_token_counts, fused_moe_weights, moe_config_fields,
                                 reset_expert_token_counts)
+
+log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe")
 

@@ -1,7 +1,7 @@
 """Model resolution and weight loading: registered names, HF safetensors directories, GGUF files.
 
-GGUF files go through transformers' converter, which dequantizes on every call (about 20 s for
-SmolLM2 on 2 cores), so the converted float32 weights, config and tokenizer are cached as an HF
+GGUF files go through transformers' converter, which dequantizes on every call (tens of seconds
+even for a small model on a CPU), so the converted float32 weights, config and tokenizer are cached as an HF
 directory under `{cache}/converted/{fingerprint[:16]}/` and later loads read that instead.
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import shutil
 import time
@@ -18,6 +19,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase

@@ -52,6 +52,7 @@ step's flattened batch; KV cache stays per rank for the attention heads it holds
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import torch
@@ -59,6 +60,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchrun.kernels.moe import count_tokens_per_expert, fused_experts, sort_by_expert
+
+log = logging.getLogger(__name__)
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 

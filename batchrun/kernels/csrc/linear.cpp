@@ -1,11 +1,9 @@
 // bf16 linear layers (y = x @ W.T + b) on AVX512-BF16 dot products, weights packed once at load
-// (batchrun/kernels/cpu_linear.py: NativeLinear).
+// (batchrun/kernels/cpu_linear.py: native_linear; the module: batchrun/model/linear.py: NativeLinear).
 //
 // Why not oneDNN: at a decode step's row counts every weight byte comes from DRAM once per step,
-// and oneDNN's packed GEMM does not overlap that stream with its arithmetic: SmolLM2's 120
-// projections at 32 rows took 13.7 ms cold against 9.2 ms with the weights in cache. This kernel
-// prefetches the next weight tile while it computes the current one and runs the 120 projections
-// in 9.7 ms (5.1 vs 6.8 ms at 1 row, and within noise of oneDNN at 512 rows).
+// and oneDNN's packed GEMM does not overlap that stream with its arithmetic. This kernel
+// prefetches the next weight tile while it computes the current one (figures: docs/benchmarks.md).
 //
 // Layout: W (N, K) is packed as tiles of 32 output columns: [N / 32][K / 2][32][2], so one k-pair
 // step of a tile is two 64-byte vectors of (k, k + 1) pairs, the operand of vdpbf16ps. A micro

@@ -2,8 +2,8 @@
 // W4A8's activation quantization in groups (quantize_groups_int8).
 //
 // In torch, the per-token activation quantization before the GEMM and the int32 -> float epilogue
-// after it take about six full passes over small tensors, and on a 2-core CPU those cost as much
-// as the int8 GEMM saves over bf16 (at 32 tokens x 576: ~120 us of passes around a ~90 us GEMM).
+// after it take about six full passes over small tensors, and on a small CPU those cost as much
+// as the int8 GEMM saves over bf16.
 // Both functions reproduce the torch code's arithmetic exactly (same operations, same order, round
 // half to even), so the outputs are bitwise equal to the torch path's (tested).
 #include <cmath>

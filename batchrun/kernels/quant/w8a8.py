@@ -28,9 +28,9 @@ def quantize_per_token_int8(x: torch.Tensor, skip: Optional[torch.Tensor] = None
     `skip`: a (K,) bool mask of columns left out (W8A8's outlier channels, which run in float):
     they count as 0 for the scale and come out as 0.
 
-    Written as few full passes as torch allows: it runs before every W8A8 GEMM and on a CPU these
-    elementwise passes cost about as much as the int8 GEMM saves (linalg.vector_norm(inf) alone
-    was 7x slower than abs().amax() here).
+    Written as few full passes as torch allows: it runs before every W8A8 GEMM, and on a CPU these
+    elementwise passes cost about as much as the int8 GEMM saves (abs().amax() rather than
+    linalg.vector_norm(inf), which is much slower here).
     """
     if native_rows(x):
         return _quantize_per_token_int8_native(x, skip)
@@ -90,7 +90,7 @@ def _w8a8_epilogue(acc: torch.Tensor, w_scales: torch.Tensor, x_scales: torch.Te
                                                     DTYPE_CODES[dtype], torch.get_num_threads())
         return y
     # Convert first, then scale in place: mixed-dtype multiplies (int32 * float, or a float32
-    # result into a bf16 out=) take torch's slow casting path, 3.5x slower here in total.
+    # result into a bf16 out=) take torch's slow casting path.
     y = acc.to(torch.float32).mul_(w_scales.reshape(-1)).mul_(x_scales).to(dtype)
     return y + bias if bias is not None else y
 
@@ -139,9 +139,8 @@ def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 # keeps the weight in its own tiles (Wq + 128 as unsigned bytes, vpdpbusd's unsigned operand),
 # prefetches the next tile while it computes, and finishes each 32-column tile in registers: scales,
 # the float channels as bf16 dot products into the same float32 sums, bias, one bf16 rounding.
-# Measured on SmolLM2's 120 projections (2 cores): 8.0 ms at 32 rows against 16.5 through
-# _int_mm and 10.4 for bf16; with 64 float channels 10.4 against 24.5; at 512 rows 72 and 88 ms
-# against 83 and 116 (bf16: 123).
+# Figures: docs/benchmarks.md.
+
 
 def w8a8_native_supported(out_features: int, in_features: int, num_float_channels: int = 0) -> bool:
     """Whether batchrun_w8a8_linear serves this weight here (kernels on and built with AVX512-VNNI

@@ -170,19 +170,12 @@ def paged_prefill_attention(
                          "and this cache (an int8 cache needs its scales)")
 
 
-def paged_attention_cpu(
-    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
-    k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim) tensor or QuantizedKVCache, this step's keys written
-    v_cache,
-    meta: AttentionMetadata,
-    scale: float,
-    sliding_window: Optional[int] = None,
-    softcap: Optional[float] = None,
-    k_new: Optional[torch.Tensor] = None,  # (num_tokens, num_kv_heads, head_dim): this step's keys, if at hand
-    v_new: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Paged attention on the CPU: decodes and prefills run the native kernels where they are built
-    and serve the cache's dtype and shape (`supports`, `supports_prefill`), the rest the torch path."""
+def paged_attention_cpu(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                        sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                        k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """attention.paged_attention on the CPU (same arguments; the cache may be a QuantizedKVCache):
+    decodes and prefills run the native kernels where they are built and serve the cache's dtype and
+    shape (`supports`, `supports_prefill`), the rest the torch path."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (num_tokens, num_heads, head_dim)
     if meta.prefill_seq_ids and supports_prefill(q, k_cache):
         paged_prefill_attention(q.contiguous(), k_cache, v_cache, *meta.prefill_native_inputs(), out, scale,

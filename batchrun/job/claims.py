@@ -177,7 +177,7 @@ class ClaimBook:
         for shard, generation, path in held:
             try:
                 newest, _, _ = self._current(shard)
-                if newest > generation:
+                if newest != generation:  # taken over, or dropped by whoever committed the shard
                     self._mark_lost(shard, "another worker took it over (this worker's lease had run out)")
                     continue
                 self.store.write_json(path, self._doc(RUNNING, self._died.get(shard, 0)))

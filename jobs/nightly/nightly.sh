@@ -13,7 +13,8 @@
 # 130/143 stopped), or 75 when another run of the same day holds the lock.
 #
 # Environment: BATCHRUN_PYTHON (default python), BATCHRUN_NIGHTLY_DATE, BATCHRUN_NIGHTLY_LOCK_DIR
-# (default /tmp). For several local workers add launcher.num_workers=N to the overrides.
+# (default $XDG_RUNTIME_DIR/batchrun, else ~/.cache/batchrun; created 0700, refused when others can
+# write it). For several local workers add launcher.num_workers=N to the overrides.
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
@@ -30,8 +31,19 @@ fi
 out="$root/$day"
 python=${BATCHRUN_PYTHON:-python}
 
-lock_dir=${BATCHRUN_NIGHTLY_LOCK_DIR:-/tmp}
-lock="$lock_dir/batchrun-nightly-$(printf '%s' "$out" | cksum | cut -d' ' -f1).lock"
+# The lock lives in a directory only this user can write: a predictable name in a shared /tmp lets
+# another user pre-create it (and hold it, or point it elsewhere with a symlink).
+lock_dir=${BATCHRUN_NIGHTLY_LOCK_DIR:-${XDG_RUNTIME_DIR:-${HOME:?}/.cache}/batchrun}
+mkdir -p -m 700 "$lock_dir" || exit 2
+if [ ! -O "$lock_dir" ] || [ -n "$(find "$lock_dir" -maxdepth 0 -perm /022)" ]; then
+    echo "nightly: lock directory $lock_dir must be owned by $(id -un) and not writable by others" >&2
+    exit 2
+fi
+lock="$lock_dir/nightly-$(printf '%s' "$out" | cksum | cut -d' ' -f1).lock"
+if [ -L "$lock" ]; then
+    echo "nightly: refusing the lock $lock: it is a symbolic link" >&2
+    exit 2
+fi
 exec 9>"$lock"
 if command -v flock >/dev/null && ! flock -n 9; then
     echo "nightly: another run for $out is in progress (lock $lock)" >&2

@@ -2,7 +2,7 @@
 
 Loaded by every Python process whose PYTHONPATH holds this directory; inert unless
 BATCHRUN_TEST_HOOKS holds a JSON object:
-    dir        a directory for the files below
+    dir        a directory for the files below (optional)
     delay_s    sleep after each output row (so that kills and stops land mid-shard)
     die_on     shard names on which this process SIGKILLs itself after its first output (an OOM)
     rank       a label for the files
@@ -18,7 +18,7 @@ if _spec:
     import time
 
     _cfg = json.loads(_spec)
-    _dir = pathlib.Path(_cfg["dir"])
+    _dir = pathlib.Path(_cfg["dir"]) if _cfg.get("dir") else None
     from batchrun.engine import Engine
     from batchrun.job import runner as _runner
 
@@ -37,7 +37,8 @@ if _spec:
             yield out
             shard = _current["shard"]
             if n == 0:
-                (_dir / f"started-{_cfg.get('rank', 'x')}-{shard}-{os.getpid()}").touch()
+                if _dir is not None:
+                    (_dir / f"started-{_cfg.get('rank', 'x')}-{shard}-{os.getpid()}").touch()
                 if shard in _cfg.get("die_on", ()):
                     os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(float(_cfg.get("delay_s", 0)))

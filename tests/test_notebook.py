@@ -39,6 +39,13 @@ def test_notebook_runs_on_a_real_run(tmp_path, make_shards, short_texts, tiny_en
     pq.write_table(pa.Table.from_pylist([row], schema=METRICS_SCHEMA), metrics_path)
     # An uncommitted results file (as a crash before the marker leaves) must not be read.
     pq.write_table(pq.read_table(out / "results" / "part-00.parquet"), out / "results" / "part-zz.parquet")
+    # A committed shard whose committer died before publishing its files must be read all the same.
+    import json
+
+    attempt = out / json.loads((out / "_commits" / "part-errors.json").read_text())["attempt_dir"]
+    attempt.mkdir(parents=True)
+    for kind in ("results", "metrics"):
+        (out / kind / "part-errors.parquet").rename(attempt / f"{kind}.parquet")
 
     monkeypatch.setenv("BATCHRUN_RUN_DIR", str(out))
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))

@@ -10,11 +10,12 @@ from batchrun.job.launch import run_job
 from batchrun.job.results import RunResult, ShardSummary
 from batchrun.job.runner import load_engine
 from batchrun.job.shards import LauncherConfig
+from batchrun.job.store import committed_urls
 from batchrun.job.summary import format_summary
 from batchrun.job.writer import OutputConfig
 
 __all__ = [
     "ConfigError", "DataConfig", "JobConfig", "JobError", "LauncherConfig", "ModelConfig", "OutputConfig",
-    "RunConfig", "RunResult", "ShardError", "ShardSummary", "build_run_config", "config_fields",
+    "RunConfig", "RunResult", "ShardError", "ShardSummary", "build_run_config", "committed_urls", "config_fields",
     "format_summary", "load_engine", "run_job",
 ]

@@ -364,20 +364,30 @@ def _is_precondition_failure(error: BaseException) -> bool:
 
 
 
-def committed_files(store: RunStore) -> dict[str, str]:
-    """shard -> path of its committed results file, from the markers alone: what a reader should
-    use to see exactly the committed results, also while workers are running. Read-only: a shard
-    whose publication is pending is read from the attempt its marker names."""
+
+def committed_files(store: RunStore, kind: str = "results") -> dict[str, str]:
+    """shard -> path of its committed `kind` file ("results" or "metrics"), from the markers alone:
+    what a reader should use to see exactly the committed results, also while workers are running.
+    Read-only: a shard whose publication is pending is read from the attempt its marker names."""
+    assert kind in ("results", "metrics"), kind
     out = {}
     for shard in sorted(store.committed_shards()):
         marker = store.read_marker(shard)
         if marker is None:
             continue
-        path = store.results_path(shard)
+        path = store.results_path(shard) if kind == "results" else store.metrics_path(shard)
         attempt_dir = marker.get("attempt_dir")
         if isinstance(attempt_dir, str) and not store.fs.exists(path):
-            pending = posixpath.join(store.path(*attempt_dir.split("/")), "results.parquet")
+            pending = posixpath.join(store.path(*attempt_dir.split("/")), f"{kind}.parquet")
             store.fs.invalidate_cache(posixpath.dirname(path))
             path = pending if store.fs.exists(pending) else path
         out[shard] = path
     return out
+
+
+def committed_urls(uri: str, storage_options: Optional[Mapping[str, Any]] = None,
+                   kind: str = "results") -> dict[str, str]:
+    """shard -> URL of its committed results (or metrics) file in the run at `uri`: for notebooks,
+    pandas and `datasets.load_dataset("parquet", data_files=list(urls.values()))`."""
+    store = RunStore(uri, storage_options or {})
+    return {shard: store.url(path) for shard, path in committed_files(store, kind).items()}

@@ -578,3 +578,22 @@ def test_case10_the_nightly_lock_is_not_in_a_shared_directory(tmp_path):
     done = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True, text=True, timeout=60,
                           env={**env, "BATCHRUN_NIGHTLY_LOCK_DIR": str(shared)})
     assert done.returncode == 2 and "not writable by others" in done.stderr
+
+
+def test_case10_the_engine_refuses_caches_others_can_write(tmp_path, tiny_llama_dir):
+    from batchrun.model.loader import load_model
+    from batchrun.utils.private_dir import UnsafeCacheError
+
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(UnsafeCacheError, match="model cache .*shared is writable"):
+        load_model(tiny_llama_dir, cache_dir=str(shared))
+    load_model(tiny_llama_dir, cache_dir=str(tmp_path / "mine"))
+    assert (tmp_path / "mine").stat().st_mode & 0o777 == 0o700
+    # The kernel library is loaded as code: a world-writable kernel cache is refused, in a fresh
+    # process (this one may have loaded its kernels already).
+    probe = "from batchrun.kernels import cpu_native; cpu_native.library()"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=TIMEOUT_S,
+                          env={**os.environ, "BATCHRUN_KERNEL_CACHE": str(shared)})
+    assert done.returncode != 0 and "UnsafeCacheError: kernel cache" in done.stderr and "chmod go-w" in done.stderr

@@ -40,6 +40,8 @@ from typing import Optional
 
 import torch
 
+from batchrun.utils.private_dir import check_private, private_dir
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
@@ -75,9 +77,11 @@ def enabled() -> bool:
 
 
 def cache_dir() -> Path:
+    """Where built kernels live: a directory only this user can write (the `.so` there is loaded
+    as code), created 0700; one that others could write is refused (UnsafeCacheError)."""
     root = os.environ.get("BATCHRUN_KERNEL_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batchrun", "kernels")
-    return Path(root)
+    return private_dir(root, "kernel cache", "BATCHRUN_KERNEL_CACHE")
 
 
 def _cpu_fingerprint() -> str:
@@ -107,8 +111,8 @@ def _build(compiler: str) -> Path:
                                     _cpu_fingerprint()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"batchrun_cpu_{key}.so"
     if target.exists():
+        check_private(target, "kernel library", "BATCHRUN_KERNEL_CACHE")
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
+from batchrun.utils.private_dir import check_private, private_dir
+
 log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
@@ -358,7 +360,8 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: str | N
     own blocks (`quantized_weights`) for `prepare_linears(mode="gguf")`.
     """
     directory, gguf_file = resolve_model(spec)
-    cache_root = default_cache_dir(cache_dir)
+    # Converted weights and the hash memo are trusted as they are: only this user may write there.
+    cache_root = private_dir(default_cache_dir(cache_dir), "model cache", "BATCHRUN_CACHE or engine.cache_dir")
     if gguf_file is None:
         weight_files = _safetensors_files(directory)
         fingerprint = _files_fingerprint([os.path.join(directory, "config.json"), *weight_files], cache_root)
@@ -370,6 +373,8 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: str | N
         entry = cache_root / "converted" / fingerprint[:16]
         if not _is_complete(entry):
             _convert_gguf(directory, gguf_file, entry)
+        for item in (entry, *entry.iterdir()):
+            check_private(item, "converted-weights cache", "BATCHRUN_CACHE or engine.cache_dir")
         # Always read back from the cache so the first load returns exactly what later loads will.
         config, state_dict, tokenizer = _load_hf_dir(str(entry), _safetensors_files(str(entry)))
     state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}

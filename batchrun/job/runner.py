@@ -379,9 +379,9 @@ class _JobRun:
         elif count["failed"] or count["quarantined"]:
             failed = [s.name for s in summaries if s.status in ("failed", "quarantined")]
             exit_code, status = 1, "failed"
+            quarantined = f" ({count['quarantined']} quarantined)" if count["quarantined"] else ""
             message = (f"{len(failed)} of {len(summaries)} shards failed ({', '.join(failed[:5])}"
-                       f"{', ...' if len(failed) > 5 else ''}; {count['quarantined']} quarantined), {done}; "
-                       f"see {self.manifest.url}")
+                       f"{', ...' if len(failed) > 5 else ''}){quarantined}, {done}; see {self.manifest.url}")
         else:
             exit_code, status = 0, "completed"
             message = f"{len(summaries)} shards done: {done}"

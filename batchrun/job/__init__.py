@@ -2,17 +2,14 @@
 
 It sees the engine's public API only (`batchrun.engine`), and no Hydra: the cli hands it a RunConfig.
 """
-from batchrun.job.config import ModelConfig, RunConfig, build_run_config, config_fields
+from batchrun.job.config import (DataConfig, JobConfig, LauncherConfig, ModelConfig, OutputConfig, RunConfig,
+                                 build_run_config, config_fields)
 from batchrun.job.errors import ConfigError, JobError, ShardError
-from batchrun.job.prompts import JobConfig
-from batchrun.job.reader import DataConfig
 from batchrun.job.launch import run_job
 from batchrun.job.results import RunResult, ShardSummary
 from batchrun.job.runner import load_engine
-from batchrun.job.shards import LauncherConfig
 from batchrun.job.store import committed_urls
 from batchrun.job.summary import format_summary
-from batchrun.job.writer import OutputConfig
 
 __all__ = [
     "ConfigError", "DataConfig", "JobConfig", "JobError", "LauncherConfig", "ModelConfig", "OutputConfig",

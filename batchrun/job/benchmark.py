@@ -33,16 +33,17 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
 from batchrun.engine import Engine, EngineRequest, RequestOutput, SamplingParams
 from batchrun.job.baseline import TimedRun, cast_model, count_parameters, hf_generate, load_hf_model, matmul_peak
 from batchrun.job.errors import JobError
-from batchrun.job.planner import PlannerConfig, plan_requests
-from batchrun.job.prompts import JobConfig, PromptBuilder
-from batchrun.job.reader import DataConfig, InputRow, ShardReader
+from batchrun.job.config import BENCHMARK_SYSTEMS, BenchmarkConfig, DataConfig, JobConfig, PlannerConfig
+from batchrun.job.planner import plan_requests
+from batchrun.job.prompts import PromptBuilder
+from batchrun.job.reader import InputRow, ShardReader
 from batchrun.job.shards import discover_shards, open_filesystem
 
 if TYPE_CHECKING:
@@ -51,10 +52,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("batchrun.benchmark")
 
-WorkloadName = Literal["summarize", "shared_prefix", "random"]
 PLANNER_ORDERS = ("longest_first", "shortest_first", "input")
-SYSTEMS = ("batchrun", "batchrun_no_prefix_cache", "batchrun_no_planner",
-           *(f"batchrun_{o}" for o in PLANNER_ORDERS), "hf_fp32", "hf_bf16")
+SYSTEMS = BENCHMARK_SYSTEMS
 HF_DTYPES = {"hf_fp32": torch.float32, "hf_bf16": torch.bfloat16}
 
 SHARED_INSTRUCTION = ("You answer questions about the documentation below. Answer in one or two sentences, "
@@ -69,43 +68,6 @@ QUESTIONS = (
     "Which rule does the text state most clearly?",
     "What does the text say about errors or exceptions?",
 )
-
-
-@dataclass(frozen=True)
-class BenchmarkConfig:
-    """What `job=benchmark` measures (the `benchmark` config group; see conf/job/benchmark.yaml)."""
-
-    workload: WorkloadName = "summarize"
-    num_prompts: int = 32
-    max_tokens: int = 64  # greedy new tokens per prompt (sampling.* is not used: the benchmark is greedy)
-    repeats: int = 3  # rounds; each runs every system once
-    hf_batch_size: int = 16  # HF static batch size (16 was its best setting on the 2-core machine)
-    systems: Optional[tuple[str, ...]] = None  # null: batchrun, hf_fp32, hf_bf16 (+ no_prefix_cache)
-    shared_prefix_tokens: int = 670  # shared_prefix: tokens every prompt shares (chat template included)
-    random_min_tokens: int = 32  # random: prompt lengths drawn uniformly from [min, max]
-    random_max_tokens: int = 512
-    seed: int = 0  # random prompts
-
-    def __post_init__(self) -> None:
-        if self.workload not in ("summarize", "shared_prefix", "random"):
-            raise ValueError(f"benchmark.workload must be summarize, shared_prefix or random, got {self.workload!r}")
-        for name in ("num_prompts", "max_tokens", "repeats", "hf_batch_size", "shared_prefix_tokens",
-                     "random_min_tokens", "random_max_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"benchmark.{name} must be >= 1, got {getattr(self, name)}")
-        if self.random_min_tokens > self.random_max_tokens:
-            raise ValueError("benchmark.random_min_tokens must be <= benchmark.random_max_tokens")
-        unknown = [s for s in self.systems or () if s not in SYSTEMS]
-        if unknown:
-            raise ValueError(f"benchmark.systems: unknown {', '.join(unknown)} (known: {', '.join(SYSTEMS)})")
-        if self.systems is not None and not self.systems:
-            raise ValueError("benchmark.systems: empty; use null for the default set")
-
-    def system_names(self) -> list[str]:
-        if self.systems is not None:
-            return list(dict.fromkeys(self.systems))
-        extra = ["batchrun_no_prefix_cache"] if self.workload == "shared_prefix" else []
-        return ["batchrun", *extra, "hf_fp32", "hf_bf16"]
 
 
 @dataclass

@@ -28,7 +28,7 @@ from batchrun.job.baseline import TimedRun
 from batchrun.job.shards import open_filesystem
 
 if TYPE_CHECKING:
-    from batchrun.job.benchmark import BenchmarkConfig
+    from batchrun.job.config import BenchmarkConfig
 
 REFERENCES = {"ratio_vs_hf_fp32": "hf_fp32", "ratio_vs_hf_bf16": "hf_bf16",
               "ratio_vs_no_prefix_cache": "batchrun_no_prefix_cache"}

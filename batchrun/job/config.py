@@ -1,28 +1,193 @@
 """The run's whole configuration as plain frozen dataclasses, and the checker that builds it.
 
 The cli composes YAML with Hydra and hands a plain dict to `build_run_config`; nothing below the cli
-sees Hydra or OmegaConf. Each config group's dataclass lives next to the code that reads it (data in
-reader.py, job in prompts.py, output in writer.py, launcher in shards.py, planner in planner.py,
-benchmark in benchmark.py); this module assembles them and checks every key and type, so a typo
-stops the run with one line naming the key.
+sees Hydra or OmegaConf. Every config group's dataclass is here (a leaf module: it imports nothing
+from the job layer but its errors), each checking its own values; `build_run_config` checks every
+key and type, so a typo stops the run with one line naming the key. The YAML in conf/ is checked
+against these dataclasses by the tests.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import string
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Literal, Mapping, Optional, Union
 
 from batchrun.engine import EngineConfig, SamplingParams
-from batchrun.job.benchmark import BenchmarkConfig
 from batchrun.job.errors import ConfigError
-from batchrun.job.planner import PlannerConfig
-from batchrun.job.prompts import JobConfig
-from batchrun.job.reader import DataConfig
-from batchrun.job.shards import LauncherConfig
-from batchrun.job.writer import OutputConfig
+
+# The fixed columns of every results file, in order (writer.py gives their types).
+RESULT_COLUMNS = ["id", "output", "finish_reason", "error_type", "error_message", "num_prompt_tokens",
+                  "num_output_tokens", "num_cached_tokens", "ttft_s", "itl_s", "latency_s"]
+PlanOrder = Literal["longest_first", "shortest_first", "input"]
+WorkloadName = Literal["summarize", "shared_prefix", "random"]
+BENCHMARK_SYSTEMS = ("batchrun", "batchrun_no_prefix_cache", "batchrun_no_planner",
+                     *(f"batchrun_{order}" for order in typing.get_args(PlanOrder)), "hf_fp32", "hf_bf16")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the input is and which columns hold what."""
+
+    # A directory, a glob or one Parquet file: a local path or any fsspec URL (s3://, gs://, memory://).
+    uri: Optional[str] = None
+    # The column of row ids, kept with its type in the results. null: ids are "<shard>-<row index>".
+    # A shard without it fails; when the first shard lacks it, the run stops with a config error.
+    id_column: Optional[str] = "id"
+    text_column: str = "text"  # the prompt text, or an OpenAI-style list of {role, content} messages
+    storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec
+    on_too_long: Literal["error", "truncate"] = "error"  # prompts over max_model_len - max_tokens
+    batch_size: int = 256  # rows read at a time
+    # Rows with equal values here share a long prompt prefix (e.g. one document, many questions):
+    # with several workers, shards go to workers by it (prefix affinity, affinity.py). null: by name.
+    group_column: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not self.uri:
+            raise ValueError("data.uri: missing; set data.uri=<directory, glob or file of Parquet shards>")
+        if self.batch_size < 1:
+            raise ValueError(f"data.batch_size: must be >= 1, got {self.batch_size}")
+
+
+@dataclass(frozen=True)
+class JobConfig:
+    """What a job does with each row (one conf/job/<name>.yaml per job)."""
+
+    name: str = "summarize"
+    # str.format template; {text} is data.text_column, any other {name} is that column (null -> "").
+    # None sends the text as it is. Not applied to messages.
+    prompt_template: Optional[str] = None
+    system_prompt: Optional[str] = None  # a system message (chat) or a leading paragraph (no chat template)
+    # For text rows: auto uses the tokenizer's chat template when it has one; always requires one;
+    # never sends the text raw. Message rows always go through the chat template.
+    chat_template: Literal["auto", "always", "never"] = "auto"
+
+    def __post_init__(self) -> None:
+        if self.prompt_template is not None:
+            template_fields(self.prompt_template)
+
+    def input_columns(self, data: DataConfig) -> list[str]:
+        """Columns a shard must have for this job."""
+        extra = [] if self.prompt_template is None else template_fields(self.prompt_template)
+        return list(dict.fromkeys([data.text_column, *(c for c in extra if c != "text")]))
+
+
+def template_fields(template: str) -> list[str]:
+    """Column names a template reads; ConfigError when it is not a valid str.format template."""
+    try:
+        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:
+        raise ConfigError("job.prompt_template", f"not a valid template: {e}") from None
+    roots = []
+    for name in names:
+        root = name.split(".")[0].split("[")[0]
+        if not root.isidentifier():
+            raise ConfigError("job.prompt_template", f"placeholders must name a column, got {{{name}}}")
+        roots.append(root)
+    return list(dict.fromkeys(roots))
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """Where results go and which input columns they carry along."""
+
+    uri: str = "runs/summarize"  # a directory: local path or any fsspec URL
+    storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec
+    keep_columns: tuple[str, ...] = ()  # input columns copied into each result row
+    # A rerun whose settings, model or input differ from what a shard was committed with: `error`
+    # stops with one line naming what changed; `recompute` redoes those shards (fingerprint.py).
+    on_change: Literal["error", "recompute"] = "error"
+
+    def __post_init__(self) -> None:
+        if not self.uri:
+            raise ValueError("output.uri: missing")
+        clash = [c for c in self.keep_columns if c in RESULT_COLUMNS]
+        if clash:
+            raise ValueError(f"output.keep_columns: {', '.join(clash)} would overwrite a result column")
+
+
+@dataclass(frozen=True)
+class LauncherConfig:
+    """How this process finds its place among the workers; None reads it from the environment."""
+
+    name: str = "local"
+    rank: Optional[int] = None  # this worker's index; None: torchrun RANK, Slurm ids, else 0
+    world_size: Optional[int] = None  # number of workers; None: torchrun WORLD_SIZE, Slurm counts, else 1
+    # Worker processes this command starts on this machine (one engine each, one GPU each on
+    # cuda); 1 runs in this process. With N > 1 the command is the launcher of ranks 0..N-1.
+    num_workers: int = 1
+    # Idle workers take unstarted (and dead workers') shards through claim files (claims.py).
+    work_stealing: bool = True
+    claim_lease_s: float = 120.0  # a claim without a heartbeat for this long may be taken over
+    # A shard whose attempts died this many times (a worker killed or frozen on it: OOM, a crash in
+    # native code) is quarantined, reported as failed and no longer taken by anyone; raise the
+    # limit or delete {output.uri}/_claims/{shard}/ to try it again.
+    max_shard_attempts: int = 3
+
+    def __post_init__(self) -> None:
+        if self.num_workers < 1:
+            raise ValueError(f"launcher.num_workers must be >= 1, got {self.num_workers}")
+        if self.claim_lease_s <= 0:
+            raise ValueError(f"launcher.claim_lease_s must be > 0, got {self.claim_lease_s}")
+        if self.max_shard_attempts < 1:
+            raise ValueError(f"launcher.max_shard_attempts must be >= 1, got {self.max_shard_attempts}")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """How rows are ordered before they reach the engine (the `planner` config group)."""
+
+    enabled: bool = True  # false: rows go to the engine in input order, one at a time
+    # Among prompts (and groups of prompts sharing a prefix): longest_first | shortest_first | input.
+    # longest_first is the default: see the planner measurement in the issue 4 closing note.
+    order: PlanOrder = "longest_first"
+    window: int = 4096  # rows read ahead and ordered together; memory grows with it, not the shard
+
+    def __post_init__(self) -> None:
+        if self.order not in ("longest_first", "shortest_first", "input"):
+            raise ValueError(f"planner.order must be longest_first, shortest_first or input, got {self.order!r}")
+        if self.window < 1:
+            raise ValueError(f"planner.window must be >= 1, got {self.window}")
+
+
+@dataclass(frozen=True)
+class BenchmarkConfig:
+    """What `job=benchmark` measures (the `benchmark` config group; see conf/job/benchmark.yaml)."""
+
+    workload: WorkloadName = "summarize"
+    num_prompts: int = 32
+    max_tokens: int = 64  # greedy new tokens per prompt (sampling.* is not used: the benchmark is greedy)
+    repeats: int = 3  # rounds; each runs every system once
+    hf_batch_size: int = 16  # HF static batch size (16 was its best setting on the 2-core machine)
+    systems: Optional[tuple[str, ...]] = None  # null: batchrun, hf_fp32, hf_bf16 (+ no_prefix_cache)
+    shared_prefix_tokens: int = 670  # shared_prefix: tokens every prompt shares (chat template included)
+    random_min_tokens: int = 32  # random: prompt lengths drawn uniformly from [min, max]
+    random_max_tokens: int = 512
+    seed: int = 0  # random prompts
+
+    def __post_init__(self) -> None:
+        if self.workload not in ("summarize", "shared_prefix", "random"):
+            raise ValueError(f"benchmark.workload must be summarize, shared_prefix or random, got {self.workload!r}")
+        for name in ("num_prompts", "max_tokens", "repeats", "hf_batch_size", "shared_prefix_tokens",
+                     "random_min_tokens", "random_max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"benchmark.{name} must be >= 1, got {getattr(self, name)}")
+        if self.random_min_tokens > self.random_max_tokens:
+            raise ValueError("benchmark.random_min_tokens must be <= benchmark.random_max_tokens")
+        unknown = [s for s in self.systems or () if s not in BENCHMARK_SYSTEMS]
+        if unknown:
+            raise ValueError(f"benchmark.systems: unknown {', '.join(unknown)} (known: {', '.join(BENCHMARK_SYSTEMS)})")
+        if self.systems is not None and not self.systems:
+            raise ValueError("benchmark.systems: empty; use null for the default set")
+
+    def system_names(self) -> list[str]:
+        if self.systems is not None:
+            return list(dict.fromkeys(self.systems))
+        extra = ["batchrun_no_prefix_cache"] if self.workload == "shared_prefix" else []
+        return ["batchrun", *extra, "hf_fp32", "hf_bf16"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +222,7 @@ class RunConfig:
         return out
 
 
-# Config groups whose dataclass is owned elsewhere; `engine.model` is filled from `model.path`.
+# Every config group's dataclass; `engine.model` is filled from `model.path`.
 _SECTIONS: dict[str, type] = {
     "job": JobConfig, "model": ModelConfig, "engine": EngineConfig, "sampling": SamplingParams,
     "data": DataConfig, "output": OutputConfig, "launcher": LauncherConfig, "planner": PlannerConfig,

@@ -16,28 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from itertools import islice
-from typing import Callable, Iterable, Iterator, Literal, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from batchrun.engine import EngineRequest
-
-PlanOrder = Literal["longest_first", "shortest_first", "input"]
-
-
-@dataclass(frozen=True)
-class PlannerConfig:
-    """How rows are ordered before they reach the engine (the `planner` config group)."""
-
-    enabled: bool = True  # false: rows go to the engine in input order, one at a time
-    # Among prompts (and groups of prompts sharing a prefix): longest_first | shortest_first | input.
-    # longest_first is the default: see the planner measurement in the issue 4 closing note.
-    order: PlanOrder = "longest_first"
-    window: int = 4096  # rows read ahead and ordered together; memory grows with it, not the shard
-
-    def __post_init__(self) -> None:
-        if self.order not in ("longest_first", "shortest_first", "input"):
-            raise ValueError(f"planner.order must be longest_first, shortest_first or input, got {self.order!r}")
-        if self.window < 1:
-            raise ValueError(f"planner.window must be >= 1, got {self.window}")
+from batchrun.job.config import PlannerConfig, PlanOrder
 
 
 def plan_requests(requests: Iterable[EngineRequest], config: PlannerConfig,

@@ -6,12 +6,12 @@ OpenAI-style list of messages, which always goes through the chat template.
 """
 from __future__ import annotations
 
-import string
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Optional
+from typing import Any, Callable, Optional
 
-from batchrun.job.errors import ConfigError, JobError
-from batchrun.job.reader import DataConfig, InputRow
+from batchrun.job.errors import JobError
+from batchrun.job.config import DataConfig, JobConfig
+from batchrun.job.reader import InputRow
 
 # The typed errors a row can end with (the `error_type` column); engine_error comes from the engine.
 NULL_PROMPT = "null_prompt"
@@ -19,44 +19,6 @@ EMPTY_PROMPT = "empty_prompt"
 WRONG_TYPE = "wrong_type"
 PROMPT_TOO_LONG = "prompt_too_long"
 TEMPLATE_ERROR = "template_error"
-
-
-@dataclass(frozen=True)
-class JobConfig:
-    """What a job does with each row (one conf/job/<name>.yaml per job)."""
-
-    name: str = "summarize"
-    # str.format template; {text} is data.text_column, any other {name} is that column (null -> "").
-    # None sends the text as it is. Not applied to messages.
-    prompt_template: Optional[str] = None
-    system_prompt: Optional[str] = None  # a system message (chat) or a leading paragraph (no chat template)
-    # For text rows: auto uses the tokenizer's chat template when it has one; always requires one;
-    # never sends the text raw. Message rows always go through the chat template.
-    chat_template: Literal["auto", "always", "never"] = "auto"
-
-    def __post_init__(self) -> None:
-        if self.prompt_template is not None:
-            template_fields(self.prompt_template)
-
-    def input_columns(self, data: DataConfig) -> list[str]:
-        """Columns a shard must have for this job."""
-        extra = [] if self.prompt_template is None else template_fields(self.prompt_template)
-        return list(dict.fromkeys([data.text_column, *(c for c in extra if c != "text")]))
-
-
-def template_fields(template: str) -> list[str]:
-    """Column names a template reads; ConfigError when it is not a valid str.format template."""
-    try:
-        names = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
-    except ValueError as e:
-        raise ConfigError("job.prompt_template", f"not a valid template: {e}") from None
-    roots = []
-    for name in names:
-        root = name.split(".")[0].split("[")[0]
-        if not root.isidentifier():
-            raise ConfigError("job.prompt_template", f"placeholders must name a column, got {{{name}}}")
-        roots.append(root)
-    return list(dict.fromkeys(roots))
 
 
 @dataclass(frozen=True)

@@ -6,39 +6,16 @@ bounded by `data.batch_size` whatever the shard's size.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Iterator, Literal, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchrun.job.config import DataConfig
 from batchrun.job.errors import ShardError
 from batchrun.job.shards import Shard
-
-
-@dataclass(frozen=True)
-class DataConfig:
-    """Where the input is and which columns hold what."""
-
-    # A directory, a glob or one Parquet file: a local path or any fsspec URL (s3://, gs://, memory://).
-    uri: Optional[str] = None
-    # The column of row ids, kept with its type in the results. null: ids are "<shard>-<row index>".
-    # A shard without it fails; when the first shard lacks it, the run stops with a config error.
-    id_column: Optional[str] = "id"
-    text_column: str = "text"  # the prompt text, or an OpenAI-style list of {role, content} messages
-    storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec
-    on_too_long: Literal["error", "truncate"] = "error"  # prompts over max_model_len - max_tokens
-    batch_size: int = 256  # rows read at a time
-    # Rows with equal values here share a long prompt prefix (e.g. one document, many questions):
-    # with several workers, shards go to workers by it (prefix affinity, affinity.py). null: by name.
-    group_column: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        if not self.uri:
-            raise ValueError("data.uri: missing; set data.uri=<directory, glob or file of Parquet shards>")
-        if self.batch_size < 1:
-            raise ValueError(f"data.batch_size: must be >= 1, got {self.batch_size}")
 
 
 @dataclass(frozen=True)

@@ -28,34 +28,8 @@ from typing import Any, Mapping, Optional, Sequence
 import fsspec
 from fsspec.core import url_to_fs
 
+from batchrun.job.config import LauncherConfig
 from batchrun.job.errors import ConfigError, JobError
-
-
-@dataclass(frozen=True)
-class LauncherConfig:
-    """How this process finds its place among the workers; None reads it from the environment."""
-
-    name: str = "local"
-    rank: Optional[int] = None  # this worker's index; None: torchrun RANK, Slurm ids, else 0
-    world_size: Optional[int] = None  # number of workers; None: torchrun WORLD_SIZE, Slurm counts, else 1
-    # Worker processes this command starts on this machine (one engine each, one GPU each on
-    # cuda); 1 runs in this process. With N > 1 the command is the launcher of ranks 0..N-1.
-    num_workers: int = 1
-    # Idle workers take unstarted (and dead workers') shards through claim files (claims.py).
-    work_stealing: bool = True
-    claim_lease_s: float = 120.0  # a claim without a heartbeat for this long may be taken over
-    # A shard whose attempts died this many times (a worker killed or frozen on it: OOM, a crash in
-    # native code) is quarantined, reported as failed and no longer taken by anyone; raise the
-    # limit or delete {output.uri}/_claims/{shard}/ to try it again.
-    max_shard_attempts: int = 3
-
-    def __post_init__(self) -> None:
-        if self.num_workers < 1:
-            raise ValueError(f"launcher.num_workers must be >= 1, got {self.num_workers}")
-        if self.claim_lease_s <= 0:
-            raise ValueError(f"launcher.claim_lease_s must be > 0, got {self.claim_lease_s}")
-        if self.max_shard_attempts < 1:
-            raise ValueError(f"launcher.max_shard_attempts must be >= 1, got {self.max_shard_attempts}")
 
 
 @dataclass(frozen=True)

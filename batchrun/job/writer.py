@@ -5,14 +5,14 @@ is written, then writes row groups incrementally, so memory stays bounded for la
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.engine import RequestOutput
+from batchrun.job.config import RESULT_COLUMNS
 
 RESULT_FIELDS: list[pa.Field] = [
     # The input row's id, in the id column's own type (result_schema), or "<shard>-<row index>"
@@ -29,7 +29,7 @@ RESULT_FIELDS: list[pa.Field] = [
     pa.field("itl_s", pa.float64()),  # mean gap between output tokens (null with fewer than 2)
     pa.field("latency_s", pa.float64()),  # admission to finish
 ]
-RESULT_COLUMNS = [f.name for f in RESULT_FIELDS]
+assert [f.name for f in RESULT_FIELDS] == RESULT_COLUMNS, "config.RESULT_COLUMNS names these fields"
 
 METRICS_SCHEMA = pa.schema([
     pa.field("shard", pa.string()),
@@ -60,25 +60,6 @@ METRICS_SCHEMA = pa.schema([
 ])
 
 ROWS_PER_ROW_GROUP = 1024
-
-
-@dataclass(frozen=True)
-class OutputConfig:
-    """Where results go and which input columns they carry along."""
-
-    uri: str = "runs/summarize"  # a directory: local path or any fsspec URL
-    storage_options: dict[str, Any] = field(default_factory=dict)  # passed to fsspec
-    keep_columns: tuple[str, ...] = ()  # input columns copied into each result row
-    # A rerun whose settings, model or input differ from what a shard was committed with: `error`
-    # stops with one line naming what changed; `recompute` redoes those shards (fingerprint.py).
-    on_change: Literal["error", "recompute"] = "error"
-
-    def __post_init__(self) -> None:
-        if not self.uri:
-            raise ValueError("output.uri: missing")
-        clash = [c for c in self.keep_columns if c in RESULT_COLUMNS]
-        if clash:
-            raise ValueError(f"output.keep_columns: {', '.join(clash)} would overwrite a result column")
 
 
 ENGINE_ERROR = "engine_error"

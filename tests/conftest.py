@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 import os
+import socket
+import uuid
+from pathlib import Path
 
 import pytest
+
 
 @pytest.fixture(autouse=True)
 def _restore_root_logging():
@@ -118,5 +122,72 @@ def make_shards(short_texts: list[str]):
             pq.write_table(table, out / f"{prefix}-{s:02d}.parquet")
             all_ids.append(ids)
         return all_ids
+
+    return make
+
+
+@pytest.fixture
+def job_overrides(tiny_llama_dir: str):
+    """(data, out, *extra) -> command-line overrides for a small, fast job over the tiny llama."""
+    def make(data, out, *extra: str) -> list[str]:
+        return [f"model.path={tiny_llama_dir}", f"data.uri={data}", f"output.uri={out}",
+                "engine.kv_cache_memory=67108864", "engine.max_num_seqs=2", "engine.max_num_batched_tokens=1024",
+                "engine.dtype=float32", "engine.num_threads=1", "sampling.max_tokens=8", "quiet=true", *extra]
+
+    return make
+
+
+# ---- a real S3-protocol server (moto's server mode), s3fs as the client -------------------------
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> dict[str, str]:
+    """One moto server for the session; its AWS_* environment (for tests and their subprocesses).
+    Its state lives in this process, so each test takes a bucket of its own (`s3`)."""
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3(moto_endpoint, monkeypatch):
+    """(s3fs filesystem, a fresh bucket name, endpoint URL), with the AWS_* environment set."""
+    for key, value in moto_endpoint.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()  # an instance made for another endpoint must not be reused
+    fs = s3fs.S3FileSystem()
+    bucket = f"test-{uuid.uuid4().hex[:12]}"
+    fs.mkdir(bucket)
+    try:
+        yield fs, bucket, moto_endpoint["AWS_ENDPOINT_URL"]
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(scope="session")
+def hooked_env():
+    """hooks -> an environment for a worker subprocess that loads tests/hooks/sitecustomize.py with
+    `hooks` (see there: slow outputs, a self-kill on a named shard); None loads it inert."""
+    import json
+
+    hooks_dir = str(Path(__file__).parent / "hooks")
+
+    def make(hooks=None, base=None) -> dict[str, str]:
+        env = dict(base if base is not None else os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([hooks_dir, env.get("PYTHONPATH", "")])
+        if hooks is not None:
+            env["BATCHRUN_TEST_HOOKS"] = json.dumps(hooks)
+        return env
 
     return make

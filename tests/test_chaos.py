@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -26,7 +25,6 @@ from batchrun.job.store import RunStore, committed_files
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
-HOOKS_DIR = str(Path(__file__).parent / "hooks")
 LEASE_S = 1.5
 NUM_SHARDS, ROWS_PER_SHARD = 6, 3
 TIMEOUT_S = 240  # a hang guard per trial, never a timing assertion
@@ -35,31 +33,9 @@ TIMEOUT_S = 240  # a hang guard per trial, never a timing assertion
 DOCUMENTED_EXITS = {0, 143, 137}
 
 
-@pytest.fixture(scope="module")
-def s3_env():
-    import socket
-
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
-    try:
-        yield env
-    finally:
-        server.stop()
-
-
-def _worker(args: list[str], env: dict, delay_s: float) -> subprocess.Popen:
-    hooks = {"delay_s": delay_s}
+def _worker(args: list[str], env: dict) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "batchrun", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True,
-                            env={**env, "BATCHRUN_TEST_HOOKS": json.dumps(hooks),
-                                 "PYTHONPATH": os.pathsep.join([HOOKS_DIR, env.get("PYTHONPATH", "")])})
+                            stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _trial(seed: int, data: Path, out_uri: str, tiny_llama_dir: str, env: dict) -> dict:
@@ -70,8 +46,7 @@ def _trial(seed: int, data: Path, out_uri: str, tiny_llama_dir: str, env: dict) 
               "engine.dtype=float32", "engine.num_threads=1", "sampling.max_tokens=4", "quiet=true",
               f"launcher.world_size={world}", f"launcher.claim_lease_s={LEASE_S}",
               "launcher.max_shard_attempts=1000"]
-    delay_s = rng.uniform(0.05, 0.2)  # per output row: shards last long enough to be hit mid-way
-    procs = {r: _worker([*common, f"launcher.rank={r}"], env, delay_s) for r in range(world)}
+    procs = {r: _worker([*common, f"launcher.rank={r}"], env) for r in range(world)}
     events = {"kill": 0, "stop": 0, "term": 0, "restart": 0}
     exits: list[int] = []
     stopped: dict[int, float] = {}
@@ -94,7 +69,7 @@ def _trial(seed: int, data: Path, out_uri: str, tiny_llama_dir: str, env: dict) 
                     finished.add(rank)
                 assert code in DOCUMENTED_EXITS, f"trial {seed}: rank {rank} exited {code}: {proc.stderr.read()}"
                 if code != 0:  # killed or stopped: run it again, as Slurm's requeue or a rerun would
-                    procs[rank] = _worker([*common, f"launcher.rank={rank}"], env, delay_s)
+                    procs[rank] = _worker([*common, f"launcher.rank={rank}"], env)
                     events["restart"] += 1
         if all(p.poll() is not None and p.returncode == 0 for p in procs.values()) and not stopped:
             break
@@ -119,60 +94,33 @@ def _trial(seed: int, data: Path, out_uri: str, tiny_llama_dir: str, env: dict) 
     return {"seed": seed, "world": world, **events, "exits": sorted(exits)}
 
 
-def _check(out_uri: str, expected_ids: list[str], storage_env: dict) -> tuple[int, int]:
+def _check(out_uri: str, expected_ids: list[str]) -> tuple[int, int]:
     """(lost, duplicated) ids in the committed results, after checking markers and files."""
-    old = {k: os.environ.get(k) for k in storage_env}
-    os.environ.update(storage_env)
-    try:
-        if out_uri.startswith("s3://"):
-            import s3fs
-
-            s3fs.S3FileSystem.clear_instance_cache()
-        store = RunStore(out_uri, {})
-        files = committed_files(store)
-        assert sorted(files) == [f"part-{i:02d}" for i in range(NUM_SHARDS)]  # one marker per shard
-        ids = []
-        for shard, path in files.items():
-            with store.fs.open(path, "rb") as f:
-                table = pq.read_table(f)
-            assert len(table) == store.read_marker(shard)["num_rows"] == ROWS_PER_SHARD
-            ids += table.column("id").to_pylist()
-        lost = len(set(expected_ids) - set(ids))
-        duplicated = len(ids) - len(set(ids))
-        return lost, duplicated
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    store = RunStore(out_uri, {})
+    files = committed_files(store)
+    assert sorted(files) == [f"part-{i:02d}" for i in range(NUM_SHARDS)]  # one marker per shard
+    ids = []
+    for shard, path in files.items():
+        with store.fs.open(path, "rb") as f:
+            table = pq.read_table(f)
+        assert len(table) == store.read_marker(shard)["num_rows"] == ROWS_PER_SHARD
+        ids += table.column("id").to_pylist()
+    return len(set(expected_ids) - set(ids)), len(ids) - len(set(ids))
 
 
 @pytest.mark.parametrize("store_kind", ["local", "s3"])
-def test_chaos_every_id_exactly_once(store_kind, tmp_path, make_shards, tiny_llama_dir, request):
+def test_chaos_every_id_exactly_once(store_kind, tmp_path, make_shards, tiny_llama_dir, hooked_env, request):
     ids = [i for s in make_shards(tmp_path / "in", num_shards=NUM_SHARDS, rows_per_shard=ROWS_PER_SHARD) for i in s]
-    env = dict(os.environ)
-    storage_env: dict = {}
-    if store_kind == "s3":
-        storage_env = request.getfixturevalue("s3_env")
-        env.update(storage_env)
-        os.environ.update(storage_env)
-        try:
-            import s3fs
-
-            s3fs.S3FileSystem.clear_instance_cache()
-            bucket = f"chaos-{uuid.uuid4().hex[:8]}"
-            s3fs.S3FileSystem().mkdir(bucket)
-        finally:
-            for k in storage_env:
-                os.environ.pop(k, None)
+    bucket = request.getfixturevalue("s3")[1] if store_kind == "s3" else None  # sets the AWS_* environment
     trials = int(os.environ.get("BATCHRUN_CHAOS_TRIALS", "5"))
     base_seed = int(os.environ.get("BATCHRUN_CHAOS_SEED", "1234"))
     report = os.environ.get("BATCHRUN_CHAOS_REPORT")
     for trial in range(trials):
         out_uri = str(tmp_path / f"out{trial}") if store_kind == "local" else f"s3://{bucket}/run{trial}"
+        delay_s = random.Random(base_seed + trial).uniform(0.05, 0.2)  # per output row: hit shards mid-way
+        env = hooked_env({"delay_s": delay_s})
         summary = _trial(base_seed + trial, tmp_path / "in", out_uri, tiny_llama_dir, env)
-        lost, duplicated = _check(out_uri, ids, storage_env)
+        lost, duplicated = _check(out_uri, ids)
         summary.update(store=store_kind, lost=lost, duplicated=duplicated)
         if report:
             with open(report, "a") as f:

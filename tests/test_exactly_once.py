@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-import uuid
 from pathlib import Path
 
 import pyarrow as pa
@@ -30,14 +29,7 @@ from batchrun.job.store import RunStore, committed_files
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::ResourceWarning")
 
-HOOKS_DIR = str(Path(__file__).parent / "hooks")
 TIMEOUT_S = 300  # a hang guard for subprocesses, never a timing assertion
-
-
-def _overrides(data: Path, out: Path, tiny_llama_dir: str, *extra: str) -> list[str]:
-    return [f"model.path={tiny_llama_dir}", f"data.uri={data}", f"output.uri={out}",
-            "engine.kv_cache_memory=67108864", "engine.max_num_seqs=2", "engine.max_num_batched_tokens=1024",
-            "engine.dtype=float32", "engine.num_threads=1", "sampling.max_tokens=8", "quiet=true", *extra]
 
 
 def _committed_ids(out: Path) -> list:
@@ -51,12 +43,14 @@ def _write(path: Path, columns: dict, schema: pa.Schema | None = None) -> None:
     pq.write_table(pa.table(columns, schema=schema), path)
 
 
-def _spawn(args: list[str], hooks: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([HOOKS_DIR, os.environ.get("PYTHONPATH", "")])}
-    if hooks is not None:
-        env["BATCHRUN_TEST_HOOKS"] = json.dumps(hooks)
-    return subprocess.Popen([sys.executable, "-m", "batchrun", *args], env=env, cwd=cwd,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+@pytest.fixture
+def spawn(hooked_env):
+    """(args, hooks) -> a real `python -m batchrun` process with the test hooks loaded."""
+    def start(args: list[str], hooks: dict | None = None) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "batchrun", *args], env=hooked_env(hooks),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    return start
 
 
 def _wait_for(predicate, what: str, procs=()) -> None:
@@ -71,7 +65,7 @@ def _wait_for(predicate, what: str, procs=()) -> None:
 
 # ---- 1. hostile shard names ------------------------------------------------------------------
 
-def test_case1_a_shard_named_dotdot_cannot_wipe_the_output(tmp_path, short_texts, tiny_engine, tiny_llama_dir):
+def test_case1_a_shard_named_dotdot_cannot_wipe_the_output(tmp_path, short_texts, tiny_engine, tiny_llama_dir, job_overrides):
     src, out = tmp_path / "in", tmp_path / "out"
     names = {"a.parquet": "a", " ...parquet": "dots", "new\nline.parquet": "nl", ("x" * 200) + ".parquet": "long",
              "sp ace.parquet": "space"}
@@ -83,7 +77,7 @@ def test_case1_a_shard_named_dotdot_cannot_wipe_the_output(tmp_path, short_texts
     assert all(is_safe_name(n) and len(n.encode()) <= NAME_MAX_BYTES for n in shard_names), shard_names
     assert "a" in shard_names and len(set(shard_names)) == len(names)
 
-    overrides = _overrides(src, out, tiny_llama_dir)
+    overrides = job_overrides(src, out)
     for _ in range(2):  # the second run used to remove the output root through _tmp/..
         result = run_job(cli.load_config(overrides), engine=tiny_engine)
         assert result.exit_code == 0, result.message
@@ -100,17 +94,17 @@ def test_case1_a_shard_named_dotdot_cannot_wipe_the_output(tmp_path, short_texts
 
 # ---- 2. a worker frozen past its lease -------------------------------------------------------
 
-def test_case2_a_worker_frozen_past_its_lease_exits_0_and_nothing_is_doubled(tmp_path, make_shards, tiny_llama_dir):
+def test_case2_a_worker_frozen_past_its_lease_exits_0_and_nothing_is_doubled(tmp_path, make_shards, tiny_llama_dir, job_overrides, spawn):
     ids = [i for s in make_shards(tmp_path / "in", num_shards=4, rows_per_shard=4) for i in s]
     out, hooks_dir = tmp_path / "out", tmp_path / "hooks"
     hooks_dir.mkdir()
-    common = _overrides(tmp_path / "in", out, tiny_llama_dir, "launcher.world_size=2", "launcher.claim_lease_s=2")
-    frozen = _spawn([*common, "launcher.rank=0"], {"dir": str(hooks_dir), "delay_s": 0.3, "rank": 0})
+    common = job_overrides(tmp_path / "in", out, "launcher.world_size=2", "launcher.claim_lease_s=2")
+    frozen = spawn([*common, "launcher.rank=0"], {"dir": str(hooks_dir), "delay_s": 0.3, "rank": 0})
     _wait_for(lambda: any(hooks_dir.glob("started-0-*")), "worker 0 to start a shard", [frozen])
     frozen.send_signal(signal.SIGSTOP)
     try:
         time.sleep(3)  # past the lease: its claim is stale by the time the other worker looks
-        other = _spawn([*common, "launcher.rank=1"])
+        other = spawn([*common, "launcher.rank=1"])
         stdout, stderr = other.communicate(timeout=TIMEOUT_S)
         assert other.returncode == 0, stderr
         assert len(list((out / "_commits").iterdir())) == 4  # it took the frozen worker's shards over
@@ -139,10 +133,10 @@ def test_a_late_committer_never_replaces_the_winners_files(tmp_path):
 
 
 def test_a_commit_whose_publication_died_is_finished_by_the_next_reader(tmp_path, make_shards, tiny_engine,
-                                                                      tiny_llama_dir):
+                                                                      tiny_llama_dir, job_overrides):
     ids = make_shards(tmp_path / "in", num_shards=2, rows_per_shard=3)
     out = tmp_path / "out"
-    overrides = _overrides(tmp_path / "in", out, tiny_llama_dir)
+    overrides = job_overrides(tmp_path / "in", out)
     assert run_job(cli.load_config(overrides), engine=tiny_engine).exit_code == 0
     # As if part-01's committer died right after creating its marker: its files are still in its attempt.
     marker = json.loads((out / "_commits" / "part-01.json").read_text())
@@ -158,36 +152,8 @@ def test_a_commit_whose_publication_died_is_finished_by_the_next_reader(tmp_path
 
 # ---- 3. exclusive claims and commits on an object store ---------------------------------------
 
-@pytest.fixture
-def s3_store(monkeypatch):
-    """A real S3-protocol server (moto) with s3fs as the client; yields (fs, bucket)."""
-    import socket
-
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}.items():
-        monkeypatch.setenv(key, value)
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()
-    fs = s3fs.S3FileSystem()
-    bucket = f"exactly-once-{uuid.uuid4().hex[:8]}"  # moto's state is per process, not per server
-    fs.mkdir(bucket)
-    try:
-        yield fs, bucket
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
-        server.stop()
-
-
-def test_case3_claims_and_markers_are_exclusive_on_s3(s3_store):
-    fs, bucket = s3_store
+def test_case3_claims_and_markers_are_exclusive_on_s3(s3):
+    fs, bucket, _ = s3
     store = RunStore(f"s3://{bucket}/run", {})
     assert store.commit_method.startswith("if-none-match")
     answers: list[str] = []
@@ -220,8 +186,8 @@ def test_case3_claims_and_markers_are_exclusive_on_s3(s3_store):
     assert sorted(created) == [False] * 7 + [True]
 
 
-def test_case3_claim_staleness_on_s3_uses_the_stores_clock(s3_store):
-    fs, bucket = s3_store
+def test_case3_claim_staleness_on_s3_uses_the_stores_clock(s3):
+    fs, bucket, _ = s3
     store = RunStore(f"s3://{bucket}/run", {})
     owner = ClaimBook(store, lease_s=2)
     owner.identity = {**owner.identity, "boot_id": "another-machine"}
@@ -246,7 +212,7 @@ def test_the_claims_module_no_longer_claims_object_stores_race():
 
 # ---- 4. output inside the input directory; what counts as input -----------------------------
 
-def test_case4_output_inside_the_input_is_never_read_back(tmp_path, make_shards, tiny_engine, tiny_llama_dir):
+def test_case4_output_inside_the_input_is_never_read_back(tmp_path, make_shards, tiny_engine, tiny_llama_dir, job_overrides):
     ids = [i for s in make_shards(tmp_path / "data", num_shards=2, rows_per_shard=2) for i in s]
     (tmp_path / "data" / "_SUCCESS").write_text("")
     (tmp_path / "data" / "README.txt").write_text("not a shard")
@@ -254,7 +220,7 @@ def test_case4_output_inside_the_input_is_never_read_back(tmp_path, make_shards,
     for data_uri in (tmp_path / "data", f"{tmp_path / 'data'}/*"):
         out = tmp_path / "data" / ("run-dir" if "*" not in str(data_uri) else "run-glob")
         for _ in range(2):
-            result = run_job(cli.load_config(_overrides(data_uri, out, tiny_llama_dir)), engine=tiny_engine)
+            result = run_job(cli.load_config(job_overrides(data_uri, out)), engine=tiny_engine)
             assert result.exit_code == 0, result.message
             assert [s.name for s in result.shards] == ["part-00", "part-01"]
         assert sorted(_committed_ids(out)) == sorted(ids)
@@ -272,10 +238,10 @@ def test_a_glob_that_matches_nothing_is_a_config_error(tmp_path, capsys):
 # ---- 5. a rerun after a change ----------------------------------------------------------------
 
 def test_case5_a_rerun_with_other_settings_stops_naming_the_change(tmp_path, make_shards, tiny_engine,
-                                                                  tiny_llama_dir, capsys):
+                                                                  tiny_llama_dir, capsys, job_overrides):
     make_shards(tmp_path / "in", num_shards=4, rows_per_shard=2)
     out = tmp_path / "out"
-    first = _overrides(tmp_path / "in", out, tiny_llama_dir)
+    first = job_overrides(tmp_path / "in", out)
     assert run_job(cli.load_config(first), engine=tiny_engine).exit_code == 0
     (out / "_commits" / "part-02.json").unlink()  # one shard lost
     changed = [*first, "engine.dtype=bfloat16"]
@@ -297,10 +263,10 @@ def test_case5_a_rerun_with_other_settings_stops_naming_the_change(tmp_path, mak
     assert run_job(cli.load_config(changed), engine=tiny_engine).exit_code == 0  # consistent again
 
 
-def test_case5_a_changed_input_file_is_noticed(tmp_path, make_shards, tiny_engine, tiny_llama_dir):
+def test_case5_a_changed_input_file_is_noticed(tmp_path, make_shards, tiny_engine, tiny_llama_dir, job_overrides):
     make_shards(tmp_path / "in", num_shards=2, rows_per_shard=2)
     out = tmp_path / "out"
-    overrides = _overrides(tmp_path / "in", out, tiny_llama_dir)
+    overrides = job_overrides(tmp_path / "in", out)
     assert run_job(cli.load_config(overrides), engine=tiny_engine).exit_code == 0
     table = pq.read_table(tmp_path / "in" / "part-01.parquet")
     pq.write_table(table.slice(0, 1), tmp_path / "in" / "part-01.parquet")  # a row removed upstream
@@ -312,10 +278,10 @@ def test_case5_a_changed_input_file_is_noticed(tmp_path, make_shards, tiny_engin
 
 
 def test_case5_another_model_is_noticed_once_loaded(tmp_path, make_shards, short_texts, tiny_engine,
-                                                   tiny_llama_dir):
+                                                   tiny_llama_dir, job_overrides):
     make_shards(tmp_path / "in", num_shards=1, rows_per_shard=2)
     out = tmp_path / "out"
-    overrides = _overrides(tmp_path / "in", out, tiny_llama_dir)
+    overrides = job_overrides(tmp_path / "in", out)
     assert run_job(cli.load_config(overrides), engine=tiny_engine).exit_code == 0
     marker_path = out / "_commits" / "part-00.json"
     marker = json.loads(marker_path.read_text())
@@ -330,14 +296,14 @@ def test_case5_another_model_is_noticed_once_loaded(tmp_path, make_shards, short
 
 # ---- 6. rows: bad text, typed and bad ids -----------------------------------------------------
 
-def test_case6_bad_utf8_nan_and_typed_ids(tmp_path, short_texts, tiny_engine, tiny_llama_dir):
+def test_case6_bad_utf8_nan_and_typed_ids(tmp_path, short_texts, tiny_engine, tiny_llama_dir, job_overrides):
     src, out = tmp_path / "in", tmp_path / "out"
     good, bad = short_texts[0].encode(), b"broken \xff\xfe text"
     text = pa.Array.from_buffers(pa.string(), 3, pa.array([good, bad, good], pa.binary()).buffers())
     _write(src / "a-text.parquet", {"id": pa.array([1, 2, 3], pa.int64()), "text": text})
     _write(src / "b-floats.parquet", {"id": pa.array([1.5, float("nan"), None, 4.0], pa.float64()),
                                       "text": short_texts[1:5]})
-    result = run_job(cli.load_config(_overrides(src, out, tiny_llama_dir)), engine=tiny_engine)
+    result = run_job(cli.load_config(job_overrides(src, out)), engine=tiny_engine)
     assert result.exit_code == 0, result.message
     a = pq.read_table(out / "results" / "a-text.parquet")
     assert a.schema.field("id").type == pa.int64()
@@ -363,11 +329,11 @@ def test_case6_a_misspelled_id_column_is_a_config_error(tmp_path, make_shards, c
     assert "config error: data.id_column: no column 'ident'" in capsys.readouterr().err
 
 
-def test_ids_repeated_across_shards_are_counted(tmp_path, short_texts, tiny_engine, tiny_llama_dir):
+def test_ids_repeated_across_shards_are_counted(tmp_path, short_texts, tiny_engine, tiny_llama_dir, job_overrides):
     src, out = tmp_path / "in", tmp_path / "out"
     _write(src / "a.parquet", {"id": ["x", "y"], "text": short_texts[:2]})
     _write(src / "b.parquet", {"id": ["y", "z"], "text": short_texts[2:4]})
-    assert run_job(cli.load_config(_overrides(src, out, tiny_llama_dir)), engine=tiny_engine).exit_code == 0
+    assert run_job(cli.load_config(job_overrides(src, out)), engine=tiny_engine).exit_code == 0
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["num_duplicate_ids"] == 1
     assert [s.get("num_duplicate_ids") for s in manifest["shards"]] == [None, 1]
@@ -375,11 +341,11 @@ def test_ids_repeated_across_shards_are_counted(tmp_path, short_texts, tiny_engi
 
 # ---- 7. work stealing off: one shared plan ----------------------------------------------------
 
-def test_case7_without_stealing_workers_split_one_plan(tmp_path, short_texts, tiny_engine, tiny_llama_dir, caplog):
+def test_case7_without_stealing_workers_split_one_plan(tmp_path, short_texts, tiny_engine, tiny_llama_dir, caplog, job_overrides):
     src, out = tmp_path / "in", tmp_path / "out"
     for name in ("a", "b", "c", "d"):
         _write(src / f"{name}.parquet", {"id": [f"{name}0"], "text": short_texts[:1]})
-    common = [*_overrides(src, out, tiny_llama_dir), "launcher.work_stealing=false", "launcher.world_size=2"]
+    common = [*job_overrides(src, out), "launcher.work_stealing=false", "launcher.world_size=2"]
     first = run_job(cli.load_config([*common, "launcher.rank=0"]), engine=tiny_engine)
     assert [s.name for s in first.shards] == ["a", "c"]
     # A file that sorts in between appears before worker 1 lists: it would have taken aa and c,
@@ -395,7 +361,7 @@ def test_case7_without_stealing_workers_split_one_plan(tmp_path, short_texts, ti
 # ---- 8. an unexpected error on one shard ----------------------------------------------------------
 
 def test_case8_an_unexpected_error_fails_one_shard_not_the_worker(tmp_path, make_shards, tiny_engine,
-                                                                tiny_llama_dir, monkeypatch):
+                                                                tiny_llama_dir, monkeypatch, job_overrides):
     ids = make_shards(tmp_path / "in", num_shards=3, rows_per_shard=2)
     out = tmp_path / "out"
     real_begin = RunStore.begin
@@ -406,13 +372,13 @@ def test_case8_an_unexpected_error_fails_one_shard_not_the_worker(tmp_path, make
         return real_begin(self, shard)
 
     monkeypatch.setattr(RunStore, "begin", failing_begin)
-    result = run_job(cli.load_config(_overrides(tmp_path / "in", out, tiny_llama_dir)), engine=tiny_engine)
+    result = run_job(cli.load_config(job_overrides(tmp_path / "in", out)), engine=tiny_engine)
     assert result.exit_code == 1
     assert [(s.name, s.status) for s in result.shards] == [
         ("part-00", "committed"), ("part-01", "failed"), ("part-02", "committed")]
     assert "Access Denied" in result.shards[1].error
     monkeypatch.setattr(RunStore, "begin", real_begin)
-    assert run_job(cli.load_config(_overrides(tmp_path / "in", out, tiny_llama_dir)), engine=tiny_engine).exit_code == 0
+    assert run_job(cli.load_config(job_overrides(tmp_path / "in", out)), engine=tiny_engine).exit_code == 0
     assert sorted(_committed_ids(out)) == sorted(i for s in ids for i in s)
 
 
@@ -435,15 +401,15 @@ def test_transient_storage_errors_are_retried(monkeypatch):
 
 # ---- 9. a shard that kills its worker; signals ------------------------------------------------
 
-def test_case9_a_shard_that_kills_its_worker_is_quarantined(tmp_path, make_shards, tiny_llama_dir):
+def test_case9_a_shard_that_kills_its_worker_is_quarantined(tmp_path, make_shards, tiny_llama_dir, job_overrides, spawn):
     make_shards(tmp_path / "in", num_shards=3, rows_per_shard=2)
     out, hooks_dir = tmp_path / "out", tmp_path / "hooks"
     hooks_dir.mkdir()
-    args = _overrides(tmp_path / "in", out, tiny_llama_dir, "launcher.max_shard_attempts=2")
+    args = job_overrides(tmp_path / "in", out, "launcher.max_shard_attempts=2")
     poison = {"dir": str(hooks_dir), "die_on": ["part-01"]}
     codes = []
     for _ in range(3):
-        proc = _spawn(args, poison)
+        proc = spawn(args, poison)
         proc.communicate(timeout=TIMEOUT_S)
         codes.append(proc.returncode)
     assert codes[:2] == [-signal.SIGKILL, -signal.SIGKILL]  # it died on part-01 twice...
@@ -456,11 +422,11 @@ def test_case9_a_shard_that_kills_its_worker_is_quarantined(tmp_path, make_shard
 
 
 def test_case9_repeated_sigterm_still_writes_the_manifest_and_releases_claims(tmp_path, make_shards,
-                                                                             tiny_llama_dir):
+                                                                             tiny_llama_dir, job_overrides, spawn):
     make_shards(tmp_path / "in", num_shards=3, rows_per_shard=4)
     out, hooks_dir = tmp_path / "out", tmp_path / "hooks"
     hooks_dir.mkdir()
-    proc = _spawn(_overrides(tmp_path / "in", out, tiny_llama_dir), {"dir": str(hooks_dir), "delay_s": 0.5})
+    proc = spawn(job_overrides(tmp_path / "in", out), {"dir": str(hooks_dir), "delay_s": 0.5})
     _wait_for(lambda: any(hooks_dir.glob("started-*")), "the first shard", [proc])
     for _ in range(3):
         proc.send_signal(signal.SIGTERM)
@@ -504,11 +470,11 @@ def test_case9_slurm_requeues_are_capped(tmp_path):
 
 # ---- 10. security -------------------------------------------------------------------------------
 
-def test_case10_secrets_never_reach_the_manifest(tmp_path, make_shards, tiny_engine, tiny_llama_dir):
+def test_case10_secrets_never_reach_the_manifest(tmp_path, make_shards, tiny_engine, tiny_llama_dir, job_overrides):
     make_shards(tmp_path / "in", num_shards=1, rows_per_shard=1)
     out = tmp_path / "out"
     secret = "wJalrXUtnFEMI-K7MDENG-bPxRfiCY"
-    overrides = [*_overrides(tmp_path / "in", out, tiny_llama_dir), f"+data.storage_options.secret={secret}",
+    overrides = [*job_overrides(tmp_path / "in", out), f"+data.storage_options.secret={secret}",
                  "+data.storage_options.key=AKIAEXAMPLE", f"+output.storage_options.client_kwargs.aws_session_token={secret}",
                  "+data.storage_options.anon=false"]
     config = cli.load_config(overrides)  # the local filesystem accepts and ignores these options

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from batchrun.job.benchmark_report import BenchmarkResult
     from batchrun.job.config import RunConfig
 
-log = logging.getLogger("batchrun.benchmark")
+log = logging.getLogger(__name__)
 
 PLANNER_ORDERS = ("longest_first", "shortest_first", "input")
 SYSTEMS = BENCHMARK_SYSTEMS

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchrun.job import ConfigError, JobError, LauncherConfig
+from batchrun.job import ConfigError, LauncherConfig
 from batchrun.job.shards import Shard, Worker, assign_shards, discover_shards, open_filesystem, resolve_worker
 
 

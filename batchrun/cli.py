@@ -9,12 +9,14 @@ where the results are. Expected failures end as one line on stderr, never a trac
     exit 2  configuration error (unknown key, wrong type, bad override)
     exit 130 / 143  stopped by SIGINT / SIGTERM; rerun the same command to resume
 """
+
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn, Sequence
+from typing import Any, NoReturn
 
 import hydra
 from hydra import compose, initialize_config_dir

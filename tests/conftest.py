@@ -1,4 +1,5 @@
 """Shared pytest fixtures."""
+
 from __future__ import annotations
 
 import os
@@ -83,8 +84,16 @@ def tiny_engine(tiny_llama_dir: str):
     """One real Engine over the tiny llama, shared by the in-process job tests (run_job(cfg, engine=...))."""
     from batchrun.engine import Engine, EngineConfig
 
-    return Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=JOB_TEST_KV_BYTES,
-                               max_num_seqs=8, max_num_batched_tokens=1024))  # fixed: no start-up profile
+    return Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="float32",
+            device="cpu",
+            kv_cache_memory=JOB_TEST_KV_BYTES,
+            max_num_seqs=8,
+            max_num_batched_tokens=1024,
+        )
+    )  # fixed: no start-up profile
 
 
 @pytest.fixture(scope="session")
@@ -129,15 +138,27 @@ def make_shards(short_texts: list[str]):
 @pytest.fixture
 def job_overrides(tiny_llama_dir: str):
     """(data, out, *extra) -> command-line overrides for a small, fast job over the tiny llama."""
+
     def make(data, out, *extra: str) -> list[str]:
-        return [f"model.path={tiny_llama_dir}", f"data.uri={data}", f"output.uri={out}",
-                "engine.kv_cache_memory=67108864", "engine.max_num_seqs=2", "engine.max_num_batched_tokens=1024",
-                "engine.dtype=float32", "engine.num_threads=1", "sampling.max_tokens=8", "quiet=true", *extra]
+        return [
+            f"model.path={tiny_llama_dir}",
+            f"data.uri={data}",
+            f"output.uri={out}",
+            "engine.kv_cache_memory=67108864",
+            "engine.max_num_seqs=2",
+            "engine.max_num_batched_tokens=1024",
+            "engine.dtype=float32",
+            "engine.num_threads=1",
+            "sampling.max_tokens=8",
+            "quiet=true",
+            *extra,
+        ]
 
     return make
 
 
 # ---- a real S3-protocol server (moto's server mode), s3fs as the client -------------------------
+
 
 @pytest.fixture(scope="session")
 def moto_endpoint() -> dict[str, str]:
@@ -151,8 +172,12 @@ def moto_endpoint() -> dict[str, str]:
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     try:
-        yield {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+        yield {
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        }
     finally:
         server.stop()
 

@@ -7,6 +7,7 @@ must be one the README documents (0, or 143 for SIGTERM; 137 is the SIGKILL itse
 BATCHRUN_CHAOS_TRIALS sets the trials per store (default 5: 10 in all); BATCHRUN_CHAOS_REPORT
 names a file to which each trial appends one JSON line of what happened.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,18 +35,29 @@ DOCUMENTED_EXITS = {0, 143, 137}
 
 
 def _worker(args: list[str], env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "batchrun", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, "-m", "batchrun", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+    )
 
 
 def _trial(seed: int, data: Path, out_uri: str, tiny_llama_dir: str, env: dict) -> dict:
     rng = random.Random(seed)
     world = rng.randint(2, 4)
-    common = [f"model.path={tiny_llama_dir}", f"data.uri={data}", f"output.uri={out_uri}",
-              "engine.kv_cache_memory=33554432", "engine.max_num_seqs=2", "engine.max_num_batched_tokens=512",
-              "engine.dtype=float32", "engine.num_threads=1", "sampling.max_tokens=4", "quiet=true",
-              f"launcher.world_size={world}", f"launcher.claim_lease_s={LEASE_S}",
-              "launcher.max_shard_attempts=1000"]
+    common = [
+        f"model.path={tiny_llama_dir}",
+        f"data.uri={data}",
+        f"output.uri={out_uri}",
+        "engine.kv_cache_memory=33554432",
+        "engine.max_num_seqs=2",
+        "engine.max_num_batched_tokens=512",
+        "engine.dtype=float32",
+        "engine.num_threads=1",
+        "sampling.max_tokens=4",
+        "quiet=true",
+        f"launcher.world_size={world}",
+        f"launcher.claim_lease_s={LEASE_S}",
+        "launcher.max_shard_attempts=1000",
+    ]
     procs = {r: _worker([*common, f"launcher.rank={r}"], env) for r in range(world)}
     events = {"kill": 0, "stop": 0, "term": 0, "restart": 0}
     exits: list[int] = []

@@ -1,4 +1,5 @@
 """conf/ composes into the dataclasses for every preset, and bad input ends as one line, exit 2."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -64,10 +65,17 @@ def _yaml_keys(node: dict, cls: type) -> None:
             _yaml_keys(node[name], hints[name])
 
 
-@pytest.mark.parametrize("group, option, cls", [
-    ("engine", "default", EngineConfig), ("sampling", "default", SamplingParams), ("data", "sample", DataConfig),
-    ("output", "default", OutputConfig), ("launcher", "local", LauncherConfig), ("model", "smollm2_135m", None),
-])
+@pytest.mark.parametrize(
+    "group, option, cls",
+    [
+        ("engine", "default", EngineConfig),
+        ("sampling", "default", SamplingParams),
+        ("data", "sample", DataConfig),
+        ("output", "default", OutputConfig),
+        ("launcher", "local", LauncherConfig),
+        ("model", "smollm2_135m", None),
+    ],
+)
 def test_group_yaml_lists_every_dataclass_key(group, option, cls):
     """The YAML is the documented surface: a field added to a dataclass must appear there too."""
     node = yaml.safe_load((CONF / group / f"{option}.yaml").read_text())
@@ -89,17 +97,23 @@ def test_hydra_writes_nothing_in_the_working_directory(tmp_path, monkeypatch, ca
 UNKNOWN_KEY = "batchrun: config error: engine.max_num_seqz: unknown key (did you mean max_num_seqs?)"
 
 
-@pytest.mark.parametrize("argv, code, message", [
-    (["engine.max_num_seqz=3"], 2, UNKNOWN_KEY),
-    (["+engine.max_num_seqz=3"], 2, UNKNOWN_KEY),
-    (["engine.max_num_seqs=many"], 2,
-     "batchrun: config error: engine.max_num_seqs: expected int or null, got str 'many'"),
-    (["job=nope"], 2, "batchrun: config error: In 'config': Could not find 'job/nope'"),
-    (["sampling.max_tokens=="], 2, "batchrun: config error: Error parsing override 'sampling.max_tokens=='"),
-    (["output.uri=${nope}"], 2, "batchrun: config error: output.uri: Interpolation key 'nope' not found"),
-    (["job=generate"], 2, "batchrun: config error: data.uri: missing"),
-    (["engine.model=/x"], 2, "batchrun: config error: engine.model: set model.path instead"),
-])
+@pytest.mark.parametrize(
+    "argv, code, message",
+    [
+        (["engine.max_num_seqz=3"], 2, UNKNOWN_KEY),
+        (["+engine.max_num_seqz=3"], 2, UNKNOWN_KEY),
+        (
+            ["engine.max_num_seqs=many"],
+            2,
+            "batchrun: config error: engine.max_num_seqs: expected int or null, got str 'many'",
+        ),
+        (["job=nope"], 2, "batchrun: config error: In 'config': Could not find 'job/nope'"),
+        (["sampling.max_tokens=="], 2, "batchrun: config error: Error parsing override 'sampling.max_tokens=='"),
+        (["output.uri=${nope}"], 2, "batchrun: config error: output.uri: Interpolation key 'nope' not found"),
+        (["job=generate"], 2, "batchrun: config error: data.uri: missing"),
+        (["engine.model=/x"], 2, "batchrun: config error: engine.model: set model.path instead"),
+    ],
+)
 def test_cli_errors_are_one_line(argv, code, message, capsys, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
@@ -111,11 +125,17 @@ def test_cli_errors_are_one_line(argv, code, message, capsys, monkeypatch, tmp_p
 
 
 def test_cli_error_in_a_real_process_is_one_line_without_traceback(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "batchrun", "job=summarize", "sampling.temprature=0.5"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchrun", "job=summarize", "sampling.temprature=0.5"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [(
-        "batchrun: config error: sampling.temprature: unknown key (did you mean temperature?)")]
+    assert proc.stderr.strip().splitlines() == [
+        ("batchrun: config error: sampling.temprature: unknown key (did you mean temperature?)")
+    ]
     assert "Traceback" not in proc.stderr and proc.stdout == ""
     assert list(tmp_path.iterdir()) == []
 

@@ -274,7 +274,6 @@ needs_native_w8a8 = pytest.mark.skipif(
 
 
 def _w8a8_layer(n: int, k: int, num_float: int, bias: bool, native: bool, seed: int = 0):
-    from batchrun.kernels import quant as qk
     from batchrun.model import quant as mq
 
     g = torch.Generator().manual_seed(seed)

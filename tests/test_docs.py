@@ -1,4 +1,5 @@
 """The README stays a user's page and true to CI; the repository stands on its own."""
+
 from __future__ import annotations
 
 import re
@@ -25,6 +26,11 @@ def test_relative_links_in_docs_point_at_files():
 
 def test_nothing_points_outside_the_repository():
     tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
-    offenders = [p for p in tracked if p.endswith((".py", ".md", ".yaml", ".toml", ".sh", ".ipynb", ".sbatch"))
-                 and "../shared" in (ROOT / p).read_text(errors="replace") and p != "tests/test_docs.py"]
+    offenders = [
+        p
+        for p in tracked
+        if p.endswith((".py", ".md", ".yaml", ".toml", ".sh", ".ipynb", ".sbatch"))
+        and "../shared" in (ROOT / p).read_text(errors="replace")
+        and p != "tests/test_docs.py"
+    ]
     assert offenders == []

@@ -3,6 +3,7 @@
 Real Parquet files, real worker processes and signals, a real S3-protocol server; the store is
 never mocked. Each test names the case it covers.
 """
+
 from __future__ import annotations
 
 import json
@@ -46,9 +47,15 @@ def _write(path: Path, columns: dict, schema: pa.Schema | None = None) -> None:
 @pytest.fixture
 def spawn(hooked_env):
     """(args, hooks) -> a real `python -m batchrun` process with the test hooks loaded."""
+
     def start(args: list[str], hooks: dict | None = None) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "batchrun", *args], env=hooked_env(hooks),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            [sys.executable, "-m", "batchrun", *args],
+            env=hooked_env(hooks),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     return start
 
@@ -65,12 +72,20 @@ def _wait_for(predicate, what: str, procs=()) -> None:
 
 # ---- 1. hostile shard names ------------------------------------------------------------------
 
-def test_case1_a_shard_named_dotdot_cannot_wipe_the_output(tmp_path, short_texts, tiny_engine, tiny_llama_dir, job_overrides):
+
+def test_case1_a_shard_named_dotdot_cannot_wipe_the_output(
+    tmp_path, short_texts, tiny_engine, tiny_llama_dir, job_overrides
+):
     src, out = tmp_path / "in", tmp_path / "out"
-    names = {"a.parquet": "a", " ...parquet": "dots", "new\nline.parquet": "nl", ("x" * 200) + ".parquet": "long",
-             "sp ace.parquet": "space"}
+    names = {
+        "a.parquet": "a",
+        " ...parquet": "dots",
+        "new\nline.parquet": "nl",
+        ("x" * 200) + ".parquet": "long",
+        "sp ace.parquet": "space",
+    }
     for i, (name, prefix) in enumerate(names.items()):
-        _write(src / name, {"id": [f"{prefix}-{r}" for r in range(2)], "text": short_texts[2 * i: 2 * i + 2]})
+        _write(src / name, {"id": [f"{prefix}-{r}" for r in range(2)], "text": short_texts[2 * i : 2 * i + 2]})
     ids = sorted(f"{p}-{r}" for p in names.values() for r in range(2))
     fs, path = open_filesystem(str(src), {})
     shard_names = [s.name for s in discover_shards(fs, path, str(src))]
@@ -94,7 +109,10 @@ def test_case1_a_shard_named_dotdot_cannot_wipe_the_output(tmp_path, short_texts
 
 # ---- 2. a worker frozen past its lease -------------------------------------------------------
 
-def test_case2_a_worker_frozen_past_its_lease_exits_0_and_nothing_is_doubled(tmp_path, make_shards, tiny_llama_dir, job_overrides, spawn):
+
+def test_case2_a_worker_frozen_past_its_lease_exits_0_and_nothing_is_doubled(
+    tmp_path, make_shards, tiny_llama_dir, job_overrides, spawn
+):
     ids = [i for s in make_shards(tmp_path / "in", num_shards=4, rows_per_shard=4) for i in s]
     out, hooks_dir = tmp_path / "out", tmp_path / "hooks"
     hooks_dir.mkdir()
@@ -132,8 +150,9 @@ def test_a_late_committer_never_replaces_the_winners_files(tmp_path):
     assert store.read_marker("s0")["attempt"] == winner.attempt_id
 
 
-def test_a_commit_whose_publication_died_is_finished_by_the_next_reader(tmp_path, make_shards, tiny_engine,
-                                                                      tiny_llama_dir, job_overrides):
+def test_a_commit_whose_publication_died_is_finished_by_the_next_reader(
+    tmp_path, make_shards, tiny_engine, tiny_llama_dir, job_overrides
+):
     ids = make_shards(tmp_path / "in", num_shards=2, rows_per_shard=3)
     out = tmp_path / "out"
     overrides = job_overrides(tmp_path / "in", out)
@@ -151,6 +170,7 @@ def test_a_commit_whose_publication_died_is_finished_by_the_next_reader(tmp_path
 
 
 # ---- 3. exclusive claims and commits on an object store ---------------------------------------
+
 
 def test_case3_claims_and_markers_are_exclusive_on_s3(s3):
     fs, bucket, _ = s3
@@ -212,7 +232,10 @@ def test_the_claims_module_no_longer_claims_object_stores_race():
 
 # ---- 4. output inside the input directory; what counts as input -----------------------------
 
-def test_case4_output_inside_the_input_is_never_read_back(tmp_path, make_shards, tiny_engine, tiny_llama_dir, job_overrides):
+
+def test_case4_output_inside_the_input_is_never_read_back(
+    tmp_path, make_shards, tiny_engine, tiny_llama_dir, job_overrides
+):
     ids = [i for s in make_shards(tmp_path / "data", num_shards=2, rows_per_shard=2) for i in s]
     (tmp_path / "data" / "_SUCCESS").write_text("")
     (tmp_path / "data" / "README.txt").write_text("not a shard")
@@ -237,8 +260,10 @@ def test_a_glob_that_matches_nothing_is_a_config_error(tmp_path, capsys):
 
 # ---- 5. a rerun after a change ----------------------------------------------------------------
 
-def test_case5_a_rerun_with_other_settings_stops_naming_the_change(tmp_path, make_shards, tiny_engine,
-                                                                  tiny_llama_dir, capsys, job_overrides):
+
+def test_case5_a_rerun_with_other_settings_stops_naming_the_change(
+    tmp_path, make_shards, tiny_engine, tiny_llama_dir, capsys, job_overrides
+):
     make_shards(tmp_path / "in", num_shards=4, rows_per_shard=2)
     out = tmp_path / "out"
     first = job_overrides(tmp_path / "in", out)
@@ -249,7 +274,7 @@ def test_case5_a_rerun_with_other_settings_stops_naming_the_change(tmp_path, mak
         cli.main(changed)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "output.on_change" in err and "engine.dtype: \"float32\" -> \"bfloat16\"" in err
+    assert "output.on_change" in err and 'engine.dtype: "float32" -> "bfloat16"' in err
     assert not (out / "_commits" / "part-02.json").exists()  # nothing ran
 
     # Another worker of the same run whose own shards are all uncommitted must refuse too.
@@ -277,8 +302,9 @@ def test_case5_a_changed_input_file_is_noticed(tmp_path, make_shards, tiny_engin
     assert len(pq.read_table(out / "results" / "part-01.parquet")) == 1
 
 
-def test_case5_another_model_is_noticed_once_loaded(tmp_path, make_shards, short_texts, tiny_engine,
-                                                   tiny_llama_dir, job_overrides):
+def test_case5_another_model_is_noticed_once_loaded(
+    tmp_path, make_shards, short_texts, tiny_engine, tiny_llama_dir, job_overrides
+):
     make_shards(tmp_path / "in", num_shards=1, rows_per_shard=2)
     out = tmp_path / "out"
     overrides = job_overrides(tmp_path / "in", out)
@@ -296,13 +322,16 @@ def test_case5_another_model_is_noticed_once_loaded(tmp_path, make_shards, short
 
 # ---- 6. rows: bad text, typed and bad ids -----------------------------------------------------
 
+
 def test_case6_bad_utf8_nan_and_typed_ids(tmp_path, short_texts, tiny_engine, tiny_llama_dir, job_overrides):
     src, out = tmp_path / "in", tmp_path / "out"
     good, bad = short_texts[0].encode(), b"broken \xff\xfe text"
     text = pa.Array.from_buffers(pa.string(), 3, pa.array([good, bad, good], pa.binary()).buffers())
     _write(src / "a-text.parquet", {"id": pa.array([1, 2, 3], pa.int64()), "text": text})
-    _write(src / "b-floats.parquet", {"id": pa.array([1.5, float("nan"), None, 4.0], pa.float64()),
-                                      "text": short_texts[1:5]})
+    _write(
+        src / "b-floats.parquet",
+        {"id": pa.array([1.5, float("nan"), None, 4.0], pa.float64()), "text": short_texts[1:5]},
+    )
     result = run_job(cli.load_config(job_overrides(src, out)), engine=tiny_engine)
     assert result.exit_code == 0, result.message
     a = pq.read_table(out / "results" / "a-text.parquet")
@@ -341,7 +370,10 @@ def test_ids_repeated_across_shards_are_counted(tmp_path, short_texts, tiny_engi
 
 # ---- 7. work stealing off: one shared plan ----------------------------------------------------
 
-def test_case7_without_stealing_workers_split_one_plan(tmp_path, short_texts, tiny_engine, tiny_llama_dir, caplog, job_overrides):
+
+def test_case7_without_stealing_workers_split_one_plan(
+    tmp_path, short_texts, tiny_engine, tiny_llama_dir, caplog, job_overrides
+):
     src, out = tmp_path / "in", tmp_path / "out"
     for name in ("a", "b", "c", "d"):
         _write(src / f"{name}.parquet", {"id": [f"{name}0"], "text": short_texts[:1]})
@@ -360,8 +392,10 @@ def test_case7_without_stealing_workers_split_one_plan(tmp_path, short_texts, ti
 
 # ---- 8. an unexpected error on one shard ----------------------------------------------------------
 
-def test_case8_an_unexpected_error_fails_one_shard_not_the_worker(tmp_path, make_shards, tiny_engine,
-                                                                tiny_llama_dir, monkeypatch, job_overrides):
+
+def test_case8_an_unexpected_error_fails_one_shard_not_the_worker(
+    tmp_path, make_shards, tiny_engine, tiny_llama_dir, monkeypatch, job_overrides
+):
     ids = make_shards(tmp_path / "in", num_shards=3, rows_per_shard=2)
     out = tmp_path / "out"
     real_begin = RunStore.begin
@@ -375,7 +409,10 @@ def test_case8_an_unexpected_error_fails_one_shard_not_the_worker(tmp_path, make
     result = run_job(cli.load_config(job_overrides(tmp_path / "in", out)), engine=tiny_engine)
     assert result.exit_code == 1
     assert [(s.name, s.status) for s in result.shards] == [
-        ("part-00", "committed"), ("part-01", "failed"), ("part-02", "committed")]
+        ("part-00", "committed"),
+        ("part-01", "failed"),
+        ("part-02", "committed"),
+    ]
     assert "Access Denied" in result.shards[1].error
     monkeypatch.setattr(RunStore, "begin", real_begin)
     assert run_job(cli.load_config(job_overrides(tmp_path / "in", out)), engine=tiny_engine).exit_code == 0
@@ -401,7 +438,10 @@ def test_transient_storage_errors_are_retried(monkeypatch):
 
 # ---- 9. a shard that kills its worker; signals ------------------------------------------------
 
-def test_case9_a_shard_that_kills_its_worker_is_quarantined(tmp_path, make_shards, tiny_llama_dir, job_overrides, spawn):
+
+def test_case9_a_shard_that_kills_its_worker_is_quarantined(
+    tmp_path, make_shards, tiny_llama_dir, job_overrides, spawn
+):
     make_shards(tmp_path / "in", num_shards=3, rows_per_shard=2)
     out, hooks_dir = tmp_path / "out", tmp_path / "hooks"
     hooks_dir.mkdir()
@@ -421,8 +461,9 @@ def test_case9_a_shard_that_kills_its_worker_is_quarantined(tmp_path, make_shard
     assert "launcher.max_shard_attempts" in next(s["error"] for s in manifest["shards"] if s["name"] == "part-01")
 
 
-def test_case9_repeated_sigterm_still_writes_the_manifest_and_releases_claims(tmp_path, make_shards,
-                                                                             tiny_llama_dir, job_overrides, spawn):
+def test_case9_repeated_sigterm_still_writes_the_manifest_and_releases_claims(
+    tmp_path, make_shards, tiny_llama_dir, job_overrides, spawn
+):
     make_shards(tmp_path / "in", num_shards=3, rows_per_shard=4)
     out, hooks_dir = tmp_path / "out", tmp_path / "hooks"
     hooks_dir.mkdir()
@@ -445,7 +486,7 @@ def test_case9_slurm_requeues_are_capped(tmp_path):
     SLURM_RESTART_COUNT reaches BATCHRUN_MAX_REQUEUES."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "scontrol").write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/scontrol.log\n")
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/scontrol.log\n')
     fake_python = bin_dir / "python"
     fake_python.write_text("#!/bin/bash\ntrap 'exit 143' TERM\ntouch \"$READY\"\nwhile true; do sleep 0.05; done\n")
     for f in bin_dir.iterdir():
@@ -454,11 +495,20 @@ def test_case9_slurm_requeues_are_capped(tmp_path):
     results = {}
     for restarts in (0, 3):
         ready = tmp_path / f"ready{restarts}"
-        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "BATCHRUN_PYTHON": str(fake_python),
-               "SLURM_JOB_ID": "7", "SLURM_ARRAY_JOB_ID": "7", "SLURM_ARRAY_TASK_ID": "1",
-               "SLURM_RESTART_COUNT": str(restarts), "BATCHRUN_MAX_REQUEUES": "3", "READY": str(ready)}
-        proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+        env = {
+            **os.environ,
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "BATCHRUN_PYTHON": str(fake_python),
+            "SLURM_JOB_ID": "7",
+            "SLURM_ARRAY_JOB_ID": "7",
+            "SLURM_ARRAY_TASK_ID": "1",
+            "SLURM_RESTART_COUNT": str(restarts),
+            "BATCHRUN_MAX_REQUEUES": "3",
+            "READY": str(ready),
+        }
+        proc = subprocess.Popen(
+            ["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         _wait_for(ready.exists, "the stand-in batchrun")
         proc.send_signal(signal.SIGUSR1)
         output, _ = proc.communicate(timeout=60)
@@ -470,13 +520,18 @@ def test_case9_slurm_requeues_are_capped(tmp_path):
 
 # ---- 10. security -------------------------------------------------------------------------------
 
+
 def test_case10_secrets_never_reach_the_manifest(tmp_path, make_shards, tiny_engine, tiny_llama_dir, job_overrides):
     make_shards(tmp_path / "in", num_shards=1, rows_per_shard=1)
     out = tmp_path / "out"
     secret = "wJalrXUtnFEMI-K7MDENG-bPxRfiCY"
-    overrides = [*job_overrides(tmp_path / "in", out), f"+data.storage_options.secret={secret}",
-                 "+data.storage_options.key=AKIAEXAMPLE", f"+output.storage_options.client_kwargs.aws_session_token={secret}",
-                 "+data.storage_options.anon=false"]
+    overrides = [
+        *job_overrides(tmp_path / "in", out),
+        f"+data.storage_options.secret={secret}",
+        "+data.storage_options.key=AKIAEXAMPLE",
+        f"+output.storage_options.client_kwargs.aws_session_token={secret}",
+        "+data.storage_options.anon=false",
+    ]
     config = cli.load_config(overrides)  # the local filesystem accepts and ignores these options
     from batchrun.job.manifest import redact
 
@@ -533,16 +588,22 @@ def test_case10_the_nightly_lock_is_not_in_a_shared_directory(tmp_path):
     env = {**os.environ, "BATCHRUN_PYTHON": str(fake_python), "HOME": str(tmp_path / "home")}
     env.pop("XDG_RUNTIME_DIR", None)
     env.pop("BATCHRUN_NIGHTLY_LOCK_DIR", None)
-    done = subprocess.run(["bash", str(script), str(tmp_path / "out")], env=env, capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run(
+        ["bash", str(script), str(tmp_path / "out")], env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stderr
     lock_dir = tmp_path / "home" / ".cache" / "batchrun"
     assert lock_dir.stat().st_mode & 0o777 == 0o700 and list(lock_dir.glob("nightly-*.lock"))
     shared = tmp_path / "shared"
     shared.mkdir()
     shared.chmod(0o777)
-    done = subprocess.run(["bash", str(script), str(tmp_path / "out")], capture_output=True, text=True, timeout=60,
-                          env={**env, "BATCHRUN_NIGHTLY_LOCK_DIR": str(shared)})
+    done = subprocess.run(
+        ["bash", str(script), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "BATCHRUN_NIGHTLY_LOCK_DIR": str(shared)},
+    )
     assert done.returncode == 2 and "not writable by others" in done.stderr
 
 
@@ -560,6 +621,11 @@ def test_case10_the_engine_refuses_caches_others_can_write(tmp_path, tiny_llama_
     # The kernel library is loaded as code: a world-writable kernel cache is refused, in a fresh
     # process (this one may have loaded its kernels already).
     probe = "from batchrun.kernels import cpu_native; cpu_native.library()"
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=TIMEOUT_S,
-                          env={**os.environ, "BATCHRUN_KERNEL_CACHE": str(shared)})
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env={**os.environ, "BATCHRUN_KERNEL_CACHE": str(shared)},
+    )
     assert done.returncode != 0 and "UnsafeCacheError: kernel cache" in done.stderr and "chmod go-w" in done.stderr

@@ -1,4 +1,5 @@
 """Per-shard metrics from result rows and engine counters (differences over the shard)."""
+
 from __future__ import annotations
 
 import pyarrow.parquet as pq
@@ -11,16 +12,28 @@ from batchrun.job.writer import METRICS_SCHEMA
 
 
 def _stats(**kw) -> EngineStats:
-    base = dict(num_kv_blocks_total=100, peak_kv_blocks_used=10, num_preemptions=0, num_prompt_tokens=0,
-                num_cached_tokens=0, num_generated_tokens=0, num_steps=0)
+    base = dict(
+        num_kv_blocks_total=100,
+        peak_kv_blocks_used=10,
+        num_preemptions=0,
+        num_prompt_tokens=0,
+        num_cached_tokens=0,
+        num_generated_tokens=0,
+        num_steps=0,
+    )
     return EngineStats(**{**base, **kw})
 
 
 def _row(error_type=None, prompt=10, output=4, cached=2, ttft=0.5, itl=0.1) -> dict:
     engine_saw = error_type is None
-    return {"error_type": error_type, "num_prompt_tokens": prompt,
-            "num_output_tokens": output if engine_saw else None, "num_cached_tokens": cached if engine_saw else None,
-            "ttft_s": ttft if engine_saw else None, "itl_s": itl if engine_saw else None}
+    return {
+        "error_type": error_type,
+        "num_prompt_tokens": prompt,
+        "num_output_tokens": output if engine_saw else None,
+        "num_cached_tokens": cached if engine_saw else None,
+        "ttft_s": ttft if engine_saw else None,
+        "itl_s": itl if engine_saw else None,
+    }
 
 
 def test_metrics_row_sums_rows_and_differences_counters():
@@ -28,10 +41,16 @@ def test_metrics_row_sums_rows_and_differences_counters():
     for ttft in (0.1, 0.2, 0.3, 0.4):
         tally.add(_row(ttft=ttft))
     tally.add(_row(error_type="empty_prompt"))
-    before = _stats(num_preemptions=3, num_spec_proposed=100, num_spec_accepted=50,
-                    expert_token_counts=[[5, 5], [1, 9]])
-    after = _stats(num_preemptions=5, peak_kv_blocks_used=7, num_spec_proposed=140, num_spec_accepted=80,
-                   expert_token_counts=[[9, 7], [4, 9]])
+    before = _stats(
+        num_preemptions=3, num_spec_proposed=100, num_spec_accepted=50, expert_token_counts=[[5, 5], [1, 9]]
+    )
+    after = _stats(
+        num_preemptions=5,
+        peak_kv_blocks_used=7,
+        num_spec_proposed=140,
+        num_spec_accepted=80,
+        expert_token_counts=[[9, 7], [4, 9]],
+    )
     m = metrics_row("s", 1, tally, 2.0, before, after)
     assert list(m) == METRICS_SCHEMA.names
     assert (m["num_rows"], m["num_ok"], m["num_errors"]) == (5, 4, 1)
@@ -52,13 +71,25 @@ def test_metrics_row_of_an_empty_shard_has_nulls_not_errors():
 
 def test_speculative_engine_fills_the_speculation_columns(tmp_path, make_shards, tiny_llama_dir):
     make_shards(tmp_path / "in", num_shards=1, rows_per_shard=3)
-    engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=4,
-                                 max_num_batched_tokens=1024, kv_cache_memory=16 << 20,
-                                 speculative={"method": "ngram", "adaptive": False}))
-    config = RunConfig(job=JobConfig(prompt_template="{text}"), model=ModelConfig(path=tiny_llama_dir),
-                       sampling=SamplingParams(temperature=0.0, max_tokens=16),
-                       data=DataConfig(uri=str(tmp_path / "in")), output=OutputConfig(uri=str(tmp_path / "out")),
-                       quiet=True)
+    engine = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="float32",
+            device="cpu",
+            max_num_seqs=4,
+            max_num_batched_tokens=1024,
+            kv_cache_memory=16 << 20,
+            speculative={"method": "ngram", "adaptive": False},
+        )
+    )
+    config = RunConfig(
+        job=JobConfig(prompt_template="{text}"),
+        model=ModelConfig(path=tiny_llama_dir),
+        sampling=SamplingParams(temperature=0.0, max_tokens=16),
+        data=DataConfig(uri=str(tmp_path / "in")),
+        output=OutputConfig(uri=str(tmp_path / "out")),
+        quiet=True,
+    )
     assert run_job(config, engine=engine).exit_code == 0
     m = pq.read_table(tmp_path / "out" / "metrics" / "part-00.parquet").to_pylist()[0]
     assert m["num_spec_proposed"] is not None and m["num_spec_accepted"] is not None

@@ -1,4 +1,5 @@
 """Rows to prompt token ids, or to the typed error that says why not (tiny real tokenizer)."""
+
 from __future__ import annotations
 
 import copy
@@ -44,38 +45,55 @@ def test_template_over_columns_then_chat_template_with_system_prompt(tokenizer):
     prompt = builder.build(_row(TEXT, title="assert", tag=None))
     expected = tokenizer.apply_chat_template(
         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": f"Title: assert\n{TEXT}\nTags: "}],
-        tokenize=False, add_generation_prompt=True)
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     assert tokenizer.decode(prompt.token_ids) == expected
     job = JobConfig(prompt_template="{title} {text} {title}")
     assert job.input_columns(DataConfig(uri="/x", text_column="body")) == ["body", "title"]
 
 
 def test_chat_template_never_and_auto_without_one(tokenizer, plain_tokenizer):
-    for builder in (_builder(tokenizer, chat_template="never", system_prompt="S."),
-                    _builder(plain_tokenizer, system_prompt="S.")):
+    for builder in (
+        _builder(tokenizer, chat_template="never", system_prompt="S."),
+        _builder(plain_tokenizer, system_prompt="S."),
+    ):
         assert builder.tokenizer.decode(builder.build(_row(TEXT)).token_ids) == f"S.\n\n{TEXT}"
     with pytest.raises(JobError, match="no chat template"):
         _builder(plain_tokenizer, chat_template="always")
 
 
-@pytest.mark.parametrize("value, error_type", [
-    (None, "null_prompt"), ("", "empty_prompt"), ("  \n\t ", "empty_prompt"), (42, "wrong_type"),
-    (b"bytes", "wrong_type"), ({"role": "user"}, "wrong_type"), ([], "empty_prompt"),
-    ([{"role": "user", "content": "  "}], "empty_prompt"),
-    ([{"role": "user"}], "template_error"), (["hello"], "template_error"),
-    ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "template_error"),
-])
+@pytest.mark.parametrize(
+    "value, error_type",
+    [
+        (None, "null_prompt"),
+        ("", "empty_prompt"),
+        ("  \n\t ", "empty_prompt"),
+        (42, "wrong_type"),
+        (b"bytes", "wrong_type"),
+        ({"role": "user"}, "wrong_type"),
+        ([], "empty_prompt"),
+        ([{"role": "user", "content": "  "}], "empty_prompt"),
+        ([{"role": "user"}], "template_error"),
+        (["hello"], "template_error"),
+        ([{"role": "user", "content": [{"type": "text", "text": "hi"}]}], "template_error"),
+    ],
+)
 def test_bad_rows_get_typed_errors(tokenizer, value, error_type):
     prompt = _builder(tokenizer).build(_row(value))
     assert prompt.token_ids is None and prompt.error_type == error_type and prompt.error_message
 
 
 def test_messages_use_the_chat_template_and_need_one(tokenizer, plain_tokenizer):
-    messages = [{"role": "user", "content": "What is assert?"}, {"role": "assistant", "content": "A check."},
-                {"role": "user", "content": "And pass?"}]
+    messages = [
+        {"role": "user", "content": "What is assert?"},
+        {"role": "assistant", "content": "A check."},
+        {"role": "user", "content": "And pass?"},
+    ]
     prompt = _builder(tokenizer, chat_template="never", system_prompt="Be brief.").build(_row(messages))
     assert tokenizer.decode(prompt.token_ids) == tokenizer.apply_chat_template(
-        [{"role": "system", "content": "Be brief."}, *messages], tokenize=False, add_generation_prompt=True)
+        [{"role": "system", "content": "Be brief."}, *messages], tokenize=False, add_generation_prompt=True
+    )
     failed = _builder(plain_tokenizer).build(_row(messages))
     assert failed.error_type == "template_error" and "no" in failed.error_message
 

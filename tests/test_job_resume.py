@@ -1,5 +1,6 @@
 """Crashes and stop signals: a real subprocess is killed (SIGKILL) or asked to stop (SIGTERM) in the
 middle of a shard, and the rerun of the same command leaves every input id exactly once."""
+
 from __future__ import annotations
 
 import json
@@ -44,9 +45,17 @@ SHARD_ROWS = (2, 2, 6, 2)
 
 
 def _overrides(tmp_path: Path, tiny_llama_dir: str) -> list[str]:
-    return [f"model.path={tiny_llama_dir}", f"data.uri={tmp_path / 'in'}", f"output.uri={tmp_path / 'out'}",
-            "engine.kv_cache_memory=67108864", "engine.max_num_seqs=2", "engine.max_num_batched_tokens=1024",
-            "engine.dtype=float32", "sampling.max_tokens=8", "quiet=true"]
+    return [
+        f"model.path={tiny_llama_dir}",
+        f"data.uri={tmp_path / 'in'}",
+        f"output.uri={tmp_path / 'out'}",
+        "engine.kv_cache_memory=67108864",
+        "engine.max_num_seqs=2",
+        "engine.max_num_batched_tokens=1024",
+        "engine.dtype=float32",
+        "sampling.max_tokens=8",
+        "quiet=true",
+    ]
 
 
 def _make_input(tmp_path: Path, make_shards) -> list[str]:
@@ -58,8 +67,14 @@ def _make_input(tmp_path: Path, make_shards) -> list[str]:
 
 def _start_paused_worker(tmp_path: Path, tiny_llama_dir: str) -> tuple[subprocess.Popen, Path]:
     env = {**os.environ, "TEST_READY": str(tmp_path / "ready"), "TEST_GO": str(tmp_path / "go")}
-    proc = subprocess.Popen([sys.executable, "-c", WORKER, *_overrides(tmp_path, tiny_llama_dir)], cwd=tmp_path,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WORKER, *_overrides(tmp_path, tiny_llama_dir)],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 300  # a hang guard, not a timing assertion
     while not (tmp_path / "ready").exists():
         if proc.poll() is not None:
@@ -88,12 +103,23 @@ def test_sigkill_mid_shard_then_rerun_gives_every_id_exactly_once(tmp_path, make
     assert [s["status"] for s in manifest["shards"]] == ["committed", "committed", "running", "pending"]
     committed_bytes = {p.name: p.read_bytes() for p in (out / "results").iterdir()}
 
-    rerun = subprocess.run([sys.executable, "-m", "batchrun", *_overrides(tmp_path, tiny_llama_dir)],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    rerun = subprocess.run(
+        [sys.executable, "-m", "batchrun", *_overrides(tmp_path, tiny_llama_dir)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert rerun.returncode == 0, rerun.stderr
     assert "Traceback" not in rerun.stderr
-    for line in ("s0-00  skipped", "s1-00  skipped", "s2-00  committed", "s3-00  committed",
-                 f"results:  file://{out}/results/", "completed: 4 shards done: 2 committed, 2 already done"):
+    for line in (
+        "s0-00  skipped",
+        "s1-00  skipped",
+        "s2-00  committed",
+        "s3-00  committed",
+        f"results:  file://{out}/results/",
+        "completed: 4 shards done: 2 committed, 2 already done",
+    ):
         assert line in rerun.stdout, rerun.stdout
     assert sorted(_all_result_ids(out)) == sorted(ids) and len(_all_result_ids(out)) == len(ids)
     for name, data in committed_bytes.items():
@@ -107,8 +133,9 @@ def test_sigkill_mid_shard_then_rerun_gives_every_id_exactly_once(tmp_path, make
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in", "out", "ready"]
 
 
-def test_sigterm_abandons_the_shard_in_progress_and_the_next_run_resumes(tmp_path, make_shards, tiny_llama_dir,
-                                                                         tiny_engine):
+def test_sigterm_abandons_the_shard_in_progress_and_the_next_run_resumes(
+    tmp_path, make_shards, tiny_llama_dir, tiny_engine
+):
     ids = _make_input(tmp_path, make_shards)
     out = tmp_path / "out"
     proc, go = _start_paused_worker(tmp_path, tiny_llama_dir)
@@ -119,12 +146,17 @@ def test_sigterm_abandons_the_shard_in_progress_and_the_next_run_resumes(tmp_pat
     assert proc.returncode == 128 + signal.SIGTERM
     assert stderr.strip().splitlines()[-1] == (
         "batchrun: interrupted by SIGTERM: 2 committed, 0 already done, 1 abandoned, 1 not started; "
-        "rerun the same command to resume")
+        "rerun the same command to resume"
+    )
     assert "Traceback" not in stderr and "s2-00  interrupted" in stdout
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["status"] == "interrupted"
     assert [(s["name"], s["status"]) for s in manifest["shards"]] == [
-        ("s0-00", "committed"), ("s1-00", "committed"), ("s2-00", "interrupted"), ("s3-00", "pending")]
+        ("s0-00", "committed"),
+        ("s1-00", "committed"),
+        ("s2-00", "interrupted"),
+        ("s3-00", "pending"),
+    ]
     assert sorted(p.name for p in (out / "results").iterdir()) == ["s0-00.parquet", "s1-00.parquet"]
     assert not (out / "_attempts" / "s2-00").exists()
 

@@ -1,4 +1,5 @@
 """run_job end to end on real Parquet shards with the real engine over a tiny random model."""
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,14 @@ def run_config(data_uri, output_uri, tiny_llama_dir, *, job: JobConfig | None = 
     data = kwargs.pop("data", {})
     return RunConfig(
         job=job or JobConfig(name="summarize", prompt_template="Summarize:\n{text}", system_prompt="Be brief."),
-        model=ModelConfig(path=tiny_llama_dir), engine=EngineConfig(model=tiny_llama_dir, max_num_seqs=4),
-        sampling=sampling, data=DataConfig(uri=str(data_uri), **data),
+        model=ModelConfig(path=tiny_llama_dir),
+        engine=EngineConfig(model=tiny_llama_dir, max_num_seqs=4),
+        sampling=sampling,
+        data=DataConfig(uri=str(data_uri), **data),
         output=OutputConfig(uri=str(output_uri), **kwargs.pop("output", {})),
-        quiet=True, **kwargs)
+        quiet=True,
+        **kwargs,
+    )
 
 
 def read_rows(path) -> list[dict]:
@@ -62,7 +67,9 @@ def test_local_run_writes_every_row_once_in_input_order(tmp_path, make_shards, t
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["status"] == "completed"
     assert [(s["name"], s["status"], s["num_rows"]) for s in manifest["shards"]] == [
-        ("part-00", "committed", 5), ("part-01", "committed", 5)]
+        ("part-00", "committed", 5),
+        ("part-01", "committed", 5),
+    ]
     assert manifest["model"]["fingerprint"] == tiny_engine.model_fingerprint
     assert manifest["engine_settings"]["max_num_seqs"] == 8
     assert manifest["config"]["sampling"]["max_tokens"] == 8 and manifest["versions"]["pyarrow"]
@@ -91,7 +98,10 @@ def test_rerun_skips_committed_shards_and_redoes_the_rest(tmp_path, make_shards,
     second = run_job(cfg, engine=tiny_engine)
     assert second.exit_code == 0
     assert [(s.name, s.status) for s in second.shards] == [
-        ("part-00", "skipped"), ("part-01", "committed"), ("part-02", "skipped")]
+        ("part-00", "skipped"),
+        ("part-01", "committed"),
+        ("part-02", "skipped"),
+    ]
     assert (out / "_commits" / "part-00.json").stat().st_mtime_ns == kept_marker
     after = {p.name: p.read_bytes() for p in (out / "results").iterdir()}
     assert after["part-00.parquet"] == before["part-00.parquet"]
@@ -114,20 +124,33 @@ def test_hostile_shards_every_row_gets_a_result_or_a_typed_error(tmp_path, short
     src = tmp_path / "in"
     src.mkdir()
     t = short_texts
-    _write(src / "a-mixed.parquet", {
-        "id": ["ok1", "null", "empty", "blank", "long", "ok1", None, "notag", "ok2"],
-        "text": [t[0], None, "", " \n\t ", " ".join(t[:12]), t[1], t[2], t[3], t[4]],
-        "tags": [["x"], ["x"], ["x"], ["x"], ["x"], ["x"], ["x"], [], ["y"]],
-    })
+    _write(
+        src / "a-mixed.parquet",
+        {
+            "id": ["ok1", "null", "empty", "blank", "long", "ok1", None, "notag", "ok2"],
+            "text": [t[0], None, "", " \n\t ", " ".join(t[:12]), t[1], t[2], t[3], t[4]],
+            "tags": [["x"], ["x"], ["x"], ["x"], ["x"], ["x"], ["x"], [], ["y"]],
+        },
+    )
     _write(src / "b-wrong-type.parquet", {"id": ["n1", "n2"], "text": [1, 2], "tags": [["x"], ["x"]]})
     message = pa.struct([("role", pa.string()), ("content", pa.string())])
-    _write(src / "c-messages.parquet", {
-        "id": ["m1", "m2", "m3"],
-        "text": [[{"role": "user", "content": t[5]}], [{"role": "user", "content": None}], []],
-        "tags": [["x"], ["x"], ["x"]],
-    }, pa.schema([("id", pa.string()), ("text", pa.list_(message)), ("tags", pa.list_(pa.string()))]))
-    _write(src / "d-empty.parquet", {"id": pa.array([], pa.string()), "text": pa.array([], pa.string()),
-                                      "tags": pa.array([], pa.list_(pa.string()))})
+    _write(
+        src / "c-messages.parquet",
+        {
+            "id": ["m1", "m2", "m3"],
+            "text": [[{"role": "user", "content": t[5]}], [{"role": "user", "content": None}], []],
+            "tags": [["x"], ["x"], ["x"]],
+        },
+        pa.schema([("id", pa.string()), ("text", pa.list_(message)), ("tags", pa.list_(pa.string()))]),
+    )
+    _write(
+        src / "d-empty.parquet",
+        {
+            "id": pa.array([], pa.string()),
+            "text": pa.array([], pa.string()),
+            "tags": pa.array([], pa.list_(pa.string())),
+        },
+    )
     _write(src / "e-no-text-column.parquet", {"id": ["z"], "body": ["hello"], "tags": [["x"]]})
     noise = bytes(random.Random(0).randrange(256) for _ in range(500))
     (src / "f-corrupt.parquet").write_bytes(b"PAR1" + noise + b"PAR1")
@@ -140,9 +163,16 @@ def test_hostile_shards_every_row_gets_a_result_or_a_typed_error(tmp_path, short
     result = run_job(run_config(src, out, tiny_llama_dir, job=job), engine=tiny_engine)
 
     status = {s.name: s.status for s in result.shards}
-    assert status == {"a-mixed": "committed", "b-wrong-type": "committed", "c-messages": "committed",
-                      "d-empty": "committed", "e-no-text-column": "failed", "f-corrupt": "failed",
-                      "g-truncated": "failed", "h-fine": "committed"}
+    assert status == {
+        "a-mixed": "committed",
+        "b-wrong-type": "committed",
+        "c-messages": "committed",
+        "d-empty": "committed",
+        "e-no-text-column": "failed",
+        "f-corrupt": "failed",
+        "g-truncated": "failed",
+        "h-fine": "committed",
+    }
     assert result.exit_code == 1 and result.status == "failed"
     assert "3 of 8 shards failed" in result.message
 
@@ -150,15 +180,23 @@ def test_hostile_shards_every_row_gets_a_result_or_a_typed_error(tmp_path, short
         return [(r["id"], r["error_type"]) for r in read_rows(out / "results" / f"{shard}.parquet")]
 
     assert errors("a-mixed") == [
-        ("ok1", None), ("null", "null_prompt"), ("empty", "empty_prompt"), ("blank", "empty_prompt"),
-        ("long", "prompt_too_long"), ("ok1", "duplicate_id"), (None, "null_id"), ("notag", "template_error"),
-        ("ok2", None)]
+        ("ok1", None),
+        ("null", "null_prompt"),
+        ("empty", "empty_prompt"),
+        ("blank", "empty_prompt"),
+        ("long", "prompt_too_long"),
+        ("ok1", "duplicate_id"),
+        (None, "null_id"),
+        ("notag", "template_error"),
+        ("ok2", None),
+    ]
     assert errors("b-wrong-type") == [("n1", "wrong_type"), ("n2", "wrong_type")]
     assert errors("c-messages") == [("m1", None), ("m2", "template_error"), ("m3", "empty_prompt")]
     assert errors("d-empty") == [] and errors("h-fine") == [("h1", None)]
     mixed = read_rows(out / "results" / "a-mixed.parquet")
-    assert all(r["output"] is None and r["finish_reason"] == "error" and r["error_message"]
-               for r in mixed if r["error_type"])
+    assert all(
+        r["output"] is None and r["finish_reason"] == "error" and r["error_message"] for r in mixed if r["error_type"]
+    )
     assert mixed[4]["num_prompt_tokens"] > 500  # known even though it was refused
     m = pq.read_table(out / "metrics" / "a-mixed.parquet").to_pylist()[0]
     assert (m["num_rows"], m["num_ok"], m["num_errors"]) == (9, 2, 7)
@@ -177,11 +215,12 @@ def test_a_shard_that_breaks_part_way_commits_nothing(tmp_path, short_texts, tin
     rng = random.Random(0)
     noise = ["".join(rng.choice("abcdefghij klmnop") for _ in range(2000)) for _ in range(8)]
     path = src / "broken.parquet"
-    pq.write_table(pa.table({"id": [str(i) for i in range(8)], "text": noise}), path, row_group_size=4,
-                   compression="snappy")
+    pq.write_table(
+        pa.table({"id": [str(i) for i in range(8)], "text": noise}), path, row_group_size=4, compression="snappy"
+    )
     chunk = pq.ParquetFile(path).metadata.row_group(1).column(1)
     data = bytearray(path.read_bytes())
-    data[chunk.data_page_offset + 200: chunk.data_page_offset + 2200] = bytes(2000)  # second row group's text
+    data[chunk.data_page_offset + 200 : chunk.data_page_offset + 2200] = bytes(2000)  # second row group's text
     path.write_bytes(bytes(data))
     _write(src / "ok.parquet", {"id": ["a"], "text": [short_texts[0]]})
 
@@ -210,8 +249,16 @@ def test_truncate_policy_keeps_long_rows(tmp_path, short_texts, tiny_engine, tin
 def test_sampling_with_a_seed_is_reproducible_per_row(tmp_path, make_shards, tiny_engine, tiny_llama_dir):
     make_shards(tmp_path / "in", num_shards=1, rows_per_shard=4)
     sampling = SamplingParams(temperature=1.0, seed=7, max_tokens=8)
-    one_at_a_time = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", max_num_seqs=1,
-                                        max_num_batched_tokens=1024, kv_cache_memory=16 << 20))
+    one_at_a_time = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="float32",
+            device="cpu",
+            max_num_seqs=1,
+            max_num_batched_tokens=1024,
+            kv_cache_memory=16 << 20,
+        )
+    )
     outputs = []
     for name, engine in (("batched", tiny_engine), ("one", one_at_a_time)):
         cfg = run_config(tmp_path / "in", tmp_path / name, tiny_llama_dir, sampling=sampling)
@@ -233,8 +280,12 @@ def test_memory_filesystem_in_and_out(make_shards, tmp_path, tiny_engine, tiny_l
             assert pq.read_table(f).column("id").to_pylist() == ids[1]
         assert fs.exists("/job-mem/out/_commits/part-00.json") and fs.exists("/job-mem/out/_manifest.json")
         assert not fs.exists("/job-mem/out/_attempts/part-00")
-        assert run_job(run_config("memory://job-mem/in", "memory://job-mem/out", tiny_llama_dir),
-                       engine=tiny_engine).shards[0].status == "skipped"
+        assert (
+            run_job(run_config("memory://job-mem/in", "memory://job-mem/out", tiny_llama_dir), engine=tiny_engine)
+            .shards[0]
+            .status
+            == "skipped"
+        )
     finally:
         fs.rm("/job-mem", recursive=True)
 
@@ -271,15 +322,23 @@ def test_result_writer_restores_input_order_and_writes_as_it_goes(tmp_path, monk
 
 
 def test_an_engine_error_output_becomes_an_engine_error_row():
-    out = RequestOutput(request_id=3, prompt_token_ids=[1, 2, 3], token_ids=[], text="", finish_reason="error",
-                        error="prompt has 3 tokens but max_model_len is 2", metrics=RequestMetrics(latency_s=0.1))
+    out = RequestOutput(
+        request_id=3,
+        prompt_token_ids=[1, 2, 3],
+        token_ids=[],
+        text="",
+        finish_reason="error",
+        error="prompt has 3 tokens but max_model_len is 2",
+        metrics=RequestMetrics(latency_s=0.1),
+    )
     row = output_result("r3", out, None, {"title": "t"})
     assert (row["id"], row["error_type"], row["output"], row["finish_reason"]) == ("r3", "engine_error", None, "error")
     assert row["error_message"] == out.error and row["num_prompt_tokens"] == 3 and row["title"] == "t"
 
 
 def test_progress_bar_unless_quiet_and_ids_from_row_index_without_an_id_column(
-        tmp_path, short_texts, tiny_engine, tiny_llama_dir, capsys):
+    tmp_path, short_texts, tiny_engine, tiny_llama_dir, capsys
+):
     src = tmp_path / "in"
     src.mkdir()
     _write(src / "noid.parquet", {"text": short_texts[:3]})
@@ -288,8 +347,7 @@ def test_progress_bar_unless_quiet_and_ids_from_row_index_without_an_id_column(
     assert run_job(loud, engine=tiny_engine).exit_code == 0
     err = capsys.readouterr().err
     assert "3/3" in err and "tok/s" in err and "shards 1/1" in err
-    assert [r["id"] for r in read_rows(tmp_path / "out" / "results" / "noid.parquet")] == [
-        "noid-0", "noid-1", "noid-2"]
+    assert [r["id"] for r in read_rows(tmp_path / "out" / "results" / "noid.parquet")] == ["noid-0", "noid-1", "noid-2"]
 
     quiet = run_config(src, tmp_path / "out-quiet", tiny_llama_dir, data={"id_column": None})
     assert run_job(quiet, engine=tiny_engine).exit_code == 0
@@ -305,9 +363,13 @@ def test_two_workers_split_the_shards_and_match_one_worker(tmp_path, make_shards
     single = run_config(tmp_path / "in", tmp_path / "one", tiny_llama_dir)
     assert run_job(single, engine=tiny_engine).exit_code == 0
     for rank in (1, 0):
-        cfg = RunConfig(**{**run_config(tmp_path / "in", tmp_path / "two", tiny_llama_dir).__dict__,
-                           # Run one after the other: with stealing on, rank 1 would take all.
-                           "launcher": LauncherConfig(rank=rank, world_size=2, work_stealing=False)})
+        cfg = RunConfig(
+            **{
+                **run_config(tmp_path / "in", tmp_path / "two", tiny_llama_dir).__dict__,
+                # Run one after the other: with stealing on, rank 1 would take all.
+                "launcher": LauncherConfig(rank=rank, world_size=2, work_stealing=False),
+            }
+        )
         result = run_job(cfg, engine=tiny_engine)
         assert [s.name for s in result.shards] == (["part-00", "part-02"] if rank == 0 else ["part-01"])
         manifest = json.loads((tmp_path / "two" / f"_manifest.rank{rank}.json").read_text())
@@ -318,5 +380,5 @@ def test_two_workers_split_the_shards_and_match_one_worker(tmp_path, make_shards
     for shard in ("part-00", "part-01", "part-02"):
         # Greedy output does not depend on which worker ran the shard.
         assert read_rows(tmp_path / "one" / "results" / f"{shard}.parquet") != [] and [
-            r["output"] for r in read_rows(tmp_path / "one" / "results" / f"{shard}.parquet")] == [
-            r["output"] for r in read_rows(tmp_path / "two" / "results" / f"{shard}.parquet")]
+            r["output"] for r in read_rows(tmp_path / "one" / "results" / f"{shard}.parquet")
+        ] == [r["output"] for r in read_rows(tmp_path / "two" / "results" / f"{shard}.parquet")]

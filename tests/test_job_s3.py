@@ -1,4 +1,5 @@
 """The whole job against a real S3-protocol server (moto in server mode) with s3fs as the client."""
+
 from __future__ import annotations
 
 import json
@@ -23,12 +24,13 @@ def test_s3_in_and_out_with_resume(s3, tmp_path, make_shards, tiny_engine, tiny_
 
     def config(storage_options: dict) -> RunConfig:
         return RunConfig(
-            job=JobConfig(prompt_template="Summarize:\n{text}"), model=ModelConfig(path=tiny_llama_dir),
+            job=JobConfig(prompt_template="Summarize:\n{text}"),
+            model=ModelConfig(path=tiny_llama_dir),
             sampling=SamplingParams(temperature=0.0, max_tokens=8),
             data=DataConfig(uri=f"s3://{bucket}/input", storage_options=storage_options),
-            output=OutputConfig(uri=f"s3://{bucket}/run", storage_options=storage_options,
-                                keep_columns=("title",)),
-            quiet=True)
+            output=OutputConfig(uri=f"s3://{bucket}/run", storage_options=storage_options, keep_columns=("title",)),
+            quiet=True,
+        )
 
     result = run_job(config({}), engine=tiny_engine)
     assert result.exit_code == 0 and result.output_url == f"s3://{bucket}/run"
@@ -50,6 +52,9 @@ def test_s3_in_and_out_with_resume(s3, tmp_path, make_shards, tiny_engine, tiny_
     s3fs.S3FileSystem.clear_instance_cache()
     rerun = run_job(config({"endpoint_url": s3_endpoint}), engine=tiny_engine)
     assert [(s.name, s.status) for s in rerun.shards] == [
-        ("part-00", "skipped"), ("part-01", "committed"), ("part-02", "skipped")]
+        ("part-00", "skipped"),
+        ("part-01", "committed"),
+        ("part-02", "skipped"),
+    ]
     fs.invalidate_cache()
     assert fs.exists(f"{bucket}/run/_commits/part-01.json")

@@ -1,4 +1,5 @@
 """Shard discovery, naming and assignment: pure functions over paths and environment variables."""
+
 from __future__ import annotations
 
 import fsspec
@@ -80,20 +81,35 @@ def test_names_that_sanitizing_would_merge_stay_apart(tmp_path):
     assert other.startswith("a_b-") and len(other) == len("a_b-") + 10
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({}, (0, 1, "default")),
-    ({"RANK": "3", "WORLD_SIZE": "8", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"}, (3, 8, "torchrun RANK/WORLD_SIZE")),
-    ({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "4"}, (2, 4, "SLURM_ARRAY_TASK_ID/COUNT")),
-    # --array=5-8: ids start at SLURM_ARRAY_TASK_MIN, ranks at 0.
-    ({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "5"}, (2, 4, None)),
-    # --array=0-6:2 -> ids 0, 2, 4, 6.
-    ({"SLURM_ARRAY_TASK_ID": "4", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "0",
-      "SLURM_ARRAY_TASK_STEP": "2"}, (2, 4, None)),
-    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, (1, 2, "SLURM_PROCID/NTASKS")),
-    # An array of 3 tasks, each running 2 srun tasks: 6 workers, array-major.
-    ({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"},
-     (5, 6, "SLURM_ARRAY_TASK_ID/COUNT + SLURM_PROCID/NTASKS")),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, (0, 1, "default")),
+        (
+            {"RANK": "3", "WORLD_SIZE": "8", "SLURM_PROCID": "0", "SLURM_NTASKS": "1"},
+            (3, 8, "torchrun RANK/WORLD_SIZE"),
+        ),
+        ({"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "4"}, (2, 4, "SLURM_ARRAY_TASK_ID/COUNT")),
+        # --array=5-8: ids start at SLURM_ARRAY_TASK_MIN, ranks at 0.
+        ({"SLURM_ARRAY_TASK_ID": "7", "SLURM_ARRAY_TASK_COUNT": "4", "SLURM_ARRAY_TASK_MIN": "5"}, (2, 4, None)),
+        # --array=0-6:2 -> ids 0, 2, 4, 6.
+        (
+            {
+                "SLURM_ARRAY_TASK_ID": "4",
+                "SLURM_ARRAY_TASK_COUNT": "4",
+                "SLURM_ARRAY_TASK_MIN": "0",
+                "SLURM_ARRAY_TASK_STEP": "2",
+            },
+            (2, 4, None),
+        ),
+        ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, (1, 2, "SLURM_PROCID/NTASKS")),
+        # An array of 3 tasks, each running 2 srun tasks: 6 workers, array-major.
+        (
+            {"SLURM_ARRAY_TASK_ID": "2", "SLURM_ARRAY_TASK_COUNT": "3", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"},
+            (5, 6, "SLURM_ARRAY_TASK_ID/COUNT + SLURM_PROCID/NTASKS"),
+        ),
+    ],
+)
 def test_worker_from_environment(env, expected):
     worker = resolve_worker(LauncherConfig(), env)
     assert (worker.rank, worker.world_size) == expected[:2]

@@ -1,5 +1,6 @@
 """launcher.num_workers: real worker subprocesses, claims and work stealing, a worker SIGKILLed
 mid-run, and the one merged _manifest.json."""
+
 from __future__ import annotations
 
 import json
@@ -50,9 +51,18 @@ if rank is not None and "TEST_HOOK_DIR" in os.environ:
 
 
 def _overrides(tmp_path: Path, tiny_llama_dir: str, out: str, *extra: str) -> list[str]:
-    return [f"model.path={tiny_llama_dir}", f"data.uri={tmp_path / 'in'}", f"output.uri={tmp_path / out}",
-            "engine.kv_cache_memory=67108864", "engine.max_num_seqs=2", "engine.max_num_batched_tokens=1024",
-            "engine.dtype=float32", "sampling.max_tokens=8", "quiet=true", *extra]
+    return [
+        f"model.path={tiny_llama_dir}",
+        f"data.uri={tmp_path / 'in'}",
+        f"output.uri={tmp_path / out}",
+        "engine.kv_cache_memory=67108864",
+        "engine.max_num_seqs=2",
+        "engine.max_num_batched_tokens=1024",
+        "engine.dtype=float32",
+        "sampling.max_tokens=8",
+        "quiet=true",
+        *extra,
+    ]
 
 
 def _rows(out: Path) -> dict[str, list[dict]]:
@@ -118,8 +128,11 @@ def test_a_sigkilled_worker_is_taken_over_and_every_id_appears_once(tmp_path, ma
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    env = {**os.environ, "TEST_HOOK_DIR": str(hook),
-           "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "TEST_HOOK_DIR": str(hook),
+        "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
+    }
     cmd = [sys.executable, "-m", "batchrun", *_overrides(tmp_path, tiny_llama_dir, "out", "launcher.num_workers=2")]
     launcher = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300  # a hang guard, not a timing assertion
@@ -144,7 +157,8 @@ def test_a_sigkilled_worker_is_taken_over_and_every_id_appears_once(tmp_path, ma
     merged = json.loads((out / "_manifest.json").read_text())
     assert merged["status"] == "completed"
     assert [(s["name"], s["status"], s["worker"]) for s in merged["shards"]] == [
-        (f"part-0{i}", "committed", 1) for i in range(4)]
+        (f"part-0{i}", "committed", 1) for i in range(4)
+    ]
     rank0 = json.loads((out / "_manifest.rank0.json").read_text())
     assert rank0["status"] == "running" and rank0["shards"][0]["status"] == "running"  # what SIGKILL left
     # The killed worker's attempt is left as it was (only its owner removes it), and never read.
@@ -158,6 +172,7 @@ def test_a_sigkilled_worker_is_taken_over_and_every_id_appears_once(tmp_path, ma
 
 
 # ---- claims, without an engine ------------------------------------------------------------------
+
 
 def _elsewhere(book: ClaimBook) -> ClaimBook:
     """A claim book that looks like a worker on another machine: its pid proves nothing here."""
@@ -173,7 +188,9 @@ def test_a_claim_is_exclusive_until_released_or_its_owner_is_gone(tmp_path):
     assert b.try_claim("s0") == HELD and b.holder("s0") == a.owner
     a.release("s0")
     assert b.try_claim("s0") == CLAIMED and sorted(p.name for p in (tmp_path / "out" / "_claims" / "s0").iterdir()) == [
-        "000000.json", "000001.json"]
+        "000000.json",
+        "000001.json",
+    ]
     assert b.died_attempts("s0") == 0  # a released claim is no died attempt
 
     # An owner in this kernel and pid namespace whose process is gone: taken over at once.
@@ -299,8 +316,10 @@ def test_prefix_affinity_puts_a_group_on_one_worker(tmp_path):
     docs = {"a1": "A", "a2": "A", "a3": "A", "b1": "B", "b2": "B", "c1": "C"}
     (tmp_path / "in").mkdir()
     for name, doc in docs.items():
-        pq.write_table(pa.table({"id": [f"{name}-0", f"{name}-1"], "doc": [doc, doc], "text": ["q", "q"]}),
-                       tmp_path / "in" / f"{name}.parquet")
+        pq.write_table(
+            pa.table({"id": [f"{name}-0", f"{name}-1"], "doc": [doc, doc], "text": ["q", "q"]}),
+            tmp_path / "in" / f"{name}.parquet",
+        )
     fs, path = open_filesystem(str(tmp_path / "in"), {})
     shards = discover_shards(fs, path, str(tmp_path / "in"))
     groups = shard_groups(fs, shards, "doc")
@@ -316,8 +335,11 @@ def test_the_slurm_launcher_preset_composes(tmp_path):
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
-        cfg = compose(config_name="config", return_hydra_config=True, overrides=[
-            "hydra/launcher=slurm", f"output.uri={tmp_path}", "launcher.world_size=4", "launcher.rank=3"])
+        cfg = compose(
+            config_name="config",
+            return_hydra_config=True,
+            overrides=["hydra/launcher=slurm", f"output.uri={tmp_path}", "launcher.world_size=4", "launcher.rank=3"],
+        )
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.signal_delay_s, launcher.tasks_per_node, launcher.max_num_timeout) == (90, 1, 20)
@@ -350,7 +372,14 @@ def test_a_claim_error_fails_that_shard_only(tmp_path):
     book = ClaimBook(store, lease_s=60)
     errors = []
     own = [Shard("s0", "s0", "s0"), Shard("x" * 300, "bad", "bad"), Shard("s2", "s2", "s2")]
-    queue = ShardQueue(own, [], book, lambda name: False, lambda *a: None, lambda: False,
-                       on_error=lambda shard, e: errors.append((shard.path, type(e).__name__)))
+    queue = ShardQueue(
+        own,
+        [],
+        book,
+        lambda name: False,
+        lambda *a: None,
+        lambda: False,
+        on_error=lambda shard, e: errors.append((shard.path, type(e).__name__)),
+    )
     assert [s.name for s in queue] == ["s0", "s2"]
     assert errors == [("bad", "ValueError")]  # the store refuses the name before any file call

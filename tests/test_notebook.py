@@ -1,4 +1,5 @@
 """notebooks/analyze_run.ipynb really runs (nbclient, python3 kernel) on a run made here."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -24,18 +25,29 @@ def test_notebook_is_saved_without_outputs():
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_notebook_runs_on_a_real_run(tmp_path, make_shards, short_texts, tiny_engine, tiny_llama_dir, monkeypatch):
     make_shards(tmp_path / "in", num_shards=2, rows_per_shard=3)
-    pq.write_table(pa.table({"id": ["e1", "e2"], "title": ["x", "y"], "text": [None, "  "]}),
-                   tmp_path / "in" / "part-errors.parquet")
+    pq.write_table(
+        pa.table({"id": ["e1", "e2"], "title": ["x", "y"], "text": [None, "  "]}),
+        tmp_path / "in" / "part-errors.parquet",
+    )
     out = tmp_path / "run"
-    config = RunConfig(job=JobConfig(prompt_template="Summarize:\n{text}"), model=ModelConfig(path=tiny_llama_dir),
-                       sampling=SamplingParams(temperature=0.0, max_tokens=8),
-                       data=DataConfig(uri=str(tmp_path / "in")), output=OutputConfig(uri=str(out)), quiet=True)
+    config = RunConfig(
+        job=JobConfig(prompt_template="Summarize:\n{text}"),
+        model=ModelConfig(path=tiny_llama_dir),
+        sampling=SamplingParams(temperature=0.0, max_tokens=8),
+        data=DataConfig(uri=str(tmp_path / "in")),
+        output=OutputConfig(uri=str(out)),
+        quiet=True,
+    )
     assert run_job(config, engine=tiny_engine).exit_code == 0
     # Pretend one shard ran an MoE model with speculation, so the notebook's optional plots run too.
     metrics_path = out / "metrics" / "part-01.parquet"
     row = pq.read_table(metrics_path).to_pylist()[0]
-    row.update(num_spec_proposed=40, num_spec_accepted=30, spec_acceptance_rate=0.75,
-               expert_token_counts=[[3, 1, 0, 4], [2, 2, 2, 2]])
+    row.update(
+        num_spec_proposed=40,
+        num_spec_accepted=30,
+        spec_acceptance_rate=0.75,
+        expert_token_counts=[[3, 1, 0, 4], [2, 2, 2, 2]],
+    )
     pq.write_table(pa.Table.from_pylist([row], schema=METRICS_SCHEMA), metrics_path)
     # An uncommitted results file (as a crash before the marker leaves) must not be read.
     pq.write_table(pq.read_table(out / "results" / "part-00.parquet"), out / "results" / "part-zz.parquet")
@@ -52,8 +64,9 @@ def test_notebook_runs_on_a_real_run(tmp_path, make_shards, short_texts, tiny_en
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     nb = nbformat.read(NOTEBOOK, as_version=4)
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
-                                     resources={"metadata": {"path": str(tmp_path)}})  # the kernel's cwd
+    client = nbclient.NotebookClient(
+        nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}
+    )  # the kernel's cwd
     client.execute()
 
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]

@@ -1,7 +1,6 @@
 """Speculative decoding: proposers, lossless verification, policy, KV rollback, engine identity."""
 from __future__ import annotations
 
-import math
 import random
 from collections import Counter
 

@@ -2,8 +2,17 @@
 
 It sees the engine's public API only (`batchrun.engine`), and no Hydra: the cli hands it a RunConfig.
 """
-from batchrun.job.config import (DataConfig, JobConfig, LauncherConfig, ModelConfig, OutputConfig, RunConfig,
-                                 build_run_config, config_fields)
+
+from batchrun.job.config import (
+    DataConfig,
+    JobConfig,
+    LauncherConfig,
+    ModelConfig,
+    OutputConfig,
+    RunConfig,
+    build_run_config,
+    config_fields,
+)
 from batchrun.job.errors import ConfigError, JobError, ShardError
 from batchrun.job.launch import run_job
 from batchrun.job.results import RunResult, ShardSummary
@@ -12,7 +21,21 @@ from batchrun.job.store import committed_urls
 from batchrun.job.summary import format_summary
 
 __all__ = [
-    "ConfigError", "DataConfig", "JobConfig", "JobError", "LauncherConfig", "ModelConfig", "OutputConfig",
-    "RunConfig", "RunResult", "ShardError", "ShardSummary", "build_run_config", "committed_urls", "config_fields",
-    "format_summary", "load_engine", "run_job",
+    "ConfigError",
+    "DataConfig",
+    "JobConfig",
+    "JobError",
+    "LauncherConfig",
+    "ModelConfig",
+    "OutputConfig",
+    "RunConfig",
+    "RunResult",
+    "ShardError",
+    "ShardSummary",
+    "build_run_config",
+    "committed_urls",
+    "config_fields",
+    "format_summary",
+    "load_engine",
+    "run_job",
 ]

@@ -10,10 +10,11 @@ worker computes the same partition on its own, shards of one group land on one w
 cache holds the prefix), and the load stays balanced by shard count. A shard that cannot be read
 here is its own group: reading it fails later, in the shard's own run, with its own error row.
 """
+
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+from collections.abc import Sequence
 
 import fsspec
 import pyarrow.parquet as pq

@@ -9,13 +9,15 @@ Timing, per batch: TTFT is the time from the start of `generate` to the first sa
 batch's prefill), and ITL is the mean time per decode step after it; every request of the batch
 gets those two values.
 """
+
 from __future__ import annotations
 
 import copy
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 
@@ -39,8 +41,12 @@ def load_hf_model(model_path: str) -> Any:
     from transformers import AutoModelForCausalLM
 
     if model_path.endswith(".gguf"):
-        return AutoModelForCausalLM.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
-                                                    dtype=torch.float32, local_files_only=True).eval()
+        return AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(model_path),
+            gguf_file=os.path.basename(model_path),
+            dtype=torch.float32,
+            local_files_only=True,
+        ).eval()
     return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True).eval()
 
 
@@ -71,28 +77,40 @@ class _StepTimer:
         pass
 
 
-def hf_generate(model: Any, prompts: Sequence[list[int]], max_new_tokens: int, batch_size: int, pad_token_id: int,
-                eos_token_ids: Sequence[int], ignore_eos: bool = False) -> TimedRun:
+def hf_generate(
+    model: Any,
+    prompts: Sequence[list[int]],
+    max_new_tokens: int,
+    batch_size: int,
+    pad_token_id: int,
+    eos_token_ids: Sequence[int],
+    ignore_eos: bool = False,
+) -> TimedRun:
     """Greedy `generate` over `prompts` in static batches; outputs trimmed after each sequence's EOS."""
     from transformers import GenerationConfig
 
     # An empty EOS list makes generate run to max_new_tokens without suppressing EOS, which is
     # what ignore_eos means in the engine (min_new_tokens would forbid EOS and change the text).
-    generation_config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id,
-                                         eos_token_id=[] if ignore_eos else list(eos_token_ids))
+    generation_config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=pad_token_id,
+        eos_token_id=[] if ignore_eos else list(eos_token_ids),
+    )
     eos = set() if ignore_eos else set(eos_token_ids)
     run = TimedRun(0.0, [], sum(map(len, prompts)), 0, 0, 0)
     start = time.perf_counter()
     for first in range(0, len(prompts), batch_size):
-        batch = prompts[first:first + batch_size]
+        batch = prompts[first : first + batch_size]
         width = max(map(len, batch))
         input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in batch])  # (batch, width)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])  # (batch, width)
         timer = _StepTimer()
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                 generation_config=generation_config, streamer=timer)
+            out = model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, generation_config=generation_config, streamer=timer
+            )
         step_times = timer.times[1:]  # the first put() is the prompt itself
         ttft = step_times[0] - t0
         itl: Optional[float] = (step_times[-1] - step_times[0]) / (len(step_times) - 1) if len(step_times) > 1 else None

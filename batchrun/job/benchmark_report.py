@@ -11,6 +11,7 @@ are the prompt tokens not served from a prefix cache plus the output tokens (for
 every position of every padded batch step). Attention FLOPs are left out. The peak is the best
 rate of a (tokens, hidden) x (hidden, intermediate) matmul in the same dtype, timed in every round.
 """
+
 from __future__ import annotations
 
 import io
@@ -30,22 +31,43 @@ from batchrun.job.shards import open_filesystem
 if TYPE_CHECKING:
     from batchrun.job.config import BenchmarkConfig
 
-REFERENCES = {"ratio_vs_hf_fp32": "hf_fp32", "ratio_vs_hf_bf16": "hf_bf16",
-              "ratio_vs_no_prefix_cache": "batchrun_no_prefix_cache"}
+REFERENCES = {
+    "ratio_vs_hf_fp32": "hf_fp32",
+    "ratio_vs_hf_bf16": "hf_bf16",
+    "ratio_vs_no_prefix_cache": "batchrun_no_prefix_cache",
+}
 SUMMARY_COLUMNS = [
-    "workload", "system", "dtype", "num_prompts", "max_tokens", "repeats",
-    "mean_prompt_tokens", "num_output_tokens",  # per round
+    "workload",
+    "system",
+    "dtype",
+    "num_prompts",
+    "max_tokens",
+    "repeats",
+    "mean_prompt_tokens",
+    "num_output_tokens",  # per round
     "prefix_cache_hit_rate",  # prompt tokens served from the prefix cache
-    "wall_s", "output_tok_s", "output_tok_s_min", "output_tok_s_max", "total_tok_s",  # medians over rounds
-    "ttft_p50_s", "ttft_p95_s", "itl_p50_s", "itl_p95_s",  # over requests of every round
+    "wall_s",
+    "output_tok_s",
+    "output_tok_s_min",
+    "output_tok_s_max",
+    "total_tok_s",  # medians over rounds
+    "ttft_p50_s",
+    "ttft_p95_s",
+    "itl_p50_s",
+    "itl_p95_s",  # over requests of every round
     *REFERENCES,  # output tok/s over the reference's, per round, median over rounds
-    "flops_per_s", "peak_flops_per_s", "peak_fraction",
+    "flops_per_s",
+    "peak_flops_per_s",
+    "peak_fraction",
     # greedy_match: tokens identical to batchrun's for every prompt, recorded where both must agree
     # (HF in float32 against a float32 engine; batchrun variants of the same engine); else null.
     # identical_fraction: prompts whose tokens equal batchrun's, or the first system's when batchrun
     # did not run (that system's own row: its last round against its first)
-    "greedy_match", "identical_fraction",
-    "max_num_seqs", "max_num_batched_tokens", "hf_batch_size",
+    "greedy_match",
+    "identical_fraction",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "hf_batch_size",
 ]
 
 
@@ -74,35 +96,59 @@ def build_result(bench: BenchmarkConfig, runs: dict[str, list[TimedRun]], settin
         # batchrun itself: its last round against its first (greedy runs must repeat exactly).
         mine = timed[-1].token_ids if system == reference_name else timed[0].token_ids
         identical = sum(a == b for a, b in zip(mine, reference, strict=True)) / len(reference)
-        must_match = system != reference_name and (system.startswith("batchrun") or
-                                                (system == "hf_fp32" and engine_dtype == "float32"))
+        must_match = system != reference_name and (
+            system.startswith("batchrun") or (system == "hf_fp32" and engine_dtype == "float32")
+        )
         is_batchrun = system.startswith("batchrun")
         first = timed[0]
-        rows.append({
-            "workload": bench.workload, "system": system, "dtype": dtype, "num_prompts": len(first.token_ids),
-            "max_tokens": bench.max_tokens, "repeats": len(timed),
-            "mean_prompt_tokens": first.num_prompt_tokens / len(first.token_ids),
-            "num_output_tokens": first.num_output_tokens,
-            "prefix_cache_hit_rate": sum(t.num_cached_tokens for t in timed) / sum(t.num_prompt_tokens for t in timed),
-            "wall_s": statistics.median(t.wall_s for t in timed), "output_tok_s": statistics.median(tok_s),
-            "output_tok_s_min": min(tok_s), "output_tok_s_max": max(tok_s),
-            "total_tok_s": statistics.median((t.num_prompt_tokens + t.num_output_tokens) / t.wall_s for t in timed),
-            "ttft_p50_s": _percentile(ttfts, 50), "ttft_p95_s": _percentile(ttfts, 95),
-            "itl_p50_s": _percentile(itls, 50), "itl_p95_s": _percentile(itls, 95),
-            **{column: _ratio(timed, runs.get(ref)) for column, ref in REFERENCES.items()},
-            "flops_per_s": flops, "peak_flops_per_s": peak, "peak_fraction": flops / peak if peak else None,
-            "greedy_match": (identical == 1.0) if must_match else None,
-            "identical_fraction": identical,
-            "max_num_seqs": engine["max_num_seqs"] if is_batchrun else None,
-            "max_num_batched_tokens": engine["max_num_batched_tokens"] if is_batchrun else None,
-            "hf_batch_size": None if is_batchrun else bench.hf_batch_size,
-        })
+        rows.append(
+            {
+                "workload": bench.workload,
+                "system": system,
+                "dtype": dtype,
+                "num_prompts": len(first.token_ids),
+                "max_tokens": bench.max_tokens,
+                "repeats": len(timed),
+                "mean_prompt_tokens": first.num_prompt_tokens / len(first.token_ids),
+                "num_output_tokens": first.num_output_tokens,
+                "prefix_cache_hit_rate": sum(t.num_cached_tokens for t in timed)
+                / sum(t.num_prompt_tokens for t in timed),
+                "wall_s": statistics.median(t.wall_s for t in timed),
+                "output_tok_s": statistics.median(tok_s),
+                "output_tok_s_min": min(tok_s),
+                "output_tok_s_max": max(tok_s),
+                "total_tok_s": statistics.median((t.num_prompt_tokens + t.num_output_tokens) / t.wall_s for t in timed),
+                "ttft_p50_s": _percentile(ttfts, 50),
+                "ttft_p95_s": _percentile(ttfts, 95),
+                "itl_p50_s": _percentile(itls, 50),
+                "itl_p95_s": _percentile(itls, 95),
+                **{column: _ratio(timed, runs.get(ref)) for column, ref in REFERENCES.items()},
+                "flops_per_s": flops,
+                "peak_flops_per_s": peak,
+                "peak_fraction": flops / peak if peak else None,
+                "greedy_match": (identical == 1.0) if must_match else None,
+                "identical_fraction": identical,
+                "max_num_seqs": engine["max_num_seqs"] if is_batchrun else None,
+                "max_num_batched_tokens": engine["max_num_batched_tokens"] if is_batchrun else None,
+                "hf_batch_size": None if is_batchrun else bench.hf_batch_size,
+            }
+        )
         for round_index, t in enumerate(timed):
-            run_rows.append({"workload": bench.workload, "system": system, "round": round_index, "wall_s": t.wall_s,
-                             "num_prompt_tokens": t.num_prompt_tokens, "num_output_tokens": t.num_output_tokens,
-                             "num_cached_tokens": t.num_cached_tokens, "num_computed_tokens": t.num_computed_tokens,
-                             "output_tok_s": t.num_output_tokens / t.wall_s,
-                             "ttft_p50_s": _percentile(t.ttfts_s, 50), "itl_p50_s": _percentile(t.itls_s, 50)})
+            run_rows.append(
+                {
+                    "workload": bench.workload,
+                    "system": system,
+                    "round": round_index,
+                    "wall_s": t.wall_s,
+                    "num_prompt_tokens": t.num_prompt_tokens,
+                    "num_output_tokens": t.num_output_tokens,
+                    "num_cached_tokens": t.num_cached_tokens,
+                    "num_computed_tokens": t.num_computed_tokens,
+                    "output_tok_s": t.num_output_tokens / t.wall_s,
+                    "ttft_p50_s": _percentile(t.ttfts_s, 50),
+                    "itl_p50_s": _percentile(t.itls_s, 50),
+                }
+            )
     return BenchmarkResult(bench.workload, rows, run_rows, settings)
 
 
@@ -114,8 +160,10 @@ def _ratio(timed: list[TimedRun], reference: Optional[list[TimedRun]]) -> Option
     """Median over rounds of this system's output tok/s over the reference's in the same round."""
     if not reference:
         return None
-    return statistics.median((a.num_output_tokens / a.wall_s) / (b.num_output_tokens / b.wall_s)
-                             for a, b in zip(timed, reference, strict=True))
+    return statistics.median(
+        (a.num_output_tokens / a.wall_s) / (b.num_output_tokens / b.wall_s)
+        for a, b in zip(timed, reference, strict=True)
+    )
 
 
 # ---- files ----------------------------------------------------------------------------------------
@@ -133,10 +181,12 @@ def write_result(result: BenchmarkResult, output_uri: str, storage_options: dict
             f.write(data)
         return str(fs.unstrip_protocol(path))
 
-    files = [put(f"{name}.parquet", _parquet(result.rows, SUMMARY_COLUMNS)),
-             put(f"{name}_runs.parquet", _parquet(result.runs, list(result.runs[0]))),
-             put(f"{name}.png", _plot(result)),
-             put(f"{name}.json", json.dumps(result.settings, indent=2, default=str).encode())]
+    files = [
+        put(f"{name}.parquet", _parquet(result.rows, SUMMARY_COLUMNS)),
+        put(f"{name}_runs.parquet", _parquet(result.runs, list(result.runs[0]))),
+        put(f"{name}.png", _plot(result)),
+        put(f"{name}.json", json.dumps(result.settings, indent=2, default=str).encode()),
+    ]
     result.files = files
 
 
@@ -158,28 +208,39 @@ def _plot(result: BenchmarkResult) -> bytes:
     x = np.arange(len(rows))
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     tok_s = [r["output_tok_s"] for r in rows]
-    errors = [[r["output_tok_s"] - r["output_tok_s_min"] for r in rows], [r["output_tok_s_max"] - r["output_tok_s"] for r in rows]]
-    bars = left.bar(x, tok_s, yerr=errors, capsize=4, color=["tab:blue" if n.startswith("batchrun") else "tab:gray" for n in names])
+    errors = [
+        [r["output_tok_s"] - r["output_tok_s_min"] for r in rows],
+        [r["output_tok_s_max"] - r["output_tok_s"] for r in rows],
+    ]
+    bars = left.bar(
+        x, tok_s, yerr=errors, capsize=4, color=["tab:blue" if n.startswith("batchrun") else "tab:gray" for n in names]
+    )
     for bar, r in zip(bars, rows):
         label = f"{r['output_tok_s']:.0f}"
         if r["system"] == "batchrun" and r["ratio_vs_hf_bf16"] is not None:
             label += f"\n{r['ratio_vs_hf_bf16']:.1f}x hf_bf16"
-        left.annotate(label, (bar.get_x() + bar.get_width() / 2, r["output_tok_s_max"]), ha="center", va="bottom",
-                      fontsize=8)
+        left.annotate(
+            label, (bar.get_x() + bar.get_width() / 2, r["output_tok_s_max"]), ha="center", va="bottom", fontsize=8
+        )
     left.set_xticks(x, names, rotation=20, ha="right")
     left.set_ylabel("output tokens / s (median, min..max over rounds)")
     left.set_title(f"{result.workload}: {rows[0]['num_prompts']} prompts, {rows[0]['max_tokens']} new tokens")
     width = 0.2
-    for k, (column, label) in enumerate([("ttft_p50_s", "TTFT p50"), ("ttft_p95_s", "TTFT p95"),
-                                         ("itl_p50_s", "ITL p50"), ("itl_p95_s", "ITL p95")]):
+    for k, (column, label) in enumerate(
+        [("ttft_p50_s", "TTFT p50"), ("ttft_p95_s", "TTFT p95"), ("itl_p50_s", "ITL p50"), ("itl_p95_s", "ITL p95")]
+    ):
         right.bar(x + (k - 1.5) * width, [r[column] or 0.0 for r in rows], width, label=label)
     right.set_yscale("log")
     right.set_xticks(x, names, rotation=20, ha="right")
     right.set_ylabel("seconds (HF: per static batch)")
     right.legend(fontsize=8)
     load = result.settings.get("load_average_start", [None])[0]
-    fig.suptitle(f"batchrun vs HF generate, engine {result.settings['engine']['dtype']}, load average {load:.1f}"
-                 if load is not None else "batchrun vs HF generate", fontsize=10)
+    fig.suptitle(
+        f"batchrun vs HF generate, engine {result.settings['engine']['dtype']}, load average {load:.1f}"
+        if load is not None
+        else "batchrun vs HF generate",
+        fontsize=10,
+    )
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=110)
@@ -189,13 +250,23 @@ def _plot(result: BenchmarkResult) -> bytes:
 
 # ---- printout -------------------------------------------------------------------------------------
 
-_PRINTED = [("system", "system", "{}"), ("dtype", "dtype", "{}"), ("output_tok_s", "out tok/s", "{:.1f}"),
-            ("total_tok_s", "total tok/s", "{:.1f}"), ("ttft_p50_s", "TTFT p50", "{:.2f}"),
-            ("ttft_p95_s", "TTFT p95", "{:.2f}"), ("itl_p50_s", "ITL p50", "{:.3f}"), ("itl_p95_s", "ITL p95", "{:.3f}"),
-            ("ratio_vs_hf_fp32", "x hf_fp32", "{:.2f}"), ("ratio_vs_hf_bf16", "x hf_bf16", "{:.2f}"),
-            ("ratio_vs_no_prefix_cache", "x no_cache", "{:.2f}"), ("prefix_cache_hit_rate", "cache hit", "{:.0%}"),
-            ("peak_fraction", "of peak", "{:.0%}"), ("greedy_match", "greedy=", "{}"),
-            ("identical_fraction", "identical", "{:.0%}")]
+_PRINTED = [
+    ("system", "system", "{}"),
+    ("dtype", "dtype", "{}"),
+    ("output_tok_s", "out tok/s", "{:.1f}"),
+    ("total_tok_s", "total tok/s", "{:.1f}"),
+    ("ttft_p50_s", "TTFT p50", "{:.2f}"),
+    ("ttft_p95_s", "TTFT p95", "{:.2f}"),
+    ("itl_p50_s", "ITL p50", "{:.3f}"),
+    ("itl_p95_s", "ITL p95", "{:.3f}"),
+    ("ratio_vs_hf_fp32", "x hf_fp32", "{:.2f}"),
+    ("ratio_vs_hf_bf16", "x hf_bf16", "{:.2f}"),
+    ("ratio_vs_no_prefix_cache", "x no_cache", "{:.2f}"),
+    ("prefix_cache_hit_rate", "cache hit", "{:.0%}"),
+    ("peak_fraction", "of peak", "{:.0%}"),
+    ("greedy_match", "greedy=", "{}"),
+    ("identical_fraction", "identical", "{:.0%}"),
+]
 
 
 def format_benchmark(result: BenchmarkResult) -> str:
@@ -204,7 +275,9 @@ def format_benchmark(result: BenchmarkResult) -> str:
     for r in result.rows:
         cells.append(["-" if r[key] is None else fmt.format(r[key]) for key, _, fmt in columns])
     widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    lines = ["  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines = [
+        "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     s = result.settings
     engine = s["engine"]
@@ -213,7 +286,8 @@ def format_benchmark(result: BenchmarkResult) -> str:
     lines += [
         "",
         f"workload {result.workload}: {result.rows[0]['num_prompts']} prompts, "
-        f"{result.rows[0]['mean_prompt_tokens']:.0f} prompt tokens on average, {result.rows[0]['max_tokens']} new tokens, "
+        f"{result.rows[0]['mean_prompt_tokens']:.0f} prompt tokens on average, "
+        f"{result.rows[0]['max_tokens']} new tokens, "
         f"{result.rows[0]['repeats']} alternating rounds" + "".join(f", {k} {v}" for k, v in s["workload"].items()),
         f"engine: {engine['dtype']} on {engine['device']}, {engine['num_threads']} threads, max_num_seqs "
         f"{engine['max_num_seqs']}, max_num_batched_tokens {engine['max_num_batched_tokens']}, "
@@ -223,6 +297,8 @@ def format_benchmark(result: BenchmarkResult) -> str:
         f"{s['num_parameters'] / 1e6:.1f}M parameters; load average (1 min) {load} on {s['num_cpus']} CPUs",
     ]
     if result.files:
-        lines.append(f"written: {posixpath.dirname(result.files[0])}/{result.workload}.{{parquet,png,json}}, "
-                     f"{result.workload}_runs.parquet")
+        lines.append(
+            f"written: {posixpath.dirname(result.files[0])}/{result.workload}.{{parquet,png,json}}, "
+            f"{result.workload}_runs.parquet"
+        )
     return "\n".join(lines)

@@ -31,6 +31,7 @@ finished first, the commit marker is already someone else's and its attempt is d
 Heartbeat failures are logged as warnings; an owner that cannot renew its claim for a whole lease
 counts it lost too (someone else may rightly have taken it).
 """
+
 from __future__ import annotations
 
 import datetime as dt
@@ -42,7 +43,8 @@ import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator, Optional, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
 
 from batchrun.job.shards import Shard
 from batchrun.job.store import RunStore, checked_name
@@ -91,9 +93,14 @@ class ClaimBook:
             return HELD
         if current.get("state") == RUNNING:  # not released: its owner died or froze on it
             died += 1
-            log.warning("shard %s: taking over the claim of %s, which %s (died attempts: %d of %d)", shard,
-                        current.get("owner"), "is dead" if self._is_dead(current) else "let its lease run out",
-                        died, self.max_attempts)
+            log.warning(
+                "shard %s: taking over the claim of %s, which %s (died attempts: %d of %d)",
+                shard,
+                current.get("owner"),
+                "is dead" if self._is_dead(current) else "let its lease run out",
+                died,
+                self.max_attempts,
+            )
         if died >= self.max_attempts:
             self._create(shard, generation + 1, QUARANTINED, died)
             return QUARANTINED
@@ -138,13 +145,12 @@ class ClaimBook:
 
     # ---- heartbeat --------------------------------------------------------------------------
 
-    def __enter__(self) -> "ClaimBook":
+    def __enter__(self) -> ClaimBook:
         self._stop.clear()
         try:
             self._measure_clock()
         except Exception:
-            log.warning("could not read the output store's clock; claim ages use this host's clock",
-                        exc_info=True)
+            log.warning("could not read the output store's clock; claim ages use this host's clock", exc_info=True)
         self._thread = threading.Thread(target=self._beat, name="batchrun-claims", daemon=True)
         self._thread.start()
         return self
@@ -184,8 +190,13 @@ class ClaimBook:
                 self._last_renewed[shard] = time.monotonic()
             except Exception as e:
                 age = time.monotonic() - self._last_renewed.get(shard, time.monotonic())
-                log.warning("shard %s: claim heartbeat failed (%s: %s), last renewed %.0f s ago", shard,
-                            type(e).__name__, e, age)
+                log.warning(
+                    "shard %s: claim heartbeat failed (%s: %s), last renewed %.0f s ago",
+                    shard,
+                    type(e).__name__,
+                    e,
+                    age,
+                )
                 if age > self.lease_s:
                     self._mark_lost(shard, f"its claim could not be renewed for {age:.0f} s")
         try:
@@ -204,16 +215,26 @@ class ClaimBook:
         return self.store.path("_claims", checked_name(shard), f"{generation:06d}.json")
 
     def _doc(self, state: str, died: int) -> dict[str, Any]:
-        return {"owner": self.owner, **self.identity, "state": state, "died_attempts": died,
-                "written_at": time.time()}  # written_at: for people reading the file; never compared
+        return {
+            "owner": self.owner,
+            **self.identity,
+            "state": state,
+            "died_attempts": died,
+            "written_at": time.time(),
+        }  # written_at: for people reading the file; never compared
 
     def _create(self, shard: str, generation: int, state: str, died: int) -> str:
         path = self._path(shard, generation)
         if not self.store.create_json(path, self._doc(state, died)):
             return HELD  # another contender got this generation first
         if state == QUARANTINED:
-            log.error("shard %s: quarantined: %d attempts at it died; set launcher.max_shard_attempts higher "
-                      "or delete %s to try it again", shard, died, self.store.url(self.store.path("_claims", checked_name(shard))))
+            log.error(
+                "shard %s: quarantined: %d attempts at it died; set launcher.max_shard_attempts higher "
+                "or delete %s to try it again",
+                shard,
+                died,
+                self.store.url(self.store.path("_claims", checked_name(shard))),
+            )
             return QUARANTINED
         with self._lock:
             self._held[shard] = (generation, path)
@@ -292,6 +313,7 @@ def store_mtime(info: dict[str, Any]) -> Optional[float]:
 
 def process_identity() -> dict[str, Any]:
     """What proves a claim's owner dead without a lease: kernel boot, pid namespace, pid, start."""
+
     def read(path: str) -> Optional[str]:
         try:
             with open(path) as f:
@@ -304,8 +326,13 @@ def process_identity() -> dict[str, Any]:
     except OSError:
         pid_ns = None
     pid = os.getpid()
-    return {"host": socket.gethostname(), "boot_id": read("/proc/sys/kernel/random/boot_id"), "pid_ns": pid_ns,
-            "pid": pid, "pid_start": process_start_time(pid)}
+    return {
+        "host": socket.gethostname(),
+        "boot_id": read("/proc/sys/kernel/random/boot_id"),
+        "pid_ns": pid_ns,
+        "pid": pid,
+        "pid_start": process_start_time(pid),
+    }
 
 
 def process_start_time(pid: int) -> Optional[int]:
@@ -348,10 +375,17 @@ class ShardQueue:
     this worker lost back on the waiting list.
     """
 
-    def __init__(self, own: Sequence[Shard], steal: Sequence[Shard], book: ClaimBook,
-                 is_committed: Callable[[str], bool], on_skip: Callable[[Shard, str], None],
-                 should_stop: Callable[[], bool], poll_s: float = 1.0,
-                 on_error: Optional[Callable[[Shard, BaseException], None]] = None) -> None:
+    def __init__(
+        self,
+        own: Sequence[Shard],
+        steal: Sequence[Shard],
+        book: ClaimBook,
+        is_committed: Callable[[str], bool],
+        on_skip: Callable[[Shard, str], None],
+        should_stop: Callable[[], bool],
+        poll_s: float = 1.0,
+        on_error: Optional[Callable[[Shard, BaseException], None]] = None,
+    ) -> None:
         self.own, self.steal, self.book = list(own), list(steal), book
         self.is_committed, self.on_skip, self.should_stop, self.poll_s = is_committed, on_skip, should_stop, poll_s
         self.on_error = on_error

@@ -6,6 +6,7 @@ from the job layer but its errors), each checking its own values; `build_run_con
 key and type, so a typo stops the run with one line naming the key. The YAML in conf/ is checked
 against these dataclasses by the tests.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,19 +14,37 @@ import difflib
 import string
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Mapping, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from batchrun.engine import EngineConfig, SamplingParams
 from batchrun.job.errors import ConfigError
 
 # The fixed columns of every results file, in order (writer.py gives their types).
-RESULT_COLUMNS = ["id", "output", "finish_reason", "error_type", "error_message", "num_prompt_tokens",
-                  "num_output_tokens", "num_cached_tokens", "ttft_s", "itl_s", "latency_s"]
+RESULT_COLUMNS = [
+    "id",
+    "output",
+    "finish_reason",
+    "error_type",
+    "error_message",
+    "num_prompt_tokens",
+    "num_output_tokens",
+    "num_cached_tokens",
+    "ttft_s",
+    "itl_s",
+    "latency_s",
+]
 PlanOrder = Literal["longest_first", "shortest_first", "input"]
 WorkloadName = Literal["summarize", "shared_prefix", "random"]
-BENCHMARK_SYSTEMS = ("batchrun", "batchrun_no_prefix_cache", "batchrun_no_planner",
-                     *(f"batchrun_{order}" for order in typing.get_args(PlanOrder)), "hf_fp32", "hf_bf16")
+BENCHMARK_SYSTEMS = (
+    "batchrun",
+    "batchrun_no_prefix_cache",
+    "batchrun_no_planner",
+    *(f"batchrun_{order}" for order in typing.get_args(PlanOrder)),
+    "hf_fp32",
+    "hf_bf16",
+)
 
 
 @dataclass(frozen=True)
@@ -171,8 +190,15 @@ class BenchmarkConfig:
     def __post_init__(self) -> None:
         if self.workload not in ("summarize", "shared_prefix", "random"):
             raise ValueError(f"benchmark.workload must be summarize, shared_prefix or random, got {self.workload!r}")
-        for name in ("num_prompts", "max_tokens", "repeats", "hf_batch_size", "shared_prefix_tokens",
-                     "random_min_tokens", "random_max_tokens"):
+        for name in (
+            "num_prompts",
+            "max_tokens",
+            "repeats",
+            "hf_batch_size",
+            "shared_prefix_tokens",
+            "random_min_tokens",
+            "random_max_tokens",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"benchmark.{name} must be >= 1, got {getattr(self, name)}")
         if self.random_min_tokens > self.random_max_tokens:
@@ -224,8 +250,14 @@ class RunConfig:
 
 # Every config group's dataclass; `engine.model` is filled from `model.path`.
 _SECTIONS: dict[str, type] = {
-    "job": JobConfig, "model": ModelConfig, "engine": EngineConfig, "sampling": SamplingParams,
-    "data": DataConfig, "output": OutputConfig, "launcher": LauncherConfig, "planner": PlannerConfig,
+    "job": JobConfig,
+    "model": ModelConfig,
+    "engine": EngineConfig,
+    "sampling": SamplingParams,
+    "data": DataConfig,
+    "output": OutputConfig,
+    "launcher": LauncherConfig,
+    "planner": PlannerConfig,
     "benchmark": BenchmarkConfig,
 }
 _HIDDEN_FIELDS = {"engine": {"model"}}
@@ -245,7 +277,9 @@ def unknown_key(dotted_key: str) -> ConfigError:
         return ConfigError(dotted_key, f"set {_MOVED_KEYS[dotted_key]} instead")
     parts = dotted_key.split(".")
     if len(parts) == 1 and parts[0] in _SECTIONS:  # a group this job's composed config does not have
-        return ConfigError(dotted_key, "not a group of this job" + (" (use job=benchmark)" if dotted_key == "benchmark" else ""))
+        return ConfigError(
+            dotted_key, "not a group of this job" + (" (use job=benchmark)" if dotted_key == "benchmark" else "")
+        )
     if parts[0] not in _SECTIONS:
         allowed, prefix, key = [*_SECTIONS, *_TOP_LEVEL_SCALARS], "", parts[0]
     else:

@@ -1,4 +1,5 @@
 """The expected failures of a run, each reported as one line instead of a traceback."""
+
 from __future__ import annotations
 
 

@@ -16,20 +16,29 @@ part once the engine is loaded, which happens only when there is work to do). A 
 the run with one line naming what changed, unless output.on_change=recompute, which redoes the
 shards whose fingerprint differs and keeps the others.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 from batchrun.job.config import RunConfig
 from batchrun.job.shards import Shard
 
 # Engine settings that change what a row says; the rest (batch sizes, threads, caches) only
 # change speed (and in bf16 an occasional near-tied token, which any batching engine does).
-_ENGINE_KEYS = ("dtype", "quantization", "quant_group_size", "w8a8_outlier_channels", "kv_cache_dtype",
-                "max_model_len", "seed")
+_ENGINE_KEYS = (
+    "dtype",
+    "quantization",
+    "quant_group_size",
+    "w8a8_outlier_channels",
+    "kv_cache_dtype",
+    "max_model_len",
+    "seed",
+)
 
 
 def settings_fingerprint(config: RunConfig) -> dict[str, Any]:
@@ -44,8 +53,11 @@ def settings_fingerprint(config: RunConfig) -> dict[str, Any]:
 
 
 def model_fingerprint(model_sha256: str, tokenizer: Any, resolved_dtype: str) -> dict[str, Any]:
-    return {"model.sha256": model_sha256, "tokenizer.sha256": tokenizer_sha256(tokenizer),
-            "engine.resolved_dtype": resolved_dtype}
+    return {
+        "model.sha256": model_sha256,
+        "tokenizer.sha256": tokenizer_sha256(tokenizer),
+        "engine.resolved_dtype": resolved_dtype,
+    }
 
 
 def input_fingerprint(shard: Shard) -> dict[str, Any]:

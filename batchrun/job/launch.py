@@ -1,9 +1,11 @@
 """run_job: the entry point of a run. One worker in this process, or, with launcher.num_workers=N
 (and no rank given), N worker processes on this machine (pool.py), each running runner.run_worker."""
+
 from __future__ import annotations
 
 import os
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 from batchrun.engine import Engine
 from batchrun.job.config import RunConfig

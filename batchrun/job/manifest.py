@@ -6,6 +6,7 @@ workers never coordinate, so no such file has two writers. Each worker, when it 
 local launcher (launcher.num_workers), when all have, also merge them with the commit markers into
 the run's one `_manifest.json` (merge_manifests).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -15,8 +16,9 @@ import json
 import os
 import platform
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 from batchrun.engine import EngineStats
 from batchrun.job.shards import Shard, Worker
@@ -37,8 +39,13 @@ def redact(config: Any, inside_options: bool = False) -> Any:
         out = {}
         for key, value in config.items():
             name = str(key).lower()
-            if inside_options and not isinstance(value, (dict, list, tuple)) and value not in (None, "") \
-                    and name not in _NOT_SECRET and any(w in name for w in _SECRET_WORDS):
+            if (
+                inside_options
+                and not isinstance(value, (dict, list, tuple))
+                and value not in (None, "")
+                and name not in _NOT_SECRET
+                and any(w in name for w in _SECRET_WORDS)
+            ):
                 out[key] = REDACTED
             else:
                 out[key] = redact(value, inside_options or name == "storage_options")
@@ -79,8 +86,9 @@ class ShardRecord:
 
 
 class Manifest:
-    def __init__(self, store: RunStore, config: dict[str, Any], worker: Worker,
-                 num_shards_total: int, shards: Sequence[Shard]) -> None:
+    def __init__(
+        self, store: RunStore, config: dict[str, Any], worker: Worker, num_shards_total: int, shards: Sequence[Shard]
+    ) -> None:
         self._store = store
         self.path = store.manifest_path(worker.rank, worker.world_size)
         self.shards = {s.name: ShardRecord(s.name, s.url) for s in shards}
@@ -89,8 +97,13 @@ class Manifest:
             "started_at": utc_now(),
             "finished_at": None,
             "output_uri": store.url(store.root),
-            "worker": {"rank": worker.rank, "world_size": worker.world_size, "source": worker.source,
-                       "hostname": socket.gethostname(), "pid": os.getpid()},
+            "worker": {
+                "rank": worker.rank,
+                "world_size": worker.world_size,
+                "source": worker.source,
+                "hostname": socket.gethostname(),
+                "pid": os.getpid(),
+            },
             "num_shards_total": num_shards_total,  # in the input, all workers together
             "versions": package_versions(),
             "model": {"path": None, "fingerprint": None},  # filled once the engine loads
@@ -128,8 +141,12 @@ class Manifest:
         self.shards.setdefault(shard.name, ShardRecord(shard.name, shard.url))
 
     def finish(self, status: str, message: str, stats: Optional[EngineStats]) -> None:
-        self._doc.update(status=status, finished_at=utc_now(), message=message,
-                         engine_stats=dataclasses.asdict(stats) if stats is not None else None)
+        self._doc.update(
+            status=status,
+            finished_at=utc_now(),
+            message=message,
+            engine_stats=dataclasses.asdict(stats) if stats is not None else None,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {**self._doc, "shards": [dataclasses.asdict(r) for r in self.shards.values()]}
@@ -139,8 +156,16 @@ class Manifest:
 
 
 # A shard's record in the run manifest comes from the worker whose record says the most.
-_STATUS_RANK = {"committed": 6, "skipped": 5, "quarantined": 4, "failed": 4, "interrupted": 3, "running": 2,
-                "elsewhere": 1, "pending": 0}
+_STATUS_RANK = {
+    "committed": 6,
+    "skipped": 5,
+    "quarantined": 4,
+    "failed": 4,
+    "interrupted": 3,
+    "running": 2,
+    "elsewhere": 1,
+    "pending": 0,
+}
 
 
 def read_worker_manifests(store: RunStore) -> list[dict[str, Any]]:
@@ -174,10 +199,16 @@ def merge_manifests(store: RunStore, shards: Sequence[Shard], world_size: int) -
         record = records.get(shard.name) or {**dataclasses.asdict(ShardRecord(shard.name, shard.url)), "worker": None}
         if shard.name in committed:
             marker = store.read_marker(shard.name) or {}
-            record = {**record, "status": "committed", "started_at": marker.get("started_at"),
-                      "finished_at": marker.get("committed_at"), "num_rows": marker.get("num_rows"),
-                      "num_errors": (marker.get("metrics") or {}).get("num_errors"), "error": None,
-                      "worker": marker.get("worker")}
+            record = {
+                **record,
+                "status": "committed",
+                "started_at": marker.get("started_at"),
+                "finished_at": marker.get("committed_at"),
+                "num_rows": marker.get("num_rows"),
+                "num_errors": (marker.get("metrics") or {}).get("num_errors"),
+                "error": None,
+                "worker": marker.get("worker"),
+            }
         merged_shards.append(record)
     statuses = {r["status"] for r in merged_shards}
     worker_statuses = {d["status"] for d in docs}
@@ -198,9 +229,17 @@ def merge_manifests(store: RunStore, shards: Sequence[Shard], world_size: int) -
         "finished_at": max(finished) if status != "running" and finished else None,
         "output_uri": store.url(store.root),
         "worker": {"rank": None, "world_size": world_size, "source": "merged from _manifest.rank*.json"},
-        "workers": [{**d["worker"], "status": d["status"], "started_at": d["started_at"],
-                     "finished_at": d["finished_at"], "message": d.get("message"),
-                     "engine_stats": d.get("engine_stats")} for d in docs],
+        "workers": [
+            {
+                **d["worker"],
+                "status": d["status"],
+                "started_at": d["started_at"],
+                "finished_at": d["finished_at"],
+                "message": d.get("message"),
+                "engine_stats": d.get("engine_stats"),
+            }
+            for d in docs
+        ],
         "num_shards_total": len(shards),
         "versions": first.get("versions"),
         "model": first.get("model"),

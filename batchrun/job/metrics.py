@@ -1,4 +1,5 @@
 """Per-shard metrics: accumulated row by row as results arrive, summarized into one metrics row."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -46,8 +47,9 @@ def percentile(values: list[float], q: float) -> Optional[float]:
     return float(np.percentile(np.asarray(values, dtype=np.float64), q)) if values else None
 
 
-def metrics_row(shard: str, worker: int, tally: ShardTally, wall_s: float,
-                before: EngineStats, after: EngineStats) -> dict[str, Any]:
+def metrics_row(
+    shard: str, worker: int, tally: ShardTally, wall_s: float, before: EngineStats, after: EngineStats
+) -> dict[str, Any]:
     """The shard's metrics row (writer.METRICS_SCHEMA); engine counters are differences over the shard."""
     proposed = _delta(after.num_spec_proposed, before.num_spec_proposed)
     accepted = _delta(after.num_spec_accepted, before.num_spec_accepted)
@@ -65,8 +67,9 @@ def metrics_row(shard: str, worker: int, tally: ShardTally, wall_s: float,
         "total_tokens_per_s": (tally.num_prompt_tokens + tally.num_output_tokens) / wall,
         **{f"ttft_p{q}_s": percentile(tally.ttfts, q) for q in (50, 95, 99)},
         **{f"itl_p{q}_s": percentile(tally.itls, q) for q in (50, 95, 99)},
-        "prefix_cache_hit_rate": (tally.num_cached_tokens / tally.num_prompt_tokens
-                                  if tally.num_prompt_tokens else None),
+        "prefix_cache_hit_rate": (
+            tally.num_cached_tokens / tally.num_prompt_tokens if tally.num_prompt_tokens else None
+        ),
         "num_preemptions": after.num_preemptions - before.num_preemptions,
         # reset_peak_stats() ran at the shard's start, so the peak is this shard's own.
         "peak_kv_blocks_used": after.peak_kv_blocks_used,

@@ -12,18 +12,18 @@ Results keep their ids and row indices; the ResultWriter puts them back in input
 grows with the window (prompts read ahead plus finished rows waiting for an earlier one), never
 with the shard.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
-from typing import Callable, Iterable, Iterator, Sequence
 
 from batchrun.engine import EngineRequest
 from batchrun.job.config import PlannerConfig, PlanOrder
 
 
-def plan_requests(requests: Iterable[EngineRequest], config: PlannerConfig,
-                  block_size: int) -> Iterator[EngineRequest]:
+def plan_requests(requests: Iterable[EngineRequest], config: PlannerConfig, block_size: int) -> Iterator[EngineRequest]:
     """`requests` in planned order, a window at a time (lazily: the next window is read only after
     this one has been handed out). Every request comes out exactly once."""
     source = iter(requests)
@@ -71,8 +71,12 @@ def plan_order(prompts: Sequence[Sequence[int]], order: PlanOrder, block_size: i
             continue
         stack.pop()
         planned.sort(key=key)
-        group = _Group([i for g in planned for i in g.indices], max(g.max_len for g in planned),
-                       min(g.min_len for g in planned), min(g.first_index for g in planned))
+        group = _Group(
+            [i for g in planned for i in g.indices],
+            max(g.max_len for g in planned),
+            min(g.min_len for g in planned),
+            min(g.first_index for g in planned),
+        )
         if not stack:
             return group.indices
         stack[-1][1].append(group)
@@ -115,7 +119,8 @@ def _children(prompts: Sequence[Sequence[int]], run: list[int], depth: int, bloc
 def _common_blocks(a: Sequence[int], b: Sequence[int], start: int, block_size: int) -> int:
     """Full blocks a and b share from the beginning, given that they share the first `start`."""
     n = start
-    while (n + 1) * block_size <= min(len(a), len(b)) and \
-            a[n * block_size:(n + 1) * block_size] == b[n * block_size:(n + 1) * block_size]:
+    while (n + 1) * block_size <= min(len(a), len(b)) and a[n * block_size : (n + 1) * block_size] == b[
+        n * block_size : (n + 1) * block_size
+    ]:
         n += 1
     return n

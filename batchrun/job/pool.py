@@ -10,6 +10,7 @@ for all of them, merges their manifests with the commit markers into `_manifest.
 from the markers: a worker that died mid-run (even by SIGKILL) costs nothing when the others took
 its shards over, and a rerun of the same command redoes whatever is left.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -20,7 +21,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Mapping, Optional
+from collections.abc import Mapping
+from typing import Optional
 
 from batchrun.job.config import RunConfig, build_run_config
 from batchrun.job.errors import ConfigError, JobError
@@ -48,8 +50,12 @@ def worker_configs(config: RunConfig, env: Mapping[str, str]) -> list[tuple[RunC
     out = []
     for rank in range(n):
         launcher = dataclasses.replace(config.launcher, rank=rank, world_size=n, num_workers=1)
-        cfg = dataclasses.replace(config, launcher=launcher, quiet=True,  # N progress bars would tangle
-                                  engine=dataclasses.replace(config.engine, num_threads=threads))
+        cfg = dataclasses.replace(
+            config,
+            launcher=launcher,
+            quiet=True,  # N progress bars would tangle
+            engine=dataclasses.replace(config.engine, num_threads=threads),
+        )
         worker_env = {**env, "BATCHRUN_WORKER_RANK": str(rank)}
         if gpu_ids is not None:
             worker_env["CUDA_VISIBLE_DEVICES"] = gpu_ids[rank]
@@ -94,8 +100,11 @@ def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> RunResult:
                 json.dump(cfg.to_dict(), f, default=str)
             # Own session: a terminal's Ctrl-C reaches the launcher only, which forwards it once
             # (a second signal would end a worker at once instead of gracefully).
-            procs.append(subprocess.Popen([sys.executable, "-m", "batchrun.job.pool", path], env=worker_env,
-                                          start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "batchrun.job.pool", path], env=worker_env, start_new_session=True
+                )
+            )
         forwarded = False
         while any(p.poll() is None for p in procs):
             if stop.requested and not forwarded:
@@ -121,9 +130,13 @@ def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> RunResult:
         summaries.append(ShardSummary(record["name"], status, metrics, record.get("error")))
     died = [r for r, c in enumerate(codes) if c < 0]
     if died:
-        log.warning("worker(s) %s died by a signal; %s", ", ".join(map(str, died)),
-                    "the others took their shards over" if doc["status"] == "completed"
-                    else "rerun the same command to redo what they left")
+        log.warning(
+            "worker(s) %s died by a signal; %s",
+            ", ".join(map(str, died)),
+            "the others took their shards over"
+            if doc["status"] == "completed"
+            else "rerun the same command to redo what they left",
+        )
     num_left = sum(s.status not in DONE_STATUSES for s in summaries)
     if stop.requested and num_left:
         exit_code, status = stop.exit_code, "interrupted"
@@ -132,20 +145,24 @@ def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> RunResult:
     else:
         exit_code = 2 if 2 in codes else 1
         status = "failed"
-    message = (f"{len(workers)} workers: {sum(s.status == 'committed' for s in summaries)} committed, "
-               f"{sum(s.status == 'skipped' for s in summaries)} already done, {num_left} not done "
-               f"(worker exit codes {codes})")
+    message = (
+        f"{len(workers)} workers: {sum(s.status == 'committed' for s in summaries)} committed, "
+        f"{sum(s.status == 'skipped' for s in summaries)} already done, {num_left} not done "
+        f"(worker exit codes {codes})"
+    )
     if num_left and not stop.requested:
         message += "; rerun the same command to redo the rest"
-    return RunResult(exit_code, status, message, store.url(store.root), store.url(store.path("_manifest.json")),
-                     summaries, None)
+    return RunResult(
+        exit_code, status, message, store.url(store.root), store.url(store.path("_manifest.json")), summaries, None
+    )
 
 
 def _worker_main(config_path: str) -> int:
     with open(config_path) as f:
         config = build_run_config(json.load(f))
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"[worker {config.launcher.rank}] %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format=f"[worker {config.launcher.rank}] %(levelname)s %(message)s"
+    )
     try:
         result = run_worker(config)
     except ConfigError as e:

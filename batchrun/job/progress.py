@@ -2,12 +2,14 @@
 
 The bar's total grows as each shard is opened, so no shard is read twice just to count rows.
 """
+
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
-from typing import Iterator, Optional
+from collections.abc import Iterator
+from typing import Optional
 
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -19,8 +21,9 @@ class Progress:
         self._num_shards_done = 0
         self._num_output_tokens = 0
         self._started = time.perf_counter()
-        self._bar: Optional[tqdm] = None if quiet else tqdm(
-            total=0, unit="row", desc="batchrun", dynamic_ncols=True, mininterval=0.5)
+        self._bar: Optional[tqdm] = (
+            None if quiet else tqdm(total=0, unit="row", desc="batchrun", dynamic_ncols=True, mininterval=0.5)
+        )
         self._update_postfix()
 
     def add_rows(self, num_rows: int) -> None:
@@ -49,7 +52,8 @@ class Progress:
         elapsed = max(time.perf_counter() - self._started, 1e-9)
         self._bar.set_postfix_str(
             f"{self._num_output_tokens / elapsed:.1f} tok/s, shards {self._num_shards_done}/{self._num_shards}",
-            refresh=refresh)
+            refresh=refresh,
+        )
 
     def close(self) -> None:
         if self._bar is not None:

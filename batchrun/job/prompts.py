@@ -4,13 +4,15 @@ A job (conf/job/*.yaml) says how: an optional `prompt_template` over the row's c
 system prompt, and whether to apply the tokenizer's chat template. The text column may also hold an
 OpenAI-style list of messages, which always goes through the chat template.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from batchrun.job.errors import JobError
 from batchrun.job.config import DataConfig, JobConfig
+from batchrun.job.errors import JobError
 from batchrun.job.reader import InputRow
 
 # The typed errors a row can end with (the `error_type` column); engine_error comes from the engine.
@@ -55,8 +57,12 @@ class PromptBuilder:
             return self._fit(lambda body: self._render_text(row, body), value)
         if isinstance(value, (list, tuple)):
             return self._build_messages(list(value))
-        return Prompt(error_type=WRONG_TYPE, error_message=(
-            f"column {self.text_column!r} holds {type(value).__name__}; expected a string or a list of messages"))
+        return Prompt(
+            error_type=WRONG_TYPE,
+            error_message=(
+                f"column {self.text_column!r} holds {type(value).__name__}; expected a string or a list of messages"
+            ),
+        )
 
     # ---- text rows ----------------------------------------------------------------------------
 
@@ -82,19 +88,24 @@ class PromptBuilder:
             return Prompt(error_type=EMPTY_PROMPT, error_message=f"column {self.text_column!r} has no messages")
         for i, m in enumerate(messages):
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                return Prompt(error_type=TEMPLATE_ERROR, error_message=(
-                    f"messages[{i}] must be {{'role': str, 'content': str}}, got {_short(m)}"))
+                return Prompt(
+                    error_type=TEMPLATE_ERROR,
+                    error_message=(f"messages[{i}] must be {{'role': str, 'content': str}}, got {_short(m)}"),
+                )
         if not any(m["content"].strip() for m in messages):
             return Prompt(error_type=EMPTY_PROMPT, error_message="every message is empty")
         if not self.has_chat_template:
-            return Prompt(error_type=TEMPLATE_ERROR,
-                          error_message="messages need a chat template; the tokenizer has none")
+            return Prompt(
+                error_type=TEMPLATE_ERROR, error_message="messages need a chat template; the tokenizer has none"
+            )
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
         if self.job.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.job.system_prompt})
         # Truncation shortens the last message, which is the one carrying the row's content.
-        return self._fit(lambda body: self._apply_chat_template([*messages[:-1], {**messages[-1], "content": body}]),
-                         messages[-1]["content"])
+        return self._fit(
+            lambda body: self._apply_chat_template([*messages[:-1], {**messages[-1], "content": body}]),
+            messages[-1]["content"],
+        )
 
     def _apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -117,8 +128,13 @@ class PromptBuilder:
             return Prompt(token_ids=ids, num_prompt_tokens=len(ids))
         original = len(ids)
         if not self.truncate:
-            return Prompt(error_type=PROMPT_TOO_LONG, num_prompt_tokens=original, error_message=(
-                f"prompt has {original} tokens; the limit is {limit} (max_model_len minus sampling.max_tokens)"))
+            return Prompt(
+                error_type=PROMPT_TOO_LONG,
+                num_prompt_tokens=original,
+                error_message=(
+                    f"prompt has {original} tokens; the limit is {limit} (max_model_len minus sampling.max_tokens)"
+                ),
+            )
         body_ids = self.tokenizer.encode(body, add_special_tokens=False)
         margin = 0
         # Re-tokenizing cut text can merge differently at the cut, so allow a few passes.
@@ -129,12 +145,20 @@ class PromptBuilder:
             body_ids = body_ids[:keep]
             ids = render(self.tokenizer.decode(body_ids))
             if len(ids) <= limit:
-                return Prompt(token_ids=ids, num_prompt_tokens=len(ids),
-                              error_message=f"truncated from {original} to {len(ids)} prompt tokens")
+                return Prompt(
+                    token_ids=ids,
+                    num_prompt_tokens=len(ids),
+                    error_message=f"truncated from {original} to {len(ids)} prompt tokens",
+                )
             margin += 4
-        return Prompt(error_type=PROMPT_TOO_LONG, num_prompt_tokens=original, error_message=(
-            f"prompt has {original} tokens and stays over the limit of {limit} even with "
-            f"column {self.text_column!r} cut to nothing"))
+        return Prompt(
+            error_type=PROMPT_TOO_LONG,
+            num_prompt_tokens=original,
+            error_message=(
+                f"prompt has {original} tokens and stays over the limit of {limit} even with "
+                f"column {self.text_column!r} cut to nothing"
+            ),
+        )
 
 
 def _short(value: Any, limit: int = 120) -> str:

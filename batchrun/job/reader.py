@@ -3,11 +3,13 @@
 Rows are read one record batch at a time and only the columns the job needs, so memory stays
 bounded by `data.batch_size` whatever the shard's size.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import fsspec
 import pyarrow as pa
@@ -43,11 +45,14 @@ class ShardReader:
         names = set(self.schema.names)
         missing = [c for c in dict.fromkeys(columns) if c not in names]
         if missing:
-            raise ShardError(f"{shard.url}: missing column {', '.join(map(repr, missing))} "
-                             f"(it has {', '.join(self.schema.names)})")
+            raise ShardError(
+                f"{shard.url}: missing column {', '.join(map(repr, missing))} (it has {', '.join(self.schema.names)})"
+            )
         if config.id_column is not None and config.id_column not in names:
-            raise ShardError(f"{shard.url}: missing id column {config.id_column!r} (data.id_column; it has "
-                             f"{', '.join(self.schema.names)}); set data.id_column=null for positional ids")
+            raise ShardError(
+                f"{shard.url}: missing id column {config.id_column!r} (data.id_column; it has "
+                f"{', '.join(self.schema.names)}); set data.id_column=null for positional ids"
+            )
         self.id_column = config.id_column
         self._columns = list(dict.fromkeys([*columns, *([self.id_column] if self.id_column else [])]))
         self.num_rows: int = self._parquet.metadata.num_rows

@@ -1,5 +1,6 @@
 """What a run reports: one summary per shard and one result per run (handed to the cli, the local
 launcher and notebooks)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

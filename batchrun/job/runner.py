@@ -6,6 +6,7 @@ committed only when every input row has its result row (see store.py). A bad row
 error row; any failure of a shard (unreadable, a storage error that outlasted its retries, a bug) is
 recorded as that shard's failure and the run goes on; a stop signal abandons the shard in progress.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -13,15 +14,15 @@ import hashlib
 import logging
 import os
 import time
-from typing import Any, Iterator, Mapping, Optional
+from collections.abc import Iterator, Mapping
+from typing import Any, Optional
 
 from batchrun.engine import Engine, EngineConfig, EngineRequest, EngineStats, SamplingParams
 from batchrun.job.affinity import partition_by_group, shard_groups
 from batchrun.job.claims import FAILED, QUARANTINED, RELEASED, ClaimBook, ShardQueue, steal_order
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import ConfigError, JobError, ShardError
-from batchrun.job.fingerprint import (differences, input_fingerprint, model_fingerprint,
-                                      settings_fingerprint)
+from batchrun.job.fingerprint import differences, input_fingerprint, model_fingerprint, settings_fingerprint
 from batchrun.job.manifest import Manifest, redact, utc_now, write_merged_manifest
 from batchrun.job.metrics import ShardTally, metrics_row, percentile
 from batchrun.job.planner import plan_requests
@@ -45,7 +46,9 @@ NULL_ID = "null_id"
 INVALID_TEXT = "invalid_text"
 
 
-def run_worker(config: RunConfig, engine: Optional[Engine] = None, env: Optional[Mapping[str, str]] = None) -> RunResult:
+def run_worker(
+    config: RunConfig, engine: Optional[Engine] = None, env: Optional[Mapping[str, str]] = None
+) -> RunResult:
     """Run this worker's share of the job. Raises JobError when it cannot start at all, ConfigError
     when the configuration (or the output's committed state) forbids it."""
     return _JobRun(config, env if env is not None else os.environ).run(engine)
@@ -114,10 +117,17 @@ class _JobRun:
         for shard in self.shards:
             if shard.name in committed and shard.name not in self.stale:
                 self._record_skipped(shard, self.markers.get(shard.name), publish=shard.name not in published)
-        log.info("worker %d of %d (%s): %d of %d shards, %d already committed; output %s (commits: %s)",
-                 self.worker.rank, self.worker.world_size, self.worker.source, len(self.shards),
-                 len(all_shards), len(self.shards) - len(self.todo), self.store.url(self.store.root),
-                 self.store.commit_method)
+        log.info(
+            "worker %d of %d (%s): %d of %d shards, %d already committed; output %s (commits: %s)",
+            self.worker.rank,
+            self.worker.world_size,
+            self.worker.source,
+            len(self.shards),
+            len(all_shards),
+            len(self.shards) - len(self.todo),
+            self.store.url(self.store.root),
+            self.store.commit_method,
+        )
         self.manifest.set_commit_method(self.store.commit_method)
         try:
             self.manifest.write()
@@ -142,9 +152,12 @@ class _JobRun:
         planned = [Shard(**s) for s in doc["shards"]]
         extra = {s.name for s in listed} - {s.name for s in planned}
         if extra:
-            log.warning("%d input file(s) appeared after this run's plan was made (%s) and are not part of it; "
-                        "run them with another output.uri, or with launcher.work_stealing=true", len(extra),
-                        ", ".join(sorted(extra)[:3]))
+            log.warning(
+                "%d input file(s) appeared after this run's plan was made (%s) and are not part of it; "
+                "run them with another output.uri, or with launcher.work_stealing=true",
+                len(extra),
+                ", ".join(sorted(extra)[:3]),
+            )
         return planned
 
     def _check_id_column(self, first: Shard) -> None:
@@ -161,8 +174,11 @@ class _JobRun:
         except Exception:  # unreadable: that shard fails with its own message later
             return
         if column not in names:
-            raise ConfigError("data.id_column", f"no column {column!r} in {first.url} (it has {', '.join(names)}); "
-                              "set data.id_column to the id column, or null for ids <shard>-<row index>")
+            raise ConfigError(
+                "data.id_column",
+                f"no column {column!r} in {first.url} (it has {', '.join(names)}); "
+                "set data.id_column to the id column, or null for ids <shard>-<row index>",
+            )
 
     def _check_committed(self, committed: set[str]) -> set[str]:
         """Compare the committed markers' fingerprints with this run's (settings and inputs; the
@@ -187,27 +203,37 @@ class _JobRun:
         if (changed_settings or stale) and self.config.output.on_change == "error":
             changes = changed_settings or next(iter(stale.values()))
             where = f"{len(stale)} shard(s) (e.g. {next(iter(stale))})" if stale else "shards"
-            raise ConfigError("output.on_change", f"{where} in {self.config.output.uri} were committed with other "
-                              f"settings or inputs ({'; '.join(changes[:4])}); use a new output.uri, or set "
-                              "output.on_change=recompute to redo them")
+            raise ConfigError(
+                "output.on_change",
+                f"{where} in {self.config.output.uri} were committed with other "
+                f"settings or inputs ({'; '.join(changes[:4])}); use a new output.uri, or set "
+                "output.on_change=recompute to redo them",
+            )
         for name, changes in stale.items():
-            log.warning("shard %s: committed with other settings or input (%s); recomputing it", name,
-                        "; ".join(changes[:4]))
+            log.warning(
+                "shard %s: committed with other settings or input (%s); recomputing it", name, "; ".join(changes[:4])
+            )
         return set(stale)
 
     def _check_model(self, engine: Engine) -> None:
         """The model part of the fingerprint, once the engine is loaded."""
         self.model_fp = model_fingerprint(engine.model_fingerprint, engine.tokenizer, str(engine.settings.get("dtype")))
-        changed = {name: differences((m.get("fingerprint") or {}).get("model", {}), self.model_fp)
-                   for name, m in self.markers.items() if name not in self.stale}
+        changed = {
+            name: differences((m.get("fingerprint") or {}).get("model", {}), self.model_fp)
+            for name, m in self.markers.items()
+            if name not in self.stale
+        }
         changed = {name: c for name, c in changed.items() if c}
         if not changed:
             return
         if self.config.output.on_change == "error":
             name, changes = next(iter(changed.items()))
-            raise ConfigError("output.on_change", f"{len(changed)} shard(s) (e.g. {name}) in {self.config.output.uri} "
-                              f"were committed with another model or tokenizer ({'; '.join(changes)}); use a new "
-                              "output.uri, or set output.on_change=recompute to redo them")
+            raise ConfigError(
+                "output.on_change",
+                f"{len(changed)} shard(s) (e.g. {name}) in {self.config.output.uri} "
+                f"were committed with another model or tokenizer ({'; '.join(changes)}); use a new "
+                "output.uri, or set output.on_change=recompute to redo them",
+            )
         for name in changed:
             log.warning("shard %s: committed with another model or tokenizer; recomputing it", name)
             self.stale.add(name)
@@ -227,9 +253,14 @@ class _JobRun:
             except Exception:
                 log.warning("shard %s: could not publish its committed files", shard.name, exc_info=True)
         metrics = marker.get("metrics")
-        self.manifest.update(shard.name, status="skipped", started_at=marker.get("started_at"),
-                             finished_at=marker.get("committed_at"), num_rows=marker.get("num_rows"),
-                             num_errors=(metrics or {}).get("num_errors"))
+        self.manifest.update(
+            shard.name,
+            status="skipped",
+            started_at=marker.get("started_at"),
+            finished_at=marker.get("committed_at"),
+            num_rows=marker.get("num_rows"),
+            num_errors=(metrics or {}).get("num_errors"),
+        )
         self.summaries[shard.name] = ShardSummary(shard.name, "skipped", metrics)
 
     # ---- the run ------------------------------------------------------------------------------
@@ -267,12 +298,21 @@ class _JobRun:
     def _process(self, engine: Engine, stop: StopRequest) -> None:
         max_prompt_tokens = engine.max_model_len - self.config.sampling.max_tokens
         if max_prompt_tokens <= 0:
-            raise JobError(f"sampling.max_tokens={self.config.sampling.max_tokens} leaves no room for a prompt "
-                           f"within the engine's max_model_len={engine.max_model_len}")
+            raise JobError(
+                f"sampling.max_tokens={self.config.sampling.max_tokens} leaves no room for a prompt "
+                f"within the engine's max_model_len={engine.max_model_len}"
+            )
         builder = PromptBuilder(self.config.job, self.config.data, engine.tokenizer, max_prompt_tokens)
         progress = Progress(len(self.todo), self.config.quiet)
-        queue = ShardQueue(self.todo, self.steal, self.claims, self._is_committed, self._skip_claimed,
-                           lambda: stop.requested, on_error=self._claim_failed)
+        queue = ShardQueue(
+            self.todo,
+            self.steal,
+            self.claims,
+            self._is_committed,
+            self._skip_claimed,
+            lambda: stop.requested,
+            on_error=self._claim_failed,
+        )
         try:
             with progress.logging_redirected():
                 for shard in queue:
@@ -314,8 +354,10 @@ class _JobRun:
         if status == "skipped":
             self._record_skipped(shard)
         elif status == QUARANTINED:
-            error = (f"quarantined: {self.claims.max_attempts} attempts at it died (launcher.max_shard_attempts); "
-                     f"delete {self.store.url(self.store.path('_claims', shard.name))} to retry it")
+            error = (
+                f"quarantined: {self.claims.max_attempts} attempts at it died (launcher.max_shard_attempts); "
+                f"delete {self.store.url(self.store.path('_claims', shard.name))} to retry it"
+            )
             self.manifest.update(shard.name, status=QUARANTINED, error=error)
             self.summaries[shard.name] = ShardSummary(shard.name, QUARANTINED, error=error)
         else:
@@ -331,8 +373,9 @@ class _JobRun:
             self.manifest.update(shard.name, status="failed", error=message)
             self.summaries[shard.name] = ShardSummary(shard.name, "failed", error=message)
 
-    def _run_shard_logged(self, shard: Shard, engine: Engine, builder: PromptBuilder,
-                          progress: Progress, stop: StopRequest) -> ShardSummary:
+    def _run_shard_logged(
+        self, shard: Shard, engine: Engine, builder: PromptBuilder, progress: Progress, stop: StopRequest
+    ) -> ShardSummary:
         started_at = utc_now()
         self.manifest.update(shard.name, status="running", started_at=started_at)
         self._write_manifest_quietly()
@@ -347,12 +390,22 @@ class _JobRun:
             log.exception("shard %s failed unexpectedly", shard.name)
             summary = ShardSummary(shard.name, "failed", error=f"{type(e).__name__}: {e}")
         m = summary.metrics or {}
-        self.manifest.update(shard.name, status=summary.status if summary.status != "lost" else "elsewhere",
-                             finished_at=utc_now(), error=summary.error, num_rows=m.get("num_rows"),
-                             num_errors=m.get("num_errors"))
+        self.manifest.update(
+            shard.name,
+            status=summary.status if summary.status != "lost" else "elsewhere",
+            finished_at=utc_now(),
+            error=summary.error,
+            num_rows=m.get("num_rows"),
+            num_errors=m.get("num_errors"),
+        )
         if summary.status == "committed":
-            log.info("shard %s committed: %d rows, %d errors, %.1f output tok/s", shard.name, m["num_rows"],
-                     m["num_errors"], m["output_tokens_per_s"])
+            log.info(
+                "shard %s committed: %d rows, %d errors, %.1f output tok/s",
+                shard.name,
+                m["num_rows"],
+                m["num_errors"],
+                m["output_tokens_per_s"],
+            )
         return summary
 
     def record_ids(self, shard: str, id_keys: set[Any]) -> None:
@@ -366,34 +419,55 @@ class _JobRun:
 
     def _result(self, stop: StopRequest) -> RunResult:
         summaries = [self.summaries[s.name] for s in self.shards]
-        count = {status: sum(s.status == status for s in summaries)
-                 for status in ("committed", "skipped", "failed", "quarantined", "interrupted", "pending", "elsewhere")}
+        count = {
+            status: sum(s.status == status for s in summaries)
+            for status in ("committed", "skipped", "failed", "quarantined", "interrupted", "pending", "elsewhere")
+        }
         done = f"{count['committed']} committed, {count['skipped']} already done"
         if count["elsewhere"]:
             done += f", {count['elsewhere']} being done by other workers"
         # A signal that arrives after the last commit changes nothing: the run is complete.
         if stop.requested and (count["interrupted"] or count["pending"] or count["elsewhere"]):
             exit_code, status = stop.exit_code, "interrupted"
-            message = (f"interrupted by {stop.name}: {done}, {count['interrupted']} abandoned, "
-                       f"{count['pending']} not started; rerun the same command to resume")
+            message = (
+                f"interrupted by {stop.name}: {done}, {count['interrupted']} abandoned, "
+                f"{count['pending']} not started; rerun the same command to resume"
+            )
         elif count["failed"] or count["quarantined"]:
             failed = [s.name for s in summaries if s.status in ("failed", "quarantined")]
             exit_code, status = 1, "failed"
             quarantined = f" ({count['quarantined']} quarantined)" if count["quarantined"] else ""
-            message = (f"{len(failed)} of {len(summaries)} shards failed ({', '.join(failed[:5])}"
-                       f"{', ...' if len(failed) > 5 else ''}){quarantined}, {done}; see {self.manifest.url}")
+            message = (
+                f"{len(failed)} of {len(summaries)} shards failed ({', '.join(failed[:5])}"
+                f"{', ...' if len(failed) > 5 else ''}){quarantined}, {done}; see {self.manifest.url}"
+            )
         else:
             exit_code, status = 0, "completed"
             message = f"{len(summaries)} shards done: {done}"
-        return RunResult(exit_code, status, message, self.store.url(self.store.root), self.manifest.url,
-                         summaries, percentile(self.ttfts, 50))
+        return RunResult(
+            exit_code,
+            status,
+            message,
+            self.store.url(self.store.root),
+            self.manifest.url,
+            summaries,
+            percentile(self.ttfts, 50),
+        )
 
 
 class _ShardRun:
     """One attempt at one shard; `run` returns its summary or raises ShardError."""
 
-    def __init__(self, job: _JobRun, shard: Shard, engine: Engine, builder: PromptBuilder,
-                 progress: Progress, stop: StopRequest, started_at: str) -> None:
+    def __init__(
+        self,
+        job: _JobRun,
+        shard: Shard,
+        engine: Engine,
+        builder: PromptBuilder,
+        progress: Progress,
+        stop: StopRequest,
+        started_at: str,
+    ) -> None:
         self.job, self.shard, self.engine, self.builder = job, shard, engine, builder
         self.progress, self.stop, self.started_at = progress, stop, started_at
         self.config = job.config
@@ -459,19 +533,34 @@ class _ShardRun:
             raise ShardError(f"{num_rows} result rows for {self.reader.num_rows} input rows; not committed")
         metrics = metrics_row(self.shard.name, self.job.worker.rank, self.tally, wall_s, before, self.engine.stats())
         write_metrics(self.job.store.fs, attempt.metrics_tmp, metrics)
-        fingerprint = {"settings": self.job.settings, "model": self.job.model_fp,
-                       "input": input_fingerprint(self.shard)}
-        is_first = self.job.store.commit(attempt, {
-            "shard": self.shard.name, "input": self.shard.url, "num_rows": num_rows,
-            "started_at": self.started_at, "committed_at": utc_now(), "worker": self.job.worker.rank,
-            "owner": self.job.claims.owner, "model_fingerprint": self.engine.model_fingerprint,
-            "fingerprint": fingerprint, "error_counts": self.tally.error_counts, "metrics": metrics,
-        })
+        fingerprint = {
+            "settings": self.job.settings,
+            "model": self.job.model_fp,
+            "input": input_fingerprint(self.shard),
+        }
+        is_first = self.job.store.commit(
+            attempt,
+            {
+                "shard": self.shard.name,
+                "input": self.shard.url,
+                "num_rows": num_rows,
+                "started_at": self.started_at,
+                "committed_at": utc_now(),
+                "worker": self.job.worker.rank,
+                "owner": self.job.claims.owner,
+                "model_fingerprint": self.engine.model_fingerprint,
+                "fingerprint": fingerprint,
+                "error_counts": self.tally.error_counts,
+                "metrics": metrics,
+            },
+        )
         if not is_first:
-            log.warning("shard %s was committed by another worker meanwhile; this attempt is discarded",
-                        self.shard.name)
-            return ShardSummary(self.shard.name, "skipped", (self.job.store.read_marker(self.shard.name) or {})
-                                .get("metrics"))
+            log.warning(
+                "shard %s was committed by another worker meanwhile; this attempt is discarded", self.shard.name
+            )
+            return ShardSummary(
+                self.shard.name, "skipped", (self.job.store.read_marker(self.shard.name) or {}).get("metrics")
+            )
         self.job.ttfts.extend(self.tally.ttfts)
         self.job.record_ids(self.shard.name, self.seen_ids)
         return ShardSummary(self.shard.name, "committed", metrics)
@@ -486,8 +575,12 @@ class _ShardRun:
                 keep = {c: row.values[c] for c in keep_columns}
                 prompt = self._check_row(row) or self.builder.build(row)
                 if prompt.token_ids is None:
-                    self._emit(row.index, error_result(row.id, prompt.error_type or "", prompt.error_message,
-                                                       prompt.num_prompt_tokens, keep))
+                    self._emit(
+                        row.index,
+                        error_result(
+                            row.id, prompt.error_type or "", prompt.error_message, prompt.num_prompt_tokens, keep
+                        ),
+                    )
                     continue
                 self.in_flight[row.index] = (row, prompt, keep)
                 yield EngineRequest(request_id=row.index, prompt=prompt.token_ids, params=self._params_for(row))
@@ -498,16 +591,23 @@ class _ShardRun:
     def _check_row(self, row: InputRow) -> Optional[Prompt]:
         """Errors of the row itself, before any prompt is built: its text and its id."""
         if row.invalid_columns:
-            return Prompt(error_type=INVALID_TEXT, error_message=(
-                f"row {row.index} (id {row.id!r}): column(s) {', '.join(map(repr, row.invalid_columns))} hold text "
-                "that is not valid UTF-8"))
+            return Prompt(
+                error_type=INVALID_TEXT,
+                error_message=(
+                    f"row {row.index} (id {row.id!r}): column(s) {', '.join(map(repr, row.invalid_columns))} hold text "
+                    "that is not valid UTF-8"
+                ),
+            )
         if row.id is None:
-            return Prompt(error_type=NULL_ID, error_message=f"row {row.index}: column {self.config.data.id_column!r} "
-                          "is null or NaN")
+            return Prompt(
+                error_type=NULL_ID,
+                error_message=f"row {row.index}: column {self.config.data.id_column!r} is null or NaN",
+            )
         key = _id_key(row.id)
         if key in self.seen_ids:
-            return Prompt(error_type=DUPLICATE_ID,
-                          error_message=f"id {row.id!r} already appeared earlier in this shard")
+            return Prompt(
+                error_type=DUPLICATE_ID, error_message=f"id {row.id!r} already appeared earlier in this shard"
+            )
         self.seen_ids.add(key)
         return None
 

@@ -16,14 +16,16 @@ Assignment is round-robin over shards sorted by name: worker `rank` of `world_si
 rank, rank + world_size, ... It needs no file sizes (no extra listing on object stores) and every
 worker computes the same split independently; with many similar shards it balances well enough.
 """
+
 from __future__ import annotations
 
 import hashlib
 import logging
 import posixpath
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Optional
 
 import fsspec
 from fsspec.core import url_to_fs
@@ -64,8 +66,7 @@ def open_filesystem(uri: str, storage_options: Mapping[str, Any]) -> tuple[fsspe
     return url_to_fs(uri, **dict(storage_options))
 
 
-def discover_shards(fs: fsspec.AbstractFileSystem, path: str, uri: str,
-                    exclude: Optional[str] = None) -> list[Shard]:
+def discover_shards(fs: fsspec.AbstractFileSystem, path: str, uri: str, exclude: Optional[str] = None) -> list[Shard]:
     """The Parquet files at `path` in `fs` (a directory, a glob or one file), sorted by shard name.
 
     `uri` is what the user wrote, for messages; `exclude` is a path in `fs` whose files are never
@@ -102,15 +103,22 @@ def discover_shards(fs: fsspec.AbstractFileSystem, path: str, uri: str,
     if any(skipped.values()):
         log.info("data.uri: %s", ", ".join(f"skipped {n} file(s) {why}" for why, n in skipped.items() if n))
     if not files:
-        raise ConfigError("data.uri", f"no Parquet files (*.parquet) at {uri}"
-                          + (f" ({sum(skipped.values())} other files skipped)" if any(skipped.values()) else ""))
-    shards = [Shard(shard_name(p, root), p, fs.unstrip_protocol(p), infos[p].get("size"), _version(infos[p]))
-              for p in sorted(files)]
+        raise ConfigError(
+            "data.uri",
+            f"no Parquet files (*.parquet) at {uri}"
+            + (f" ({sum(skipped.values())} other files skipped)" if any(skipped.values()) else ""),
+        )
+    shards = [
+        Shard(shard_name(p, root), p, fs.unstrip_protocol(p), infos[p].get("size"), _version(infos[p]))
+        for p in sorted(files)
+    ]
     by_name: dict[str, Shard] = {}
     for shard in shards:
         if shard.name in by_name:
-            raise JobError(f"input files {by_name[shard.name].url} and {shard.url} both map to shard name "
-                           f"{shard.name!r}; rename one")
+            raise JobError(
+                f"input files {by_name[shard.name].url} and {shard.url} both map to shard name "
+                f"{shard.name!r}; rename one"
+            )
         by_name[shard.name] = shard
     return sorted(shards, key=lambda s: s.name)
 
@@ -194,4 +202,4 @@ def _worker_from_env(env: Mapping[str, str]) -> tuple[int, int, str]:
 
 def assign_shards(shards: Sequence[Shard], worker: Worker) -> list[Shard]:
     """This worker's shards: round-robin over shards sorted by name."""
-    return sorted(shards, key=lambda s: s.name)[worker.rank:: worker.world_size]
+    return sorted(shards, key=lambda s: s.name)[worker.rank :: worker.world_size]

@@ -5,6 +5,7 @@ Further signals while the stop is under way are noted and otherwise ignored: a s
 impatient user that sends SIGTERM twice must not cut the manifest and the claim releases short.
 SIGKILL remains the way to stop at once (and costs nothing that a rerun does not redo).
 """
+
 from __future__ import annotations
 
 import os
@@ -41,12 +42,15 @@ class StopRequest:
             return
         # Not logging: a handler may run inside a logging call, whose lock is not reentrant.
         try:
-            os.write(2, f"batchrun: got {signal.Signals(signum).name} again; already stopping (nothing partial "
-                        "is committed; SIGKILL stops at once)\n".encode())
+            os.write(
+                2,
+                f"batchrun: got {signal.Signals(signum).name} again; already stopping (nothing partial "
+                "is committed; SIGKILL stops at once)\n".encode(),
+            )
         except OSError:
             pass
 
-    def __enter__(self) -> "StopRequest":
+    def __enter__(self) -> StopRequest:
         # Handlers can only be set from the main thread; elsewhere (e.g. a notebook worker) the
         # process keeps its own handling and the run is simply not interruptible gracefully.
         if threading.current_thread() is threading.main_thread():

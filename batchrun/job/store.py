@@ -29,6 +29,7 @@ from the attempt the marker names. So:
 Every path is built from shard names (shards.py makes them safe) and checked to stay inside
 `output.uri`: a hostile name cannot address anything outside its own files.
 """
+
 from __future__ import annotations
 
 import json
@@ -39,8 +40,9 @@ import random
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -56,8 +58,16 @@ MARKER_PROTOCOL = 2  # markers of this layout carry "protocol": 2 and name their
 _MEMORY_LOCK = threading.Lock()  # memory:// lives in one process: a lock makes create exclusive
 
 # Errors that say something about the request, not about the store's health: never retried.
-_PERMANENT = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError,
-              ValueError, TypeError, KeyError)
+_PERMANENT = (
+    FileNotFoundError,
+    FileExistsError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+    ValueError,
+    TypeError,
+    KeyError,
+)
 
 
 def with_retries(action: Callable[[], T], what: str, attempts: int = 4, base_delay_s: float = 0.5) -> T:
@@ -71,7 +81,7 @@ def with_retries(action: Callable[[], T], what: str, attempts: int = 4, base_del
         except (OSError, TimeoutError, ConnectionError) as e:
             if attempt == attempts - 1:
                 raise
-            delay = base_delay_s * (2 ** attempt) * (0.5 + random.random())
+            delay = base_delay_s * (2**attempt) * (0.5 + random.random())
             log.warning("%s failed (%s: %s); retrying in %.1f s", what, type(e).__name__, e, delay)
             time.sleep(delay)
     raise AssertionError("unreachable")
@@ -147,8 +157,11 @@ class RunStore:
             names = with_retries(lambda: self.fs.ls(commits, detail=False), f"listing {self.url(commits)}")
         except (FileNotFoundError, NotADirectoryError):
             return set()
-        return {posixpath.basename(n)[: -len(".json")] for n in names
-                if n.endswith(".json") and is_safe_name(posixpath.basename(n)[: -len(".json")])}
+        return {
+            posixpath.basename(n)[: -len(".json")]
+            for n in names
+            if n.endswith(".json") and is_safe_name(posixpath.basename(n)[: -len(".json")])
+        }
 
     def published_shards(self) -> set[str]:
         """Names of shards with a file in results/ (one listing)."""
@@ -184,8 +197,13 @@ class RunStore:
         directory = self.path("_attempts", _checked(shard), attempt_id)
         if self._needs_dirs:
             with_retries(lambda: self.fs.makedirs(directory, exist_ok=True), f"creating {directory}")
-        return Attempt(shard, attempt_id, directory, posixpath.join(directory, "results.parquet"),
-                       posixpath.join(directory, "metrics.parquet"))
+        return Attempt(
+            shard,
+            attempt_id,
+            directory,
+            posixpath.join(directory, "results.parquet"),
+            posixpath.join(directory, "metrics.parquet"),
+        )
 
     def commit(self, attempt: Attempt, marker: Mapping[str, Any]) -> bool:
         """Create the shard's marker naming this attempt, then publish the attempt's files.
@@ -193,16 +211,23 @@ class RunStore:
         False, with this attempt's files discarded, when another attempt's marker was there first:
         that commit stands and this attempt's work is redundant.
         """
-        doc = {**marker, "protocol": MARKER_PROTOCOL, "attempt": attempt.attempt_id,
-               "attempt_dir": posixpath.relpath(attempt.directory, self.root)}
+        doc = {
+            **marker,
+            "protocol": MARKER_PROTOCOL,
+            "attempt": attempt.attempt_id,
+            "attempt_dir": posixpath.relpath(attempt.directory, self.root),
+        }
         if not self.create_json(self.marker_path(attempt.shard), doc):
             self.abandon(attempt)
             return False
         try:
             self.publish(attempt.shard, doc)
         except Exception:  # committed all the same: whoever looks next finishes the publication
-            log.warning("shard %s: committed, but publishing its files failed; the next run publishes them",
-                        attempt.shard, exc_info=True)
+            log.warning(
+                "shard %s: committed, but publishing its files failed; the next run publishes them",
+                attempt.shard,
+                exc_info=True,
+            )
         return True
 
     def publish(self, shard: str, marker: Mapping[str, Any]) -> bool:
@@ -214,8 +239,10 @@ class RunStore:
         parts = attempt_dir.split("/")
         source_dir = self.path(*parts)
         complete = True
-        for name, final in (("results.parquet", self.results_path(shard)),
-                            ("metrics.parquet", self.metrics_path(shard))):
+        for name, final in (
+            ("results.parquet", self.results_path(shard)),
+            ("metrics.parquet", self.metrics_path(shard)),
+        ):
             complete &= self._move_if_needed(posixpath.join(source_dir, name), final)
         if complete:
             self._remove_tree(source_dir)
@@ -363,8 +390,6 @@ def _is_precondition_failure(error: BaseException) -> bool:
     return "PreconditionFailed" in text or "412" in text or "ConditionalRequestConflict" in text
 
 
-
-
 def committed_files(store: RunStore, kind: str = "results") -> dict[str, str]:
     """shard -> path of its committed `kind` file ("results" or "metrics"), from the markers alone:
     what a reader should use to see exactly the committed results, also while workers are running.
@@ -385,8 +410,9 @@ def committed_files(store: RunStore, kind: str = "results") -> dict[str, str]:
     return out
 
 
-def committed_urls(uri: str, storage_options: Optional[Mapping[str, Any]] = None,
-                   kind: str = "results") -> dict[str, str]:
+def committed_urls(
+    uri: str, storage_options: Optional[Mapping[str, Any]] = None, kind: str = "results"
+) -> dict[str, str]:
     """shard -> URL of its committed results (or metrics) file in the run at `uri`: for notebooks,
     pandas and `datasets.load_dataset("parquet", data_files=list(urls.values()))`."""
     store = RunStore(uri, storage_options or {})

@@ -1,4 +1,5 @@
 """The end-of-run report: where the results are, and one line per shard plus totals."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -27,24 +28,38 @@ def format_summary(result: RunResult) -> str:
         padded = (c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
         return "  ".join(padded)
 
-    table = [line(_COLUMNS), line(tuple("-" * w for w in widths)), *map(line, rows[:-1]),
-             line(tuple("-" * w for w in widths)), line(rows[-1])]
-    return "\n".join([
-        f"results:  {result.output_url.rstrip('/')}/results/",
-        f"metrics:  {result.output_url.rstrip('/')}/metrics/",
-        f"manifest: {result.manifest_url}",
-        "",
-        *table,
-        "",
-        f"{result.status}: {result.message}",
-    ])
+    table = [
+        line(_COLUMNS),
+        line(tuple("-" * w for w in widths)),
+        *map(line, rows[:-1]),
+        line(tuple("-" * w for w in widths)),
+        line(rows[-1]),
+    ]
+    return "\n".join(
+        [
+            f"results:  {result.output_url.rstrip('/')}/results/",
+            f"metrics:  {result.output_url.rstrip('/')}/metrics/",
+            f"manifest: {result.manifest_url}",
+            "",
+            *table,
+            "",
+            f"{result.status}: {result.message}",
+        ]
+    )
 
 
 def _row(name: str, status: str, m: Optional[dict[str, Any]]) -> tuple[str, ...]:
     if not m:
         return (name, status, "-", "-", "-", "-", "-")
-    return (name, status, str(m["num_rows"]), str(m["num_ok"]), str(m["num_errors"]),
-            _num(m.get("output_tokens_per_s"), "{:.1f}"), _num(m.get("ttft_p50_s"), "{:.2f}s"))
+    return (
+        name,
+        status,
+        str(m["num_rows"]),
+        str(m["num_ok"]),
+        str(m["num_errors"]),
+        _num(m.get("output_tokens_per_s"), "{:.1f}"),
+        _num(m.get("ttft_p50_s"), "{:.2f}s"),
+    )
 
 
 def _num(value: Optional[float], fmt: str) -> str:

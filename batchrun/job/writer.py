@@ -3,9 +3,11 @@
 Rows finish in completion order; ResultWriter holds early finishers until every row before them
 is written, then writes row groups incrementally, so memory stays bounded for large shards.
 """
+
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any, Optional
 
 import fsspec
 import pyarrow as pa
@@ -31,33 +33,35 @@ RESULT_FIELDS: list[pa.Field] = [
 ]
 assert [f.name for f in RESULT_FIELDS] == RESULT_COLUMNS, "config.RESULT_COLUMNS names these fields"
 
-METRICS_SCHEMA = pa.schema([
-    pa.field("shard", pa.string()),
-    pa.field("worker", pa.int64()),  # launcher rank that processed the shard
-    pa.field("num_rows", pa.int64()),
-    pa.field("num_ok", pa.int64()),
-    pa.field("num_errors", pa.int64()),
-    pa.field("num_prompt_tokens", pa.int64()),
-    pa.field("num_output_tokens", pa.int64()),
-    pa.field("wall_s", pa.float64()),  # first read to last result, excluding the commit
-    pa.field("output_tokens_per_s", pa.float64()),
-    pa.field("total_tokens_per_s", pa.float64()),  # prompt plus output tokens
-    pa.field("ttft_p50_s", pa.float64()),
-    pa.field("ttft_p95_s", pa.float64()),
-    pa.field("ttft_p99_s", pa.float64()),
-    pa.field("itl_p50_s", pa.float64()),
-    pa.field("itl_p95_s", pa.float64()),
-    pa.field("itl_p99_s", pa.float64()),
-    pa.field("prefix_cache_hit_rate", pa.float64()),  # cached / prompt tokens of the engine's requests
-    pa.field("num_preemptions", pa.int64()),
-    pa.field("peak_kv_blocks_used", pa.int64()),
-    pa.field("num_kv_blocks_total", pa.int64()),
-    pa.field("num_spec_proposed", pa.int64()),  # speculative tokens proposed; null with speculation off
-    pa.field("num_spec_accepted", pa.int64()),
-    pa.field("spec_acceptance_rate", pa.float64()),  # accepted / proposed; null with speculation off
-    # MoE models (null for dense): per MoE layer, the tokens routed to each expert during the shard.
-    pa.field("expert_token_counts", pa.list_(pa.list_(pa.int64()))),
-])
+METRICS_SCHEMA = pa.schema(
+    [
+        pa.field("shard", pa.string()),
+        pa.field("worker", pa.int64()),  # launcher rank that processed the shard
+        pa.field("num_rows", pa.int64()),
+        pa.field("num_ok", pa.int64()),
+        pa.field("num_errors", pa.int64()),
+        pa.field("num_prompt_tokens", pa.int64()),
+        pa.field("num_output_tokens", pa.int64()),
+        pa.field("wall_s", pa.float64()),  # first read to last result, excluding the commit
+        pa.field("output_tokens_per_s", pa.float64()),
+        pa.field("total_tokens_per_s", pa.float64()),  # prompt plus output tokens
+        pa.field("ttft_p50_s", pa.float64()),
+        pa.field("ttft_p95_s", pa.float64()),
+        pa.field("ttft_p99_s", pa.float64()),
+        pa.field("itl_p50_s", pa.float64()),
+        pa.field("itl_p95_s", pa.float64()),
+        pa.field("itl_p99_s", pa.float64()),
+        pa.field("prefix_cache_hit_rate", pa.float64()),  # cached / prompt tokens of the engine's requests
+        pa.field("num_preemptions", pa.int64()),
+        pa.field("peak_kv_blocks_used", pa.int64()),
+        pa.field("num_kv_blocks_total", pa.int64()),
+        pa.field("num_spec_proposed", pa.int64()),  # speculative tokens proposed; null with speculation off
+        pa.field("num_spec_accepted", pa.int64()),
+        pa.field("spec_acceptance_rate", pa.float64()),  # accepted / proposed; null with speculation off
+        # MoE models (null for dense): per MoE layer, the tokens routed to each expert during the shard.
+        pa.field("expert_token_counts", pa.list_(pa.list_(pa.int64()))),
+    ]
+)
 
 ROWS_PER_ROW_GROUP = 1024
 
@@ -65,29 +69,50 @@ ROWS_PER_ROW_GROUP = 1024
 ENGINE_ERROR = "engine_error"
 
 
-def error_result(row_id: Any, error_type: str, message: Optional[str],
-                 num_prompt_tokens: Optional[int], keep: dict[str, Any]) -> dict[str, Any]:
+def error_result(
+    row_id: Any, error_type: str, message: Optional[str], num_prompt_tokens: Optional[int], keep: dict[str, Any]
+) -> dict[str, Any]:
     """The result row of an input row that never produced output."""
-    return {"id": row_id, "output": None, "finish_reason": "error", "error_type": error_type,
-            "error_message": message, "num_prompt_tokens": num_prompt_tokens, "num_output_tokens": None,
-            "num_cached_tokens": None, "ttft_s": None, "itl_s": None, "latency_s": None, **keep}
+    return {
+        "id": row_id,
+        "output": None,
+        "finish_reason": "error",
+        "error_type": error_type,
+        "error_message": message,
+        "num_prompt_tokens": num_prompt_tokens,
+        "num_output_tokens": None,
+        "num_cached_tokens": None,
+        "ttft_s": None,
+        "itl_s": None,
+        "latency_s": None,
+        **keep,
+    }
 
 
-def output_result(row_id: Any, out: RequestOutput, note: Optional[str],
-                  keep: dict[str, Any]) -> dict[str, Any]:
+def output_result(row_id: Any, out: RequestOutput, note: Optional[str], keep: dict[str, Any]) -> dict[str, Any]:
     """The result row of an engine output; an engine-side failure becomes a typed engine_error."""
     failed = out.finish_reason == "error"
     m = out.metrics
-    return {"id": row_id, "output": None if failed else out.text, "finish_reason": out.finish_reason,
-            "error_type": ENGINE_ERROR if failed else None,
-            "error_message": (out.error or "engine error") if failed else note,
-            "num_prompt_tokens": len(out.prompt_token_ids), "num_output_tokens": len(out.token_ids),
-            "num_cached_tokens": m.num_cached_tokens, "ttft_s": m.ttft_s, "itl_s": m.itl_s,
-            "latency_s": m.latency_s, **keep}
+    return {
+        "id": row_id,
+        "output": None if failed else out.text,
+        "finish_reason": out.finish_reason,
+        "error_type": ENGINE_ERROR if failed else None,
+        "error_message": (out.error or "engine error") if failed else note,
+        "num_prompt_tokens": len(out.prompt_token_ids),
+        "num_output_tokens": len(out.token_ids),
+        "num_cached_tokens": m.num_cached_tokens,
+        "ttft_s": m.ttft_s,
+        "itl_s": m.itl_s,
+        "latency_s": m.latency_s,
+        **keep,
+    }
 
 
-def result_schema(keep_fields: Sequence[pa.Field], id_type: pa.DataType = pa.string()) -> pa.Schema:
-    fields = [f.with_type(id_type) if f.name == "id" else f for f in RESULT_FIELDS]
+def result_schema(keep_fields: Sequence[pa.Field], id_type: Optional[pa.DataType] = None) -> pa.Schema:
+    """The results schema: the fixed columns (`id` in the input's id type; text by default), then
+    the kept input columns."""
+    fields = [f.with_type(id_type) if f.name == "id" and id_type is not None else f for f in RESULT_FIELDS]
     return pa.schema([*fields, *keep_fields])
 
 

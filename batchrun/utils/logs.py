@@ -6,6 +6,7 @@ replaced later (Jupyter's per-cell streams, pytest's capture) and the old object
 which every log line turns into a '--- Logging error ---' traceback. This handler looks
 `sys.stderr` up on each record instead, like `logging.lastResort` does.
 """
+
 from __future__ import annotations
 
 import logging

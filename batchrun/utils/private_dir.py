@@ -4,6 +4,7 @@ world-writable cache directory would let anyone who can write there run code in 
 the weights a job uses. Directories batchrun creates are 0700; an existing directory or file owned
 by another user, or writable by group or others, is refused with the path and the fix.
 """
+
 from __future__ import annotations
 
 import os
@@ -45,9 +46,11 @@ def check_private(path: Path | str, what: str, env_var: str) -> None:
         if st.st_uid not in (uid, 0):
             raise UnsafeCacheError(
                 f"{what} {path} is owned by uid {st.st_uid}, not by this user (uid {uid}); it could hold "
-                f"anyone's code or weights. Use a directory of your own ({env_var}=...) or remove it")
+                f"anyone's code or weights. Use a directory of your own ({env_var}=...) or remove it"
+            )
         if kind == "target" and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
             raise UnsafeCacheError(
                 f"{what} {path} is writable by group or others (mode {stat.filemode(st.st_mode)}); anyone who "
                 f"can write there could change what batchrun loads. Fix: chmod go-w '{path}', or use a "
-                f"directory of your own ({env_var}=...)")
+                f"directory of your own ({env_var}=...)"
+            )

@@ -8,6 +8,7 @@ BATCHRUN_TEST_HOOKS holds a JSON object:
     rank       a label for the files
 Each shard this process starts writes {dir}/started-{rank}-{shard}-{pid} at its first output.
 """
+
 import json
 import os
 

@@ -1,4 +1,5 @@
 """`python -m batchrun job=summarize`: see batchrun/cli.py."""
+
 from batchrun.cli import main
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 Lives in the package (not tests/) so notebooks, benchmarks and worker subprocesses can build the
 same models. The tokenizer is a small byte-level BPE trained on CPython's own documentation text.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,20 +26,35 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "qwen2": dict(model_type="qwen2", num_key_value_heads=2, use_sliding_window=False),
     "qwen3": dict(model_type="qwen3", num_key_value_heads=2, head_dim=24),
     "gemma3_text": dict(
-        model_type="gemma3_text", num_key_value_heads=1, head_dim=32, sliding_window=16,
-        query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        model_type="gemma3_text",
+        num_key_value_heads=1,
+        head_dim=32,
+        sliding_window=16,
+        query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
     ),
     # Mixture of experts: 4 experts, top-2. Qwen3-MoE also keeps layer 1 dense (mlp_only_layers).
     "mixtral": dict(model_type="mixtral", num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": dict(
-        model_type="qwen3_moe", num_key_value_heads=2, head_dim=24, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[1],
+        model_type="qwen3_moe",
+        num_key_value_heads=2,
+        head_dim=24,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+        mlp_only_layers=[1],
     ),
 }
 
 _BASE = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-    max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
 )
 
 
@@ -65,8 +81,11 @@ def build_tokenizer(vocab_size: int = 512):
     )
     tok.train_from_iterator(sample_texts()[:40], trainer=trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-        unk_token="<|endoftext|>", pad_token="<|endoftext|>",
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
@@ -82,8 +101,12 @@ def make_tiny_model(out_dir: str | os.PathLike, family: str = "llama", seed: int
     tokenizer = build_tokenizer()
     kw = {**_BASE, **FAMILIES[family], **overrides}
     model_type = kw.pop("model_type")
-    kw.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    kw.update(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     config = AutoConfig.for_model(model_type, **kw)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

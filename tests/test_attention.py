@@ -3,6 +3,7 @@
 Focus: the decode path that attends once to a prefix every sequence shares (cascade attention) and
 merges it with each sequence's own blocks; it must equal plain attention over the whole context.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -40,24 +41,39 @@ def _case(seq_lens, num_shared_blocks, kv_heads=2, heads=6, dim=8, seed=0):
     num_blocks = next_block + 1
     k_cache, v_cache = (new_kv_cache(num_blocks, BLOCK, kv_heads, dim, torch.float32, "cpu") for _ in range(2))
     slots = torch.arange(num_blocks * BLOCK)
-    write_kv_cache_reference(k_cache, v_cache, torch.randn(len(slots), kv_heads, dim, generator=gen),
-                             torch.randn(len(slots), kv_heads, dim, generator=gen), slots)
+    write_kv_cache_reference(
+        k_cache,
+        v_cache,
+        torch.randn(len(slots), kv_heads, dim, generator=gen),
+        torch.randn(len(slots), kv_heads, dim, generator=gen),
+        slots,
+    )
     width = max(len(t) for t in tables)
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
     q = torch.randn(num_seqs, heads, dim, generator=gen)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor([tables[i][(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for i, n in enumerate(seq_lens)]),
-        query_start_loc=list(range(num_seqs + 1)), seq_lens=list(seq_lens), block_tables=block_tables,
-        block_size=BLOCK, decode_seq_ids=torch.arange(num_seqs), decode_seq_lens=torch.tensor(seq_lens),
-        prefill_seq_ids=[])
+        slot_mapping=torch.tensor(
+            [tables[i][(n - 1) // BLOCK] * BLOCK + (n - 1) % BLOCK for i, n in enumerate(seq_lens)]
+        ),
+        query_start_loc=list(range(num_seqs + 1)),
+        seq_lens=list(seq_lens),
+        block_tables=block_tables,
+        block_size=BLOCK,
+        decode_seq_ids=torch.arange(num_seqs),
+        decode_seq_lens=torch.tensor(seq_lens),
+        prefill_seq_ids=[],
+    )
     return q, k_cache, v_cache, tables, meta
 
 
-@pytest.mark.parametrize("seq_lens", [
-    (70, 75, 83, 90),  # shared prefix plus own blocks, partial last blocks
-    (68, 68, 68),  # every context ends exactly at the shared prefix: no own blocks at all
-    (68, 71, 100),  # one sequence has no keys beyond the prefix: an all-masked row in the second part
-])
+@pytest.mark.parametrize(
+    "seq_lens",
+    [
+        (70, 75, 83, 90),  # shared prefix plus own blocks, partial last blocks
+        (68, 68, 68),  # every context ends exactly at the shared prefix: no own blocks at all
+        (68, 71, 100),  # one sequence has no keys beyond the prefix: an all-masked row in the second part
+    ],
+)
 @pytest.mark.parametrize("softcap", [None, 5.0])
 def test_decode_over_a_shared_prefix_equals_dense_attention(seq_lens, softcap):
     q, k_cache, v_cache, tables, meta = _case(seq_lens, num_shared_blocks=MIN_SHARED_TOKENS // BLOCK + 1)
@@ -95,15 +111,24 @@ def test_a_batch_with_two_prefix_groups_and_loners_equals_dense_attention():
     num_blocks = offsets[2] + k3.shape[0]
     kc, vc = (new_kv_cache(num_blocks, BLOCK, 2, 8, torch.float32, "cpu") for _ in range(2))
     for off, (kk, vv) in zip(offsets, ((k_cache, v_cache), (k2, v2), (k3, v3))):
-        kc[off:off + kk.shape[0]], vc[off:off + vv.shape[0]] = kk, vv
-    all_tables = [t for t in tables] + [[b + offsets[1] for b in t] for t in tables2] + [[b + offsets[2] for b in t] for t in tables3]
+        kc[off : off + kk.shape[0]], vc[off : off + vv.shape[0]] = kk, vv
+    all_tables = (
+        [t for t in tables]
+        + [[b + offsets[1] for b in t] for t in tables2]
+        + [[b + offsets[2] for b in t] for t in tables3]
+    )
     seq_lens = (70, 75, 90, 80, 72, 69, 40)
     width = max(len(t) for t in all_tables)
     meta = AttentionMetadata(
-        slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long), query_start_loc=list(range(len(seq_lens) + 1)),
-        seq_lens=list(seq_lens), block_tables=torch.tensor([t + [0] * (width - len(t)) for t in all_tables]),
-        block_size=BLOCK, decode_seq_ids=torch.arange(len(seq_lens)), decode_seq_lens=torch.tensor(seq_lens),
-        prefill_seq_ids=[])
+        slot_mapping=torch.zeros(len(seq_lens), dtype=torch.long),
+        query_start_loc=list(range(len(seq_lens) + 1)),
+        seq_lens=list(seq_lens),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in all_tables]),
+        block_size=BLOCK,
+        decode_seq_ids=torch.arange(len(seq_lens)),
+        decode_seq_lens=torch.tensor(seq_lens),
+        prefill_seq_ids=[],
+    )
     assert sorted(_num_shared(meta)) == [0, 17, 17]  # groups {0..3} (17 full blocks in the 70s), {4, 5}, {6}
     qs = torch.cat([q, q2, q3])
     got = paged_attention_reference(qs, kc, vc, meta, 0.3)
@@ -117,8 +142,17 @@ def test_engine_greedy_output_is_the_same_with_and_without_the_shared_prefix_pat
 
     monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")  # the torch decode path (the native kernel has no split)
 
-    engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
-                                 max_num_seqs=8, max_num_batched_tokens=512, block_size=16))
+    engine = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="float32",
+            device="cpu",
+            kv_cache_memory=16 << 20,
+            max_num_seqs=8,
+            max_num_batched_tokens=512,
+            block_size=16,
+        )
+    )
     shared = list(range(5, 5 + 150))  # ~9 full blocks every prompt starts with
     prompts = [shared + [200 + i, 300 + 7 * i, 17 + i] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -128,5 +162,5 @@ def test_engine_greedy_output_is_the_same_with_and_without_the_shared_prefix_pat
     with_shared = [o.token_ids for o in engine.generate(prompts, params)]
     assert taken  # the decode steps went through the shared-prefix path
     engine.reset_prefix_cache()
-    monkeypatch.setattr(attention_metadata, "MIN_SHARED_SEQS", 10 ** 9)
+    monkeypatch.setattr(attention_metadata, "MIN_SHARED_SEQS", 10**9)
     assert [o.token_ids for o in engine.generate(prompts, params)] == with_shared

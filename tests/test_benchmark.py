@@ -1,4 +1,5 @@
 """The benchmark job end to end on a tiny model: files and columns, never speed."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,16 +19,30 @@ from batchrun.job.runner import load_engine
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_torch_thread")]
 
-TINY_ENGINE = ["engine.dtype=float32", "engine.max_num_seqs=8", "engine.max_num_batched_tokens=512",
-               f"engine.kv_cache_memory={64 << 20}", "engine.num_threads=1"]
+TINY_ENGINE = [
+    "engine.dtype=float32",
+    "engine.max_num_seqs=8",
+    "engine.max_num_batched_tokens=512",
+    f"engine.kv_cache_memory={64 << 20}",
+    "engine.num_threads=1",
+]
 
 
 def test_benchmark_job_writes_its_table_and_plot(tmp_path, tiny_llama_dir, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(["job=benchmark", f"model.path={tiny_llama_dir}", *TINY_ENGINE, f"output.uri={tmp_path / 'out'}",
-                  "benchmark.num_prompts=3", "benchmark.max_tokens=4", "benchmark.repeats=1",
-                  "benchmark.hf_batch_size=2"])
+        cli.main(
+            [
+                "job=benchmark",
+                f"model.path={tiny_llama_dir}",
+                *TINY_ENGINE,
+                f"output.uri={tmp_path / 'out'}",
+                "benchmark.num_prompts=3",
+                "benchmark.max_tokens=4",
+                "benchmark.repeats=1",
+                "benchmark.hf_batch_size=2",
+            ]
+        )
     assert exit_info.value.code == 0
     printed = capsys.readouterr().out
     assert "out tok/s" in printed and "x hf_bf16" in printed and "matmul peak" in printed
@@ -59,17 +74,28 @@ def test_benchmark_job_writes_its_table_and_plot(tmp_path, tiny_llama_dir, capsy
 def test_shared_prefix_workload_and_the_prefix_cache_ratio(tmp_path, tiny_llama_dir):
     # A step budget of 64 tokens spreads the prefills over steps, so later prompts find the shared
     # blocks cached (prompts prefilled in the same step each compute them).
-    overrides = ["job=benchmark", f"model.path={tiny_llama_dir}", *TINY_ENGINE, f"output.uri={tmp_path}",
-                 "engine.max_num_batched_tokens=64",
-                 "benchmark.workload=shared_prefix", "benchmark.num_prompts=5", "benchmark.max_tokens=4",
-                 "benchmark.shared_prefix_tokens=120", "benchmark.repeats=2", "benchmark.systems=[batchrun,batchrun_no_prefix_cache]"]
+    overrides = [
+        "job=benchmark",
+        f"model.path={tiny_llama_dir}",
+        *TINY_ENGINE,
+        f"output.uri={tmp_path}",
+        "engine.max_num_batched_tokens=64",
+        "benchmark.workload=shared_prefix",
+        "benchmark.num_prompts=5",
+        "benchmark.max_tokens=4",
+        "benchmark.shared_prefix_tokens=120",
+        "benchmark.repeats=2",
+        "benchmark.systems=[batchrun,batchrun_no_prefix_cache]",
+    ]
     config = cli.load_config(overrides)
     engine = load_engine(config.engine)
     workload = build_workload(config, engine)
     assert len({tuple(p) for p in workload.prompts}) == 5
     assert abs(workload.notes["shared_prefix_tokens"] - 120) <= 8
-    assert all(p[:workload.notes["shared_prefix_tokens"]] == workload.prompts[0][:workload.notes["shared_prefix_tokens"]]
-               for p in workload.prompts)
+    assert all(
+        p[: workload.notes["shared_prefix_tokens"]] == workload.prompts[0][: workload.notes["shared_prefix_tokens"]]
+        for p in workload.prompts
+    )
 
     result = run_benchmark(config, engine=engine)
     rows = {r["system"]: r for r in result.rows}
@@ -91,8 +117,15 @@ def test_hf_baseline_and_batchrun_make_the_same_greedy_tokens_in_float32(tiny_en
     for ignore_eos in (False, True):
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=ignore_eos)
         ours = batchrun_generate(tiny_engine, prompts, params, PlannerConfig(), block_size=16)
-        theirs = hf_generate(hf, prompts, 12, batch_size=3, pad_token_id=tiny_engine.tokenizer.pad_token_id,
-                             eos_token_ids=eos, ignore_eos=ignore_eos)
+        theirs = hf_generate(
+            hf,
+            prompts,
+            12,
+            batch_size=3,
+            pad_token_id=tiny_engine.tokenizer.pad_token_id,
+            eos_token_ids=eos,
+            ignore_eos=ignore_eos,
+        )
         assert ours.token_ids == theirs.token_ids
         assert theirs.num_output_tokens == sum(map(len, theirs.token_ids)) and len(theirs.ttfts_s) == len(prompts)
         if ignore_eos:
@@ -118,4 +151,7 @@ def test_benchmark_yaml_lists_every_key_and_bad_values_name_the_key(capsys, tmp_
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["benchmark.repeats=2"])  # the group exists only in job=benchmark
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip() == "batchrun: config error: benchmark: not a group of this job (use job=benchmark)"
+    assert (
+        capsys.readouterr().err.strip()
+        == "batchrun: config error: benchmark: not a group of this job (use job=benchmark)"
+    )

@@ -14,6 +14,7 @@ with query and context lengths on both sides of the 16-key tiles and 32-query ch
 dtypes (bf16 within the error torch's own bf16 path makes against float32), and must refuse the
 shapes its build does not serve, which then take the torch path.
 """
+
 from __future__ import annotations
 
 import logging
@@ -60,14 +61,17 @@ SEQ_LENS = (1, 15, 16, 17, 40, 100, 257)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,dim,block", [
-    (9, 3, 64, 16),  # SmolLM2: AVX-512 path
-    (4, 4, 128, 32),  # no GQA, head_dim 128, bigger blocks
-    (16, 2, 64, 16),  # group 8
-    (6, 2, 40, 16),  # head_dim not a multiple of 16: portable path
-    (12, 1, 64, 16),  # group 12: portable path
-    (4, 2, 64, 8),  # block size not a multiple of 16: portable path
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block",
+    [
+        (9, 3, 64, 16),  # SmolLM2: AVX-512 path
+        (4, 4, 128, 32),  # no GQA, head_dim 128, bigger blocks
+        (16, 2, 64, 16),  # group 8
+        (6, 2, 40, 16),  # head_dim not a multiple of 16: portable path
+        (12, 1, 64, 16),  # group 12: portable path
+        (4, 2, 64, 8),  # block size not a multiple of 16: portable path
+    ],
+)
 @pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 7.0), (33, 7.0)])
 def test_native_decode_equals_the_torch_path(dtype, heads, kv_heads, dim, block, window, softcap):
     q, k_cache, v_cache, tables, lens = _case(heads, kv_heads, dim, block, dtype, SEQ_LENS)
@@ -81,8 +85,9 @@ def test_native_decode_equals_the_torch_path(dtype, heads, kv_heads, dim, block,
 def test_token_major_cache_and_thread_counts(one_torch_thread):
     q, k_cache, v_cache, tables, lens = _case(9, 3, 64, 16, torch.float32, SEQ_LENS, head_major=False, seed=3)
     want = _reference(q, k_cache, v_cache, tables, lens, 0.125, None, None)
-    torch.testing.assert_close(cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125), want,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        cpu_attention.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125), want, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_bad_head_counts_are_refused():
@@ -124,16 +129,27 @@ def test_engine_greedy_output_is_the_same_with_the_kernel_on_and_off(tiny_llama_
     # quantizes with torch ops and gathers the cache dequantized (float32: the same values).
     from batchrun.engine import Engine, EngineConfig, SamplingParams
 
-    engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
-                                 max_num_seqs=8, max_num_batched_tokens=64, block_size=16,
-                                 kv_cache_dtype=kv_cache_dtype))
+    engine = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="float32",
+            device="cpu",
+            kv_cache_memory=16 << 20,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            block_size=16,
+            kv_cache_dtype=kv_cache_dtype,
+        )
+    )
     prompts = [[5 + (7 * i + j) % 200 for j in range(20 + 13 * i)] for i in range(6)]
     prompts += [list(range(5, 5 + 40)) + [100 + i] * (3 + 17 * i) for i in range(3)]  # a cached 32-token start
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     calls = []
     for name in ("paged_decode_attention", "paged_prefill_attention", "write_kv_cache"):
         real = getattr(cpu_attention, name)
-        monkeypatch.setattr(cpu_attention, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+        monkeypatch.setattr(
+            cpu_attention, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k)
+        )
     on = [o.token_ids for o in engine.generate(prompts, params)]
     # Decode steps and prefills (whole prompts, chunks of 64 after a first chunk, cached prefixes)
     # went through the kernels.
@@ -168,13 +184,19 @@ def _prefill_case(heads, kv_heads, dim, block, dtype, seqs, seed=0):
     for q_len, _ in seqs:
         starts.append(starts[-1] + q_len)
     decodes = [i for i, (q_len, _) in enumerate(seqs) if q_len == 1]
-    slots = [int(tables[i, p // block]) * block + p % block for i, (q_len, n) in enumerate(seqs) for p in range(n - q_len, n)]
+    slots = [
+        int(tables[i, p // block]) * block + p % block for i, (q_len, n) in enumerate(seqs) for p in range(n - q_len, n)
+    ]
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), query_start_loc=starts,
-        seq_lens=[n for _, n in seqs], block_tables=tables, block_size=block,
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=starts,
+        seq_lens=[n for _, n in seqs],
+        block_tables=tables,
+        block_size=block,
         decode_seq_ids=torch.tensor(decodes, dtype=torch.long),
         decode_seq_lens=torch.tensor([seqs[i][1] for i in decodes], dtype=torch.long),
-        prefill_seq_ids=[i for i, (q_len, _) in enumerate(seqs) if q_len > 1])
+        prefill_seq_ids=[i for i, (q_len, _) in enumerate(seqs) if q_len > 1],
+    )
     q = torch.randn(starts[-1], heads, dim, generator=gen).to(dtype)
     return q, k_cache, v_cache, meta
 
@@ -185,19 +207,22 @@ PREFILL_SEQS = [(37, 37), (2, 2), (16, 16), (33, 33), (70, 70), (5, 40), (64, 10
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,dim,block", [
-    (9, 3, 64, 16),  # SmolLM2
-    (4, 4, 128, 32),  # no GQA, head_dim 128, bigger blocks
-    (16, 2, 64, 48),  # group 8, blocks of three tiles
-    (4, 1, 64, 16),  # one KV head for all
-    (4, 2, 16, 16),  # the smallest head_dim served
-])
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block",
+    [
+        (9, 3, 64, 16),  # SmolLM2
+        (4, 4, 128, 32),  # no GQA, head_dim 128, bigger blocks
+        (16, 2, 64, 48),  # group 8, blocks of three tiles
+        (4, 1, 64, 16),  # one KV head for all
+        (4, 2, 16, 16),  # the smallest head_dim served
+    ],
+)
 @pytest.mark.parametrize("window,softcap", [(None, None), (20, None), (None, 7.0), (33, 7.0)])
 def test_native_prefill_equals_the_torch_path(dtype, heads, kv_heads, dim, block, window, softcap):
     q, k_cache, v_cache, meta = _prefill_case(heads, kv_heads, dim, block, dtype, PREFILL_SEQS)
     _skip_without_the_prefill_kernel(dtype, int8=False)
     assert cpu_attention.supports_prefill(q, k_cache)
-    scale = dim ** -0.5
+    scale = dim**-0.5
     got = paged_attention_cpu(q, k_cache, v_cache, meta, scale, window, softcap)
     # The torch path in float32 on the same (bf16-valued) inputs is the truth for both dtypes.
     want = paged_attention_reference(q.float(), k_cache.float(), v_cache.float(), meta, scale, window, softcap)
@@ -245,8 +270,9 @@ def _int8_case(heads, kv_heads, dim, block, dtype, seqs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,dim,block", [(9, 3, 64, 16), (4, 4, 128, 32), (16, 2, 64, 48), (4, 2, 32, 16),
-                                                      (4, 2, 16, 16)])  # head_dim 16: widened, then gathered
+@pytest.mark.parametrize(
+    "heads,kv_heads,dim,block", [(9, 3, 64, 16), (4, 4, 128, 32), (16, 2, 64, 48), (4, 2, 32, 16), (4, 2, 16, 16)]
+)  # head_dim 16: widened, then gathered
 @pytest.mark.parametrize("window,softcap", [(None, None), (33, 7.0)])
 def test_native_attention_over_an_int8_cache(dtype, heads, kv_heads, dim, block, window, softcap):
     # Prefills, cached-start prefills and decodes in one batch, read straight from the int8 cache
@@ -255,13 +281,14 @@ def test_native_attention_over_an_int8_cache(dtype, heads, kv_heads, dim, block,
     q, (k_cache, v_cache), (k_exact, v_exact), meta = _int8_case(heads, kv_heads, dim, block, dtype, PREFILL_SEQS)
     _skip_without_the_prefill_kernel(dtype, int8=True)
     assert cpu_attention.supports(q, k_cache) and cpu_attention.supports_prefill(q, k_cache)
-    scale = dim ** -0.5
+    scale = dim**-0.5
     got = paged_attention_cpu(q, k_cache, v_cache, meta, scale, window, softcap)
     want = paged_attention_reference(q.float(), k_exact, v_exact, meta, scale, window, softcap)
     if dtype == torch.float32:  # dequantized exactly as the torch path does: float32 rounding apart
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
-        torch.testing.assert_close(got, paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap),
-                                   rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(
+            got, paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap), rtol=2e-5, atol=2e-5
+        )
         return
     torch_err = (paged_attention_reference(q, k_cache, v_cache, meta, scale, window, softcap).float() - want).abs()
     err = (got.float() - want).abs()
@@ -276,7 +303,9 @@ def test_prefill_shapes_the_build_does_not_serve_take_the_torch_path(dim, block,
     q, k_cache, v_cache, meta = _prefill_case(4, 2, dim, block, torch.float32, [(20, 20), (7, 30)])
     assert not cpu_attention.supports_prefill(q, k_cache)
     with pytest.raises(ValueError, match="does not serve head_dim"):
-        cpu_attention.paged_prefill_attention(q, k_cache, v_cache, *meta.prefill_native_inputs(), torch.empty_like(q), 0.2)
+        cpu_attention.paged_prefill_attention(
+            q, k_cache, v_cache, *meta.prefill_native_inputs(), torch.empty_like(q), 0.2
+        )
     calls = []
     monkeypatch.setattr(cpu_attention, "paged_prefill_attention", lambda *a, **k: calls.append(1))
     got = paged_attention_cpu(q, k_cache, v_cache, meta, 0.2)
@@ -305,10 +334,14 @@ def test_native_cache_write_equals_index_copy(dtype, head_major, monkeypatch):
     torch.manual_seed(1)
     num_blocks, block, heads, dim, tokens = 9, 16, 3, 64, 37
     shape = (num_blocks, block, heads, dim)
-    make = (lambda: new_kv_cache(*shape, dtype=dtype, device="cpu")) if head_major else (lambda: torch.zeros(shape, dtype=dtype))
+    make = (
+        (lambda: new_kv_cache(*shape, dtype=dtype, device="cpu"))
+        if head_major
+        else (lambda: torch.zeros(shape, dtype=dtype))
+    )
     qkv = torch.randn(tokens, (4 + 2) * heads * dim).to(dtype)  # k and v as strided views, as the decoder has them
-    k = qkv[:, 4 * heads * dim: 5 * heads * dim].view(tokens, heads, dim)
-    v = qkv[:, 5 * heads * dim:].view(tokens, heads, dim)
+    k = qkv[:, 4 * heads * dim : 5 * heads * dim].view(tokens, heads, dim)
+    v = qkv[:, 5 * heads * dim :].view(tokens, heads, dim)
     slots = torch.randperm(num_blocks * block)[:tokens]
     want_k, want_v, got_k, got_v = make(), make(), make(), make()
     write_kv_cache_reference(want_k, want_v, k, v, slots)
@@ -337,8 +370,8 @@ def test_native_int8_cache_write_is_bitwise_quantize_kv(dtype, monkeypatch):
     qkv[4] = 0.0
     qkv[9, 4 * 192 + 5] = float("nan")  # torch's row: a NaN scale and zeros (its NaN -> int8 cast)
     qkv[10, 5 * 192 + 70] = float("inf")
-    k = qkv[:, 4 * 192: 5 * 192].view(tokens, 3, 64)
-    v = qkv[:, 5 * 192:].view(tokens, 3, 64)
+    k = qkv[:, 4 * 192 : 5 * 192].view(tokens, 3, 64)
+    v = qkv[:, 5 * 192 :].view(tokens, 3, 64)
     slots = torch.randperm(9 * 16)[:tokens]
     slots[7] = -1  # skipped
     make = lambda: QuantizedKVCache.empty(shape, torch.int8, dtype, "cpu")  # noqa: E731
@@ -360,5 +393,6 @@ def test_cache_write_refuses_what_it_does_not_serve():
     cache = new_kv_cache(4, 16, 2, 32, dtype=torch.bfloat16, device="cpu")
     k = torch.randn(3, 2, 32)  # float32 rows for a bf16 cache: the torch path casts
     assert not cpu_attention.write_kv_cache(cache, cache.clone(), k, k, torch.arange(3))
-    assert not cpu_attention.write_kv_cache(cache, cache.clone(), k.to(torch.bfloat16), k.to(torch.bfloat16),
-                                            torch.arange(3, dtype=torch.int32))
+    assert not cpu_attention.write_kv_cache(
+        cache, cache.clone(), k.to(torch.bfloat16), k.to(torch.bfloat16), torch.arange(3, dtype=torch.int32)
+    )

@@ -8,6 +8,7 @@ AVX-512 bodies and their scalar tails, strided views (q and k heads inside the f
 the special values silu meets, both thread counts, and the engine: greedy tokens of a bf16 model
 are the same with the kernels on and off, and float32 never takes the native path.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -27,7 +28,7 @@ def _assert_within_one_rounding(got: torch.Tensor, want: torch.Tensor, max_fract
     g, w = got.float(), want.float()
     differ = g != w
     assert differ.float().mean().item() <= max_fraction, f"{differ.sum().item()} of {got.numel()} differ"
-    step = w.abs() * 2.0 ** -7 + 1e-30  # one bf16 ulp is 2^-7 of the value at most
+    step = w.abs() * 2.0**-7 + 1e-30  # one bf16 ulp is 2^-7 of the value at most
     assert bool(((g - w).abs() <= step)[differ].all()), "a difference larger than one bf16 rounding"
 
 
@@ -92,8 +93,8 @@ def test_rotary_is_bitwise_torch_on_qkv_views(head_dim, threads):
     tokens, heads, kv_heads = 37, 6, 2
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * head_dim) * 3).to(BF16)
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
-    k = qkv[:, heads * head_dim: (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
     angles = torch.rand(tokens, head_dim // 2) * 50
     cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(BF16)
     sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(BF16)
@@ -101,7 +102,7 @@ def test_rotary_is_bitwise_torch_on_qkv_views(head_dim, threads):
     got_q, got_k = ew.apply_rotary(q, cos, sin), ew.apply_rotary(k, cos, sin)
     assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # rotated in place
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
-    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)  # v untouched
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
 
 
 @pytest.mark.parametrize("rows,n", [(1, 1536), (64, 1536), (5, 40), (3, 7)])
@@ -113,8 +114,26 @@ def test_silu_mul_matches_torch(rows, n, threads, native_calls):
 
 
 def test_silu_mul_special_values_match_torch(native_calls):
-    gate = torch.tensor([-1e4, -100.0, -89.0, -88.7, -88.0, -20.0, -1e-30, -0.0, 0.0, 1e-30, 3.0, 88.0, 1e4,
-                         float("inf"), float("-inf"), float("nan")]).to(BF16)
+    gate = torch.tensor(
+        [
+            -1e4,
+            -100.0,
+            -89.0,
+            -88.7,
+            -88.0,
+            -20.0,
+            -1e-30,
+            -0.0,
+            0.0,
+            1e-30,
+            3.0,
+            88.0,
+            1e4,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+        ]
+    ).to(BF16)
     up = torch.tensor([1.0, -2.0, 3.0, 0.5] * 4).to(BF16)
     gate_up = torch.cat([gate, up])[None].repeat(3, 1)
     got, want = ew.act_mul(gate_up, "silu"), ew.act_mul_reference(gate_up, "silu")
@@ -136,7 +155,9 @@ def test_float32_and_the_switch_take_the_torch_path(monkeypatch):
     monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
     ew.rms_norm(x.to(BF16), w.to(BF16), 1e-6)
     qkv = torch.randn(4, 3, 64).to(BF16)
-    assert ew.apply_rotary(qkv, torch.ones(4, 64, dtype=BF16), torch.zeros(4, 64, dtype=BF16)).data_ptr() != qkv.data_ptr()
+    assert (
+        ew.apply_rotary(qkv, torch.ones(4, 64, dtype=BF16), torch.zeros(4, 64, dtype=BF16)).data_ptr() != qkv.data_ptr()
+    )
     assert not calls
 
 
@@ -147,8 +168,17 @@ def test_engine_greedy_output_is_the_same_with_the_kernels_on_and_off(tiny_llama
     # The silu pass as its own kernel: without this the gate/up projections fuse it
     # (NativeSiluMulLinear, tests/test_cpu_linear.py).
     monkeypatch.setattr(prepare, "pack_silu_mul", lambda linear: None)
-    engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="bfloat16", device="cpu", kv_cache_memory=16 << 20,
-                                 max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
+    engine = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="bfloat16",
+            device="cpu",
+            kv_cache_memory=16 << 20,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            block_size=16,
+        )
+    )
     prompts = [[5 + (7 * i + j) % 200 for j in range(20 + 13 * i)] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     calls = []
@@ -169,8 +199,10 @@ def test_engine_greedy_output_is_the_same_with_the_kernels_on_and_off(tiny_llama
 # oneDNN-packed bf16 linears (model/linear.py: PackedLinear; the native ones: tests/test_cpu_linear.py)
 
 
-@pytest.mark.skipif(not __import__("batchrun.kernels.cpu_linear", fromlist=["x"]).packing_available(),
-                    reason="this torch build has no oneDNN linear packing")
+@pytest.mark.skipif(
+    not __import__("batchrun.kernels.cpu_linear", fromlist=["x"]).packing_available(),
+    reason="this torch build has no oneDNN linear packing",
+)
 @pytest.mark.parametrize("rows", [1, 5, 32, 300])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_is_bitwise_f_linear(rows, bias):
@@ -187,8 +219,10 @@ def test_packed_linear_is_bitwise_f_linear(rows, bias):
     assert pack_linear(torch.nn.Linear(96, 200)) is None  # float32 stays on F.linear
 
 
-@pytest.mark.skipif(not __import__("batchrun.kernels.cpu_linear", fromlist=["x"]).packing_available(),
-                    reason="this torch build has no oneDNN linear packing")
+@pytest.mark.skipif(
+    not __import__("batchrun.kernels.cpu_linear", fromlist=["x"]).packing_available(),
+    reason="this torch build has no oneDNN linear packing",
+)
 def test_engine_packs_bf16_linears_and_the_tokens_stay(tiny_llama_dir, monkeypatch):
     from batchrun.engine import Engine, EngineConfig, SamplingParams
     from batchrun.kernels import cpu_linear
@@ -198,8 +232,17 @@ def test_engine_packs_bf16_linears_and_the_tokens_stay(tiny_llama_dir, monkeypat
     monkeypatch.setattr(cpu_linear, "native_supported", lambda *shape: False)
 
     def run(dtype):
-        engine = Engine(EngineConfig(model=tiny_llama_dir, dtype=dtype, device="cpu", kv_cache_memory=16 << 20,
-                                     max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
+        engine = Engine(
+            EngineConfig(
+                model=tiny_llama_dir,
+                dtype=dtype,
+                device="cpu",
+                kv_cache_memory=16 << 20,
+                max_num_seqs=8,
+                max_num_batched_tokens=64,
+                block_size=16,
+            )
+        )
         prompts = [[5 + (3 * i + j) % 150 for j in range(10 + 9 * i)] for i in range(5)]
         return engine, [o.token_ids for o in engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))]
 
@@ -227,8 +270,10 @@ def test_engine_packs_bf16_linears_and_the_tokens_stay(tiny_llama_dir, monkeypat
     assert fp32_engine.settings["packed_linears"] == 0
 
 
-@pytest.mark.skipif(not __import__("batchrun.kernels.cpu_linear", fromlist=["x"]).packing_available(),
-                    reason="this torch build has no oneDNN linear packing")
+@pytest.mark.skipif(
+    not __import__("batchrun.kernels.cpu_linear", fromlist=["x"]).packing_available(),
+    reason="this torch build has no oneDNN linear packing",
+)
 def test_a_tied_lm_head_is_not_packed_for_onednn(monkeypatch):
     # Packing it would hold a second copy of the vocabulary matrix beside the embedding's (a native
     # kernel's tied head is packed: tests/test_cpu_linear.py).
@@ -240,8 +285,15 @@ def test_a_tied_lm_head_is_not_packed_for_onednn(monkeypatch):
     from batchrun.model.decoder import DecoderLM
     from batchrun.model.prepare import prepare_linears
 
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     model = DecoderLM(config).to(BF16)
     assert prepare_linears(model, "none", "cpu", BF16).num_packed == 4 * 2
     assert model.lm_head.weight is model.embed_tokens.weight

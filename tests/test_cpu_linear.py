@@ -6,6 +6,7 @@ of the bf16 inputs, and within one step of F.linear (whose float32 sums run in a
 Row counts cover the micro kernel's every tail (1-12 rows), several row blocks, and the split of
 rows across threads (more than 96 rows); thread counts 1-3 split the weight tiles unevenly.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,9 @@ from batchrun.model.prepare import prepare_linears
 
 BF16 = torch.bfloat16
 
-pytestmark = pytest.mark.skipif(not cpu_linear.native_supported(32, 64),
-                                reason="native kernels not built here, or built without AVX512-BF16")
+pytestmark = pytest.mark.skipif(
+    not cpu_linear.native_supported(32, 64), reason="native kernels not built here, or built without AVX512-BF16"
+)
 
 
 def _linear(in_features: int, out_features: int, bias: bool, seed: int = 0) -> torch.nn.Linear:
@@ -32,17 +34,18 @@ def _linear(in_features: int, out_features: int, bias: bool, seed: int = 0) -> t
 
 
 def _assert_one_rounding_of_exact(got: torch.Tensor, x: torch.Tensor, linear: torch.nn.Linear) -> None:
-    exact = torch.nn.functional.linear(x.double(), linear.weight.double(),
-                                       None if linear.bias is None else linear.bias.double())
+    exact = torch.nn.functional.linear(
+        x.double(), linear.weight.double(), None if linear.bias is None else linear.bias.double()
+    )
     err = (got.double() - exact).abs()
     # Half a bf16 step (2^-8 of the value at most), plus float32 summation error over K terms.
-    bound = exact.abs() * 2.0 ** -8 + 1e-6 * (x.double().abs() @ linear.weight.double().abs().t())
+    bound = exact.abs() * 2.0**-8 + 1e-6 * (x.double().abs() @ linear.weight.double().abs().t())
     assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"
 
 
 def _assert_within_one_step_of(got: torch.Tensor, want: torch.Tensor) -> None:
     g, w = got.float(), want.float()
-    assert bool(((g - w).abs() <= w.abs() * 2.0 ** -7 + 1e-30).all())
+    assert bool(((g - w).abs() <= w.abs() * 2.0**-7 + 1e-30).all())
     assert (g != w).float().mean().item() < 0.01
 
 
@@ -132,8 +135,15 @@ def test_a_tied_lm_head_is_packed_once_and_the_embedding_reads_it():
     from batchrun.model.decoder import DecoderLM
     from batchrun.model.prepare import module_weight_bytes
 
-    config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = DecoderLM(config).to(BF16)
     table = model.embed_tokens.weight.detach().clone()
@@ -174,8 +184,17 @@ def _unpack_to_plain_linears(model) -> None:
 def test_engine_runs_its_bf16_linears_natively_and_the_tokens_match_plain_linears(tiny_llama_dir):
     from batchrun.engine import Engine, EngineConfig, SamplingParams
 
-    engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="bfloat16", device="cpu", kv_cache_memory=16 << 20,
-                                 max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
+    engine = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="bfloat16",
+            device="cpu",
+            kv_cache_memory=16 << 20,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            block_size=16,
+        )
+    )
     num_layers = engine.model.spec.num_layers
     assert engine.settings["native_linears"] == engine.settings["packed_linears"] == 4 * num_layers + 1
     prompts = [[5 + (3 * i + j) % 150 for j in range(10 + 9 * i)] for i in range(5)]
@@ -187,8 +206,17 @@ def test_engine_runs_its_bf16_linears_natively_and_the_tokens_match_plain_linear
     _unpack_to_plain_linears(engine.model)
     engine.reset_prefix_cache()
     assert [o.token_ids for o in engine.generate(prompts, params)] == tokens
-    fp32 = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
-                               max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
+    fp32 = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="float32",
+            device="cpu",
+            kv_cache_memory=16 << 20,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            block_size=16,
+        )
+    )
     assert fp32.settings["native_linears"] == 0
 
 
@@ -251,15 +279,26 @@ def test_fused_silu_mul_only_where_it_serves():
 
     from batchrun.model.decoder import DecoderLM
 
-    for hidden_act, intermediate, fused in (("silu", 128, True), ("gelu_pytorch_tanh", 128, False), ("silu", 80, False)):
-        config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=intermediate, num_hidden_layers=1,
-                             num_attention_heads=4, num_key_value_heads=2, hidden_act=hidden_act)
+    for hidden_act, intermediate, fused in (
+        ("silu", 128, True),
+        ("gelu_pytorch_tanh", 128, False),
+        ("silu", 80, False),
+    ):
+        config = LlamaConfig(
+            vocab_size=320,
+            hidden_size=64,
+            intermediate_size=intermediate,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            hidden_act=hidden_act,
+        )
         torch.manual_seed(0)
         model = DecoderLM(config).to(BF16)
         x = torch.randn(3, 64).to(BF16)
         with torch.inference_mode():
             want = model.layers[0].mlp(x)
-            prepare_linears(model, "none", "cpu", BF16).num_packed
+            prepare_linears(model, "none", "cpu", BF16)
             mlp = model.layers[0].mlp
             assert mlp.fused_act == fused and isinstance(mlp.gate_up_proj, NativeSiluMulLinear) == fused
             _assert_within_one_step_of(mlp(x), want)
@@ -270,14 +309,15 @@ def test_fused_silu_mul_only_where_it_serves():
 
 needs_native_w8a8 = pytest.mark.skipif(
     not __import__("batchrun.kernels.quant", fromlist=["x"]).w8a8_native_supported(32, 64, 8),
-    reason="native kernels not built here, or built without AVX512-VNNI")
+    reason="native kernels not built here, or built without AVX512-VNNI",
+)
 
 
 def _w8a8_layer(n: int, k: int, num_float: int, bias: bool, native: bool, seed: int = 0):
     from batchrun.model import quant as mq
 
     g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(BF16)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(BF16)
     b = (torch.randn(n, generator=g) * 0.5).to(BF16) if bias else None
     outliers = None
     if num_float:
@@ -315,13 +355,14 @@ def test_native_w8a8_is_one_rounding_of_its_exact_value(rows, bias):
     assert layer.is_native and layer.format_key == "w8a8/float8"
     x = _activations(rows, 96, seed=rows)
     xq, sx, xo = qk.quantize_with_outliers(x, outliers)
-    exact = ((xq.double() @ qw.qweight.double().t()) * qw.scales.double().t() * sx.double()
-             + xo.double() @ outliers.weight_t.double())
+    exact = (
+        xq.double() @ qw.qweight.double().t()
+    ) * qw.scales.double().t() * sx.double() + xo.double() @ outliers.weight_t.double()
     if b is not None:
         exact = exact + b.double()
     with torch.inference_mode():
         got = layer(x)
-    bound = exact.abs() * 2.0 ** -8 + 1e-5 * exact.abs().amax()  # half a bf16 step, plus float32 sums
+    bound = exact.abs() * 2.0**-8 + 1e-5 * exact.abs().amax()  # half a bf16 step, plus float32 sums
     assert bool(((got.double() - exact).abs() <= bound).all())
     # The torch path rounds before adding the float channels (and the bias): never closer.
     ref = qk.w8a8_matmul(x, qw.qweight, qw.scales, b, outliers)
@@ -348,9 +389,14 @@ def test_native_w8a8_quantizes_its_input_as_the_standalone_pass_does():
         self_quantized = layer(x)
         assert torch.equal(self_quantized, layer(x.contiguous()))
     with torch.inference_mode():
-        pre_quantized = qk.w8a8_matmul_native(x, layer.packed_qweight, layer._scales_f32, layer._bias_f32,
-                                              qk.OutlierChannels(odd_index, outliers.skip, layer.outliers.weight_t),
-                                              layer.packed_outlier_weight)
+        pre_quantized = qk.w8a8_matmul_native(
+            x,
+            layer.packed_qweight,
+            layer._scales_f32,
+            layer._bias_f32,
+            qk.OutlierChannels(odd_index, outliers.skip, layer.outliers.weight_t),
+            layer.packed_outlier_weight,
+        )
     assert torch.equal(self_quantized, pre_quantized)
 
 
@@ -384,9 +430,19 @@ def test_a_bf16_w8a8_engine_runs_natively(tiny_llama_dir):
     from batchrun.engine import Engine, EngineConfig, SamplingParams
     from batchrun.model.quant import W8A8Linear
 
-    engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="bfloat16", device="cpu", quantization="w8a8",
-                                 w8a8_outlier_channels=8, kv_cache_memory=16 << 20, max_num_seqs=8,
-                                 max_num_batched_tokens=64, block_size=16))
+    engine = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="bfloat16",
+            device="cpu",
+            quantization="w8a8",
+            w8a8_outlier_channels=8,
+            kv_cache_memory=16 << 20,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            block_size=16,
+        )
+    )
     layers = [m for m in engine.model.modules() if isinstance(m, W8A8Linear)]
     assert len(layers) == 4 * engine.model.spec.num_layers and all(m.is_native for m in layers)
     prompts = [[5 + (3 * i + j) % 150 for j in range(10 + 9 * i)] for i in range(3)]
@@ -469,8 +525,15 @@ def test_the_tied_embedding_refuses_negative_ids_and_packing_twice_is_harmless()
 
     from batchrun.model.decoder import DecoderLM
 
-    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     model = DecoderLM(config).to(BF16)
     assert prepare_linears(model, "none", "cpu", BF16).num_packed == 4 + 1
     assert prepare_linears(model, "none", "cpu", BF16).num_packed == 0  # nothing left to pack

@@ -1,5 +1,6 @@
 """The native W8A8 helpers (csrc/quant.cpp): per-token int8 quantization and the int32 -> float
 epilogue must be bitwise equal to the plain-torch code they replace (kernels/quant.py)."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,7 +26,7 @@ def _torch_path(monkeypatch, fn, *args):
 def test_per_token_quantization_is_bitwise_equal_to_torch(monkeypatch, dtype, m, k):
     gen = torch.Generator().manual_seed(m * k)
     wide = (torch.randn(m, k + 9, generator=gen) * torch.logspace(-3, 2, m)[:, None]).to(dtype)
-    x = wide[:, 3:3 + k]  # rows further apart than their length
+    x = wide[:, 3 : 3 + k]  # rows further apart than their length
     x[0, :5] = 0
     if m > 2:
         x[2] = 0  # an all-zero row: the minimum scale
@@ -100,7 +101,7 @@ def test_w8a8_matmul_with_float_channels_is_bitwise_equal_to_torch(monkeypatch, 
 def test_quantization_with_float_channels_gathers_them_in_the_same_pass(monkeypatch, dtype, m, k, num_float):
     gen = torch.Generator().manual_seed(k + num_float)
     wide = (torch.randn(m, k + 5, generator=gen) * 3).to(dtype)
-    x = wide[:, 2:2 + k]  # rows further apart than their length
+    x = wide[:, 2 : 2 + k]  # rows further apart than their length
     index = torch.randperm(k, generator=gen)[:num_float].sort().values
     skip = torch.zeros(k, dtype=torch.bool)
     skip[index] = True

@@ -5,6 +5,7 @@ buffers), so everything but the capture itself runs: packing rows on the host, t
 unpacking into static inputs, padding to a bucket by repeating the last row, slicing the outputs,
 and the fallback to eager steps when a capture fails. The real capture is checked on a GPU (`-m gpu`).
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +14,7 @@ import torch
 
 from batchrun.engine import Engine, EngineConfig, SamplingParams
 from batchrun.engine.config import SamplingParams as Params
-from batchrun.engine.cuda_graphs import (DecodeGraphs, EagerReplay, bucket_sizes, pack_decode_inputs, pick_bucket)
+from batchrun.engine.cuda_graphs import DecodeGraphs, EagerReplay, bucket_sizes, pack_decode_inputs, pick_bucket
 from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner
 from batchrun.engine.scheduler import ScheduledBatch
@@ -69,17 +70,33 @@ def test_packed_rows_match_what_the_runner_prepares(block_size):
 @pytest.fixture(scope="module")
 def tiny_engine_factory(tiny_llama_dir):
     def make() -> Engine:
-        return Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
-                                   max_num_seqs=16, max_num_batched_tokens=256))
+        return Engine(
+            EngineConfig(
+                model=tiny_llama_dir,
+                dtype="float32",
+                device="cpu",
+                kv_cache_memory=16 << 20,
+                max_num_seqs=16,
+                max_num_batched_tokens=256,
+            )
+        )
+
     return make
 
 
 def _attach_graphs(engine: Engine, capture=None, max_batch: int = 16) -> DecodeGraphs:
     runner = engine.runner
     max_blocks = -(-engine.max_model_len // runner.block_size)
-    runner.graphs = DecodeGraphs(runner.model, runner.kv_caches, runner.block_size, max_blocks, engine.device,
-                                 engine.dtype, max_batch=max_batch,
-                                 capture=capture or (lambda step, pool: EagerReplay(step, pool)))
+    runner.graphs = DecodeGraphs(
+        runner.model,
+        runner.kv_caches,
+        runner.block_size,
+        max_blocks,
+        engine.device,
+        engine.dtype,
+        max_batch=max_batch,
+        capture=capture or (lambda step, pool: EagerReplay(step, pool)),
+    )
     return runner.graphs
 
 
@@ -139,8 +156,14 @@ def test_batches_the_graphs_cannot_take_run_eagerly(tiny_engine_factory):
 def test_cuda_graphs_keep_greedy_output_on_gpu(tiny_llama_dir, monkeypatch):
     prompts = _prompts()
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (12, 3, 8, 20, 5, 1, 9)]
-    cfg = dict(model=tiny_llama_dir, dtype="float32", device="cuda", kv_cache_memory=64 << 20,
-               max_num_seqs=16, max_num_batched_tokens=256)
+    cfg = dict(
+        model=tiny_llama_dir,
+        dtype="float32",
+        device="cuda",
+        kv_cache_memory=64 << 20,
+        max_num_seqs=16,
+        max_num_batched_tokens=256,
+    )
     monkeypatch.setenv("BATCHRUN_CUDA_GRAPHS", "0")
     eager = Engine(EngineConfig(**cfg))
     assert eager.runner.graphs is None

@@ -1,4 +1,5 @@
 """bf16 (what dtype=auto picks on CPUs with native bf16) against float32 on real text."""
+
 from __future__ import annotations
 
 import pytest

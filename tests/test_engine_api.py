@@ -1,4 +1,5 @@
 """Engine behaviour through its public API on a tiny model: streaming, errors, stops, seeds."""
+
 from __future__ import annotations
 
 import itertools
@@ -11,8 +12,9 @@ from batchrun.testing import sample_texts
 
 @pytest.fixture(scope="module")
 def engine(tiny_llama_dir):
-    return Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", max_num_seqs=4, max_model_len=256,
-                               kv_cache_memory=1 << 24))
+    return Engine(
+        EngineConfig(model=tiny_llama_dir, dtype="float32", max_num_seqs=4, max_model_len=256, kv_cache_memory=1 << 24)
+    )
 
 
 def test_generate_accepts_text_and_token_ids_in_input_order(engine):
@@ -68,7 +70,9 @@ def test_stop_strings_are_cut_from_the_text(engine):
     base = engine.generate(["The following"], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
     assert len(base.text) > 6
     stop = base.text[3:6]
-    out = engine.generate(["The following"], SamplingParams(temperature=0.0, max_tokens=20, stop=[stop], ignore_eos=True))[0]
+    out = engine.generate(
+        ["The following"], SamplingParams(temperature=0.0, max_tokens=20, stop=[stop], ignore_eos=True)
+    )[0]
     assert out.finish_reason == "stop"
     assert out.text == base.text[: base.text.find(stop)]
     assert stop not in out.text
@@ -78,10 +82,13 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):
     p = SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
     alone = engine.generate(["Once upon a time"], p)[0].token_ids
     others = [SamplingParams(temperature=0.8, max_tokens=7) for _ in range(3)]
-    mixed = engine.generate(["noise one", "Once upon a time", "noise two", "noise three"],
-                            [others[0], p, others[1], others[2]])
+    mixed = engine.generate(
+        ["noise one", "Once upon a time", "noise two", "noise three"], [others[0], p, others[1], others[2]]
+    )
     assert mixed[1].token_ids == alone
-    different = engine.generate(["Once upon a time"], SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True))[0]
+    different = engine.generate(
+        ["Once upon a time"], SamplingParams(temperature=1.0, seed=99, max_tokens=12, ignore_eos=True)
+    )[0]
     assert different.token_ids != alone
 
 

@@ -4,6 +4,7 @@ One batched engine call per configuration, prompts of different lengths, some lo
 sliding windows of the tiny Mistral/Gemma 3 models, two sharing a long prefix. The reference is HF
 `generate` run one prompt at a time (no padding), in float32.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -32,7 +33,7 @@ def _hf_greedy(model_dir: str, prompts: list[str], max_new_tokens: int = MAX_TOK
     for p in prompts:
         ids = tok(p, return_tensors="pt").input_ids
         gen = hf.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-        out.append(gen[0, ids.shape[1]:].tolist())
+        out.append(gen[0, ids.shape[1] :].tolist())
     return out
 
 
@@ -77,8 +78,12 @@ def test_greedy_matches_hf(family, setting, tiny_model_factory, references):
     model_dir = tiny_model_factory(family)
     kwargs = dict(CONFIGS.get(setting, {}))
     if setting == "tiny_kv":
-        kwargs.update(block_size=16, max_num_batched_tokens=64, max_num_seqs=16,
-                      kv_cache_memory=_kv_bytes_for_blocks(model_dir, 30, 16))
+        kwargs.update(
+            block_size=16,
+            max_num_batched_tokens=64,
+            max_num_seqs=16,
+            kv_cache_memory=_kv_bytes_for_blocks(model_dir, 30, 16),
+        )
     engine = Engine(EngineConfig(model=model_dir, dtype="float32", **kwargs))
     outs = engine.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
     expected = references(family)
@@ -104,16 +109,30 @@ def test_greedy_matches_hf(family, setting, tiny_model_factory, references):
 @pytest.mark.slow
 def test_smollm2_greedy_matches_hf(smollm2_cache_dir):
     """The real embedded model, on chat-formatted prompts, against HF transformers' own GGUF load."""
-    from batchrun.model.loader import load_model
     from transformers import AutoModelForCausalLM
 
-    engine = Engine(EngineConfig(model="smollm2-135m", dtype="float32", cache_dir=smollm2_cache_dir, max_num_seqs=4,
-                                 max_num_batched_tokens=512, kv_cache_memory=64 << 20))
+    from batchrun.model.loader import load_model
+
+    engine = Engine(
+        EngineConfig(
+            model="smollm2-135m",
+            dtype="float32",
+            cache_dir=smollm2_cache_dir,
+            max_num_seqs=4,
+            max_num_batched_tokens=512,
+            kv_cache_memory=64 << 20,
+        )
+    )
     tok = engine.tokenizer
-    questions = ["What is the capital of France?", "Write a haiku about batch jobs.",
-                 "Summarize: " + sample_texts()[5][:400]]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
-               for q in questions]
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about batch jobs.",
+        "Summarize: " + sample_texts()[5][:400],
+    ]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in questions
+    ]
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24))
     loaded = load_model("smollm2-135m", cache_dir=smollm2_cache_dir)
     hf = AutoModelForCausalLM.from_config(loaded.config, dtype=torch.float32)
@@ -123,6 +142,6 @@ def test_smollm2_greedy_matches_hf(smollm2_cache_dir):
     for p, out in zip(prompts, outs):
         ids = tok(p, return_tensors="pt").input_ids
         assert out.prompt_token_ids == ids[0].tolist()
-        ref = hf.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)[0, ids.shape[1]:]
+        ref = hf.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=tok.pad_token_id)[0, ids.shape[1] :]
         assert out.token_ids == ref.tolist()
         assert len(out.text) > 0

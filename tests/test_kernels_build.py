@@ -2,6 +2,7 @@
 
 The kernel tests skip where the kernels are unavailable (no compiler), so a source that stopped
 compiling would otherwise turn them all into skips instead of failures."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Block pool and KV manager: exact block ids, ref counts, prefix reuse and LRU eviction."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """Property tests of the block pool and KV manager under random request traffic (hypothesis)."""
+
 from __future__ import annotations
 
 from hypothesis import given, settings
@@ -13,7 +14,8 @@ P = SamplingParams(temperature=0.0)
 # An operation: (kind, request slot, prompt pattern, length)
 ops = st.lists(
     st.tuples(st.sampled_from(["admit", "grow", "finish"]), st.integers(0, 5), st.integers(0, 2), st.integers(1, 40)),
-    min_size=1, max_size=60,
+    min_size=1,
+    max_size=60,
 )
 
 
@@ -26,7 +28,9 @@ def check_invariants(kv: KVCacheManager, live: dict[int, Request]) -> None:
             held[b] = held.get(b, 0) + 1
     for b in range(pool.num_blocks):
         assert pool.ref_counts[b] >= 0
-        assert pool.ref_counts[b] == held.get(b, 0), f"block {b}: refcount {pool.ref_counts[b]} vs holders {held.get(b, 0)}"
+        assert pool.ref_counts[b] == held.get(b, 0), (
+            f"block {b}: refcount {pool.ref_counts[b]} vs holders {held.get(b, 0)}"
+        )
         assert (b in pool.free) == (pool.ref_counts[b] == 0), f"block {b} both free and in use (or neither)"
     for h, b in pool.hash_to_block.items():
         assert pool.block_hash[b] == h
@@ -38,7 +42,6 @@ def test_pool_invariants_hold_under_any_traffic(ops, prefix, block_size):
     kv = KVCacheManager(num_blocks=24, block_size=block_size, enable_prefix_caching=prefix)
     live: dict[int, Request] = {}
     next_id = 0
-    evictable_before: set[int] = set()
     for kind, slot, pattern, length in ops:
         if kind == "admit" and slot not in live:
             tokens = [pattern * 100 + (i % 7) for i in range(length)]  # patterns share prefixes

@@ -1,4 +1,5 @@
 """The layer arrows of DESIGN.md hold: import-linter's contracts, plus what it cannot express."""
+
 from __future__ import annotations
 
 import ast
@@ -30,8 +31,11 @@ def _imports(path: Path, source: str | None = None) -> list[tuple[str, int]]:
             found.append((module, node.lineno))
             # `from batchrun.engine import engine` reaches a submodule too.
             if module == "batchrun.engine":
-                found += [(f"{module}.{a.name}", node.lineno) for a in node.names
-                          if (PACKAGE / "engine" / f"{a.name}.py").exists() or (PACKAGE / "engine" / a.name).is_dir()]
+                found += [
+                    (f"{module}.{a.name}", node.lineno)
+                    for a in node.names
+                    if (PACKAGE / "engine" / f"{a.name}.py").exists() or (PACKAGE / "engine" / a.name).is_dir()
+                ]
     return found
 
 
@@ -44,28 +48,36 @@ def test_import_linter_contracts_are_kept():
 
 
 def test_job_layer_uses_only_the_engines_public_package():
-    offenders = [f"{path.relative_to(ROOT)}:{line} imports {module}"
-                 for path in sorted((PACKAGE / "job").rglob("*.py"))
-                 for module, line in _imports(path)
-                 if module.startswith("batchrun.engine.")]
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in sorted((PACKAGE / "job").rglob("*.py"))
+        for module, line in _imports(path)
+        if module.startswith("batchrun.engine.")
+    ]
     assert offenders == []
 
 
 def test_only_the_cli_imports_hydra_or_omegaconf():
-    offenders = [f"{path.relative_to(ROOT)}:{line} imports {module}"
-                 for path in sorted(PACKAGE.rglob("*.py")) if path.name != "cli.py"
-                 for module, line in _imports(path)
-                 if module.split(".")[0] in ("hydra", "omegaconf")]
+    offenders = [
+        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.name != "cli.py"
+        for module, line in _imports(path)
+        if module.split(".")[0] in ("hydra", "omegaconf")
+    ]
     assert offenders == []
 
 
-@pytest.mark.parametrize("source, expected", [
-    ("from batchrun.engine import Engine\n", []),
-    ("from batchrun.engine.engine import Engine\n", ["batchrun.engine.engine"]),
-    ("import batchrun.engine.scheduler\n", ["batchrun.engine.scheduler"]),
-    ("from batchrun.engine import scheduler\n", ["batchrun.engine.scheduler"]),
-    ("from ..engine import outputs\n", ["batchrun.engine.outputs"]),
-])
+@pytest.mark.parametrize(
+    "source, expected",
+    [
+        ("from batchrun.engine import Engine\n", []),
+        ("from batchrun.engine.engine import Engine\n", ["batchrun.engine.engine"]),
+        ("import batchrun.engine.scheduler\n", ["batchrun.engine.scheduler"]),
+        ("from batchrun.engine import scheduler\n", ["batchrun.engine.scheduler"]),
+        ("from ..engine import outputs\n", ["batchrun.engine.outputs"]),
+    ],
+)
 def test_the_ast_check_itself_catches_submodule_imports(source, expected):
     probe = PACKAGE / "job" / "probe.py"  # never written: the source is passed in
     assert [m for m, _ in _imports(probe, source) if m.startswith("batchrun.engine.")] == expected

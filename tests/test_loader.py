@@ -1,4 +1,5 @@
 """Model resolution, safetensors loading, and the GGUF converted-weights cache."""
+
 from __future__ import annotations
 
 import hashlib
@@ -86,9 +87,7 @@ def test_resolve_directory_without_config_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_load_hf_dir_matches_transformers(
-    tied: bool, tiny_dir: Path, tiny_tied_dir: Path, tmp_path: Path
-) -> None:
+def test_load_hf_dir_matches_transformers(tied: bool, tiny_dir: Path, tiny_tied_dir: Path, tmp_path: Path) -> None:
     model_dir = tiny_tied_dir if tied else tiny_dir
     loaded = load_model(str(model_dir), cache_dir=str(tmp_path))
     reference = transformers.AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True).state_dict()
@@ -133,8 +132,9 @@ def test_multimodal_wrapper_returns_text_config_and_names(tmp_path: Path) -> Non
     from batchrun.testing import _BASE, FAMILIES
 
     text = {**_BASE, **{k: v for k, v in FAMILIES["gemma3_text"].items() if k != "model_type"}, "vocab_size": 512}
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                  image_size=28, patch_size=14)
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
     config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
     torch.manual_seed(0)
     wrapper = transformers.Gemma3ForConditionalGeneration(config)
@@ -150,12 +150,15 @@ def test_multimodal_wrapper_returns_text_config_and_names(tmp_path: Path) -> Non
     wrapper_params = wrapper.state_dict()
     for name, tensor in loaded.state_dict.items():
         assert tensor.shape == expected[name].shape, name
-        source = "model.language_model." + name[len("model."):]
+        source = "model.language_model." + name[len("model.") :]
         assert torch.equal(tensor, wrapper_params[source]), name
 
 
 def test_text_model_name_mapping() -> None:
-    assert loader._text_model_name("model.language_model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert (
+        loader._text_model_name("model.language_model.layers.0.mlp.up_proj.weight")
+        == "model.layers.0.mlp.up_proj.weight"
+    )
     assert loader._text_model_name("language_model.model.norm.weight") == "model.norm.weight"
     assert loader._text_model_name("language_model.lm_head.weight") == "lm_head.weight"
     assert loader._text_model_name("lm_head.weight") == "lm_head.weight"
@@ -248,9 +251,7 @@ def test_gguf_cache_ignores_half_written_entries(
     assert all(torch.equal(second.state_dict[k], v) for k, v in first.state_dict.items())
 
 
-def test_gguf_cache_removes_stale_temp_dirs(
-    tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_gguf_cache_removes_stale_temp_dirs(tiny_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _FakeConverter(monkeypatch, tiny_dir)
     gguf = tmp_path / "fake.gguf"
     gguf.write_bytes(b"GGUF other content")
@@ -291,9 +292,7 @@ def test_gguf_cache_losing_the_publish_race_keeps_the_winner(
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_converts_once_then_loads_from_cache(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_smollm2_gguf_converts_once_then_loads_from_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cache = tmp_path / "cache"
     first = load_model("smollm2-135m", cache_dir=str(cache))
     entry = cache / "converted" / first.fingerprint[:16]
@@ -331,8 +330,9 @@ def test_smollm2_config_weights_and_tokenizer(smollm2_cache_dir: str) -> None:
     ids = tokenizer("Hello world", add_special_tokens=False)["input_ids"]
     assert tokenizer.decode(ids) == "Hello world"
     assert tokenizer.chat_template
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
-                                           add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert prompt.endswith("<|im_start|>assistant\n")
 
     as_bf16 = load_model("smollm2-135m", dtype=torch.bfloat16, cache_dir=smollm2_cache_dir)

@@ -4,6 +4,7 @@ from both HF layouts, expert-load counts add up, and Qwen2-MoE (shared expert) m
 Greedy identity for Mixtral and Qwen3-MoE across all engine settings is in test_engine_identity.py
 (both are in batchrun.testing.FAMILIES).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -59,8 +60,15 @@ def _hf_block(model_type: str, **kw):
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     cls = {"mixtral": MixtralSparseMoeBlock, "qwen3_moe": Qwen3MoeSparseMoeBlock, "qwen2_moe": Qwen2MoeSparseMoeBlock}
-    config = AutoConfig.for_model(model_type, hidden_size=32, intermediate_size=48, moe_intermediate_size=48,
-                                  num_hidden_layers=1, num_attention_heads=4, **kw)
+    config = AutoConfig.for_model(
+        model_type,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        **kw,
+    )
     torch.manual_seed(0)
     block = cls[model_type](config).eval()
     with torch.no_grad():
@@ -69,12 +77,15 @@ def _hf_block(model_type: str, **kw):
     return config, block
 
 
-@pytest.mark.parametrize("model_type,kw", [
-    ("mixtral", dict(num_local_experts=6, num_experts_per_tok=2)),
-    ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=3, norm_topk_prob=True)),
-    ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=3, norm_topk_prob=False)),
-    ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=2, shared_expert_intermediate_size=40)),
-])
+@pytest.mark.parametrize(
+    "model_type,kw",
+    [
+        ("mixtral", dict(num_local_experts=6, num_experts_per_tok=2)),
+        ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=3, norm_topk_prob=True)),
+        ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=3, norm_topk_prob=False)),
+        ("qwen2_moe", dict(num_experts=6, num_experts_per_tok=2, shared_expert_intermediate_size=40)),
+    ],
+)
 def test_sparse_moe_block_matches_hf(model_type, kw):
     """Routing (exact top-k ids and weights) and the block output, against HF's own modules."""
     from batchrun.kernels.elementwise import activation
@@ -86,12 +97,13 @@ def test_sparse_moe_block_matches_hf(model_type, kw):
     sd = {f"layers.0.mlp.{k}": v for k, v in hf.state_dict().items()}  # in-memory (fused 3D) names
     loaded = fused_moe_weights(sd, "layers.0.", spec.num_experts, spec.shared_expert_intermediate_size > 0)
     assert not sd, f"left unloaded: {sorted(sd)}"
-    ours.load_state_dict({k[len("layers.0.mlp."):]: v for k, v in loaded.items()})
+    ours.load_state_dict({k[len("layers.0.mlp.") :]: v for k, v in loaded.items()})
     x = torch.randn(2, 29, 32)
     with torch.no_grad():
         _, hf_weights, hf_ids = hf.gate(x.view(-1, 32))
-        weights, ids = route(ours.gate(x.view(-1, 32)), spec.num_experts_per_tok, spec.moe_renormalize,
-                             spec.moe_weights_fp32)
+        weights, ids = route(
+            ours.gate(x.view(-1, 32)), spec.num_experts_per_tok, spec.moe_renormalize, spec.moe_weights_fp32
+        )
         assert torch.equal(ids, hf_ids)
         assert weights.dtype == hf_weights.dtype
         torch.testing.assert_close(weights, hf_weights, rtol=0, atol=0)
@@ -138,7 +150,9 @@ def test_expert_counts_add_up_to_tokens_times_top_k(family, num_moe_layers, tiny
     assert all(c > 0 for row in counts for c in row), f"an expert got no tokens: {counts}"
     more = engine.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=3))
     after = engine.stats().expert_token_counts
-    assert [sum(r) for r in after] == [(_num_computed_tokens(outs) + _num_computed_tokens(more)) * top_k] * num_moe_layers
+    assert [sum(r) for r in after] == [
+        (_num_computed_tokens(outs) + _num_computed_tokens(more)) * top_k
+    ] * num_moe_layers
 
 
 def test_dense_model_has_no_expert_counts(tiny_llama_dir):
@@ -150,9 +164,17 @@ def test_qwen2_moe_shared_expert_greedy_matches_hf(tmp_path):
     """Qwen2-MoE (shared expert with sigmoid gate, QKV bias, softmax-then-top-k without renorm)."""
     from transformers import AutoModelForCausalLM
 
-    model_dir = make_tiny_model(tmp_path / "qwen2_moe", "qwen2", model_type="qwen2_moe", num_experts=4,
-                                num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=96,
-                                norm_topk_prob=False, num_hidden_layers=2)
+    model_dir = make_tiny_model(
+        tmp_path / "qwen2_moe",
+        "qwen2",
+        model_type="qwen2_moe",
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=96,
+        norm_topk_prob=False,
+        num_hidden_layers=2,
+    )
     engine = Engine(EngineConfig(model=str(model_dir), max_num_batched_tokens=48, **ENGINE_KW))
     prompts = [t[:n] for t, n in zip(sample_texts()[3:], (25, 260, 110))]
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12))
@@ -160,5 +182,5 @@ def test_qwen2_moe_shared_expert_greedy_matches_hf(tmp_path):
     for out in outs:
         ids = torch.tensor([out.prompt_token_ids])
         ref = hf.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=engine.tokenizer.pad_token_id)
-        assert out.token_ids == ref[0, ids.shape[1]:].tolist()
+        assert out.token_ids == ref[0, ids.shape[1] :].tolist()
     assert len(engine.stats().expert_token_counts) == 2

@@ -4,6 +4,7 @@ sizes), and on a real GPU when one is present (`-m gpu`).
 The interpreter check runs in a child process: TRITON_INTERPRET must be set before triton is first
 imported, and in a pytest session some other module may already have imported it.
 """
+
 from __future__ import annotations
 
 import sys
@@ -11,7 +12,6 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-
 from triton_child import run_interpreted
 
 pytest.importorskip("triton")
@@ -59,8 +59,9 @@ def test_triton_grouped_gemm_matches_reference_interpreted():
 @pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_triton_fused_experts_matches_reference_on_gpu(dtype, tol):
-    x, gate_up, down, weights, ids = _case(3000, num_experts=16, top_k=4, hidden=512, inter=384,
-                                           device="cuda", dtype=dtype)
+    x, gate_up, down, weights, ids = _case(
+        3000, num_experts=16, top_k=4, hidden=512, inter=384, device="cuda", dtype=dtype
+    )
     got = fused_experts(x, gate_up, down, weights, ids, F.silu, use_triton=True)
     want = fused_experts(x, gate_up, down, weights, ids, F.silu, use_triton=False)
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)

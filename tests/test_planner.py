@@ -1,4 +1,5 @@
 """The planner: every request once, shared prefixes adjacent, input order restored, output unchanged."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,13 +28,21 @@ BLOCK = 4
 
 # Prompts built from a few shared heads so that prefixes are shared at several depths.
 _heads = st.sampled_from([[], [1, 2, 3, 4], [1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 9, 9], [7] * 12])
-_prompts = st.lists(st.tuples(_heads, st.lists(st.integers(0, 3), max_size=10)).map(lambda t: t[0] + t[1])
-                    .filter(bool), min_size=0, max_size=40)
+_prompts = st.lists(
+    st.tuples(_heads, st.lists(st.integers(0, 3), max_size=10)).map(lambda t: t[0] + t[1]).filter(bool),
+    min_size=0,
+    max_size=40,
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(prompts=_prompts, order=st.sampled_from(ORDERS), window=st.integers(1, 50), enabled=st.booleans(),
-       seed=st.integers(0, 1000))
+@given(
+    prompts=_prompts,
+    order=st.sampled_from(ORDERS),
+    window=st.integers(1, 50),
+    enabled=st.booleans(),
+    seed=st.integers(0, 1000),
+)
 def test_every_request_comes_out_once_and_the_writer_restores_input_order(prompts, order, window, enabled, seed):
     requests = [EngineRequest(request_id=i, prompt=p) for i, p in enumerate(prompts)]
     planned = list(plan_requests(iter(requests), PlannerConfig(enabled=enabled, order=order, window=window), BLOCK))
@@ -96,7 +105,9 @@ def test_planner_yaml_lists_every_key_and_the_default_is_longest_first():
     assert sorted(node) == sorted(config_fields("planner")) == sorted(f.name for f in dataclasses.fields(PlannerConfig))
     cfg = cli.load_config([])
     assert cfg.planner == PlannerConfig() and cfg.planner.order == "longest_first" and cfg.planner.enabled
-    assert cli.load_config(["planner.order=input", "planner.window=8"]).planner == PlannerConfig(order="input", window=8)
+    assert cli.load_config(["planner.order=input", "planner.window=8"]).planner == PlannerConfig(
+        order="input", window=8
+    )
     with pytest.raises(cli.ConfigError, match="planner.order"):
         cli.load_config(["planner.order=random"])
 
@@ -116,6 +127,7 @@ class _RecordingEngine:
             for r in requests:
                 self.admitted.append(r.request_id)
                 yield r
+
         return self._engine.stream(record(), *args, **kwargs)
 
 
@@ -134,13 +146,21 @@ def test_greedy_output_is_the_same_with_the_planner_on_and_off(tmp_path, short_t
     pq.write_table(pa.table({"id": ids, "text": texts}), tmp_path / "in" / "part-00.parquet", row_group_size=7)
 
     outputs, admitted = {}, {}
-    for name, planner in [("off", PlannerConfig(enabled=False)), ("longest_first", PlannerConfig()),
-                          ("shortest_first_window_10", PlannerConfig(order="shortest_first", window=10))]:
+    for name, planner in [
+        ("off", PlannerConfig(enabled=False)),
+        ("longest_first", PlannerConfig()),
+        ("shortest_first_window_10", PlannerConfig(order="shortest_first", window=10)),
+    ]:
         engine = _RecordingEngine(tiny_engine)
-        cfg = RunConfig(job=JobConfig(name="generate", chat_template="never"), model=ModelConfig(path=tiny_llama_dir),
-                        sampling=SamplingParams(temperature=0.0, max_tokens=6),
-                        data=DataConfig(uri=str(tmp_path / "in"), batch_size=5),
-                        output=OutputConfig(uri=str(tmp_path / name)), planner=planner, quiet=True)
+        cfg = RunConfig(
+            job=JobConfig(name="generate", chat_template="never"),
+            model=ModelConfig(path=tiny_llama_dir),
+            sampling=SamplingParams(temperature=0.0, max_tokens=6),
+            data=DataConfig(uri=str(tmp_path / "in"), batch_size=5),
+            output=OutputConfig(uri=str(tmp_path / name)),
+            planner=planner,
+            quiet=True,
+        )
         result = run_job(cfg, engine=engine)
         assert result.exit_code == 0
         rows = pq.read_table(tmp_path / name / "results" / "part-00.parquet").to_pylist()
@@ -158,5 +178,6 @@ def test_greedy_output_is_the_same_with_the_planner_on_and_off(tmp_path, short_t
         assert where == list(range(where[0], where[0] + len(where)))
     # Windows of 10 rows: each window is planned on its own, in input order between windows.
     windowed = admitted["shortest_first_window_10"]
-    assert [sorted(windowed[k:k + 10]) for k in range(0, len(texts), 10)] == \
-        [list(range(k, min(k + 10, len(texts)))) for k in range(0, len(texts), 10)]
+    assert [sorted(windowed[k : k + 10]) for k in range(0, len(texts), 10)] == [
+        list(range(k, min(k + 10, len(texts)))) for k in range(0, len(texts), 10)
+    ]

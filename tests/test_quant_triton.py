@@ -5,12 +5,11 @@ W8A8 paths and an int8/int4 engine are also checked.
 The interpreter check runs in a child process: TRITON_INTERPRET must be set before triton is first
 imported, and in a pytest session some other module may already have imported it.
 """
-from __future__ import annotations
 
+from __future__ import annotations
 
 import pytest
 import torch
-
 from triton_child import run_interpreted
 
 pytest.importorskip("triton")
@@ -76,9 +75,18 @@ def test_w8a8_and_fp8_on_gpu():
 def test_quantized_engine_on_gpu(mode, smollm2_cache_dir):
     from batchrun.engine import Engine, EngineConfig, SamplingParams
 
-    engine = Engine(EngineConfig(device="cuda", dtype="bfloat16", quantization=mode, kv_cache_dtype="int8",
-                                 kv_cache_memory=256 << 20, max_num_seqs=8, max_num_batched_tokens=1024,
-                                 cache_dir=smollm2_cache_dir))
+    engine = Engine(
+        EngineConfig(
+            device="cuda",
+            dtype="bfloat16",
+            quantization=mode,
+            kv_cache_dtype="int8",
+            kv_cache_memory=256 << 20,
+            max_num_seqs=8,
+            max_num_batched_tokens=1024,
+            cache_dir=smollm2_cache_dir,
+        )
+    )
     out = engine.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=8))[0]
     assert out.finish_reason in ("stop", "length") and out.token_ids
 

@@ -1,4 +1,5 @@
 """Sampler: top-k / top-p masks, greedy rows, seeded reproducibility, logprobs."""
+
 from __future__ import annotations
 
 import math
@@ -41,8 +42,11 @@ def test_seeded_rows_do_not_depend_on_batch_neighbours():
     s = Sampler()
     alone = [s.sample(logits[1:2], [p], [torch.Generator().manual_seed(7)])[0][0] for _ in range(1)]
     g = torch.Generator().manual_seed(7)
-    batched, _ = s.sample(logits, [SamplingParams(temperature=0.0), p, SamplingParams(temperature=1.0)],
-                          [None, g, torch.Generator().manual_seed(99)])
+    batched, _ = s.sample(
+        logits,
+        [SamplingParams(temperature=0.0), p, SamplingParams(temperature=1.0)],
+        [None, g, torch.Generator().manual_seed(99)],
+    )
     assert batched[1] == alone[0]
     assert batched[0] == int(logits[0].argmax())
 

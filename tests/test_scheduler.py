@@ -1,4 +1,5 @@
 """Scheduler with a fake model (next token = a function of the whole sequence): no tensors."""
+
 from __future__ import annotations
 
 import random
@@ -42,8 +43,17 @@ def run(sched: Scheduler, reqs: list[Request], max_steps=10_000):
 
 def reqs(lengths, max_tokens=5, seed=0):
     rng = random.Random(seed)
-    return [Request(i, i, [rng.randint(1, 50) for _ in range(n)], SamplingParams(temperature=0, max_tokens=max_tokens), 0.0, None)
-            for i, n in enumerate(lengths)]
+    return [
+        Request(
+            i,
+            i,
+            [rng.randint(1, 50) for _ in range(n)],
+            SamplingParams(temperature=0, max_tokens=max_tokens),
+            0.0,
+            None,
+        )
+        for i, n in enumerate(lengths)
+    ]
 
 
 def test_chunked_prefill_runs_beside_decodes_under_the_budget():

@@ -4,6 +4,7 @@ The test starts Debian's slurmctld and slurmd itself from a generated slurm.conf
 cgroups, no accounting), as root, on free ports, and stops them afterwards. It skips only when the
 Slurm daemons are not installed (`apt-get install slurm-wlm`; .ci/run installs them).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,7 +25,8 @@ ARRAY_SCRIPT = REPO / "jobs" / "array.sbatch"
 
 pytestmark = pytest.mark.skipif(
     not all(shutil.which(b) for b in ("slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "scancel")),
-    reason="Slurm is not installed (apt-get install slurm-wlm)")
+    reason="Slurm is not installed (apt-get install slurm-wlm)",
+)
 
 # Every Python process of the test loads this (PYTHONPATH). On their first attempt only, array task 1
 # pauses after its first output until the test has sent the preemption signal, and task 0 pauses
@@ -92,8 +94,11 @@ def _wait(predicate, what: str, timeout_s: float = 300, logs: Path | None = None
     deadline = time.monotonic() + timeout_s  # a hang guard, not a timing assertion
     while not predicate():
         if time.monotonic() >= deadline:
-            detail = "".join(f"\n--- {p.name} ---\n{p.read_text()[-3000:]}" for p in sorted(logs.glob("*.out"))) \
-                if logs else ""
+            detail = (
+                "".join(f"\n--- {p.name} ---\n{p.read_text()[-3000:]}" for p in sorted(logs.glob("*.out")))
+                if logs
+                else ""
+            )
             raise AssertionError(f"timed out waiting for {what}{detail}")
         time.sleep(0.2)
 
@@ -105,11 +110,25 @@ def slurm(tmp_path_factory):
     for d in ("state", "spool"):
         (root / d).mkdir()
     conf = root / "slurm.conf"
-    conf.write_text(CONF.format(host=socket.gethostname().split(".")[0], ctld_port=_free_port(), d_port=_free_port(),
-                                root=root, cpus=os.cpu_count() or 1))
+    conf.write_text(
+        CONF.format(
+            host=socket.gethostname().split(".")[0],
+            ctld_port=_free_port(),
+            d_port=_free_port(),
+            root=root,
+            cpus=os.cpu_count() or 1,
+        )
+    )
     env = {**os.environ, "SLURM_CONF": str(conf)}
-    daemons = [subprocess.Popen([daemon, "-D", "-f", str(conf)], env=env, stdout=subprocess.DEVNULL,
-                                stderr=open(root / f"{daemon}.stderr", "w")) for daemon in ("slurmctld", "slurmd")]
+    daemons = [
+        subprocess.Popen(
+            [daemon, "-D", "-f", str(conf)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(root / f"{daemon}.stderr", "w"),
+        )
+        for daemon in ("slurmctld", "slurmd")
+    ]
 
     def idle() -> bool:
         for d in daemons:
@@ -136,21 +155,44 @@ def _squeue(env, *args: str) -> list[str]:
     return out.stdout.split()
 
 
-def test_array_job_commits_every_shard_once_and_a_preempted_task_resumes(slurm, tmp_path, make_shards,
-                                                                          tiny_llama_dir):
+def test_array_job_commits_every_shard_once_and_a_preempted_task_resumes(slurm, tmp_path, make_shards, tiny_llama_dir):
     ids = [i for s in make_shards(tmp_path / "in", num_shards=4, rows_per_shard=2) for i in s]
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(SITECUSTOMIZE)
     out = tmp_path / "out"
-    env = {**slurm, "TEST_HOOK_DIR": str(hook), "BATCHRUN_PYTHON": sys.executable,
-           "PYTHONPATH": os.pathsep.join([str(hook), str(REPO), os.environ.get("PYTHONPATH", "")])}
-    overrides = [f"model.path={tiny_llama_dir}", f"data.uri={tmp_path / 'in'}", f"output.uri={out}",
-                 "engine.kv_cache_memory=67108864", "engine.max_num_seqs=2", "engine.max_num_batched_tokens=1024",
-                 "engine.dtype=float32", "engine.num_threads=1", "sampling.max_tokens=8"]
-    submit = subprocess.run(["sbatch", "--parsable", "--array=0-1", f"--chdir={tmp_path}",
-                             f"--output={tmp_path}/task-%a.out", str(ARRAY_SCRIPT), *overrides],
-                            env=env, capture_output=True, text=True, check=True)
+    env = {
+        **slurm,
+        "TEST_HOOK_DIR": str(hook),
+        "BATCHRUN_PYTHON": sys.executable,
+        "PYTHONPATH": os.pathsep.join([str(hook), str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    overrides = [
+        f"model.path={tiny_llama_dir}",
+        f"data.uri={tmp_path / 'in'}",
+        f"output.uri={out}",
+        "engine.kv_cache_memory=67108864",
+        "engine.max_num_seqs=2",
+        "engine.max_num_batched_tokens=1024",
+        "engine.dtype=float32",
+        "engine.num_threads=1",
+        "sampling.max_tokens=8",
+    ]
+    submit = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--array=0-1",
+            f"--chdir={tmp_path}",
+            f"--output={tmp_path}/task-%a.out",
+            str(ARRAY_SCRIPT),
+            *overrides,
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     job_id = submit.stdout.strip().split(";")[0]
 
     # Preempt task 1 in the middle of its first shard, the way Slurm does before a time limit.
@@ -166,8 +208,9 @@ def test_array_job_commits_every_shard_once_and_a_preempted_task_resumes(slurm, 
         # Not in the same second as the requeue: slurmd revokes the old job credential with
         # one-second resolution and kills a relaunch whose credential is not newer
         # ("Job credential revoked", seen when released at once).
-        if (time.monotonic() - requeued_at > 3
-                and _squeue(slurm, "-j", f"{job_id}_1", "-o", "%T:%r") == ["PENDING:BeginTime"]):
+        if time.monotonic() - requeued_at > 3 and _squeue(slurm, "-j", f"{job_id}_1", "-o", "%T:%r") == [
+            "PENDING:BeginTime"
+        ]:
             subprocess.run(["scontrol", "update", f"JobId={job_id}_1", "StartTime=now"], env=env, check=True)
         text = log1.read_text()
         return "restart 1" in text and "batchrun array task: exit" in text.split("restart 1")[-1]

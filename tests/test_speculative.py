@@ -1,4 +1,5 @@
 """Speculative decoding: proposers, lossless verification, policy, KV rollback, engine identity."""
+
 from __future__ import annotations
 
 import random
@@ -14,12 +15,11 @@ from batchrun.engine.config import SpeculativeConfig
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import Scheduler, SchedulerConfig
-from batchrun.engine.speculative import (SpeculationPolicy, StepCostModel, expected_accepted, ngram_propose,
-                                         verify)
+from batchrun.engine.speculative import SpeculationPolicy, StepCostModel, expected_accepted, ngram_propose, verify
 from batchrun.testing import sample_texts
 
-
 # ---- proposers and helpers ---------------------------------------------------------------------
+
 
 def test_ngram_prefers_longest_and_latest_match():
     tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3]
@@ -66,6 +66,7 @@ def test_policy_speculates_when_the_step_is_cheap_and_stands_aside_when_compute_
 
 # ---- verification ------------------------------------------------------------------------------
 
+
 def test_greedy_verify_accepts_the_matching_prefix_plus_the_target_token():
     logits = torch.full((4, 10), -5.0)
     for row, tok in enumerate([3, 4, 9, 1]):
@@ -110,6 +111,7 @@ def test_rejection_sampling_keeps_the_target_distribution(proposal):
 
 # ---- KV rollback through the scheduler (fake target: next = f(sequence)) --------------------------
 
+
 def _fake_next(tokens: list[int]) -> int:
     return (sum(tokens) * 31 + len(tokens)) % 13 + 1
 
@@ -123,7 +125,10 @@ def test_rollback_keeps_pool_consistent_and_output_unchanged(seed, k, num_blocks
     def run(spec: bool) -> tuple[list[list[int]], KVCacheManager]:
         kv = KVCacheManager(num_blocks, 4, enable_prefix_caching=True)
         sched = Scheduler(SchedulerConfig(4, 32, 200, True, frozenset()), kv)
-        reqs = [Request(i, i, list(p), SamplingParams(temperature=0.0, max_tokens=15), 0.0, None) for i, p in enumerate(prompts)]
+        reqs = [
+            Request(i, i, list(p), SamplingParams(temperature=0.0, max_tokens=15), 0.0, None)
+            for i, p in enumerate(prompts)
+        ]
         for r in reqs:
             sched.add(r)
         while sched.has_unfinished():
@@ -167,6 +172,7 @@ def test_rollback_keeps_pool_consistent_and_output_unchanged(seed, k, num_blocks
 
 # ---- the engine: greedy identity on and off ------------------------------------------------------
 
+
 def _prompts() -> list[str]:
     texts = sample_texts()
     prompts = [texts[i][:n] for i, n in zip(range(6), [60, 300, 120, 420, 25, 260])]
@@ -180,7 +186,9 @@ def greedy_baseline(tiny_model_factory):
     def get(family: str):
         if family not in cache:
             e = Engine(EngineConfig(model=tiny_model_factory(family), dtype="float32", max_num_seqs=8))
-            cache[family] = [o.token_ids for o in e.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=24))]
+            cache[family] = [
+                o.token_ids for o in e.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=24))
+            ]
         return cache[family]
 
     return get
@@ -190,8 +198,12 @@ def greedy_baseline(tiny_model_factory):
 @pytest.mark.parametrize("method", ["ngram", "self", "draft"])
 @pytest.mark.parametrize("adaptive", [False, True])
 def test_greedy_output_identical_with_speculation(family, method, adaptive, tiny_model_factory, greedy_baseline):
-    spec = SpeculativeConfig(method=method, adaptive=adaptive, num_speculative_tokens=3,
-                             draft_model=tiny_model_factory("mistral") if method == "draft" else None)
+    spec = SpeculativeConfig(
+        method=method,
+        adaptive=adaptive,
+        num_speculative_tokens=3,
+        draft_model=tiny_model_factory("mistral") if method == "draft" else None,
+    )
     if method == "draft" and family != "llama":
         pytest.skip("one draft pairing is enough; the tiny models share one tokenizer")
     engine = Engine(EngineConfig(model=tiny_model_factory(family), dtype="float32", max_num_seqs=8, speculative=spec))
@@ -211,8 +223,16 @@ def test_speculation_under_preemption_keeps_output(tiny_llama_dir, greedy_baseli
 
     c = AutoConfig.from_pretrained(tiny_llama_dir)
     per_block = 2 * c.num_hidden_layers * 16 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
-    engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", max_num_seqs=8, max_num_batched_tokens=64,
-                                 kv_cache_memory=per_block * 34, speculative=dict(method="self", adaptive=False)))
+    engine = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="float32",
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            kv_cache_memory=per_block * 34,
+            speculative=dict(method="self", adaptive=False),
+        )
+    )
     outs = engine.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=24))
     assert engine.stats().num_preemptions > 0
     assert [o.token_ids for o in outs] == greedy_baseline("llama")
@@ -228,8 +248,16 @@ def test_sampled_tokens_follow_the_target_distribution_in_the_engine(tiny_llama_
     n = 1500
 
     def pairs(spec: dict, seed: int) -> tuple[Counter, Engine]:
-        e = Engine(EngineConfig(model=tiny_llama_dir, dtype="float32", max_num_seqs=64, max_num_batched_tokens=512,
-                                seed=seed, speculative=spec))
+        e = Engine(
+            EngineConfig(
+                model=tiny_llama_dir,
+                dtype="float32",
+                max_num_seqs=64,
+                max_num_batched_tokens=512,
+                seed=seed,
+                speculative=spec,
+            )
+        )
         return Counter(tuple(o.token_ids[:2]) for o in e.generate([prompt] * n, params)), e
 
     off, _ = pairs({}, seed=1)
@@ -245,13 +273,24 @@ def test_real_model_greedy_identical_with_ngram_and_self(smollm2_cache_dir):
     base = Engine(EngineConfig(model="smollm2-135m", dtype="float32", cache_dir=smollm2_cache_dir, max_num_seqs=4))
     tok = base.tokenizer
     docs = sample_texts()[10:12]
-    prompts = [tok.apply_chat_template([{"role": "user", "content": "Summarize:\n" + d[:400]}], tokenize=False,
-                                       add_generation_prompt=True) for d in docs]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": "Summarize:\n" + d[:400]}], tokenize=False, add_generation_prompt=True
+        )
+        for d in docs
+    ]
     sp = SamplingParams(temperature=0.0, max_tokens=24)
     ref = [o.token_ids for o in base.generate(prompts, sp)]
     del base
     for method in ("ngram", "self"):
-        e = Engine(EngineConfig(model="smollm2-135m", dtype="float32", cache_dir=smollm2_cache_dir, max_num_seqs=4,
-                                speculative=dict(method=method, adaptive=False)))
+        e = Engine(
+            EngineConfig(
+                model="smollm2-135m",
+                dtype="float32",
+                cache_dir=smollm2_cache_dir,
+                max_num_seqs=4,
+                speculative=dict(method=method, adaptive=False),
+            )
+        )
         assert [o.token_ids for o in e.generate(prompts, sp)] == ref, method
         assert e.stats().num_spec_accepted > 0

@@ -14,13 +14,13 @@ first imported, and in a pytest session some other module may already have impor
 case still reports as its own test. bfloat16 in the interpreter: its tl.dot is wrong for bf16 (numpy
 has no bf16), so the kernels upcast the operands there (`_dot_f32`); compiled kernels do not.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
 import torch
-
 from triton_child import interpreted_cases, report_cases
 
 pytest.importorskip("triton")
@@ -45,8 +45,14 @@ def _cases() -> dict[str, dict[str, Any]]:
             pairs = [(None, "float32"), (5, "bfloat16")] if (i + j) % 2 == 0 else [(None, "bfloat16"), (5, "float32")]
             for window, dtype in pairs:
                 cases[f"{ratio}-bs{block_size}-win{window}-{dtype}"] = dict(
-                    seqs=MIXED, heads=heads, kv_heads=kv_heads, head_dim=16, block_size=block_size,
-                    window=window, dtype=dtype)
+                    seqs=MIXED,
+                    heads=heads,
+                    kv_heads=kv_heads,
+                    head_dim=16,
+                    block_size=block_size,
+                    window=window,
+                    dtype=dtype,
+                )
     base = dict(heads=4, kv_heads=2, head_dim=16, block_size=4, window=None, dtype="float32")
     cases["decode-splits1"] = {**base, "seqs": DECODES, "num_splits": 1}
     cases["decode-splits3-win9-bf16"] = {**base, "seqs": DECODES, "num_splits": 3, "window": 9, "dtype": "bfloat16"}
@@ -69,15 +75,33 @@ def run_case(spec: dict[str, Any], device: str = "cpu") -> None:
     from batchrun.kernels.attention_torch import paged_attention_reference
     from batchrun.kernels.triton_attention import decode_attention, paged_attention
 
-    c = attention_case(spec["seqs"], spec["heads"], spec["kv_heads"], spec["head_dim"], spec["block_size"],
-                       _DTYPES[spec["dtype"]], device, seed=len(spec["seqs"]) + spec["heads"])
+    c = attention_case(
+        spec["seqs"],
+        spec["heads"],
+        spec["kv_heads"],
+        spec["head_dim"],
+        spec["block_size"],
+        _DTYPES[spec["dtype"]],
+        device,
+        seed=len(spec["seqs"]) + spec["heads"],
+    )
     scale = spec["head_dim"] ** -0.5
     window, softcap = spec["window"], spec.get("softcap")
     want = paged_attention_reference(c.q, c.k_cache, c.v_cache, c.meta, scale, window, softcap, c.k_new, c.v_new)
     if "num_splits" in spec:
         m = c.meta
-        got = decode_attention(c.q, c.k_cache, c.v_cache, m.block_tables, m.decode_seq_ids, m.decode_seq_lens, scale,
-                               window, softcap, num_splits=spec["num_splits"])
+        got = decode_attention(
+            c.q,
+            c.k_cache,
+            c.v_cache,
+            m.block_tables,
+            m.decode_seq_ids,
+            m.decode_seq_lens,
+            scale,
+            window,
+            softcap,
+            num_splits=spec["num_splits"],
+        )
     else:
         got = paged_attention(c.q, c.k_cache, c.v_cache, c.meta, scale, window, softcap)
     rtol, atol = _TOLERANCES[spec["dtype"]]
@@ -111,8 +135,12 @@ def test_triton_attention_matches_reference_on_gpu(case_id):
 def test_triton_attention_large_on_gpu(dtype, heads, kv_heads, head_dim):
     seqs = [(c, 1) for c in (1, 17, 500, 4000, 9000)] + [(0, 300), (700, 130), (64, 1000)]
     for window in (None, 256):
-        run_case(dict(seqs=seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16,
-                      window=window, dtype=dtype), "cuda")
+        run_case(
+            dict(
+                seqs=seqs, heads=heads, kv_heads=kv_heads, head_dim=head_dim, block_size=16, window=window, dtype=dtype
+            ),
+            "cuda",
+        )
 
 
 if __name__ == "__main__":

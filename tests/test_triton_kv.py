@@ -4,13 +4,13 @@ child process, see test_triton_attention.py for why) and on a GPU when there is 
 k/v are strided views of one fused qkv projection, as the decoder makes them; one slot is -1 (the
 CUDA-graph padding convention: nothing is written) and the reference is given the other rows only.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
 import torch
-
 from triton_child import interpreted_cases, report_cases
 
 pytest.importorskip("triton")
@@ -19,7 +19,9 @@ _ON_GPU = torch.cuda.is_available()
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 CASES = {
-    f"{dtype}-heads{heads}x{kv_heads}-dim{dim}-bs{bs}": dict(dtype=dtype, heads=heads, kv_heads=kv_heads, dim=dim, bs=bs)
+    f"{dtype}-heads{heads}x{kv_heads}-dim{dim}-bs{bs}": dict(
+        dtype=dtype, heads=heads, kv_heads=kv_heads, dim=dim, bs=bs
+    )
     for dtype in ("float32", "bfloat16", "float16")
     for heads, kv_heads, dim, bs in ((4, 2, 16, 4), (3, 1, 24, 16))
 }
@@ -42,8 +44,10 @@ def run_case(spec: dict[str, Any], device: str = "cpu", num_tokens: int = 9) -> 
     keep = slots >= 0
 
     def caches():  # in the engine's head-major layout, through the logical (blocks, block_size, heads, dim) view
-        return [from_head_major(torch.randn(kv_heads, num_blocks, bs, dim, generator=gen).to(device, dtype))
-                for _ in range(2)]
+        return [
+            from_head_major(torch.randn(kv_heads, num_blocks, bs, dim, generator=gen).to(device, dtype))
+            for _ in range(2)
+        ]
 
     want_k, want_v = caches()
     got_k, got_v = as_kv_cache_layout(want_k), as_kv_cache_layout(want_v)

@@ -7,6 +7,7 @@ the native kernel sums it in float32 and rounds to bf16 once (within half a bf16
 float32 sums' error), the reference in a float32 matmul. Row counts cover the kernel's 6-row micro
 tails (1-6), whole and partial 12-row blocks, and rows split across threads (more than 96).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,13 +21,14 @@ from batchrun.model.prepare import quantize_model
 
 BF16 = torch.bfloat16
 
-needs_native_w4a8 = pytest.mark.skipif(not w4.w4a8_native_supported(32, 64),
-                                       reason="native kernels not built here, or built without AVX512-VNNI")
+needs_native_w4a8 = pytest.mark.skipif(
+    not w4.w4a8_native_supported(32, 64), reason="native kernels not built here, or built without AVX512-VNNI"
+)
 
 
 def _weight(n: int, k: int, seed: int = 0) -> mq.QuantizedWeight:
     g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) / k ** 0.5 + 0.02 * torch.randn(n, 1, generator=g)  # offset rows: mins matter
+    w = torch.randn(n, k, generator=g) / k**0.5 + 0.02 * torch.randn(n, 1, generator=g)  # offset rows: mins matter
     return mq.quantize_weight(w, "int4", 32)
 
 
@@ -49,7 +51,7 @@ def _exact(x: torch.Tensor, qw: mq.QuantizedWeight, bias=None) -> torch.Tensor:
 
 
 def _assert_one_rounding_of(got: torch.Tensor, exact: torch.Tensor) -> None:
-    bound = exact.abs() * 2.0 ** -8 + 1e-5 * exact.abs().amax()  # half a bf16 step, plus float32 sums
+    bound = exact.abs() * 2.0**-8 + 1e-5 * exact.abs().amax()  # half a bf16 step, plus float32 sums
     assert bool(((got.double() - exact).abs() <= bound).all()), float((got.double() - exact).abs().max())
 
 
@@ -93,7 +95,7 @@ def test_group_quantization_of_a_nan_or_inf_group_is_what_torch_gives(group, mon
     q, scales, sums = w4.quantize_groups_int8(x, group)
     assert bool(scales[0, 0].isnan()) and bool(sums[0, 0].isnan()) and not bool(q[0, :group].any())
     g = 70 // group
-    assert bool(scales[2, g].isinf()) and bool(sums[2, g].isnan()) and not bool(q[2, g * group:(g + 1) * group].any())
+    assert bool(scales[2, g].isinf()) and bool(sums[2, g].isnan()) and not bool(q[2, g * group : (g + 1) * group].any())
     assert bool(torch.isfinite(scales[1]).all()) and bool(torch.isfinite(scales[0, 1:]).all())
     monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
     torch_code = w4.quantize_groups_int8(x, group)
@@ -317,22 +319,34 @@ def test_w4a8_takes_gguf_q4_blocks_as_they_are(tiny_llama_dir):
     summary = quantize_model(model, "w4a8", prequantized={name: gguf_block})
     assert summary.num_from_gguf == 1
     layer = model.get_submodule(name)
-    assert all(torch.equal(a, b) for a, b in zip(layer.int4_weight(), (gguf_block.qweight, gguf_block.scales,
-                                                                         gguf_block.mins)))
+    assert all(
+        torch.equal(a, b) for a, b in zip(layer.int4_weight(), (gguf_block.qweight, gguf_block.scales, gguf_block.mins))
+    )
 
 
 @needs_native_w4a8
 def test_a_bf16_w4a8_engine_runs_natively(tiny_llama_dir, monkeypatch):
     from batchrun.engine import Engine, EngineConfig, SamplingParams
 
-    engine = Engine(EngineConfig(model=tiny_llama_dir, dtype="bfloat16", device="cpu", quantization="w4a8",
-                                 kv_cache_memory=16 << 20, max_num_seqs=8, max_num_batched_tokens=64, block_size=16))
+    engine = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="bfloat16",
+            device="cpu",
+            quantization="w4a8",
+            kv_cache_memory=16 << 20,
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+            block_size=16,
+        )
+    )
     layers = [m for m in engine.model.modules() if isinstance(m, mq.W4A8Linear)]
     assert len(layers) == 4 * engine.model.spec.num_layers and all(m.is_native for m in layers)
     assert sum(isinstance(m, mq.W4A8SiluMulLinear) for m in layers) == engine.model.spec.num_layers
     calls = []
     for name in ("w4a8_matmul_native", "w4a8_silu_quant_native"):
-        monkeypatch.setattr(w4, name, lambda *a, fn=getattr(w4, name), name=name: calls.append(name) or fn(*a))
+        real = getattr(w4, name)
+        monkeypatch.setattr(w4, name, lambda *a, fn=real, name=name: calls.append(name) or fn(*a))
     prompts = [[5 + (3 * i + j) % 150 for j in range(10 + 9 * i)] for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=8)
     tokens = [o.token_ids for o in engine.generate(prompts, params)]
@@ -346,13 +360,13 @@ def test_a_bf16_w4a8_engine_runs_natively(tiny_llama_dir, monkeypatch):
     assert [o.token_ids for o in engine.generate(prompts, params)] == tokens
 
 
-
 # ---- the fused silu MLP input (W4A8SiluMulLinear) ---------------------------------------------
 
 
 @needs_native_w4a8
-@pytest.mark.parametrize("rows,k,threads", [(1, 64, 1), (6, 32, 2), (7, 64, 3), (13, 1536, 2), (130, 64, 1),
-                                            (130, 64, 2), (130, 96, 3)])
+@pytest.mark.parametrize(
+    "rows,k,threads", [(1, 64, 1), (6, 32, 2), (7, 64, 3), (13, 1536, 2), (130, 64, 1), (130, 64, 2), (130, 96, 3)]
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_fused_silu_quant_is_bitwise_the_three_passes(rows, k, threads, bias):
     from batchrun.kernels import elementwise as ew

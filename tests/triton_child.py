@@ -5,13 +5,15 @@ normally, so each Triton test file re-runs itself (`python tests/test_x.py`) wit
 and reads what the child printed: one JSON line per case (`report_cases`), or whatever the file's
 `__main__` prints.
 """
+
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,8 +22,7 @@ def run_interpreted(test_file: str, *args: str, timeout: float = 300) -> subproc
     """`python test_file *args` with TRITON_INTERPRET=1, no visible GPU and the repository importable."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run([sys.executable, test_file, *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run([sys.executable, test_file, *args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def interpreted_cases(test_file: str) -> dict[str, dict[str, Any]]:

@@ -20,9 +20,11 @@
 
 A deadline (--budget-s) skips what would not fit, so the table always prints.
 """
+
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import os
@@ -31,14 +33,15 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
-from batchrun.kernels.kv_layout import from_head_major, new_kv_cache
+from batchrun.kernels.kv_layout import from_head_major
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +59,16 @@ class AttentionCase:
     meta: AttentionMetadata
 
 
-def attention_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, block_size: int,
-                   dtype: torch.dtype = torch.float32, device: Any = "cpu", seed: int = 0) -> AttentionCase:
+def attention_case(
+    seqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: Any = "cpu",
+    seed: int = 0,
+) -> AttentionCase:
     """A flattened batch like the runner builds: per sequence (cached tokens, new tokens); one new
     token makes it a decode. Blocks are shuffled across sequences and the cache holds random K/V
     around them, so wrong block arithmetic reads wrong numbers."""
@@ -68,15 +79,17 @@ def attention_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: in
     block_tables = torch.zeros(len(seqs), max(blocks_per_seq), dtype=torch.long)  # (num_seqs, max_blocks)
     used = 0
     for i, nb in enumerate(blocks_per_seq):
-        block_tables[i, :nb] = order[used: used + nb]
+        block_tables[i, :nb] = order[used : used + nb]
         used += nb
     query_start_loc = [0]
     for _, n in seqs:
         query_start_loc.append(query_start_loc[-1] + n)
     num_tokens = query_start_loc[-1]
-    slots = [int(block_tables[i, p // block_size]) * block_size + p % block_size
-             for i, (c, n) in enumerate(seqs) for p in range(c, c + n)]
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    slots = [
+        int(block_tables[i, p // block_size]) * block_size + p % block_size
+        for i, (c, n) in enumerate(seqs)
+        for p in range(c, c + n)
+    ]
     # Drawn where they live: a GPU case holds hundreds of millions of cache entries.
     dev_gen = torch.Generator(device=device).manual_seed(seed)
 
@@ -91,8 +104,11 @@ def attention_case(seqs: list[tuple[int, int]], num_heads: int, num_kv_heads: in
     write_kv_cache_reference(k_cache, v_cache, k_new, v_new, slot_mapping)
     decode_ids = [i for i, (_, n) in enumerate(seqs) if n == 1]
     meta = AttentionMetadata(
-        slot_mapping=slot_mapping, query_start_loc=query_start_loc,
-        seq_lens=[c + n for c, n in seqs], block_tables=block_tables.to(device), block_size=block_size,
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=[c + n for c, n in seqs],
+        block_tables=block_tables.to(device),
+        block_size=block_size,
         decode_seq_ids=torch.tensor(decode_ids, dtype=torch.long, device=device),
         decode_seq_lens=torch.tensor([seqs[i][0] + 1 for i in decode_ids], dtype=torch.long, device=device),
         prefill_seq_ids=[i for i, (_, n) in enumerate(seqs) if n != 1],
@@ -120,7 +136,9 @@ class Results:
         print(f"  {name}: {value}", flush=True)
 
 
-def _kernel_checks(device: torch.device, smoke: bool) -> list[tuple[str, float, Callable[[], tuple[torch.Tensor, torch.Tensor]]]]:
+def _kernel_checks(
+    device: torch.device, smoke: bool
+) -> list[tuple[str, float, Callable[[], tuple[torch.Tensor, torch.Tensor]]]]:
     """(name, relative-error tolerance, () -> (got, want))."""
     from batchrun.kernels import triton_attention as ta
     from batchrun.kernels import triton_kv as tk
@@ -133,7 +151,6 @@ def _kernel_checks(device: torch.device, smoke: bool) -> list[tuple[str, float, 
         mixed = [(5, 1), (0, 9), (17, 1), (6, 11), (30, 1)]
         decodes = [(c, 1) for c in (3, 20, 41, 9)]
         long_decodes = [(60, 1), (7, 1)]
-        tokens = 9
         gemm = (5, 48, 64)
     else:
         heads, kv_heads, dim, bs = 16, 8, 128, 16
@@ -141,20 +158,31 @@ def _kernel_checks(device: torch.device, smoke: bool) -> list[tuple[str, float, 
         mixed = [(rng.randint(1, 3000), 1) for _ in range(48)] + [(c, n) for c in (0, 100, 700) for n in (200, 900)]
         decodes = [(rng.randint(1, 3000), 1) for _ in range(128)]
         long_decodes = [(30000, 1), (12345, 1)]
-        tokens = 512
         gemm = (256, 3072, 1024)
 
     def attn(seqs, h, kvh, d, dtype, window=None, softcap=None, num_splits=None):
         def run():
             c = attention_case(seqs, h, kvh, d, bs, dtype, device, seed=1)
-            want = paged_attention_reference(c.q, c.k_cache, c.v_cache, c.meta, d ** -0.5, window, softcap,
-                                             c.k_new, c.v_new)
+            want = paged_attention_reference(
+                c.q, c.k_cache, c.v_cache, c.meta, d**-0.5, window, softcap, c.k_new, c.v_new
+            )
             if num_splits is None:
-                got = ta.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, d ** -0.5, window, softcap)
+                got = ta.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, d**-0.5, window, softcap)
             else:
-                got = ta.decode_attention(c.q, c.k_cache, c.v_cache, c.meta.block_tables, c.meta.decode_seq_ids,
-                                          c.meta.decode_seq_lens, d ** -0.5, window, softcap, num_splits=num_splits)
+                got = ta.decode_attention(
+                    c.q,
+                    c.k_cache,
+                    c.v_cache,
+                    c.meta.block_tables,
+                    c.meta.decode_seq_ids,
+                    c.meta.decode_seq_lens,
+                    d**-0.5,
+                    window,
+                    softcap,
+                    num_splits=num_splits,
+                )
             return got, want
+
         return run
 
     def kv_write(dtype):
@@ -166,6 +194,7 @@ def _kernel_checks(device: torch.device, smoke: bool) -> list[tuple[str, float, 
             write_kv_cache_reference(k_ref, v_ref, k, v, c.meta.slot_mapping)
             tk.write_kv_cache(k_got, v_got, k, v, c.meta.slot_mapping)
             return torch.stack([k_got, v_got]), torch.stack([k_ref, v_ref])
+
         return run
 
     def w8a16(group: Optional[int]):
@@ -180,6 +209,7 @@ def _kernel_checks(device: torch.device, smoke: bool) -> list[tuple[str, float, 
             qw, scales = quantize_int8(w, group)
             qw, scales = qw.to(device), scales.to(device)
             return w8a16_matmul(x, qw, scales), int8_weight_matmul(x, qw, scales)
+
         return run
 
     def w4a16():
@@ -204,20 +234,33 @@ def _kernel_checks(device: torch.device, smoke: bool) -> list[tuple[str, float, 
         b = (torch.randn(num_experts, n // 4, k, generator=gen) * 0.05).to(device, gemm_dtype)
         ids = torch.randint(0, num_experts, (m, 2), generator=gen).to(device)
         d = sort_by_expert(ids, num_experts)
-        return (grouped_gemm(x, b, d.expert_offsets, d.sorted_token_ids),
-                grouped_gemm_reference(x, b, d.expert_offsets, d.sorted_token_ids))
+        return (
+            grouped_gemm(x, b, d.expert_offsets, d.sorted_token_ids),
+            grouped_gemm_reference(x, b, d.expert_offsets, d.sorted_token_ids),
+        )
 
     f32 = torch.float32
     bf16_tol, f32_tol = 2e-2, 1e-4
     return [
         ("attention mixed batch bf16 (GQA)", bf16_tol, attn(mixed, heads, kv_heads, dim, bf16)),
         ("attention mixed batch fp32 (GQA)", f32_tol, attn(mixed, heads, kv_heads, dim, f32)),
-        ("attention mixed bf16 window 64", bf16_tol, attn(mixed, heads, kv_heads, dim, bf16, window=64 if not smoke else 5)),
+        (
+            "attention mixed bf16 window 64",
+            bf16_tol,
+            attn(mixed, heads, kv_heads, dim, bf16, window=64 if not smoke else 5),
+        ),
         ("attention mixed bf16 softcap 50", bf16_tol, attn(mixed, heads, kv_heads, dim, bf16, softcap=50.0)),
-        ("attention mixed bf16 MQA-ish 9:3 d64", bf16_tol, attn(mixed, 9 if not smoke else 3, 3 if not smoke else 1,
-                                                                64 if not smoke else 16, bf16)),
+        (
+            "attention mixed bf16 MQA-ish 9:3 d64",
+            bf16_tol,
+            attn(mixed, 9 if not smoke else 3, 3 if not smoke else 1, 64 if not smoke else 16, bf16),
+        ),
         ("attention decode bf16 (default splits)", bf16_tol, attn(decodes, heads, kv_heads, dim, bf16)),
-        ("attention decode bf16 long, 8 splits", bf16_tol, attn(long_decodes, heads, kv_heads, dim, bf16, num_splits=8)),
+        (
+            "attention decode bf16 long, 8 splits",
+            bf16_tol,
+            attn(long_decodes, heads, kv_heads, dim, bf16, num_splits=8),
+        ),
         ("kv write bf16", 0.0, kv_write(bf16)),
         ("W8A16 per-channel", bf16_tol, w8a16(None)),
         ("W8A16 group 32", bf16_tol, w8a16(32)),
@@ -268,7 +311,7 @@ def check_bandwidth(device: torch.device, smoke: bool, results: Results) -> None
     print("\n== bandwidth ==", flush=True)
     src = torch.empty(1 << (31 if not smoke else 20), dtype=torch.uint8, device=device)  # 2 GiB: many times the L2
     dst = torch.empty_like(src)
-    ms = _time_ms(lambda: dst.copy_(src))
+    ms = _time_ms(functools.partial(dst.copy_, src))
     hbm = 2 * src.numel() / (ms * 1e-3)  # bytes read + written per second
     del src, dst
     results.add("device copy bandwidth", f"{hbm / 1e12:.2f} TB/s (read + write)")
@@ -281,40 +324,72 @@ def check_bandwidth(device: torch.device, smoke: bool, results: Results) -> None
         c = attention_case(seqs, heads, kv_heads, dim, bs, torch.bfloat16, device, seed=7)
         m = c.meta
         kv_bytes = sum(s for s in m.seq_lens) * kv_heads * dim * 2 * c.k_cache.element_size()
-        configs = [dict()] + [dict(block_n=bn, num_warps=w) for bn in (32, 64, 128) for w in (4, 8)][:None if not smoke else 1]
+        configs = [dict()] + [dict(block_n=bn, num_warps=w) for bn in (32, 64, 128) for w in (4, 8)][
+            : None if not smoke else 1
+        ]
         best = None
         for cfg in configs:
-            def run(cfg=cfg):
-                ta.decode_attention(c.q, c.k_cache, c.v_cache, m.block_tables, m.decode_seq_ids, m.decode_seq_lens,
-                                    dim ** -0.5, **cfg)
+
+            def run(cfg=cfg, c=c, m=m):
+                ta.decode_attention(
+                    c.q, c.k_cache, c.v_cache, m.block_tables, m.decode_seq_ids, m.decode_seq_lens, dim**-0.5, **cfg
+                )
+
             try:
                 ms = _time_ms(run)
             except Exception as exc:  # noqa: BLE001 - a tile setting that does not compile is just skipped
                 print(f"  decode {num_seqs} seqs {cfg}: failed ({exc!r})", flush=True)
                 continue
             rate = kv_bytes / (ms * 1e-3)
-            print(f"  decode {num_seqs} seqs ctx {lo}-{hi} {cfg or 'default'}: {ms * 1e3:.1f} us, "
-                  f"{rate / 1e12:.2f} TB/s = {100 * rate / hbm:.0f}% of copy", flush=True)
+            print(
+                f"  decode {num_seqs} seqs ctx {lo}-{hi} {cfg or 'default'}: {ms * 1e3:.1f} us, "
+                f"{rate / 1e12:.2f} TB/s = {100 * rate / hbm:.0f}% of copy",
+                flush=True,
+            )
             if not cfg:
-                results.add(f"decode attention {num_seqs} seqs ctx {lo}-{hi} (default)",
-                            f"{rate / 1e12:.2f} TB/s = {100 * rate / hbm:.0f}% of copy bandwidth (target >= 70%)")
+                results.add(
+                    f"decode attention {num_seqs} seqs ctx {lo}-{hi} (default)",
+                    f"{rate / 1e12:.2f} TB/s = {100 * rate / hbm:.0f}% of copy bandwidth (target >= 70%)",
+                )
             if best is None or rate > best[0]:
                 best = (rate, cfg)
         if best is not None:
-            results.add(f"decode attention {num_seqs} seqs best setting", f"{best[1] or 'default'}: "
-                        f"{100 * best[0] / hbm:.0f}% of copy bandwidth")
+            results.add(
+                f"decode attention {num_seqs} seqs best setting",
+                f"{best[1] or 'default'}: {100 * best[0] / hbm:.0f}% of copy bandwidth",
+            )
         del c
 
 
 # ---------------------------------------------------------------------------------------------
 # 3. throughput
 
-QWEN3_0_6B = dict(model_type="qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
-                  num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
-                  max_position_embeddings=40960, tie_word_embeddings=True, rms_norm_eps=1e-6)
-SMOLLM2_135M = dict(model_type="llama", hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, head_dim=64, intermediate_size=1536, vocab_size=49152,
-                    max_position_embeddings=8192, tie_word_embeddings=True, rms_norm_eps=1e-5)
+QWEN3_0_6B = dict(
+    model_type="qwen3",
+    hidden_size=1024,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=3072,
+    vocab_size=151936,
+    max_position_embeddings=40960,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+)
+SMOLLM2_135M = dict(
+    model_type="llama",
+    hidden_size=576,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    intermediate_size=1536,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+)
 
 
 def build_random_model(out_dir: str, shape: dict, device: torch.device, dtype: torch.dtype) -> str:
@@ -334,8 +409,9 @@ def build_random_model(out_dir: str, shape: dict, device: torch.device, dtype: t
     return out_dir
 
 
-def nano_vllm_workload(num_seqs: int, lo: int, hi: int, vocab_size: int = 10001, seed: int = 0
-                       ) -> tuple[list[list[int]], list[int]]:
+def nano_vllm_workload(
+    num_seqs: int, lo: int, hi: int, vocab_size: int = 10001, seed: int = 0
+) -> tuple[list[list[int]], list[int]]:
     """nano-vllm's bench.py: prompt ids uniform in [0, 10000], lengths uniform in [lo, hi]."""
     rng = random.Random(seed)
     top = min(10000, vocab_size - 1)
@@ -349,8 +425,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_throughput(name: str, shape: dict, device: torch.device, smoke: bool, deadline: float,
-                   results: Results, baseline: bool) -> None:
+def run_throughput(
+    name: str, shape: dict, device: torch.device, smoke: bool, deadline: float, results: Results, baseline: bool
+) -> None:
     from batchrun.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -359,11 +436,18 @@ def run_throughput(name: str, shape: dict, device: torch.device, smoke: bool, de
     with tempfile.TemporaryDirectory(prefix="batchrun-gpu-") as tmp:
         t0 = time.perf_counter()
         model_dir = build_random_model(os.path.join(tmp, "model"), shape, device, dtype)
-        engine = Engine(EngineConfig(
-            model=model_dir, dtype=str(dtype).replace("torch.", ""), device=device.type,
-            max_num_seqs=num_seqs, max_num_batched_tokens=16384 if not smoke else 512, max_model_len=4096,
-            kv_cache_memory=0.5 if device.type == "cuda" else 64 << 20, cache_dir=os.path.join(tmp, "cache"),
-        ))
+        engine = Engine(
+            EngineConfig(
+                model=model_dir,
+                dtype=str(dtype).replace("torch.", ""),
+                device=device.type,
+                max_num_seqs=num_seqs,
+                max_num_batched_tokens=16384 if not smoke else 512,
+                max_model_len=4096,
+                kv_cache_memory=0.5 if device.type == "cuda" else 64 << 20,
+                cache_dir=os.path.join(tmp, "cache"),
+            )
+        )
         graphs = engine.runner.graphs
         if graphs is not None:
             graphs.capture_all(max_batch=num_seqs)
@@ -375,8 +459,10 @@ def run_throughput(name: str, shape: dict, device: torch.device, smoke: bool, de
             results.add(f"{name} throughput", "skipped (out of time)")
             return
         prompts, max_tokens = nano_vllm_workload(num_seqs, lo, hi, shape["vocab_size"])
-        requests = [EngineRequest(i, p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
-                    for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+        requests = [
+            EngineRequest(i, p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
+            for i, (p, m) in enumerate(zip(prompts, max_tokens))
+        ]
         before = engine.stats()
         t = time.perf_counter()
         num_done = 0
@@ -384,7 +470,9 @@ def run_throughput(name: str, shape: dict, device: torch.device, smoke: bool, de
         # the rate it reached, instead of running the call past its limit.
         for out in engine.stream(requests, max_in_flight=num_seqs):
             num_done += 1
-            assert out.error is None and len(out.token_ids) == max_tokens[out.request_id], "ignore_eos runs to max_tokens"
+            assert out.error is None and len(out.token_ids) == max_tokens[out.request_id], (
+                "ignore_eos runs to max_tokens"
+            )
             if time.perf_counter() > deadline:
                 break
         _sync(device)
@@ -393,11 +481,13 @@ def run_throughput(name: str, shape: dict, device: torch.device, smoke: bool, de
         num_out = stats.num_generated_tokens - before.num_generated_tokens
         num_in = stats.num_prompt_tokens - before.num_prompt_tokens
         cut = "" if num_done == num_seqs else f" CUT at the deadline after {num_done}/{num_seqs} finished;"
-        results.add(f"{name}: {num_seqs} seqs, {num_in} prompt + {num_out} output tokens",
-                    f"{num_out / wall:,.0f} output tok/s, {(num_in + num_out) / wall:,.0f} total tok/s, "
-                    f"{wall:.1f}s,{cut} {stats.num_steps - before.num_steps} steps, "
-                    f"{stats.num_preemptions - before.num_preemptions} preemptions"
-                    + (" (target >= 20,000 output tok/s)" if "qwen3" in name.lower() else ""))
+        results.add(
+            f"{name}: {num_seqs} seqs, {num_in} prompt + {num_out} output tokens",
+            f"{num_out / wall:,.0f} output tok/s, {(num_in + num_out) / wall:,.0f} total tok/s, "
+            f"{wall:.1f}s,{cut} {stats.num_steps - before.num_steps} steps, "
+            f"{stats.num_preemptions - before.num_preemptions} preemptions"
+            + (" (target >= 20,000 output tok/s)" if "qwen3" in name.lower() else ""),
+        )
         if baseline and deadline - time.perf_counter() > 30:
             _hf_ratio(name, engine, model_dir, prompts, device, dtype, smoke, results)
         del engine
@@ -405,8 +495,16 @@ def run_throughput(name: str, shape: dict, device: torch.device, smoke: bool, de
             torch.cuda.empty_cache()
 
 
-def _hf_ratio(name: str, engine: Any, model_dir: str, prompts: list[list[int]], device: torch.device,
-              dtype: torch.dtype, smoke: bool, results: Results) -> None:
+def _hf_ratio(
+    name: str,
+    engine: Any,
+    model_dir: str,
+    prompts: list[list[int]],
+    device: torch.device,
+    dtype: torch.dtype,
+    smoke: bool,
+    results: Results,
+) -> None:
     """HF `generate` (greedy, left-padded batch, fixed output length) against the engine, same subset."""
     from transformers import AutoModelForCausalLM
 
@@ -419,8 +517,8 @@ def _hf_ratio(name: str, engine: Any, model_dir: str, prompts: list[list[int]], 
     ids = torch.zeros(num, width, dtype=torch.long)
     mask = torch.zeros(num, width, dtype=torch.long)
     for i, p in enumerate(subset):
-        ids[i, width - len(p):] = torch.tensor(p)
-        mask[i, width - len(p):] = 1
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     kw = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
     with torch.inference_mode():
@@ -435,9 +533,10 @@ def _hf_ratio(name: str, engine: Any, model_dir: str, prompts: list[list[int]], 
     engine.generate(subset, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
     _sync(device)
     engine_s = time.perf_counter() - t
-    results.add(f"{name}: vs HF generate ({num} seqs x {new} tokens)",
-                f"engine {num * new / engine_s:,.0f} tok/s, HF {num * new / hf_s:,.0f} tok/s, "
-                f"ratio {hf_s / engine_s:.1f}x")
+    results.add(
+        f"{name}: vs HF generate ({num} seqs x {new} tokens)",
+        f"engine {num * new / engine_s:,.0f} tok/s, HF {num * new / hf_s:,.0f} tok/s, ratio {hf_s / engine_s:.1f}x",
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -447,16 +546,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", action="append", choices=("kernels", "bandwidth", "throughput"))
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, kernels in Triton's interpreter")
-    parser.add_argument("--budget-s", type=float, default=480.0,
-                        help="seconds: phases that would start too late are skipped, a workload past it is cut")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=480.0,
+        help="seconds: phases that would start too late are skipped, a workload past it is cut",
+    )
     parser.add_argument("--no-baseline", action="store_true", help="skip the HF generate comparison")
     args = parser.parse_args(argv)
     t_start = time.perf_counter()
     deadline = t_start + args.budget_s
     if args.smoke:
         # Must precede triton's first import; nothing above imports it.
-        assert "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1", \
+        assert "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1", (
             "run --smoke in a fresh process (TRITON_INTERPRET must be set before triton is imported)"
+        )
         os.environ["TRITON_INTERPRET"] = "1"
         device = torch.device("cpu")
     else:
@@ -479,8 +583,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "throughput" in phases:
         for name, shape in (("Qwen3-0.6B-shaped", QWEN3_0_6B), ("SmolLM2-135M-shaped", SMOLLM2_135M)):
             if args.smoke:
-                shape = {**shape, "hidden_size": 64, "num_hidden_layers": 2, "intermediate_size": 128,
-                         "vocab_size": 1000, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+                shape = {
+                    **shape,
+                    "hidden_size": 64,
+                    "num_hidden_layers": 2,
+                    "intermediate_size": 128,
+                    "vocab_size": 1000,
+                    "num_attention_heads": 4,
+                    "num_key_value_heads": 2,
+                    "head_dim": 16,
+                }
             if deadline - time.perf_counter() < 60:  # building, loading and warming a model takes about that
                 results.add(f"{name} throughput", "skipped (out of time)")
                 continue

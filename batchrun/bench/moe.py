@@ -5,12 +5,14 @@ a per-token loop and against running every expert on every token, in float32.
 
 Prints the best of --repeats timings of each, and the largest difference from the per-token loop.
 """
+
 from __future__ import annotations
 
 import argparse
 import logging
 import time
-from typing import Callable, Optional
+from collections.abc import Callable
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +40,7 @@ def every_expert(x, gate_up, down, weights, ids):
     out = torch.zeros_like(x)
     for e in range(gate_up.shape[0]):
         g, u = (x @ gate_up[e].T).chunk(2, dim=-1)
-        out += dense[:, e:e + 1] * ((F.silu(g) * u) @ down[e].T)
+        out += dense[:, e : e + 1] * ((F.silu(g) * u) @ down[e].T)
     return out
 
 
@@ -54,8 +56,15 @@ def _best(fn: Callable[[], torch.Tensor], repeats: int) -> float:
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    for name, default in (("tokens", 256), ("hidden", 256), ("inter", 512), ("experts", 8), ("top-k", 2),
-                          ("repeats", 5), ("threads", 0)):
+    for name, default in (
+        ("tokens", 256),
+        ("hidden", 256),
+        ("inter", 512),
+        ("experts", 8),
+        ("top-k", 2),
+        ("repeats", 5),
+        ("threads", 0),
+    ):
         ap.add_argument(f"--{name}", type=int, default=default)
     args = ap.parse_args(argv)
     if args.threads:
@@ -64,14 +73,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     x = torch.randn(args.tokens, args.hidden, generator=gen)
     gate_up = torch.randn(args.experts, 2 * args.inter, args.hidden, generator=gen) * 0.05
     down = torch.randn(args.experts, args.hidden, args.inter, generator=gen) * 0.05
-    weights, ids = route(torch.randn(args.tokens, args.experts, generator=gen), args.top_k, renormalize=True,
-                         weights_fp32=True)
+    weights, ids = route(
+        torch.randn(args.tokens, args.experts, generator=gen), args.top_k, renormalize=True, weights_fp32=True
+    )
     want = per_token(x, gate_up, down, weights, ids)
-    runs = {"grouped": lambda: fused_experts(x, gate_up, down, weights, ids, F.silu, use_triton=False),
-            "per-token loop": lambda: per_token(x, gate_up, down, weights, ids),
-            "every expert on every token": lambda: every_expert(x, gate_up, down, weights, ids)}
-    print(f"{args.tokens} tokens, hidden {args.hidden}, expert width {args.inter}, {args.experts} experts "
-          f"top-{args.top_k}, float32, {torch.get_num_threads()} threads, best of {args.repeats}")
+    runs = {
+        "grouped": lambda: fused_experts(x, gate_up, down, weights, ids, F.silu, use_triton=False),
+        "per-token loop": lambda: per_token(x, gate_up, down, weights, ids),
+        "every expert on every token": lambda: every_expert(x, gate_up, down, weights, ids),
+    }
+    print(
+        f"{args.tokens} tokens, hidden {args.hidden}, expert width {args.inter}, {args.experts} experts "
+        f"top-{args.top_k}, float32, {torch.get_num_threads()} threads, best of {args.repeats}"
+    )
     base = None
     for name, fn in runs.items():
         s = _best(fn, args.repeats)

@@ -12,10 +12,12 @@ is what an int8/fp8 KV cache changes.
 
 Speed: all engines are built first and then measured in rounds in this process, each workload run
 on every engine back to back (the machine's other load drifts; adjacent runs keep the ratios fair),
-and the ratio to bf16 is taken per round, then the median over rounds. Decode tokens/s at batch 1, 16 and 64 is batch size / mean inter-token latency; the
+and the ratio to bf16 is taken per round, then the median over rounds. Decode tokens/s at batch 1, 16
+and 64 is batch size / mean inter-token latency; the
 summarization workload is the bundled sample shards (32 CPython doc topics) through the summarize
 job's prompt (chat template, greedy, 64 tokens), output tokens / wall seconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,9 +103,9 @@ def teacher_forced(model, runner, sequences: list[list[int]], logits_rows: int =
         h = torch.cat(parts)[:-1]
         targets = torch.tensor(ids[1:], device=h.device)
         for start in range(0, h.shape[0], logits_rows):
-            logp = torch.log_softmax(model.compute_logits(h[start:start + logits_rows]), dim=-1)
+            logp = torch.log_softmax(model.compute_logits(h[start : start + logits_rows]), dim=-1)
             argmax.append(logp.argmax(dim=-1).cpu())
-            nll.append(-logp.gather(1, targets[start:start + logits_rows, None])[:, 0].double().cpu())
+            nll.append(-logp.gather(1, targets[start : start + logits_rows, None])[:, 0].double().cpu())
     return TeacherForced(torch.cat(argmax), torch.cat(nll))
 
 
@@ -111,10 +113,17 @@ def engine_teacher_forced(engine: Engine, sequences: list[list[int]]) -> Teacher
     return teacher_forced(engine.model, engine.runner, sequences)
 
 
-def make_engine(quantization: str = "none", dtype: str = "bfloat16", kv_cache_dtype: str = "auto",
-                cache_dir: Optional[str] = None, threads: Optional[int] = None,
-                kv_cache_memory: float = 256 << 20, max_num_seqs: int = 64,
-                max_num_batched_tokens: int = 2048, group_size: int = 32) -> Engine:
+def make_engine(
+    quantization: str = "none",
+    dtype: str = "bfloat16",
+    kv_cache_dtype: str = "auto",
+    cache_dir: Optional[str] = None,
+    threads: Optional[int] = None,
+    kv_cache_memory: float = 256 << 20,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+    group_size: int = 32,
+) -> Engine:
     """An engine for one mode. `quantization` may carry a setting after "@": "int4@64" is int4 in
     groups of 64, "w8a8@0" is W8A8 with no input channels kept in float."""
     quantization, _, setting = quantization.partition("@")
@@ -124,10 +133,22 @@ def make_engine(quantization: str = "none", dtype: str = "bfloat16", kv_cache_dt
     elif setting:
         group_size = int(setting)
     # Fixed batch limits: the start-up profile would pick per mode and blur the comparison.
-    return Engine(EngineConfig(model="smollm2-135m", dtype=dtype, device="cpu", quantization=quantization,
-                               quant_group_size=group_size, **extra, kv_cache_dtype=kv_cache_dtype, cache_dir=cache_dir,
-                               num_threads=threads, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-                               max_num_batched_tokens=max_num_batched_tokens))
+    return Engine(
+        EngineConfig(
+            model="smollm2-135m",
+            dtype=dtype,
+            device="cpu",
+            quantization=quantization,
+            quant_group_size=group_size,
+            **extra,
+            kv_cache_dtype=kv_cache_dtype,
+            cache_dir=cache_dir,
+            num_threads=threads,
+            kv_cache_memory=kv_cache_memory,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+    )
 
 
 def greedy(engine: Engine, prompts=GREEDY_PROMPTS, max_tokens: int = 40) -> list[str]:
@@ -153,9 +174,21 @@ def summarize_prompts(tokenizer) -> list[list[int]]:
     import pyarrow.parquet as pq
 
     root = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "sample")
-    texts = [t for f in sorted(glob.glob(os.path.join(root, "*.parquet"))) for t in pq.read_table(f).column("text").to_pylist()]
-    return [_chat(tokenizer, [{"role": "system", "content": SUMMARIZE_SYSTEM},
-                              {"role": "user", "content": SUMMARIZE_TEMPLATE.format(text=t)}]) for t in texts]
+    texts = [
+        t
+        for f in sorted(glob.glob(os.path.join(root, "*.parquet")))
+        for t in pq.read_table(f).column("text").to_pylist()
+    ]
+    return [
+        _chat(
+            tokenizer,
+            [
+                {"role": "system", "content": SUMMARIZE_SYSTEM},
+                {"role": "user", "content": SUMMARIZE_TEMPLATE.format(text=t)},
+            ],
+        )
+        for t in texts
+    ]
 
 
 def summarize_tokens_per_s(engine: Engine, prompts: list[list[int]]) -> float:
@@ -191,16 +224,22 @@ def run_quality(modes: list[str], dtype: str, cache_dir: Optional[str], threads:
         quant, kv = _split_kv(mode)
         e = make_engine(quant, dtype, kv_cache_dtype=kv, cache_dir=cache_dir, threads=threads)
         tf = engine_teacher_forced(e, seqs)
-        rows[mode] = {"ppl": tf.perplexity, "agree": agreement(ref, tf), "weight_bytes": e.settings["weight_bytes"],
-                      "formats": e.settings["quant_formats"]}
+        rows[mode] = {
+            "ppl": tf.perplexity,
+            "agree": agreement(ref, tf),
+            "weight_bytes": e.settings["weight_bytes"],
+            "formats": e.settings["quant_formats"],
+        }
         outputs[mode] = greedy(e)
         del e
     base_ppl = rows["none"]["ppl"]
     print(f"\nquality: {len(seqs)} x {len(seqs[0])} tokens teacher-forced, compute dtype {dtype}")
     print(f"{'mode':<10} {'top1 agree':>10} {'ppl':>8} {'ppl +%':>7} {'weight MB':>10}")
     for mode, r in rows.items():
-        print(f"{mode:<10} {100 * r['agree']:>9.2f}% {r['ppl']:>8.3f} {100 * (r['ppl'] / base_ppl - 1):>6.2f}% "
-              f"{r['weight_bytes'] / 1e6:>10.1f}")
+        print(
+            f"{mode:<10} {100 * r['agree']:>9.2f}% {r['ppl']:>8.3f} {100 * (r['ppl'] / base_ppl - 1):>6.2f}% "
+            f"{r['weight_bytes'] / 1e6:>10.1f}"
+        )
     print("\ngreedy, chat template, 40 tokens:")
     for i, p in enumerate(GREEDY_PROMPTS):
         print(f"\n### {p}")
@@ -209,8 +248,15 @@ def run_quality(modes: list[str], dtype: str, cache_dir: Optional[str], threads:
     return {"rows": rows, "greedy": outputs}
 
 
-def run_speed(modes: list[str], cache_dir: Optional[str], threads: Optional[int], rounds: int,
-              batch_sizes: tuple[int, ...], summarize: bool, summarize_docs: int = 32) -> dict:
+def run_speed(
+    modes: list[str],
+    cache_dir: Optional[str],
+    threads: Optional[int],
+    rounds: int,
+    batch_sizes: tuple[int, ...],
+    summarize: bool,
+    summarize_docs: int = 32,
+) -> dict:
     engines = {}
     for mode in modes:
         dtype = mode if mode in ("float32", "bfloat16") else "bfloat16"
@@ -229,12 +275,17 @@ def run_speed(modes: list[str], cache_dir: Optional[str], threads: Optional[int]
         if summarize:
             for mode, e in engines.items():
                 results[mode].setdefault("summarize", []).append(summarize_tokens_per_s(e, prompts))
-        print(f"round {r + 1}/{rounds}: " + ", ".join(
-            f"{m} " + "/".join(f"{v[-1]:.0f}" for v in res.values()) for m, res in results.items()), flush=True)
+        print(
+            f"round {r + 1}/{rounds}: "
+            + ", ".join(f"{m} " + "/".join(f"{v[-1]:.0f}" for v in res.values()) for m, res in results.items()),
+            flush=True,
+        )
     ref = "bfloat16" if "bfloat16" in engines else None
     keys = list(next(iter(results.values())).keys())
-    print(f"\nspeed: tokens/s (median of {rounds} alternating rounds; x = median of per-round ratio to bf16), "
-          f"threads={torch.get_num_threads()}")
+    print(
+        f"\nspeed: tokens/s (median of {rounds} alternating rounds; x = median of per-round ratio to bf16), "
+        f"threads={torch.get_num_threads()}"
+    )
     print(f"{'mode':<10} {'weight MB':>9} " + " ".join(f"{k:>20}" for k in keys))
     table = {}
     for mode, res in results.items():
@@ -252,9 +303,12 @@ def run_speed(modes: list[str], cache_dir: Optional[str], threads: Optional[int]
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--only", choices=("quality", "speed"), default=None)
-    ap.add_argument("--quality-modes", default="int8,w8a8,w8a8@0,int4,int4@64,w4a8,fp8,gguf,kv-int8,kv-fp8",
-                    help="@N after a mode: int4/int8 group size N, or w8a8 with N float channels; "
-                         "+kv-int8 after a mode: with an int8 KV cache")
+    ap.add_argument(
+        "--quality-modes",
+        default="int8,w8a8,w8a8@0,int4,int4@64,w4a8,fp8,gguf,kv-int8,kv-fp8",
+        help="@N after a mode: int4/int8 group size N, or w8a8 with N float channels; "
+        "+kv-int8 after a mode: with an int8 KV cache",
+    )
     ap.add_argument("--quality-dtype", default="float32")
     ap.add_argument("--speed-modes", default="float32,bfloat16,int8,w8a8,w8a8@0,int4,w4a8")
     ap.add_argument("--batch-sizes", default="1,16,64")
@@ -271,9 +325,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.only in (None, "quality"):
         out["quality"] = run_quality(args.quality_modes.split(","), args.quality_dtype, args.cache_dir, args.threads)
     if args.only in (None, "speed"):
-        out["speed"] = run_speed(args.speed_modes.split(","), args.cache_dir, args.threads, args.rounds,
-                                 tuple(int(b) for b in args.batch_sizes.split(",")), not args.no_summarize,
-                                 args.summarize_docs)
+        out["speed"] = run_speed(
+            args.speed_modes.split(","),
+            args.cache_dir,
+            args.threads,
+            args.rounds,
+            tuple(int(b) for b in args.batch_sizes.split(",")),
+            not args.no_summarize,
+            args.summarize_docs,
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)

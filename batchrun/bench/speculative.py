@@ -14,6 +14,7 @@ from k+1 single-token decode steps (other matmul shapes, the chunk attention pat
 can flip an argmax and the texts part from there on. In float32 the outputs are token-identical
 (tests/test_speculative.py, on tiny models and the real one).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,11 +29,24 @@ from batchrun.engine import Engine, EngineConfig, SamplingParams
 log = logging.getLogger(__name__)
 
 
-def _engine(method: str, max_num_seqs: Optional[int], cache_dir: Optional[str], adaptive: bool = True,
-            self_layers: Optional[int] = None) -> Engine:
-    return Engine(EngineConfig(model="smollm2-135m", dtype="auto", cache_dir=cache_dir, max_num_seqs=max_num_seqs,
-                               max_num_batched_tokens=1024, kv_cache_memory=512 << 20,
-                               speculative=dict(method=method, adaptive=adaptive, self_layers=self_layers)))
+def _engine(
+    method: str,
+    max_num_seqs: Optional[int],
+    cache_dir: Optional[str],
+    adaptive: bool = True,
+    self_layers: Optional[int] = None,
+) -> Engine:
+    return Engine(
+        EngineConfig(
+            model="smollm2-135m",
+            dtype="auto",
+            cache_dir=cache_dir,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=1024,
+            kv_cache_memory=512 << 20,
+            speculative=dict(method=method, adaptive=adaptive, self_layers=self_layers),
+        )
+    )
 
 
 def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, list[list[int]], dict]:
@@ -48,8 +62,13 @@ def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[flo
     if after.num_spec_proposed is not None:
         proposed = after.num_spec_proposed - before.num_spec_proposed
         accepted = after.num_spec_accepted - before.num_spec_accepted
-        spec = {"proposed": proposed, "accepted": accepted, "acceptance": accepted / proposed if proposed else None,
-                "steps_on": after.num_spec_steps, "switches": after.num_spec_switches}
+        spec = {
+            "proposed": proposed,
+            "accepted": accepted,
+            "acceptance": accepted / proposed if proposed else None,
+            "steps_on": after.num_spec_steps,
+            "switches": after.num_spec_switches,
+        }
     return statistics.mean(decode), sum(len(o.token_ids) for o in outs) / wall, [o.token_ids for o in outs], spec
 
 
@@ -94,8 +113,10 @@ def _batch_one(args) -> None:
         for name in methods:
             ratios[name].append(res[name][0] / res["off"][0])
         print(f"  round {r}: " + ", ".join(f"{n} {v[0]:.1f} decode tok/s {v[3] or ''}" for n, v in res.items()))
-        print("    bf16 agreement with off: " + ", ".join(
-            f"{name} {_agreement(res[name][2], res['off'][2])}" for name in methods))
+        print(
+            "    bf16 agreement with off: "
+            + ", ".join(f"{name} {_agreement(res[name][2], res['off'][2])}" for name in methods)
+        )
     for name, vals in ratios.items():
         print(f"  {name} / off decode tok/s at batch 1: {statistics.mean(vals):.2f}x")
 

@@ -4,6 +4,7 @@ Run once (`python -m batchrun.data.make_sample`) and commit the result; the file
 `python -m batchrun job=summarize` reads when `data.uri` is not set. pydoc's topics differ a little
 between Python versions, which is why the Parquet files are committed rather than built at run time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,7 +65,7 @@ def write_shards(out_dir: Path) -> list[Path]:
     rows = sample_rows()
     paths = []
     for i in range(NUM_SHARDS):
-        chunk = rows[i * DOCS_PER_SHARD:(i + 1) * DOCS_PER_SHARD]
+        chunk = rows[i * DOCS_PER_SHARD : (i + 1) * DOCS_PER_SHARD]
         path = out_dir / f"topics-{i:02d}.parquet"
         pq.write_table(pa.Table.from_pylist(chunk, schema=SCHEMA), path)
         paths.append(path)

@@ -1,6 +1,15 @@
 """The inference engine: its public API is what this module exports, nothing deeper."""
+
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestMetrics, RequestOutput
 
-__all__ = ["Engine", "EngineConfig", "EngineRequest", "EngineStats", "RequestMetrics", "RequestOutput", "SamplingParams"]
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "EngineRequest",
+    "EngineStats",
+    "RequestMetrics",
+    "RequestOutput",
+    "SamplingParams",
+]

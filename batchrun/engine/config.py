@@ -1,4 +1,5 @@
 """Engine and sampling configuration: the frozen dataclasses every other engine module reads."""
+
 from __future__ import annotations
 
 import logging
@@ -76,17 +77,24 @@ class EngineConfig:
         if isinstance(self.speculative, dict):  # accepted from plain configs
             object.__setattr__(self, "speculative", SpeculativeConfig(**self.speculative))
         if self.quantization not in QUANTIZATION_MODES:
-            raise ValueError(f"engine.quantization must be one of {', '.join(QUANTIZATION_MODES)}, "
-                             f"got {self.quantization!r}")
+            raise ValueError(
+                f"engine.quantization must be one of {', '.join(QUANTIZATION_MODES)}, got {self.quantization!r}"
+            )
         if self.quant_group_size not in (32, 64, 128, 256):
             raise ValueError(f"engine.quant_group_size must be 32, 64, 128 or 256, got {self.quant_group_size!r}")
         if self.quantization == "w4a8" and self.quant_group_size != 32:
-            raise ValueError(f"engine.quant_group_size must be 32 with engine.quantization=w4a8 (its kernel "
-                             f"works in groups of 32, GGUF's Q4 block), got {self.quant_group_size!r}")
-        if isinstance(self.w8a8_outlier_channels, bool) or not isinstance(self.w8a8_outlier_channels, int) \
-                or self.w8a8_outlier_channels < 0:
-            raise ValueError(f"engine.w8a8_outlier_channels must be a whole number >= 0, "
-                             f"got {self.w8a8_outlier_channels!r}")
+            raise ValueError(
+                f"engine.quant_group_size must be 32 with engine.quantization=w4a8 (its kernel "
+                f"works in groups of 32, GGUF's Q4 block), got {self.quant_group_size!r}"
+            )
+        if (
+            isinstance(self.w8a8_outlier_channels, bool)
+            or not isinstance(self.w8a8_outlier_channels, int)
+            or self.w8a8_outlier_channels < 0
+        ):
+            raise ValueError(
+                f"engine.w8a8_outlier_channels must be a whole number >= 0, got {self.w8a8_outlier_channels!r}"
+            )
         if self.kv_cache_dtype not in ("auto", "int8", "fp8"):
             raise ValueError(f"engine.kv_cache_dtype must be auto, int8 or fp8, got {self.kv_cache_dtype!r}")
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):

@@ -18,12 +18,14 @@ slot is -1 (skipped by the Triton KV write), so it is safe at any time on the GP
 Only `DecodeGraphs(..., capture=...)` knows about CUDA: the CPU tests pass `EagerReplay`, which
 "replays" by running the step again, and so exercise the buckets, padding, packing and buffers.
 """
+
 from __future__ import annotations
 
 import bisect
 import logging
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -62,7 +64,7 @@ def pack_decode_inputs(requests: list[Request], block_size: int, host: np.ndarra
     host[:n, 1] = positions
     host[:n, _NUM_FIXED:] = 0  # shorter tables are padded with block 0, as the runner pads them
     for i, r in enumerate(requests):
-        host[i, _NUM_FIXED: _NUM_FIXED + len(r.block_ids)] = r.block_ids
+        host[i, _NUM_FIXED : _NUM_FIXED + len(r.block_ids)] = r.block_ids
     host[:n, 2] = host[np.arange(n), _NUM_FIXED + positions // block_size] * block_size + positions % block_size
     host[n:] = host[n - 1]
     # A one-token chunk of a prompt is a decode-shaped step too, but samples nothing yet.
@@ -79,7 +81,7 @@ class EagerReplay:
         self.step()
 
 
-def capture_cuda_graph(step: Callable[[], None], pool: Any) -> "torch.cuda.CUDAGraph":
+def capture_cuda_graph(step: Callable[[], None], pool: Any) -> torch.cuda.CUDAGraph:
     step()  # warm-up: compiles the Triton kernels and settles the allocator before capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -93,9 +95,17 @@ def cuda_graphs_enabled(device: torch.device) -> bool:
 
 
 class DecodeGraphs:
-    def __init__(self, model: Any, kv_caches: list, block_size: int, max_blocks_per_seq: int,
-                 device: torch.device, dtype: torch.dtype, max_batch: int = MAX_GRAPH_BATCH,
-                 capture: Optional[Capture] = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        kv_caches: list,
+        block_size: int,
+        max_blocks_per_seq: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_batch: int = MAX_GRAPH_BATCH,
+        capture: Optional[Capture] = None,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.block_size = block_size
@@ -123,16 +133,24 @@ class DecodeGraphs:
         self.is_broken = False  # a capture failed (some layer syncs with the host): run eagerly from then on
 
     def can_run(self, batch: ScheduledBatch) -> bool:
-        return (not self.is_broken and 0 < len(batch.requests) <= self.max_batch and not batch.spec_token_ids
-                and all(n == 1 for n in batch.num_new_tokens)
-                and max(len(r.block_ids) for r in batch.requests) <= self.block_tables.shape[1])
+        return (
+            not self.is_broken
+            and 0 < len(batch.requests) <= self.max_batch
+            and not batch.spec_token_ids
+            and all(n == 1 for n in batch.num_new_tokens)
+            and max(len(r.block_ids) for r in batch.requests) <= self.block_tables.shape[1]
+        )
 
     def _step_fn(self, bucket: int) -> Callable[[], None]:
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket], query_start_loc=list(range(bucket + 1)),
+            slot_mapping=self.slot_mapping[:bucket],
+            query_start_loc=list(range(bucket + 1)),
             seq_lens=[1] * bucket,  # read only by prefill code, which a decode step never reaches
-            block_tables=self.block_tables[:bucket], block_size=self.block_size,
-            decode_seq_ids=self.seq_ids[:bucket], decode_seq_lens=self.seq_lens[:bucket], prefill_seq_ids=[],
+            block_tables=self.block_tables[:bucket],
+            block_size=self.block_size,
+            decode_seq_ids=self.seq_ids[:bucket],
+            decode_seq_lens=self.seq_lens[:bucket],
+            prefill_seq_ids=[],
         )
 
         def step() -> None:
@@ -179,8 +197,7 @@ class DecodeGraphs:
         try:
             graph = self._graph(bucket)
         except Exception as exc:  # noqa: BLE001 - any failed capture means: this model cannot be graphed
-            log.warning("CUDA graph capture failed for decode batch %d (%s); decoding eagerly from now on",
-                        bucket, exc)
+            log.warning("CUDA graph capture failed for decode batch %d (%s); decoding eagerly from now on", bucket, exc)
             self.is_broken = True
             return None
         graph.replay()

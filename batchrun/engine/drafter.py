@@ -7,6 +7,7 @@ target's verification forward rewrites those entries with the same values, so no
 undoing. A draft model keeps its own cache under the same block ids and slot mapping, and `sync`
 runs it over every scheduled token so its cache always covers what the target's does.
 """
+
 from __future__ import annotations
 
 import logging
@@ -28,13 +29,17 @@ def is_eligible(req: Request) -> bool:
     """A request that may carry drafts: decoding, no logprobs asked, and not a seeded sample (the
     policy's on/off choices depend on the batch, and a seeded request must not)."""
     p = req.params
-    return (req.num_computed_tokens == req.num_tokens - 1 and p.logprobs is None
-            and (p.is_greedy or p.seed is None))
+    return req.num_computed_tokens == req.num_tokens - 1 and p.logprobs is None and (p.is_greedy or p.seed is None)
 
 
 class Drafter:
-    def __init__(self, config: SpeculativeConfig, policy: SpeculationPolicy, runner: ModelRunner,
-                 num_layers: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        policy: SpeculationPolicy,
+        runner: ModelRunner,
+        num_layers: Optional[int] = None,
+    ) -> None:
         self.config = config
         self.policy = policy
         self.runner = runner  # the target's runner (self) or the draft model's (draft)
@@ -75,8 +80,9 @@ class Drafter:
             active = [r for r in reqs if batch.num_spec[r.seq_id] > j]
             step = ScheduledBatch(active, [1] * len(active))
             step.spec_token_ids = drafts
-            out = self.runner.execute(step, num_layers=self.num_layers,
-                                      num_computed=[r.num_tokens - 1 + j for r in active])
+            out = self.runner.execute(
+                step, num_layers=self.num_layers, num_computed=[r.num_tokens - 1 + j for r in active]
+            )
             greedy = out.logits.argmax(dim=-1).tolist()
             for row, r in enumerate(active):
                 if r.params.is_greedy:

@@ -1,30 +1,32 @@
 """The Engine facade: tokenize, admit, step (schedule -> run -> sample -> update), detokenize."""
+
 from __future__ import annotations
 
 import logging
 import os
 import time
 from collections import deque
-from typing import Any, Iterable, Iterator, Optional, Sequence, Union
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Optional, Union
 
 import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 from batchrun.engine.drafter import Drafter
 from batchrun.engine.kv_cache import KVCacheManager
-from batchrun.engine.profiler import default_kv_bytes, pick_batch_limits
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput
+from batchrun.engine.profiler import default_kv_bytes, pick_batch_limits
 from batchrun.engine.quantization import prepare_linears_for_engine
 from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner, RunnerOutput, kv_bytes_per_block
 from batchrun.engine.sampler import Sampler
-from batchrun.engine.speculative import SpeculationPolicy, StepCostModel, record_acceptance, verify
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from batchrun.model.decoder import DecoderLM
-from batchrun.model.loader import load_model
-from batchrun.model.linear import NativeLinear
-from batchrun.model.prepare import module_weight_bytes
+from batchrun.engine.speculative import SpeculationPolicy, StepCostModel, record_acceptance, verify
 from batchrun.kernels import cpu_native
+from batchrun.model.decoder import DecoderLM
+from batchrun.model.linear import NativeLinear
+from batchrun.model.loader import load_model
+from batchrun.model.prepare import module_weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +90,12 @@ class Engine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         t0 = time.perf_counter()
-        loaded = load_model(config.model, dtype=self.dtype, cache_dir=config.cache_dir,
-                            keep_gguf_quantization=config.quantization in ("gguf", "w4a8"))
+        loaded = load_model(
+            config.model,
+            dtype=self.dtype,
+            cache_dir=config.cache_dir,
+            keep_gguf_quantization=config.quantization in ("gguf", "w4a8"),
+        )
         self.tokenizer = loaded.tokenizer
         self.model_path = loaded.path
         self.model_fingerprint = loaded.fingerprint
@@ -100,8 +106,9 @@ class Engine:
         model.load_hf_state_dict(loaded.state_dict)
         # Every linear's backend in one pass: quantized per engine.quantization, and on a bf16 CPU the
         # float ones packed once (for the native kernel, else oneDNN) instead of reordered on every call.
-        self.quantization = prepare_linears_for_engine(model, config, loaded.tokenizer, loaded.quantized_weights,
-                                                       self.dtype, self.device)
+        self.quantization = prepare_linears_for_engine(
+            model, config, loaded.tokenizer, loaded.quantized_weights, self.dtype, self.device
+        )
         num_packed = self.quantization.num_packed
         num_native = sum(isinstance(m, NativeLinear) for m in model.modules())
         self.model = model.eval()
@@ -115,39 +122,61 @@ class Engine:
             kv_bytes = kv_bytes * _available_memory(self.device)
         num_blocks = int(kv_bytes // per_block)
         if num_blocks < 1:
-            raise ValueError(f"engine.kv_cache_memory={config.kv_cache_memory} leaves no room for one KV block "
-                             f"({per_block} bytes)")
+            raise ValueError(
+                f"engine.kv_cache_memory={config.kv_cache_memory} leaves no room for one KV block ({per_block} bytes)"
+            )
         model_limit = config.max_model_len or model.spec.max_position_embeddings
         self.max_model_len = min(model_limit, num_blocks * config.block_size)
         if self.max_model_len < model_limit and config.max_model_len:
-            log.warning("max_model_len %d capped to %d: the KV cache holds only %d blocks of %d tokens",
-                        model_limit, self.max_model_len, num_blocks, config.block_size)
+            log.warning(
+                "max_model_len %d capped to %d: the KV cache holds only %d blocks of %d tokens",
+                model_limit,
+                self.max_model_len,
+                num_blocks,
+                config.block_size,
+            )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device, config.kv_cache_dtype)
         spec = config.speculative
-        limits = pick_batch_limits(self.runner, num_blocks, config.block_size, self.max_model_len,
-                                   config.max_num_seqs, config.max_num_batched_tokens,
-                                   profile_decode=spec.method != "none")
+        limits = pick_batch_limits(
+            self.runner,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            profile_decode=spec.method != "none",
+        )
         self.max_num_seqs = limits.max_num_seqs
         self.max_num_batched_tokens = limits.max_num_batched_tokens
         # What was resolved at start-up, for logs and run manifests.
         self.settings = {
-            "model_type": model.spec.model_type, "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-            "num_threads": torch.get_num_threads(), "block_size": config.block_size, "num_kv_blocks": num_blocks,
-            "kv_cache_bytes": num_blocks * per_block, "max_model_len": self.max_model_len,
-            "max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": self.max_num_batched_tokens,
+            "model_type": model.spec.model_type,
+            "device": str(self.device),
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "num_threads": torch.get_num_threads(),
+            "block_size": config.block_size,
+            "num_kv_blocks": num_blocks,
+            "kv_cache_bytes": num_blocks * per_block,
+            "max_model_len": self.max_model_len,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
             "batch_limits_profile": limits.profile,
             # csrc/ kernels (decode and prefill attention, W8A8 quantization) built and on; False: plain torch
             "native_cpu_kernels": self.device.type == "cpu" and cpu_native.enabled() and cpu_native.available(),
             "packed_linears": num_packed,  # bf16 CPU linears whose weights were packed at load
             "native_linears": num_native,  # of those, the ones csrc/linear.cpp runs (the others: oneDNN)
         }
-        self.settings.update({  # weights and KV format (issue 5): also what the benchmark table shows
-            "quantization": config.quantization, "quant_group_size": config.quant_group_size,
-            "w8a8_outlier_channels": config.w8a8_outlier_channels if config.quantization == "w8a8" else None,
-            "quant_formats": dict(self.quantization.formats), "weight_bytes": module_weight_bytes(model),
-            "kv_cache_dtype": config.kv_cache_dtype,
-        })
+        self.settings.update(
+            {  # weights and KV format (issue 5): also what the benchmark table shows
+                "quantization": config.quantization,
+                "quant_group_size": config.quant_group_size,
+                "w8a8_outlier_channels": config.w8a8_outlier_channels if config.quantization == "w8a8" else None,
+                "quant_formats": dict(self.quantization.formats),
+                "weight_bytes": module_weight_bytes(model),
+                "kv_cache_dtype": config.kv_cache_dtype,
+            }
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -167,28 +196,47 @@ class Engine:
         self._num_generated_tokens = 0
         self._num_steps = 0
         self.model.reset_expert_token_counts()  # start-up profiling forwards are not real tokens
-        log.info("engine ready in %.1fs: %s (%s) on %s/%s, %d KV blocks x %d tokens, max_model_len %d, "
-                 "max_num_seqs %d, max_num_batched_tokens %d%s", time.perf_counter() - t0, self.model_path,
-                 model.spec.model_type, self.device, self.dtype, num_blocks, config.block_size, self.max_model_len,
-                 self.max_num_seqs, self.max_num_batched_tokens, f" (profiled: {limits.profile})" if limits.profile else "")
+        log.info(
+            "engine ready in %.1fs: %s (%s) on %s/%s, %d KV blocks x %d tokens, max_model_len %d, "
+            "max_num_seqs %d, max_num_batched_tokens %d%s",
+            time.perf_counter() - t0,
+            self.model_path,
+            model.spec.model_type,
+            self.device,
+            self.dtype,
+            num_blocks,
+            config.block_size,
+            self.max_model_len,
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            f" (profiled: {limits.profile})" if limits.profile else "",
+        )
 
     # ---- public API ---------------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Union[str, list[int]]],
-                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Sequence[Union[str, list[int]]],
+        params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+    ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order."""
         per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         assert len(per_prompt) == len(prompts), "one SamplingParams per prompt, or one for all"
-        requests = [EngineRequest(request_id=i, prompt=p, params=sp) for i, (p, sp) in enumerate(zip(prompts, per_prompt))]
+        requests = [
+            EngineRequest(request_id=i, prompt=p, params=sp) for i, (p, sp) in enumerate(zip(prompts, per_prompt))
+        ]
         results: list[Optional[RequestOutput]] = [None] * len(prompts)
         for out in self.stream(requests, max_in_flight=max(len(requests), 1)):
             results[out.request_id] = out
         assert all(r is not None for r in results)
         return results  # type: ignore[return-value]
 
-    def stream(self, requests: Iterable[Union[EngineRequest, str, list[int]]],
-               params: Optional[SamplingParams] = None,
-               max_in_flight: Optional[int] = None) -> Iterator[RequestOutput]:
+    def stream(
+        self,
+        requests: Iterable[Union[EngineRequest, str, list[int]]],
+        params: Optional[SamplingParams] = None,
+        max_in_flight: Optional[int] = None,
+    ) -> Iterator[RequestOutput]:
         """Admit requests lazily and yield each output as it finishes (completion order)."""
         default_params = params or SamplingParams()
         limit = max_in_flight or 4 * self.max_num_seqs
@@ -236,8 +284,12 @@ class Engine:
         if self.drafter is None:
             return {}
         policy = self.drafter.policy
-        return dict(num_spec_proposed=self._num_spec_proposed, num_spec_accepted=self._num_spec_accepted,
-                    num_spec_steps=policy.num_steps_on, num_spec_switches=policy.num_switches)
+        return dict(
+            num_spec_proposed=self._num_spec_proposed,
+            num_spec_accepted=self._num_spec_accepted,
+            num_spec_steps=policy.num_steps_on,
+            num_spec_switches=policy.num_switches,
+        )
 
     def _build_drafter(self, spec: SpeculativeConfig, num_blocks: int, profile: dict) -> Drafter:
         num_layers = None
@@ -249,9 +301,14 @@ class Engine:
             draft_cost = num_layers / total
         elif spec.method == "draft":
             loaded = load_model(spec.draft_model, dtype=self.dtype, cache_dir=self.config.cache_dir)
-            if len(loaded.tokenizer) != len(self.tokenizer) or loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab():
-                raise ValueError(f"engine.speculative.draft_model {spec.draft_model!r} has a different tokenizer "
-                                 "from the target model; a draft must share the target's vocabulary")
+            if (
+                len(loaded.tokenizer) != len(self.tokenizer)
+                or loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab()
+            ):
+                raise ValueError(
+                    f"engine.speculative.draft_model {spec.draft_model!r} has a different tokenizer "
+                    "from the target model; a draft must share the target's vocabulary"
+                )
             with torch.device(self.device):
                 draft = DecoderLM(loaded.config)
             draft.to(self.dtype)
@@ -263,8 +320,12 @@ class Engine:
             self.settings["draft_model"] = loaded.path
         cost = StepCostModel(profile.get("decode_tok_s") or {1: 1.0})
         policy = SpeculationPolicy(spec, cost, draft_cost)
-        self.settings["speculative"] = {"method": spec.method, "k": spec.num_speculative_tokens,
-                                        "self_layers": num_layers, "adaptive": spec.adaptive}
+        self.settings["speculative"] = {
+            "method": spec.method,
+            "k": spec.num_speculative_tokens,
+            "self_layers": num_layers,
+            "adaptive": spec.adaptive,
+        }
         return Drafter(spec, policy, runner, num_layers)
 
     def reset_peak_stats(self) -> None:
@@ -318,8 +379,10 @@ class Engine:
         if error is None and not token_ids:
             error = "prompt is empty (no tokens)"
         if error is None and len(token_ids) + 1 > self.max_model_len:
-            error = (f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
-                     "(prompt plus at least one generated token must fit)")
+            error = (
+                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
+                "(prompt plus at least one generated token must fit)"
+            )
         req = Request(seq_id, request_id, token_ids, params, now, generator)
         if error is not None:
             req.finish_reason, req.error = "error", error
@@ -357,8 +420,9 @@ class Engine:
                 finished.append(req)
         return finished
 
-    def _sample(self, batch: ScheduledBatch, out: RunnerOutput, draft_probs: dict[int, torch.Tensor]
-                ) -> dict[int, tuple[Request, list[int], Optional[dict[int, float]]]]:
+    def _sample(
+        self, batch: ScheduledBatch, out: RunnerOutput, draft_probs: dict[int, torch.Tensor]
+    ) -> dict[int, tuple[Request, list[int], Optional[dict[int, float]]]]:
         """seq_id -> (request, tokens produced this step, logprobs of its one plain token)."""
         by_seq = {r.seq_id: r for r in batch.requests}
         plain_rows: list[int] = []
@@ -369,7 +433,7 @@ class Engine:
             req = by_seq[seq]
             drafts = batch.spec_token_ids.get(seq)
             if drafts:
-                tokens = verify(out.logits[row: row + n], drafts, req.params, req.generator, draft_probs.get(seq))
+                tokens = verify(out.logits[row : row + n], drafts, req.params, req.generator, draft_probs.get(seq))
                 record_acceptance(req, len(drafts), len(tokens) - 1)
                 self._num_spec_proposed += len(drafts)
                 self._num_spec_accepted += len(tokens) - 1
@@ -380,8 +444,9 @@ class Engine:
             row += n
         if plain_reqs:
             logits = out.logits if len(plain_rows) == out.logits.shape[0] else out.logits[plain_rows]
-            tokens, logprobs = self.sampler.sample(logits, [r.params for r in plain_reqs],
-                                                   [r.generator for r in plain_reqs])
+            tokens, logprobs = self.sampler.sample(
+                logits, [r.params for r in plain_reqs], [r.generator for r in plain_reqs]
+            )
             for i, req in enumerate(plain_reqs):
                 result[req.seq_id] = (req, [tokens[i]], logprobs[i] if logprobs is not None else None)
         return result

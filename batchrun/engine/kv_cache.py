@@ -5,11 +5,13 @@ keyed by a hash chained over the token ids of every block before it, so two requ
 the first N full blocks of tokens share those blocks. Blocks no request holds stay cached until
 they are needed, and are then evicted least recently freed first.
 """
+
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 from batchrun.engine.request import Request
 
@@ -115,7 +117,7 @@ class KVCacheManager:
         bs = self.block_size
         hashes = req.block_hashes
         for i in range(len(hashes), num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, req.token_ids[i * bs:(i + 1) * bs]))
+            hashes.append(hash_block(hashes[-1] if hashes else None, req.token_ids[i * bs : (i + 1) * bs]))
         return hashes[: num_tokens // bs]
 
     def match_prefix(self, req: Request) -> int:

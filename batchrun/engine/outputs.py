@@ -1,4 +1,5 @@
 """The dataclasses the engine hands across its public seam."""
+
 from __future__ import annotations
 
 import logging

@@ -4,6 +4,7 @@ Offline throughput depends on the machine: on a 2-core CPU a decode batch stops 
 a GPU's does. Rather than a fixed guess, time a few synthetic steps of this model here and take the
 smallest setting that gets close to the best rate (smaller batches mean lower latency and less KV).
 """
+
 from __future__ import annotations
 
 import logging
@@ -66,9 +67,15 @@ def _smallest_near_best(rates: dict[int, float], fraction: float) -> int:
     return min(k for k, r in rates.items() if r >= fraction * best)
 
 
-def pick_batch_limits(runner: ModelRunner, num_blocks: int, block_size: int, max_model_len: int,
-                      max_num_seqs: int | None, max_num_batched_tokens: int | None,
-                      profile_decode: bool = False) -> BatchLimits:
+def pick_batch_limits(
+    runner: ModelRunner,
+    num_blocks: int,
+    block_size: int,
+    max_model_len: int,
+    max_num_seqs: int | None,
+    max_num_batched_tokens: int | None,
+    profile_decode: bool = False,
+) -> BatchLimits:
     """Fill in whichever of the two limits is None by profiling; keep the ones given. With
     profile_decode the decode rates are measured even when max_num_seqs is given (speculative
     decoding's cost model needs them)."""

@@ -1,9 +1,11 @@
 """Giving a freshly loaded model its linear backends for the engine's settings (`engine.quantization`,
 device and dtype), with the calibration pass W8A8 needs first."""
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
 
@@ -18,27 +20,42 @@ from batchrun.model.quant import QuantizationSummary, QuantizedWeight, calibrati
 log = logging.getLogger(__name__)
 
 
-def prefill_forward(model: DecoderLM, block_size: int, dtype: torch.dtype,
-                    device: torch.device) -> Callable[[list[int]], None]:
+def prefill_forward(
+    model: DecoderLM, block_size: int, dtype: torch.dtype, device: torch.device
+) -> Callable[[list[int]], None]:
     """A function that runs one token list through the model as a fresh prompt (for hooks)."""
+
     def run(token_ids: list[int]) -> None:
         num_blocks = -(-len(token_ids) // block_size)
         runner = ModelRunner(model, num_blocks, block_size, dtype, device)
         req = Request(0, 0, list(token_ids), SamplingParams(temperature=0.0), 0.0, None)
         req.block_ids = list(range(num_blocks))
         runner.execute(ScheduledBatch([req], [len(token_ids)]))
+
     return run
 
 
-def prepare_linears_for_engine(model: DecoderLM, config: EngineConfig, tokenizer: Any,
-                               gguf_weights: Optional[dict[str, QuantizedWeight]], dtype: torch.dtype,
-                               device: torch.device) -> QuantizationSummary:
+def prepare_linears_for_engine(
+    model: DecoderLM,
+    config: EngineConfig,
+    tokenizer: Any,
+    gguf_weights: Optional[dict[str, QuantizedWeight]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> QuantizationSummary:
     """prepare_linears with the engine's settings. W8A8 first measures each projection's input range
     on 1k tokens of built-in text, with the float model, so SmoothQuant can even out the activations."""
     input_absmax = None
     if config.quantization == "w8a8":
         run = prefill_forward(model, config.block_size, dtype, device)
         input_absmax = collect_input_absmax(model, run, calibration_token_ids(tokenizer))
-    return prepare_linears(model, config.quantization, device, dtype, group_size=config.quant_group_size,
-                           prequantized=gguf_weights, input_absmax=input_absmax,
-                           outlier_channels=config.w8a8_outlier_channels)
+    return prepare_linears(
+        model,
+        config.quantization,
+        device,
+        dtype,
+        group_size=config.quant_group_size,
+        prequantized=gguf_weights,
+        input_absmax=input_absmax,
+        outlier_channels=config.w8a8_outlier_channels,
+    )

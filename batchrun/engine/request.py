@@ -1,4 +1,5 @@
 """A request's state inside the engine: its tokens, how many are computed, its KV blocks."""
+
 from __future__ import annotations
 
 import enum
@@ -26,8 +27,15 @@ class Request:
     to produce the same tokens it would have produced without the interruption.
     """
 
-    def __init__(self, seq_id: int, request_id: Any, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_s: float, generator: Optional[torch.Generator]) -> None:
+    def __init__(
+        self,
+        seq_id: int,
+        request_id: Any,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_s: float,
+        generator: Optional[torch.Generator],
+    ) -> None:
         self.seq_id = seq_id  # engine-internal, unique, increasing: the admission order
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
@@ -56,7 +64,7 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
     def num_output_tokens(self) -> int:

@@ -1,4 +1,5 @@
 """Runs one scheduled batch through the model: flattened inputs in, last-position logits out."""
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,15 @@ def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype, kv
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, kv_cache_dtype: str = "auto") -> None:
+    def __init__(
+        self,
+        model: DecoderLM,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        kv_cache_dtype: str = "auto",
+    ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -61,12 +69,15 @@ class ModelRunner:
             max_blocks = min(num_blocks, -(-s.max_position_embeddings // block_size))
             self.graphs = DecodeGraphs(model, self.kv_caches, block_size, max_blocks, device, dtype)
 
-    def prepare(self, batch: ScheduledBatch, num_computed: Optional[list[int]] = None
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int], list[int]]:
+    def prepare(
+        self, batch: ScheduledBatch, num_computed: Optional[list[int]] = None
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int], list[int]]:
         """Flatten a batch; `num_computed` overrides each request's start (used by draft passes)."""
         bs = self.block_size
-        starts = np.array(num_computed if num_computed is not None else
-                          [r.num_computed_tokens for r in batch.requests], dtype=np.int64)
+        starts = np.array(
+            num_computed if num_computed is not None else [r.num_computed_tokens for r in batch.requests],
+            dtype=np.int64,
+        )
         lens = np.array(batch.num_new_tokens, dtype=np.int64)
         ends = starts + lens
         query_start_loc = np.concatenate([[0], np.cumsum(lens)])
@@ -79,7 +90,7 @@ class ModelRunner:
         for r, s_, e in zip(batch.requests, starts.tolist(), ends.tolist()):
             chunk = r.token_ids[s_:e]
             if e > r.num_tokens:  # past the real tokens: the drafts carried this step
-                chunk = chunk + spec[r.seq_id][max(s_, r.num_tokens) - r.num_tokens: e - r.num_tokens]
+                chunk = chunk + spec[r.seq_id][max(s_, r.num_tokens) - r.num_tokens : e - r.num_tokens]
             chunks.append(chunk)
         input_ids = np.fromiter((t for c in chunks for t in c), dtype=np.int64, count=num_tokens)
         max_blocks = max(len(r.block_ids) for r in batch.requests)
@@ -111,32 +122,49 @@ class ModelRunner:
                 logits_rows.extend(range(first, last))
                 sample_seq_ids.append(r.seq_id)
                 num_rows.append(last - first)
-        return (torch.from_numpy(input_ids).to(self.device), torch.from_numpy(positions).to(self.device),
-                meta, logits_rows, sample_seq_ids, num_rows)
+        return (
+            torch.from_numpy(input_ids).to(self.device),
+            torch.from_numpy(positions).to(self.device),
+            meta,
+            logits_rows,
+            sample_seq_ids,
+            num_rows,
+        )
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, num_layers: Optional[int] = None,
-                num_computed: Optional[list[int]] = None) -> RunnerOutput:
+    def execute(
+        self, batch: ScheduledBatch, num_layers: Optional[int] = None, num_computed: Optional[list[int]] = None
+    ) -> RunnerOutput:
         is_full_step = num_layers is None and num_computed is None
         if self.graphs is not None and is_full_step and self.graphs.can_run(batch):
             graphed = self.graphs.execute(batch)
             if graphed is not None:
                 logits, sample_seq_ids = graphed
-                return RunnerOutput(logits=self._logits_for_sampler(logits, batch, is_full_step),
-                                    sample_seq_ids=sample_seq_ids, num_rows=[1] * len(sample_seq_ids))
+                return RunnerOutput(
+                    logits=self._logits_for_sampler(logits, batch, is_full_step),
+                    sample_seq_ids=sample_seq_ids,
+                    num_rows=[1] * len(sample_seq_ids),
+                )
         input_ids, positions, meta, logits_rows, sample_seq_ids, num_rows = self.prepare(batch, num_computed)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers)  # (num_tokens, hidden_size)
         rows = torch.tensor(logits_rows, dtype=torch.long, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
-        return RunnerOutput(logits=self._logits_for_sampler(logits, batch, is_full_step),
-                            sample_seq_ids=sample_seq_ids, num_rows=num_rows)
+        return RunnerOutput(
+            logits=self._logits_for_sampler(logits, batch, is_full_step),
+            sample_seq_ids=sample_seq_ids,
+            num_rows=num_rows,
+        )
 
     @staticmethod
     def _logits_for_sampler(logits: torch.Tensor, batch: ScheduledBatch, is_full_step: bool) -> torch.Tensor:
         """On the GPU, all-greedy steps keep the logits there: the sampler's argmax runs on the device
         and only the token ids come back. Anything that needs the host (per-request CPU generators,
         logprobs, draft verification, drafter passes) gets them copied; on CPU this is a no-op."""
-        if logits.is_cuda and is_full_step and not batch.spec_token_ids and all(
-                r.params.is_greedy and r.params.logprobs is None for r in batch.requests):
+        if (
+            logits.is_cuda
+            and is_full_step
+            and not batch.spec_token_ids
+            and all(r.params.is_greedy and r.params.logprobs is None for r in batch.requests)
+        ):
             return logits
         return logits.cpu()

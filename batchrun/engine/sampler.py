@@ -3,10 +3,12 @@
 Greedy rows are one vectorized argmax. Sampled rows draw with their own request's generator, so
 a seeded request gets the same tokens whatever else shares its batch.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import torch
 

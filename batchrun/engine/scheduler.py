@@ -6,6 +6,7 @@ When blocks run out, the newest running request is preempted: its blocks are fre
 back to the front of the queue to be recomputed later. Waiting requests are admitted only in a
 step that preempted nobody.
 """
+
 from __future__ import annotations
 
 import logging
@@ -134,8 +135,11 @@ class Scheduler:
         """Draft tokens worth scheduling: only for a decode, within budget, max_tokens and max_model_len."""
         if wanted <= 0 or req.num_computed_tokens != req.num_tokens - 1:
             return 0
-        room = min(req.params.max_tokens - req.num_output_tokens - 1,
-                   self.config.max_model_len - req.num_tokens - 1, budget_left)
+        room = min(
+            req.params.max_tokens - req.num_output_tokens - 1,
+            self.config.max_model_len - req.num_tokens - 1,
+            budget_left,
+        )
         return max(0, min(wanted, room))
 
     def update(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> list[Request]:

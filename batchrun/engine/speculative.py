@@ -15,11 +15,13 @@ while (B + sum E) / t(B + sum k) beats B / t(B), so at full batch on a compute-b
 stands aside, and at small batches it speculates. Requests below a floor rate rest and are probed
 again every few steps so a rate can recover.
 """
+
 from __future__ import annotations
 
 import bisect
 import logging
-from typing import Optional, Sequence
+from collections.abc import Sequence
+from typing import Optional
 
 import numpy as np
 import torch
@@ -42,19 +44,19 @@ def ngram_propose(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> l
     arr = np.asarray(token_ids, dtype=np.int64)
     length = len(arr)
     for n in range(min(n_max, length - 1), n_min - 1, -1):
-        suffix = arr[length - n:]
+        suffix = arr[length - n :]
         windows = np.lib.stride_tricks.sliding_window_view(arr[: length - 1], n)  # starts 0..length-1-n
         hits = np.nonzero((windows == suffix).all(axis=1))[0]
         if hits.size:
             start = int(hits[-1]) + n
-            return arr[start: start + k].tolist()
+            return arr[start : start + k].tolist()
     return []
 
 
 def expected_accepted(rate: float, k: int) -> float:
     if rate >= 1.0:
         return float(k)
-    return rate * (1 - rate ** k) / (1 - rate)
+    return rate * (1 - rate**k) / (1 - rate)
 
 
 class StepCostModel:

@@ -6,6 +6,7 @@ the Triton kernels (kernels/triton_attention.py, kernels/triton_kv.py); everythi
 CPU path (kernels/cpu_attention.py: native kernels where they serve, plain torch for the rest). The
 plain-torch reference both are checked against is kernels/attention_torch.py.
 """
+
 from __future__ import annotations
 
 import logging

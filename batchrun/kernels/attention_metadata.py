@@ -6,6 +6,7 @@ The batch holds sequences back to back with no padding: sequence i owns query ro
 `block_tables` (kernels/kv_layout.py). The derived index tensors are built once per step, by the
 first layer that asks, and shared by the rest.
 """
+
 from __future__ import annotations
 
 import logging
@@ -47,12 +48,17 @@ class AttentionMetadata:
             mask = key_pos[None, :] < seq_lens[:, None]  # (num_decode, num_blocks * block_size)
             if sliding_window is not None:
                 mask &= key_pos[None, :] > (seq_lens[:, None] - 1 - sliding_window)
-            rows = torch.tensor([self.query_start_loc[i] for i in self.decode_seq_ids.tolist()],
-                                dtype=torch.long, device=seq_lens.device)
+            rows = torch.tensor(
+                [self.query_start_loc[i] for i in self.decode_seq_ids.tolist()],
+                dtype=torch.long,
+                device=seq_lens.device,
+            )
             self._memo[key] = (rows, tables, mask)
         return self._memo[key]
 
-    def decode_groups(self, sliding_window: Optional[int]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    def decode_groups(
+        self, sliding_window: Optional[int]
+    ) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
         """The batched decodes split for attention: [(query rows, block tables, key mask, num_shared)].
 
         Decodes whose block tables start with the same blocks (the same cached system prompt or
@@ -97,11 +103,15 @@ class AttentionMetadata:
             q_lens = [self.query_start_loc[i + 1] - self.query_start_loc[i] for i in ids]
             self._memo["prefill_native"] = (
                 self.block_tables[torch.tensor(ids, dtype=torch.long, device=self.block_tables.device)],
-                torch.tensor(starts, dtype=torch.long), torch.tensor(q_lens, dtype=torch.long),
-                torch.tensor([self.seq_lens[i] for i in ids], dtype=torch.long))
+                torch.tensor(starts, dtype=torch.long),
+                torch.tensor(q_lens, dtype=torch.long),
+                torch.tensor([self.seq_lens[i] for i in ids], dtype=torch.long),
+            )
         return self._memo["prefill_native"]
 
-    def prefill_inputs(self, i: int, sliding_window: Optional[int]) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    def prefill_inputs(
+        self, i: int, sliding_window: Optional[int]
+    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """(context slots, mask) of prefill sequence i; both None when it has no earlier context
         and no window, so its causal attention runs on the new keys alone."""
         key = ("prefill", i, sliding_window)

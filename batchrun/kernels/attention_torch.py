@@ -7,6 +7,7 @@ prefix once (`decode_attend_shared`, cascade attention); prefills run one SDPA c
 (`attend_prefills`). Visibility: a key at position j is visible to the query at position i when
 j <= i and, with a sliding window W, j > i - W (the convention of HF transformers' masks).
 """
+
 from __future__ import annotations
 
 import logging
@@ -39,7 +40,6 @@ def gather_slots(cache, slots: torch.Tensor) -> torch.Tensor:
     return slots_by_head(cache).index_select(1, slots)
 
 
-
 def write_kv_cache_reference(
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
@@ -63,8 +63,9 @@ def _attend(
 ) -> torch.Tensor:
     """Attention for one or more sequences of equal shape (SDPA's fused CPU kernel when it can)."""
     if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                              enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
     # Logit soft-capping (Gemma 2 style) has no SDPA flag, so it takes the explicit path.
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -77,8 +78,9 @@ def _attend(
     return torch.matmul(probs, v)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-            softcap: Optional[float]) -> torch.Tensor:
+def _scores(
+    q: torch.Tensor, k: torch.Tensor, mask: Optional[torch.Tensor], scale: float, softcap: Optional[float]
+) -> torch.Tensor:
     """float32 logits q @ k.T * scale, soft-capped if asked, -inf where `mask` (broadcast) is False."""
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
     if softcap is not None:
@@ -109,8 +111,14 @@ def decode_attend(
     return out.transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 
-def _partial_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
-                    softcap: Optional[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _partial_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale: float,
+    softcap: Optional[float],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Unnormalized attention of q (..., rows, dim) over k, v (..., keys, dim): (out float32
     (..., rows, dim), row max (..., rows, 1), row sum of exp (..., rows, 1)), to be merged."""
     scores = _scores(q, k, mask, scale, softcap)
@@ -123,7 +131,8 @@ def _partial_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Opt
 
 def decode_attend_shared(
     q: torch.Tensor,  # (batch, num_heads, head_dim)
-    k_cache, v_cache,
+    k_cache,
+    v_cache,
     shared_blocks: torch.Tensor,  # (num_shared,) block ids every sequence starts with
     tables: torch.Tensor,  # (batch, num_blocks) the rest of each sequence's blocks
     mask: torch.Tensor,  # (batch, num_blocks * block_size) for the rest
@@ -140,8 +149,9 @@ def decode_attend_shared(
     qg = q.view(batch, num_kv_heads, group, head_dim).transpose(0, 1)  # (num_kv_heads, batch, group, head_dim)
     k_shared = gather_blocks(k_cache, shared_blocks[None])[:, 0]  # (num_kv_heads, shared_len, head_dim)
     v_shared = gather_blocks(v_cache, shared_blocks[None])[:, 0]
-    o1, m1, l1 = _partial_attend(qg.reshape(num_kv_heads, batch * group, head_dim), k_shared, v_shared, None,
-                                 scale, softcap)
+    o1, m1, l1 = _partial_attend(
+        qg.reshape(num_kv_heads, batch * group, head_dim), k_shared, v_shared, None, scale, softcap
+    )
     o1, m1, l1 = (t.view(num_kv_heads, batch, group, -1) for t in (o1, m1, l1))
     if tables.shape[1] == 0:
         out = o1 / l1
@@ -154,21 +164,47 @@ def decode_attend_shared(
     return out.to(q.dtype).transpose(0, 1).reshape(batch, num_heads, head_dim)
 
 
-def attend_decodes(out: torch.Tensor, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                   sliding_window: Optional[int], softcap: Optional[float]) -> None:
+def attend_decodes(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: Optional[int],
+    softcap: Optional[float],
+) -> None:
     """The decode rows of `out` (num_tokens, num_heads, head_dim), group by group (decode_groups)."""
     for rows, tables, mask, num_shared in meta.decode_groups(sliding_window):
         if num_shared:
-            out[rows] = decode_attend_shared(q[rows], k_cache, v_cache, tables[0, :num_shared], tables[:, num_shared:],
-                                             mask[:, num_shared * meta.block_size:], scale, softcap)
+            out[rows] = decode_attend_shared(
+                q[rows],
+                k_cache,
+                v_cache,
+                tables[0, :num_shared],
+                tables[:, num_shared:],
+                mask[:, num_shared * meta.block_size :],
+                scale,
+                softcap,
+            )
         else:
             k, v = gather_blocks(k_cache, tables), gather_blocks(v_cache, tables)
             out[rows] = decode_attend(q[rows], k, v, mask, scale, softcap)
 
 
-def attend_prefills(out: torch.Tensor, q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata,
-                    prefill_ids: list[int], scale: float, sliding_window: Optional[int], softcap: Optional[float],
-                    k_new: Optional[torch.Tensor], v_new: Optional[torch.Tensor]) -> None:
+def attend_prefills(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    prefill_ids: list[int],
+    scale: float,
+    sliding_window: Optional[int],
+    softcap: Optional[float],
+    k_new: Optional[torch.Tensor],
+    v_new: Optional[torch.Tensor],
+) -> None:
     """The query rows of each listed prefilling sequence, one SDPA call each. A fresh prompt (no
     cached context, no window) attends to `k_new`/`v_new` when given instead of reading the cache."""
     for i in prefill_ids:

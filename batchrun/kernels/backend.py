@@ -1,4 +1,5 @@
 """The one "can Triton run here?" check that every kernel dispatch asks."""
+
 from __future__ import annotations
 
 import functools

@@ -18,6 +18,7 @@ stored: K's per-(slot, head) scale multiplies the scores, V's the probabilities 
 prefill dequantizes on load instead, exactly as the torch path does), and the cache write
 quantizes natively, bitwise as quantize_kv.
 """
+
 from __future__ import annotations
 
 import logging
@@ -42,10 +43,16 @@ def supports(q: torch.Tensor, k_cache) -> bool:
     (engine.kv_cache_dtype: int8), with contiguous rows, and a kernel that built."""
     if isinstance(k_cache, QuantizedKVCache):
         data = k_cache.data
-        return (q.dtype in DTYPE_CODES and data.dtype == torch.int8 and data.stride(-1) == 1
-                and cpu_native.usable(q, data))
-    return (isinstance(k_cache, torch.Tensor) and q.dtype in DTYPE_CODES and k_cache.dtype == q.dtype
-            and k_cache.stride(-1) == 1 and cpu_native.usable(q, k_cache))
+        return (
+            q.dtype in DTYPE_CODES and data.dtype == torch.int8 and data.stride(-1) == 1 and cpu_native.usable(q, data)
+        )
+    return (
+        isinstance(k_cache, torch.Tensor)
+        and q.dtype in DTYPE_CODES
+        and k_cache.dtype == q.dtype
+        and k_cache.stride(-1) == 1
+        and cpu_native.usable(q, k_cache)
+    )
 
 
 def _kv_args(k_cache, v_cache) -> tuple:
@@ -55,16 +62,36 @@ def _kv_args(k_cache, v_cache) -> tuple:
     if isinstance(k_cache, QuantizedKVCache):
         kd, vd, ks, vs = k_cache.data, v_cache.data, k_cache.scale, v_cache.scale
         assert vd.stride() == kd.stride() and vs.stride() == ks.stride()
-        return (kd.data_ptr(), vd.data_ptr(), INT8_KV_CODE, kd.shape[2], *kd.stride()[:3], ks.data_ptr(),
-                vs.data_ptr(), *ks.stride())
+        return (
+            kd.data_ptr(),
+            vd.data_ptr(),
+            INT8_KV_CODE,
+            kd.shape[2],
+            *kd.stride()[:3],
+            ks.data_ptr(),
+            vs.data_ptr(),
+            *ks.stride(),
+        )
     assert v_cache.stride() == k_cache.stride() and v_cache.dtype == k_cache.dtype
-    return (k_cache.data_ptr(), v_cache.data_ptr(), DTYPE_CODES[k_cache.dtype], k_cache.shape[2],
-            *k_cache.stride()[:3], None, None, 0, 0, 0)
+    return (
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        DTYPE_CODES[k_cache.dtype],
+        k_cache.shape[2],
+        *k_cache.stride()[:3],
+        None,
+        None,
+        0,
+        0,
+        0,
+    )
 
 
 def paged_decode_attention(
     q: torch.Tensor,  # (num_seqs, num_heads, head_dim), one query per sequence
-    k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim) tensor, any strides but a unit last one, or int8 QuantizedKVCache
+    # k_cache: (num_blocks, block_size, num_kv_heads, head_dim) tensor, any strides but a unit last one,
+    # or int8 QuantizedKVCache
+    k_cache,
     v_cache,  # same layout as k_cache
     block_tables: torch.Tensor,  # (num_seqs, >= ceil(max seq_len / block_size)) int64
     seq_lens: torch.Tensor,  # (num_seqs,) int64: context length, the query's own position included
@@ -82,18 +109,35 @@ def paged_decode_attention(
     lens = seq_lens.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     rc = lib.batchrun_paged_decode_attention(
-        q.data_ptr(), DTYPE_CODES[q.dtype], num_seqs, num_heads, head_dim, *_kv_args(k_cache, v_cache), block_size,
-        tables.data_ptr(), tables.shape[1] if tables.dim() == 2 else 0, lens.data_ptr(), float(scale),
-        float(softcap or 0.0), int(sliding_window or 0), out.data_ptr(), torch.get_num_threads())
+        q.data_ptr(),
+        DTYPE_CODES[q.dtype],
+        num_seqs,
+        num_heads,
+        head_dim,
+        *_kv_args(k_cache, v_cache),
+        block_size,
+        tables.data_ptr(),
+        tables.shape[1] if tables.dim() == 2 else 0,
+        lens.data_ptr(),
+        float(scale),
+        float(softcap or 0.0),
+        int(sliding_window or 0),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     if rc == -1:
-        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}, at most 64 times it")
+        raise ValueError(
+            f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}, at most 64 times it"
+        )
     if rc != 0:
         raise ValueError(f"the native decode kernel refused the cache ({rc}): an int8 cache needs its scales")
     return out
 
 
 def write_kv_cache(
-    k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim) tensor, any strides but a unit last one, or int8 QuantizedKVCache
+    # k_cache: (num_blocks, block_size, num_kv_heads, head_dim) tensor, any strides but a unit last one,
+    # or int8 QuantizedKVCache
+    k_cache,
     v_cache,  # same layout as k_cache
     k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim), unit last and head_dim head strides
     v: torch.Tensor,
@@ -105,21 +149,42 @@ def write_kv_cache(
     head_dim = k.shape[-1]
     int8 = isinstance(k_cache, QuantizedKVCache)
     kc, vc = (k_cache.data, v_cache.data) if int8 else (k_cache, v_cache)
-    if not (isinstance(kc, torch.Tensor) and k.dtype == v.dtype and k.dtype in DTYPE_CODES
-            and (kc.dtype == vc.dtype == torch.int8 if int8 else kc.dtype == vc.dtype == k.dtype)
-            and slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
-            and k.stride(2) == v.stride(2) == kc.stride(3) == 1 and k.stride(1) == v.stride(1) == head_dim
-            and vc.stride() == kc.stride() and cpu_native.usable(k, kc)):
+    if not (
+        isinstance(kc, torch.Tensor)
+        and k.dtype == v.dtype
+        and k.dtype in DTYPE_CODES
+        and (kc.dtype == vc.dtype == torch.int8 if int8 else kc.dtype == vc.dtype == k.dtype)
+        and slot_mapping.dtype == torch.int64
+        and slot_mapping.is_contiguous()
+        and k.stride(2) == v.stride(2) == kc.stride(3) == 1
+        and k.stride(1) == v.stride(1) == head_dim
+        and vc.stride() == kc.stride()
+        and cpu_native.usable(k, kc)
+    ):
         return False
     lib = cpu_native.library()
-    args = (k.data_ptr(), v.data_ptr(), k.element_size(), k.shape[0], k.shape[1], head_dim, k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), slot_mapping.data_ptr(), kc.data_ptr(), vc.data_ptr())
+    args = (
+        k.data_ptr(),
+        v.data_ptr(),
+        k.element_size(),
+        k.shape[0],
+        k.shape[1],
+        head_dim,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        slot_mapping.data_ptr(),
+        kc.data_ptr(),
+        vc.data_ptr(),
+    )
     if int8:
         ks, vs = k_cache.scale, v_cache.scale
         if ks.stride() != vs.stride() or head_dim > 1024:
             return False
-        lib.batchrun_write_kv_cache_int8(*args, ks.data_ptr(), vs.data_ptr(), kc.shape[1], *kc.stride()[:3],
-                                         *ks.stride(), torch.get_num_threads())
+        lib.batchrun_write_kv_cache_int8(
+            *args, ks.data_ptr(), vs.data_ptr(), kc.shape[1], *kc.stride()[:3], *ks.stride(), torch.get_num_threads()
+        )
     else:
         lib.batchrun_write_kv_cache(*args, kc.shape[1], *kc.stride()[:3], torch.get_num_threads())
     return True
@@ -134,13 +199,22 @@ def supports_prefill(q: torch.Tensor, k_cache) -> bool:
     _, block_size, _, head_dim = k_cache.shape
     int8 = isinstance(k_cache, QuantizedKVCache)
     data = k_cache.data if int8 else k_cache
-    return bool(cpu_native.library().batchrun_prefill_attention_supported(
-        head_dim, DTYPE_CODES[q.dtype], block_size, data.stride(1), INT8_KV_CODE if int8 else DTYPE_CODES[data.dtype]))
+    return bool(
+        cpu_native.library().batchrun_prefill_attention_supported(
+            head_dim,
+            DTYPE_CODES[q.dtype],
+            block_size,
+            data.stride(1),
+            INT8_KV_CODE if int8 else DTYPE_CODES[data.dtype],
+        )
+    )
 
 
 def paged_prefill_attention(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim): the batch's query rows
-    k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim) tensor or int8 QuantizedKVCache, this step's keys written
+    # k_cache: (num_blocks, block_size, num_kv_heads, head_dim) tensor or int8 QuantizedKVCache,
+    # this step's keys already written
+    k_cache,
     v_cache,
     block_tables: torch.Tensor,  # (num_seqs, >= ceil(max seq_len / block_size)) int64: the prefilling sequences'
     q_starts: torch.Tensor,  # (num_seqs,) int64: each sequence's first row in q
@@ -160,36 +234,64 @@ def paged_prefill_attention(
     tables = block_tables.to(torch.int64).contiguous()
     starts, lens, ctx = (t.to(torch.int64).contiguous() for t in (q_starts, q_lens, seq_lens))
     rc = lib.batchrun_paged_prefill_attention(
-        q.data_ptr(), DTYPE_CODES[q.dtype], len(starts), num_heads, head_dim, *_kv_args(k_cache, v_cache), block_size,
-        tables.data_ptr(), tables.shape[1], starts.data_ptr(), lens.data_ptr(), ctx.data_ptr(), float(scale),
-        float(softcap or 0.0), int(sliding_window or 0), out.data_ptr(), torch.get_num_threads())
+        q.data_ptr(),
+        DTYPE_CODES[q.dtype],
+        len(starts),
+        num_heads,
+        head_dim,
+        *_kv_args(k_cache, v_cache),
+        block_size,
+        tables.data_ptr(),
+        tables.shape[1],
+        starts.data_ptr(),
+        lens.data_ptr(),
+        ctx.data_ptr(),
+        float(scale),
+        float(softcap or 0.0),
+        int(sliding_window or 0),
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     if rc == -1:
         raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
     if rc != 0:
-        raise ValueError(f"the native prefill kernel does not serve head_dim {head_dim}, block_size {block_size} "
-                         "and this cache (an int8 cache needs its scales)")
+        raise ValueError(
+            f"the native prefill kernel does not serve head_dim {head_dim}, block_size {block_size} "
+            "and this cache (an int8 cache needs its scales)"
+        )
 
 
-def paged_attention_cpu(q: torch.Tensor, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                        sliding_window: Optional[int] = None, softcap: Optional[float] = None,
-                        k_new: Optional[torch.Tensor] = None, v_new: Optional[torch.Tensor] = None) -> torch.Tensor:
+def paged_attention_cpu(
+    q: torch.Tensor,
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    k_new: Optional[torch.Tensor] = None,
+    v_new: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """attention.paged_attention on the CPU (same arguments; the cache may be a QuantizedKVCache):
     decodes and prefills run the native kernels where they are built and serve the cache's dtype and
     shape (`supports`, `supports_prefill`), the rest the torch path."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (num_tokens, num_heads, head_dim)
     if meta.prefill_seq_ids and supports_prefill(q, k_cache):
-        paged_prefill_attention(q.contiguous(), k_cache, v_cache, *meta.prefill_native_inputs(), out, scale,
-                                sliding_window, softcap)
+        paged_prefill_attention(
+            q.contiguous(), k_cache, v_cache, *meta.prefill_native_inputs(), out, scale, sliding_window, softcap
+        )
         prefill_ids: list[int] = []
     else:
         prefill_ids = meta.prefill_seq_ids
     if meta.decode_seq_ids.numel() > 0 and supports(q, k_cache):
         rows, tables, _ = meta.decode_inputs(None)
         if not meta.prefill_seq_ids:  # a pure decode step: every row is a decode, in order
-            return paged_decode_attention(q, k_cache, v_cache, tables, meta.decode_seq_lens, scale, sliding_window,
-                                          softcap)
-        out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, tables, meta.decode_seq_lens, scale,
-                                           sliding_window, softcap)
+            return paged_decode_attention(
+                q, k_cache, v_cache, tables, meta.decode_seq_lens, scale, sliding_window, softcap
+            )
+        out[rows] = paged_decode_attention(
+            q[rows], k_cache, v_cache, tables, meta.decode_seq_lens, scale, sliding_window, softcap
+        )
     elif meta.decode_seq_ids.numel() > 0:
         attend_decodes(out, q, k_cache, v_cache, meta, scale, sliding_window, softcap)
     attend_prefills(out, q, k_cache, v_cache, meta, prefill_ids, scale, sliding_window, softcap, k_new, v_new)

@@ -11,6 +11,7 @@ batchrun/model/linear.py).
   on every call, which it reorders into its blocked layout each time; packing once at load removes
   that reorder, and the product is the same oneDNN kernel, bitwise F.linear's.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,8 +31,11 @@ TILE_N = 32  # csrc/linear.cpp's output columns per weight tile
 
 def packing_available() -> bool:
     """Whether this torch build has the oneDNN ops that pack a linear weight once (mkldnn_pack)."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 def mkldnn_pack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
@@ -90,8 +94,9 @@ def silu_pair_order(n: int) -> torch.Tensor:
     return torch.arange(2 * n).view(2, n // TILE_N, TILE_N).permute(1, 0, 2).reshape(-1)
 
 
-def native_linear(x2: torch.Tensor, packed_weight: torch.Tensor, bias_f32: Optional[torch.Tensor],
-                  silu_mul: bool = False) -> torch.Tensor:
+def native_linear(
+    x2: torch.Tensor, packed_weight: torch.Tensor, bias_f32: Optional[torch.Tensor], silu_mul: bool = False
+) -> torch.Tensor:
     """x2 (M, K) bf16 with unit column stride, through csrc/linear.cpp over pack_native_weight's
     tiles; the bias in float32 (added before the one rounding, as F.linear does) or None. With
     `silu_mul` the weight is a (2n, K) gate/up projection in silu_pair_order and the result is
@@ -102,8 +107,17 @@ def native_linear(x2: torch.Tensor, packed_weight: torch.Tensor, bias_f32: Optio
     y = torch.empty((m, n), dtype=torch.bfloat16)
     if m:
         rc = getattr(cpu_native.library(), kernel)(
-            x2.data_ptr(), m, k, x2.stride(0), packed_weight.data_ptr(), n,
-            None if bias_f32 is None else bias_f32.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+            x2.data_ptr(),
+            m,
+            k,
+            x2.stride(0),
+            packed_weight.data_ptr(),
+            n,
+            None if bias_f32 is None else bias_f32.data_ptr(),
+            y.data_ptr(),
+            n,
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise RuntimeError(f"{kernel} failed ({rc}) for weight {tuple(packed_weight.shape)}")
     return y

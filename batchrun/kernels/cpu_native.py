@@ -25,6 +25,7 @@ tested against that path. ctypes releases the GIL during a call; OpenMP resolves
 that importing torch already loaded (same soname), so the kernels share torch's threads instead of
 competing with them.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -50,16 +51,23 @@ HEADERS = sorted(CSRC.glob("*.h"))
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 # Argument types of each C entry point (all return int: 0, or a negative error code).
 _SIGNATURES = {
-    "batchrun_paged_decode_attention": "ptr i32 i64 i64 i64 ptr ptr i32 i64 i64 i64 i64 ptr ptr i64 i64 i64 i64 ptr i64 ptr f32 f32 i64 ptr i32",
+    "batchrun_paged_decode_attention": (
+        "ptr i32 i64 i64 i64 ptr ptr i32 i64 i64 i64 i64 ptr ptr i64 i64 i64 i64 ptr i64 ptr f32 f32 i64 ptr i32"
+    ),
     "batchrun_prefill_attention_supported": "i64 i32 i64 i64 i32",
-    "batchrun_paged_prefill_attention": "ptr i32 i64 i64 i64 ptr ptr i32 i64 i64 i64 i64 ptr ptr i64 i64 i64 i64 ptr i64 ptr ptr ptr f32 f32 i64 ptr i32",
+    "batchrun_paged_prefill_attention": (
+        "ptr i32 i64 i64 i64 ptr ptr i32 i64 i64 i64 i64 ptr ptr "
+        "i64 i64 i64 i64 ptr i64 ptr ptr ptr f32 f32 i64 ptr i32"
+    ),
     "batchrun_quantize_per_token_int8": "ptr i32 i64 i64 i64 ptr ptr ptr ptr i64 ptr i32",
     "batchrun_w8a8_epilogue": "ptr i64 i64 ptr ptr ptr ptr i32 i32",
     "batchrun_rms_norm_bf16": "ptr i64 i64 i64 ptr ptr f32 i32 ptr i32",
     "batchrun_rotary_bf16": "ptr i64 i64 i64 i64 ptr ptr i32",
     "batchrun_silu_mul_bf16": "ptr i64 i64 i64 ptr i32",
     "batchrun_write_kv_cache": "ptr ptr i64 i64 i64 i64 i64 i64 i64 i64 ptr ptr ptr i64 i64 i64 i64 i32",
-    "batchrun_write_kv_cache_int8": "ptr ptr i64 i64 i64 i64 i64 i64 i64 i64 ptr ptr ptr ptr ptr i64 i64 i64 i64 i64 i64 i64 i32",
+    "batchrun_write_kv_cache_int8": (
+        "ptr ptr i64 i64 i64 i64 i64 i64 i64 i64 ptr ptr ptr ptr ptr i64 i64 i64 i64 i64 i64 i64 i32"
+    ),
     "batchrun_linear_bf16_supported": "i64 i64",
     "batchrun_linear_bf16": "ptr i64 i64 i64 ptr i64 ptr ptr i64 i32",
     "batchrun_linear_silu_mul_bf16": "ptr i64 i64 i64 ptr i64 ptr ptr i64 i32",
@@ -80,7 +88,8 @@ def cache_dir() -> Path:
     """Where built kernels live: a directory only this user can write (the `.so` there is loaded
     as code), created 0700; one that others could write is refused (UnsafeCacheError)."""
     root = os.environ.get("BATCHRUN_KERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batchrun", "kernels")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "batchrun", "kernels"
+    )
     return private_dir(root, "kernel cache", "BATCHRUN_KERNEL_CACHE")
 
 
@@ -107,8 +116,9 @@ def _compiler() -> Optional[str]:
 def _build(compiler: str) -> Path:
     """Compile the kernel into the cache (atomically: concurrent workers may build at once)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\n".join([*(p.read_text() for p in SOURCES + HEADERS), version, " ".join(FLAGS),
-                                    _cpu_fingerprint()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\n".join([*(p.read_text() for p in SOURCES + HEADERS), version, " ".join(FLAGS), _cpu_fingerprint()]).encode()
+    ).hexdigest()[:16]
     target = cache_dir() / f"batchrun_cpu_{key}.so"
     if target.exists():
         check_private(target, "kernel library", "BATCHRUN_KERNEL_CACHE")
@@ -131,8 +141,10 @@ def library() -> Optional[ctypes.CDLL]:
     """The loaded kernels, or None (no compiler, or the build failed: logged once)."""
     compiler = _compiler()
     if compiler is None:
-        log.warning("no C++ compiler found (c++, g++, clang++ or $CXX): the native CPU kernels are off and "
-                    "attention and W8A8 take their slower plain-torch paths")
+        log.warning(
+            "no C++ compiler found (c++, g++, clang++ or $CXX): the native CPU kernels are off and "
+            "attention and W8A8 take their slower plain-torch paths"
+        )
         return None
     try:
         lib = ctypes.CDLL(str(_build(compiler)))
@@ -158,5 +170,3 @@ def usable(*tensors: torch.Tensor) -> bool:
 
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-
-

@@ -10,6 +10,7 @@ reference, and RMSNorm and silu differ only where a float32 sum order or exp's l
 bf16 rounding. float32 stays on torch ops on purpose: that path is the one held token-identical to
 HF transformers.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,31 +45,48 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gem
     return weight * normed.to(x.dtype)
 
 
-def add_rms_norm(h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + h), residual + h): the residual add and the next sublayer's norm in one
     pass. The native path updates `residual` in place (the decoder owns its residual stream)."""
-    if (_native(h, residual, weight) and h.dim() == 2 and h.stride(-1) == 1 and residual.is_contiguous()
-            and residual.shape == h.shape):
+    if (
+        _native(h, residual, weight)
+        and h.dim() == 2
+        and h.stride(-1) == 1
+        and residual.is_contiguous()
+        and residual.shape == h.shape
+    ):
         return _rms_norm_native(h, weight, eps, False, residual=residual), residual
     return add_rms_norm_reference(h, residual, weight, eps)
 
 
-def add_rms_norm_reference(h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_reference(
+    h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     residual = residual + h
     return rms_norm_reference(residual, weight, eps), residual
 
 
-def _rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool,
-                     residual: Optional[torch.Tensor]) -> torch.Tensor:
+def _rms_norm_native(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool, residual: Optional[torch.Tensor]
+) -> torch.Tensor:
     k = x.shape[-1]
     x2 = x if x.dim() == 2 else x.reshape(-1, k)  # (num_rows, k); a copy only for strided head views
     out = torch.empty(x2.shape, dtype=x.dtype)  # (num_rows, k)
     assert weight.is_contiguous()
     cpu_native.library().batchrun_rms_norm_bf16(
-        x2.data_ptr(), x2.shape[0], k, x2.stride(0), residual.data_ptr() if residual is not None else None,
-        weight.data_ptr(), eps, is_gemma, out.data_ptr(), torch.get_num_threads())
+        x2.data_ptr(),
+        x2.shape[0],
+        k,
+        x2.stride(0),
+        residual.data_ptr() if residual is not None else None,
+        weight.data_ptr(),
+        eps,
+        is_gemma,
+        out.data_ptr(),
+        torch.get_num_threads(),
+    )
     return out if x.dim() == 2 else out.view(x.shape)
 
 
@@ -82,10 +100,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     stride (a view of the fused qkv output); cos, sin: (num_tokens, head_dim) in x's dtype. The
     native path rotates x in place and returns it; the reference returns a new tensor."""
     t, num_heads, head_dim = x.shape
-    if (_native(x, cos, sin) and x.stride(2) == 1 and x.stride(1) == head_dim and cos.is_contiguous()
-            and sin.is_contiguous() and head_dim % 2 == 0 and head_dim <= 512):
-        cpu_native.library().batchrun_rotary_bf16(x.data_ptr(), t, num_heads, head_dim, x.stride(0),
-                                                  cos.data_ptr(), sin.data_ptr(), torch.get_num_threads())
+    if (
+        _native(x, cos, sin)
+        and x.stride(2) == 1
+        and x.stride(1) == head_dim
+        and cos.is_contiguous()
+        and sin.is_contiguous()
+        and head_dim % 2 == 0
+        and head_dim <= 512
+    ):
+        cpu_native.library().batchrun_rotary_bf16(
+            x.data_ptr(), t, num_heads, head_dim, x.stride(0), cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
+        )
         return x
     return apply_rotary_reference(x, cos, sin)
 
@@ -116,8 +142,9 @@ def act_mul(gate_up: torch.Tensor, name: str) -> torch.Tensor:
 def _silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     n = gate_up.shape[-1] // 2
     out = torch.empty((gate_up.shape[0], n), dtype=gate_up.dtype)  # (num_tokens, n)
-    cpu_native.library().batchrun_silu_mul_bf16(gate_up.data_ptr(), gate_up.shape[0], n, gate_up.stride(0),
-                                                out.data_ptr(), torch.get_num_threads())
+    cpu_native.library().batchrun_silu_mul_bf16(
+        gate_up.data_ptr(), gate_up.shape[0], n, gate_up.stride(0), out.data_ptr(), torch.get_num_threads()
+    )
     return out
 
 

@@ -9,6 +9,7 @@ head_dim) order its batched matmuls read, with no second transposing copy. Per-e
 like the int8 cache's scales (num_blocks, block_size, num_kv_heads), use the same layout without
 the trailing dim.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,8 +30,9 @@ def slots_by_head(cache: torch.Tensor) -> torch.Tensor:
     return cache.movedim(2, 0).flatten(1, 2)
 
 
-def new_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str) -> torch.Tensor:
+def new_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
     """One layer's zeroed K (or V) cache in the engine's layout."""
     return from_head_major(torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device))
 

@@ -10,11 +10,13 @@ deterministic (no atomics) and independent of the order experts run in.
 Triton kernel in `batchrun.kernels.triton_moe` is checked against); `fused_experts` picks the
 Triton kernel on CUDA when it is installed.
 """
+
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -49,8 +51,9 @@ def sort_by_expert(topk_ids: torch.Tensor, num_experts: int) -> ExpertDispatch:
     counts = count_tokens_per_expert(topk_ids, num_experts)
     offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     offsets[1:] = torch.cumsum(counts, 0)
-    return ExpertDispatch(sorted_pair_ids=order, sorted_token_ids=order // top_k,
-                          expert_offsets=offsets, tokens_per_expert=counts)
+    return ExpertDispatch(
+        sorted_pair_ids=order, sorted_token_ids=order // top_k, expert_offsets=offsets, tokens_per_expert=counts
+    )
 
 
 def grouped_gemm_reference(

@@ -19,6 +19,7 @@ cache blocks, so the tile size does not depend on the cache's block size.
 Visibility is the reference's: key j is visible to the query at position i when j <= i and, with a
 window W, j > i - W. Softmax runs in float32 in the exp2 domain.
 """
+
 from __future__ import annotations
 
 import logging
@@ -63,17 +64,38 @@ def _scores(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT_F32: tl.constex
 
 
 @triton.jit
-def _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, p_ok, d, d_ok, kv_head, block_size,
-                  stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh):
+def _load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    table,
+    pos,
+    p_ok,
+    d,
+    d_ok,
+    kv_head,
+    block_size,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+):
     """K and V of one KV head at token positions `pos` (BLOCK_N,) of a sequence, through its block
     table; (BLOCK_N, HEAD_DIM_PAD) each, zero where ~p_ok or past head_dim."""
     block = tl.load(table + pos // block_size, mask=p_ok, other=0).to(tl.int64)
     offset = pos % block_size
     kv_mask = p_ok[:, None] & d_ok[None, :]
-    k = tl.load(k_cache_ptr + (block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None] + d[None, :],
-                mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + (block * stride_vb + offset * stride_vt + kv_head * stride_vh)[:, None] + d[None, :],
-                mask=kv_mask, other=0.0)
+    k = tl.load(
+        k_cache_ptr + (block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None] + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
+    v = tl.load(
+        v_cache_ptr + (block * stride_vb + offset * stride_vt + kv_head * stride_vh)[:, None] + d[None, :],
+        mask=kv_mask,
+        other=0.0,
+    )
     return k, v
 
 
@@ -90,16 +112,42 @@ def _accumulate(acc, p, v, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_ids_ptr, seq_lens_ptr, q_rows_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
-    scale, softcap, window, block_size,
-    stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_bt, stride_ot, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, IS_SPLIT: tl.constexpr, HAS_Q_ROWS: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_ids_ptr,
+    seq_lens_ptr,
+    q_rows_ptr,
+    out_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    softcap,
+    window,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_SPLIT: tl.constexpr,
+    HAS_Q_ROWS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     i = tl.program_id(0)  # index into the decode list
     kv_head = tl.program_id(1)
@@ -124,8 +172,11 @@ def _decode_kernel(
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     heads = kv_head * GROUP + g  # (GROUP_PAD,) query heads of this KV head
-    q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0)  # (GROUP_PAD, HEAD_DIM_PAD)
+    q = tl.load(
+        q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=g_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # (GROUP_PAD, HEAD_DIM_PAD)
     m = tl.full((GROUP_PAD,), float("-inf"), tl.float32)
     l = tl.zeros((GROUP_PAD,), tl.float32)
     acc = tl.zeros((GROUP_PAD, HEAD_DIM_PAD), tl.float32)
@@ -133,8 +184,23 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) token positions
         p_ok = pos < end
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, p_ok, d, d_ok, kv_head, block_size,
-                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh)  # (BLOCK_N, HEAD_DIM_PAD)
+        k, v = _load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            table,
+            pos,
+            p_ok,
+            d,
+            d_ok,
+            kv_head,
+            block_size,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+        )  # (BLOCK_N, HEAD_DIM_PAD)
         s = _scores(q, k, scale, softcap, HAS_SOFTCAP, DOT_F32, IEEE)  # (GROUP_PAD, BLOCK_N)
         s = tl.where(p_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -154,14 +220,26 @@ def _decode_kernel(
         lse = tl.where(has_any, m + tl.log2(tl.where(has_any, l, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + base, lse, mask=g_ok)
     else:
-        tl.store(out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(
+            out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=g_ok[:, None] & d_ok[None, :],
+        )
 
 
 @triton.jit
 def _merge_splits_kernel(
-    part_out_ptr, part_lse_ptr, q_rows_ptr, out_ptr, stride_ot, stride_oh, num_splits,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr, HAS_Q_ROWS: tl.constexpr,
+    part_out_ptr,
+    part_lse_ptr,
+    q_rows_ptr,
+    out_ptr,
+    stride_ot,
+    stride_oh,
+    num_splits,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HAS_Q_ROWS: tl.constexpr,
 ):
     i = tl.program_id(0)
     head = tl.program_id(1)
@@ -181,21 +259,47 @@ def _merge_splits_kernel(
     o = tl.load(part_out_ptr + base[:, None].to(tl.int64) * HEAD_DIM_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
     total = tl.sum(w, 0)
     merged = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # (HEAD_DIM_PAD,)
-    tl.store(out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + d, merged.to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+    tl.store(
+        out_ptr + row.to(tl.int64) * stride_ot + head * stride_oh + d,
+        merged.to(out_ptr.dtype.element_ty),
+        mask=d < HEAD_DIM,
+    )
 
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_ids_ptr, query_start_ptr, seq_lens_ptr,
-    scale, softcap, window, block_size,
-    stride_qt, stride_qh,
-    stride_kb, stride_kt, stride_kh,
-    stride_vb, stride_vt, stride_vh,
-    stride_bt, stride_ot, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DOT_F32: tl.constexpr, IEEE: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_ids_ptr,
+    query_start_ptr,
+    seq_lens_ptr,
+    scale,
+    softcap,
+    window,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.load(seq_ids_ptr + tl.program_id(1))
@@ -211,8 +315,9 @@ def _prefill_kernel(
     d = tl.arange(0, HEAD_DIM_PAD)
     d_ok = d < HEAD_DIM
     rows = (q_start + local).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)  # (BLOCK_M, HEAD_DIM_PAD)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=m_ok[:, None] & d_ok[None, :], other=0.0
+    )  # (BLOCK_M, HEAD_DIM_PAD)
     # Keys this tile can see: up to its last query, from the first query's window start.
     hi = tl.minimum(num_cached + (tile + 1) * BLOCK_M, seq_len)
     lo = 0
@@ -226,8 +331,23 @@ def _prefill_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
         p_ok = pos < hi
-        k, v = _load_kv_tile(k_cache_ptr, v_cache_ptr, table, pos, p_ok, d, d_ok, kv_head, block_size,
-                             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh)  # (BLOCK_N, HEAD_DIM_PAD)
+        k, v = _load_kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            table,
+            pos,
+            p_ok,
+            d,
+            d_ok,
+            kv_head,
+            block_size,
+            stride_kb,
+            stride_kt,
+            stride_kh,
+            stride_vb,
+            stride_vt,
+            stride_vh,
+        )  # (BLOCK_N, HEAD_DIM_PAD)
         s = _scores(q, k, scale, softcap, HAS_SOFTCAP, DOT_F32, IEEE)  # (BLOCK_M, BLOCK_N)
         visible = p_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
@@ -241,8 +361,11 @@ def _prefill_kernel(
         acc = _accumulate(acc * alpha[:, None], p, v, DOT_F32, IEEE)
         m = m_new
     out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & d_ok[None, :])
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & d_ok[None, :],
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,8 +383,9 @@ def _num_sms(device: torch.device) -> int:
     return _NUM_SMS[index]
 
 
-def default_num_splits(num_decode: int, num_kv_heads: int, max_context: int, device: torch.device,
-                       block_n: int = 64) -> int:
+def default_num_splits(
+    num_decode: int, num_kv_heads: int, max_context: int, device: torch.device, block_n: int = 64
+) -> int:
     """Splits per (sequence, KV head): enough programs for about two waves of the GPU, each split
     at least four tiles long. A function of shapes only (graph-capturable)."""
     programs = max(1, num_decode * num_kv_heads)
@@ -305,8 +429,9 @@ def decode_attention(
     on_gpu = q.is_cuda
     block_n = block_n or (64 if on_gpu else 16)
     if num_splits is None:
-        num_splits = default_num_splits(num_decode, num_kv_heads, block_tables.shape[1] * k_cache.shape[1],
-                                        q.device, block_n)
+        num_splits = default_num_splits(
+            num_decode, num_kv_heads, block_tables.shape[1] * k_cache.shape[1], q.device, block_n
+        )
     head_dim_pad = _pad(head_dim, 16 if on_gpu else 1)
     is_split = num_splits > 1
     if is_split:
@@ -316,22 +441,57 @@ def decode_attention(
         part_out = part_lse = out  # unused
     dot_f32 = _dot_f32(q.dtype)
     _decode_kernel[(num_decode, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_ids, seq_lens, q_rows if q_rows is not None else seq_ids,
-        out, part_out, part_lse,
-        float(scale), float(softcap or 1.0), int(sliding_window or 0), k_cache.shape[1],
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=_pad(group, 16 if on_gpu else 1), HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_N=block_n, IS_SPLIT=is_split, HAS_Q_ROWS=q_rows is not None, HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=softcap is not None, DOT_F32=dot_f32, IEEE=on_gpu and q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_ids,
+        seq_lens,
+        q_rows if q_rows is not None else seq_ids,
+        out,
+        part_out,
+        part_lse,
+        float(scale),
+        float(softcap or 1.0),
+        int(sliding_window or 0),
+        k_cache.shape[1],
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        GROUP_PAD=_pad(group, 16 if on_gpu else 1),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_N=block_n,
+        IS_SPLIT=is_split,
+        HAS_Q_ROWS=q_rows is not None,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
+        DOT_F32=dot_f32,
+        IEEE=on_gpu and q.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if is_split:
         _merge_splits_kernel[(num_decode, num_heads)](
-            part_out, part_lse, q_rows if q_rows is not None else seq_ids, out, out.stride(0), out.stride(1),
-            num_splits, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad, SPLITS_PAD=_pad(num_splits),
+            part_out,
+            part_lse,
+            q_rows if q_rows is not None else seq_ids,
+            out,
+            out.stride(0),
+            out.stride(1),
+            num_splits,
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            SPLITS_PAD=_pad(num_splits),
             HAS_Q_ROWS=q_rows is not None,
         )
     return out
@@ -373,16 +533,40 @@ def prefill_attention(
         num_warps = 8 if head_dim_pad >= 128 else 4
     grid = (triton.cdiv(max_query_len, block_m), num_prefill, num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, seq_ids, query_start_loc, seq_lens,
-        float(scale), float(softcap or 1.0), int(sliding_window or 0), k_cache.shape[1],
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_M=block_m, BLOCK_N=block_n, HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=softcap is not None,
-        DOT_F32=_dot_f32(q.dtype), IEEE=on_gpu and q.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_ids,
+        query_start_loc,
+        seq_lens,
+        float(scale),
+        float(softcap or 1.0),
+        int(sliding_window or 0),
+        k_cache.shape[1],
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        GROUP=num_heads // num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None,
+        DOT_F32=_dot_f32(q.dtype),
+        IEEE=on_gpu and q.dtype == torch.float32,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 
@@ -436,9 +620,32 @@ def paged_attention(
     out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
     t = _step_tensors(meta, q.device)
     if meta.decode_seq_ids.shape[0] > 0:
-        decode_attention(q, k_cache, v_cache, meta.block_tables, meta.decode_seq_ids, meta.decode_seq_lens,
-                         scale, sliding_window, softcap, q_rows=t.decode_rows, out=out)
+        decode_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.decode_seq_ids,
+            meta.decode_seq_lens,
+            scale,
+            sliding_window,
+            softcap,
+            q_rows=t.decode_rows,
+            out=out,
+        )
     if meta.prefill_seq_ids:
-        prefill_attention(q, k_cache, v_cache, meta.block_tables, t.query_start_loc, t.seq_lens, t.prefill_seq_ids,
-                          t.max_prefill_len, scale, sliding_window, softcap, out=out)
+        prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            t.query_start_loc,
+            t.seq_lens,
+            t.prefill_seq_ids,
+            t.max_prefill_len,
+            scale,
+            sliding_window,
+            softcap,
+            out=out,
+        )
     return out

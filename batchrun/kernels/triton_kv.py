@@ -4,6 +4,7 @@
 (which the tests compare it with). One program per token copies all its KV heads; a negative slot
 is skipped (the convention CUDA-graph padding uses: a padded row writes nothing).
 """
+
 from __future__ import annotations
 
 import logging
@@ -17,10 +18,23 @@ log = logging.getLogger(__name__)
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, block_size,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_ct, stride_ch,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    block_size,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEADS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.arange(0, HEADS_PAD)
@@ -48,9 +62,21 @@ def write_kv_cache(
     assert k.stride(2) == 1 and v.stride(2) == 1 and k_cache.stride(3) == 1
     assert k_cache.stride() == v_cache.stride()
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k_cache.shape[1],
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k_cache.shape[1],
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HEADS_PAD=triton.next_power_of_2(num_kv_heads),
+        DIM_PAD=triton.next_power_of_2(head_dim),
     )

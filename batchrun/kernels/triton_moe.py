@@ -10,6 +10,7 @@ of the hidden states is never materialized.
 
 On a CPU machine the tests run this in Triton's interpreter (TRITON_INTERPRET=1) at small sizes.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,11 +25,28 @@ log = logging.getLogger(__name__)
 
 @triton.jit
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, out_ptr, row_ids_ptr, expert_offsets_ptr, tile_expert_ptr, expert_first_tile_ptr,
-    num_experts, N, K,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_om, stride_on,
-    HAS_ROW_IDS: tl.constexpr, IEEE_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    a_ptr,
+    b_ptr,
+    out_ptr,
+    row_ids_ptr,
+    expert_offsets_ptr,
+    tile_expert_ptr,
+    expert_first_tile_ptr,
+    num_experts,
+    N,
+    K,
+    stride_am,
+    stride_ak,
+    stride_be,
+    stride_bn,
+    stride_bk,
+    stride_om,
+    stride_on,
+    HAS_ROW_IDS: tl.constexpr,
+    IEEE_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -50,10 +68,16 @@ def _grouped_gemm_kernel(
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        a = tl.load(a_ptr + src[:, None].to(tl.int64) * stride_am + ks[None, :] * stride_ak,
-                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)  # (BLOCK_M, BLOCK_K)
-        b = tl.load(b_ptr + e.to(tl.int64) * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk,
-                    mask=col_mask[None, :] & k_mask[:, None], other=0.0)  # (BLOCK_K, BLOCK_N)
+        a = tl.load(
+            a_ptr + src[:, None].to(tl.int64) * stride_am + ks[None, :] * stride_ak,
+            mask=row_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )  # (BLOCK_M, BLOCK_K)
+        b = tl.load(
+            b_ptr + e.to(tl.int64) * stride_be + cols[None, :] * stride_bn + ks[:, None] * stride_bk,
+            mask=col_mask[None, :] & k_mask[:, None],
+            other=0.0,
+        )  # (BLOCK_K, BLOCK_N)
         if IEEE_FP32:
             acc += tl.dot(a, b, input_precision="ieee")
         else:
@@ -87,10 +111,27 @@ def grouped_gemm(
     tile_expert = torch.searchsorted(tile_end, torch.arange(max_tiles, device=a.device), right=True)
     grid = (max_tiles, triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
-        a, b, out, row_ids if row_ids is not None else expert_offsets, expert_offsets, tile_expert, first_tile,
-        num_experts, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-        HAS_ROW_IDS=row_ids is not None, IEEE_FP32=a.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        a,
+        b,
+        out,
+        row_ids if row_ids is not None else expert_offsets,
+        expert_offsets,
+        tile_expert,
+        first_tile,
+        num_experts,
+        n,
+        k,
+        a.stride(0),
+        a.stride(1),
+        b.stride(0),
+        b.stride(1),
+        b.stride(2),
+        out.stride(0),
+        out.stride(1),
+        HAS_ROW_IDS=row_ids is not None,
+        IEEE_FP32=a.dtype == torch.float32,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
     )
     return out

@@ -6,6 +6,7 @@ and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (MoE layers use batc
 Parameter names follow HF's so checkpoints load by name; q/k/v and gate/up are fused at load time
 because one wide matmul beats three narrow ones on every backend.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,8 +19,13 @@ from torch import nn
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention import paged_attention, write_kv_cache
 from batchrun.kernels.attention_metadata import AttentionMetadata
-from batchrun.model.moe import (SparseMoeBlock, expert_token_counts, fused_moe_weights, moe_config_fields,
-                                reset_expert_token_counts)
+from batchrun.model.moe import (
+    SparseMoeBlock,
+    expert_token_counts,
+    fused_moe_weights,
+    moe_config_fields,
+    reset_expert_token_counts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +66,7 @@ class DecoderSpec:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert; 0 = none
 
     @staticmethod
-    def from_hf(config: Any) -> "DecoderSpec":
+    def from_hf(config: Any) -> DecoderSpec:
         mt = config.model_type
         if mt not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
@@ -75,9 +81,13 @@ class DecoderSpec:
             layer_types = ["full_attention"] * num_layers
         windows = tuple(window if t == "sliding_attention" else None for t in layer_types)
         is_gemma = mt == "gemma3_text"
-        scale = (config.query_pre_attn_scalar ** -0.5) if is_gemma else head_dim ** -0.5
+        scale = (config.query_pre_attn_scalar**-0.5) if is_gemma else head_dim**-0.5
         rope_params = getattr(config, "rope_parameters", None) or {}
-        per_type_rope = isinstance(rope_params, dict) and all(isinstance(v, dict) for v in rope_params.values()) and bool(rope_params)
+        per_type_rope = (
+            isinstance(rope_params, dict)
+            and all(isinstance(v, dict) for v in rope_params.values())
+            and bool(rope_params)
+        )
         rope_keys = tuple(t if per_type_rope else "default" for t in layer_types)
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
         return DecoderSpec(
@@ -91,7 +101,8 @@ class DecoderSpec:
             head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
             activation=act,
-            qkv_bias=mt == "qwen2" or bool(getattr(config, "attention_bias", False))
+            qkv_bias=mt == "qwen2"
+            or bool(getattr(config, "attention_bias", False))
             or (mt == "qwen2_moe" and bool(getattr(config, "qkv_bias", True))),
             qk_norm=mt in ("qwen3", "gemma3_text", "qwen3_moe"),
             gemma_norms=is_gemma,
@@ -258,7 +269,7 @@ class DecoderLM(nn.Module):
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
         if self.spec.gemma_norms:
-            x = x * torch.tensor(self.spec.hidden_size ** 0.5, dtype=x.dtype)
+            x = x * torch.tensor(self.spec.hidden_size**0.5, dtype=x.dtype)
         cos_sin = self.rope.cos_sin(positions, x.dtype)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         residual: Optional[torch.Tensor] = None
@@ -289,26 +300,35 @@ class DecoderLM(nn.Module):
 
         def put(name: str, tensor: torch.Tensor) -> None:
             param = own[name]
-            assert param.shape == tensor.shape, f"{name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}"
+            assert param.shape == tensor.shape, (
+                f"{name}: checkpoint {tuple(tensor.shape)} vs model {tuple(param.shape)}"
+            )
             with torch.no_grad():
                 param.copy_(tensor.to(param.dtype))
             filled.add(name)
 
-        sd = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state_dict.items()}
+        sd = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in state_dict.items()}
         for i in range(self.spec.num_layers):
             p = f"layers.{i}."
-            put(p + "self_attn.qkv_proj.weight",
-                torch.cat([sd.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0))
+            put(
+                p + "self_attn.qkv_proj.weight",
+                torch.cat([sd.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0),
+            )
             if self.spec.qkv_bias:
-                put(p + "self_attn.qkv_proj.bias",
-                    torch.cat([sd.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0))
+                put(
+                    p + "self_attn.qkv_proj.bias",
+                    torch.cat([sd.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0),
+                )
             if isinstance(self.layers[i].mlp, SparseMoeBlock):
-                for name, tensor in fused_moe_weights(sd, p, self.spec.num_experts,
-                                                      self.spec.shared_expert_intermediate_size > 0).items():
+                for name, tensor in fused_moe_weights(
+                    sd, p, self.spec.num_experts, self.spec.shared_expert_intermediate_size > 0
+                ).items():
                     put(name, tensor)
                 continue
-            put(p + "mlp.gate_up_proj.weight",
-                torch.cat([sd.pop(p + "mlp.gate_proj.weight"), sd.pop(p + "mlp.up_proj.weight")], dim=0))
+            put(
+                p + "mlp.gate_up_proj.weight",
+                torch.cat([sd.pop(p + "mlp.gate_proj.weight"), sd.pop(p + "mlp.up_proj.weight")], dim=0),
+            )
         if "lm_head.weight" not in sd or self.spec.tie_word_embeddings:
             sd["lm_head.weight"] = sd["embed_tokens.weight"]
         for name, tensor in sd.items():

@@ -9,6 +9,7 @@ llama.cpp's converter permutes the rows of Llama's q and k projections (rotary p
 instead of split in halves); transformers undoes that when it loads a GGUF, so the same row
 permutation is undone here. It moves whole rows, so it applies to quantized rows unchanged.
 """
+
 from __future__ import annotations
 
 import logging
@@ -56,7 +57,7 @@ def _blocks(raw: np.ndarray, num_rows: int, block_bytes: int) -> np.ndarray:
 
 def _f16(blocks: np.ndarray, start: int) -> torch.Tensor:
     """The float16 at byte `start` of every block: (rows, num_blocks)."""
-    return torch.from_numpy(np.ascontiguousarray(blocks[..., start:start + 2]).view(np.float16)[..., 0].copy())
+    return torch.from_numpy(np.ascontiguousarray(blocks[..., start : start + 2]).view(np.float16)[..., 0].copy())
 
 
 def _nibbles(qs: np.ndarray) -> torch.Tensor:
@@ -97,8 +98,9 @@ def unpermute_rows(w: QuantizedWeight, num_heads: int) -> QuantizedWeight:
     """Undo llama.cpp's rotary row permutation of a q or k projection (whole rows move)."""
     rows = w.out_features
     perm = torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(-1)
-    return QuantizedWeight(w.format, w.qweight[perm], w.scales[perm],
-                           None if w.mins is None else w.mins[perm], w.in_features)
+    return QuantizedWeight(
+        w.format, w.qweight[perm], w.scales[perm], None if w.mins is None else w.mins[perm], w.in_features
+    )
 
 
 def read_gguf_weights(path: str) -> dict[str, QuantizedWeight]:

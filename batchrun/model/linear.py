@@ -20,6 +20,7 @@ The float layers, chosen per layer by `pack_linear` for bf16 on the CPU (kernels
 Either way the packed weight replaces the plain one (no second copy). bf16 only: the float32 path
 stays on F.linear, the one held token-identical to HF transformers.
 """
+
 from __future__ import annotations
 
 import logging
@@ -64,8 +65,9 @@ class PackedWeightLinear(nn.Module):
 class PackedLinear(PackedWeightLinear):
     """y = x @ W.T + b with W held in oneDNN's packed layout (an opaque mkldnn tensor buffer)."""
 
-    def __init__(self, packed_weight: torch.Tensor, bias: Optional[torch.Tensor], in_features: int,
-                 out_features: int) -> None:
+    def __init__(
+        self, packed_weight: torch.Tensor, bias: Optional[torch.Tensor], in_features: int, out_features: int
+    ) -> None:
         super().__init__(in_features, out_features)
         self.register_buffer("packed_weight", packed_weight)  # (out_features, in_features), mkldnn layout
         self.register_buffer("bias", bias)  # (out_features,) or None
@@ -95,8 +97,12 @@ class NativeLinear(PackedWeightLinear):
         w, b = self.packed_weight, self.bias
         # The kernel adds the bias in float32 before its one rounding, as F.linear does.
         self._bias_f32 = None if b is None else b.detach().float().contiguous()
-        self._kernel_ok = (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.is_contiguous()
-                           and (b is None or b.device.type == "cpu"))
+        self._kernel_ok = (
+            w.dtype == torch.bfloat16
+            and w.device.type == "cpu"
+            and w.is_contiguous()
+            and (b is None or b.device.type == "cpu")
+        )
 
     def weight(self) -> torch.Tensor:
         """The plain (out_features, in_features) weight (a copy)."""
@@ -111,8 +117,13 @@ class NativeLinear(PackedWeightLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Called for every projection of every step: a few cheap checks, the rest was settled at load.
-        if (x.dtype != torch.bfloat16 or x.shape[-1] != self.in_features or x.is_cuda or not self._kernel_ok
-                or not cpu_native.enabled()):
+        if (
+            x.dtype != torch.bfloat16
+            or x.shape[-1] != self.in_features
+            or x.is_cuda
+            or not self._kernel_ok
+            or not cpu_native.enabled()
+        ):
             return self._fallback(x)  # an odd input (F.linear's errors), or kernels off
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if x2.stride(1) != 1:
@@ -138,7 +149,7 @@ class NativeSiluMulLinear(NativeLinear):
         self._plain_order = torch.argsort(ck.silu_pair_order(self.act_features))
 
     @staticmethod
-    def from_linear(linear: nn.Linear) -> "NativeSiluMulLinear":
+    def from_linear(linear: nn.Linear) -> NativeSiluMulLinear:
         order = ck.silu_pair_order(linear.out_features // 2)
         bias = None if linear.bias is None else linear.bias.detach()[order]
         return NativeSiluMulLinear(ck.pack_native_weight(linear.weight.detach()[order]), bias)
@@ -180,7 +191,7 @@ class NativeEmbedding(nn.Module):
 def _within_bf16_rounding(got: torch.Tensor, want: torch.Tensor, half_steps: float, atol: float = 1e-5) -> bool:
     """Every output within `half_steps` halves of a bf16 step (2^-8 relative at most, each) of the
     float32 reference, plus `atol` times the largest reference value (float32 summation noise)."""
-    return bool(((got - want).abs() <= want.abs() * half_steps * 2.0 ** -8 + atol * want.abs().amax()).all())
+    return bool(((got - want).abs() <= want.abs() * half_steps * 2.0**-8 + atol * want.abs().amax()).all())
 
 
 def _probe(linear: nn.Linear) -> torch.Tensor:
@@ -194,9 +205,14 @@ def pack_silu_mul(linear: nn.Linear) -> Optional[NativeSiluMulLinear]:
     disagrees on a probe with the float32 reference beyond the roundings it makes."""
     w = linear.weight
     n = linear.out_features // 2
-    if not (type(linear) is nn.Linear and w.dtype == torch.bfloat16 and w.device.type == "cpu"
-            and linear.out_features == 2 * n and n % ck.TILE_N == 0
-            and ck.native_supported(2 * n, linear.in_features)):
+    if not (
+        type(linear) is nn.Linear
+        and w.dtype == torch.bfloat16
+        and w.device.type == "cpu"
+        and linear.out_features == 2 * n
+        and n % ck.TILE_N == 0
+        and ck.native_supported(2 * n, linear.in_features)
+    ):
         return None
     fused = NativeSiluMulLinear.from_linear(linear)
     probe = _probe(linear)
@@ -206,7 +222,7 @@ def pack_silu_mul(linear: nn.Linear) -> Optional[NativeSiluMulLinear]:
         got = fused(probe).float()
     # gate, up, silu(gate) and the product are each rounded to bf16 once (silu's slope is at most
     # 1.1); far below zero silu's relative error grows with |gate| but its value vanishes.
-    if _within_bf16_rounding(got, want, 5, atol=2.0 ** -8):
+    if _within_bf16_rounding(got, want, 5, atol=2.0**-8):
         return fused
     log.warning("fused native silu-mul disagrees with its float32 reference for %s; not fusing", tuple(w.shape))
     return None

@@ -4,6 +4,7 @@ GGUF files go through transformers' converter, which dequantizes on every call (
 even for a small model on a CPU), so the converted float32 weights, config and tokenizer are cached as an HF
 directory under `{cache}/converted/{fingerprint[:16]}/` and later loads read that instead.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -14,9 +15,10 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -75,14 +77,14 @@ class ModelNotFoundError(FileNotFoundError):
 class LoadedModel:
     """Everything a model runner needs, independent of where the weights came from."""
 
-    config: "PretrainedConfig"  # the HF config (the text config for multimodal wrappers)
+    config: PretrainedConfig  # the HF config (the text config for multimodal wrappers)
     state_dict: dict[str, torch.Tensor]  # HF CausalLM parameter names; tied lm_head may be absent
-    tokenizer: "PreTrainedTokenizerBase"
+    tokenizer: PreTrainedTokenizerBase
     path: str  # the resolved .gguf file or model directory
     fingerprint: str  # sha256 hex of the model file(s), the converted-cache key
     # GGUF files loaded with keep_gguf_quantization: module name -> weight in its own blocks
     # (batchrun.model.gguf); None otherwise.
-    quantized_weights: "dict[str, QuantizedWeight] | None" = None
+    quantized_weights: dict[str, QuantizedWeight] | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -127,11 +129,15 @@ def resolve_model(spec: str) -> tuple[str, str | None]:
             gguf_path = os.path.join(package_dir, entry.file_name)
             if os.path.isfile(gguf_path):
                 return os.path.abspath(package_dir), entry.file_name
-            tried.append(f"registered name {name!r}: package {entry.package} is installed at {package_dir} "
-                         f"but has no {entry.file_name}; reinstall it with `{_INSTALL_HINT}`")
+            tried.append(
+                f"registered name {name!r}: package {entry.package} is installed at {package_dir} "
+                f"but has no {entry.file_name}; reinstall it with `{_INSTALL_HINT}`"
+            )
         else:
-            tried.append(f"registered name {name!r}: package {entry.pip_name} is not installed; "
-                         f"install it with `pip install --no-deps {entry.pip_name}`")
+            tried.append(
+                f"registered name {name!r}: package {entry.pip_name} is not installed; "
+                f"install it with `pip install --no-deps {entry.pip_name}`"
+            )
     else:
         names = ", ".join(sorted({n for n in REGISTRY} | {a for e in REGISTRY.values() for a in e.aliases}))
         tried.append(f"registered names (case-insensitive, '_' or '-'): {names}: no match")
@@ -202,8 +208,12 @@ def file_sha256(path: str, cache_root: Path | None = None) -> str:
     memo_path = cache_root / _FINGERPRINTS_FILE if cache_root is not None else None
     if memo_path is not None:
         hit = _read_json_dict(memo_path).get(real)
-        if isinstance(hit, dict) and hit.get("size") == stat.st_size and hit.get("mtime_ns") == stat.st_mtime_ns \
-                and isinstance(hit.get("sha256"), str):
+        if (
+            isinstance(hit, dict)
+            and hit.get("size") == stat.st_size
+            and hit.get("mtime_ns") == stat.st_mtime_ns
+            and isinstance(hit.get("sha256"), str)
+        ):
             return hit["sha256"]
     digest = _sha256_stream(real)
     if memo_path is not None:
@@ -262,13 +272,13 @@ def _text_model_name(name: str) -> str | None:
         ("lm_head.", "lm_head."),
     ):
         if name.startswith(prefix):
-            return replacement + name[len(prefix):]
+            return replacement + name[len(prefix) :]
     return None  # vision tower, projector: not part of the text decoder
 
 
 def _load_hf_dir(
     directory: str, files: list[str]
-) -> tuple["PretrainedConfig", dict[str, torch.Tensor], "PreTrainedTokenizerBase"]:
+) -> tuple[PretrainedConfig, dict[str, torch.Tensor], PreTrainedTokenizerBase]:
     from safetensors.torch import load_file
     from transformers import AutoConfig, AutoTokenizer
 
@@ -317,8 +327,12 @@ def _convert_gguf(directory: str, gguf_file: str, entry: Path) -> None:
         directory, gguf_file=gguf_file, dtype=torch.float32, local_files_only=True
     )
     raw = model.state_dict()
-    if getattr(config, "tie_word_embeddings", False) and "lm_head.weight" in raw \
-            and "model.embed_tokens.weight" in raw and torch.equal(raw["lm_head.weight"], raw["model.embed_tokens.weight"]):
+    if (
+        getattr(config, "tie_word_embeddings", False)
+        and "lm_head.weight" in raw
+        and "model.embed_tokens.weight" in raw
+        and torch.equal(raw["lm_head.weight"], raw["model.embed_tokens.weight"])
+    ):
         # safetensors refuses shared storage, and the decoder reuses the embedding when tied.
         del raw["lm_head.weight"]
     state_dict = {k: v.detach().clone().contiguous() for k, v in raw.items()}
@@ -352,8 +366,9 @@ def _convert_gguf(directory: str, gguf_file: str, entry: Path) -> None:
 # entry point
 
 
-def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: str | None = None,
-               keep_gguf_quantization: bool = False) -> LoadedModel:
+def load_model(
+    spec: str, dtype: torch.dtype = torch.float32, cache_dir: str | None = None, keep_gguf_quantization: bool = False
+) -> LoadedModel:
     """Load config, state dict (floats cast to `dtype`) and tokenizer for a registered name, dir or .gguf.
 
     With `keep_gguf_quantization`, a GGUF file's Q8_0/Q4_0/Q4_1 tensors are also returned in their
@@ -383,5 +398,11 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, cache_dir: str | N
         from batchrun.model.gguf import read_gguf_weights
 
         quantized_weights = read_gguf_weights(path)
-    return LoadedModel(config=config, state_dict=state_dict, tokenizer=tokenizer, path=path, fingerprint=fingerprint,
-                       quantized_weights=quantized_weights)
+    return LoadedModel(
+        config=config,
+        state_dict=state_dict,
+        tokenizer=tokenizer,
+        path=path,
+        fingerprint=fingerprint,
+        quantized_weights=quantized_weights,
+    )

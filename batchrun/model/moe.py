@@ -50,16 +50,17 @@ hot expert gets copies on several ranks and its tokens are split among them). Th
 own one process per GPU (torch.distributed, NCCL), with the scheduler on rank 0 broadcasting each
 step's flattened batch; KV cache stays per rank for the attention heads it holds.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from batchrun.kernels.moe import count_tokens_per_expert, fused_experts, sort_by_expert
+from batchrun.kernels.moe import fused_experts, sort_by_expert
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def moe_config_fields(config: Any, num_layers: int) -> dict[str, Any]:
     mt = config.model_type
     if mt not in MOE_MODEL_TYPES:
         return {}
-    num_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts")
+    num_experts = getattr(config, "num_local_experts", None) or config.num_experts
     if mt == "mixtral":
         is_moe = (True,) * num_layers
         inter = config.intermediate_size
@@ -87,7 +88,9 @@ def moe_config_fields(config: Any, num_layers: int) -> dict[str, Any]:
         moe_renormalize=mt == "mixtral" or bool(getattr(config, "norm_topk_prob", False)),
         moe_weights_fp32=mt == "mixtral",
         moe_layers=is_moe,
-        shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0) if mt == "qwen2_moe" else 0,
+        shared_expert_intermediate_size=getattr(config, "shared_expert_intermediate_size", 0)
+        if mt == "qwen2_moe"
+        else 0,
     )
 
 
@@ -156,15 +159,17 @@ class SparseMoeBlock(nn.Module):
         # Every row of the flattened batch is a real token (the runner does not pad); a runner that
         # pads for CUDA graphs must route padding rows elsewhere or subtract them here.
         self.token_counts += dispatch.tokens_per_expert
-        out = fused_experts(x, self.experts.gate_up_proj, self.experts.down_proj, topk_weights, topk_ids,
-                            self.act, dispatch=dispatch)
+        out = fused_experts(
+            x, self.experts.gate_up_proj, self.experts.down_proj, topk_weights, topk_ids, self.act, dispatch=dispatch
+        )
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 
-def fused_moe_weights(sd: dict[str, torch.Tensor], prefix: str, num_experts: int,
-                      has_shared_expert: bool) -> dict[str, torch.Tensor]:
+def fused_moe_weights(
+    sd: dict[str, torch.Tensor], prefix: str, num_experts: int, has_shared_expert: bool
+) -> dict[str, torch.Tensor]:
     """Pop one MoE layer's tensors out of an HF state dict (prefix 'layers.{i}.'), in our names.
 
     Accepts the fused 3D names transformers 5 keeps in memory and the per-expert names
@@ -172,7 +177,7 @@ def fused_moe_weights(sd: dict[str, torch.Tensor], prefix: str, num_experts: int
     `mlp.experts.{e}.gate_proj/up_proj/down_proj`).
     """
     for name in [k for k in sd if k.startswith(prefix + "block_sparse_moe.")]:
-        sd[prefix + "mlp." + name[len(prefix + "block_sparse_moe."):]] = sd.pop(name)
+        sd[prefix + "mlp." + name[len(prefix + "block_sparse_moe.") :]] = sd.pop(name)
     p = prefix + "mlp."
     out = {p + "gate.weight": sd.pop(p + "gate.weight")}
     if p + "experts.gate_up_proj" in sd:
@@ -183,13 +188,17 @@ def fused_moe_weights(sd: dict[str, torch.Tensor], prefix: str, num_experts: int
         names = ("w1", "w3", "w2") if ex + "0.w1.weight" in sd else ("gate_proj", "up_proj", "down_proj")
         gate_up, down = [], []
         for e in range(num_experts):
-            gate_up.append(torch.cat([sd.pop(f"{ex}{e}.{names[0]}.weight"), sd.pop(f"{ex}{e}.{names[1]}.weight")], dim=0))
+            gate_up.append(
+                torch.cat([sd.pop(f"{ex}{e}.{names[0]}.weight"), sd.pop(f"{ex}{e}.{names[1]}.weight")], dim=0)
+            )
             down.append(sd.pop(f"{ex}{e}.{names[2]}.weight"))
         out[p + "experts.gate_up_proj"] = torch.stack(gate_up)  # (num_experts, 2 * inter, hidden)
         out[p + "experts.down_proj"] = torch.stack(down)  # (num_experts, hidden, inter)
     if has_shared_expert:
         s = p + "shared_expert."
-        out[s + "gate_up_proj.weight"] = torch.cat([sd.pop(s + "gate_proj.weight"), sd.pop(s + "up_proj.weight")], dim=0)
+        out[s + "gate_up_proj.weight"] = torch.cat(
+            [sd.pop(s + "gate_proj.weight"), sd.pop(s + "up_proj.weight")], dim=0
+        )
         out[s + "down_proj.weight"] = sd.pop(s + "down_proj.weight")
         out[p + "shared_expert_gate.weight"] = sd.pop(p + "shared_expert_gate.weight")
     return out

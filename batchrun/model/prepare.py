@@ -9,6 +9,7 @@ native kernel. A tied LM head is packed only where the native kernel serves it, 
 can read its rows from the same tiles (NativeEmbedding); oneDNN's opaque layout cannot be read that
 way, and packing it there would keep a second copy of the vocabulary matrix.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,11 +33,19 @@ def _is_silu_mlp(module: nn.Module) -> bool:
     return hasattr(module, "fused_act") and getattr(module, "activation", None) in ("silu", "swish")
 
 
-def prepare_linears(model: nn.Module, mode: str = "none", device: Union[torch.device, str, None] = None,
-                    dtype: Optional[torch.dtype] = None, *, group_size: int = 32, include_embeddings: bool = False,
-                    prequantized: Optional[dict[str, QuantizedWeight]] = None,
-                    input_absmax: Optional[dict[str, torch.Tensor]] = None, outlier_channels: int = 0,
-                    batch_hint: int = 32) -> QuantizationSummary:
+def prepare_linears(
+    model: nn.Module,
+    mode: str = "none",
+    device: Union[torch.device, str, None] = None,
+    dtype: Optional[torch.dtype] = None,
+    *,
+    group_size: int = 32,
+    include_embeddings: bool = False,
+    prequantized: Optional[dict[str, QuantizedWeight]] = None,
+    input_absmax: Optional[dict[str, torch.Tensor]] = None,
+    outlier_channels: int = 0,
+    batch_hint: int = 32,
+) -> QuantizationSummary:
     """Swap the linear layers of a loaded decoder for their backends, in place (see the module doc).
 
     Call after the float weights are loaded and the model is on its device and dtype. Float layers
@@ -80,9 +89,11 @@ def prepare_linears(model: nn.Module, mode: str = "none", device: Union[torch.de
     if mode == "w4a8":
         slow = [m for m in model.modules() if isinstance(m, W4A8Linear) and not m.is_native]
         if slow and slow[0].qweight.device.type == "cpu":
-            summary.notes.append(f"w4a8: {len(slow)} projections run the reference path (a float32 matmul over "
-                                 "the weight dequantized on every call, slower than int4): the native kernel "
-                                 "needs a bf16 model and a CPU with AVX512-VNNI and AVX512-BF16")
+            summary.notes.append(
+                f"w4a8: {len(slow)} projections run the reference path (a float32 matmul over "
+                "the weight dequantized on every call, slower than int4): the native kernel "
+                "needs a bf16 model and a CPU with AVX512-VNNI and AVX512-BF16"
+            )
             log.warning(summary.notes[-1])
     if quantize_embeddings:
         quantizer.quantize_embeddings(model)
@@ -92,14 +103,19 @@ def prepare_linears(model: nn.Module, mode: str = "none", device: Union[torch.de
             model.lm_head, model.embed_tokens = packed_head, NativeEmbedding(packed_head)
             summary.num_packed += 1
     if quantizer is not None:
-        log.info("quantized %d modules (%s)%s", summary.num_quantized, mode,
-                 f"; {len(summary.notes)} notes" if summary.notes else "")
+        log.info(
+            "quantized %d modules (%s)%s",
+            summary.num_quantized,
+            mode,
+            f"; {len(summary.notes)} notes" if summary.notes else "",
+        )
     log.debug("packed %d float linears", summary.num_packed)
     return summary
 
 
-def _fuse_mlp(mlp: nn.Module, float_gate_up: Optional[nn.Linear], batch_hint: int,
-              summary: QuantizationSummary) -> None:
+def _fuse_mlp(
+    mlp: nn.Module, float_gate_up: Optional[nn.Linear], batch_hint: int, summary: QuantizationSummary
+) -> None:
     """Whether a silu MLP's gate/up projection applies silu(gate) * up itself, and which layer does it.
 
     `float_gate_up`: its float bf16 gate/up projection when that was left to this choice (packed
@@ -113,20 +129,38 @@ def _fuse_mlp(mlp: nn.Module, float_gate_up: Optional[nn.Linear], batch_hint: in
             summary.num_packed += 1
         return
     gate_up, down = mlp.gate_up_proj, mlp.down_proj
-    if (type(gate_up) is W4A8Linear and type(down) is W4A8Linear and gate_up.is_native and down.is_native
-            and gate_up.out_features == 2 * down.in_features and down.in_features % w4.W4A8_GROUP == 0):
+    if (
+        type(gate_up) is W4A8Linear
+        and type(down) is W4A8Linear
+        and gate_up.is_native
+        and down.is_native
+        and gate_up.out_features == 2 * down.in_features
+        and down.in_features % w4.W4A8_GROUP == 0
+    ):
         qweight, scales, mins = gate_up.int4_weight()
         weight = QuantizedWeight("int4", qweight, scales, mins, gate_up.in_features)
         mlp.gate_up_proj, mlp.fused_act = W4A8SiluMulLinear(weight, gate_up.bias), True
 
 
-def quantize_model(model: nn.Module, mode: str, group_size: int = 32, include_embeddings: bool = False,
-                   prequantized: Optional[dict[str, QuantizedWeight]] = None,
-                   input_absmax: Optional[dict[str, torch.Tensor]] = None,
-                   outlier_channels: int = 0) -> QuantizationSummary:
+def quantize_model(
+    model: nn.Module,
+    mode: str,
+    group_size: int = 32,
+    include_embeddings: bool = False,
+    prequantized: Optional[dict[str, QuantizedWeight]] = None,
+    input_absmax: Optional[dict[str, torch.Tensor]] = None,
+    outlier_channels: int = 0,
+) -> QuantizationSummary:
     """prepare_linears without packing the float layers: the quantized layers (and their MLP fusion) alone."""
-    return prepare_linears(model, mode, group_size=group_size, include_embeddings=include_embeddings,
-                           prequantized=prequantized, input_absmax=input_absmax, outlier_channels=outlier_channels)
+    return prepare_linears(
+        model,
+        mode,
+        group_size=group_size,
+        include_embeddings=include_embeddings,
+        prequantized=prequantized,
+        input_absmax=input_absmax,
+        outlier_channels=outlier_channels,
+    )
 
 
 def module_weight_bytes(model: nn.Module) -> int:

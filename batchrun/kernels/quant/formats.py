@@ -7,6 +7,7 @@
   in [0, 15]. Asymmetric like GGUF's Q4_1 (d, m); Q4_0 is the case min = -8 * scale.
 - fp8: `qweight` float8_e4m3fn (N, K), `scales` float32 (N, 1); w = q * scale.
 """
+
 from __future__ import annotations
 
 import logging
@@ -66,8 +67,9 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch
     return pack_int4(q.reshape(n, k)), scales, mins
 
 
-def dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_int4(
+    packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     n = packed.shape[0]
     q = unpack_int4(packed).float()
     num_groups = scales.shape[1]

@@ -1,5 +1,6 @@
 """The quantized KV cache: int8 or float8_e4m3fn (..., head_dim) with one float32 scale per
 (token, head), and `QuantizedKVCache`, which stands in for one layer's float cache tensor."""
+
 from __future__ import annotations
 
 import logging
@@ -46,8 +47,9 @@ class QuantizedKVCache:
         self.out_dtype = out_dtype
 
     @staticmethod
-    def empty(shape: tuple[int, ...], dtype: torch.dtype, out_dtype: torch.dtype,
-              device: torch.device) -> "QuantizedKVCache":
+    def empty(
+        shape: tuple[int, ...], dtype: torch.dtype, out_dtype: torch.dtype, device: torch.device
+    ) -> QuantizedKVCache:
         num_blocks, block_size, num_kv_heads, head_dim = shape
         data = torch.zeros((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device)
         scale = torch.ones((num_kv_heads, num_blocks, block_size), dtype=torch.float32, device=device)

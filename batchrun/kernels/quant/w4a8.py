@@ -6,6 +6,7 @@ and AVX512-BF16 the native kernel (csrc/linear.cpp: w4a8_micro) runs instead, ov
 its nibble tiles (`pack_w4a8_weight`), and a silu MLP's gate/up projection hands its down
 projection the activations already quantized (`w4a8_silu_quant_native`, `GroupQuantized`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -37,8 +38,17 @@ def quantize_groups_int8(x: torch.Tensor, group: int = W4A8_GROUP) -> tuple[torc
         scales = torch.empty((m, k // group), dtype=torch.float32)
         sums = torch.empty((m, k // group), dtype=torch.float32)
         cpu_native.library().batchrun_quantize_groups_int8(
-            x.data_ptr(), DTYPE_CODES[x.dtype], m, k, x.stride(0), group, xq.data_ptr(), scales.data_ptr(),
-            sums.data_ptr(), torch.get_num_threads())
+            x.data_ptr(),
+            DTYPE_CODES[x.dtype],
+            m,
+            k,
+            x.stride(0),
+            group,
+            xq.data_ptr(),
+            scales.data_ptr(),
+            sums.data_ptr(),
+            torch.get_num_threads(),
+        )
         return xq, scales, sums
     xg = x.float().reshape(m, k // group, group)
     scales = xg.abs().amax(dim=-1).div_(INT8_MAX).clamp_(min=MIN_SCALE)  # (M, G)
@@ -47,8 +57,13 @@ def quantize_groups_int8(x: torch.Tensor, group: int = W4A8_GROUP) -> tuple[torc
     return q.to(torch.int8).reshape(m, k), scales, sums
 
 
-def w4a8_matmul(x: Union[torch.Tensor, "GroupQuantized"], qweight: torch.Tensor, scales: torch.Tensor,
-                mins: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def w4a8_matmul(
+    x: Union[torch.Tensor, GroupQuantized],
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Reference W4A8: x quantized in groups of 32 (quantize_groups_int8; or already quantized),
     times the int4 weight (our layout: packed (N, K // 2), scales and mins (N, K // 32)), in
     float32, then x's dtype. The same sum as the native kernel's, in a different float32 order."""
@@ -68,8 +83,9 @@ def w4a8_native_supported(out_features: int, in_features: int) -> bool:
     return bool(cpu_native.library().batchrun_w4a8_linear_supported(out_features, in_features))
 
 
-def pack_w4a8_weight(qweight: torch.Tensor, scales: torch.Tensor,
-                     mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def pack_w4a8_weight(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Our int4 layout (packed (N, K // 2), scales and mins (N, K // 32) float16) -> the native
     kernel's: nibble tiles (N, K // 2) uint8 ([N / 32][K / 4][64]: byte b of a k-quad step holds
     column b // 4's (low nibble) and column 16 + b // 4's (high nibble) k = b % 4), and scales
@@ -89,8 +105,9 @@ def pack_w4a8_weight(qweight: torch.Tensor, scales: torch.Tensor,
     return packed, w_scales.reshape(n, groups), per_tile(mins)
 
 
-def unpack_w4a8_weight(packed: torch.Tensor, w_scales: torch.Tensor,
-                       w_mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def unpack_w4a8_weight(
+    packed: torch.Tensor, w_scales: torch.Tensor, w_mins: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The inverse of pack_w4a8_weight (scales and mins come back as float16, exact: they were)."""
     n, k = packed.shape[0], packed.shape[1] * 2
     steps = packed.reshape(n // 32, k // 4, 64)
@@ -137,11 +154,21 @@ def _kernel_input(x: Union[torch.Tensor, GroupQuantized], k: int) -> tuple[tuple
         x = GroupQuantized(*quantize_groups_int8(x2.contiguous(), W4A8_GROUP), tuple(x.shape[:-1]), x.dtype)
     if x.q.shape[1] != k:  # the kernel takes K from the weight: a wrong width would read past x
         raise ValueError(f"input has {x.q.shape[1]} features, the weight {k}")
-    return (x.q.data_ptr(), x.q.stride(0), x.scales.data_ptr(), x.sums.data_ptr(), None, 0), x.q.shape[0], x.lead_shape, x
+    return (
+        (x.q.data_ptr(), x.q.stride(0), x.scales.data_ptr(), x.sums.data_ptr(), None, 0),
+        x.q.shape[0],
+        x.lead_shape,
+        x,
+    )
 
 
-def w4a8_matmul_native(x: Union[torch.Tensor, GroupQuantized], packed: torch.Tensor, w_scales: torch.Tensor,
-                       w_mins: torch.Tensor, bias_f32: Optional[torch.Tensor]) -> torch.Tensor:
+def w4a8_matmul_native(
+    x: Union[torch.Tensor, GroupQuantized],
+    packed: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_mins: torch.Tensor,
+    bias_f32: Optional[torch.Tensor],
+) -> torch.Tensor:
     """w4a8_matmul for a bf16 CPU x (quantized by the kernel, as quantize_groups_int8 does it) or x
     already quantized, through the native kernel (pack_w4a8_weight's tensors; bias float32 or
     None): the same integer group sums, scaled and summed in float32 in registers, one rounding to
@@ -152,15 +179,35 @@ def w4a8_matmul_native(x: Union[torch.Tensor, GroupQuantized], packed: torch.Ten
     y = torch.empty((m, n), dtype=torch.bfloat16)
     if m:
         rc = cpu_native.library().batchrun_w4a8_linear(
-            xq, m, k, ldq, xs, xsum, xb, ldx, packed.data_ptr(), w_scales.data_ptr(), w_mins.data_ptr(), n,
-            None if bias_f32 is None else bias_f32.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+            xq,
+            m,
+            k,
+            ldq,
+            xs,
+            xsum,
+            xb,
+            ldx,
+            packed.data_ptr(),
+            w_scales.data_ptr(),
+            w_mins.data_ptr(),
+            n,
+            None if bias_f32 is None else bias_f32.data_ptr(),
+            y.data_ptr(),
+            n,
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise RuntimeError(f"batchrun_w4a8_linear failed ({rc}) for weight {tuple(packed.shape)}")
     return y.reshape(*lead_shape, n)
 
 
-def w4a8_silu_quant_native(x: torch.Tensor, packed: torch.Tensor, w_scales: torch.Tensor, w_mins: torch.Tensor,
-                           bias_f32: Optional[torch.Tensor]) -> GroupQuantized:
+def w4a8_silu_quant_native(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    w_scales: torch.Tensor,
+    w_mins: torch.Tensor,
+    bias_f32: Optional[torch.Tensor],
+) -> GroupQuantized:
     """silu(gate) * up of a W4A8 gate/up projection, quantized in groups of 32 for the down
     projection, in one native pass (csrc/linear.cpp: w4a8_silu_quant_pair): `packed` etc. are
     pack_w4a8_weight's tensors of the (2N, K) weight with its rows in silu pair order
@@ -174,9 +221,24 @@ def w4a8_silu_quant_native(x: torch.Tensor, packed: torch.Tensor, w_scales: torc
     sums = torch.empty((m, n // W4A8_GROUP), dtype=torch.float32)
     if m:
         rc = cpu_native.library().batchrun_w4a8_silu_quant(
-            xq, m, k, ldq, xs, xsum, xb, ldx, packed.data_ptr(), w_scales.data_ptr(), w_mins.data_ptr(), n,
-            None if bias_f32 is None else bias_f32.data_ptr(), q.data_ptr(), scales.data_ptr(), sums.data_ptr(),
-            torch.get_num_threads())
+            xq,
+            m,
+            k,
+            ldq,
+            xs,
+            xsum,
+            xb,
+            ldx,
+            packed.data_ptr(),
+            w_scales.data_ptr(),
+            w_mins.data_ptr(),
+            n,
+            None if bias_f32 is None else bias_f32.data_ptr(),
+            q.data_ptr(),
+            scales.data_ptr(),
+            sums.data_ptr(),
+            torch.get_num_threads(),
+        )
         if rc != 0:
             raise RuntimeError(f"batchrun_w4a8_silu_quant failed ({rc}) for weight {tuple(packed.shape)}")
     return GroupQuantized(q, scales, sums, lead_shape, x.dtype)

@@ -6,6 +6,7 @@ on what else is in the batch. `OutlierChannels` are input channels left out of t
 torch._int_mm (VNNI on x86 CPUs) and an epilogue; `w8a8_matmul_native` is one native kernel
 (csrc/linear.cpp: batchrun_w8a8_linear) over the weight in its own tiles (`pack_w8a8_weight`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -49,8 +50,9 @@ def native_rows(x: torch.Tensor) -> bool:
     return cpu_native.usable(x) and x.dtype in DTYPE_CODES and x.dim() == 2 and x.stride(1) == 1
 
 
-def _quantize_per_token_int8_native(x: torch.Tensor, skip: Optional[torch.Tensor],
-                                    gather: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
+def _quantize_per_token_int8_native(
+    x: torch.Tensor, skip: Optional[torch.Tensor], gather: Optional[torch.Tensor] = None
+) -> tuple[torch.Tensor, ...]:
     """quantize_per_token_int8 in one pass (csrc/quant.cpp); bitwise equal to the torch code. With
     `gather` ((n,) int64 column indices) also returns x[:, gather], copied in the same pass."""
     m, k = x.shape
@@ -60,14 +62,25 @@ def _quantize_per_token_int8_native(x: torch.Tensor, skip: Optional[torch.Tensor
     skip = None if skip is None else skip.contiguous()  # held until the call returns
     gathered = None if gather is None else torch.empty((m, gather.numel()), dtype=x.dtype)  # (m, n)
     cpu_native.library().batchrun_quantize_per_token_int8(
-        x.data_ptr(), DTYPE_CODES[x.dtype], m, k, x.stride(0), None if skip is None else skip.data_ptr(),
-        xq.data_ptr(), scale.data_ptr(), None if gather is None else gather.data_ptr(),
-        0 if gather is None else gather.numel(), None if gathered is None else gathered.data_ptr(),
-        torch.get_num_threads())
+        x.data_ptr(),
+        DTYPE_CODES[x.dtype],
+        m,
+        k,
+        x.stride(0),
+        None if skip is None else skip.data_ptr(),
+        xq.data_ptr(),
+        scale.data_ptr(),
+        None if gather is None else gather.data_ptr(),
+        0 if gather is None else gather.numel(),
+        None if gathered is None else gathered.data_ptr(),
+        torch.get_num_threads(),
+    )
     return (xq, scale) if gather is None else (xq, scale, gathered)
 
 
-def quantize_with_outliers(x: torch.Tensor, outliers: OutlierChannels) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_with_outliers(
+    x: torch.Tensor, outliers: OutlierChannels
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_q, scale) of quantize_per_token_int8(x, outliers.skip), and x[:, outliers.index] for the
     float product: one native pass where the kernels serve x, else the torch code and an index_select."""
     if native_rows(x) and outliers.index.dtype == torch.int64 and outliers.index.is_contiguous():
@@ -76,18 +89,33 @@ def quantize_with_outliers(x: torch.Tensor, outliers: OutlierChannels) -> tuple[
     return xq, scale, x.index_select(1, outliers.index)
 
 
-def _w8a8_epilogue(acc: torch.Tensor, w_scales: torch.Tensor, x_scales: torch.Tensor, bias: Optional[torch.Tensor],
-                   dtype: torch.dtype) -> torch.Tensor:
+def _w8a8_epilogue(
+    acc: torch.Tensor, w_scales: torch.Tensor, x_scales: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype
+) -> torch.Tensor:
     """((acc float32 * w_scales) * x_scales).to(dtype) (+ bias), the torch way or in one native pass."""
-    if (cpu_native.usable(acc) and dtype in DTYPE_CODES and acc.is_contiguous() and w_scales.dtype == torch.float32
-            and x_scales.dtype == torch.float32 and (bias is None or bias.dtype == dtype)):
+    if (
+        cpu_native.usable(acc)
+        and dtype in DTYPE_CODES
+        and acc.is_contiguous()
+        and w_scales.dtype == torch.float32
+        and x_scales.dtype == torch.float32
+        and (bias is None or bias.dtype == dtype)
+    ):
         m, n = acc.shape
         y = torch.empty((m, n), dtype=dtype)
         ws, xs = w_scales.reshape(-1).contiguous(), x_scales.reshape(-1).contiguous()
         b = bias.contiguous() if bias is not None else None
-        cpu_native.library().batchrun_w8a8_epilogue(acc.data_ptr(), m, n, ws.data_ptr(), xs.data_ptr(),
-                                                    b.data_ptr() if b is not None else None, y.data_ptr(),
-                                                    DTYPE_CODES[dtype], torch.get_num_threads())
+        cpu_native.library().batchrun_w8a8_epilogue(
+            acc.data_ptr(),
+            m,
+            n,
+            ws.data_ptr(),
+            xs.data_ptr(),
+            b.data_ptr() if b is not None else None,
+            y.data_ptr(),
+            DTYPE_CODES[dtype],
+            torch.get_num_threads(),
+        )
         return y
     # Convert first, then scale in place: mixed-dtype multiplies (int32 * float, or a float32
     # result into a bf16 out=) take torch's slow casting path.
@@ -105,8 +133,13 @@ class OutlierChannels:
     weight_t: torch.Tensor  # (k, N) in the compute dtype: W[:, index].T
 
 
-def w8a8_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                bias: Optional[torch.Tensor] = None, outliers: Optional[OutlierChannels] = None) -> torch.Tensor:
+def w8a8_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    outliers: Optional[OutlierChannels] = None,
+) -> torch.Tensor:
     """y = (q_x @ q_W.T) * s_x * s_W with an exact int32 accumulation (torch._int_mm; VNNI on x86),
     plus x[:, outliers] @ W[:, outliers].T in x's dtype when some channels stay in float (their
     columns of q_W are zero).
@@ -160,8 +193,14 @@ def unpack_w8a8_weight(packed: torch.Tensor) -> torch.Tensor:
     return (unpack_tiles(packed, 4).to(torch.int16) - 128).to(torch.int8)
 
 
-def w8a8_matmul_native(x: torch.Tensor, packed: torch.Tensor, w_scales: torch.Tensor, bias_f32: Optional[torch.Tensor],
-                       outliers: Optional[OutlierChannels], packed_outliers: Optional[torch.Tensor]) -> torch.Tensor:
+def w8a8_matmul_native(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    w_scales: torch.Tensor,
+    bias_f32: Optional[torch.Tensor],
+    outliers: Optional[OutlierChannels],
+    packed_outliers: Optional[torch.Tensor],
+) -> torch.Tensor:
     """w8a8_matmul for a bf16 CPU x through the native kernel. `packed`: pack_w8a8_weight's tiles;
     `w_scales`: (N,) float32; `packed_outliers`: the float channels' weight (N, num_outliers) in
     kernels/cpu_linear.py's bf16 tiles (with `outliers`). The per-token quantization is the code of
@@ -180,20 +219,44 @@ def w8a8_matmul_native(x: torch.Tensor, packed: torch.Tensor, w_scales: torch.Te
     num_float = 0 if outliers is None else outliers.index.numel()
     # The kernel quantizes x itself where it can read x as it is (one call instead of two: what a
     # decode step's small projections need); a contiguous bool mask is read as its bytes (0/1).
-    self_quantized = x2.dtype == torch.bfloat16 and x2.stride(1) == 1 and (outliers is None or (
-        outliers.index.dtype == torch.int64 and outliers.index.is_contiguous() and outliers.skip.is_contiguous()))
+    self_quantized = (
+        x2.dtype == torch.bfloat16
+        and x2.stride(1) == 1
+        and (
+            outliers is None
+            or (
+                outliers.index.dtype == torch.int64 and outliers.index.is_contiguous() and outliers.skip.is_contiguous()
+            )
+        )
+    )
     xq = sx = xo = None
     if not self_quantized:
-        xq, sx, xo = quantize_with_outliers(x2, outliers) if outliers is not None else (*quantize_per_token_int8(x2), None)
+        xq, sx, xo = (
+            quantize_with_outliers(x2, outliers) if outliers is not None else (*quantize_per_token_int8(x2), None)
+        )
         sx = sx.reshape(-1).contiguous()
     rc = cpu_native.library().batchrun_w8a8_linear(
-        None if xq is None else xq.data_ptr(), m, k, 0 if xq is None else xq.stride(0),
-        None if sx is None else sx.data_ptr(), x2.data_ptr() if self_quantized else None, x2.stride(0),
+        None if xq is None else xq.data_ptr(),
+        m,
+        k,
+        0 if xq is None else xq.stride(0),
+        None if sx is None else sx.data_ptr(),
+        x2.data_ptr() if self_quantized else None,
+        x2.stride(0),
         outliers.skip.data_ptr() if self_quantized and outliers is not None else None,
         outliers.index.data_ptr() if self_quantized and outliers is not None else None,
-        packed.data_ptr(), w_scales.data_ptr(), n, None if xo is None else xo.data_ptr(), num_float,
-        0 if xo is None else xo.stride(0), None if packed_outliers is None else packed_outliers.data_ptr(),
-        None if bias_f32 is None else bias_f32.data_ptr(), y.data_ptr(), n, torch.get_num_threads())
+        packed.data_ptr(),
+        w_scales.data_ptr(),
+        n,
+        None if xo is None else xo.data_ptr(),
+        num_float,
+        0 if xo is None else xo.stride(0),
+        None if packed_outliers is None else packed_outliers.data_ptr(),
+        None if bias_f32 is None else bias_f32.data_ptr(),
+        y.data_ptr(),
+        n,
+        torch.get_num_threads(),
+    )
     if rc != 0:
         raise RuntimeError(f"batchrun_w8a8_linear failed ({rc}) for weight {tuple(packed.shape)}")
     return y.reshape(*shape[:-1], n)

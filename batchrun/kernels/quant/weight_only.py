@@ -4,6 +4,7 @@ activations, and what the Triton kernels in kernels/quant/triton_gemm.py are che
 `int8_weight_matmul_cpu` and `int4_matmul_cpu` are torch's own packed CPU kernels, which need bf16
 activations; `fp8_scaled_matmul` is W8A8-FP8 for GPUs with fp8 tensor cores.
 """
+
 from __future__ import annotations
 
 import logging
@@ -16,8 +17,9 @@ from batchrun.kernels.quant.formats import FP8_E4M3_MAX, MIN_SCALE, dequantize_i
 log = logging.getLogger(__name__)
 
 
-def int8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def int8_weight_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Reference W8A16: y = x @ dequant(W).T in x's dtype."""
     if scales.shape[1] == 1:
         # A per-channel scale factors out of the sum over k, so the weight is only cast, not scaled.
@@ -37,14 +39,21 @@ def int8_weight_matmul_cpu(x: torch.Tensor, qweight: torch.Tensor, scales_bf16: 
     return torch._weight_int8pack_mm(x, qweight, scales_bf16)
 
 
-def int4_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-                       bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def int4_weight_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    mins: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Reference W4A16: y = x @ dequant(W).T in x's dtype."""
     y = torch.nn.functional.linear(x, dequantize_int4(qweight, scales, mins, x.dtype))
     return y if bias is None else y + bias
 
 
-def int4_pack_for_cpu(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def int4_pack_for_cpu(
+    qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Our int4 layout -> torch's CPU int4 kernel layout: (packed weight, scales_and_zeros bf16 (G, N, 2)).
 
     torch's kernel computes w = (q - 8) * scale + zero, so zero = min + 8 * scale. Scales and zeros
@@ -62,15 +71,17 @@ def int4_matmul_cpu(x: torch.Tensor, packed: torch.Tensor, group_size: int, scal
     return torch._weight_int4pack_mm_for_cpu(x, packed, group_size, scales_zeros)
 
 
-def fp8_weight_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def fp8_weight_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """Reference fp8 weight-only matmul (runs anywhere; the CPU has no fast fp8 GEMM)."""
     y = torch.nn.functional.linear(x, qweight.to(x.dtype)) * scales[:, 0].to(x.dtype)
     return y if bias is None else y + bias
 
 
-def fp8_scaled_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def fp8_scaled_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """W8A8-FP8 for Hopper-class GPUs: per-token e4m3 activations, torch._scaled_mm (row-wise scales)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])

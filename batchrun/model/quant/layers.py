@@ -1,6 +1,7 @@
 """The quantized linear and embedding layers (one per format and backend), and `make_linear`, which
 picks one for a QuantizedWeight. All are PackedWeightLinear (model/linear.py): a layer whose kernel
 reads side copies of its buffers says so in `_refresh`."""
+
 from __future__ import annotations
 
 import logging
@@ -55,9 +56,14 @@ class Int8Linear(QuantLinear):
         x2 = x.reshape(-1, self.in_features)
         if triton_usable(x2):
             from batchrun.kernels.quant.triton_gemm import w8a16_matmul
+
             y = w8a16_matmul(x2, self.qweight, self.scales, self.bias)
-        elif (not x2.is_cuda and x2.dtype == torch.bfloat16 and self.is_per_channel
-              and x2.shape[0] <= CPU_INT8PACK_MAX_ROWS):
+        elif (
+            not x2.is_cuda
+            and x2.dtype == torch.bfloat16
+            and self.is_per_channel
+            and x2.shape[0] <= CPU_INT8PACK_MAX_ROWS
+        ):
             y = qk.int8_weight_matmul_cpu(x2, self.qweight, self._scales_bf16)
             if self.bias is not None:
                 y = y + self.bias
@@ -74,20 +80,30 @@ class W8A8Linear(QuantLinear):
     w8a8_native_supported), the weight is held only in that kernel's tiles (and the float channels'
     weight in bf16 tiles), and every call runs it; otherwise torch._int_mm and the epilogue."""
 
-    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None,
-                 outliers: Optional[qk.OutlierChannels] = None, compute_dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(
+        self,
+        weight: QuantizedWeight,
+        bias: Optional[torch.Tensor] = None,
+        outliers: Optional[qk.OutlierChannels] = None,
+        compute_dtype: Optional[torch.dtype] = None,
+    ) -> None:
         assert weight.format == "int8" and weight.scales.shape[1] == 1, "W8A8 needs per-channel int8"
         super().__init__(weight.in_features, weight.out_features, bias)
         num_float = 0 if outliers is None else outliers.index.numel()
-        self.is_native = (weight.qweight.device.type == "cpu" and compute_dtype == torch.bfloat16
-                          and qk.w8a8_native_supported(weight.out_features, weight.in_features, num_float))
+        self.is_native = (
+            weight.qweight.device.type == "cpu"
+            and compute_dtype == torch.bfloat16
+            and qk.w8a8_native_supported(weight.out_features, weight.in_features, num_float)
+        )
         self.register_buffer("scales", weight.scales)  # (N, 1) float32
         if self.is_native:
             self.register_buffer("packed_qweight", qk.pack_w8a8_weight(weight.qweight))  # (N, K) uint8 tiles
             packed_out = None
             if outliers is not None:  # (N, num_float) bf16 tiles; the (num_float, N) copy is not kept
                 packed_out = pack_native_weight(outliers.weight_t.t().to(torch.bfloat16).contiguous())
-                outliers = qk.OutlierChannels(outliers.index, outliers.skip, outliers.weight_t.new_empty((0, weight.out_features)))
+                outliers = qk.OutlierChannels(
+                    outliers.index, outliers.skip, outliers.weight_t.new_empty((0, weight.out_features))
+                )
             self.register_buffer("packed_outlier_weight", packed_out)
         else:
             self.register_buffer("qweight", weight.qweight)  # (N, K) int8
@@ -109,16 +125,25 @@ class W8A8Linear(QuantLinear):
             self._scales_f32 = self.scales[:, 0].detach().float().contiguous()
             self._bias_f32 = None if self.bias is None else self.bias.detach().float().contiguous()
             out = self.packed_outlier_weight
-            self._kernel_ok = (self.packed_qweight.dtype == torch.uint8 and self.packed_qweight.device.type == "cpu"
-                               and self.scales.device.type == "cpu"
-                               and (out is None or (out.dtype == torch.bfloat16 and out.device.type == "cpu")))
+            self._kernel_ok = (
+                self.packed_qweight.dtype == torch.uint8
+                and self.packed_qweight.device.type == "cpu"
+                and self.scales.device.type == "cpu"
+                and (out is None or (out.dtype == torch.bfloat16 and out.device.type == "cpu"))
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.is_native:
-            if (x.dtype == torch.bfloat16 and x.stride(-1) == 1 and not x.is_cuda and self._kernel_ok
-                    and cpu_native.enabled()):
-                return qk.w8a8_matmul_native(x, self.packed_qweight, self._scales_f32, self._bias_f32, self.outliers,
-                                             self.packed_outlier_weight)
+            if (
+                x.dtype == torch.bfloat16
+                and x.stride(-1) == 1
+                and not x.is_cuda
+                and self._kernel_ok
+                and cpu_native.enabled()
+            ):
+                return qk.w8a8_matmul_native(
+                    x, self.packed_qweight, self._scales_f32, self._bias_f32, self.outliers, self.packed_outlier_weight
+                )
             return self._reference(x)  # kernels switched off since load, or an odd input
         return qk.w8a8_matmul(x, self.qweight, self.scales, self.bias, self.outliers)
 
@@ -135,14 +160,18 @@ class Int4Linear(QuantLinear):
     """W4A16 in groups along K. On a CPU with bf16 activations the weight is held only in torch's
     packed int4 layout (its kernel); otherwise in our canonical layout (Triton on GPU, reference on CPU)."""
 
-    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None,
-                 compute_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None, compute_dtype: torch.dtype = torch.float32
+    ) -> None:
         assert weight.format == "int4"
         super().__init__(weight.in_features, weight.out_features, bias)
         self.group_size = weight.group_size
         self.format_key = f"int4/g{self.group_size}"
-        self.is_cpu_packed = (weight.qweight.device.type == "cpu" and compute_dtype == torch.bfloat16
-                              and self.group_size in INT4_GROUP_SIZES)
+        self.is_cpu_packed = (
+            weight.qweight.device.type == "cpu"
+            and compute_dtype == torch.bfloat16
+            and self.group_size in INT4_GROUP_SIZES
+        )
         if self.is_cpu_packed:
             packed, scales_zeros = qk.int4_pack_for_cpu(weight.qweight, weight.scales, weight.mins)
             self.register_buffer("packed", packed)
@@ -161,6 +190,7 @@ class Int4Linear(QuantLinear):
                 y = y + self.bias
         elif triton_usable(x2):
             from batchrun.kernels.quant.triton_gemm import w4a16_matmul
+
             y = w4a16_matmul(x2, self.qweight, self.scales, self.mins, self.bias)
         else:
             y = qk.int4_weight_matmul(x2, self.qweight, self.scales, self.mins, self.bias)
@@ -174,13 +204,17 @@ class W4A8Linear(QuantLinear):
     nibble tiles (kernels/quant/w4a8.py: w4a8_matmul_native); elsewhere the reference (w4a8_matmul,
     which dequantizes the weight on every call: slow, for checks and float32 models)."""
 
-    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None,
-                 compute_dtype: Optional[torch.dtype] = None) -> None:
+    def __init__(
+        self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None, compute_dtype: Optional[torch.dtype] = None
+    ) -> None:
         assert weight.format == "int4" and weight.group_size == w4.W4A8_GROUP, "W4A8 needs int4 in groups of 32"
         super().__init__(weight.in_features, weight.out_features, bias)
         self.format_key = f"w4a8/g{w4.W4A8_GROUP}"
-        self.is_native = (weight.qweight.device.type == "cpu" and compute_dtype == torch.bfloat16
-                          and w4.w4a8_native_supported(weight.out_features, weight.in_features))
+        self.is_native = (
+            weight.qweight.device.type == "cpu"
+            and compute_dtype == torch.bfloat16
+            and w4.w4a8_native_supported(weight.out_features, weight.in_features)
+        )
         if self.is_native:
             packed, w_scales, w_mins = w4.pack_w4a8_weight(weight.qweight, weight.scales, weight.mins)
             self.register_buffer("packed_qweight", packed)  # (N, K // 2) uint8 nibble tiles
@@ -196,10 +230,15 @@ class W4A8Linear(QuantLinear):
         """The float32 bias the kernel reads, and whether its buffers are still what it reads."""
         if self.is_native:
             self._bias_f32 = None if self.bias is None else self.bias.detach().float().contiguous()
-            self._kernel_ok = all(t.device.type == "cpu" and t.is_contiguous() for t in
-                                  (self.packed_qweight, self.packed_scales, self.packed_mins)) \
-                and self.packed_qweight.dtype == torch.uint8 and self.packed_scales.dtype == torch.float32 \
+            self._kernel_ok = (
+                all(
+                    t.device.type == "cpu" and t.is_contiguous()
+                    for t in (self.packed_qweight, self.packed_scales, self.packed_mins)
+                )
+                and self.packed_qweight.dtype == torch.uint8
+                and self.packed_scales.dtype == torch.float32
                 and self.packed_mins.dtype == torch.float32
+            )
 
     def int4_weight(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(packed (N, K // 2), scales, mins (N, K // 32) float16): our canonical int4 layout."""
@@ -208,8 +247,14 @@ class W4A8Linear(QuantLinear):
         return self.qweight, self.scales, self.mins
 
     def _native_ok(self, x: torch.Tensor) -> bool:
-        return (self.is_native and self._kernel_ok and x.dtype == torch.bfloat16 and not x.is_cuda
-                and x.stride(-1) == 1 and cpu_native.enabled())
+        return (
+            self.is_native
+            and self._kernel_ok
+            and x.dtype == torch.bfloat16
+            and not x.is_cuda
+            and x.stride(-1) == 1
+            and cpu_native.enabled()
+        )
 
     def forward(self, x: Union[torch.Tensor, w4.GroupQuantized]) -> torch.Tensor:
         """x: activations, or activations already quantized in groups (W4A8SiluMulLinear's output)."""
@@ -233,8 +278,9 @@ class W4A8SiluMulLinear(W4A8Linear):
 
     def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> None:
         order = silu_pair_order(weight.out_features // 2)
-        permuted = QuantizedWeight("int4", weight.qweight[order], weight.scales[order], weight.mins[order],
-                                   weight.in_features)
+        permuted = QuantizedWeight(
+            "int4", weight.qweight[order], weight.scales[order], weight.mins[order], weight.in_features
+        )
         super().__init__(permuted, None if bias is None else bias[order], torch.bfloat16)
         assert self.is_native, "W4A8SiluMulLinear needs the native kernel"
         self.register_buffer("_plain_order", torch.argsort(order), persistent=False)
@@ -246,8 +292,9 @@ class W4A8SiluMulLinear(W4A8Linear):
 
     def forward(self, x: torch.Tensor) -> Union[torch.Tensor, w4.GroupQuantized]:
         if self._native_ok(x):
-            return w4.w4a8_silu_quant_native(x, self.packed_qweight, self.packed_scales, self.packed_mins,
-                                             self._bias_f32)
+            return w4.w4a8_silu_quant_native(
+                x, self.packed_qweight, self.packed_scales, self.packed_mins, self._bias_f32
+            )
         qweight, scales, mins = self.int4_weight()
         bias = None if self.bias is None else self.bias[self._plain_order]
         return ew.act_mul(w4.w4a8_matmul(x, qweight, scales, mins, bias), "silu")
@@ -263,7 +310,10 @@ class Fp8Linear(QuantLinear):
         self.register_buffer("qweight", weight.qweight)  # (N, K) float8_e4m3fn
         self.register_buffer("scales", weight.scales)  # (N, 1) float32
         self.format_key = "fp8"
-        self.use_scaled_mm = weight.qweight.is_cuda and torch.cuda.get_device_capability(weight.qweight.device) >= (8, 9)
+        self.use_scaled_mm = weight.qweight.is_cuda and torch.cuda.get_device_capability(weight.qweight.device) >= (
+            8,
+            9,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.use_scaled_mm:
@@ -291,8 +341,13 @@ class QuantEmbedding(nn.Module):
         return (q.reshape(*s.shape, -1) * s[..., None]).reshape(q.shape).to(self.dtype)
 
 
-def make_linear(weight: QuantizedWeight, mode: str, bias: Optional[torch.Tensor], compute_dtype: torch.dtype,
-                outliers: Optional[qk.OutlierChannels] = None) -> QuantLinear:
+def make_linear(
+    weight: QuantizedWeight,
+    mode: str,
+    bias: Optional[torch.Tensor],
+    compute_dtype: torch.dtype,
+    outliers: Optional[qk.OutlierChannels] = None,
+) -> QuantLinear:
     if weight.format == "int4":
         if mode == "w4a8" and weight.group_size == w4.W4A8_GROUP:
             return W4A8Linear(weight, bias, compute_dtype)

@@ -1,9 +1,10 @@
 """Calibration for W8A8: each projection's input range on real text, SmoothQuant, and the input
 channels that stay in float (see docs/quantization.md for why each step is there)."""
+
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -15,8 +16,9 @@ log = logging.getLogger(__name__)
 PROJECTION_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def split_outlier_channels(weight: torch.Tensor, input_absmax: torch.Tensor,
-                           num_channels: int) -> tuple[torch.Tensor, qk.OutlierChannels]:
+def split_outlier_channels(
+    weight: torch.Tensor, input_absmax: torch.Tensor, num_channels: int
+) -> tuple[torch.Tensor, qk.OutlierChannels]:
     """The `num_channels` input channels (at most an eighth of them) with the largest calibrated |x|
     (after SmoothQuant) kept in float: (the weight with their columns zeroed, for int8 per channel,
     and the OutlierChannels).
@@ -29,8 +31,7 @@ def split_outlier_channels(weight: torch.Tensor, input_absmax: torch.Tensor,
     index = torch.sort(input_absmax.to(weight.device).topk(k).indices).values
     skip = torch.zeros(weight.shape[1], dtype=torch.bool, device=weight.device)
     skip[index] = True
-    return (weight.masked_fill(skip[None, :], 0.0),
-            qk.OutlierChannels(index, skip, weight[:, index].t().contiguous()))
+    return (weight.masked_fill(skip[None, :], 0.0), qk.OutlierChannels(index, skip, weight[:, index].t().contiguous()))
 
 
 def calibration_token_ids(tokenizer, num_seqs: int = 2, seq_len: int = 512) -> list[list[int]]:
@@ -50,21 +51,27 @@ def calibration_token_ids(tokenizer, num_seqs: int = 2, seq_len: int = 512) -> l
 
 def projections(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """(name, module) of every float projection quantization applies to, in module order."""
-    return [(name, m) for name, m in model.named_modules()
-            if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in PROJECTION_NAMES]
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in PROJECTION_NAMES
+    ]
 
 
 @torch.inference_mode()
-def collect_input_absmax(model: nn.Module, run_forward: Callable[[list[int]], None],
-                         sequences: list[list[int]]) -> dict[str, torch.Tensor]:
+def collect_input_absmax(
+    model: nn.Module, run_forward: Callable[[list[int]], None], sequences: list[list[int]]
+) -> dict[str, torch.Tensor]:
     """Module name -> (in_features,) largest |x| per input channel of each projection, over
     `run_forward(token_ids)` of every sequence (hooks on the projections' inputs)."""
     absmax: dict[str, torch.Tensor] = {}
     hooks = []
     for name, linear in projections(model):
+
         def hook(_module, inputs, _output, name=name):
             a = inputs[0].reshape(-1, inputs[0].shape[-1]).abs().amax(dim=0).float()
             absmax[name] = torch.maximum(absmax[name], a) if name in absmax else a
+
         hooks.append(linear.register_forward_hook(hook))
     try:
         for ids in sequences:
@@ -116,13 +123,16 @@ def smooth_activations(model: nn.Module, input_absmax: dict[str, torch.Tensor], 
         gate_up_name, down_name = f"{prefix}.mlp.gate_up_proj", f"{prefix}.mlp.down_proj"
         if gate_up_name in input_absmax and down_name in input_absmax:
             gate_up, down = modules[gate_up_name], modules[down_name]
-            norm = layer.pre_feedforward_layernorm if hasattr(layer, "pre_feedforward_layernorm") \
+            norm = (
+                layer.pre_feedforward_layernorm
+                if hasattr(layer, "pre_feedforward_layernorm")
                 else layer.post_attention_layernorm
+            )
             s = factors(gate_up_name, gate_up)
             fold_into_norm(norm, s)
             apply(gate_up_name, gate_up, s)
             s = factors(down_name, down)
             with torch.no_grad():  # the up half of gate_up's rows feeds down's input channels
-                gate_up.weight[down.in_features:].div_(s.to(gate_up.weight.dtype)[:, None])
+                gate_up.weight[down.in_features :].div_(s.to(gate_up.weight.dtype)[:, None])
             apply(down_name, down, s)
     return count

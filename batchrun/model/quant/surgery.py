@@ -1,5 +1,6 @@
 """Quantizing one projection or the embeddings of a loaded decoder, as `prepare_linears`
 (model/prepare.py) asks, and what it did (`QuantizationSummary`)."""
+
 from __future__ import annotations
 
 import logging
@@ -65,9 +66,16 @@ class ProjectionQuantizer:
     projection is quantized), and with `outlier_channels` > 0 that many input channels of each
     projection stay in float (split_outlier_channels)."""
 
-    def __init__(self, model: nn.Module, mode: str, group_size: int, summary: QuantizationSummary,
-                 prequantized: Optional[dict[str, QuantizedWeight]] = None,
-                 input_absmax: Optional[dict[str, torch.Tensor]] = None, outlier_channels: int = 0) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        mode: str,
+        group_size: int,
+        summary: QuantizationSummary,
+        prequantized: Optional[dict[str, QuantizedWeight]] = None,
+        input_absmax: Optional[dict[str, torch.Tensor]] = None,
+        outlier_channels: int = 0,
+    ) -> None:
         if mode == "gguf" and not prequantized:
             raise ValueError("quantization 'gguf' needs a GGUF model whose tensors are Q8_0, Q4_0 or Q4_1")
         self.mode, self.group_size, self.summary = mode, group_size, summary
@@ -102,14 +110,16 @@ class ProjectionQuantizer:
                 weight, outliers = split_outlier_channels(weight, self.smoothed[name], self.outlier_channels)
             # W8A8's single integer GEMM needs per-channel weight scales; fp8 is per channel.
             grouped = mode in ("int8", "int4", "gguf")
-            qw = quantize_weight(weight, self.fmt,
-                                 w4.W4A8_GROUP if mode == "w4a8" else group_size if grouped else None)
+            qw = quantize_weight(weight, self.fmt, w4.W4A8_GROUP if mode == "w4a8" else group_size if grouped else None)
             if mode == "w4a8" and qw.group_size != w4.W4A8_GROUP:
-                summary.notes.append(f"{name}: int4 weight-only in groups of {qw.group_size} ({linear.in_features} "
-                                     f"is not a multiple of W4A8's group of {w4.W4A8_GROUP})")
+                summary.notes.append(
+                    f"{name}: int4 weight-only in groups of {qw.group_size} ({linear.in_features} "
+                    f"is not a multiple of W4A8's group of {w4.W4A8_GROUP})"
+                )
             if grouped and qw.group_size != group_size:
-                summary.notes.append(f"{name}: group size {qw.group_size} ({linear.in_features} "
-                                     f"is not a multiple of {group_size})")
+                summary.notes.append(
+                    f"{name}: group size {qw.group_size} ({linear.in_features} is not a multiple of {group_size})"
+                )
         qw = to_device(qw, linear.weight.device)
         module = make_linear(qw, mode, linear.bias, dtype, outliers)
         self.record(module, from_gguf)

@@ -1,4 +1,5 @@
 """`QuantizedWeight`: one weight matrix in a format of kernels/quant/formats.py, and quantizing to it."""
+
 from __future__ import annotations
 
 import logging
@@ -41,14 +42,23 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.mins) if t is not None)
 
     @staticmethod
-    def cat(parts: list["QuantizedWeight"]) -> "QuantizedWeight":
+    def cat(parts: list[QuantizedWeight]) -> QuantizedWeight:
         """Stack along the output dim (fusing q/k/v or gate/up); formats and groups must agree."""
         first = parts[0]
-        assert all(p.format == first.format and p.in_features == first.in_features
-                   and p.scales.shape[1] == first.scales.shape[1] for p in parts), "cannot fuse mixed formats"
+        assert all(
+            p.format == first.format
+            and p.in_features == first.in_features
+            and p.scales.shape[1] == first.scales.shape[1]
+            for p in parts
+        ), "cannot fuse mixed formats"
         mins = torch.cat([p.mins for p in parts]) if first.mins is not None else None
-        return QuantizedWeight(first.format, torch.cat([p.qweight for p in parts]),
-                               torch.cat([p.scales for p in parts]), mins, first.in_features)
+        return QuantizedWeight(
+            first.format,
+            torch.cat([p.qweight for p in parts]),
+            torch.cat([p.scales for p in parts]),
+            mins,
+            first.in_features,
+        )
 
 
 def effective_group_size(in_features: int, group_size: int) -> int:
@@ -76,5 +86,10 @@ def quantize_weight(w: torch.Tensor, fmt: str, group_size: Optional[int] = None)
 
 def to_device(w: QuantizedWeight, device: torch.device) -> QuantizedWeight:
     """The same weight with its tensors on `device`."""
-    return QuantizedWeight(w.format, w.qweight.to(device), w.scales.to(device),
-                           None if w.mins is None else w.mins.to(device), w.in_features)
+    return QuantizedWeight(
+        w.format,
+        w.qweight.to(device),
+        w.scales.to(device),
+        None if w.mins is None else w.mins.to(device),
+        w.in_features,
+    )

@@ -24,9 +24,9 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from batchrun.bench.report import format_benchmark
+from batchrun.bench.throughput import run_benchmark
 from batchrun.job import ConfigError, JobError, RunConfig, build_run_config, format_summary, run_job
-from batchrun.job.benchmark import run_benchmark
-from batchrun.job.benchmark_report import format_benchmark
 from batchrun.job.config import unknown_key
 
 PACKAGE_DIR = Path(__file__).resolve().parent

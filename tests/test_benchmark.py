@@ -10,10 +10,10 @@ import pytest
 import yaml
 
 from batchrun import cli
+from batchrun.bench.hf_baseline import hf_generate, load_hf_model
+from batchrun.bench.report import SUMMARY_COLUMNS
+from batchrun.bench.throughput import BenchmarkConfig, batchrun_generate, build_workload, run_benchmark
 from batchrun.engine import SamplingParams
-from batchrun.job.baseline import hf_generate, load_hf_model
-from batchrun.job.benchmark import BenchmarkConfig, batchrun_generate, build_workload, run_benchmark
-from batchrun.job.benchmark_report import SUMMARY_COLUMNS
 from batchrun.job.planner import PlannerConfig
 from batchrun.job.runner import load_engine
 

@@ -15,14 +15,14 @@ for the shared_prefix workload):
   batchrun_no_prefix_cache  a second engine with enable_prefix_caching=false and the same batch limits
   batchrun_no_planner       the engine, prompts in input order
   batchrun_<order>          the engine with planner.order=<order> (longest_first, shortest_first, input)
-  hf_fp32, hf_bf16          HF `generate` in static batches of benchmark.hf_batch_size (baseline.py)
+  hf_fp32, hf_bf16          HF `generate` in static batches of benchmark.hf_batch_size (hf_baseline.py)
 
 Workloads: summarize (the job's prompt over the rows at data.uri, by default the bundled 32 CPython
 documentation topics, with the chat template), shared_prefix (one long instruction of about
 benchmark.shared_prefix_tokens tokens, then short distinct questions) and random (random token ids
 of random lengths, ignore_eos, as vLLM's and nano-vllm's throughput benchmarks do).
 
-Results go to {output.uri}/benchmark/ (see benchmark_report.py) and are printed as a table.
+Results go to {output.uri}/benchmark/ (see report.py) and are printed as a table.
 """
 
 from __future__ import annotations
@@ -39,17 +39,18 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from batchrun.bench.hf_baseline import TimedRun, cast_model, count_parameters, hf_generate, load_hf_model, matmul_peak
+from batchrun.bench.report import BenchmarkResult, build_result, write_result
 from batchrun.engine import Engine, EngineRequest, RequestOutput, SamplingParams
-from batchrun.job.baseline import TimedRun, cast_model, count_parameters, hf_generate, load_hf_model, matmul_peak
 from batchrun.job.config import BENCHMARK_SYSTEMS, BenchmarkConfig, DataConfig, JobConfig, PlannerConfig
 from batchrun.job.errors import JobError
 from batchrun.job.planner import plan_requests
 from batchrun.job.prompts import PromptBuilder
 from batchrun.job.reader import InputRow, ShardReader
+from batchrun.job.runner import load_engine
 from batchrun.job.shards import discover_shards, open_filesystem
 
 if TYPE_CHECKING:
-    from batchrun.job.benchmark_report import BenchmarkResult
     from batchrun.job.config import RunConfig
 
 log = logging.getLogger(__name__)
@@ -85,9 +86,6 @@ class BenchmarkWorkload:
 
 def run_benchmark(config: RunConfig, engine: Optional[Engine] = None) -> BenchmarkResult:
     """Run the benchmark job; `engine` may be passed in to reuse a loaded one (tests)."""
-    from batchrun.job.benchmark_report import build_result, write_result
-    from batchrun.job.runner import load_engine
-
     bench = config.benchmark
     load_start = os.getloadavg()
     engine = engine or load_engine(config.engine)
@@ -246,8 +244,6 @@ RunFn = Callable[[list[list[int]], SamplingParams], TimedRun]
 
 
 def _build_systems(config: RunConfig, engine: Engine) -> dict[str, RunFn]:
-    from batchrun.job.runner import load_engine
-
     names = config.benchmark.system_names()
     systems: dict[str, RunFn] = {}
     hf_models: dict[str, Any] = {}

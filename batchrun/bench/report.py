@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.job.baseline import TimedRun
+from batchrun.bench.hf_baseline import TimedRun
 from batchrun.job.shards import open_filesystem
 
 if TYPE_CHECKING:

@@ -10,11 +10,13 @@ import pytest
 import yaml
 
 from batchrun import cli
+from batchrun.bench import doc
 from batchrun.bench.hf_baseline import hf_generate, load_hf_model
 from batchrun.bench.report import SUMMARY_COLUMNS
-from batchrun.bench.throughput import BenchmarkConfig, batchrun_generate, build_workload, run_benchmark
+from batchrun.bench.throughput import batchrun_generate, run_benchmark
+from batchrun.bench.workloads import build_workload
 from batchrun.engine import SamplingParams
-from batchrun.job.planner import PlannerConfig
+from batchrun.job.config import BenchmarkConfig, PlannerConfig
 from batchrun.job.runner import load_engine
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_torch_thread")]
@@ -30,6 +32,9 @@ TINY_ENGINE = [
 
 def test_benchmark_job_writes_its_table_and_plot(tmp_path, tiny_llama_dir, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    docs = tmp_path / "benchmarks.md"
+    docs.write_text("# Benchmarks\n")
+    monkeypatch.setattr(doc, "DOCS_PATH", docs)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(
             [
@@ -41,6 +46,7 @@ def test_benchmark_job_writes_its_table_and_plot(tmp_path, tiny_llama_dir, capsy
                 "benchmark.max_tokens=4",
                 "benchmark.repeats=1",
                 "benchmark.hf_batch_size=2",
+                "benchmark.write_docs=true",
             ]
         )
     assert exit_info.value.code == 0
@@ -69,6 +75,12 @@ def test_benchmark_job_writes_its_table_and_plot(tmp_path, tiny_llama_dir, capsy
     settings = json.loads((directory / "summarize.json").read_text())
     assert settings["engine"]["dtype"] == "float32" and settings["engine"]["max_num_batched_tokens"] == 512
     assert set(settings["matmul_peak_flops_per_s"]) == {"float32", "bfloat16"} and settings["num_parameters"] > 0
+
+    # benchmark.write_docs=true: the table replaces (here: appends) the workload's section of the docs page.
+    section = docs.read_text().split("<!-- bench:throughput-summarize -->\n")[1]
+    assert "`python -m batchrun job=benchmark model.path=" in section and "write_docs" not in section
+    assert "| system | dtype | out tok/s |" in section and "| hf_bf16 | bfloat16 |" in section
+    assert section.endswith("<!-- /bench:throughput-summarize -->\n")
 
 
 def test_shared_prefix_workload_and_the_prefix_cache_ratio(tmp_path, tiny_llama_dir):

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from batchrun import Engine, EngineConfig, SamplingParams
-from batchrun.bench.moe import per_token as _naive_moe  # the definition: a loop over tokens and experts
+from batchrun.bench.cases import moe_per_token as _naive_moe  # the definition: a loop over tokens and experts
 from batchrun.kernels.moe import fused_experts, grouped_gemm_reference, sort_by_expert
 from batchrun.model.moe import SparseMoeBlock, fused_moe_weights, route
 from batchrun.testing import make_tiny_model, sample_texts

@@ -426,7 +426,7 @@ def test_w8a8_calibrated_model_keeps_an_eighth_at_most_in_float(tiny_llama_dir):
 def test_the_quantization_benchmark_measures_summarize_from_an_empty_prefix_cache(tiny_llama_dir, monkeypatch):
     # Its rounds repeat the same prompts: without the reset, a mode whose KV cache keeps more
     # blocks (int8) served later rounds from cached prefixes and showed a false speed-up.
-    from batchrun.bench import quant as bq
+    from batchrun.bench.workloads import summarize_tokens_per_s
     from batchrun.engine import Engine, EngineConfig
 
     engine = Engine(
@@ -447,5 +447,5 @@ def test_the_quantization_benchmark_measures_summarize_from_an_empty_prefix_cach
         engine, "generate", lambda *a, **k: [cached.append(o.metrics.num_cached_tokens) or o for o in generate(*a, **k)]
     )
     for _ in range(2):
-        bq.summarize_tokens_per_s(engine, prompts)
+        summarize_tokens_per_s(engine, prompts)
     assert len(cached) == 6 and cached == [0] * 6

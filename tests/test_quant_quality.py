@@ -19,7 +19,7 @@ import dataclasses
 import pytest
 import torch
 
-from batchrun.bench.quant import agreement, quality_sequences, teacher_forced
+from batchrun.bench.quality import agreement, quality_sequences, teacher_forced
 from batchrun.engine import Engine, EngineConfig
 from batchrun.engine.quantization import prepare_linears_for_engine
 from batchrun.engine.runner import ModelRunner

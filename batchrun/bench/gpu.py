@@ -39,88 +39,12 @@ from typing import Any, Optional
 
 import torch
 
-from batchrun.kernels.attention_metadata import AttentionMetadata
+from batchrun.bench.cases import attention_case, rel_error
+from batchrun.bench.hf_baseline import hf_generate, load_hf_model
+from batchrun.bench.workloads import nano_vllm_workload
 from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
-from batchrun.kernels.kv_layout import from_head_major
 
 log = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------------------------------------
-# random inputs (also used by the tests)
-
-
-@dataclass
-class AttentionCase:
-    q: torch.Tensor  # (num_tokens, num_heads, head_dim)
-    k_cache: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_dim), this step's keys written
-    v_cache: torch.Tensor
-    k_new: torch.Tensor  # (num_tokens, num_kv_heads, head_dim)
-    v_new: torch.Tensor
-    meta: AttentionMetadata
-
-
-def attention_case(
-    seqs: list[tuple[int, int]],
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    block_size: int,
-    dtype: torch.dtype = torch.float32,
-    device: Any = "cpu",
-    seed: int = 0,
-) -> AttentionCase:
-    """A flattened batch like the runner builds: per sequence (cached tokens, new tokens); one new
-    token makes it a decode. Blocks are shuffled across sequences and the cache holds random K/V
-    around them, so wrong block arithmetic reads wrong numbers."""
-    gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-(c + n) // block_size) for c, n in seqs]
-    num_blocks = sum(blocks_per_seq) + 3
-    order = torch.randperm(num_blocks, generator=gen)
-    block_tables = torch.zeros(len(seqs), max(blocks_per_seq), dtype=torch.long)  # (num_seqs, max_blocks)
-    used = 0
-    for i, nb in enumerate(blocks_per_seq):
-        block_tables[i, :nb] = order[used : used + nb]
-        used += nb
-    query_start_loc = [0]
-    for _, n in seqs:
-        query_start_loc.append(query_start_loc[-1] + n)
-    num_tokens = query_start_loc[-1]
-    slots = [
-        int(block_tables[i, p // block_size]) * block_size + p % block_size
-        for i, (c, n) in enumerate(seqs)
-        for p in range(c, c + n)
-    ]
-    # Drawn where they live: a GPU case holds hundreds of millions of cache entries.
-    dev_gen = torch.Generator(device=device).manual_seed(seed)
-
-    def randn(*size: int) -> torch.Tensor:
-        return torch.randn(size, generator=dev_gen, device=device).to(dtype)
-
-    # the engine's head-major layout (kernels/attention.py), seen through the logical shape
-    k_cache, v_cache = (from_head_major(randn(num_kv_heads, num_blocks, block_size, head_dim)) for _ in range(2))
-    q = randn(num_tokens, num_heads, head_dim)
-    k_new, v_new = randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)
-    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
-    write_kv_cache_reference(k_cache, v_cache, k_new, v_new, slot_mapping)
-    decode_ids = [i for i, (_, n) in enumerate(seqs) if n == 1]
-    meta = AttentionMetadata(
-        slot_mapping=slot_mapping,
-        query_start_loc=query_start_loc,
-        seq_lens=[c + n for c, n in seqs],
-        block_tables=block_tables.to(device),
-        block_size=block_size,
-        decode_seq_ids=torch.tensor(decode_ids, dtype=torch.long, device=device),
-        decode_seq_lens=torch.tensor([seqs[i][0] + 1 for i in decode_ids], dtype=torch.long, device=device),
-        prefill_seq_ids=[i for i, (_, n) in enumerate(seqs) if n != 1],
-    )
-    return AttentionCase(q, k_cache, v_cache, k_new, v_new, meta)
-
-
-def rel_error(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
-    """(max |got - want|, ||got - want|| / ||want||) in float64."""
-    diff = got.double() - want.double()
-    return diff.abs().max().item(), (diff.norm() / want.double().norm().clamp_min(1e-30)).item()
-
 
 # ---------------------------------------------------------------------------------------------
 # 1. kernels against references
@@ -409,17 +333,6 @@ def build_random_model(out_dir: str, shape: dict, device: torch.device, dtype: t
     return out_dir
 
 
-def nano_vllm_workload(
-    num_seqs: int, lo: int, hi: int, vocab_size: int = 10001, seed: int = 0
-) -> tuple[list[list[int]], list[int]]:
-    """nano-vllm's bench.py: prompt ids uniform in [0, 10000], lengths uniform in [lo, hi]."""
-    rng = random.Random(seed)
-    top = min(10000, vocab_size - 1)
-    prompts = [[rng.randint(0, top) for _ in range(rng.randint(lo, hi))] for _ in range(num_seqs)]
-    max_tokens = [rng.randint(lo, hi) for _ in range(num_seqs)]
-    return prompts, max_tokens
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -505,29 +418,15 @@ def _hf_ratio(
     smoke: bool,
     results: Results,
 ) -> None:
-    """HF `generate` (greedy, left-padded batch, fixed output length) against the engine, same subset."""
-    from transformers import AutoModelForCausalLM
-
+    """HF `generate` (greedy, one left-padded static batch, fixed output length: ignore_eos) against the
+    engine, same subset, through the benchmark job's HF baseline."""
     from batchrun.engine import SamplingParams
 
     num, new = (4, 8) if smoke else (32, 128)
     subset = prompts[:num]
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    width = max(len(p) for p in subset)
-    ids = torch.zeros(num, width, dtype=torch.long)
-    mask = torch.zeros(num, width, dtype=torch.long)
-    for i, p in enumerate(subset):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    kw = dict(attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
-    with torch.inference_mode():
-        hf.generate(ids[:, -16:], **{**kw, "attention_mask": mask[:, -16:], "max_new_tokens": 2, "min_new_tokens": 2})
-        _sync(device)
-        t = time.perf_counter()
-        hf.generate(ids, **kw)
-        _sync(device)
-        hf_s = time.perf_counter() - t
+    hf = load_hf_model(model_dir, dtype, device)
+    hf_generate(hf, [p[-16:] for p in subset], 2, num, 0, [], ignore_eos=True)  # warm-up
+    hf_s = hf_generate(hf, subset, new, num, 0, [], ignore_eos=True).wall_s
     del hf
     t = time.perf_counter()
     engine.generate(subset, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))

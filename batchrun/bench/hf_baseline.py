@@ -1,9 +1,10 @@
 """The baseline everyone has: HF transformers `generate` in static batches, timed per step.
 
-Used by the benchmark job only. The model is loaded by transformers itself from the engine's model
-path (an HF directory, or a GGUF file that transformers dequantizes), so nothing of batchrun's
-model code is in the baseline. Batches are formed in prompt order, `batch_size` at a time, left
-padded; every batch runs until all its sequences end (or max_new_tokens), as static batching does.
+Used by the benchmark job (throughput.py) and the GPU check's HF ratio (gpu.py). The model is
+loaded by transformers itself from the engine's model path (an HF directory, or a GGUF file that
+transformers dequantizes), so nothing of batchrun's model code is in the baseline. Batches are
+formed in prompt order, `batch_size` at a time, left padded; every batch runs until all its
+sequences end (or max_new_tokens), as static batching does.
 
 Timing, per batch: TTFT is the time from the start of `generate` to the first sampled token (the
 batch's prefill), and ITL is the mean time per decode step after it; every request of the batch
@@ -16,38 +17,28 @@ import copy
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-
-@dataclass
-class TimedRun:
-    """One system's pass over the workload (the benchmark's unit of measurement)."""
-
-    wall_s: float  # first admission to last output
-    token_ids: list[list[int]]  # generated tokens per prompt, in prompt order (EOS included)
-    num_prompt_tokens: int
-    num_output_tokens: int
-    num_cached_tokens: int  # prompt tokens served from a prefix cache (0 for the baseline)
-    num_computed_tokens: int  # tokens that went through the model, padding included
-    ttfts_s: list[float] = field(default_factory=list)  # per request
-    itls_s: list[float] = field(default_factory=list)  # per request with 2+ output tokens
+from batchrun.bench.timing import TimedRun
 
 
-def load_hf_model(model_path: str) -> Any:
-    """HF transformers' own float32 model for an HF directory or a .gguf file (dequantized)."""
+def load_hf_model(model_path: str, dtype: torch.dtype = torch.float32, device: Any = None) -> Any:
+    """HF transformers' own model for an HF directory or a .gguf file (dequantized), in `dtype` (float32
+    by default), moved to `device` when one is given."""
     from transformers import AutoModelForCausalLM
 
     if model_path.endswith(".gguf"):
-        return AutoModelForCausalLM.from_pretrained(
+        model = AutoModelForCausalLM.from_pretrained(
             os.path.dirname(model_path),
             gguf_file=os.path.basename(model_path),
-            dtype=torch.float32,
+            dtype=dtype,
             local_files_only=True,
-        ).eval()
-    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, local_files_only=True).eval()
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, local_files_only=True)
+    return (model if device is None else model.to(device)).eval()
 
 
 def cast_model(model: Any, dtype: torch.dtype) -> Any:
@@ -86,7 +77,8 @@ def hf_generate(
     eos_token_ids: Sequence[int],
     ignore_eos: bool = False,
 ) -> TimedRun:
-    """Greedy `generate` over `prompts` in static batches; outputs trimmed after each sequence's EOS."""
+    """Greedy `generate` over `prompts` in static batches; outputs trimmed after each sequence's EOS.
+    Inputs go to the model's device; reading the outputs back waits for it, so wall_s is complete."""
     from transformers import GenerationConfig
 
     # An empty EOS list makes generate run to max_new_tokens without suppressing EOS, which is
@@ -98,6 +90,7 @@ def hf_generate(
         eos_token_id=[] if ignore_eos else list(eos_token_ids),
     )
     eos = set() if ignore_eos else set(eos_token_ids)
+    device = next(model.parameters()).device
     run = TimedRun(0.0, [], sum(map(len, prompts)), 0, 0, 0)
     start = time.perf_counter()
     for first in range(0, len(prompts), batch_size):
@@ -105,6 +98,7 @@ def hf_generate(
         width = max(map(len, batch))
         input_ids = torch.tensor([[pad_token_id] * (width - len(p)) + list(p) for p in batch])  # (batch, width)
         attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])  # (batch, width)
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         timer = _StepTimer()
         t0 = time.perf_counter()
         with torch.inference_mode():
@@ -131,18 +125,3 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
         if token in eos:
             return tokens[: i + 1]
     return tokens
-
-
-def matmul_peak(dtype: torch.dtype, m: int, k: int, n: int, repeats: int = 5) -> float:
-    """Best FLOP/s of one (m, k) x (k, n) matmul in `dtype` through torch, as the model's linears run."""
-    x = torch.randn(m, k).to(dtype)  # (tokens, in_features)
-    w = torch.randn(n, k).to(dtype)  # (out_features, in_features)
-    flops = 2.0 * m * k * n
-    torch.nn.functional.linear(x, w)  # warm-up: first calls pay one-off setup
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch.nn.functional.linear(x, w)
-            best = min(best, time.perf_counter() - t0)
-    return flops / best

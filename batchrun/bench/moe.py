@@ -17,21 +17,11 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from batchrun.bench.cases import moe_per_token
 from batchrun.kernels.moe import fused_experts
 from batchrun.model.moe import route
 
 log = logging.getLogger(__name__)
-
-
-def per_token(x, gate_up, down, weights, ids):
-    """The definition: a Python loop over tokens and their k experts."""
-    out = torch.zeros_like(x)
-    for t in range(x.shape[0]):
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            g, u = (gate_up[e] @ x[t]).chunk(2)
-            out[t] += float(weights[t, j]) * (down[e] @ (F.silu(g) * u))
-    return out
 
 
 def every_expert(x, gate_up, down, weights, ids):
@@ -76,10 +66,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     weights, ids = route(
         torch.randn(args.tokens, args.experts, generator=gen), args.top_k, renormalize=True, weights_fp32=True
     )
-    want = per_token(x, gate_up, down, weights, ids)
+    want = moe_per_token(x, gate_up, down, weights, ids)
     runs = {
         "grouped": lambda: fused_experts(x, gate_up, down, weights, ids, F.silu, use_triton=False),
-        "per-token loop": lambda: per_token(x, gate_up, down, weights, ids),
+        "per-token loop": lambda: moe_per_token(x, gate_up, down, weights, ids),
         "every expert on every token": lambda: every_expert(x, gate_up, down, weights, ids),
     }
     print(

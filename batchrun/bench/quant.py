@@ -21,27 +21,21 @@ job's prompt (chat template, greedy, 64 tokens), output tokens / wall seconds.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import logging
-import math
-import os
 import statistics
-import time
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from batchrun.engine import Engine, EngineConfig, SamplingParams
-from batchrun.engine.request import Request
-from batchrun.engine.scheduler import ScheduledBatch
+from batchrun.bench.quality import agreement, engine_teacher_forced, make_engine, quality_sequences
+from batchrun.bench.timing import median_ratio
+from batchrun.bench.workloads import chat_ids, summarize_prompts, summarize_tokens_per_s
+from batchrun.engine import Engine, SamplingParams
 from batchrun.testing import sample_texts
 
 log = logging.getLogger(__name__)
 
-SUMMARIZE_SYSTEM = "You are a concise technical writer."
-SUMMARIZE_TEMPLATE = "Summarize the following documentation in two sentences.\n\n{text}"
 GREEDY_PROMPTS = (
     "The capital of France is",
     "Write a Python function that returns the factorial of n.",
@@ -49,116 +43,9 @@ GREEDY_PROMPTS = (
 )
 
 
-@dataclass
-class TeacherForced:
-    """Per predicted position (every token but each sequence's last), concatenated over sequences."""
-
-    argmax: torch.Tensor  # (num_predicted,) int64: the model's top-1 next token
-    nll: torch.Tensor  # (num_predicted,) float64: -log p(actual next token)
-
-    @property
-    def perplexity(self) -> float:
-        return math.exp(self.nll.mean().item())
-
-
-def agreement(base: TeacherForced, other: TeacherForced) -> float:
-    """Fraction of positions where both models pick the same top-1 token."""
-    return (base.argmax == other.argmax).double().mean().item()
-
-
-def quality_sequences(tokenizer, num_seqs: int = 8, seq_len: int = 512) -> list[list[int]]:
-    """The first `seq_len` tokens of the first `num_seqs` pydoc topics at least that long."""
-    out = []
-    for text in sample_texts():
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if len(ids) >= seq_len:
-            out.append(ids[:seq_len])
-        if len(out) == num_seqs:
-            return out
-    raise ValueError(f"only {len(out)} sample texts have {seq_len} tokens")
-
-
-@torch.inference_mode()
-def teacher_forced(model, runner, sequences: list[list[int]], logits_rows: int = 256) -> TeacherForced:
-    """Run the sequences through a model and its runner's paged KV cache (the engine must be idle:
-    this writes to the cache's first blocks)."""
-    bs = runner.block_size
-    reqs, next_block = [], 0
-    for i, ids in enumerate(sequences):
-        num_blocks = -(-len(ids) // bs)
-        req = Request(i, i, list(ids), SamplingParams(temperature=0.0), 0.0, None)
-        req.block_ids = list(range(next_block, next_block + num_blocks))
-        next_block += num_blocks
-        reqs.append(req)
-    assert next_block <= runner.kv_caches[0][0].shape[0], f"needs {next_block} KV blocks"
-    hidden: list[list[torch.Tensor]] = [[] for _ in sequences]
-    for lens in ([1] * len(sequences), [len(s) - 1 for s in sequences]):
-        input_ids, positions, meta = runner.prepare(ScheduledBatch(reqs, lens))[:3]
-        h = model(input_ids, positions, runner.kv_caches, meta)  # (num_tokens, hidden_size)
-        for i, part in enumerate(h.split(lens)):
-            hidden[i].append(part)
-            reqs[i].num_computed_tokens += lens[i]
-    argmax, nll = [], []
-    for ids, parts in zip(sequences, hidden):
-        h = torch.cat(parts)[:-1]
-        targets = torch.tensor(ids[1:], device=h.device)
-        for start in range(0, h.shape[0], logits_rows):
-            logp = torch.log_softmax(model.compute_logits(h[start : start + logits_rows]), dim=-1)
-            argmax.append(logp.argmax(dim=-1).cpu())
-            nll.append(-logp.gather(1, targets[start : start + logits_rows, None])[:, 0].double().cpu())
-    return TeacherForced(torch.cat(argmax), torch.cat(nll))
-
-
-def engine_teacher_forced(engine: Engine, sequences: list[list[int]]) -> TeacherForced:
-    return teacher_forced(engine.model, engine.runner, sequences)
-
-
-def make_engine(
-    quantization: str = "none",
-    dtype: str = "bfloat16",
-    kv_cache_dtype: str = "auto",
-    cache_dir: Optional[str] = None,
-    threads: Optional[int] = None,
-    kv_cache_memory: float = 256 << 20,
-    max_num_seqs: int = 64,
-    max_num_batched_tokens: int = 2048,
-    group_size: int = 32,
-) -> Engine:
-    """An engine for one mode. `quantization` may carry a setting after "@": "int4@64" is int4 in
-    groups of 64, "w8a8@0" is W8A8 with no input channels kept in float."""
-    quantization, _, setting = quantization.partition("@")
-    extra = {}
-    if setting and quantization == "w8a8":
-        extra["w8a8_outlier_channels"] = int(setting)
-    elif setting:
-        group_size = int(setting)
-    # Fixed batch limits: the start-up profile would pick per mode and blur the comparison.
-    return Engine(
-        EngineConfig(
-            model="smollm2-135m",
-            dtype=dtype,
-            device="cpu",
-            quantization=quantization,
-            quant_group_size=group_size,
-            **extra,
-            kv_cache_dtype=kv_cache_dtype,
-            cache_dir=cache_dir,
-            num_threads=threads,
-            kv_cache_memory=kv_cache_memory,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-        )
-    )
-
-
 def greedy(engine: Engine, prompts=GREEDY_PROMPTS, max_tokens: int = 40) -> list[str]:
-    chats = [_chat(engine.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
+    chats = [chat_ids(engine.tokenizer, [{"role": "user", "content": p}]) for p in prompts]
     return [o.text for o in engine.generate(chats, SamplingParams(temperature=0.0, max_tokens=max_tokens))]
-
-
-def _chat(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
 def decode_tokens_per_s(engine: Engine, batch_size: int, prompt_tokens: int = 64, max_tokens: int = 24) -> float:
@@ -168,37 +55,6 @@ def decode_tokens_per_s(engine: Engine, batch_size: int, prompt_tokens: int = 64
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     itl = statistics.mean(o.metrics.itl_s for o in outs)
     return batch_size / itl
-
-
-def summarize_prompts(tokenizer) -> list[list[int]]:
-    import pyarrow.parquet as pq
-
-    root = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "sample")
-    texts = [
-        t
-        for f in sorted(glob.glob(os.path.join(root, "*.parquet")))
-        for t in pq.read_table(f).column("text").to_pylist()
-    ]
-    return [
-        _chat(
-            tokenizer,
-            [
-                {"role": "system", "content": SUMMARIZE_SYSTEM},
-                {"role": "user", "content": SUMMARIZE_TEMPLATE.format(text=t)},
-            ],
-        )
-        for t in texts
-    ]
-
-
-def summarize_tokens_per_s(engine: Engine, prompts: list[list[int]]) -> float:
-    """Output tokens per wall second over the whole workload (prefill included, as a job sees it),
-    from an empty prefix cache: what an earlier round left there would skip prefill, and more of it
-    survives in a mode with more KV blocks (an int8 cache), which once read as a 3.3x speed-up."""
-    engine.reset_prefix_cache()
-    t = time.perf_counter()
-    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64))
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -292,7 +148,7 @@ def run_speed(
         cells = []
         for k in keys:
             med = statistics.median(res[k])
-            ratio = statistics.median(a / b for a, b in zip(res[k], results[ref][k])) if ref else float("nan")
+            ratio = median_ratio(res[k], results[ref][k]) if ref else float("nan")
             cells.append(f"{med:>10.1f} ({ratio:>4.2f}x)")
             table.setdefault(mode, {})[k] = {"tok_s": med, "vs_bf16": ratio, "all": res[k]}
         table[mode]["weight_bytes"] = engines[mode].settings["weight_bytes"]

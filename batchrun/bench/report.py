@@ -25,7 +25,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.bench.hf_baseline import TimedRun
+from batchrun.bench.doc import markdown_table
+from batchrun.bench.timing import TimedRun, median_ratio
 from batchrun.job.shards import open_filesystem
 
 if TYPE_CHECKING:
@@ -160,9 +161,8 @@ def _ratio(timed: list[TimedRun], reference: Optional[list[TimedRun]]) -> Option
     """Median over rounds of this system's output tok/s over the reference's in the same round."""
     if not reference:
         return None
-    return statistics.median(
-        (a.num_output_tokens / a.wall_s) / (b.num_output_tokens / b.wall_s)
-        for a, b in zip(timed, reference, strict=True)
+    return median_ratio(
+        [t.num_output_tokens / t.wall_s for t in timed], [t.num_output_tokens / t.wall_s for t in reference]
     )
 
 
@@ -270,21 +270,42 @@ _PRINTED = [
 
 
 def format_benchmark(result: BenchmarkResult) -> str:
-    columns = [c for c in _PRINTED if any(r[c[0]] is not None for r in result.rows)]
-    cells = [[label for _, label, _ in columns]]
-    for r in result.rows:
-        cells.append(["-" if r[key] is None else fmt.format(r[key]) for key, _, fmt in columns])
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    cells = _cells(result)
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     lines = [
         "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
+    lines += ["", *_settings_lines(result)]
+    if result.files:
+        lines.append(
+            f"written: {posixpath.dirname(result.files[0])}/{result.workload}.{{parquet,png,json}}, "
+            f"{result.workload}_runs.parquet"
+        )
+    return "\n".join(lines)
+
+
+def markdown_benchmark(result: BenchmarkResult) -> tuple[str, str]:
+    """(table, notes) of docs/benchmarks.md's section: the printed table and its settings lines."""
+    cells = _cells(result)
+    return markdown_table(cells[0], cells[1:]), "\n".join(f"{line}." for line in _settings_lines(result))
+
+
+def _cells(result: BenchmarkResult) -> list[list[str]]:
+    """The header, then one row per system: the printed columns that have a value somewhere."""
+    columns = [c for c in _PRINTED if any(r[c[0]] is not None for r in result.rows)]
+    cells = [[label for _, label, _ in columns]]
+    for r in result.rows:
+        cells.append(["-" if r[key] is None else fmt.format(r[key]) for key, _, fmt in columns])
+    return cells
+
+
+def _settings_lines(result: BenchmarkResult) -> list[str]:
     s = result.settings
     engine = s["engine"]
     peaks = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in s["matmul_peak_flops_per_s"].items())
     load = " -> ".join(f"{la[0]:.2f}" for la in (s["load_average_start"], s["load_average_end"]))
-    lines += [
-        "",
+    return [
         f"workload {result.workload}: {result.rows[0]['num_prompts']} prompts, "
         f"{result.rows[0]['mean_prompt_tokens']:.0f} prompt tokens on average, "
         f"{result.rows[0]['max_tokens']} new tokens, "
@@ -296,9 +317,3 @@ def format_benchmark(result: BenchmarkResult) -> str:
         f"matmul peak GFLOP/s ({'x'.join(map(str, s['matmul_shape']))}): {peaks}; "
         f"{s['num_parameters'] / 1e6:.1f}M parameters; load average (1 min) {load} on {s['num_cpus']} CPUs",
     ]
-    if result.files:
-        lines.append(
-            f"written: {posixpath.dirname(result.files[0])}/{result.workload}.{{parquet,png,json}}, "
-            f"{result.workload}_runs.parquet"
-        )
-    return "\n".join(lines)

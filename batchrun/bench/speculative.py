@@ -23,7 +23,8 @@ import statistics
 import time
 from typing import Optional
 
-from batchrun.bench.quant import summarize_prompts
+from batchrun.bench.timing import round_order
+from batchrun.bench.workloads import summarize_prompts
 from batchrun.engine import Engine, EngineConfig, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -129,8 +130,8 @@ def _full_batch(args) -> None:
     print(f"full batch: {len(prompts)} prompts, max_num_seqs {off.max_num_seqs} for both")
     full_ratios = []
     for r in range(args.rounds):
-        order = list(full) if r % 2 == 0 else list(reversed(full))  # who runs first alternates
-        res = {name: _run(full[name], prompts, args.max_tokens) for name in order}
+        # who runs first alternates
+        res = {name: _run(full[name], prompts, args.max_tokens) for name in round_order(list(full), r)}
         full_ratios.append(res["adaptive"][1] / res["off"][1])
         print(f"  round {r}: " + ", ".join(f"{n} {v[1]:.1f} out tok/s {v[3] or ''}" for n, v in res.items()))
         print(f"    bf16 agreement with off: {_agreement(res['adaptive'][2], res['off'][2])}")

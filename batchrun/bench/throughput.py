@@ -22,7 +22,9 @@ documentation topics, with the chat template), shared_prefix (one long instructi
 benchmark.shared_prefix_tokens tokens, then short distinct questions) and random (random token ids
 of random lengths, ignore_eos, as vLLM's and nano-vllm's throughput benchmarks do).
 
-Results go to {output.uri}/benchmark/ (see report.py) and are printed as a table.
+Results go to {output.uri}/benchmark/ (see report.py) and are printed as a table; with
+benchmark.write_docs=true the table also replaces docs/benchmarks.md's section for the workload
+(doc.py).
 """
 
 from __future__ import annotations
@@ -31,24 +33,23 @@ import dataclasses
 import gc
 import logging
 import os
-import random
+import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from batchrun.bench.hf_baseline import TimedRun, cast_model, count_parameters, hf_generate, load_hf_model, matmul_peak
-from batchrun.bench.report import BenchmarkResult, build_result, write_result
+from batchrun.bench.doc import command_line, stamp, write_section
+from batchrun.bench.hf_baseline import cast_model, count_parameters, hf_generate, load_hf_model
+from batchrun.bench.report import BenchmarkResult, build_result, markdown_benchmark, write_result
+from batchrun.bench.timing import TimedRun, matmul_peak, round_order
+from batchrun.bench.workloads import build_workload
 from batchrun.engine import Engine, EngineRequest, RequestOutput, SamplingParams
-from batchrun.job.config import BENCHMARK_SYSTEMS, BenchmarkConfig, DataConfig, JobConfig, PlannerConfig
+from batchrun.job.config import BENCHMARK_SYSTEMS, PlannerConfig
 from batchrun.job.errors import JobError
 from batchrun.job.planner import plan_requests
-from batchrun.job.prompts import PromptBuilder
-from batchrun.job.reader import InputRow, ShardReader
 from batchrun.job.runner import load_engine
-from batchrun.job.shards import discover_shards, open_filesystem
 
 if TYPE_CHECKING:
     from batchrun.job.config import RunConfig
@@ -58,30 +59,6 @@ log = logging.getLogger(__name__)
 PLANNER_ORDERS = ("longest_first", "shortest_first", "input")
 SYSTEMS = BENCHMARK_SYSTEMS
 HF_DTYPES = {"hf_fp32": torch.float32, "hf_bf16": torch.bfloat16}
-
-SHARED_INSTRUCTION = (
-    "You answer questions about the documentation below. Answer in one or two sentences, "
-    "quote the documentation where you can, and say so when it does not answer the question.\n\n"
-)
-QUESTIONS = (
-    "What is the main topic of the documentation above?",
-    "Which Python keyword or built-in is discussed first?",
-    "Summarize the first paragraph in one sentence.",
-    "List three technical terms the text uses.",
-    "What would a beginner find most confusing here?",
-    "Give one short code example of what the text describes.",
-    "Which rule does the text state most clearly?",
-    "What does the text say about errors or exceptions?",
-)
-
-
-@dataclass
-class BenchmarkWorkload:
-    """The prompts every system runs, with what the report says about them."""
-
-    prompts: list[list[int]]
-    params: SamplingParams
-    notes: dict[str, Any]  # e.g. the tokens all prompts share
 
 
 def run_benchmark(config: RunConfig, engine: Optional[Engine] = None) -> BenchmarkResult:
@@ -106,11 +83,8 @@ def run_benchmark(config: RunConfig, engine: Optional[Engine] = None) -> Benchma
     shape = (min(max(engine.max_num_batched_tokens, 256), 2048), hidden, intermediate)
     runs: dict[str, list[TimedRun]] = {name: [] for name in systems}
     peaks: dict[str, float] = {}
-    names = list(systems)
     for round_index in range(bench.repeats):
-        # Each round starts one system later, so no system always runs first (or last) while the
-        # machine's load rises or falls through the round.
-        for name in names[round_index % len(names) :] + names[: round_index % len(names)]:
+        for name in round_order(list(systems), round_index):
             run = systems[name]
             gc.collect()
             timed = run(workload.prompts, workload.params)
@@ -141,101 +115,12 @@ def run_benchmark(config: RunConfig, engine: Optional[Engine] = None) -> Benchma
     }
     result = build_result(bench, runs, settings)
     write_result(result, config.output.uri, dict(config.output.storage_options))
+    if bench.write_docs:
+        table, notes = markdown_benchmark(result)
+        command = command_line("python -m batchrun", sys.argv[1:], drop=("benchmark.write_docs",))
+        title = f"Engine against HF transformers `generate` ({bench.workload})"
+        log.info("wrote %s", write_section(f"throughput-{bench.workload}", command, stamp(), table, notes, title))
     return result
-
-
-# ---- workloads ------------------------------------------------------------------------------------
-
-
-def build_workload(config: RunConfig, engine: Engine) -> BenchmarkWorkload:
-    bench = config.benchmark
-    max_prompt_tokens = engine.max_model_len - bench.max_tokens
-    if max_prompt_tokens <= 0:
-        raise JobError(
-            f"benchmark.max_tokens={bench.max_tokens} leaves no room for a prompt within the engine's "
-            f"max_model_len={engine.max_model_len}"
-        )
-    params = SamplingParams(temperature=0.0, max_tokens=bench.max_tokens, ignore_eos=bench.workload == "random")
-    if bench.workload == "random":
-        prompts = _random_prompts(bench, engine, max_prompt_tokens)
-        return BenchmarkWorkload(prompts, params, {"prompt_tokens": "uniform", "ignore_eos": True})
-    builder = PromptBuilder(config.job, config.data, engine.tokenizer, max_prompt_tokens)
-    rows = _data_rows(config.data, config.job)
-    if bench.workload == "summarize":
-        prompts = [p for p in (builder.build(row).token_ids for row in rows) if p is not None][: bench.num_prompts]
-        if len(prompts) < bench.num_prompts:
-            raise JobError(
-                f"benchmark.num_prompts={bench.num_prompts}, but data.uri={config.data.uri} holds only "
-                f"{len(prompts)} usable rows; lower it or point data.uri at more rows"
-            )
-        return BenchmarkWorkload(prompts, params, {"source": config.data.uri})
-    return _shared_prefix_workload(config, engine, rows, params, max_prompt_tokens)
-
-
-def _data_rows(data: DataConfig, job: JobConfig) -> list[InputRow]:
-    assert data.uri is not None
-    fs, path = open_filesystem(data.uri, data.storage_options)
-    rows: list[InputRow] = []
-    for shard in discover_shards(fs, path, data.uri):
-        reader = ShardReader(shard, fs, data, job.input_columns(data))
-        try:
-            rows.extend(reader.rows())
-        finally:
-            reader.close()
-    return rows
-
-
-def _shared_prefix_workload(
-    config: RunConfig, engine: Engine, rows: list[InputRow], params: SamplingParams, max_prompt_tokens: int
-) -> BenchmarkWorkload:
-    """One system message (instruction + documentation, about shared_prefix_tokens tokens with the
-    chat template) shared by every prompt, then a short distinct question per prompt."""
-    bench, tokenizer = config.benchmark, engine.tokenizer
-    texts = [t for t in (row.values.get(config.data.text_column) for row in rows) if isinstance(t, str)]
-    document_ids = tokenizer.encode("\n\n".join(texts), add_special_tokens=False)
-
-    def build(document_tokens: int, question: str) -> Optional[list[int]]:
-        system = SHARED_INSTRUCTION + tokenizer.decode(document_ids[:document_tokens])
-        job = JobConfig(name="benchmark", system_prompt=system, chat_template=config.job.chat_template)
-        return (
-            PromptBuilder(job, config.data, tokenizer, max_prompt_tokens)
-            .build(InputRow(0, "q", {config.data.text_column: question}))
-            .token_ids
-        )
-
-    questions = [f"Question {i + 1}: {QUESTIONS[i % len(QUESTIONS)]}" for i in range(bench.num_prompts)]
-    overhead = _common_prefix_length([build(0, q) or [] for q in questions[:2]])
-    document_tokens = max(0, min(bench.shared_prefix_tokens - overhead, len(document_ids)))
-    prompts = [build(document_tokens, q) for q in questions]
-    if any(p is None for p in prompts):
-        raise JobError(
-            f"benchmark.shared_prefix_tokens={bench.shared_prefix_tokens} does not fit the engine's "
-            f"max_model_len={engine.max_model_len} with max_tokens={bench.max_tokens}"
-        )
-    token_prompts = [p for p in prompts if p is not None]
-    return BenchmarkWorkload(
-        token_prompts, params, {"source": config.data.uri, "shared_prefix_tokens": _common_prefix_length(token_prompts)}
-    )
-
-
-def _common_prefix_length(prompts: list[list[int]]) -> int:
-    if not prompts:
-        return 0
-    first = prompts[0]
-    n = min(map(len, prompts))
-    for p in prompts[1:]:
-        n = next((i for i in range(n) if p[i] != first[i]), n)
-    return n
-
-
-def _random_prompts(bench: BenchmarkConfig, engine: Engine, max_prompt_tokens: int) -> list[list[int]]:
-    rng = random.Random(bench.seed)
-    vocab_size = min(len(engine.tokenizer), int(getattr(engine.hf_config, "vocab_size", len(engine.tokenizer))))
-    special = set(engine.tokenizer.all_special_ids)
-    token_pool = [t for t in range(vocab_size) if t not in special]
-    high = min(bench.random_max_tokens, max_prompt_tokens)
-    low = min(bench.random_min_tokens, high)
-    return [[rng.choice(token_pool) for _ in range(rng.randint(low, high))] for _ in range(bench.num_prompts)]
 
 
 # ---- systems --------------------------------------------------------------------------------------

@@ -186,6 +186,7 @@ class BenchmarkConfig:
     random_min_tokens: int = 32  # random: prompt lengths drawn uniformly from [min, max]
     random_max_tokens: int = 512
     seed: int = 0  # random prompts
+    write_docs: bool = False  # also replace the workload's section of docs/benchmarks.md (bench/doc.py)
 
     def __post_init__(self) -> None:
         if self.workload not in ("summarize", "shared_prefix", "random"):

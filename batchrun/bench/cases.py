@@ -1,0 +1,101 @@
+"""Inputs and reference computations shared by the benchmarks and the tests: random attention
+batches laid out as the runner builds them, the MoE definition, the error metric.
+
+A library module (no `__main__`): tests import from here, never from a benchmark script.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from batchrun.kernels.attention_metadata import AttentionMetadata
+from batchrun.kernels.attention_torch import write_kv_cache_reference
+from batchrun.kernels.kv_layout import from_head_major
+
+
+@dataclass
+class AttentionCase:
+    q: torch.Tensor  # (num_tokens, num_heads, head_dim)
+    k_cache: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_dim), this step's keys written
+    v_cache: torch.Tensor
+    k_new: torch.Tensor  # (num_tokens, num_kv_heads, head_dim)
+    v_new: torch.Tensor
+    meta: AttentionMetadata
+
+
+def attention_case(
+    seqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    device: Any = "cpu",
+    seed: int = 0,
+) -> AttentionCase:
+    """A flattened batch like the runner builds: per sequence (cached tokens, new tokens); one new
+    token makes it a decode. Blocks are shuffled across sequences and the cache holds random K/V
+    around them, so wrong block arithmetic reads wrong numbers."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-(c + n) // block_size) for c, n in seqs]
+    num_blocks = sum(blocks_per_seq) + 3
+    order = torch.randperm(num_blocks, generator=gen)
+    block_tables = torch.zeros(len(seqs), max(blocks_per_seq), dtype=torch.long)  # (num_seqs, max_blocks)
+    used = 0
+    for i, nb in enumerate(blocks_per_seq):
+        block_tables[i, :nb] = order[used : used + nb]
+        used += nb
+    query_start_loc = [0]
+    for _, n in seqs:
+        query_start_loc.append(query_start_loc[-1] + n)
+    num_tokens = query_start_loc[-1]
+    slots = [
+        int(block_tables[i, p // block_size]) * block_size + p % block_size
+        for i, (c, n) in enumerate(seqs)
+        for p in range(c, c + n)
+    ]
+    # Drawn where they live: a GPU case holds hundreds of millions of cache entries.
+    dev_gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(size, generator=dev_gen, device=device).to(dtype)
+
+    # the engine's head-major layout (kernels/attention.py), seen through the logical shape
+    k_cache, v_cache = (from_head_major(randn(num_kv_heads, num_blocks, block_size, head_dim)) for _ in range(2))
+    q = randn(num_tokens, num_heads, head_dim)
+    k_new, v_new = randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)
+    slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
+    write_kv_cache_reference(k_cache, v_cache, k_new, v_new, slot_mapping)
+    decode_ids = [i for i, (_, n) in enumerate(seqs) if n == 1]
+    meta = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        seq_lens=[c + n for c, n in seqs],
+        block_tables=block_tables.to(device),
+        block_size=block_size,
+        decode_seq_ids=torch.tensor(decode_ids, dtype=torch.long, device=device),
+        decode_seq_lens=torch.tensor([seqs[i][0] + 1 for i in decode_ids], dtype=torch.long, device=device),
+        prefill_seq_ids=[i for i, (_, n) in enumerate(seqs) if n != 1],
+    )
+    return AttentionCase(q, k_cache, v_cache, k_new, v_new, meta)
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    """(max |got - want|, ||got - want|| / ||want||) in float64."""
+    diff = got.double() - want.double()
+    return diff.abs().max().item(), (diff.norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
+def moe_per_token(x, gate_up, down, weights, ids):
+    """The definition: a Python loop over tokens and their k experts."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g, u = (gate_up[e] @ x[t]).chunk(2)
+            out[t] += float(weights[t, j]) * (down[e] @ (F.silu(g) * u))
+    return out

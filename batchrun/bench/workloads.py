@@ -1,0 +1,200 @@
+"""The workloads the benchmarks run, in one place: the benchmark job's (summarize over data.uri,
+shared_prefix, random), the bundled summarize prompts of the quantization and speculative
+benchmarks, and nano-vllm's random workload of the GPU check.
+
+A library module (no `__main__`): the scripts and the tests import from here.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import random
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
+
+from batchrun.engine import Engine, SamplingParams
+from batchrun.job.config import BenchmarkConfig, DataConfig, JobConfig
+from batchrun.job.errors import JobError
+from batchrun.job.prompts import PromptBuilder
+from batchrun.job.reader import InputRow, ShardReader
+from batchrun.job.shards import discover_shards, open_filesystem
+
+if TYPE_CHECKING:
+    from batchrun.job.config import RunConfig
+
+# The summarize job's prompt (conf/job/summarize.yaml), for summarize_prompts.
+SUMMARIZE_SYSTEM = "You are a concise technical writer."
+SUMMARIZE_TEMPLATE = "Summarize the following documentation in two sentences.\n\n{text}"
+
+SHARED_INSTRUCTION = (
+    "You answer questions about the documentation below. Answer in one or two sentences, "
+    "quote the documentation where you can, and say so when it does not answer the question.\n\n"
+)
+QUESTIONS = (
+    "What is the main topic of the documentation above?",
+    "Which Python keyword or built-in is discussed first?",
+    "Summarize the first paragraph in one sentence.",
+    "List three technical terms the text uses.",
+    "What would a beginner find most confusing here?",
+    "Give one short code example of what the text describes.",
+    "Which rule does the text state most clearly?",
+    "What does the text say about errors or exceptions?",
+)
+
+
+@dataclass
+class BenchmarkWorkload:
+    """The prompts every system runs, with what the report says about them."""
+
+    prompts: list[list[int]]
+    params: SamplingParams
+    notes: dict[str, Any]  # e.g. the tokens all prompts share
+
+
+def build_workload(config: RunConfig, engine: Engine) -> BenchmarkWorkload:
+    bench = config.benchmark
+    max_prompt_tokens = engine.max_model_len - bench.max_tokens
+    if max_prompt_tokens <= 0:
+        raise JobError(
+            f"benchmark.max_tokens={bench.max_tokens} leaves no room for a prompt within the engine's "
+            f"max_model_len={engine.max_model_len}"
+        )
+    params = SamplingParams(temperature=0.0, max_tokens=bench.max_tokens, ignore_eos=bench.workload == "random")
+    if bench.workload == "random":
+        prompts = _random_prompts(bench, engine, max_prompt_tokens)
+        return BenchmarkWorkload(prompts, params, {"prompt_tokens": "uniform", "ignore_eos": True})
+    builder = PromptBuilder(config.job, config.data, engine.tokenizer, max_prompt_tokens)
+    rows = _data_rows(config.data, config.job)
+    if bench.workload == "summarize":
+        prompts = [p for p in (builder.build(row).token_ids for row in rows) if p is not None][: bench.num_prompts]
+        if len(prompts) < bench.num_prompts:
+            raise JobError(
+                f"benchmark.num_prompts={bench.num_prompts}, but data.uri={config.data.uri} holds only "
+                f"{len(prompts)} usable rows; lower it or point data.uri at more rows"
+            )
+        return BenchmarkWorkload(prompts, params, {"source": config.data.uri})
+    return _shared_prefix_workload(config, engine, rows, params, max_prompt_tokens)
+
+
+def _data_rows(data: DataConfig, job: JobConfig) -> list[InputRow]:
+    assert data.uri is not None
+    fs, path = open_filesystem(data.uri, data.storage_options)
+    rows: list[InputRow] = []
+    for shard in discover_shards(fs, path, data.uri):
+        reader = ShardReader(shard, fs, data, job.input_columns(data))
+        try:
+            rows.extend(reader.rows())
+        finally:
+            reader.close()
+    return rows
+
+
+def _shared_prefix_workload(
+    config: RunConfig, engine: Engine, rows: list[InputRow], params: SamplingParams, max_prompt_tokens: int
+) -> BenchmarkWorkload:
+    """One system message (instruction + documentation, about shared_prefix_tokens tokens with the
+    chat template) shared by every prompt, then a short distinct question per prompt."""
+    bench, tokenizer = config.benchmark, engine.tokenizer
+    texts = [t for t in (row.values.get(config.data.text_column) for row in rows) if isinstance(t, str)]
+    document_ids = tokenizer.encode("\n\n".join(texts), add_special_tokens=False)
+
+    def build(document_tokens: int, question: str) -> Optional[list[int]]:
+        system = SHARED_INSTRUCTION + tokenizer.decode(document_ids[:document_tokens])
+        job = JobConfig(name="benchmark", system_prompt=system, chat_template=config.job.chat_template)
+        return (
+            PromptBuilder(job, config.data, tokenizer, max_prompt_tokens)
+            .build(InputRow(0, "q", {config.data.text_column: question}))
+            .token_ids
+        )
+
+    questions = [f"Question {i + 1}: {QUESTIONS[i % len(QUESTIONS)]}" for i in range(bench.num_prompts)]
+    overhead = _common_prefix_length([build(0, q) or [] for q in questions[:2]])
+    document_tokens = max(0, min(bench.shared_prefix_tokens - overhead, len(document_ids)))
+    prompts = [build(document_tokens, q) for q in questions]
+    if any(p is None for p in prompts):
+        raise JobError(
+            f"benchmark.shared_prefix_tokens={bench.shared_prefix_tokens} does not fit the engine's "
+            f"max_model_len={engine.max_model_len} with max_tokens={bench.max_tokens}"
+        )
+    token_prompts = [p for p in prompts if p is not None]
+    return BenchmarkWorkload(
+        token_prompts, params, {"source": config.data.uri, "shared_prefix_tokens": _common_prefix_length(token_prompts)}
+    )
+
+
+def _common_prefix_length(prompts: list[list[int]]) -> int:
+    if not prompts:
+        return 0
+    first = prompts[0]
+    n = min(map(len, prompts))
+    for p in prompts[1:]:
+        n = next((i for i in range(n) if p[i] != first[i]), n)
+    return n
+
+
+def _random_prompts(bench: BenchmarkConfig, engine: Engine, max_prompt_tokens: int) -> list[list[int]]:
+    rng = random.Random(bench.seed)
+    vocab_size = min(len(engine.tokenizer), int(getattr(engine.hf_config, "vocab_size", len(engine.tokenizer))))
+    special = set(engine.tokenizer.all_special_ids)
+    token_pool = [t for t in range(vocab_size) if t not in special]
+    high = min(bench.random_max_tokens, max_prompt_tokens)
+    low = min(bench.random_min_tokens, high)
+    return [[rng.choice(token_pool) for _ in range(rng.randint(low, high))] for _ in range(bench.num_prompts)]
+
+
+# ---- the bundled summarize prompts (bench.quant, bench.speculative) ----------------------------
+
+
+def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` through the tokenizer's chat template, ready for the assistant's turn."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def summarize_prompts(tokenizer) -> list[list[int]]:
+    """The bundled sample shards (32 CPython doc topics) through the summarize job's prompt, chat
+    template applied: the quantization and speculative benchmarks' workload."""
+    import pyarrow.parquet as pq
+
+    root = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "sample")
+    texts = [
+        t
+        for f in sorted(glob.glob(os.path.join(root, "*.parquet")))
+        for t in pq.read_table(f).column("text").to_pylist()
+    ]
+    return [
+        chat_ids(
+            tokenizer,
+            [
+                {"role": "system", "content": SUMMARIZE_SYSTEM},
+                {"role": "user", "content": SUMMARIZE_TEMPLATE.format(text=t)},
+            ],
+        )
+        for t in texts
+    ]
+
+
+def summarize_tokens_per_s(engine: Engine, prompts: list[list[int]]) -> float:
+    """Output tokens per wall second over the whole workload (prefill included, as a job sees it),
+    from an empty prefix cache: what an earlier round left there would skip prefill, and more of it
+    survives in a mode with more KV blocks (an int8 cache), which once read as a 3.3x speed-up."""
+    engine.reset_prefix_cache()
+    t = time.perf_counter()
+    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64))
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
+
+
+# ---- nano-vllm's workload (bench.gpu) ---------------------------------------------------------
+
+
+def nano_vllm_workload(
+    num_seqs: int, lo: int, hi: int, vocab_size: int = 10001, seed: int = 0
+) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's bench.py: prompt ids uniform in [0, 10000], lengths uniform in [lo, hi]."""
+    rng = random.Random(seed)
+    top = min(10000, vocab_size - 1)
+    prompts = [[rng.randint(0, top) for _ in range(rng.randint(lo, hi))] for _ in range(num_seqs)]
+    max_tokens = [rng.randint(lo, hi) for _ in range(num_seqs)]
+    return prompts, max_tokens

@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
@@ -73,10 +74,18 @@ def stamp(machine: Optional[str] = None) -> str:
     parts = [datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")]
     commit = _git("rev-parse", "--short", "HEAD")
     if commit:
-        dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/benchmarks.md")
+        dirty = _git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)docs/benchmarks.md")
         parts.append(f"commit {commit}" + (" plus local changes" if dirty else ""))
     parts.append(machine or f"{os.cpu_count()} CPU cores")
     return ", ".join(parts)
+
+
+WRITE_DOCS_HELP = "also replace this benchmark's section of docs/benchmarks.md with what it measured"
+
+
+def script_command(module: str, argv: Optional[Sequence[str]]) -> str:
+    """`python -m module` with the script's arguments (sys.argv's when `argv` is None), less --write-docs."""
+    return command_line(f"python -m {module}", sys.argv[1:] if argv is None else argv)
 
 
 def command_line(prefix: str, argv: Sequence[str], drop: Sequence[str] = ("--write-docs",)) -> str:
@@ -88,7 +97,7 @@ def command_line(prefix: str, argv: Sequence[str], drop: Sequence[str] = ("--wri
 def _git(*args: str) -> str:
     try:
         proc = subprocess.run(
-            ["git", *args], cwd=DOCS_PATH.parent, capture_output=True, text=True, timeout=10, check=False
+            ["git", *args], cwd=DOCS_PATH.parents[1], capture_output=True, text=True, timeout=10, check=False
         )
     except (OSError, subprocess.SubprocessError):
         return ""

@@ -40,6 +40,7 @@ from typing import Any, Optional
 import torch
 
 from batchrun.bench.cases import attention_case, rel_error
+from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.bench.hf_baseline import hf_generate, load_hf_model
 from batchrun.bench.workloads import nano_vllm_workload
 from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
@@ -452,6 +453,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="seconds: phases that would start too late are skipped, a workload past it is cut",
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip the HF generate comparison")
+    parser.add_argument("--write-docs", action="store_true", help=WRITE_DOCS_HELP)
     args = parser.parse_args(argv)
     t_start = time.perf_counter()
     deadline = t_start + args.budget_s
@@ -505,7 +507,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     for n, v in results.rows:
         print(f"{n:<{width}}  {v}")
     failed = any(not ok for *_, ok in results.kernel_rows) or any("FAILED" in v for _, v in results.rows)
+    if args.write_docs:
+        _write_docs(results, device, argv)
     return 1 if failed else 0
+
+
+def _write_docs(results: Results, device: torch.device, argv: Optional[list[str]]) -> None:
+    machine = torch.cuda.get_device_name() if device.type == "cuda" else f"{os.cpu_count()} CPU cores"
+    tables = [markdown_table(["measurement", "result"], results.rows)]
+    if results.kernel_rows:
+        tables.append(
+            markdown_table(
+                ["kernel", "max abs err", "rel err", "within tolerance"],
+                [[n, f"{a:.3e}", f"{r:.3e}", "yes" if ok else "NO"] for n, a, r, ok in results.kernel_rows],
+            )
+        )
+    command = script_command("batchrun.bench.gpu", argv)
+    notes = f"torch {torch.__version__}."
+    write_section("gpu", command, stamp(machine), "\n\n".join(tables), notes, "GPU check")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.bench.cases import moe_per_token
+from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.kernels.moe import fused_experts
 from batchrun.model.moe import route
 
@@ -56,6 +57,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         ("threads", 0),
     ):
         ap.add_argument(f"--{name}", type=int, default=default)
+    ap.add_argument("--write-docs", action="store_true", help=WRITE_DOCS_HELP)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -72,16 +74,23 @@ def main(argv: Optional[list[str]] = None) -> None:
         "per-token loop": lambda: moe_per_token(x, gate_up, down, weights, ids),
         "every expert on every token": lambda: every_expert(x, gate_up, down, weights, ids),
     }
-    print(
+    setting = (
         f"{args.tokens} tokens, hidden {args.hidden}, expert width {args.inter}, {args.experts} experts "
         f"top-{args.top_k}, float32, {torch.get_num_threads()} threads, best of {args.repeats}"
     )
+    print(setting)
     base = None
+    rows = []
     for name, fn in runs.items():
         s = _best(fn, args.repeats)
         base = base or s
         diff = (fn() - want).abs().max().item()
         print(f"  {name:28s} {s * 1e3:8.2f} ms  ({s / base:5.2f}x grouped's time, max |diff| {diff:.1e})")
+        rows.append([name, f"{s * 1e3:.2f}", f"{s / base:.2f}x", f"{diff:.1e}"])
+    if args.write_docs:
+        table = markdown_table(["dispatch", "ms (best)", "x grouped's time", "max |diff| from the loop"], rows)
+        title = "MoE expert dispatch (CPU)"
+        write_section("moe", script_command("batchrun.bench.moe", argv), stamp(), table, setting + ".", title)
 
 
 if __name__ == "__main__":

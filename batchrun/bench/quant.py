@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 
+from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.bench.quality import agreement, engine_teacher_forced, make_engine, quality_sequences
 from batchrun.bench.timing import median_ratio
 from batchrun.bench.workloads import chat_ids, summarize_prompts, summarize_tokens_per_s
@@ -174,6 +175,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--write-docs", action="store_true", help=WRITE_DOCS_HELP)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -193,6 +195,56 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
+    if args.write_docs:
+        tables, notes = _markdown(out, args)
+        write_section("quant", script_command("batchrun.bench.quant", argv), stamp(), tables, notes, "Quantization")
+
+
+def _markdown(out: dict, args: argparse.Namespace) -> tuple[str, str]:
+    """docs/benchmarks.md's tables of what ran (quality, speed) and a note on how it was measured."""
+    tables, notes = [], []
+    if "quality" in out:
+        rows = out["quality"]["rows"]
+        base_ppl = rows["none"]["ppl"]
+        tables.append(
+            markdown_table(
+                ["mode", "top-1 agreement", "perplexity", "perplexity +%", "weights MB"],
+                [
+                    [
+                        mode,
+                        f"{100 * r['agree']:.2f}%",
+                        f"{r['ppl']:.3f}",
+                        f"{100 * (r['ppl'] / base_ppl - 1):.2f}%",
+                        f"{r['weight_bytes'] / 1e6:.1f}",
+                    ]
+                    for mode, r in rows.items()
+                ],
+            )
+        )
+        notes.append(
+            f"Quality: teacher-forced on pydoc text against the unquantized model, compute dtype {args.quality_dtype}."
+        )
+    if "speed" in out:
+        table = out["speed"]
+        keys = [k for k in next(iter(table.values())) if k != "weight_bytes"]
+        tables.append(
+            markdown_table(
+                ["mode", "weights MB", *keys],
+                [
+                    [mode, f"{res['weight_bytes'] / 1e6:.1f}", *(_speed_cell(res[k]) for k in keys)]
+                    for mode, res in table.items()
+                ],
+            )
+        )
+        notes.append(
+            f"Speed: tokens/s, median of {args.rounds} alternating rounds, and in brackets the median of the "
+            f"per-round ratio to bfloat16; {torch.get_num_threads()} threads."
+        )
+    return "\n\n".join(tables), " ".join(notes)
+
+
+def _speed_cell(cell: dict) -> str:
+    return f"{cell['tok_s']:.1f} ({cell['vs_bf16']:.2f}x)"
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import statistics
 import time
 from typing import Optional
 
+from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.bench.timing import round_order
 from batchrun.bench.workloads import summarize_prompts
 from batchrun.engine import Engine, EngineConfig, SamplingParams
@@ -92,15 +93,26 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--only", choices=("batch1", "full"), default=None)
     ap.add_argument("--no-self", action="store_true", help="batch 1: skip self-speculation (slow on small models)")
+    ap.add_argument("--write-docs", action="store_true", help=WRITE_DOCS_HELP)
     args = ap.parse_args(argv)
 
+    rows: list[list[str]] = []
     if args.only != "full":
-        _batch_one(args)
+        rows += _batch_one(args)
     if args.only != "batch1":
-        _full_batch(args)
+        rows += _full_batch(args)
+    if args.write_docs:
+        table = markdown_table(["measurement", "result"], rows)
+        notes = (
+            f"Summarize workload, greedy, {args.max_tokens} tokens, {args.rounds} alternating rounds; batch 1 on "
+            f"the first {args.prompts} prompts. Ratios are the mean of per-round ratios to speculation off."
+        )
+        command = script_command("batchrun.bench.speculative", argv)
+        write_section("speculative", command, stamp(), table, notes, "Speculative decoding")
 
 
-def _batch_one(args) -> None:
+def _batch_one(args) -> list[list[str]]:
+    """Batch 1: each method's decode tok/s over speculation off's; the docs' rows."""
     single = {"off": _engine("none", 1, args.cache_dir), "ngram": _engine("ngram", 1, args.cache_dir, adaptive=False)}
     if not args.no_self:
         single["self"] = _engine("self", 1, args.cache_dir, adaptive=False, self_layers=args.self_layers)
@@ -118,11 +130,17 @@ def _batch_one(args) -> None:
             "    bf16 agreement with off: "
             + ", ".join(f"{name} {_agreement(res[name][2], res['off'][2])}" for name in methods)
         )
+    rows = []
     for name, vals in ratios.items():
         print(f"  {name} / off decode tok/s at batch 1: {statistics.mean(vals):.2f}x")
+        acceptance = res[name][3].get("acceptance")
+        accepted = "" if acceptance is None else f", {100 * acceptance:.0f}% of drafts accepted (last round)"
+        rows.append([f"{name} / off, decode tok/s at batch 1", f"{statistics.mean(vals):.2f}x{accepted}"])
+    return rows
 
 
-def _full_batch(args) -> None:
+def _full_batch(args) -> list[list[str]]:
+    """Full batch: the adaptive policy's output tok/s over speculation off's; the docs' rows."""
     off = _engine("none", None, args.cache_dir)
     # the same batch limit for both (each engine's start-up profile alone could pick another)
     full = {"off": off, "adaptive": _engine("ngram", off.max_num_seqs, args.cache_dir)}
@@ -136,6 +154,7 @@ def _full_batch(args) -> None:
         print(f"  round {r}: " + ", ".join(f"{n} {v[1]:.1f} out tok/s {v[3] or ''}" for n, v in res.items()))
         print(f"    bf16 agreement with off: {_agreement(res['adaptive'][2], res['off'][2])}")
     print(f"  adaptive ngram / off at full batch: {statistics.mean(full_ratios):.3f}x")
+    return [["adaptive ngram / off, output tok/s at full batch", f"{statistics.mean(full_ratios):.3f}x"]]
 
 
 if __name__ == "__main__":

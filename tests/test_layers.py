@@ -81,3 +81,25 @@ def test_only_the_cli_imports_hydra_or_omegaconf():
 def test_the_ast_check_itself_catches_submodule_imports(source, expected):
     probe = PACKAGE / "job" / "probe.py"  # never written: the source is passed in
     assert [m for m, _ in _imports(probe, source) if m.startswith("batchrun.engine.")] == expected
+
+
+def test_tests_import_no_benchmark_script():
+    """Case builders and metrics that tests share with benchmarks live in bench's library modules
+    (cases.py, quality.py, workloads.py, ...), not in a script run with `python -m`."""
+    scripts = {
+        f"batchrun.bench.{path.stem}"
+        for path in (PACKAGE / "bench").glob("*.py")
+        if 'if __name__ == "__main__":' in path.read_text()
+    }
+    assert {"batchrun.bench.gpu", "batchrun.bench.quant"} <= scripts
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                modules = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                modules = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {m}" for m in modules if m in scripts]
+    assert offenders == []

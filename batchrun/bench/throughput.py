@@ -20,7 +20,8 @@ for the shared_prefix workload):
 Workloads: summarize (the job's prompt over the rows at data.uri, by default the bundled 32 CPython
 documentation topics, with the chat template), shared_prefix (one long instruction of about
 benchmark.shared_prefix_tokens tokens, then short distinct questions) and random (random token ids
-of random lengths, ignore_eos, as vLLM's and nano-vllm's throughput benchmarks do).
+of random lengths, ignore_eos, as vLLM's and nano-vllm's throughput benchmarks do), built in
+workloads.py.
 
 Results go to {output.uri}/benchmark/ (see report.py) and are printed as a table; with
 benchmark.write_docs=true the table also replaces docs/benchmarks.md's section for the workload

@@ -17,7 +17,7 @@ import pytest
 from batchrun import cli
 from batchrun.job import run_job
 from batchrun.job.affinity import partition_by_group, shard_groups
-from batchrun.job.claims import CLAIMED, HELD, QUARANTINED, ClaimBook, ShardQueue, steal_order
+from batchrun.job.claims import CLAIMED, FAILED, HELD, QUARANTINED, ClaimBook, ShardQueue, steal_order
 from batchrun.job.shards import Shard, Worker, assign_shards, discover_shards, open_filesystem
 from batchrun.job.store import RunStore
 from batchrun.job.writer import RESULT_COLUMNS
@@ -213,6 +213,19 @@ def test_a_claim_is_exclusive_until_released_or_its_owner_is_gone(tmp_path):
     short = ClaimBook(store, lease_s=0.05)
     time.sleep(0.1)
     assert short.try_claim("s2") == CLAIMED
+
+
+def test_a_failed_claim_of_a_finished_run_in_this_process_is_taken_at_once(tmp_path):
+    """run_job called again in the same process (a notebook, a retry loop) after a shard failed:
+    the failed claim names this live pid, but the run that wrote it has closed its claim book, so
+    its owner is provably gone and the rerun must not wait out the lease."""
+    store = RunStore(str(tmp_path / "out"), {})
+    with ClaimBook(store, lease_s=600) as first:
+        assert first.try_claim("s0") == CLAIMED
+        first.release("s0", FAILED)
+        live = ClaimBook(store, lease_s=600)
+        assert live.try_claim("s0") == HELD  # while `first` is open its failed claim keeps others off
+    assert live.try_claim("s0") == CLAIMED and live.died_attempts("s0") == 0
 
 
 def test_claim_ages_are_read_on_the_stores_clock(tmp_path):

@@ -55,6 +55,11 @@ RUNNING, RELEASED, FAILED, QUARANTINED = "running", "released", "failed", "quara
 # try_claim's answers
 CLAIMED, HELD = "claimed", "held"
 
+# Owners of the claim books not yet closed in this process. A claim written by this very process
+# whose book is closed belongs to a run that has ended (run_job called again in one process, after
+# a shard failed): its owner is provably gone, like a dead pid's.
+_OPEN_OWNERS: set[str] = set()
+
 
 class ClaimBook:
     """This worker's view of `_claims/`: claim, heartbeat, release."""
@@ -64,6 +69,7 @@ class ClaimBook:
         self.store, self.fs, self.lease_s, self.max_attempts = store, store.fs, lease_s, max_attempts
         self.identity = process_identity()
         self.owner = f"{self.identity['host']}:{self.identity['pid']}:{uuid.uuid4().hex[:8]}"
+        _OPEN_OWNERS.add(self.owner)
         self._held: dict[str, tuple[int, str]] = {}  # shard -> (generation, path) of our claim
         self._died: dict[str, int] = {}  # shard -> died attempts before ours
         self._last_renewed: dict[str, float] = {}  # shard -> time.monotonic() of the last good beat
@@ -161,6 +167,7 @@ class ClaimBook:
             self._thread.join()
         for shard in list(self._held):
             self.release(shard)
+        _OPEN_OWNERS.discard(self.owner)
         try:
             self.fs.rm(self._clock_path)
         except (FileNotFoundError, OSError):
@@ -284,13 +291,16 @@ class ClaimBook:
         return time.time() + self._clock_offset_s - mtime > self.lease_s
 
     def _is_dead(self, claim: dict[str, Any]) -> bool:
-        """Provably dead: same kernel and pid namespace, and its pid is gone or reused."""
+        """Provably dead: same kernel and pid namespace, and its pid is gone or reused, or it is this
+        process and the claim book that wrote it is closed."""
         me = self.identity
         if not me["boot_id"] or claim.get("boot_id") != me["boot_id"] or claim.get("pid_ns") != me["pid_ns"]:
             return False
         pid = claim.get("pid")
         if not isinstance(pid, int):
             return False
+        if pid == me["pid"] and claim.get("pid_start") == me["pid_start"]:  # this process
+            return claim.get("owner") not in _OPEN_OWNERS
         start = process_start_time(pid)
         return start is None or (claim.get("pid_start") is not None and start != claim["pid_start"])
 

@@ -64,6 +64,33 @@ def test_policy_speculates_when_the_step_is_cheap_and_stands_aside_when_compute_
     assert always.choose([(_req(i), 2) for i in range(3)], num_decodes=3) == {0: 2, 1: 2, 2: 2}
 
 
+@pytest.mark.parametrize("max_num_seqs, k", [(1, 4), (3, 2)])
+def test_the_decode_profile_covers_the_widths_a_speculative_step_has(tiny_llama_dir, max_num_seqs, k):
+    """At max_num_seqs=1 the profile used to stop at width 4 * max_num_seqs and hold width 1 alone;
+    the cost model then took a 5-token step for 5x a 1-token one and never speculated at batch 1."""
+    engine = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="float32",
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=256,
+            kv_cache_memory=16 << 20,
+            speculative=dict(method="ngram", num_speculative_tokens=k),
+        )
+    )
+    widths = set(engine.settings["batch_limits_profile"]["decode_tok_s"])
+    assert {1, 1 + k, max_num_seqs * (1 + k)} <= widths
+    assert engine.max_num_seqs == max_num_seqs
+
+
+def test_at_batch_1_a_memory_bound_profile_speculates_and_width_1_alone_would_not():
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    measured = SpeculationPolicy(cfg, StepCostModel({1: 100.0, 5: 450.0}), 0.0)  # 5 tokens: 1.1x one token
+    assert measured.choose([(_req(0), 4)], num_decodes=1) == {0: 4}
+    width_1_only = SpeculationPolicy(cfg, StepCostModel({1: 100.0}), 0.0)  # the old profile at max_num_seqs=1
+    assert width_1_only.choose([(_req(0), 4)], num_decodes=1) == {}
+
+
 # ---- verification ------------------------------------------------------------------------------
 
 

@@ -3,7 +3,9 @@
     python -m batchrun.bench.speculative --prompts 8 --rounds 2
 
 Batch 1 (max_num_seqs=1): decode tokens/s (output tokens / time after the first token) with
-speculation off, n-gram and self, and their acceptance rates. Full batch: output tokens/s of the
+speculation off, n-gram (always on, and adaptive) and self, and their acceptance rates.
+`--workload copy` asks the model to repeat each text word for word (where n-gram lookup finds
+drafts) instead of summarizing it. Full batch: output tokens/s of the
 whole workload, off against the adaptive policy (ngram). Engines are built first and measured in
 alternating rounds, so drift on a shared machine hits every configuration alike; ratios are
 per round, then averaged.
@@ -25,7 +27,7 @@ from typing import Optional
 
 from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.bench.timing import round_order
-from batchrun.bench.workloads import summarize_prompts
+from batchrun.bench.workloads import copy_prompts, summarize_prompts
 from batchrun.engine import Engine, EngineConfig, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--self-layers", type=int, default=None)
     ap.add_argument("--cache-dir", default=None)
     ap.add_argument("--only", choices=("batch1", "full"), default=None)
+    ap.add_argument("--workload", choices=("summarize", "copy"), default="summarize")
     ap.add_argument("--no-self", action="store_true", help="batch 1: skip self-speculation (slow on small models)")
     ap.add_argument("--write-docs", action="store_true", help=WRITE_DOCS_HELP)
     args = ap.parse_args(argv)
@@ -104,20 +107,30 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.write_docs:
         table = markdown_table(["measurement", "result"], rows)
         notes = (
-            f"Summarize workload, greedy, {args.max_tokens} tokens, {args.rounds} alternating rounds; batch 1 on "
-            f"the first {args.prompts} prompts. Ratios are the mean of per-round ratios to speculation off."
+            f"{args.workload.capitalize()} workload, greedy, {args.max_tokens} tokens, {args.rounds} alternating "
+            f"rounds; batch 1 on the first {args.prompts} prompts. Ratios are the mean of per-round ratios to "
+            "speculation off."
         )
         command = script_command("batchrun.bench.speculative", argv)
-        write_section("speculative", command, stamp(), table, notes, "Speculative decoding")
+        name = "speculative" if args.workload == "summarize" else f"speculative-{args.workload}"
+        write_section(name, command, stamp(), table, notes, f"Speculative decoding ({args.workload})")
+
+
+def _prompts(args, tokenizer) -> list[list[int]]:
+    return copy_prompts(tokenizer) if args.workload == "copy" else summarize_prompts(tokenizer)
 
 
 def _batch_one(args) -> list[list[str]]:
     """Batch 1: each method's decode tok/s over speculation off's; the docs' rows."""
-    single = {"off": _engine("none", 1, args.cache_dir), "ngram": _engine("ngram", 1, args.cache_dir, adaptive=False)}
+    single = {
+        "off": _engine("none", 1, args.cache_dir),
+        "ngram": _engine("ngram", 1, args.cache_dir, adaptive=False),
+        "ngram_adaptive": _engine("ngram", 1, args.cache_dir),
+    }
     if not args.no_self:
         single["self"] = _engine("self", 1, args.cache_dir, adaptive=False, self_layers=args.self_layers)
-    methods = [m for m in ("ngram", "self") if m in single]
-    prompts = summarize_prompts(single["off"].tokenizer)
+    methods = [m for m in ("ngram", "ngram_adaptive", "self") if m in single]
+    prompts = _prompts(args, single["off"].tokenizer)
     few = prompts[: args.prompts]
     print(f"batch 1: {len(few)} prompts, {args.max_tokens} tokens, rounds {args.rounds}")
     ratios: dict[str, list[float]] = {m: [] for m in methods}
@@ -144,7 +157,7 @@ def _full_batch(args) -> list[list[str]]:
     off = _engine("none", None, args.cache_dir)
     # the same batch limit for both (each engine's start-up profile alone could pick another)
     full = {"off": off, "adaptive": _engine("ngram", off.max_num_seqs, args.cache_dir)}
-    prompts = summarize_prompts(off.tokenizer)
+    prompts = _prompts(args, off.tokenizer)
     print(f"full batch: {len(prompts)} prompts, max_num_seqs {off.max_num_seqs} for both")
     full_ratios = []
     for r in range(args.rounds):

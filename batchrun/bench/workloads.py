@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 # The summarize job's prompt (conf/job/summarize.yaml), for summarize_prompts.
 SUMMARIZE_SYSTEM = "You are a concise technical writer."
 SUMMARIZE_TEMPLATE = "Summarize the following documentation in two sentences.\n\n{text}"
+COPY_TEMPLATE = "Repeat the following text exactly, word for word, and nothing else.\n\n{text}"
 
 SHARED_INSTRUCTION = (
     "You answer questions about the documentation below. Answer in one or two sentences, "
@@ -153,17 +154,21 @@ def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def summarize_prompts(tokenizer) -> list[list[int]]:
-    """The bundled sample shards (32 CPython doc topics) through the summarize job's prompt, chat
-    template applied: the quantization and speculative benchmarks' workload."""
+def sample_texts() -> list[str]:
+    """The bundled sample shards' texts (32 CPython doc topics), in shard order."""
     import pyarrow.parquet as pq
 
     root = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "sample")
-    texts = [
+    return [
         t
         for f in sorted(glob.glob(os.path.join(root, "*.parquet")))
         for t in pq.read_table(f).column("text").to_pylist()
     ]
+
+
+def summarize_prompts(tokenizer) -> list[list[int]]:
+    """The bundled sample through the summarize job's prompt, chat template applied: the
+    quantization and speculative benchmarks' workload."""
     return [
         chat_ids(
             tokenizer,
@@ -172,7 +177,15 @@ def summarize_prompts(tokenizer) -> list[list[int]]:
                 {"role": "user", "content": SUMMARIZE_TEMPLATE.format(text=t)},
             ],
         )
-        for t in texts
+        for t in sample_texts()
+    ]
+
+
+def copy_prompts(tokenizer) -> list[list[int]]:
+    """The bundled sample's texts with a request to repeat them word for word: a copy-heavy
+    workload, where prompt-lookup (n-gram) speculation finds its drafts."""
+    return [
+        chat_ids(tokenizer, [{"role": "user", "content": COPY_TEMPLATE.format(text=t[:1200])}]) for t in sample_texts()
     ]
 
 

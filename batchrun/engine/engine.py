@@ -146,6 +146,7 @@ class Engine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             profile_decode=spec.method != "none",
+            spec_tokens=spec.num_speculative_tokens if spec.method != "none" else 0,
         )
         self.max_num_seqs = limits.max_num_seqs
         self.max_num_batched_tokens = limits.max_num_batched_tokens

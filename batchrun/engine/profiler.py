@@ -75,10 +75,13 @@ def pick_batch_limits(
     max_num_seqs: int | None,
     max_num_batched_tokens: int | None,
     profile_decode: bool = False,
+    spec_tokens: int = 0,
 ) -> BatchLimits:
     """Fill in whichever of the two limits is None by profiling; keep the ones given. With
     profile_decode the decode rates are measured even when max_num_seqs is given (speculative
-    decoding's cost model needs them)."""
+    decoding's cost model needs them), at the widths a speculative step has too: B * (1 +
+    spec_tokens) tokens for B = 1 and B = max_num_seqs. Without those points the cost model would
+    extrapolate from width 1 as if compute-bound, and never speculate at small batches."""
     profile: dict = {}
     capacity = num_blocks * block_size
     warm = min(32, capacity)
@@ -103,16 +106,22 @@ def pick_batch_limits(
         # sequences of ~1.5x the profiled context must fit the cache side by side
         fit = max(1, capacity // int(1.5 * (context + 1)))
         rates = {}
-        for b in DECODE_SIZES:
-            if b > fit or b > max_num_batched_tokens or (max_num_seqs is not None and b > 4 * max_num_seqs):
+        sizes, widest = set(DECODE_SIZES), None
+        if max_num_seqs is not None:
+            widest = max(4 * max_num_seqs, max_num_seqs * (1 + spec_tokens))
+        if spec_tokens:
+            sizes |= {1 + spec_tokens} | ({max_num_seqs * (1 + spec_tokens)} if max_num_seqs else set())
+        for b in sorted(sizes):
+            if b > fit or b > max_num_batched_tokens or (widest is not None and b > widest):
                 break
             reqs = [_fake_request(i, context + 1, context, blocks) for i in range(b)]
             rates[b], step_s = _rate(runner, ScheduledBatch(reqs, [1] * b))
             if step_s > MAX_STEP_S or (b >= 32 and rates[b] < 1.05 * max(r for k, r in rates.items() if k < b)):
                 break  # past the knee: a bigger batch no longer pays
         profile["decode_tok_s"] = {k: round(v, 1) for k, v in rates.items()}
-        if max_num_seqs is None:
-            max_num_seqs = _smallest_near_best(rates, 0.9) if rates else 1
+        if max_num_seqs is None:  # from the standard sizes only: speculation must not move the batch limit
+            standard = {b: r for b, r in rates.items() if b in DECODE_SIZES}
+            max_num_seqs = _smallest_near_best(standard, 0.9) if standard else 1
     # The profile wrote garbage into the cache; no block is registered in the prefix cache yet, so
     # nothing will ever read it.
     return BatchLimits(max_num_seqs, max_num_batched_tokens, profile)

@@ -194,7 +194,8 @@ class Sampler:
         """Tokens (len(group),) for sampled rows that are all truncated or all untruncated."""
         device = logits.device
         sub = [params[i] for i in group]
-        s = _scaled(logits[torch.tensor(group, device=device)], sub)
+        rows = logits if len(group) == logits.shape[0] else logits[torch.tensor(group, device=device)]
+        s = _scaled(rows, sub)
         u = [
             uniform(seeds[i], positions[i])
             if seeds[i] is not None

@@ -6,9 +6,9 @@
 Engine: the bundled summarization workload (32 CPython doc topics through the summarize prompt,
 64 tokens each, ignore_eos so every configuration produces the same number of tokens) on one
 engine (SmolLM2-135M, bf16 on CPU), output tokens per wall second and per CPU second of the
-process, for greedy, temperature 0.7, + top_p 0.9, + top_k 50. Each round runs every
-configuration once, back to back; the ratio to greedy is taken within a round, then the median
-over rounds.
+process, and the share of wall time spent in the sampler, for greedy, temperature 0.7, + top_p
+0.9, + top_k 50. Each round runs every configuration once, back to back; the ratio to greedy is
+taken within a round, then the median over rounds.
 
 Sampler alone: (rows, vocab) random logits in float32 and bfloat16, the batched sampler against
 a per-row reference that sorts the vocabulary for top-p (kept here only for this comparison).
@@ -40,44 +40,67 @@ CONFIGS = {
 }
 
 
-def _tokens_per_s(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float]:
-    """(output tokens per wall second, per CPU second of this process): on a shared machine the
-    second moves less with other jobs' load."""
+def _time_sampler(engine: Engine) -> list[float]:
+    """Wrap the engine's sampler so the seconds spent in it add up in the returned cell."""
+    spent = [0.0]
+    inner = engine.sampler.sample
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    engine.sampler.sample = timed
+    return spent
+
+
+def _measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, spent: list[float]) -> dict:
+    """Output tokens per wall second and per CPU second of this process (on a shared machine the
+    second moves less with other jobs' load), and the share of wall time spent in the sampler."""
     engine.reset_prefix_cache()  # every run prefills afresh
-    t, c = time.perf_counter(), time.process_time()
+    t, c, s = time.perf_counter(), time.process_time(), spent[0]
     outs = engine.generate(prompts, params)
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
     n = sum(len(o.token_ids) for o in outs)
-    return n / (time.perf_counter() - t), n / (time.process_time() - c)
+    return {"wall": n / wall, "cpu": n / cpu, "sampler": (spent[0] - s) / wall}
 
 
 def run_engine(rounds: int, max_tokens: int, cache_dir: Optional[str], threads: Optional[int]) -> dict:
     engine = make_engine("none", "bfloat16", cache_dir=cache_dir, threads=threads)
+    spent = _time_sampler(engine)
     prompts = summarize_prompts(engine.tokenizer)
     params = {name: SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw) for name, kw in CONFIGS.items()}
     engine.generate(prompts[:2], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=4))  # warm-up
     print(f"engine: {len(prompts)} prompts, {max_tokens} tokens, threads={torch.get_num_threads()}")
-    results: dict[str, list[tuple[float, float]]] = {name: [] for name in params}
+    results: dict[str, list[dict]] = {name: [] for name in params}
     for r in range(rounds):
         for name, p in params.items():
-            results[name].append(_tokens_per_s(engine, prompts, p))
+            results[name].append(_measure(engine, prompts, p, spent))
         print(
-            f"  round {r + 1}/{rounds} (wall / CPU): "
-            + ", ".join(f"{n} {v[-1][0]:.1f} / {v[-1][1]:.1f}" for n, v in results.items()),
+            f"  round {r + 1}/{rounds} (wall tok/s / CPU tok/s / sampler share): "
+            + ", ".join(
+                f"{n} {v[-1]['wall']:.1f} / {v[-1]['cpu']:.1f} / {v[-1]['sampler']:.1%}" for n, v in results.items()
+            ),
             flush=True,
         )
+    print(f"  median of {rounds} rounds; x: median per-round ratio to greedy")
     table = {}
-    print(
-        f"  output tok/s per wall and per CPU second, median of {rounds} rounds (x: median per-round ratio to greedy)"
-    )
     for name, vals in results.items():
-        row = {}
-        for j, clock in enumerate(("wall", "cpu")):
-            ratio = statistics.median(a[j] / g[j] for a, g in zip(vals, results["greedy"]))
-            row[clock] = {"tok_s": statistics.median(v[j] for v in vals), "vs_greedy": ratio}
+        row = {
+            clock: {
+                "tok_s": statistics.median(v[clock] for v in vals),
+                "vs_greedy": statistics.median(a[clock] / g[clock] for a, g in zip(vals, results["greedy"])),
+            }
+            for clock in ("wall", "cpu")
+        }
+        row["sampler_share"] = statistics.median(v["sampler"] for v in vals)
         table[name] = row
         print(
-            f"  {name:<26} wall {row['wall']['tok_s']:>8.1f} ({row['wall']['vs_greedy']:.2f}x)"
-            f"   CPU {row['cpu']['tok_s']:>8.1f} ({row['cpu']['vs_greedy']:.2f}x)"
+            f"  {name:<26} wall {row['wall']['tok_s']:>7.1f} tok/s ({row['wall']['vs_greedy']:.2f}x)"
+            f"  CPU {row['cpu']['tok_s']:>7.1f} tok/s ({row['cpu']['vs_greedy']:.2f}x)"
+            f"  in sampler {row['sampler_share']:.1%} of wall time"
         )
     return table
 

@@ -92,6 +92,25 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(engine):
     assert different.token_ids != alone
 
 
+def test_seeded_requests_keep_their_tokens_beside_greedy_and_other_sampled_rows(engine):
+    """Each seeded request alone against the same requests in one mixed batch: greedy rows, an
+    unseeded row, other seeded rows with other masks (and more requests than max_num_seqs, so the
+    batch changes while they run)."""
+    seeded = [
+        ("Once upon a time", SamplingParams(temperature=0.7, top_p=0.9, top_k=50, seed=5, max_tokens=10)),
+        ("The weather today", SamplingParams(temperature=1.3, seed=6, max_tokens=10, ignore_eos=True)),
+        ("In a distant land", SamplingParams(temperature=0.9, top_k=3, seed=7, max_tokens=10, ignore_eos=True)),
+    ]
+    alone = [engine.generate([prompt], p)[0].token_ids for prompt, p in seeded]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    mixed = engine.generate(
+        ["noise one", seeded[0][0], "noise two", seeded[1][0], "noise three", seeded[2][0]],
+        [greedy, seeded[0][1], SamplingParams(temperature=1.0, max_tokens=9), seeded[1][1], greedy, seeded[2][1]],
+    )
+    assert [mixed[i].token_ids for i in (1, 3, 5)] == alone
+    assert mixed[0].token_ids == engine.generate(["noise one"], greedy)[0].token_ids
+
+
 def test_logprobs_are_returned_per_token(engine):
     out = engine.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4, logprobs=3, ignore_eos=True))[0]
     assert len(out.logprobs) == 4

@@ -1,4 +1,5 @@
-"""Sampler: top-k / top-p masks, greedy rows, seeded reproducibility, logprobs."""
+"""Sampler: top-k / top-p masks against a sort-based reference, sampled frequencies against the masked
+softmax, greedy rows, seeds that make a row's tokens independent of its batch, logprobs."""
 
 from __future__ import annotations
 
@@ -8,62 +9,200 @@ import pytest
 import torch
 
 from batchrun.engine.config import SamplingParams
-from batchrun.engine.sampler import Sampler, apply_top_k_top_p, sampling_probs
+from batchrun.engine.sampler import CANDIDATES, Sampler, apply_top_k_top_p, sampling_probs, uniform
+
+V = 1000
 
 
-def test_top_k_keeps_exactly_k():
+def reference_keep(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """The documented masks, written the plain way: full sorts, one row (V,) at a time.
+
+    top-k keeps s >= the k-th largest s; top-p keeps s >= the last token (in descending order) whose
+    mass before it, under the top-k-renormalized softmax, is below top_p."""
+    keep = torch.ones_like(scaled, dtype=torch.bool)
+    vocab = scaled.shape[-1]
+    if 0 < top_k < vocab:
+        keep &= scaled >= torch.sort(scaled, descending=True).values[top_k - 1]
+    if top_p < 1.0:
+        ordered = torch.sort(scaled.masked_fill(~keep, float("-inf")), descending=True).values
+        probs = torch.softmax(ordered, dim=-1).double()
+        before = torch.cumsum(probs, dim=-1) - probs
+        last = int((before < top_p).sum()) - 1
+        keep &= scaled >= ordered[last]
+    return keep
+
+
+def _logit_rows() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randn(V, generator=g) * 4,  # peaked: small nuclei
+        torch.randn(V, generator=g) * 0.05,  # nearly flat: nuclei far wider than CANDIDATES
+        torch.randint(-3, 3, (V,), generator=g).float(),  # many ties, also at the mask edges
+        torch.zeros(V),  # all tied
+        torch.cat([torch.full((CANDIDATES + 40,), 2.0), torch.randn(V - CANDIDATES - 40, generator=g)]),
+    ]
+
+
+KS = (0, -1, 1, 2, 7, 50, CANDIDATES, CANDIDATES + 1, V - 1, V, V + 5)
+PS = (1.0, 0.999999, 0.95, 0.9, 0.5, 0.1, 1e-6)
+
+
+@pytest.mark.parametrize("row", range(5))
+def test_masks_equal_the_sort_based_reference(row):
+    scaled = _logit_rows()[row]
+    for k in KS:
+        for p in PS:
+            want = reference_keep(scaled, k, p)
+            got = torch.isfinite(apply_top_k_top_p(scaled, k, p))
+            assert torch.equal(got, want), (row, k, p, int(got.sum()), int(want.sum()))
+
+
+def test_batched_masks_equal_single_rows():
+    rows = torch.stack(_logit_rows())
+    for k, p in ((0, 0.9), (50, 1.0), (50, 0.9), (V + 5, 0.5)):
+        batched = apply_top_k_top_p(rows, k, p)
+        for i in range(rows.shape[0]):
+            assert torch.equal(batched[i], apply_top_k_top_p(rows[i], k, p))
+
+
+def test_mask_edge_values():
     logits = torch.tensor([1.0, 5.0, 3.0, 4.0, 2.0])
-    out = apply_top_k_top_p(logits, top_k=2, top_p=1.0)
-    assert torch.isfinite(out).tolist() == [False, True, False, True, False]
-
-
-def test_top_p_keeps_smallest_nucleus():
+    assert torch.isfinite(apply_top_k_top_p(logits, 2, 1.0)).tolist() == [False, True, False, True, False]
+    for off in (0, -1, 5, 6):  # top_k off, or as large as the vocabulary
+        assert torch.equal(apply_top_k_top_p(logits, off, 1.0), logits)
+    ties = torch.tensor([2.0, 1.0, 1.0, 1.0, 0.0])
+    assert torch.isfinite(apply_top_k_top_p(ties, 2, 1.0)).tolist() == [True, True, True, True, False]
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
-    logits = probs.log()
-    keep = torch.isfinite(apply_top_k_top_p(logits, 0, 0.8)).tolist()
-    assert keep == [True, True, False, False]  # 0.5 + 0.3 reaches 0.8
-    keep = torch.isfinite(apply_top_k_top_p(logits, 0, 0.81)).tolist()
-    assert keep == [True, True, True, False]
-    keep = torch.isfinite(apply_top_k_top_p(logits, 0, 0.01)).tolist()
-    assert keep == [True, False, False, False]  # the top token always survives
+    keep = [torch.isfinite(apply_top_k_top_p(probs.log(), 0, p)).tolist() for p in (0.79, 0.81, 0.01)]
+    assert keep == [[True, True, False, False], [True, True, True, False], [True, False, False, False]]
+    # a tiny top_p keeps the argmax, and whatever is tied with it
+    assert torch.isfinite(apply_top_k_top_p(torch.tensor([0.0, 3.0, 3.0, 1.0]), 0, 1e-9)).tolist() == [
+        False,
+        True,
+        True,
+        False,
+    ]
 
 
 def test_sampling_probs_renormalize_after_masks():
     logits = torch.tensor([0.0, 0.0, 0.0, -100.0])
     p = sampling_probs(logits, SamplingParams(temperature=1.0, top_k=2))
     assert p.sum().item() == pytest.approx(1.0)
-    assert (p > 0).sum().item() == 2
+    assert (p > 0).sum().item() == 3  # ties with the 2nd largest survive
+    p = sampling_probs(logits, SamplingParams(temperature=1.0, top_k=3))
+    assert p.tolist()[:3] == pytest.approx([1 / 3] * 3) and p[3] == 0
+
+
+def _chi2_critical(df: int, z: float = 3.719) -> float:
+    """The chi-square quantile at 1 - 1e-4 (z is the normal one), Wilson-Hilferty approximation."""
+    a = 2.0 / (9.0 * df)
+    return df * (1.0 - a + z * math.sqrt(a)) ** 3
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    n = counts.sum().item()
+    expected = probs.double() * n
+    live = expected > 0
+    stat = (((counts.double() - expected) ** 2)[live] / expected[live]).sum().item()
+    return stat, int(live.sum()) - 1
+
+
+def _draws(logits: torch.Tensor, params: SamplingParams, n: int, seeded: bool) -> torch.Tensor:
+    """Token counts over n draws of one row: n rows of the same logits at n positions in one call."""
+    seeds = [11] * n if seeded else [None] * n
+    tokens, _ = Sampler(seed=5).sample(logits.expand(n, -1), [params] * n, seeds, list(range(n)))
+    return torch.bincount(torch.tensor(tokens), minlength=logits.shape[-1])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=6),
+        SamplingParams(temperature=0.7, top_p=0.8),
+        SamplingParams(temperature=0.7, top_p=0.9, top_k=8),
+    ],
+    ids=["temperature", "top_k", "top_p", "top_k_top_p"],
+)
+@pytest.mark.parametrize("seeded", [True, False])
+def test_sampled_frequencies_follow_the_masked_softmax(params, seeded):
+    logits = torch.randn(24, generator=torch.Generator().manual_seed(3)) * 1.5
+    want = sampling_probs(logits, params)
+    counts = _draws(logits, params, 30_000, seeded)
+    assert counts[want == 0].sum() == 0  # never a masked token
+    stat, df = _chi2(counts, want)
+    assert stat < _chi2_critical(df), (stat, df)
+    # The test has the power to see a wrong temperature or a mask left out.
+    wrongs = [SamplingParams(temperature=params.temperature * 1.15, top_k=params.top_k, top_p=params.top_p)]
+    if params.top_k or params.top_p < 1.0:
+        wrongs.append(SamplingParams(temperature=params.temperature))
+    for wrong in wrongs:
+        stat, df = _chi2(counts, sampling_probs(logits, wrong))
+        assert stat > _chi2_critical(df), (wrong, stat, df)
+
+
+def test_frequencies_with_a_nucleus_wider_than_the_candidates():
+    logits = torch.randn(400, generator=torch.Generator().manual_seed(4)) * 0.3
+    params = SamplingParams(temperature=1.0, top_p=0.7)
+    want = sampling_probs(logits, params)
+    assert (want > 0).sum() > CANDIDATES
+    counts = _draws(logits, params, 40_000, True)
+    assert counts[want == 0].sum() == 0
+    stat, df = _chi2(counts, want)
+    assert stat < _chi2_critical(df), (stat, df)
 
 
 def test_seeded_rows_do_not_depend_on_batch_neighbours():
-    torch.manual_seed(0)
-    logits = torch.randn(3, 50)
-    p = SamplingParams(temperature=1.0, seed=7)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 3 * CANDIDATES, generator=g) * torch.tensor([[3.0], [0.1], [2.0], [1.0], [0.2], [4.0]])
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_p=0.95, seed=7),  # nucleus wider than the candidates
+        SamplingParams(temperature=0.7, seed=8),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=9),
+        SamplingParams(temperature=1.2),  # unseeded
+        SamplingParams(temperature=0.5, top_k=50, seed=10),
+    ]
+    seeds = [None, 7, 8, 9, None, 10]
     s = Sampler()
-    alone = [s.sample(logits[1:2], [p], [torch.Generator().manual_seed(7)])[0][0] for _ in range(1)]
-    g = torch.Generator().manual_seed(7)
-    batched, _ = s.sample(
-        logits,
-        [SamplingParams(temperature=0.0), p, SamplingParams(temperature=1.0)],
-        [None, g, torch.Generator().manual_seed(99)],
-    )
-    assert batched[1] == alone[0]
-    assert batched[0] == int(logits[0].argmax())
+    for position in range(20):
+        mixed, _ = s.sample(logits, params, seeds, [position] * 6)
+        assert mixed[0] == int(logits[0].argmax())
+        for i in (1, 2, 3, 5):
+            alone, _ = Sampler(seed=123).sample(logits[i : i + 1], [params[i]], [seeds[i]], [position])
+            assert alone[0] == mixed[i]
+        order = [5, 3, 1, 0, 2]  # other neighbours, other rows
+        shuffled, _ = s.sample(logits[order], [params[i] for i in order], [seeds[i] for i in order], [position] * 5)
+        assert [shuffled[order.index(i)] for i in (1, 2, 3, 5)] == [mixed[i] for i in (1, 2, 3, 5)]
 
 
-def test_sampling_frequencies_follow_the_distribution():
-    logits = torch.tensor([[math.log(0.6), math.log(0.3), math.log(0.1)]])
-    s = Sampler()
-    g = torch.Generator().manual_seed(1)
+def test_seeded_draws_depend_on_seed_and_position():
+    logits = torch.zeros(1, 50)
     p = SamplingParams(temperature=1.0)
-    counts = [0, 0, 0]
-    for _ in range(3000):
-        counts[s.sample(logits, [p], [g])[0][0]] += 1
-    assert abs(counts[0] / 3000 - 0.6) < 0.04 and abs(counts[2] / 3000 - 0.1) < 0.03
+    s = Sampler()
+    by_position = [s.sample(logits, [p], [1], [i])[0][0] for i in range(30)]
+    assert len(set(by_position)) > 10
+    by_seed = [s.sample(logits, [p], [i], [0])[0][0] for i in range(30)]
+    assert len(set(by_seed)) > 10
+    u = [uniform(seed, pos) for seed in range(-3, 30) for pos in range(30)]
+    assert all(0.0 <= x < 1.0 for x in u) and abs(sum(u) / len(u) - 0.5) < 0.03
+
+
+def test_low_precision_logits_and_greedy_rows():
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_p=0.9, top_k=50)] * 2
+    tokens, _ = Sampler().sample(logits, params, [None, 1, None, 2], [0] * 4)
+    assert tokens[0] == int(logits[0].argmax()) and tokens[2] == int(logits[2].argmax())
+    for i in (1, 3):
+        assert sampling_probs(logits[i].float(), params[i])[tokens[i]] > 0
 
 
 def test_logprobs_report_chosen_and_top_n():
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
-    toks, lps = Sampler().sample(logits, [SamplingParams(temperature=0.0, logprobs=2)], [None])
-    assert toks == [0] and set(lps[0]) == {0, 1}
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 1.0, 2.0]])
+    params = [SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0)]
+    toks, lps = Sampler().sample(logits, params, [None, None], [0, 0])
+    assert toks == [0, 1] and set(lps[0]) == {0, 1} and lps[1] == {}
     assert lps[0][0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[0]))
+    toks, lps = Sampler().sample(logits, [SamplingParams(temperature=1.0, top_k=1, logprobs=0)] * 2, [1, 2], [0, 0])
+    assert toks == [0, 1] and list(lps[1]) == [1]
+    assert Sampler().sample(logits, [SamplingParams(temperature=0.0)] * 2, [None, None], [0, 0])[1] is None

@@ -188,7 +188,7 @@ class Engine:
             ),
             self.kv,
         )
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.seed)
         self.drafter = self._build_drafter(spec, num_blocks, limits.profile) if spec.method != "none" else None
         self._num_spec_proposed = 0
         self._num_spec_accepted = 0
@@ -362,7 +362,7 @@ class Engine:
         now = time.perf_counter()
         seq_id = self._next_seq_id
         self._next_seq_id += 1
-        generator = None
+        generator, seed = None, None
         if not params.is_greedy:
             seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + seq_id
             generator = torch.Generator().manual_seed(seed)
@@ -384,7 +384,7 @@ class Engine:
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
                 "(prompt plus at least one generated token must fit)"
             )
-        req = Request(seq_id, request_id, token_ids, params, now, generator)
+        req = Request(seq_id, request_id, token_ids, params, now, generator, seed)
         if error is not None:
             req.finish_reason, req.error = "error", error
             return self._to_output(req)
@@ -446,7 +446,10 @@ class Engine:
         if plain_reqs:
             logits = out.logits if len(plain_rows) == out.logits.shape[0] else out.logits[plain_rows]
             tokens, logprobs = self.sampler.sample(
-                logits, [r.params for r in plain_reqs], [r.generator for r in plain_reqs]
+                logits,
+                [r.params for r in plain_reqs],
+                [r.sample_seed for r in plain_reqs],
+                [r.num_tokens for r in plain_reqs],  # the position of the token each row samples
             )
             for i, req in enumerate(plain_reqs):
                 result[req.seq_id] = (req, [tokens[i]], logprobs[i] if logprobs is not None else None)

@@ -35,6 +35,7 @@ class Request:
         params: SamplingParams,
         arrival_s: float,
         generator: Optional[torch.Generator],
+        sample_seed: Optional[int] = None,
     ) -> None:
         self.seq_id = seq_id  # engine-internal, unique, increasing: the admission order
         self.request_id = request_id
@@ -45,7 +46,10 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids, filled lazily
-        self.generator = generator  # per-request RNG so sampling does not depend on batch composition
+        # Per-request randomness, so sampling does not depend on batch composition: the sampler keys
+        # its draws on (sample_seed, position); speculative verification and drafting use the generator.
+        self.generator = generator
+        self.sample_seed = sample_seed
         self.metrics = RequestMetrics(arrival_s=arrival_s)
         self.finish_reason: Optional[str] = None
         self.error: Optional[str] = None

@@ -157,14 +157,9 @@ class ModelRunner:
 
     @staticmethod
     def _logits_for_sampler(logits: torch.Tensor, batch: ScheduledBatch, is_full_step: bool) -> torch.Tensor:
-        """On the GPU, all-greedy steps keep the logits there: the sampler's argmax runs on the device
-        and only the token ids come back. Anything that needs the host (per-request CPU generators,
-        logprobs, draft verification, drafter passes) gets them copied; on CPU this is a no-op."""
-        if (
-            logits.is_cuda
-            and is_full_step
-            and not batch.spec_token_ids
-            and all(r.params.is_greedy and r.params.logprobs is None for r in batch.requests)
-        ):
+        """On the GPU, plain steps keep the logits there: the sampler runs on the device and only
+        token ids (and requested logprobs) come back. Draft verification and drafter passes use
+        per-request CPU generators, so they get the logits copied; on CPU this is a no-op."""
+        if logits.is_cuda and is_full_step and not batch.spec_token_ids:
             return logits
         return logits.cpu()

@@ -1,7 +1,20 @@
 """Turns the last-position logits of a step into tokens: greedy, temperature, top-k, top-p.
 
-Greedy rows are one vectorized argmax. Sampled rows draw with their own request's generator, so
-a seeded request gets the same tokens whatever else shares its batch.
+The whole batch is sampled at once with tensor ops on the logits' device; only token ids (and
+requested logprobs) come back to the host. Greedy rows are an exact argmax of the raw logits.
+
+Masks work on the temperature-scaled logits s = logits / temperature:
+  top-k keeps every token with s at least the k-th largest s (ties with the k-th all survive);
+  top-p keeps, in descending order, each token whose mass before it (under the top-k-renormalized
+  distribution) is below top_p, then every token tied with the last one kept.
+So a mask is a threshold on s and never depends on how a sort orders ties: it is the same on
+every device and in every batch. The most likely token always survives. Neither mask sorts the
+vocabulary: torch.topk takes a bounded candidate set, widened only for rows whose kept set may
+reach past it (a wide nucleus, or ties at its edge).
+
+Randomness is counter-based: a sampled row draws one uniform from a hash of (its request's seed,
+the position of the token being sampled) and inverts the CDF of its masked distribution. A draw
+therefore depends on nothing else in the batch, nor on how many steps the request was split over.
 """
 
 from __future__ import annotations
@@ -16,60 +29,199 @@ from batchrun.engine.config import SamplingParams
 
 log = logging.getLogger(__name__)
 
+CANDIDATES = 128  # first candidate width for a top-p nucleus; rows it cannot hold retry 8x wider
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finalizer: a bijection on 64-bit ints that spreads every input bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) with 53 random bits, a pure function of (seed, position)."""
+    z = _mix64((_mix64(seed & _MASK64) + (position & _MASK64) * 0x9E3779B97F4A7C15) & _MASK64)
+    return (z >> 11) * 2.0**-53
+
+
+def _truncate(
+    s: torch.Tensor,  # (B, V) float32 scaled logits
+    top_k: torch.Tensor,  # (B,) int64 in [0, V): 0 is off
+    top_p: torch.Tensor,  # (B,) float64: >= 1 is off
+    u: Optional[torch.Tensor],  # (B,) float64 in [0, 1): draw a token when given
+    width: int,  # candidates per row, at least the largest top_k (host-side, so no device sync)
+    any_without_k: bool,  # whether some row has top-k off (then top-p needs the full softmax)
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(threshold (B,): the smallest s each row keeps; token (B,) int64 drawn from the kept set, or None).
+
+    Works on the `width` largest s of each row; rows whose kept set may extend past them are redone
+    with a wider candidate set, up to the whole vocabulary."""
+    vocab = s.shape[-1]
+    width = min(vocab, width)
+    vals, idx = torch.topk(s, width, dim=-1)  # (B, W), descending
+    has_k = top_k > 0
+    kth = vals.gather(1, (torch.where(has_k, top_k, width) - 1)[:, None])  # off: the last candidate
+    in_k = vals >= kth
+    # Probabilities of the candidates under the distribution top-p truncates: renormalized over the
+    # top-k set where top-k applies (all of it is among the candidates unless the row spills), else
+    # the full softmax (a per-row kernel, so the same bits whatever the batch).
+    probs = torch.softmax(vals.masked_fill(~in_k, float("-inf")), dim=-1)
+    if any_without_k:
+        probs = torch.where(has_k[:, None], probs, torch.softmax(s, dim=-1).gather(1, idx))
+    probs = probs.double()  # float64 sums: top_p near 1 compares masses to well below 1e-7
+    before = probs.cumsum(dim=-1) - probs  # mass strictly before each candidate
+    # in_k and before < top_p are both prefixes of the candidates, and the first is always in both.
+    num = (in_k & (before < top_p[:, None])).sum(dim=-1)
+    threshold = vals.gather(1, (num - 1)[:, None]).squeeze(1)
+    keep = vals >= threshold[:, None]  # a prefix again: ties with the last kept token join it
+    token = None
+    if u is not None:
+        weights = torch.where(keep, (vals - vals[:, :1]).exp(), 0.0).double()
+        cdf = weights.cumsum(dim=-1)
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+        pick = torch.minimum(pick, keep.sum(dim=-1, keepdim=True) - 1)  # u * total rounded up to total
+        token = idx.gather(1, pick).squeeze(1)
+    if width < vocab:
+        # The kept set (or, for top-k, the set top-p renormalizes over) may go on past the candidates.
+        spill = (keep[:, -1] | (has_k & in_k[:, -1])).nonzero().squeeze(1)
+        if spill.numel():
+            sub_u = u[spill] if u is not None else None
+            sub_threshold, sub_token = _truncate(s[spill], top_k[spill], top_p[spill], sub_u, width * 8, any_without_k)
+            threshold = threshold.index_copy(0, spill, sub_threshold)
+            if token is not None:
+                token = token.index_copy(0, spill, sub_token)
+    return threshold, token
+
+
+def _draw_full(s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw from softmax(s) over the whole vocabulary: s (B, V), u (B,) -> (B,) int64."""
+    cdf = torch.softmax(s, dim=-1).cumsum(dim=-1)  # non-decreasing; flat exactly at zero-mass tokens
+    total = cdf[:, -1:]
+    # Strictly below the total, so the first cdf above it always exists and adds positive mass.
+    target = torch.minimum(u.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def _scaled(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+    return logits.float() / temperature[:, None]
+
+
+def _truncate_rows(
+    s: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], u: Optional[torch.Tensor]
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """`_truncate` with per-row settings given on the host; top_k outside (0, vocab) is off."""
+    vocab = s.shape[-1]
+    top_k = [k if 0 < k < vocab else 0 for k in top_k]
+    return _truncate(
+        s,
+        torch.tensor(top_k, dtype=torch.int64, device=s.device),
+        # off is above any mass a rounded cumulative sum can reach
+        torch.tensor([p if p < 1.0 else 2.0 for p in top_p], dtype=torch.float64, device=s.device),
+        u,
+        max(CANDIDATES, *top_k),
+        not all(top_k),
+    )
+
+
+def _is_truncated(p: SamplingParams, vocab: int) -> bool:
+    return 0 < p.top_k < vocab or p.top_p < 1.0
+
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Mask (to -inf) the logits outside the top-k and outside the smallest top-p nucleus.
+    """Mask (to -inf) the logits outside the top-k and outside the top-p nucleus (see the module doc).
 
-    logits: (vocab_size,) or (batch, vocab_size), float32. The most likely token always survives.
-    """
-    if top_k > 0 and top_k < logits.shape[-1]:
-        keep = torch.topk(logits, top_k, dim=-1).indices
-        drop = torch.ones_like(logits, dtype=torch.bool).scatter(-1, keep, False)  # exactly k survive, even with ties
-        logits = logits.masked_fill(drop, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # A token is dropped when the mass strictly before it already reaches top_p.
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = mass_before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+    logits: (vocab_size,) or (batch, vocab_size), float32, already temperature-scaled."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    vocab = rows.shape[-1]
+    if not _is_truncated(SamplingParams(top_k=top_k, top_p=top_p), vocab):
+        return logits
+    threshold, _ = _truncate_rows(rows, [top_k] * rows.shape[0], [top_p] * rows.shape[0], None)
+    return rows.masked_fill(rows < threshold[:, None], float("-inf")).reshape(logits.shape)
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution a sampled request draws from: (vocab_size,) float32."""
-    masked = apply_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    """The distribution a sampled request draws from: logits (vocab_size,) -> (vocab_size,) float32."""
+    masked = apply_top_k_top_p(logits.float() / params.temperature, params.top_k, params.top_p)
     return torch.softmax(masked, dim=-1)
 
 
 class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        # Rows sampled without a seed draw their uniforms from here, in row order.
+        self._generator = torch.Generator().manual_seed(seed)
+
+    @torch.inference_mode()
     def sample(
         self,
-        logits: torch.Tensor,  # (num_rows, vocab_size) float32
+        logits: torch.Tensor,  # (num_rows, vocab_size), any float dtype, on any device
         params: Sequence[SamplingParams],
-        generators: Sequence[Optional[torch.Generator]],
+        seeds: Sequence[Optional[int]],  # per row: its request's sampling seed (ignored for greedy rows)
+        positions: Sequence[int],  # per row: the index in its request's tokens of the token sampled
     ) -> tuple[list[int], Optional[list[dict[int, float]]]]:
         """Return one token per row, and per-row top-N logprobs when any row asks for them."""
-        assert logits.shape[0] == len(params) == len(generators)
-        tokens = logits.argmax(dim=-1).tolist()
-        for row, (p, gen) in enumerate(zip(params, generators)):
-            if p.is_greedy:
-                continue
-            probs = sampling_probs(logits[row], p)
-            tokens[row] = int(torch.multinomial(probs, 1, generator=gen))
-        logprobs = None
-        if any(p.logprobs is not None for p in params):
-            logprobs = []
-            lp_all = torch.log_softmax(logits, dim=-1)
-            for row, p in enumerate(params):
-                if p.logprobs is None:
-                    logprobs.append({})
-                    continue
-                lp = lp_all[row]
-                entry = {tokens[row]: float(lp[tokens[row]])}
-                if p.logprobs > 0:
-                    vals, idx = torch.topk(lp, min(p.logprobs, lp.shape[-1]))
-                    entry.update({int(i): float(v) for v, i in zip(vals, idx)})
-                logprobs.append(entry)
-        return tokens, logprobs
+        num_rows, vocab = logits.shape
+        assert num_rows == len(params) == len(seeds) == len(positions)
+        device = logits.device
+        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not sampled:
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
+            greedy = [i for i, p in enumerate(params) if p.is_greedy]
+            if greedy:
+                rows = torch.tensor(greedy, device=device)
+                tokens[rows] = logits[rows].argmax(dim=-1)
+            for group in (
+                [i for i in sampled if _is_truncated(params[i], vocab)],
+                [i for i in sampled if not _is_truncated(params[i], vocab)],
+            ):
+                if group:
+                    tokens[torch.tensor(group, device=device)] = self._draw(logits, group, params, seeds, positions)
+        token_list = tokens.tolist()
+        return token_list, self._logprobs(logits, params, tokens, token_list)
+
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        group: list[int],
+        params: Sequence[SamplingParams],
+        seeds: Sequence[Optional[int]],
+        positions: Sequence[int],
+    ) -> torch.Tensor:
+        """Tokens (len(group),) for sampled rows that are all truncated or all untruncated."""
+        device = logits.device
+        sub = [params[i] for i in group]
+        rows = logits if len(group) == logits.shape[0] else logits[torch.tensor(group, device=device)]
+        s = _scaled(rows, sub)
+        u = [
+            uniform(seeds[i], positions[i])
+            if seeds[i] is not None
+            else float(torch.rand((), generator=self._generator, dtype=torch.float64))
+            for i in group
+        ]
+        u = torch.tensor(u, dtype=torch.float64, device=device)
+        if not _is_truncated(sub[0], s.shape[-1]):
+            return _draw_full(s, u)
+        return _truncate_rows(s, [p.top_k for p in sub], [p.top_p for p in sub], u)[1]
+
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, params: Sequence[SamplingParams], tokens: torch.Tensor, token_list: list[int]
+    ) -> Optional[list[dict[int, float]]]:
+        """Per row: {chosen token: logprob} plus the top-N, from the raw (unscaled) logits."""
+        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if not want:
+            return None
+        rows = torch.tensor(want, device=logits.device)
+        lp = torch.log_softmax(logits[rows].float(), dim=-1)
+        chosen = lp.gather(1, tokens[rows][:, None]).squeeze(1).tolist()
+        top_vals, top_idx = torch.topk(lp, min(max(params[i].logprobs for i in want), lp.shape[-1]), dim=-1)
+        top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
+        out: list[dict[int, float]] = [{} for _ in params]
+        for j, i in enumerate(want):
+            n = params[i].logprobs
+            out[i] = {token_list[i]: chosen[j], **dict(zip(top_idx[j][:n], top_vals[j][:n]))}
+        return out

@@ -1,0 +1,172 @@
+"""Sampling benchmark: what temperature, top-p and top-k cost against greedy decoding, one process.
+
+    python -m batchrun.bench.sampling                  # engine workload, then the sampler alone
+    python -m batchrun.bench.sampling --only engine --rounds 3
+
+Engine: the bundled summarization workload (32 CPython doc topics through the summarize prompt,
+64 tokens each, ignore_eos so every configuration produces the same number of tokens) on one
+engine (SmolLM2-135M, bf16 on CPU), output tokens per wall second and per CPU second of the
+process, and the share of wall time spent in the sampler, for greedy, temperature 0.7, + top_p
+0.9, + top_k 50. Each round runs every configuration once, back to back; the ratio to greedy is
+taken within a round, then the median over rounds.
+
+Sampler alone: (rows, vocab) random logits in float32 and bfloat16, the batched sampler against
+a per-row reference that sorts the vocabulary for top-p (kept here only for this comparison).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+from typing import Optional
+
+import torch
+
+from batchrun.bench.quant import make_engine, summarize_prompts
+from batchrun.engine import Engine, SamplingParams
+from batchrun.engine.sampler import Sampler
+
+log = logging.getLogger(__name__)
+
+CONFIGS = {
+    "greedy": dict(temperature=0.0),
+    "temp0.7": dict(temperature=0.7),
+    "temp0.7+top_p0.9": dict(temperature=0.7, top_p=0.9),
+    "temp0.7+top_p0.9+top_k50": dict(temperature=0.7, top_p=0.9, top_k=50),
+}
+
+
+def _time_sampler(engine: Engine) -> list[float]:
+    """Wrap the engine's sampler so the seconds spent in it add up in the returned cell."""
+    spent = [0.0]
+    inner = engine.sampler.sample
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - t
+
+    engine.sampler.sample = timed
+    return spent
+
+
+def _measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, spent: list[float]) -> dict:
+    """Output tokens per wall second and per CPU second of this process (on a shared machine the
+    second moves less with other jobs' load), and the share of wall time spent in the sampler."""
+    engine.reset_prefix_cache()  # every run prefills afresh
+    t, c, s = time.perf_counter(), time.process_time(), spent[0]
+    outs = engine.generate(prompts, params)
+    wall, cpu = time.perf_counter() - t, time.process_time() - c
+    n = sum(len(o.token_ids) for o in outs)
+    return {"wall": n / wall, "cpu": n / cpu, "sampler": (spent[0] - s) / wall}
+
+
+def run_engine(rounds: int, max_tokens: int, cache_dir: Optional[str], threads: Optional[int]) -> dict:
+    engine = make_engine("none", "bfloat16", cache_dir=cache_dir, threads=threads)
+    spent = _time_sampler(engine)
+    prompts = summarize_prompts(engine.tokenizer)
+    params = {name: SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw) for name, kw in CONFIGS.items()}
+    engine.generate(prompts[:2], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=4))  # warm-up
+    print(f"engine: {len(prompts)} prompts, {max_tokens} tokens, threads={torch.get_num_threads()}")
+    results: dict[str, list[dict]] = {name: [] for name in params}
+    for r in range(rounds):
+        for name, p in params.items():
+            results[name].append(_measure(engine, prompts, p, spent))
+        print(
+            f"  round {r + 1}/{rounds} (wall tok/s / CPU tok/s / sampler share): "
+            + ", ".join(
+                f"{n} {v[-1]['wall']:.1f} / {v[-1]['cpu']:.1f} / {v[-1]['sampler']:.1%}" for n, v in results.items()
+            ),
+            flush=True,
+        )
+    print(f"  median of {rounds} rounds; x: median per-round ratio to greedy")
+    table = {}
+    for name, vals in results.items():
+        row = {
+            clock: {
+                "tok_s": statistics.median(v[clock] for v in vals),
+                "vs_greedy": statistics.median(a[clock] / g[clock] for a, g in zip(vals, results["greedy"])),
+            }
+            for clock in ("wall", "cpu")
+        }
+        row["sampler_share"] = statistics.median(v["sampler"] for v in vals)
+        table[name] = row
+        print(
+            f"  {name:<26} wall {row['wall']['tok_s']:>7.1f} tok/s ({row['wall']['vs_greedy']:.2f}x)"
+            f"  CPU {row['cpu']['tok_s']:>7.1f} tok/s ({row['cpu']['vs_greedy']:.2f}x)"
+            f"  in sampler {row['sampler_share']:.1%} of wall time"
+        )
+    return table
+
+
+def _reference_sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
+    """One row at a time: temperature, top-k by torch.topk, top-p by sorting the whole vocabulary."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, (p, gen) in enumerate(zip(params, generators)):
+        if p.is_greedy:
+            continue
+        x = logits[row].float() / p.temperature
+        if 0 < p.top_k < x.shape[-1]:
+            drop = torch.ones_like(x, dtype=torch.bool).scatter(-1, torch.topk(x, p.top_k).indices, False)
+            x = x.masked_fill(drop, float("-inf"))
+        if p.top_p < 1.0:
+            ordered, order = torch.sort(x, descending=True)
+            probs = torch.softmax(ordered, dim=-1)
+            drop = torch.zeros_like(x, dtype=torch.bool).scatter(-1, order, torch.cumsum(probs, -1) - probs >= p.top_p)
+            x = x.masked_fill(drop, float("-inf"))
+        tokens[row] = int(torch.multinomial(torch.softmax(x, dim=-1), 1, generator=gen))
+    return tokens
+
+
+def _time(fn: Callable[[], object], reps: int) -> float:
+    fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps
+
+
+def run_sampler(rows: int, vocab: int, reps: int) -> dict:
+    print(f"sampler alone: ({rows}, {vocab}) logits, ms per call (mean of {reps})")
+    sampler = Sampler()
+    table = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)
+        for name, kw in CONFIGS.items():
+            params = [SamplingParams(**kw)] * rows
+            seeds, positions = list(range(rows)), [0] * rows
+            gens = [torch.Generator().manual_seed(i) for i in range(rows)]
+            new = _time(partial(sampler.sample, logits, params, seeds, positions), reps)
+            old = _time(partial(_reference_sample, logits, params, gens), reps)
+            table[f"{name}/{str(dtype).removeprefix('torch.')}"] = {"batched_ms": new * 1e3, "per_row_ms": old * 1e3}
+            print(f"  {str(dtype):<15} {name:<26} batched {new * 1e3:>8.2f}  per-row sort {old * 1e3:>8.2f}")
+    return table
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=("engine", "sampler"), default=None)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--cache-dir", default=None)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.only != "sampler":
+        run_engine(args.rounds, args.max_tokens, args.cache_dir, args.threads)
+    if args.only != "engine":
+        run_sampler(args.rows, args.vocab, args.reps)
+
+
+if __name__ == "__main__":
+    main()

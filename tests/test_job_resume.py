@@ -44,20 +44,6 @@ main()
 SHARD_ROWS = (2, 2, 6, 2)
 
 
-def _overrides(tmp_path: Path, tiny_llama_dir: str) -> list[str]:
-    return [
-        f"model.path={tiny_llama_dir}",
-        f"data.uri={tmp_path / 'in'}",
-        f"output.uri={tmp_path / 'out'}",
-        "engine.kv_cache_memory=67108864",
-        "engine.max_num_seqs=2",
-        "engine.max_num_batched_tokens=1024",
-        "engine.dtype=float32",
-        "sampling.max_tokens=8",
-        "quiet=true",
-    ]
-
-
 def _make_input(tmp_path: Path, make_shards) -> list[str]:
     ids = []
     for s, rows in enumerate(SHARD_ROWS):
@@ -65,10 +51,10 @@ def _make_input(tmp_path: Path, make_shards) -> list[str]:
     return ids
 
 
-def _start_paused_worker(tmp_path: Path, tiny_llama_dir: str) -> tuple[subprocess.Popen, Path]:
+def _start_paused_worker(tmp_path: Path, overrides: list[str]) -> tuple[subprocess.Popen, Path]:
     env = {**os.environ, "TEST_READY": str(tmp_path / "ready"), "TEST_GO": str(tmp_path / "go")}
     proc = subprocess.Popen(
-        [sys.executable, "-c", WORKER, *_overrides(tmp_path, tiny_llama_dir)],
+        [sys.executable, "-c", WORKER, *overrides],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -88,10 +74,10 @@ def _all_result_ids(out: Path) -> list[str]:
     return [i for p in sorted((out / "results").glob("*.parquet")) for i in pq.read_table(p).column("id").to_pylist()]
 
 
-def test_sigkill_mid_shard_then_rerun_gives_every_id_exactly_once(tmp_path, make_shards, tiny_llama_dir):
+def test_sigkill_mid_shard_then_rerun_gives_every_id_exactly_once(tmp_path, make_shards, job_overrides):
     ids = _make_input(tmp_path, make_shards)
     out = tmp_path / "out"
-    proc, _ = _start_paused_worker(tmp_path, tiny_llama_dir)
+    proc, _ = _start_paused_worker(tmp_path, job_overrides(tmp_path / "in", tmp_path / "out"))
     proc.kill()
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL
@@ -104,7 +90,7 @@ def test_sigkill_mid_shard_then_rerun_gives_every_id_exactly_once(tmp_path, make
     committed_bytes = {p.name: p.read_bytes() for p in (out / "results").iterdir()}
 
     rerun = subprocess.run(
-        [sys.executable, "-m", "batchrun", *_overrides(tmp_path, tiny_llama_dir)],
+        [sys.executable, "-m", "batchrun", *job_overrides(tmp_path / "in", tmp_path / "out")],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -134,11 +120,11 @@ def test_sigkill_mid_shard_then_rerun_gives_every_id_exactly_once(tmp_path, make
 
 
 def test_sigterm_abandons_the_shard_in_progress_and_the_next_run_resumes(
-    tmp_path, make_shards, tiny_llama_dir, tiny_engine
+    tmp_path, make_shards, job_overrides, tiny_engine
 ):
     ids = _make_input(tmp_path, make_shards)
     out = tmp_path / "out"
-    proc, go = _start_paused_worker(tmp_path, tiny_llama_dir)
+    proc, go = _start_paused_worker(tmp_path, job_overrides(tmp_path / "in", tmp_path / "out"))
     proc.send_signal(signal.SIGTERM)
     go.touch()
     stdout, stderr = proc.communicate(timeout=300)
@@ -160,13 +146,13 @@ def test_sigterm_abandons_the_shard_in_progress_and_the_next_run_resumes(
     assert sorted(p.name for p in (out / "results").iterdir()) == ["s0-00.parquet", "s1-00.parquet"]
     assert not (out / "_attempts" / "s2-00").exists()
 
-    result = run_job(cli.load_config(_overrides(tmp_path, tiny_llama_dir)), engine=tiny_engine)
+    result = run_job(cli.load_config(job_overrides(tmp_path / "in", tmp_path / "out")), engine=tiny_engine)
     assert result.exit_code == 0
     assert [s.status for s in result.shards] == ["skipped", "skipped", "committed", "committed"]
     assert sorted(_all_result_ids(out)) == sorted(ids) and len(_all_result_ids(out)) == len(ids)
 
 
-def test_sigint_in_process_stops_the_run_with_exit_130(tmp_path, make_shards, tiny_llama_dir, tiny_engine, monkeypatch):
+def test_sigint_in_process_stops_the_run_with_exit_130(tmp_path, make_shards, job_overrides, tiny_engine, monkeypatch):
     ids = _make_input(tmp_path, make_shards)
     real_stream = Engine.stream
     calls = []
@@ -179,7 +165,7 @@ def test_sigint_in_process_stops_the_run_with_exit_130(tmp_path, make_shards, ti
                 os.kill(os.getpid(), signal.SIGINT)  # a real signal, handled by run_job's handler
 
     monkeypatch.setattr(Engine, "stream", stream)
-    config = cli.load_config(_overrides(tmp_path, tiny_llama_dir))
+    config = cli.load_config(job_overrides(tmp_path / "in", tmp_path / "out"))
     result = run_job(config, engine=tiny_engine)
     assert (result.exit_code, result.status) == (130, "interrupted")
     assert [s.status for s in result.shards] == ["committed", "interrupted", "pending", "pending"]

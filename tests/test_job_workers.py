@@ -50,21 +50,6 @@ if rank is not None and "TEST_HOOK_DIR" in os.environ:
 """
 
 
-def _overrides(tmp_path: Path, tiny_llama_dir: str, out: str, *extra: str) -> list[str]:
-    return [
-        f"model.path={tiny_llama_dir}",
-        f"data.uri={tmp_path / 'in'}",
-        f"output.uri={tmp_path / out}",
-        "engine.kv_cache_memory=67108864",
-        "engine.max_num_seqs=2",
-        "engine.max_num_batched_tokens=1024",
-        "engine.dtype=float32",
-        "sampling.max_tokens=8",
-        "quiet=true",
-        *extra,
-    ]
-
-
 def _rows(out: Path) -> dict[str, list[dict]]:
     return {p.stem: pq.read_table(p).to_pylist() for p in sorted((out / "results").glob("*.parquet"))}
 
@@ -73,11 +58,11 @@ def _all_ids(out: Path) -> list[str]:
     return [r["id"] for rows in _rows(out).values() for r in rows]
 
 
-def test_two_worker_processes_give_the_same_rows_as_one(tmp_path, make_shards, tiny_llama_dir):
+def test_two_worker_processes_give_the_same_rows_as_one(tmp_path, make_shards, job_overrides):
     ids = [i for s in make_shards(tmp_path / "in", num_shards=4, rows_per_shard=3) for i in s]
-    one = run_job(cli.load_config(_overrides(tmp_path, tiny_llama_dir, "one")))
+    one = run_job(cli.load_config(job_overrides(tmp_path / "in", tmp_path / "one")))
     assert one.exit_code == 0
-    two = run_job(cli.load_config(_overrides(tmp_path, tiny_llama_dir, "two", "launcher.num_workers=2")))
+    two = run_job(cli.load_config(job_overrides(tmp_path / "in", tmp_path / "two", "launcher.num_workers=2")))
     assert (two.exit_code, two.status) == (0, "completed"), two.message
     assert [(s.name, s.status) for s in two.shards] == [(f"part-0{i}", "committed") for i in range(4)]
 
@@ -123,7 +108,7 @@ def test_two_worker_processes_give_the_same_rows_as_one(tmp_path, make_shards, t
     assert "4 committed shards: part-00, part-01, part-02, part-03" in lines
 
 
-def test_a_sigkilled_worker_is_taken_over_and_every_id_appears_once(tmp_path, make_shards, tiny_llama_dir):
+def test_a_sigkilled_worker_is_taken_over_and_every_id_appears_once(tmp_path, make_shards, job_overrides):
     ids = [i for s in make_shards(tmp_path / "in", num_shards=4, rows_per_shard=3) for i in s]
     hook = tmp_path / "hook"
     hook.mkdir()
@@ -133,7 +118,12 @@ def test_a_sigkilled_worker_is_taken_over_and_every_id_appears_once(tmp_path, ma
         "TEST_HOOK_DIR": str(hook),
         "PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]),
     }
-    cmd = [sys.executable, "-m", "batchrun", *_overrides(tmp_path, tiny_llama_dir, "out", "launcher.num_workers=2")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "batchrun",
+        *job_overrides(tmp_path / "in", tmp_path / "out", "launcher.num_workers=2"),
+    ]
     launcher = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 300  # a hang guard, not a timing assertion
     while not (hook / "ready0").exists():

@@ -26,7 +26,9 @@ from typing import Optional
 
 import torch
 
-from batchrun.bench.quant import make_engine, summarize_prompts
+from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
+from batchrun.bench.quality import make_engine
+from batchrun.bench.workloads import summarize_prompts
 from batchrun.engine import Engine, SamplingParams
 from batchrun.engine.sampler import Sampler
 
@@ -159,13 +161,35 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--write-docs", action="store_true", help=WRITE_DOCS_HELP)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    rows: list[list[str]] = []
     if args.only != "sampler":
-        run_engine(args.rounds, args.max_tokens, args.cache_dir, args.threads)
+        for name, row in run_engine(args.rounds, args.max_tokens, args.cache_dir, args.threads).items():
+            rows.append(
+                [
+                    f"{name}, output tok/s vs greedy",
+                    f"{row['wall']['vs_greedy']:.2f}x wall ({row['cpu']['vs_greedy']:.2f}x per CPU second), "
+                    f"{row['sampler_share']:.1%} of wall time in the sampler",
+                ]
+            )
     if args.only != "engine":
-        run_sampler(args.rows, args.vocab, args.reps)
+        for name, row in run_sampler(args.rows, args.vocab, args.reps).items():
+            rows.append(
+                [
+                    f"sampler alone ({args.rows}, {args.vocab}) {name}",
+                    f"{row['batched_ms']:.1f} ms batched vs {row['per_row_ms']:.1f} ms per-row sort",
+                ]
+            )
+    if args.write_docs:
+        notes = (
+            f"Summarize workload, {args.max_tokens} tokens with ignore_eos, bf16; {args.rounds} alternating rounds, "
+            "median of per-round ratios to greedy in the same process."
+        )
+        command = script_command("batchrun.bench.sampling", argv)
+        write_section("sampling", command, stamp(), markdown_table(["measurement", "result"], rows), notes, "Sampling")
 
 
 if __name__ == "__main__":

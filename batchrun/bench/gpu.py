@@ -13,9 +13,9 @@
 3. Throughput: nano-vllm's workload (256 sequences, prompt and output lengths uniform in 100-1024,
    ignore_eos) on a Qwen3-0.6B-shaped model and a SmolLM2-135M-shaped one, random weights built
    here from transformers configs (nothing can be downloaded there; the SmolLM2 GGUF is too big to
-   carry). Prompts are token ids (the bundled 512-token tokenizer only decodes). Greedy rather than
-   nano-vllm's temperature 0.6: the sampler draws non-greedy rows one by one on the host, which is
-   the sampler's business, not the GPU path's. Then HF transformers' `generate` on a subset, with
+   carry). Prompts are token ids (the bundled 512-token tokenizer only decodes). Greedy only, not
+   nano-vllm's temperature 0.6: this check times the GPU forward path; the sampler's cost against
+   greedy is bench.sampling's measurement. Then HF transformers' `generate` on a subset, with
    the engine on the same subset, for the ratio.
 
 A deadline (--budget-s) skips what would not fit, so the table always prints.

@@ -154,7 +154,7 @@ def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def sample_texts() -> list[str]:
+def bundled_texts() -> list[str]:
     """The bundled sample shards' texts (32 CPython doc topics), in shard order."""
     import pyarrow.parquet as pq
 
@@ -177,7 +177,7 @@ def summarize_prompts(tokenizer) -> list[list[int]]:
                 {"role": "user", "content": SUMMARIZE_TEMPLATE.format(text=t)},
             ],
         )
-        for t in sample_texts()
+        for t in bundled_texts()
     ]
 
 
@@ -185,7 +185,7 @@ def copy_prompts(tokenizer) -> list[list[int]]:
     """The bundled sample's texts with a request to repeat them word for word: a copy-heavy
     workload, where prompt-lookup (n-gram) speculation finds its drafts."""
     return [
-        chat_ids(tokenizer, [{"role": "user", "content": COPY_TEMPLATE.format(text=t[:1200])}]) for t in sample_texts()
+        chat_ids(tokenizer, [{"role": "user", "content": COPY_TEMPLATE.format(text=t[:1200])}]) for t in bundled_texts()
     ]
 
 

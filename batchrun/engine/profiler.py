@@ -106,11 +106,10 @@ def pick_batch_limits(
         # sequences of ~1.5x the profiled context must fit the cache side by side
         fit = max(1, capacity // int(1.5 * (context + 1)))
         rates = {}
-        sizes, widest = set(DECODE_SIZES), None
-        if max_num_seqs is not None:
-            widest = max(4 * max_num_seqs, max_num_seqs * (1 + spec_tokens))
-        if spec_tokens:
-            sizes |= {1 + spec_tokens} | ({max_num_seqs * (1 + spec_tokens)} if max_num_seqs else set())
+        sizes = set(DECODE_SIZES)
+        if spec_tokens:  # a speculative step's widths: 1 + k tokens alone, B * (1 + k) at the batch limit
+            sizes |= {1 + spec_tokens, (max_num_seqs or 1) * (1 + spec_tokens)}
+        widest = None if max_num_seqs is None else max(4 * max_num_seqs, max_num_seqs * (1 + spec_tokens))
         for b in sorted(sizes):
             if b > fit or b > max_num_batched_tokens or (widest is not None and b > widest):
                 break

@@ -28,6 +28,7 @@ import torch
 
 from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.bench.quality import make_engine
+from batchrun.bench.timing import median_ratio
 from batchrun.bench.workloads import summarize_prompts
 from batchrun.engine import Engine, SamplingParams
 from batchrun.engine.sampler import Sampler
@@ -93,7 +94,7 @@ def run_engine(rounds: int, max_tokens: int, cache_dir: Optional[str], threads: 
         row = {
             clock: {
                 "tok_s": statistics.median(v[clock] for v in vals),
-                "vs_greedy": statistics.median(a[clock] / g[clock] for a, g in zip(vals, results["greedy"])),
+                "vs_greedy": median_ratio([v[clock] for v in vals], [g[clock] for g in results["greedy"]]),
             }
             for clock in ("wall", "cpu")
         }

@@ -365,7 +365,8 @@ def test_ids_repeated_across_shards_are_counted(tmp_path, short_texts, tiny_engi
     assert run_job(cli.load_config(job_overrides(src, out)), engine=tiny_engine).exit_code == 0
     manifest = json.loads((out / "_manifest.json").read_text())
     assert manifest["num_duplicate_ids"] == 1
-    assert [s.get("num_duplicate_ids") for s in manifest["shards"]] == [None, 1]
+    # Counted on whichever of the two shards committed second (shards commit in any order).
+    assert sorted(s.get("num_duplicate_ids") or 0 for s in manifest["shards"]) == [0, 1]
 
 
 # ---- 7. work stealing off: one shared plan ----------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from batchrun.engine import Engine, EngineConfig, EngineStats, SamplingParams
+from batchrun.engine import Engine, EngineConfig, EngineStats, RequestMetrics, SamplingParams
 from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
 from batchrun.job.metrics import ShardTally, metrics_row
 from batchrun.job.writer import METRICS_SCHEMA
@@ -37,9 +37,12 @@ def _row(error_type=None, prompt=10, output=4, cached=2, ttft=0.5, itl=0.1) -> d
 
 
 def test_metrics_row_sums_rows_and_differences_counters():
+    """Request counts (preemptions, speculation) are the shard's own rows' sums, not engine deltas:
+    other shards open at the same time move the engine's counters too."""
     tally = ShardTally()
-    for ttft in (0.1, 0.2, 0.3, 0.4):
+    for i, ttft in enumerate((0.1, 0.2, 0.3, 0.4)):
         tally.add(_row(ttft=ttft))
+        tally.add_request(RequestMetrics(num_preemptions=i % 2, num_spec_proposed=10, num_spec_accepted=7 + i % 2))
     tally.add(_row(error_type="empty_prompt"))
     before = _stats(
         num_preemptions=3, num_spec_proposed=100, num_spec_accepted=50, expert_token_counts=[[5, 5], [1, 9]]
@@ -59,6 +62,7 @@ def test_metrics_row_sums_rows_and_differences_counters():
     assert m["ttft_p50_s"] == pytest.approx(0.25) and m["prefix_cache_hit_rate"] == pytest.approx(0.2)
     assert m["num_preemptions"] == 2 and m["peak_kv_blocks_used"] == 7 and m["num_kv_blocks_total"] == 100
     assert (m["num_spec_proposed"], m["num_spec_accepted"], m["spec_acceptance_rate"]) == (40, 30, 0.75)
+    assert metrics_row("s", 1, tally, 2.0, _stats(), _stats())["spec_acceptance_rate"] is None  # speculation off
     assert m["expert_token_counts"] == [[4, 2], [3, 0]]
 
 

@@ -15,31 +15,45 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchrun import cli
-from batchrun.engine import Engine
-from batchrun.job import run_job
+from batchrun.job import flow, run_job
 from batchrun.job.signals import StopRequest
 
-# Runs the real CLI with Engine.stream wrapped so the third shard pauses after two outputs: it
-# touches READY, then waits for GO (or forever), so the test can signal it at a known point.
+# Runs the real CLI with the shard flow wrapped so that it pauses at a known point: it touches
+# READY, then waits for GO (or forever), so the test can signal it there. TEST_PAUSE says where:
+#   third_shard  the third shard opened, after its second output (with planner.max_open_shards=1)
+#   overlap      the first output after a shard committed while two or more shards are open
 WORKER = r"""
 import os, pathlib, sys, time
-from batchrun.engine import Engine
+from batchrun.job import flow
 ready, go = pathlib.Path(os.environ["TEST_READY"]), pathlib.Path(os.environ["TEST_GO"])
-real_stream = Engine.stream
-calls = []
-def stream(self, *args, **kwargs):
-    calls.append(1)
-    paused_call = len(calls) == 3
-    for n, out in enumerate(real_stream(self, *args, **kwargs)):
-        yield out
-        if paused_call and n == 1:
-            ready.touch()
-            while not go.exists():
-                time.sleep(0.02)
-Engine.stream = stream
+mode = os.environ["TEST_PAUSE"]
+flows, commits, outputs = [], [], {}
+real_init, real_on_output, real_commit = flow.ShardFlow.__init__, flow.ShardRun.on_output, flow.ShardRun.commit
+def init(self, *args, **kwargs):
+    real_init(self, *args, **kwargs)
+    flows.append(self)
+def commit(self):
+    commits.append(self.shard.name)
+    return real_commit(self)
+def on_output(self, out):
+    real_on_output(self, out)
+    outputs[self.key] = outputs.get(self.key, 0) + 1
+    if mode == "third_shard":
+        pause = self.key == 2 and outputs[self.key] == 2
+    else:
+        pause = bool(commits) and len(flows[-1].open) >= 2
+    if pause and not ready.exists():
+        open_names = sorted(r.shard.name for r in flows[-1].open.values())
+        ready.write_text(" ".join(open_names))
+        while not go.exists():
+            time.sleep(0.02)
+flow.ShardFlow.__init__, flow.ShardRun.on_output, flow.ShardRun.commit = init, on_output, commit
 from batchrun.cli import main
 main()
 """
+
+# One after another: what is committed at the pause is known exactly.
+SEQUENTIAL = "planner.max_open_shards=1"
 
 SHARD_ROWS = (2, 2, 6, 2)
 
@@ -51,8 +65,15 @@ def _make_input(tmp_path: Path, make_shards) -> list[str]:
     return ids
 
 
-def _start_paused_worker(tmp_path: Path, overrides: list[str]) -> tuple[subprocess.Popen, Path]:
-    env = {**os.environ, "TEST_READY": str(tmp_path / "ready"), "TEST_GO": str(tmp_path / "go")}
+def _start_paused_worker(
+    tmp_path: Path, overrides: list[str], pause: str = "third_shard"
+) -> tuple[subprocess.Popen, Path]:
+    env = {
+        **os.environ,
+        "TEST_READY": str(tmp_path / "ready"),
+        "TEST_GO": str(tmp_path / "go"),
+        "TEST_PAUSE": pause,
+    }
     proc = subprocess.Popen(
         [sys.executable, "-c", WORKER, *overrides],
         cwd=tmp_path,
@@ -65,7 +86,7 @@ def _start_paused_worker(tmp_path: Path, overrides: list[str]) -> tuple[subproce
     while not (tmp_path / "ready").exists():
         if proc.poll() is not None:
             pytest.fail(f"worker exited early ({proc.returncode}): {proc.stderr.read()}")
-        assert time.monotonic() < deadline, "worker never reached the third shard"
+        assert time.monotonic() < deadline, f"worker never reached its pause ({pause})"
         time.sleep(0.05)
     return proc, tmp_path / "go"
 
@@ -77,7 +98,7 @@ def _all_result_ids(out: Path) -> list[str]:
 def test_sigkill_mid_shard_then_rerun_gives_every_id_exactly_once(tmp_path, make_shards, job_overrides):
     ids = _make_input(tmp_path, make_shards)
     out = tmp_path / "out"
-    proc, _ = _start_paused_worker(tmp_path, job_overrides(tmp_path / "in", tmp_path / "out"))
+    proc, _ = _start_paused_worker(tmp_path, job_overrides(tmp_path / "in", tmp_path / "out", SEQUENTIAL))
     proc.kill()
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL
@@ -124,7 +145,7 @@ def test_sigterm_abandons_the_shard_in_progress_and_the_next_run_resumes(
 ):
     ids = _make_input(tmp_path, make_shards)
     out = tmp_path / "out"
-    proc, go = _start_paused_worker(tmp_path, job_overrides(tmp_path / "in", tmp_path / "out"))
+    proc, go = _start_paused_worker(tmp_path, job_overrides(tmp_path / "in", tmp_path / "out", SEQUENTIAL))
     proc.send_signal(signal.SIGTERM)
     go.touch()
     stdout, stderr = proc.communicate(timeout=300)
@@ -152,26 +173,75 @@ def test_sigterm_abandons_the_shard_in_progress_and_the_next_run_resumes(
     assert sorted(_all_result_ids(out)) == sorted(ids) and len(_all_result_ids(out)) == len(ids)
 
 
+def _committed(out: Path) -> list[str]:
+    return sorted(p.stem for p in (out / "_commits").iterdir()) if (out / "_commits").exists() else []
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_stop_with_shards_open_side_by_side_commits_or_redoes_each_once(tmp_path, make_shards, job_overrides, how):
+    """Rows of several shards in the engine at once: a kill (or a graceful stop) then leaves each
+    shard either committed whole or not at all, and the rerun finishes the rest, nothing twice."""
+    ids = _make_input(tmp_path, make_shards)
+    out = tmp_path / "out"
+    proc, go = _start_paused_worker(tmp_path, job_overrides(tmp_path / "in", out), pause="overlap")
+    open_at_pause = (tmp_path / "ready").read_text().split()
+    if how == "SIGKILL":
+        proc.kill()
+        proc.communicate()
+        assert proc.returncode == -signal.SIGKILL
+    else:
+        proc.send_signal(signal.SIGTERM)
+        go.touch()
+        _, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert len(open_at_pause) >= 2
+    committed = _committed(out)
+    # The shard whose output was being delivered at the pause may complete and commit on the way
+    # out of a graceful stop; the others open at the signal are abandoned.
+    abandoned = sorted(set(open_at_pause) - set(committed))
+    assert committed and len(abandoned) >= (len(open_at_pause) if how == "SIGKILL" else len(open_at_pause) - 1)
+    if how == "SIGTERM":
+        assert f"{len(abandoned)} abandoned" in stderr.strip().splitlines()[-1]
+    # Each committed shard's results are whole and in input order; nothing of an open one is visible.
+    assert sorted(p.stem for p in (out / "results").iterdir()) == committed
+    for name in committed:
+        rows = pq.read_table(out / "results" / f"{name}.parquet").column("id").to_pylist()
+        assert rows == [i for i in ids if i.startswith(name.split("-")[0] + "0-row")]  # s2-00: s20-row0...
+    committed_bytes = {name: (out / "results" / f"{name}.parquet").read_bytes() for name in committed}
+
+    rerun = subprocess.run(
+        [sys.executable, "-m", "batchrun", *job_overrides(tmp_path / "in", out)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    for name in committed:
+        assert f"{name}  skipped" in rerun.stdout
+        assert (out / "results" / f"{name}.parquet").read_bytes() == committed_bytes[name]
+    for name in abandoned:
+        assert f"{name}  committed" in rerun.stdout
+    assert sorted(_all_result_ids(out)) == sorted(ids) and len(_all_result_ids(out)) == len(ids)
+
+
 def test_sigint_in_process_stops_the_run_with_exit_130(tmp_path, make_shards, job_overrides, tiny_engine, monkeypatch):
     ids = _make_input(tmp_path, make_shards)
-    real_stream = Engine.stream
-    calls = []
+    real_on_output = flow.ShardRun.on_output
 
-    def stream(self, *args, **kwargs):
-        calls.append(1)
-        for n, out in enumerate(real_stream(self, *args, **kwargs)):
-            yield out
-            if len(calls) == 2 and n == 0:
-                os.kill(os.getpid(), signal.SIGINT)  # a real signal, handled by run_job's handler
+    def on_output(self, out):
+        real_on_output(self, out)
+        if self.key == 1 and len(self.in_flight) == 1:  # the second shard's first output
+            os.kill(os.getpid(), signal.SIGINT)  # a real signal, handled by run_job's handler
 
-    monkeypatch.setattr(Engine, "stream", stream)
-    config = cli.load_config(job_overrides(tmp_path / "in", tmp_path / "out"))
+    monkeypatch.setattr(flow.ShardRun, "on_output", on_output)
+    config = cli.load_config(job_overrides(tmp_path / "in", tmp_path / "out", SEQUENTIAL))
     result = run_job(config, engine=tiny_engine)
     assert (result.exit_code, result.status) == (130, "interrupted")
     assert [s.status for s in result.shards] == ["committed", "interrupted", "pending", "pending"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers are restored
 
-    monkeypatch.setattr(Engine, "stream", real_stream)
+    monkeypatch.setattr(flow.ShardRun, "on_output", real_on_output)
     assert run_job(config, engine=tiny_engine).exit_code == 0
     assert sorted(_all_result_ids(tmp_path / "out")) == sorted(ids)
 

@@ -17,7 +17,16 @@ import pytest
 from batchrun import cli
 from batchrun.job import run_job
 from batchrun.job.affinity import partition_by_group, shard_groups
-from batchrun.job.claims import CLAIMED, FAILED, HELD, QUARANTINED, ClaimBook, ShardQueue, steal_order
+from batchrun.job.claims import (
+    CLAIMED,
+    FAILED,
+    HELD,
+    QUARANTINED,
+    ClaimBook,
+    ShardQueue,
+    process_start_time,
+    steal_order,
+)
 from batchrun.job.shards import Shard, Worker, assign_shards, discover_shards, open_filesystem
 from batchrun.job.store import RunStore
 from batchrun.job.writer import RESULT_COLUMNS
@@ -26,27 +35,30 @@ from batchrun.job.writer import RESULT_COLUMNS
 # not on the row: everything else of a result row must be byte-identical across worker counts.
 RUN_DEPENDENT = {"ttft_s", "itl_s", "latency_s", "num_cached_tokens"}
 
-# Loaded in every Python process of the test (PYTHONPATH): in worker rank 0 it pauses the first
-# shard after one output and reports its pid; worker 1 waits for GO before its first shard, so the
-# test can SIGKILL worker 0 while worker 1 still has everything ahead of it.
+# Loaded in every Python process of the test (PYTHONPATH): in worker rank 0 it pauses after its
+# first output and reports its pid; worker 1 waits for GO before it claims any shard, so the test
+# can SIGKILL worker 0 while worker 1 still has everything ahead of it.
 SITECUSTOMIZE = r"""
 import os, pathlib, time
 rank = os.environ.get("BATCHRUN_WORKER_RANK")
 if rank is not None and "TEST_HOOK_DIR" in os.environ:
     hook = pathlib.Path(os.environ["TEST_HOOK_DIR"])
     from batchrun.engine import Engine
-    real_stream = Engine.stream
-    def stream(self, *args, **kwargs):
+    from batchrun.job.claims import ShardQueue
+    real_stream, real_next_shard = Engine.stream, ShardQueue.next_shard
+    def next_shard(self, *args, **kwargs):
         if rank == "1":
             while not (hook / "go1").exists():
                 time.sleep(0.02)
+        return real_next_shard(self, *args, **kwargs)
+    def stream(self, *args, **kwargs):
         for n, out in enumerate(real_stream(self, *args, **kwargs)):
             yield out
             if rank == "0":
                 (hook / "ready0").write_text(str(os.getpid()))
                 while True:
                     time.sleep(1)
-    Engine.stream = stream
+    Engine.stream, ShardQueue.next_shard = stream, next_shard
 """
 
 
@@ -136,6 +148,9 @@ def test_a_sigkilled_worker_is_taken_over_and_every_id_appears_once(tmp_path, ma
     out = tmp_path / "out"
     assert (out / "_claims" / "part-00").is_dir()  # worker 0 holds its first shard
     os.kill(worker0, signal.SIGKILL)
+    while process_start_time(worker0) is not None:  # SIGKILL lands asynchronously (a big address space)
+        assert time.monotonic() < deadline, "worker 0 did not die"
+        time.sleep(0.01)
     (hook / "go1").touch()
     stdout, stderr = launcher.communicate(timeout=300)
 
@@ -151,8 +166,12 @@ def test_a_sigkilled_worker_is_taken_over_and_every_id_appears_once(tmp_path, ma
     ]
     rank0 = json.loads((out / "_manifest.rank0.json").read_text())
     assert rank0["status"] == "running" and rank0["shards"][0]["status"] == "running"  # what SIGKILL left
-    # The killed worker's attempt is left as it was (only its owner removes it), and never read.
-    assert [p.parent.name for p in (out / "_attempts").glob("*/*")] == ["part-00"]
+    # The killed worker's attempts are left as they were (only their owner removes them), and never
+    # read: its first shard, and any it had opened beside it (its own part-02; one of worker 1's,
+    # stolen while worker 1 had not started), each then taken over from the dead worker.
+    left = sorted(p.parent.name for p in (out / "_attempts").glob("*/*"))
+    assert "part-00" in left and len(left) == len(set(left))
+    assert all(f"shard {name}: taking over the claim" in stderr for name in left)
 
     # A rerun finds nothing to do and changes nothing.
     before = {p.name: p.read_bytes() for p in (out / "results").iterdir()}

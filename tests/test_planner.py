@@ -113,7 +113,7 @@ def test_planner_yaml_lists_every_key_and_the_default_is_longest_first():
 
 
 class _RecordingEngine:
-    """The real engine, with the order in which requests reach it recorded."""
+    """The real engine, with the order in which requests (row indices of the one shard) reach it recorded."""
 
     def __init__(self, engine) -> None:
         self._engine = engine
@@ -125,7 +125,9 @@ class _RecordingEngine:
     def stream(self, requests, *args, **kwargs):
         def record():
             for r in requests:
-                self.admitted.append(r.request_id)
+                if r is not None:  # None: the job has nothing to admit right now
+                    shard_key, row_index = r.request_id
+                    self.admitted.append(row_index)
                 yield r
 
         return self._engine.stream(record(), *args, **kwargs)

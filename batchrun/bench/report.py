@@ -36,7 +36,10 @@ REFERENCES = {
     "ratio_vs_hf_fp32": "hf_fp32",
     "ratio_vs_hf_bf16": "hf_bf16",
     "ratio_vs_no_prefix_cache": "batchrun_no_prefix_cache",
+    "ratio_vs_engine": "batchrun",  # the job path's systems against the engine's own stream
+    "ratio_vs_job_one_shard": "batchrun_job",  # sharded job runs against the same rows as one shard
 }
+JOB_RATIOS = ("ratio_vs_engine", "ratio_vs_job_one_shard")  # filled on the job path's rows only
 SUMMARY_COLUMNS = [
     "workload",
     "system",
@@ -123,7 +126,12 @@ def build_result(bench: BenchmarkConfig, runs: dict[str, list[TimedRun]], settin
                 "ttft_p95_s": _percentile(ttfts, 95),
                 "itl_p50_s": _percentile(itls, 50),
                 "itl_p95_s": _percentile(itls, 95),
-                **{column: _ratio(timed, runs.get(ref)) for column, ref in REFERENCES.items()},
+                **{
+                    column: _ratio(timed, runs.get(ref))
+                    if column not in JOB_RATIOS or system.startswith("batchrun_job")
+                    else None
+                    for column, ref in REFERENCES.items()
+                },
                 "flops_per_s": flops,
                 "peak_flops_per_s": peak,
                 "peak_fraction": flops / peak if peak else None,
@@ -262,6 +270,8 @@ _PRINTED = [
     ("ratio_vs_hf_fp32", "x hf_fp32", "{:.2f}"),
     ("ratio_vs_hf_bf16", "x hf_bf16", "{:.2f}"),
     ("ratio_vs_no_prefix_cache", "x no_cache", "{:.2f}"),
+    ("ratio_vs_engine", "x engine", "{:.2f}"),
+    ("ratio_vs_job_one_shard", "x 1 shard", "{:.2f}"),
     ("prefix_cache_hit_rate", "cache hit", "{:.0%}"),
     ("peak_fraction", "of peak", "{:.0%}"),
     ("greedy_match", "greedy=", "{}"),

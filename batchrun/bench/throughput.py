@@ -8,13 +8,17 @@ and ratios are taken within a round, then the median over rounds; the order with
 by one system per round. Before every batchrun run the
 engine's prefix cache is emptied: a repeat must not reuse the previous repeat's blocks.
 
-Systems (benchmark.systems; null picks batchrun, hf_fp32 and hf_bf16, plus batchrun_no_prefix_cache
-for the shared_prefix workload):
+Systems (benchmark.systems; null picks batchrun, hf_fp32 and hf_bf16, plus batchrun_job for the
+summarize workload and batchrun_no_prefix_cache for shared_prefix):
   batchrun                  the engine as configured (engine.*), fed through the planner (planner.*)
                             with the job's in-flight bound, exactly as a job shard is
   batchrun_no_prefix_cache  a second engine with enable_prefix_caching=false and the same batch limits
   batchrun_no_planner       the engine, prompts in input order
   batchrun_<order>          the engine with planner.order=<order> (longest_first, shortest_first, input)
+  batchrun_job              the job itself over the same rows as one Parquet shard (jobpath.py):
+                            reading, prompts, planner, results and commit included (summarize only)
+  batchrun_job_sharded      the same rows as benchmark.job_shards shards, flowing across boundaries
+  batchrun_job_sharded_sequential  those shards one after another (planner.max_open_shards=1)
   hf_fp32, hf_bf16          HF `generate` in static batches of benchmark.hf_batch_size (hf_baseline.py)
 
 Workloads: summarize (the job's prompt over the rows at data.uri, by default the bundled 32 CPython
@@ -43,9 +47,10 @@ import torch
 
 from batchrun.bench.doc import command_line, stamp, write_section
 from batchrun.bench.hf_baseline import cast_model, count_parameters, hf_generate, load_hf_model
+from batchrun.bench.jobpath import JobPath
 from batchrun.bench.report import BenchmarkResult, build_result, markdown_benchmark, write_result
 from batchrun.bench.timing import TimedRun, matmul_peak, round_order
-from batchrun.bench.workloads import build_workload
+from batchrun.bench.workloads import BenchmarkWorkload, build_workload
 from batchrun.engine import Engine, EngineRequest, RequestOutput, SamplingParams
 from batchrun.job.config import BENCHMARK_SYSTEMS, PlannerConfig
 from batchrun.job.errors import JobError
@@ -68,7 +73,7 @@ def run_benchmark(config: RunConfig, engine: Optional[Engine] = None) -> Benchma
     load_start = os.getloadavg()
     engine = engine or load_engine(config.engine)
     workload = build_workload(config, engine)
-    systems = _build_systems(config, engine)
+    systems, job_paths = _build_systems(config, engine, workload)
     log.info(
         "benchmark %s: %d prompts (%.0f prompt tokens on average), %d new tokens, systems %s, %d rounds",
         bench.workload,
@@ -114,6 +119,8 @@ def run_benchmark(config: RunConfig, engine: Optional[Engine] = None) -> Benchma
         "benchmark": dataclasses.asdict(bench),
         "workload": workload.notes,
     }
+    for job_path in job_paths:
+        job_path.close()
     result = build_result(bench, runs, settings)
     write_result(result, config.output.uri, dict(config.output.storage_options))
     if bench.write_docs:
@@ -129,9 +136,12 @@ def run_benchmark(config: RunConfig, engine: Optional[Engine] = None) -> Benchma
 RunFn = Callable[[list[list[int]], SamplingParams], TimedRun]
 
 
-def _build_systems(config: RunConfig, engine: Engine) -> dict[str, RunFn]:
+def _build_systems(
+    config: RunConfig, engine: Engine, workload: BenchmarkWorkload
+) -> tuple[dict[str, RunFn], list[JobPath]]:
     names = config.benchmark.system_names()
     systems: dict[str, RunFn] = {}
+    job_paths: list[JobPath] = []
     hf_models: dict[str, Any] = {}
     if any(n in HF_DTYPES for n in names):
         fp32 = load_hf_model(engine.model_path)
@@ -158,6 +168,14 @@ def _build_systems(config: RunConfig, engine: Engine) -> dict[str, RunFn]:
                 ignore_eos=params.ignore_eos,
             )
             continue
+        if name.startswith("batchrun_job"):
+            job_path = _job_path(config, workload, 1 if name == "batchrun_job" else config.benchmark.job_shards)
+            job_paths.append(job_path)
+            max_open = 1 if name.endswith("_sequential") else None
+            systems[name] = lambda prompts, params, job_path=job_path, max_open=max_open: job_path(
+                engine, params, max_open
+            )
+            continue
         planner = config.planner
         target = engine
         if name == "batchrun_no_prefix_cache":
@@ -177,7 +195,15 @@ def _build_systems(config: RunConfig, engine: Engine) -> dict[str, RunFn]:
         systems[name] = lambda prompts, params, target=target, planner=planner: batchrun_generate(
             target, prompts, params, planner, block_size
         )
-    return systems
+    return systems, job_paths
+
+
+def _job_path(config: RunConfig, workload: BenchmarkWorkload, num_shards: int) -> JobPath:
+    """The workload's input rows as Parquet shards; the warm-up's short call reads them all too."""
+    assert workload.rows is not None, "BenchmarkConfig allows job systems for the summarize workload only"
+    columns = [c for c in [config.data.id_column, *config.job.input_columns(config.data)] if c]
+    rows = {c: [row.id if c == config.data.id_column else row.values[c] for row in workload.rows] for c in columns}
+    return JobPath(config, rows, num_shards)
 
 
 def _eos_token_ids(engine: Engine) -> list[int]:

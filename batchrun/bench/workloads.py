@@ -52,6 +52,9 @@ class BenchmarkWorkload:
     prompts: list[list[int]]
     params: SamplingParams
     notes: dict[str, Any]  # e.g. the tokens all prompts share
+    # The input rows the prompts were built from, one per prompt (summarize only): the job path
+    # (jobpath.py) runs these rows themselves.
+    rows: Optional[list[InputRow]] = None
 
 
 def build_workload(config: RunConfig, engine: Engine) -> BenchmarkWorkload:
@@ -69,13 +72,15 @@ def build_workload(config: RunConfig, engine: Engine) -> BenchmarkWorkload:
     builder = PromptBuilder(config.job, config.data, engine.tokenizer, max_prompt_tokens)
     rows = _data_rows(config.data, config.job)
     if bench.workload == "summarize":
-        prompts = [p for p in (builder.build(row).token_ids for row in rows) if p is not None][: bench.num_prompts]
+        built = [(row, builder.build(row).token_ids) for row in rows]
+        usable = [(row, p) for row, p in built if p is not None][: bench.num_prompts]
+        prompts = [p for _, p in usable]
         if len(prompts) < bench.num_prompts:
             raise JobError(
                 f"benchmark.num_prompts={bench.num_prompts}, but data.uri={config.data.uri} holds only "
                 f"{len(prompts)} usable rows; lower it or point data.uri at more rows"
             )
-        return BenchmarkWorkload(prompts, params, {"source": config.data.uri})
+        return BenchmarkWorkload(prompts, params, {"source": config.data.uri}, [row for row, _ in usable])
     return _shared_prefix_workload(config, engine, rows, params, max_prompt_tokens)
 
 

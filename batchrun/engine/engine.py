@@ -234,11 +234,16 @@ class Engine:
 
     def stream(
         self,
-        requests: Iterable[Union[EngineRequest, str, list[int]]],
+        requests: Iterable[Union[EngineRequest, str, list[int], None]],
         params: Optional[SamplingParams] = None,
         max_in_flight: Optional[int] = None,
     ) -> Iterator[RequestOutput]:
-        """Admit requests lazily and yield each output as it finishes (completion order)."""
+        """Admit requests lazily and yield each output as it finishes (completion order).
+
+        A `None` from `requests` means "nothing to admit right now": admission pauses until the
+        next step (the job's source yields it while it waits for rows in flight to finish before
+        it opens another shard). A source must not yield None while the engine is idle and none of
+        its own work is in flight, or it is polled again at once."""
         default_params = params or SamplingParams()
         limit = max_in_flight or 4 * self.max_num_seqs
         source = iter(requests)
@@ -252,6 +257,8 @@ class Engine:
                         item = next(source)
                     except StopIteration:
                         exhausted = True
+                        break
+                    if item is None:
                         break
                     rejected = self._add(item, index, default_params)
                     index += 1

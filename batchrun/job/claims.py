@@ -121,6 +121,11 @@ class ClaimBook:
         _, current, _ = self._current(shard)
         return int((current or {}).get("died_attempts") or 0)
 
+    def died_before(self, shard: str) -> int:
+        """Attempts at `shard` that died (their worker killed or frozen) before our claim."""
+        with self._lock:
+            return self._died.get(shard, 0)
+
     def is_lost(self, shard: str) -> bool:
         """True once the heartbeat found our claim taken over or could not renew it for a lease."""
         with self._lock:
@@ -400,24 +405,64 @@ class ShardQueue:
         self.is_committed, self.on_skip, self.should_stop, self.poll_s = is_committed, on_skip, should_stop, poll_s
         self.on_error = on_error
         self._own_names = {s.name for s in own}
-        self._waiting: list[Shard] = []
+        self._order = [*self.own, *self.steal]  # tried once each, in this order
+        self._next = 0  # index into _order of the next shard to try
+        self._waiting: list[Shard] = []  # own shards another worker holds: polled until done
+        self._next_poll = 0.0  # time.monotonic() before which the waiting list is not polled
 
     def wait_for(self, shard: Shard) -> None:
         if shard.name in self._own_names:
-            self._waiting.append(shard)
+            self._add_waiting(shard)
+
+    def _add_waiting(self, shard: Shard) -> None:
+        # A claim just found held is not worth reading again before one poll interval.
+        self._waiting.append(shard)
+        self._next_poll = time.monotonic() + self._poll_interval
+
+    @property
+    def _poll_interval(self) -> float:
+        return min(self.poll_s, self.book.lease_s / 4)
+
+    @property
+    def is_done(self) -> bool:
+        """Nothing left to try: every shard was handed out, skipped, or is done elsewhere."""
+        return self._next >= len(self._order) and (not self._waiting or self.should_stop())
 
     def __iter__(self) -> Iterator[Shard]:
-        for shard in [*self.own, *self.steal]:
+        while (shard := self.next_shard(wait=True)) is not None:
+            yield shard
+
+    def next_shard(self, wait: bool, steal: bool = True) -> Optional[Shard]:
+        """The next shard this worker now holds the claim of, or None. Own and stealable shards are
+        tried in order first; then the own shards held elsewhere are polled every `poll_s`. With
+        `wait`, it sleeps between those polls until it takes one or nothing is left (`is_done`);
+        without, it polls at most once per `poll_s` and returns None at once otherwise (the caller
+        has other work: shards in flight). Without `steal`, another worker's shard is not tried yet
+        (it stays next in line): the caller is not idle enough to take others' work."""
+        while self._next < len(self._order):
             if self.should_stop():
-                return
+                return None
+            shard = self._order[self._next]
+            if not steal and shard.name not in self._own_names:
+                break
+            self._next += 1
             if self._take(shard):
-                yield shard
+                return shard
         while self._waiting and not self.should_stop():
-            time.sleep(min(self.poll_s, self.book.lease_s / 4))
+            pause = self._next_poll - time.monotonic()
+            if pause > 0:
+                if not wait:
+                    return None
+                time.sleep(pause)
+            self._next_poll = time.monotonic() + self._poll_interval
             waiting, self._waiting = self._waiting, []
-            for shard in waiting:
+            for i, shard in enumerate(waiting):
                 if self._take(shard, report_held=False):
-                    yield shard
+                    self._waiting.extend(waiting[i + 1 :])
+                    return shard
+            if not wait:
+                return None
+        return None
 
     def _take(self, shard: Shard, report_held: bool = True) -> bool:
         """Claim `shard` if it is to be run here. An error (a storage failure that outlasted its
@@ -445,7 +490,7 @@ class ShardQueue:
             if is_own:
                 if report_held:
                     self.on_skip(shard, "elsewhere")
-                self._waiting.append(shard)
+                self._add_waiting(shard)
             return False
         if self.is_committed(shard.name):  # committed between the check and the claim
             self.book.drop(shard.name)

@@ -42,6 +42,9 @@ BENCHMARK_SYSTEMS = (
     "batchrun_no_prefix_cache",
     "batchrun_no_planner",
     *(f"batchrun_{order}" for order in typing.get_args(PlanOrder)),
+    "batchrun_job",
+    "batchrun_job_sharded",
+    "batchrun_job_sharded_sequential",
     "hf_fp32",
     "hf_bf16",
 )
@@ -164,12 +167,18 @@ class PlannerConfig:
     # longest_first is the default: see the planner measurement in the issue 4 closing note.
     order: PlanOrder = "longest_first"
     window: int = 4096  # rows read ahead and ordered together; memory grows with it, not the shard
+    # Shards open at once per worker: the next shards' rows are admitted while earlier ones finish,
+    # so small shards do not drain the batch at every boundary. Each open shard holds its claim, an
+    # input file and a results file; 1 runs shards strictly one after another.
+    max_open_shards: int = 16
 
     def __post_init__(self) -> None:
         if self.order not in ("longest_first", "shortest_first", "input"):
             raise ValueError(f"planner.order must be longest_first, shortest_first or input, got {self.order!r}")
         if self.window < 1:
             raise ValueError(f"planner.window must be >= 1, got {self.window}")
+        if self.max_open_shards < 1:
+            raise ValueError(f"planner.max_open_shards must be >= 1, got {self.max_open_shards}")
 
 
 @dataclass(frozen=True)
@@ -181,7 +190,10 @@ class BenchmarkConfig:
     max_tokens: int = 64  # greedy new tokens per prompt (sampling.* is not used: the benchmark is greedy)
     repeats: int = 3  # rounds; each runs every system once
     hf_batch_size: int = 16  # HF static batch size (16 was its best setting on the 2-core machine)
-    systems: Optional[tuple[str, ...]] = None  # null: batchrun, hf_fp32, hf_bf16 (+ no_prefix_cache)
+    # null: batchrun, hf_fp32, hf_bf16 (+ batchrun_job for summarize, + no_prefix_cache for shared_prefix)
+    systems: Optional[tuple[str, ...]] = None
+    # batchrun_job_sharded*: the rows split into this many shards (batchrun_job: one shard)
+    job_shards: int = 10
     shared_prefix_tokens: int = 670  # shared_prefix: tokens every prompt shares (chat template included)
     random_min_tokens: int = 32  # random: prompt lengths drawn uniformly from [min, max]
     random_max_tokens: int = 512
@@ -199,6 +211,7 @@ class BenchmarkConfig:
             "shared_prefix_tokens",
             "random_min_tokens",
             "random_max_tokens",
+            "job_shards",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"benchmark.{name} must be >= 1, got {getattr(self, name)}")
@@ -209,11 +222,17 @@ class BenchmarkConfig:
             raise ValueError(f"benchmark.systems: unknown {', '.join(unknown)} (known: {', '.join(BENCHMARK_SYSTEMS)})")
         if self.systems is not None and not self.systems:
             raise ValueError("benchmark.systems: empty; use null for the default set")
+        job_systems = [s for s in self.systems or () if s.startswith("batchrun_job")]
+        if job_systems and self.workload != "summarize":
+            raise ValueError(
+                f"benchmark.systems: {job_systems[0]} runs input rows through the job, so it needs "
+                f"benchmark.workload=summarize (got {self.workload})"
+            )
 
     def system_names(self) -> list[str]:
         if self.systems is not None:
             return list(dict.fromkeys(self.systems))
-        extra = ["batchrun_no_prefix_cache"] if self.workload == "shared_prefix" else []
+        extra = {"shared_prefix": ["batchrun_no_prefix_cache"], "summarize": ["batchrun_job"]}.get(self.workload, [])
         return ["batchrun", *extra, "hf_fp32", "hf_bf16"]
 
 

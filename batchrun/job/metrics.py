@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from batchrun.engine import EngineStats
+from batchrun.engine import EngineStats, RequestMetrics
 
 
 @dataclass
@@ -22,6 +22,10 @@ class ShardTally:
     error_counts: dict[str, int] = field(default_factory=dict)
     ttfts: list[float] = field(default_factory=list)
     itls: list[float] = field(default_factory=list)
+    # From the engine's per-request metrics: this shard's own, however shards overlap in the engine.
+    num_preemptions: int = 0
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
 
     def add(self, row: dict[str, Any]) -> None:
         self.num_rows += 1
@@ -38,6 +42,11 @@ class ShardTally:
         if row["itl_s"] is not None:
             self.itls.append(row["itl_s"])
 
+    def add_request(self, metrics: RequestMetrics) -> None:
+        self.num_preemptions += metrics.num_preemptions
+        self.num_spec_proposed += metrics.num_spec_proposed
+        self.num_spec_accepted += metrics.num_spec_accepted
+
     @property
     def num_errors(self) -> int:
         return self.num_rows - self.num_ok
@@ -50,9 +59,11 @@ def percentile(values: list[float], q: float) -> Optional[float]:
 def metrics_row(
     shard: str, worker: int, tally: ShardTally, wall_s: float, before: EngineStats, after: EngineStats
 ) -> dict[str, Any]:
-    """The shard's metrics row (writer.METRICS_SCHEMA); engine counters are differences over the shard."""
-    proposed = _delta(after.num_spec_proposed, before.num_spec_proposed)
-    accepted = _delta(after.num_spec_accepted, before.num_spec_accepted)
+    """The shard's metrics row (writer.METRICS_SCHEMA). Request counts come from the shard's own
+    rows; the KV peak and expert counts are the engine's over the shard's lifetime (see flow.py)."""
+    speculating = after.num_spec_proposed is not None
+    proposed = tally.num_spec_proposed if speculating else None
+    accepted = tally.num_spec_accepted if speculating else None
     wall = max(wall_s, 1e-9)
     return {
         "shard": shard,
@@ -70,8 +81,8 @@ def metrics_row(
         "prefix_cache_hit_rate": (
             tally.num_cached_tokens / tally.num_prompt_tokens if tally.num_prompt_tokens else None
         ),
-        "num_preemptions": after.num_preemptions - before.num_preemptions,
-        # reset_peak_stats() ran at the shard's start, so the peak is this shard's own.
+        "num_preemptions": tally.num_preemptions,
+        # Since the last reset_peak_stats(): the opening of the oldest shard open when this one opened.
         "peak_kv_blocks_used": after.peak_kv_blocks_used,
         "num_kv_blocks_total": after.num_kv_blocks_total,
         "num_spec_proposed": proposed,
@@ -79,10 +90,6 @@ def metrics_row(
         "spec_acceptance_rate": accepted / proposed if proposed and accepted is not None else None,
         "expert_token_counts": _expert_delta(after.expert_token_counts, before.expert_token_counts),
     }
-
-
-def _delta(after: Optional[int], before: Optional[int]) -> Optional[int]:
-    return None if after is None else after - (before or 0)
 
 
 def _expert_delta(after: Optional[list[list[int]]], before: Optional[list[list[int]]]) -> Optional[list[list[int]]]:

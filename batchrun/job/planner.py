@@ -1,12 +1,13 @@
-"""Admission order within a shard: prompts that share a prefix run back to back, longest first.
+"""Admission order: prompts that share a prefix run back to back, longest first.
 
-The planner reads ahead a window of prompts (already built and tokenized), orders them, and feeds
-the engine in that order. The order is a depth-first walk of the trie of the prompts' full KV
-blocks (the granularity at which the engine's prefix cache shares KV): every set of prompts that
-share their first k full blocks is contiguous, so the shared blocks are computed once and served
-from the cache to the rest of the set while it is still cached. Among siblings in the trie, `order`
-decides: longest_first puts the longest (sub)groups first so that no long prompt starts last and
-becomes the tail of the shard; shortest_first does the reverse; input keeps first-appearance order.
+The planner reads ahead a window of prompts (already built and tokenized; rows of consecutive
+shards alike, see flow.py), orders them, and feeds the engine in that order. The order is a
+depth-first walk of the trie of the prompts' full KV blocks (the granularity at which the engine's
+prefix cache shares KV): every set of prompts that share their first k full blocks is contiguous,
+so the shared blocks are computed once and served from the cache to the rest of the set while it
+is still cached. Among siblings in the trie, `order` decides: longest_first puts the longest
+(sub)groups first so that no long prompt starts last and becomes the tail of the run;
+shortest_first does the reverse; input keeps first-appearance order.
 
 Results keep their ids and row indices; the ResultWriter puts them back in input order, so memory
 grows with the window (prompts read ahead plus finished rows waiting for an earlier one), never
@@ -18,25 +19,38 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from itertools import islice
+from typing import Optional
 
 from batchrun.engine import EngineRequest
 from batchrun.job.config import PlannerConfig, PlanOrder
 
 
-def plan_requests(requests: Iterable[EngineRequest], config: PlannerConfig, block_size: int) -> Iterator[EngineRequest]:
+def plan_requests(
+    requests: Iterable[Optional[EngineRequest]], config: PlannerConfig, block_size: int
+) -> Iterator[Optional[EngineRequest]]:
     """`requests` in planned order, a window at a time (lazily: the next window is read only after
-    this one has been handed out). Every request comes out exactly once."""
+    this one has been handed out). Every request comes out exactly once. A None from the source
+    (see Engine.stream: nothing to admit right now) ends the window early: what was read is
+    planned and handed out, then the None is passed on."""
     source = iter(requests)
     if not config.enabled:
         yield from source
         return
     while True:
-        window = list(islice(source, config.window))
-        if not window:
+        window: list[EngineRequest] = []
+        paused = False  # the source has nothing right now: plan what it gave, then pass the pause on
+        for request in islice(source, config.window):
+            if request is None:
+                paused = True
+                break
+            window.append(request)
+        if not window and not paused:
             return
         prompts = [r.prompt if isinstance(r.prompt, list) else [] for r in window]  # text prompts: no grouping
         for i in plan_order(prompts, config.order, block_size):
             yield window[i]
+        if paused:
+            yield None
 
 
 def plan_order(prompts: Sequence[Sequence[int]], order: PlanOrder, block_size: int) -> list[int]:

@@ -1,10 +1,10 @@
-"""One worker's run: its shards, each read, prompted, generated, written and committed in turn.
+"""One worker's run: which shards are its own, start-up checks, and each shard's reported outcome.
 
-Per shard: rows are validated and turned into prompts lazily while the engine streams (bounded by
-`max_in_flight`), results are written in input order to the attempt's own file, and the shard is
-committed only when every input row has its result row (see store.py). A bad row becomes a typed
-error row; any failure of a shard (unreadable, a storage error that outlasted its retries, a bug) is
-recorded as that shard's failure and the run goes on; a stop signal abandons the shard in progress.
+The shards themselves run in flow.py: rows of consecutive shards flow through one engine stream,
+each shard is committed only when every input row has its result row (see store.py). A bad row
+becomes a typed error row; any failure of a shard (unreadable, a storage error that outlasted its
+retries, a bug) is recorded as that shard's failure and the run goes on; a stop signal abandons the
+shards in progress.
 """
 
 from __future__ import annotations
@@ -13,37 +13,26 @@ import dataclasses
 import hashlib
 import logging
 import os
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any, Optional
 
-from batchrun.engine import Engine, EngineConfig, EngineRequest, EngineStats, SamplingParams
+from batchrun.engine import Engine, EngineConfig, EngineStats
 from batchrun.job.affinity import partition_by_group, shard_groups
 from batchrun.job.claims import FAILED, QUARANTINED, RELEASED, ClaimBook, ShardQueue, steal_order
 from batchrun.job.config import RunConfig
-from batchrun.job.errors import ConfigError, JobError, ShardError
+from batchrun.job.errors import ConfigError, JobError
 from batchrun.job.fingerprint import differences, input_fingerprint, model_fingerprint, settings_fingerprint
+from batchrun.job.flow import ShardFlow
 from batchrun.job.manifest import Manifest, redact, utc_now, write_merged_manifest
-from batchrun.job.metrics import ShardTally, metrics_row, percentile
-from batchrun.job.planner import plan_requests
+from batchrun.job.metrics import percentile
 from batchrun.job.progress import Progress
-from batchrun.job.prompts import Prompt, PromptBuilder
-from batchrun.job.reader import InputRow, ShardReader
+from batchrun.job.prompts import PromptBuilder
 from batchrun.job.results import RunResult, ShardSummary
 from batchrun.job.shards import Shard, Worker, assign_shards, discover_shards, open_filesystem, resolve_worker
 from batchrun.job.signals import StopRequest
-from batchrun.job.store import Attempt, RunStore
-from batchrun.job.writer import ResultWriter, error_result, output_result, result_schema, write_metrics
+from batchrun.job.store import RunStore
 
 log = logging.getLogger(__name__)
-
-# Requests the engine may hold at once, per sequence it runs: enough queued work to refill the
-# batch as sequences finish, while memory stays bounded for shards of any size.
-IN_FLIGHT_PER_SEQ = 4
-
-DUPLICATE_ID = "duplicate_id"
-NULL_ID = "null_id"
-INVALID_TEXT = "invalid_text"
 
 
 def run_worker(
@@ -60,15 +49,6 @@ def load_engine(config: EngineConfig) -> Engine:
     except Exception as e:  # a missing file, an unknown model name or format: the user must fix the path
         log.debug("engine construction failed", exc_info=True)
         raise JobError(f"cannot load model {config.model!r}: {type(e).__name__}: {' '.join(str(e).split())}") from None
-
-
-def _id_key(row_id: Any) -> Any:
-    """A hashable key for an id of any Arrow type (lists and structs come back as lists and dicts)."""
-    try:
-        hash(row_id)
-        return (type(row_id).__name__, row_id)
-    except TypeError:
-        return repr(row_id)
 
 
 def _id_hash(key: Any) -> int:
@@ -313,27 +293,11 @@ class _JobRun:
             lambda: stop.requested,
             on_error=self._claim_failed,
         )
+        self.progress = progress
+        self.queue = queue
         try:
             with progress.logging_redirected():
-                for shard in queue:
-                    if shard.name not in self.summaries:  # stolen from another worker
-                        log.info("shard %s: taken over from another worker", shard.name)
-                        self.shards.append(shard)
-                        self.manifest.add_shard(shard)
-                        progress.add_shards(1)
-                    summary = self._run_shard_logged(shard, engine, builder, progress, stop)
-                    if summary.status == "lost":
-                        queue.wait_for(shard)  # another worker has it now; ours until it commits
-                        summary = ShardSummary(shard.name, "elsewhere")
-                        self.manifest.update(shard.name, status="elsewhere")
-                        self.claims.release(shard.name)
-                    elif summary.status in ("committed", "skipped"):
-                        self.claims.drop(shard.name)
-                    else:
-                        self.claims.release(shard.name, FAILED if summary.status == "failed" else RELEASED)
-                    self.summaries[shard.name] = summary
-                    self._write_manifest_quietly()
-                    progress.shard_done()
+                ShardFlow(self, engine, builder, progress, stop, queue).run()
         finally:
             progress.close()
 
@@ -373,22 +337,22 @@ class _JobRun:
             self.manifest.update(shard.name, status="failed", error=message)
             self.summaries[shard.name] = ShardSummary(shard.name, "failed", error=message)
 
-    def _run_shard_logged(
-        self, shard: Shard, engine: Engine, builder: PromptBuilder, progress: Progress, stop: StopRequest
-    ) -> ShardSummary:
+    def start_shard(self, shard: Shard) -> str:
+        """A shard opens (flow.ShardRun): report it running; returns its start time."""
+        if shard.name not in self.summaries:  # stolen from another worker
+            log.info("shard %s: taken over from another worker", shard.name)
+            self.shards.append(shard)
+            self.manifest.add_shard(shard)
+            self.progress.add_shards(1)
         started_at = utc_now()
         self.manifest.update(shard.name, status="running", started_at=started_at)
         self._write_manifest_quietly()
-        try:
-            if shard.name in self.stale:  # output.on_change=recompute: un-commit it, under our claim
-                self.store.remove_marker(shard.name)
-            summary = _ShardRun(self, shard, engine, builder, progress, stop, started_at).run()
-        except ShardError as e:
-            log.error("shard %s failed: %s", shard.name, e)
-            summary = ShardSummary(shard.name, "failed", error=str(e))
-        except Exception as e:  # not an expected failure: keep the traceback, still go on with other shards
-            log.exception("shard %s failed unexpectedly", shard.name)
-            summary = ShardSummary(shard.name, "failed", error=f"{type(e).__name__}: {e}")
+        if shard.name in self.stale:  # output.on_change=recompute: un-commit it, under our claim
+            self.store.remove_marker(shard.name)
+        return started_at
+
+    def finish_shard(self, shard: Shard, summary: ShardSummary) -> None:
+        """A shard the flow opened is done with: committed, failed, lost or interrupted."""
         m = summary.metrics or {}
         self.manifest.update(
             shard.name,
@@ -406,7 +370,17 @@ class _JobRun:
                 m["num_errors"],
                 m["output_tokens_per_s"],
             )
-        return summary
+        if summary.status == "lost":
+            self.queue.wait_for(shard)  # another worker has it now; ours until it commits
+            summary = ShardSummary(shard.name, "elsewhere")
+            self.claims.release(shard.name)
+        elif summary.status in ("committed", "skipped"):
+            self.claims.drop(shard.name)
+        else:
+            self.claims.release(shard.name, FAILED if summary.status == "failed" else RELEASED)
+        self.summaries[shard.name] = summary
+        self._write_manifest_quietly()
+        self.progress.shard_done()
 
     def record_ids(self, shard: str, id_keys: set[Any]) -> None:
         """Count the ids of a committed shard that earlier shards of this worker's run had too."""
@@ -453,174 +427,3 @@ class _JobRun:
             summaries,
             percentile(self.ttfts, 50),
         )
-
-
-class _ShardRun:
-    """One attempt at one shard; `run` returns its summary or raises ShardError."""
-
-    def __init__(
-        self,
-        job: _JobRun,
-        shard: Shard,
-        engine: Engine,
-        builder: PromptBuilder,
-        progress: Progress,
-        stop: StopRequest,
-        started_at: str,
-    ) -> None:
-        self.job, self.shard, self.engine, self.builder = job, shard, engine, builder
-        self.progress, self.stop, self.started_at = progress, stop, started_at
-        self.config = job.config
-        self.tally = ShardTally()
-        self.in_flight: dict[int, tuple[InputRow, Prompt, dict[str, Any]]] = {}
-        self.seen_ids: set[Any] = set()
-        self.read_error: Optional[ShardError] = None
-
-    def run(self) -> ShardSummary:
-        store = self.job.store
-        attempt = store.begin(self.shard.name)
-        t0 = time.perf_counter()
-        columns = [*self.config.job.input_columns(self.config.data), *self.config.output.keep_columns]
-        try:
-            self.reader = ShardReader(self.shard, self.job.data_fs, self.config.data, columns)
-        except BaseException:
-            store.abandon(attempt)
-            raise
-        try:
-            self.progress.add_rows(self.reader.num_rows)
-            keep_fields = [self.reader.field(c) for c in self.config.output.keep_columns]
-            self.writer = ResultWriter(store.fs, attempt.results_tmp, result_schema(keep_fields, self.reader.id_type))
-            try:
-                summary = self._generate_and_commit(attempt, t0)
-            except BaseException:
-                self.writer.abort()
-                store.abandon(attempt)
-                raise
-        finally:
-            self.reader.close()
-        if summary.status not in ("committed", "skipped"):
-            store.abandon(attempt)
-        return summary
-
-    def _should_stop(self) -> bool:
-        return self.stop.requested or self.job.claims.is_lost(self.shard.name)
-
-    def _generate_and_commit(self, attempt: Attempt, t0: float) -> ShardSummary:
-        self.engine.reset_peak_stats()
-        before = self.engine.stats()
-        max_num_seqs = self.config.engine.max_num_seqs
-        # None: the engine bounds it itself, by the batch size it picked at start-up.
-        max_in_flight = IN_FLIGHT_PER_SEQ * max_num_seqs if max_num_seqs else None
-        # The planner reorders a window of rows (shared prefixes together, longest first); the
-        # writer puts the results back in input order.
-        requests = plan_requests(self._requests(), self.config.planner, self.engine.config.block_size)
-        for out in self.engine.stream(requests, self.config.sampling, max_in_flight):
-            row, prompt, keep = self.in_flight.pop(out.request_id)
-            self._emit(row.index, output_result(row.id, out, prompt.error_message, keep))
-            if self._should_stop():
-                break
-        if self._should_stop():
-            self.writer.abort()
-            if not self.stop.requested:  # the claim was lost: another worker runs it now
-                return ShardSummary(self.shard.name, "lost")
-            log.warning("shard %s abandoned (%s): nothing of it is committed", self.shard.name, self.stop.name)
-            return ShardSummary(self.shard.name, "interrupted")
-        if self.read_error is not None:
-            raise self.read_error
-        wall_s = time.perf_counter() - t0
-        num_rows = self.writer.close()
-        if num_rows != self.reader.num_rows:
-            raise ShardError(f"{num_rows} result rows for {self.reader.num_rows} input rows; not committed")
-        metrics = metrics_row(self.shard.name, self.job.worker.rank, self.tally, wall_s, before, self.engine.stats())
-        write_metrics(self.job.store.fs, attempt.metrics_tmp, metrics)
-        fingerprint = {
-            "settings": self.job.settings,
-            "model": self.job.model_fp,
-            "input": input_fingerprint(self.shard),
-        }
-        is_first = self.job.store.commit(
-            attempt,
-            {
-                "shard": self.shard.name,
-                "input": self.shard.url,
-                "num_rows": num_rows,
-                "started_at": self.started_at,
-                "committed_at": utc_now(),
-                "worker": self.job.worker.rank,
-                "owner": self.job.claims.owner,
-                "model_fingerprint": self.engine.model_fingerprint,
-                "fingerprint": fingerprint,
-                "error_counts": self.tally.error_counts,
-                "metrics": metrics,
-            },
-        )
-        if not is_first:
-            log.warning(
-                "shard %s was committed by another worker meanwhile; this attempt is discarded", self.shard.name
-            )
-            return ShardSummary(
-                self.shard.name, "skipped", (self.job.store.read_marker(self.shard.name) or {}).get("metrics")
-            )
-        self.job.ttfts.extend(self.tally.ttfts)
-        self.job.record_ids(self.shard.name, self.seen_ids)
-        return ShardSummary(self.shard.name, "committed", metrics)
-
-    def _requests(self) -> Iterator[EngineRequest]:
-        """Rows as engine requests, lazily; rows that cannot be prompts are written as errors here."""
-        keep_columns = self.config.output.keep_columns
-        try:
-            for row in self.reader.rows():
-                if self._should_stop():
-                    return  # stop admitting; what is in flight is abandoned by the consumer
-                keep = {c: row.values[c] for c in keep_columns}
-                prompt = self._check_row(row) or self.builder.build(row)
-                if prompt.token_ids is None:
-                    self._emit(
-                        row.index,
-                        error_result(
-                            row.id, prompt.error_type or "", prompt.error_message, prompt.num_prompt_tokens, keep
-                        ),
-                    )
-                    continue
-                self.in_flight[row.index] = (row, prompt, keep)
-                yield EngineRequest(request_id=row.index, prompt=prompt.token_ids, params=self._params_for(row))
-        except ShardError as e:
-            # Raising here would unwind through the engine; stop feeding it and fail after it drains.
-            self.read_error = e
-
-    def _check_row(self, row: InputRow) -> Optional[Prompt]:
-        """Errors of the row itself, before any prompt is built: its text and its id."""
-        if row.invalid_columns:
-            return Prompt(
-                error_type=INVALID_TEXT,
-                error_message=(
-                    f"row {row.index} (id {row.id!r}): column(s) {', '.join(map(repr, row.invalid_columns))} hold text "
-                    "that is not valid UTF-8"
-                ),
-            )
-        if row.id is None:
-            return Prompt(
-                error_type=NULL_ID,
-                error_message=f"row {row.index}: column {self.config.data.id_column!r} is null or NaN",
-            )
-        key = _id_key(row.id)
-        if key in self.seen_ids:
-            return Prompt(
-                error_type=DUPLICATE_ID, error_message=f"id {row.id!r} already appeared earlier in this shard"
-            )
-        self.seen_ids.add(key)
-        return None
-
-    def _params_for(self, row: InputRow) -> Optional[SamplingParams]:
-        """Per-row seed from (sampling.seed, id): the same row samples the same text in any batch,
-        shard split or resumed run. None keeps the stream's shared params (greedy needs no seed)."""
-        sampling = self.config.sampling
-        if sampling.seed is None or sampling.is_greedy:
-            return None
-        digest = hashlib.sha256(f"{sampling.seed}\0{row.id}".encode()).digest()
-        return dataclasses.replace(sampling, seed=int.from_bytes(digest[:8], "little") >> 1)
-
-    def _emit(self, index: int, result: dict[str, Any]) -> None:
-        self.writer.put(index, result)
-        self.tally.add(result)
-        self.progress.advance(1, result["num_output_tokens"] or 0)

@@ -6,7 +6,8 @@ BATCHRUN_TEST_HOOKS holds a JSON object:
     delay_s    sleep after each output row (so that kills and stops land mid-shard)
     die_on     shard names on which this process SIGKILLs itself after its first output (an OOM)
     rank       a label for the files
-Each shard this process starts writes {dir}/started-{rank}-{shard}-{pid} at its first output.
+Each shard this process starts writes {dir}/started-{rank}-{shard}-{pid} at its first output
+(with shards open side by side, several may have started).
 """
 
 import json
@@ -20,28 +21,19 @@ if _spec:
 
     _cfg = json.loads(_spec)
     _dir = pathlib.Path(_cfg["dir"]) if _cfg.get("dir") else None
-    from batchrun.engine import Engine
-    from batchrun.job import runner as _runner
+    from batchrun.job import flow as _flow
 
-    _current = {"shard": None}
-    _real_run = _runner._ShardRun.run
+    _real_on_output = _flow.ShardRun.on_output
 
-    def _run(self):
-        _current["shard"] = self.shard.name
-        return _real_run(self)
+    def _on_output(self, out):
+        _real_on_output(self, out)
+        first = not getattr(self, "_hooked", False)
+        self._hooked = True
+        if first:
+            if _dir is not None:
+                (_dir / f"started-{_cfg.get('rank', 'x')}-{self.shard.name}-{os.getpid()}").touch()
+            if self.shard.name in _cfg.get("die_on", ()):
+                os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(float(_cfg.get("delay_s", 0)))
 
-    _runner._ShardRun.run = _run
-    _real_stream = Engine.stream
-
-    def _stream(self, *args, **kwargs):
-        for n, out in enumerate(_real_stream(self, *args, **kwargs)):
-            yield out
-            shard = _current["shard"]
-            if n == 0:
-                if _dir is not None:
-                    (_dir / f"started-{_cfg.get('rank', 'x')}-{shard}-{os.getpid()}").touch()
-                if shard in _cfg.get("die_on", ()):
-                    os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(float(_cfg.get("delay_s", 0)))
-
-    Engine.stream = _stream
+    _flow.ShardRun.on_output = _on_output

@@ -1,0 +1,111 @@
+"""The job path as a benchmark system: rows written as Parquet shards, run through `run_worker`
+(claims, reading, prompts, planner, the shard flow, results and commits) with an engine already
+loaded, timed from the call to its return. Set beside `engine.stream` on the same prompts, it
+shows what the job layer costs per row and what shard boundaries cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchrun.bench.timing import TimedRun
+from batchrun.engine import Engine, RequestOutput, SamplingParams
+from batchrun.job.config import RunConfig
+from batchrun.job.errors import JobError
+from batchrun.job.runner import run_worker
+
+
+class _RecordingEngine:
+    """The engine, with the outputs the job receives kept (by request id) for the greedy check."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.outputs: dict[Any, RequestOutput] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def stream(self, *args: Any, **kwargs: Any):
+        for out in self._engine.stream(*args, **kwargs):
+            self.outputs[out.request_id] = out
+            yield out
+
+
+class JobPath:
+    """`rows` (column -> values, equal lengths) split into `num_shards` contiguous shards, run as a
+    job with `config`'s settings; each call is a fresh output directory under one temporary root."""
+
+    def __init__(self, config: RunConfig, rows: dict[str, list[Any]], num_shards: int) -> None:
+        num_rows = len(next(iter(rows.values())))
+        if not 1 <= num_shards <= num_rows:
+            raise JobError(f"benchmark.job_shards={num_shards}: must be between 1 and the {num_rows} rows")
+        self.config = config
+        self.root = Path(tempfile.mkdtemp(prefix="batchrun-jobpath-"))
+        self.num_rows = num_rows
+        self.shard_sizes: list[int] = []
+        bounds = [round(i * num_rows / num_shards) for i in range(num_shards + 1)]
+        (self.root / "in").mkdir()
+        table = pa.table(rows)
+        for i, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+            pq.write_table(table.slice(lo, hi - lo), self.root / "in" / f"part-{i:03d}.parquet")
+            self.shard_sizes.append(hi - lo)
+        self._num_runs = 0
+
+    def __call__(self, engine: Engine, params: SamplingParams, max_open_shards: Optional[int] = None) -> TimedRun:
+        """One pass; raises JobError unless every row gets an ok result."""
+        self._num_runs += 1
+        planner = self.config.planner
+        if max_open_shards is not None:
+            planner = dataclasses.replace(planner, max_open_shards=max_open_shards)
+        config = dataclasses.replace(
+            self.config,
+            data=dataclasses.replace(self.config.data, uri=str(self.root / "in"), storage_options={}),
+            output=dataclasses.replace(self.config.output, uri=str(self.root / f"out-{self._num_runs}")),
+            sampling=params,
+            planner=planner,
+            quiet=True,
+        )
+        recorder = _RecordingEngine(engine)
+        engine.reset_prefix_cache()
+        start = time.perf_counter()
+        result = run_worker(config, engine=recorder)  # type: ignore[arg-type]
+        wall_s = time.perf_counter() - start
+        if result.exit_code != 0:
+            raise JobError(f"the job path failed: {result.message}")
+        done = self._in_row_order(recorder.outputs)
+        shutil.rmtree(self.root / f"out-{self._num_runs}", ignore_errors=True)
+        run = TimedRun(
+            wall_s,
+            [o.token_ids for o in done],
+            sum(len(o.prompt_token_ids) for o in done),
+            sum(len(o.token_ids) for o in done),
+            sum(o.metrics.num_cached_tokens for o in done),
+            0,
+        )
+        run.num_computed_tokens = run.num_prompt_tokens - run.num_cached_tokens + run.num_output_tokens
+        run.ttfts_s = [o.metrics.ttft_s for o in done if o.metrics.ttft_s is not None]
+        run.itls_s = [o.metrics.itl_s for o in done if o.metrics.itl_s is not None]
+        return run
+
+    def _in_row_order(self, outputs: dict[Any, RequestOutput]) -> list[RequestOutput]:
+        """Request ids are (shard key, row index); one worker opens shards in name order."""
+        if len(outputs) != self.num_rows:
+            raise JobError(f"the job path sent {len(outputs)} of {self.num_rows} rows to the engine")
+        return [outputs[key] for key in sorted(outputs)]
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def rows_table(ids: Sequence[str], texts: Sequence[str], text_column: str, id_column: Optional[str]) -> dict:
+    """Columns for JobPath from ids and texts, named as the job's data config expects."""
+    return {id_column or "id": list(ids), text_column: list(texts)}

@@ -1,0 +1,383 @@
+"""Rows flow from one shard into the next through a single engine stream.
+
+A worker does not drain the engine at a shard boundary: while a shard's last rows finish, the next
+shard's rows are admitted, so the batch stays full across many small or uneven shards. Up to
+`planner.max_open_shards` shards are open at once (each holds its claim, an input file and a
+results file); rows in flight are bounded by the engine's `max_in_flight` and the planner's
+window, which orders rows across the boundary too.
+
+Each open shard is one attempt (store.py) that commits on its own as soon as every one of its rows
+has its result row, in whatever order shards complete; results are written in input order per
+shard by its own ResultWriter. A shard that fails (unreadable part way, a storage error, a lost
+claim) is dropped alone: its rows still in the engine run to the end and their outputs are
+discarded. A stop signal abandons every open shard (nothing of them is committed); an exception
+from the engine itself fails the shards open at that moment and the flow goes on with the next.
+
+Per-shard metrics with overlapping shards: a shard's wall time runs from its opening (first row
+read) to its last result, so its tok/s is its own tokens over its own lifetime; overlapping shards'
+rates are not additive (the run manifest has the worker's true rate). Request-level counts (cache
+hits, preemptions, speculative proposals) are summed over the shard's own rows; the KV peak is the
+engine's since the oldest shard open at this shard's opening started, and MoE expert counts are
+the engine's over the shard's lifetime (both shared with overlapping shards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any, Optional, Protocol
+
+from batchrun.engine import Engine, EngineRequest, EngineStats, RequestOutput, SamplingParams
+from batchrun.job.claims import ClaimBook, ShardQueue
+from batchrun.job.config import RunConfig
+from batchrun.job.errors import ShardError
+from batchrun.job.fingerprint import input_fingerprint
+from batchrun.job.manifest import utc_now
+from batchrun.job.metrics import ShardTally, metrics_row
+from batchrun.job.planner import plan_requests
+from batchrun.job.progress import Progress
+from batchrun.job.prompts import Prompt, PromptBuilder
+from batchrun.job.reader import InputRow, ShardReader
+from batchrun.job.results import ShardSummary
+from batchrun.job.shards import Shard, Worker
+from batchrun.job.signals import StopRequest
+from batchrun.job.store import Attempt, RunStore
+from batchrun.job.writer import ResultWriter, error_result, output_result, result_schema, write_metrics
+
+log = logging.getLogger(__name__)
+
+IN_FLIGHT_PER_SEQ = 4  # requests the engine may hold at once, per sequence it runs
+
+DUPLICATE_ID = "duplicate_id"
+NULL_ID = "null_id"
+INVALID_TEXT = "invalid_text"
+
+
+class ShardHost(Protocol):
+    """What a shard's run needs from the worker's run (runner._JobRun)."""
+
+    config: RunConfig
+    store: RunStore
+    claims: ClaimBook
+    worker: Worker
+    data_fs: Any
+    settings: dict[str, Any]
+    model_fp: dict[str, Any]
+    ttfts: list[float]
+
+    def record_ids(self, shard: str, id_keys: set[Any]) -> None: ...
+
+    def start_shard(self, shard: Shard) -> str: ...
+
+    def finish_shard(self, shard: Shard, summary: ShardSummary) -> None: ...
+
+
+def id_key(row_id: Any) -> Any:
+    """A hashable key for an id of any Arrow type (lists and structs come back as lists and dicts)."""
+    try:
+        hash(row_id)
+        return (type(row_id).__name__, row_id)
+    except TypeError:
+        return repr(row_id)
+
+
+class ShardRun:
+    """One attempt at one shard while it is open: its reader, its results file, its rows in flight.
+
+    Requests carry `(key, row index)` as their id; `key` tells the shards of one flow apart."""
+
+    def __init__(
+        self, host: ShardHost, shard: Shard, key: int, engine: Engine, builder: PromptBuilder, progress: Progress
+    ) -> None:
+        self.host, self.shard, self.key, self.engine, self.builder = host, shard, key, engine, builder
+        self.progress = progress
+        self.config = host.config
+        self.tally = ShardTally()
+        self.in_flight: dict[int, tuple[InputRow, Prompt, dict[str, Any]]] = {}  # row index -> row
+        self.seen_ids: set[Any] = set()
+        self.is_read = False  # every row was read and either admitted or written as an error row
+        self.failure: Optional[BaseException] = None  # set when the shard cannot go on
+        # Earlier attempts at it died with their worker: it may be what kills workers (see ShardFlow).
+        self.runs_alone = host.claims.died_before(shard.name) > 0
+        self.started_at = host.start_shard(shard)
+        self.t0 = time.perf_counter()
+        self.engine_before: EngineStats = engine.stats()
+        self.attempt: Attempt = host.store.begin(shard.name)
+        columns = [*self.config.job.input_columns(self.config.data), *self.config.output.keep_columns]
+        try:
+            self.reader = ShardReader(shard, host.data_fs, self.config.data, columns)
+            try:
+                keep_fields = [self.reader.field(c) for c in self.config.output.keep_columns]
+                schema = result_schema(keep_fields, self.reader.id_type)
+                self.writer = ResultWriter(host.store.fs, self.attempt.results_tmp, schema)
+            except BaseException:
+                self.reader.close()
+                raise
+        except BaseException:
+            host.store.abandon(self.attempt)
+            raise
+        progress.add_rows(self.reader.num_rows)
+
+    @property
+    def is_lost(self) -> bool:
+        """Our claim was taken over (we froze past the lease): another worker runs it now."""
+        return self.host.claims.is_lost(self.shard.name)
+
+    @property
+    def is_complete(self) -> bool:
+        return self.is_read and not self.in_flight and self.failure is None
+
+    def requests(self, stop: StopRequest) -> Iterator[EngineRequest]:
+        """The shard's rows as engine requests, lazily; rows that cannot be prompts are written as
+        error rows here. Ends early, with `is_read` false, on a stop, a lost claim or a read error."""
+        keep_columns = self.config.output.keep_columns
+        try:
+            for row in self.reader.rows():
+                if stop.requested or self.is_lost:
+                    return
+                keep = {c: row.values[c] for c in keep_columns}
+                prompt = self._check_row(row) or self.builder.build(row)
+                if prompt.token_ids is None:
+                    self._emit(
+                        row.index,
+                        error_result(
+                            row.id, prompt.error_type or "", prompt.error_message, prompt.num_prompt_tokens, keep
+                        ),
+                    )
+                    continue
+                self.in_flight[row.index] = (row, prompt, keep)
+                yield EngineRequest(
+                    request_id=(self.key, row.index), prompt=prompt.token_ids, params=self._params_for(row)
+                )
+            self.is_read = True
+        except Exception as e:
+            # Raising here would unwind through the engine: the flow fails this shard alone.
+            if not isinstance(e, ShardError):
+                log.error("shard %s: unexpected error while reading it", self.shard.name, exc_info=True)
+            self.failure = e
+
+    def on_output(self, out: RequestOutput) -> None:
+        row, prompt, keep = self.in_flight.pop(out.request_id[1])
+        self._emit(row.index, output_result(row.id, out, prompt.error_message, keep))
+        self.tally.add_request(out.metrics)
+
+    def commit(self) -> ShardSummary:
+        """Close the results file and commit the attempt (every row has its result row)."""
+        self.reader.close()
+        wall_s = time.perf_counter() - self.t0
+        num_rows = self.writer.close()
+        if num_rows != self.reader.num_rows:
+            raise ShardError(f"{num_rows} result rows for {self.reader.num_rows} input rows; not committed")
+        store = self.host.store
+        metrics = metrics_row(
+            self.shard.name, self.host.worker.rank, self.tally, wall_s, self.engine_before, self.engine.stats()
+        )
+        write_metrics(store.fs, self.attempt.metrics_tmp, metrics)
+        fingerprint = {
+            "settings": self.host.settings,
+            "model": self.host.model_fp,
+            "input": input_fingerprint(self.shard),
+        }
+        is_first = store.commit(
+            self.attempt,
+            {
+                "shard": self.shard.name,
+                "input": self.shard.url,
+                "num_rows": num_rows,
+                "started_at": self.started_at,
+                "committed_at": utc_now(),
+                "worker": self.host.worker.rank,
+                "owner": self.host.claims.owner,
+                "model_fingerprint": self.engine.model_fingerprint,
+                "fingerprint": fingerprint,
+                "error_counts": self.tally.error_counts,
+                "metrics": metrics,
+            },
+        )
+        if not is_first:
+            log.warning(
+                "shard %s was committed by another worker meanwhile; this attempt is discarded", self.shard.name
+            )
+            return ShardSummary(self.shard.name, "skipped", (store.read_marker(self.shard.name) or {}).get("metrics"))
+        self.host.ttfts.extend(self.tally.ttfts)
+        self.host.record_ids(self.shard.name, self.seen_ids)
+        return ShardSummary(self.shard.name, "committed", metrics)
+
+    def abandon(self) -> None:
+        """Nothing of this attempt is committed; its files are removed."""
+        self.writer.abort()
+        self.reader.close()
+        self.host.store.abandon(self.attempt)
+
+    def _check_row(self, row: InputRow) -> Optional[Prompt]:
+        """Errors of the row itself, before any prompt is built: its text and its id."""
+        if row.invalid_columns:
+            return Prompt(
+                error_type=INVALID_TEXT,
+                error_message=(
+                    f"row {row.index} (id {row.id!r}): column(s) {', '.join(map(repr, row.invalid_columns))} hold text "
+                    "that is not valid UTF-8"
+                ),
+            )
+        if row.id is None:
+            return Prompt(
+                error_type=NULL_ID,
+                error_message=f"row {row.index}: column {self.config.data.id_column!r} is null or NaN",
+            )
+        key = id_key(row.id)
+        if key in self.seen_ids:
+            return Prompt(
+                error_type=DUPLICATE_ID, error_message=f"id {row.id!r} already appeared earlier in this shard"
+            )
+        self.seen_ids.add(key)
+        return None
+
+    def _params_for(self, row: InputRow) -> Optional[SamplingParams]:
+        """Per-row seed from (sampling.seed, id): the same row samples the same text in any batch,
+        shard split or resumed run. None keeps the stream's shared params (greedy needs no seed)."""
+        sampling = self.config.sampling
+        if sampling.seed is None or sampling.is_greedy:
+            return None
+        digest = hashlib.sha256(f"{sampling.seed}\0{row.id}".encode()).digest()
+        return dataclasses.replace(sampling, seed=int.from_bytes(digest[:8], "little") >> 1)
+
+    def _emit(self, index: int, result: dict[str, Any]) -> None:
+        self.writer.put(index, result)
+        self.tally.add(result)
+        self.progress.advance(1, result["num_output_tokens"] or 0)
+
+
+class ShardFlow:
+    """Runs the shards `queue` hands out through one engine stream, a bounded number at a time."""
+
+    def __init__(
+        self,
+        host: ShardHost,
+        engine: Engine,
+        builder: PromptBuilder,
+        progress: Progress,
+        stop: StopRequest,
+        queue: ShardQueue,
+    ) -> None:
+        self.host, self.engine, self.builder, self.progress, self.stop = host, engine, builder, progress, stop
+        self.queue = queue
+        self.config = host.config
+        self.max_open_shards = self.config.planner.max_open_shards
+        # Requests the engine holds at once: enough queued work to refill the batch as sequences
+        # finish, while memory stays bounded for shards of any size.
+        self.max_in_flight = IN_FLIGHT_PER_SEQ * (self.config.engine.max_num_seqs or engine.max_num_seqs)
+        self.open: dict[int, ShardRun] = {}  # key -> open shard, in opening order
+        self._held_back: Optional[Shard] = None  # claimed, to run alone once the open shards are done
+        self._next_key = 0
+        self._is_exhausted = False  # no shard left to open
+
+    def run(self) -> None:
+        block_size = self.engine.config.block_size
+        while not self._is_exhausted and not self.stop.requested:
+            requests = plan_requests(self._requests(), self.config.planner, block_size)
+            try:
+                for out in self.engine.stream(requests, self.config.sampling, self.max_in_flight):
+                    run = self.open.get(out.request_id[0])
+                    if run is not None and run.failure is None:  # else: a dropped shard's row
+                        self._deliver(run, out)
+                    self._settle()
+                    if self.stop.requested:
+                        break
+            except Exception as e:  # the engine itself: it cannot say whose row broke it
+                log.exception("the engine failed with %d shard(s) open", len(self.open))
+                for run in self.open.values():
+                    run.failure = run.failure or ShardError(f"the engine failed: {type(e).__name__}: {e}")
+            self._settle()
+        for run in list(self.open.values()):  # stopped: nothing of an open shard is committed
+            log.warning("shard %s abandoned (%s): nothing of it is committed", run.shard.name, self.stop.name)
+            self._close(run, ShardSummary(run.shard.name, "interrupted"))
+
+    def _requests(self) -> Iterator[Optional[EngineRequest]]:
+        """Every open shard's rows in turn; None while the open shards' rows in flight must finish
+        before another shard may open (see Engine.stream).
+
+        Two shards wait for the others to drain: a shard whose earlier attempts died runs alone, so
+        that a shard that kills its worker (OOM) does not take its neighbours' attempts with it
+        toward quarantine; and another worker's shard is taken only while this engine has room for
+        more rows than it holds (stealing is for idle capacity, not look-ahead)."""
+        while True:
+            self._settle()
+            if self.stop.requested:
+                return
+            if len(self.open) >= self.max_open_shards or any(r.runs_alone for r in self.open.values()):
+                yield None
+                continue
+            shard = self._held_back or self.queue.next_shard(
+                wait=not self.open, steal=self._rows_in_flight() < self.max_in_flight
+            )
+            self._held_back = None
+            if shard is None:
+                if self.queue.is_done or self.stop.requested or not self.open:
+                    self._is_exhausted = True
+                    return
+                yield None  # own shards held elsewhere, or others' shards, are tried after this step
+                continue
+            if self.host.claims.died_before(shard.name) and self.open:
+                self._held_back = shard  # claimed; opened once the shards open now are done
+                yield None
+                continue
+            run = self._open(shard)
+            if run is not None:
+                yield from run.requests(self.stop)
+
+    def _rows_in_flight(self) -> int:
+        return sum(len(r.in_flight) for r in self.open.values())
+
+    def _open(self, shard: Shard) -> Optional[ShardRun]:
+        if not self.open:
+            self.engine.reset_peak_stats()  # the KV peak of this shard and those opened before it closes
+        try:
+            run = ShardRun(self.host, shard, self._next_key, self.engine, self.builder, self.progress)
+        except Exception as e:
+            self.host.finish_shard(shard, _failed(shard, e))
+            return None
+        self.open[self._next_key] = run
+        self._next_key += 1
+        return run
+
+    def _deliver(self, run: ShardRun, out: RequestOutput) -> None:
+        try:
+            run.on_output(out)
+        except Exception as e:  # writing its row failed (after retries): that shard alone fails
+            run.failure = e
+
+    def _settle(self) -> None:
+        """Commit the complete shards and drop the failed and lost ones, in any order."""
+        for run in list(self.open.values()):
+            if run.failure is not None:
+                self._close(run, _failed(run.shard, run.failure))
+            elif run.is_lost:
+                self._close(run, ShardSummary(run.shard.name, "lost"))
+            elif run.is_complete:
+                try:
+                    summary = run.commit()
+                except Exception as e:
+                    self._close(run, _failed(run.shard, e))
+                else:
+                    del self.open[run.key]
+                    self.host.finish_shard(run.shard, summary)
+
+    def _close(self, run: ShardRun, summary: ShardSummary) -> None:
+        del self.open[run.key]
+        try:
+            run.abandon()
+        except Exception:
+            log.warning("shard %s: could not remove its attempt's files", run.shard.name, exc_info=True)
+        self.host.finish_shard(run.shard, summary)
+
+
+def _failed(shard: Shard, error: BaseException) -> ShardSummary:
+    """An expected failure (ShardError) logs its message; anything else its traceback too."""
+    if isinstance(error, ShardError):
+        log.error("shard %s failed: %s", shard.name, error)
+        return ShardSummary(shard.name, "failed", error=str(error))
+    log.error("shard %s failed unexpectedly", shard.name, exc_info=error)
+    return ShardSummary(shard.name, "failed", error=f"{type(error).__name__}: {error}")

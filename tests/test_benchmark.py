@@ -57,8 +57,8 @@ def test_benchmark_job_writes_its_table_and_plot(tmp_path, tiny_llama_dir, capsy
     table = pq.read_table(directory / "summarize.parquet")
     assert table.column_names == SUMMARY_COLUMNS
     rows = {r["system"]: r for r in table.to_pylist()}
-    assert list(rows) == ["batchrun", "hf_fp32", "hf_bf16"]
-    assert [rows[s]["dtype"] for s in rows] == ["float32", "float32", "bfloat16"]
+    assert list(rows) == ["batchrun", "batchrun_job", "hf_fp32", "hf_bf16"]
+    assert [rows[s]["dtype"] for s in rows] == ["float32", "float32", "float32", "bfloat16"]
     for r in rows.values():
         assert r["num_prompts"] == 3 and r["repeats"] == 1 and 3 <= r["num_output_tokens"] <= 12
         assert r["output_tok_s"] > 0 and r["ttft_p50_s"] > 0 and r["flops_per_s"] > 0 and r["peak_flops_per_s"] > 0
@@ -68,9 +68,15 @@ def test_benchmark_job_writes_its_table_and_plot(tmp_path, tiny_llama_dir, capsy
     assert rows["hf_fp32"]["greedy_match"] is True and rows["hf_fp32"]["identical_fraction"] == 1.0
     assert rows["batchrun"]["greedy_match"] is None and rows["hf_bf16"]["greedy_match"] is None
     assert rows["batchrun"]["max_num_seqs"] == 8 and rows["hf_fp32"]["hf_batch_size"] == 2
+    # The job path over the same rows (one Parquet shard, results and commit included): the same
+    # greedy tokens as the engine's own stream, and its speed printed beside it.
+    assert rows["batchrun_job"]["greedy_match"] is True and rows["batchrun_job"]["ratio_vs_engine"] > 0
+    assert rows["batchrun"]["ratio_vs_engine"] is None and "x engine" in printed
 
     runs = pq.read_table(directory / "summarize_runs.parquet").to_pylist()
-    assert [(r["system"], r["round"]) for r in runs] == [("batchrun", 0), ("hf_fp32", 0), ("hf_bf16", 0)]
+    assert [(r["system"], r["round"]) for r in runs] == [
+        (s, 0) for s in ("batchrun", "batchrun_job", "hf_fp32", "hf_bf16")
+    ]
     assert (directory / "summarize.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     settings = json.loads((directory / "summarize.json").read_text())
     assert settings["engine"]["dtype"] == "float32" and settings["engine"]["max_num_batched_tokens"] == 512
@@ -81,6 +87,34 @@ def test_benchmark_job_writes_its_table_and_plot(tmp_path, tiny_llama_dir, capsy
     assert "`python -m batchrun job=benchmark model.path=" in section and "write_docs" not in section
     assert "| system | dtype | out tok/s |" in section and "| hf_bf16 | bfloat16 |" in section
     assert section.endswith("<!-- /bench:throughput-summarize -->\n")
+
+
+def test_the_job_path_systems_run_the_rows_as_shards_with_the_engines_tokens(tmp_path, tiny_llama_dir, capsys):
+    args = [
+        "job=benchmark",
+        f"model.path={tiny_llama_dir}",
+        *TINY_ENGINE,
+        f"output.uri={tmp_path / 'out'}",
+        "benchmark.num_prompts=4",
+        "benchmark.max_tokens=3",
+        "benchmark.repeats=1",
+        "benchmark.job_shards=3",
+        "benchmark.systems=[batchrun,batchrun_job,batchrun_job_sharded,batchrun_job_sharded_sequential]",
+    ]
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(args)
+    assert exit_info.value.code == 0
+    assert "x 1 shard" in capsys.readouterr().out
+    rows = {r["system"]: r for r in pq.read_table(tmp_path / "out" / "benchmark" / "summarize.parquet").to_pylist()}
+    for name in ("batchrun_job", "batchrun_job_sharded", "batchrun_job_sharded_sequential"):
+        assert rows[name]["greedy_match"] is True and rows[name]["ratio_vs_engine"] > 0
+    assert rows["batchrun_job_sharded"]["ratio_vs_job_one_shard"] > 0
+    assert rows["batchrun_job"]["ratio_vs_job_one_shard"] == 1.0
+    # The job systems need input rows: another workload is a config error naming the key.
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*args, "benchmark.workload=random"])
+    assert exit_info.value.code == 2
+    assert "benchmark.systems: batchrun_job" in capsys.readouterr().err
 
 
 def test_shared_prefix_workload_and_the_prefix_cache_ratio(tmp_path, tiny_llama_dir):

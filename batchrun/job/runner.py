@@ -5,6 +5,11 @@ Per shard: rows are validated and turned into prompts lazily while the engine st
 committed only when every input row has its result row (see store.py). A bad row becomes a typed
 error row; any failure of a shard (unreadable, a storage error that outlasted its retries, a bug) is
 recorded as that shard's failure and the run goes on; a stop signal abandons the shard in progress.
+
+With data.format=openai_batch a shard is a .jsonl file of OpenAI batch requests (openai_files.py,
+openai_requests.py): each line is a row, its request's body sets its sampling params, and besides
+the usual Parquet results and metrics the attempt writes OpenAI batch output and errors files,
+committed with them under the same marker.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import Any, Optional
 
-from batchrun.engine import Engine, EngineConfig, EngineRequest, EngineStats, SamplingParams
+from batchrun.engine import Engine, EngineConfig, EngineRequest, EngineStats, RequestOutput, SamplingParams
 from batchrun.job.affinity import partition_by_group, shard_groups
 from batchrun.job.claims import FAILED, QUARANTINED, RELEASED, ClaimBook, ShardQueue, steal_order
 from batchrun.job.config import RunConfig
@@ -25,6 +30,8 @@ from batchrun.job.errors import ConfigError, JobError, ShardError
 from batchrun.job.fingerprint import differences, input_fingerprint, model_fingerprint, settings_fingerprint
 from batchrun.job.manifest import Manifest, redact, utc_now, write_merged_manifest
 from batchrun.job.metrics import ShardTally, metrics_row, percentile
+from batchrun.job.openai_files import BatchFileReader, BatchLineWriter
+from batchrun.job.openai_requests import BatchRequest, RequestBuilder, error_line, response_line
 from batchrun.job.planner import plan_requests
 from batchrun.job.progress import Progress
 from batchrun.job.prompts import Prompt, PromptBuilder
@@ -32,7 +39,7 @@ from batchrun.job.reader import InputRow, ShardReader
 from batchrun.job.results import RunResult, ShardSummary
 from batchrun.job.shards import Shard, Worker, assign_shards, discover_shards, open_filesystem, resolve_worker
 from batchrun.job.signals import StopRequest
-from batchrun.job.store import Attempt, RunStore
+from batchrun.job.store import DEFAULT_FILES, Attempt, RunStore
 from batchrun.job.writer import ResultWriter, error_result, output_result, result_schema, write_metrics
 
 log = logging.getLogger(__name__)
@@ -88,7 +95,12 @@ class _JobRun:
         assert data_uri is not None, "DataConfig requires a uri"
         self.data_fs, data_path = open_filesystem(data_uri, config.data.storage_options)
         same_fs = type(self.data_fs) is type(self.store.fs) and self.data_fs.protocol == self.store.fs.protocol
-        listed = discover_shards(self.data_fs, data_path, data_uri, exclude=self.store.root if same_fs else None)
+        self.is_openai_batch = config.data.format == "openai_batch"
+        if self.is_openai_batch:
+            self._check_openai_batch_config()
+        listed = discover_shards(
+            self.data_fs, data_path, data_uri, self.store.root if same_fs else None, config.data.format
+        )
         stealing = config.launcher.work_stealing and self.worker.world_size > 1
         all_shards = self._shared_plan(listed) if self.worker.world_size > 1 and not stealing else listed
         self._check_id_column(all_shards[0])
@@ -160,11 +172,21 @@ class _JobRun:
             )
         return planned
 
+    def _check_openai_batch_config(self) -> None:
+        """Keys that read Parquet columns or template rows mean nothing for batch files: refuse
+        them rather than ignore them."""
+        if self.config.job.prompt_template is not None:
+            raise ConfigError(
+                "job.prompt_template", "not used with data.format=openai_batch (requests carry their prompts)"
+            )
+        if self.config.output.keep_columns:
+            raise ConfigError("output.keep_columns", "batch files have no columns to keep (data.format=openai_batch)")
+
     def _check_id_column(self, first: Shard) -> None:
         """A misspelled data.id_column must not silently become positional ids: the first shard
         must have it (a later shard without it fails on its own)."""
         column = self.config.data.id_column
-        if column is None:
+        if column is None or self.is_openai_batch:
             return
         try:
             with self.data_fs.open(first.path, "rb") as f:
@@ -303,6 +325,16 @@ class _JobRun:
                 f"within the engine's max_model_len={engine.max_model_len}"
             )
         builder = PromptBuilder(self.config.job, self.config.data, engine.tokenizer, max_prompt_tokens)
+        self.requests: Optional[RequestBuilder] = None
+        if self.is_openai_batch:
+            alias = self.config.data.openai_model_name
+            self.requests = RequestBuilder(
+                engine.tokenizer,
+                engine.max_model_len,
+                frozenset([self.config.model.path, *([alias] if alias else [])]),
+                self.config.sampling,
+                self.config.job.system_prompt,
+            )
         progress = Progress(len(self.todo), self.config.quiet)
         queue = ShardQueue(
             self.todo,
@@ -472,7 +504,9 @@ class _ShardRun:
         self.progress, self.stop, self.started_at = progress, stop, started_at
         self.config = job.config
         self.tally = ShardTally()
-        self.in_flight: dict[int, tuple[InputRow, Prompt, dict[str, Any]]] = {}
+        self.requests = job.requests  # None unless data.format=openai_batch
+        self.lines: Optional[BatchLineWriter] = None
+        self.in_flight: dict[int, tuple[InputRow, Prompt, dict[str, Any], Optional[BatchRequest]]] = {}
         self.seen_ids: set[Any] = set()
         self.read_error: Optional[ShardError] = None
 
@@ -482,7 +516,11 @@ class _ShardRun:
         t0 = time.perf_counter()
         columns = [*self.config.job.input_columns(self.config.data), *self.config.output.keep_columns]
         try:
-            self.reader = ShardReader(self.shard, self.job.data_fs, self.config.data, columns)
+            self.reader: ShardReader | BatchFileReader
+            if self.requests is not None:
+                self.reader = BatchFileReader(self.shard, self.job.data_fs)
+            else:
+                self.reader = ShardReader(self.shard, self.job.data_fs, self.config.data, columns)
         except BaseException:
             store.abandon(attempt)
             raise
@@ -490,10 +528,14 @@ class _ShardRun:
             self.progress.add_rows(self.reader.num_rows)
             keep_fields = [self.reader.field(c) for c in self.config.output.keep_columns]
             self.writer = ResultWriter(store.fs, attempt.results_tmp, result_schema(keep_fields, self.reader.id_type))
+            if self.requests is not None:
+                self.lines = BatchLineWriter(store.fs, attempt.output_tmp, attempt.errors_tmp)
             try:
                 summary = self._generate_and_commit(attempt, t0)
             except BaseException:
                 self.writer.abort()
+                if self.lines is not None:
+                    self.lines.abort()
                 store.abandon(attempt)
                 raise
         finally:
@@ -515,12 +557,14 @@ class _ShardRun:
         # writer puts the results back in input order.
         requests = plan_requests(self._requests(), self.config.planner, self.engine.config.block_size)
         for out in self.engine.stream(requests, self.config.sampling, max_in_flight):
-            row, prompt, keep = self.in_flight.pop(out.request_id)
-            self._emit(row.index, output_result(row.id, out, prompt.error_message, keep))
+            row, prompt, keep, request = self.in_flight.pop(out.request_id)
+            self._emit(row.index, output_result(row.id, out, prompt.error_message, keep), request, out)
             if self._should_stop():
                 break
         if self._should_stop():
             self.writer.abort()
+            if self.lines is not None:
+                self.lines.abort()
             if not self.stop.requested:  # the claim was lost: another worker runs it now
                 return ShardSummary(self.shard.name, "lost")
             log.warning("shard %s abandoned (%s): nothing of it is committed", self.shard.name, self.stop.name)
@@ -531,6 +575,12 @@ class _ShardRun:
         num_rows = self.writer.close()
         if num_rows != self.reader.num_rows:
             raise ShardError(f"{num_rows} result rows for {self.reader.num_rows} input rows; not committed")
+        files = DEFAULT_FILES
+        if self.lines is not None:
+            num_lines = self.lines.close()
+            if num_lines != num_rows:
+                raise ShardError(f"{num_lines} batch output lines for {num_rows} requests; not committed")
+            files = (*DEFAULT_FILES, "output.jsonl", "errors.jsonl")
         metrics = metrics_row(self.shard.name, self.job.worker.rank, self.tally, wall_s, before, self.engine.stats())
         write_metrics(self.job.store.fs, attempt.metrics_tmp, metrics)
         fingerprint = {
@@ -553,6 +603,7 @@ class _ShardRun:
                 "error_counts": self.tally.error_counts,
                 "metrics": metrics,
             },
+            files,
         )
         if not is_first:
             log.warning(
@@ -573,7 +624,14 @@ class _ShardRun:
                 if self._should_stop():
                     return  # stop admitting; what is in flight is abandoned by the consumer
                 keep = {c: row.values[c] for c in keep_columns}
-                prompt = self._check_row(row) or self.builder.build(row)
+                request: Optional[BatchRequest] = None
+                params = None
+                if self.requests is not None:
+                    prompt = self.requests.check_line(row) or self._check_row(row)
+                    if prompt is None:
+                        prompt, params, request = self.requests.build(row)
+                else:
+                    prompt = self._check_row(row) or self.builder.build(row)
                 if prompt.token_ids is None:
                     self._emit(
                         row.index,
@@ -582,8 +640,11 @@ class _ShardRun:
                         ),
                     )
                     continue
-                self.in_flight[row.index] = (row, prompt, keep)
-                yield EngineRequest(request_id=row.index, prompt=prompt.token_ids, params=self._params_for(row))
+                self.in_flight[row.index] = (row, prompt, keep, request)
+                seeded = request is not None and request.body.get("seed") is not None
+                yield EngineRequest(
+                    request_id=row.index, prompt=prompt.token_ids, params=self._params_for(row, params, seeded)
+                )
         except ShardError as e:
             # Raising here would unwind through the engine; stop feeding it and fail after it drains.
             self.read_error = e
@@ -611,16 +672,32 @@ class _ShardRun:
         self.seen_ids.add(key)
         return None
 
-    def _params_for(self, row: InputRow) -> Optional[SamplingParams]:
+    def _params_for(
+        self, row: InputRow, own: Optional[SamplingParams] = None, seeded: bool = False
+    ) -> Optional[SamplingParams]:
         """Per-row seed from (sampling.seed, id): the same row samples the same text in any batch,
-        shard split or resumed run. None keeps the stream's shared params (greedy needs no seed)."""
-        sampling = self.config.sampling
-        if sampling.seed is None or sampling.is_greedy:
-            return None
+        shard split or resumed run. None keeps the stream's shared params (greedy needs no seed).
+        `own`: the row's params (a batch request's body); `seeded`: its body chose the seed."""
+        sampling = own or self.config.sampling
+        if seeded or sampling.seed is None or sampling.is_greedy:
+            return own
         digest = hashlib.sha256(f"{sampling.seed}\0{row.id}".encode()).digest()
         return dataclasses.replace(sampling, seed=int.from_bytes(digest[:8], "little") >> 1)
 
-    def _emit(self, index: int, result: dict[str, Any]) -> None:
+    def _emit(
+        self,
+        index: int,
+        result: dict[str, Any],
+        request: Optional[BatchRequest] = None,
+        out: Optional[RequestOutput] = None,
+    ) -> None:
         self.writer.put(index, result)
+        if self.lines is not None:
+            if request is not None and out is not None and result["error_type"] is None:
+                line = response_line(self.shard.name, index, request, out)
+            else:
+                message = result["error_message"] or result["error_type"]
+                line = error_line(self.shard.name, index, result["id"], result["error_type"], message)
+            self.lines.put(index, line)
         self.tally.add(result)
         self.progress.advance(1, result["num_output_tokens"] or 0)

@@ -426,3 +426,31 @@ def test_s3_in_and_out(s3, tmp_path, tiny_engine, tiny_llama_dir):
     assert [x["error"]["code"] for x in errors] == ["invalid_json", "model_not_found"]
     assert fs.find(f"{bucket}/run/_attempts") == []
     assert [s.status for s in run_job(cfg, engine=tiny_engine).shards] == ["skipped"]
+
+
+def test_a_publication_cut_short_leaves_results_last_so_the_next_run_finishes_it(tmp_path, monkeypatch):
+    from batchrun.job.store import RunStore, committed_files
+
+    store = RunStore(str(tmp_path / "run"), {})
+    attempt = store.begin("b")
+    for path in (attempt.results_tmp, attempt.metrics_tmp, attempt.output_tmp, attempt.errors_tmp):
+        Path(path).write_bytes(Path(path).name.encode())
+    real_move = store._move_if_needed
+
+    def dies_at_errors(source: str, final: str) -> bool:
+        if source.endswith("errors.jsonl"):
+            raise OSError("the worker died here")
+        return real_move(source, final)
+
+    monkeypatch.setattr(store, "_move_if_needed", dies_at_errors)
+    files = ("results.parquet", "metrics.parquet", "output.jsonl", "errors.jsonl")
+    assert store.commit(attempt, {"shard": "b"}, files)
+    # Committed, half published: results/ (what a rerun takes as "published") is not there yet.
+    assert (tmp_path / "run" / "outputs" / "b.jsonl").exists() and store.published_shards() == set()
+    assert committed_files(store, "errors")["b"] == attempt.errors_tmp  # readers see it all the same
+    monkeypatch.setattr(store, "_move_if_needed", real_move)
+    assert store.publish("b", store.read_marker("b"))
+    for kind, suffix in (("results", "parquet"), ("metrics", "parquet"), ("outputs", "jsonl"), ("errors", "jsonl")):
+        assert committed_files(store, kind)["b"] == str(tmp_path / "run" / kind / f"b.{suffix}")
+    assert (tmp_path / "run" / "errors" / "b.jsonl").read_bytes() == b"errors.jsonl"
+    assert not Path(attempt.directory).exists()

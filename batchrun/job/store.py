@@ -266,7 +266,9 @@ class RunStore:
         parts = attempt_dir.split("/")
         source_dir = self.path(*parts)
         complete = True
-        for name in marker_files(marker):
+        # results/ last: published_shards() takes a shard's results file as proof that all of its
+        # files are published, so a committer that dies part way is finished by the next run.
+        for name in sorted(marker_files(marker), key=lambda name: name == "results.parquet"):
             complete &= self._move_if_needed(posixpath.join(source_dir, name), self.published_path(shard, name))
         if complete:
             self._remove_tree(source_dir)

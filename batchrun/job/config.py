@@ -36,6 +36,7 @@ RESULT_COLUMNS = [
     "latency_s",
 ]
 PlanOrder = Literal["longest_first", "shortest_first", "input"]
+DataFormat = Literal["parquet", "openai_batch"]
 WorkloadName = Literal["summarize", "shared_prefix", "random"]
 BENCHMARK_SYSTEMS = (
     "batchrun",
@@ -54,8 +55,13 @@ BENCHMARK_SYSTEMS = (
 class DataConfig:
     """Where the input is and which columns hold what."""
 
-    # A directory, a glob or one Parquet file: a local path or any fsspec URL (s3://, gs://, memory://).
+    # A directory, a glob or one input file: a local path or any fsspec URL (s3://, gs://, memory://).
     uri: Optional[str] = None
+    # parquet: *.parquet shards of rows. openai_batch: *.jsonl files of OpenAI batch requests
+    # (openai_requests.py); each file is one shard and also gets OpenAI batch output and error files.
+    format: DataFormat = "parquet"
+    # openai_batch: the `model` a request may name besides model.path (the name your batch files use).
+    openai_model_name: Optional[str] = None
     # The column of row ids, kept with its type in the results. null: ids are "<shard>-<row index>".
     # A shard without it fails; when the first shard lacks it, the run stops with a config error.
     id_column: Optional[str] = "id"
@@ -72,6 +78,12 @@ class DataConfig:
             raise ValueError("data.uri: missing; set data.uri=<directory, glob or file of Parquet shards>")
         if self.batch_size < 1:
             raise ValueError(f"data.batch_size: must be >= 1, got {self.batch_size}")
+        if self.format not in ("parquet", "openai_batch"):
+            raise ValueError(f"data.format: must be parquet or openai_batch, got {self.format!r}")
+        if self.format == "openai_batch" and self.group_column is not None:
+            raise ValueError(
+                "data.group_column: batch files have no columns; leave it null with data.format=openai_batch"
+            )
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Every commit marker records a fingerprint: flat `key -> value` pairs of everythi
 result row, in three parts:
 
 - settings (known before the model loads): the job's prompt template, system prompt and chat
-  template mode, all sampling parameters, the data keys that pick columns, output.keep_columns,
+  template mode, all sampling parameters, the data keys that pick columns (and the input format), output.keep_columns,
   and the engine settings that change numbers (dtype, quantization and its knobs, kv_cache_dtype,
   max_model_len, seed, speculative method);
 - model (known once the engine is loaded): the model file's sha256, the tokenizer's and chat
@@ -45,7 +45,8 @@ def settings_fingerprint(config: RunConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     _flatten("job", {k: v for k, v in dataclasses.asdict(config.job).items() if k != "name"}, out)
     _flatten("sampling", dataclasses.asdict(config.sampling), out)
-    _flatten("data", {k: getattr(config.data, k) for k in ("id_column", "text_column", "on_too_long")}, out)
+    data_keys = ("id_column", "text_column", "on_too_long", "format", "openai_model_name")
+    _flatten("data", {k: getattr(config.data, k) for k in data_keys}, out)
     out["output.keep_columns"] = list(config.output.keep_columns)
     _flatten("engine", {k: getattr(config.engine, k) for k in _ENGINE_KEYS}, out)
     out["engine.speculative.method"] = config.engine.speculative.method

@@ -37,6 +37,8 @@ from batchrun.job.errors import ShardError
 from batchrun.job.fingerprint import input_fingerprint
 from batchrun.job.manifest import utc_now
 from batchrun.job.metrics import ShardTally, metrics_row
+from batchrun.job.openai_files import BatchFileReader, BatchLineWriter
+from batchrun.job.openai_requests import BatchRequest, RequestBuilder, error_line, response_line
 from batchrun.job.planner import plan_requests
 from batchrun.job.progress import Progress
 from batchrun.job.prompts import Prompt, PromptBuilder
@@ -44,7 +46,7 @@ from batchrun.job.reader import InputRow, ShardReader
 from batchrun.job.results import ShardSummary
 from batchrun.job.shards import Shard, Worker
 from batchrun.job.signals import StopRequest
-from batchrun.job.store import Attempt, RunStore
+from batchrun.job.store import DEFAULT_FILES, Attempt, RunStore
 from batchrun.job.writer import ResultWriter, error_result, output_result, result_schema, write_metrics
 
 log = logging.getLogger(__name__)
@@ -67,6 +69,8 @@ class ShardHost(Protocol):
     settings: dict[str, Any]
     model_fp: dict[str, Any]
     ttfts: list[float]
+
+    requests: Optional[RequestBuilder]  # data.format=openai_batch: each row is a batch request line
 
     def record_ids(self, shard: str, id_keys: set[Any]) -> None: ...
 
@@ -96,7 +100,10 @@ class ShardRun:
         self.progress = progress
         self.config = host.config
         self.tally = ShardTally()
-        self.in_flight: dict[int, tuple[InputRow, Prompt, dict[str, Any]]] = {}  # row index -> row
+        self.batch_requests = host.requests  # None unless data.format=openai_batch
+        self.lines: Optional[BatchLineWriter] = None  # its OpenAI batch output and errors files
+        # row index -> (row, prompt, kept columns, the batch request when the row is one)
+        self.in_flight: dict[int, tuple[InputRow, Prompt, dict[str, Any], Optional[BatchRequest]]] = {}
         self.seen_ids: set[Any] = set()
         self.is_read = False  # every row was read and either admitted or written as an error row
         self.failure: Optional[BaseException] = None  # set when the shard cannot go on
@@ -108,12 +115,19 @@ class ShardRun:
         self.attempt: Attempt = host.store.begin(shard.name)
         columns = [*self.config.job.input_columns(self.config.data), *self.config.output.keep_columns]
         try:
-            self.reader = ShardReader(shard, host.data_fs, self.config.data, columns)
+            self.reader: ShardReader | BatchFileReader
+            if self.batch_requests is not None:
+                self.reader = BatchFileReader(shard, host.data_fs)
+            else:
+                self.reader = ShardReader(shard, host.data_fs, self.config.data, columns)
             try:
                 keep_fields = [self.reader.field(c) for c in self.config.output.keep_columns]
                 schema = result_schema(keep_fields, self.reader.id_type)
                 self.writer = ResultWriter(host.store.fs, self.attempt.results_tmp, schema)
+                if self.batch_requests is not None:
+                    self.lines = BatchLineWriter(host.store.fs, self.attempt.output_tmp, self.attempt.errors_tmp)
             except BaseException:
+                self._abort_writers()
                 self.reader.close()
                 raise
         except BaseException:
@@ -139,7 +153,14 @@ class ShardRun:
                 if stop.requested or self.is_lost:
                     return
                 keep = {c: row.values[c] for c in keep_columns}
-                prompt = self._check_row(row) or self.builder.build(row)
+                request: Optional[BatchRequest] = None
+                params = None
+                if self.batch_requests is not None:
+                    prompt = self.batch_requests.check_line(row) or self._check_row(row)
+                    if prompt is None:
+                        prompt, params, request = self.batch_requests.build(row)
+                else:
+                    prompt = self._check_row(row) or self.builder.build(row)
                 if prompt.token_ids is None:
                     self._emit(
                         row.index,
@@ -148,9 +169,12 @@ class ShardRun:
                         ),
                     )
                     continue
-                self.in_flight[row.index] = (row, prompt, keep)
+                self.in_flight[row.index] = (row, prompt, keep, request)
+                seeded = request is not None and request.body.get("seed") is not None
                 yield EngineRequest(
-                    request_id=(self.key, row.index), prompt=prompt.token_ids, params=self._params_for(row)
+                    request_id=(self.key, row.index),
+                    prompt=prompt.token_ids,
+                    params=self._params_for(row, params, seeded),
                 )
             self.is_read = True
         except Exception as e:
@@ -160,8 +184,8 @@ class ShardRun:
             self.failure = e
 
     def on_output(self, out: RequestOutput) -> None:
-        row, prompt, keep = self.in_flight.pop(out.request_id[1])
-        self._emit(row.index, output_result(row.id, out, prompt.error_message, keep))
+        row, prompt, keep, request = self.in_flight.pop(out.request_id[1])
+        self._emit(row.index, output_result(row.id, out, prompt.error_message, keep), request, out)
         self.tally.add_request(out.metrics)
 
     def commit(self) -> ShardSummary:
@@ -171,6 +195,12 @@ class ShardRun:
         num_rows = self.writer.close()
         if num_rows != self.reader.num_rows:
             raise ShardError(f"{num_rows} result rows for {self.reader.num_rows} input rows; not committed")
+        files = DEFAULT_FILES
+        if self.lines is not None:
+            num_lines = self.lines.close()
+            if num_lines != num_rows:
+                raise ShardError(f"{num_lines} batch output lines for {num_rows} requests; not committed")
+            files = (*DEFAULT_FILES, "output.jsonl", "errors.jsonl")
         store = self.host.store
         metrics = metrics_row(
             self.shard.name, self.host.worker.rank, self.tally, wall_s, self.engine_before, self.engine.stats()
@@ -196,6 +226,7 @@ class ShardRun:
                 "error_counts": self.tally.error_counts,
                 "metrics": metrics,
             },
+            files,
         )
         if not is_first:
             log.warning(
@@ -208,7 +239,7 @@ class ShardRun:
 
     def abandon(self) -> None:
         """Nothing of this attempt is committed; its files are removed."""
-        self.writer.abort()
+        self._abort_writers()
         self.reader.close()
         self.host.store.abandon(self.attempt)
 
@@ -235,17 +266,38 @@ class ShardRun:
         self.seen_ids.add(key)
         return None
 
-    def _params_for(self, row: InputRow) -> Optional[SamplingParams]:
+    def _abort_writers(self) -> None:
+        for writer in (getattr(self, "writer", None), self.lines):
+            if writer is not None:
+                writer.abort()
+
+    def _params_for(
+        self, row: InputRow, own: Optional[SamplingParams] = None, seeded: bool = False
+    ) -> Optional[SamplingParams]:
         """Per-row seed from (sampling.seed, id): the same row samples the same text in any batch,
-        shard split or resumed run. None keeps the stream's shared params (greedy needs no seed)."""
-        sampling = self.config.sampling
-        if sampling.seed is None or sampling.is_greedy:
-            return None
+        shard split or resumed run. None keeps the stream's shared params (greedy needs no seed).
+        `own`: the row's params (a batch request's body); `seeded`: its body chose the seed."""
+        sampling = own or self.config.sampling
+        if seeded or sampling.seed is None or sampling.is_greedy:
+            return own
         digest = hashlib.sha256(f"{sampling.seed}\0{row.id}".encode()).digest()
         return dataclasses.replace(sampling, seed=int.from_bytes(digest[:8], "little") >> 1)
 
-    def _emit(self, index: int, result: dict[str, Any]) -> None:
+    def _emit(
+        self,
+        index: int,
+        result: dict[str, Any],
+        request: Optional[BatchRequest] = None,
+        out: Optional[RequestOutput] = None,
+    ) -> None:
         self.writer.put(index, result)
+        if self.lines is not None:
+            if request is not None and out is not None and result["error_type"] is None:
+                line = response_line(self.shard.name, index, request, out)
+            else:
+                message = result["error_message"] or result["error_type"]
+                line = error_line(self.shard.name, index, result["id"], result["error_type"], message)
+            self.lines.put(index, line)
         self.tally.add(result)
         self.progress.advance(1, result["num_output_tokens"] or 0)
 

@@ -5,6 +5,11 @@ each shard is committed only when every input row has its result row (see store.
 becomes a typed error row; any failure of a shard (unreadable, a storage error that outlasted its
 retries, a bug) is recorded as that shard's failure and the run goes on; a stop signal abandons the
 shards in progress.
+
+With data.format=openai_batch a shard is a .jsonl file of OpenAI batch requests (openai_files.py,
+openai_requests.py): each line is a row, its request's body sets its sampling params, and besides
+the usual Parquet results and metrics the attempt writes OpenAI batch output and errors files,
+committed with them under the same marker.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from batchrun.job.fingerprint import differences, input_fingerprint, model_finge
 from batchrun.job.flow import ShardFlow
 from batchrun.job.manifest import Manifest, redact, utc_now, write_merged_manifest
 from batchrun.job.metrics import percentile
+from batchrun.job.openai_requests import RequestBuilder
 from batchrun.job.progress import Progress
 from batchrun.job.prompts import PromptBuilder
 from batchrun.job.results import RunResult, ShardSummary
@@ -68,7 +74,12 @@ class _JobRun:
         assert data_uri is not None, "DataConfig requires a uri"
         self.data_fs, data_path = open_filesystem(data_uri, config.data.storage_options)
         same_fs = type(self.data_fs) is type(self.store.fs) and self.data_fs.protocol == self.store.fs.protocol
-        listed = discover_shards(self.data_fs, data_path, data_uri, exclude=self.store.root if same_fs else None)
+        self.is_openai_batch = config.data.format == "openai_batch"
+        if self.is_openai_batch:
+            self._check_openai_batch_config()
+        listed = discover_shards(
+            self.data_fs, data_path, data_uri, self.store.root if same_fs else None, config.data.format
+        )
         stealing = config.launcher.work_stealing and self.worker.world_size > 1
         all_shards = self._shared_plan(listed) if self.worker.world_size > 1 and not stealing else listed
         self._check_id_column(all_shards[0])
@@ -140,11 +151,21 @@ class _JobRun:
             )
         return planned
 
+    def _check_openai_batch_config(self) -> None:
+        """Keys that read Parquet columns or template rows mean nothing for batch files: refuse
+        them rather than ignore them."""
+        if self.config.job.prompt_template is not None:
+            raise ConfigError(
+                "job.prompt_template", "not used with data.format=openai_batch (requests carry their prompts)"
+            )
+        if self.config.output.keep_columns:
+            raise ConfigError("output.keep_columns", "batch files have no columns to keep (data.format=openai_batch)")
+
     def _check_id_column(self, first: Shard) -> None:
         """A misspelled data.id_column must not silently become positional ids: the first shard
         must have it (a later shard without it fails on its own)."""
         column = self.config.data.id_column
-        if column is None:
+        if column is None or self.is_openai_batch:
             return
         try:
             with self.data_fs.open(first.path, "rb") as f:
@@ -283,6 +304,16 @@ class _JobRun:
                 f"within the engine's max_model_len={engine.max_model_len}"
             )
         builder = PromptBuilder(self.config.job, self.config.data, engine.tokenizer, max_prompt_tokens)
+        self.requests: Optional[RequestBuilder] = None  # read by flow.ShardRun
+        if self.is_openai_batch:
+            alias = self.config.data.openai_model_name
+            self.requests = RequestBuilder(
+                engine.tokenizer,
+                engine.max_model_len,
+                frozenset([self.config.model.path, *([alias] if alias else [])]),
+                self.config.sampling,
+                self.config.job.system_prompt,
+            )
         progress = Progress(len(self.todo), self.config.quiet)
         queue = ShardQueue(
             self.todo,

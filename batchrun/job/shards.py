@@ -8,7 +8,8 @@ input name can address anything outside its own files in the output directory. T
 only on the file's own path, never on which other files exist, so adding inputs later cannot rename
 a committed shard.
 
-Discovery takes Parquet files only (by extension; the reader checks the magic bytes), skips hidden
+Discovery takes the input format's files only, by extension (`*.parquet`, or `*.jsonl` OpenAI batch
+files with data.format=openai_batch; the Parquet reader checks the magic bytes), skips hidden
 and `_`-prefixed files (Spark's `_SUCCESS`, checksums, our own output), and never takes files under
 the run's own output directory when that lies inside the input.
 
@@ -59,6 +60,12 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._=-]+")
 # common file-name limit is 255 bytes, and a slug plus hash must stay well within it.
 NAME_MAX_BYTES = 150
 PARQUET_SUFFIXES = (".parquet", ".parq", ".pq")
+JSONL_SUFFIXES = (".jsonl",)
+# data.format -> (the suffixes its files have, what messages call them)
+FORMAT_FILES: dict[str, tuple[tuple[str, ...], str]] = {
+    "parquet": (PARQUET_SUFFIXES, "Parquet files (*.parquet)"),
+    "openai_batch": (JSONL_SUFFIXES, "OpenAI batch files (*.jsonl)"),
+}
 
 
 def open_filesystem(uri: str, storage_options: Mapping[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -66,8 +73,11 @@ def open_filesystem(uri: str, storage_options: Mapping[str, Any]) -> tuple[fsspe
     return url_to_fs(uri, **dict(storage_options))
 
 
-def discover_shards(fs: fsspec.AbstractFileSystem, path: str, uri: str, exclude: Optional[str] = None) -> list[Shard]:
-    """The Parquet files at `path` in `fs` (a directory, a glob or one file), sorted by shard name.
+def discover_shards(
+    fs: fsspec.AbstractFileSystem, path: str, uri: str, exclude: Optional[str] = None, data_format: str = "parquet"
+) -> list[Shard]:
+    """The input files of `data_format` at `path` in `fs` (a directory, a glob or one file), sorted
+    by shard name.
 
     `uri` is what the user wrote, for messages; `exclude` is a path in `fs` whose files are never
     inputs (the run's output directory when it lies inside the input). Finding no input is a
@@ -88,7 +98,9 @@ def discover_shards(fs: fsspec.AbstractFileSystem, path: str, uri: str, exclude:
     except (OSError, PermissionError) as e:
         raise JobError(f"data.uri: cannot list {uri}: {e}") from None
     candidates = sorted(infos)
-    files, skipped = [], {"hidden or _-prefixed": 0, "not .parquet": 0, "inside output.uri": 0}
+    suffixes, kind = FORMAT_FILES[data_format]
+    other = f"not {suffixes[0]}"
+    files, skipped = [], {"hidden or _-prefixed": 0, other: 0, "inside output.uri": 0}
     excluded = exclude.rstrip("/") + "/" if exclude else None
     for p in candidates:
         rel = posixpath.relpath(p, root) if root else p
@@ -96,8 +108,8 @@ def discover_shards(fs: fsspec.AbstractFileSystem, path: str, uri: str, exclude:
             skipped["inside output.uri"] += 1
         elif _is_hidden(rel):
             skipped["hidden or _-prefixed"] += 1
-        elif not p.lower().endswith(PARQUET_SUFFIXES):
-            skipped["not .parquet"] += 1
+        elif not p.lower().endswith(suffixes):
+            skipped[other] += 1
         else:
             files.append(p)
     if any(skipped.values()):
@@ -105,7 +117,7 @@ def discover_shards(fs: fsspec.AbstractFileSystem, path: str, uri: str, exclude:
     if not files:
         raise ConfigError(
             "data.uri",
-            f"no Parquet files (*.parquet) at {uri}"
+            f"no {kind} at {uri}"
             + (f" ({sum(skipped.values())} other files skipped)" if any(skipped.values()) else ""),
         )
     shards = [

@@ -2,6 +2,8 @@
 
     {output.uri}/results/{shard}.parquet          the committed attempt's results, rows in input order
     {output.uri}/metrics/{shard}.parquet          its metrics row
+    {output.uri}/outputs/{shard}.jsonl            data.format=openai_batch: OpenAI batch output lines
+    {output.uri}/errors/{shard}.jsonl             data.format=openai_batch: OpenAI batch error lines
     {output.uri}/_commits/{shard}.json            the commit marker: the only proof a shard is done
     {output.uri}/_attempts/{shard}/{attempt}/     one attempt's own files, never read by anyone else
     {output.uri}/_claims/{shard}/{gen}.json       who is working on a shard (claims.py); advisory
@@ -12,10 +14,11 @@ Protocol. Each attempt at a shard writes its files under its own `_attempts/{sha
 no attempt deletes or overwrites another's. The commit is ONE create-if-absent of the marker, which
 names the attempt whose files are the result: exactly one attempt wins, however many workers ran
 the shard (a frozen worker that wakes up after its lease, two workers racing on an object store).
-The loser logs it and discards its own attempt. After winning, the winner publishes its files to
-`results/` and `metrics/` (a rename locally; a copy then delete on object stores); anyone who finds
-a marker whose files are not published yet (the winner died in between) finishes the publication
-from the attempt the marker names. So:
+The loser logs it and discards its own attempt. After winning, the winner publishes the files the
+marker lists to `results/` and `metrics/` (and `outputs/`, `errors/` for OpenAI batch files; a
+rename locally, a copy then delete on object stores); anyone who finds a marker whose files are not
+published yet (the winner died in between) finishes the publication from the attempt the marker
+names. So:
 
 - A shard is committed if and only if its marker exists; a marker always names complete files.
 - `results/*.parquet` only ever holds files of committed attempts, one per shard; during the short
@@ -40,7 +43,7 @@ import random
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, TypeVar
 
@@ -53,6 +56,18 @@ from batchrun.job.shards import is_safe_name, open_filesystem
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+# An attempt's file name -> (published directory, suffix): {output.uri}/{directory}/{shard}{suffix}.
+PUBLISHED_FILES: dict[str, tuple[str, str]] = {
+    "results.parquet": ("results", ".parquet"),
+    "metrics.parquet": ("metrics", ".parquet"),
+    "output.jsonl": ("outputs", ".jsonl"),
+    "errors.jsonl": ("errors", ".jsonl"),
+}
+# The files every commit has; a marker without a "files" list (older runs) has these.
+DEFAULT_FILES = ("results.parquet", "metrics.parquet")
+# committed_files' kinds -> the attempt file of that kind
+_KIND_FILES = {directory: name for name, (directory, _) in PUBLISHED_FILES.items()}
 
 MARKER_PROTOCOL = 2  # markers of this layout carry "protocol": 2 and name their attempt
 _MEMORY_LOCK = threading.Lock()  # memory:// lives in one process: a lock makes create exclusive
@@ -96,6 +111,8 @@ class Attempt:
     directory: str
     results_tmp: str
     metrics_tmp: str
+    output_tmp: str  # OpenAI batch output lines (data.format=openai_batch only)
+    errors_tmp: str  # OpenAI batch error lines (data.format=openai_batch only)
 
 
 class RunStore:
@@ -129,6 +146,11 @@ class RunStore:
 
     def metrics_path(self, shard: str) -> str:
         return self.path("metrics", f"{_checked(shard)}.parquet")
+
+    def published_path(self, shard: str, file_name: str) -> str:
+        """Where an attempt's `file_name` (a PUBLISHED_FILES key) is published for `shard`."""
+        directory, suffix = PUBLISHED_FILES[file_name]
+        return self.path(directory, f"{_checked(shard)}{suffix}")
 
     def marker_path(self, shard: str) -> str:
         return self.path("_commits", f"{_checked(shard)}.json")
@@ -203,10 +225,13 @@ class RunStore:
             directory,
             posixpath.join(directory, "results.parquet"),
             posixpath.join(directory, "metrics.parquet"),
+            posixpath.join(directory, "output.jsonl"),
+            posixpath.join(directory, "errors.jsonl"),
         )
 
-    def commit(self, attempt: Attempt, marker: Mapping[str, Any]) -> bool:
-        """Create the shard's marker naming this attempt, then publish the attempt's files.
+    def commit(self, attempt: Attempt, marker: Mapping[str, Any], files: Sequence[str] = DEFAULT_FILES) -> bool:
+        """Create the shard's marker naming this attempt and its `files` (PUBLISHED_FILES keys),
+        then publish those files.
 
         False, with this attempt's files discarded, when another attempt's marker was there first:
         that commit stands and this attempt's work is redundant.
@@ -216,7 +241,9 @@ class RunStore:
             "protocol": MARKER_PROTOCOL,
             "attempt": attempt.attempt_id,
             "attempt_dir": posixpath.relpath(attempt.directory, self.root),
+            "files": list(files),
         }
+        assert all(name in PUBLISHED_FILES for name in files), files
         if not self.create_json(self.marker_path(attempt.shard), doc):
             self.abandon(attempt)
             return False
@@ -239,11 +266,10 @@ class RunStore:
         parts = attempt_dir.split("/")
         source_dir = self.path(*parts)
         complete = True
-        for name, final in (
-            ("results.parquet", self.results_path(shard)),
-            ("metrics.parquet", self.metrics_path(shard)),
-        ):
-            complete &= self._move_if_needed(posixpath.join(source_dir, name), final)
+        # results/ last: published_shards() takes a shard's results file as proof that all of its
+        # files are published, so a committer that dies part way is finished by the next run.
+        for name in sorted(marker_files(marker), key=lambda name: name == "results.parquet"):
+            complete &= self._move_if_needed(posixpath.join(source_dir, name), self.published_path(shard, name))
         if complete:
             self._remove_tree(source_dir)
         return complete
@@ -362,6 +388,14 @@ class RunStore:
                 pass
 
 
+def marker_files(marker: Mapping[str, Any]) -> list[str]:
+    """The attempt files a commit marker publishes (only names this module knows: a marker is data)."""
+    files = marker.get("files")
+    if not isinstance(files, list):
+        return list(DEFAULT_FILES)
+    return [name for name in files if name in PUBLISHED_FILES]
+
+
 def checked_name(shard: str) -> str:
     """`shard`, when it is a name shards.py could have made; ValueError otherwise."""
     return _checked(shard)
@@ -391,19 +425,21 @@ def _is_precondition_failure(error: BaseException) -> bool:
 
 
 def committed_files(store: RunStore, kind: str = "results") -> dict[str, str]:
-    """shard -> path of its committed `kind` file ("results" or "metrics"), from the markers alone:
-    what a reader should use to see exactly the committed results, also while workers are running.
-    Read-only: a shard whose publication is pending is read from the attempt its marker names."""
-    assert kind in ("results", "metrics"), kind
+    """shard -> path of its committed `kind` file ("results", "metrics", and for OpenAI batch
+    runs "outputs" or "errors"), from the markers alone: what a reader should use to see exactly the
+    committed results, also while workers are running. Read-only: a shard whose publication is
+    pending is read from the attempt its marker names."""
+    assert kind in _KIND_FILES, kind
+    name = _KIND_FILES[kind]
     out = {}
     for shard in sorted(store.committed_shards()):
         marker = store.read_marker(shard)
-        if marker is None:
+        if marker is None or name not in marker_files(marker):
             continue
-        path = store.results_path(shard) if kind == "results" else store.metrics_path(shard)
+        path = store.published_path(shard, name)
         attempt_dir = marker.get("attempt_dir")
         if isinstance(attempt_dir, str) and not store.fs.exists(path):
-            pending = posixpath.join(store.path(*attempt_dir.split("/")), f"{kind}.parquet")
+            pending = posixpath.join(store.path(*attempt_dir.split("/")), name)
             store.fs.invalidate_cache(posixpath.dirname(path))
             path = pending if store.fs.exists(pending) else path
         out[shard] = path
@@ -413,7 +449,7 @@ def committed_files(store: RunStore, kind: str = "results") -> dict[str, str]:
 def committed_urls(
     uri: str, storage_options: Optional[Mapping[str, Any]] = None, kind: str = "results"
 ) -> dict[str, str]:
-    """shard -> URL of its committed results (or metrics) file in the run at `uri`: for notebooks,
+    """shard -> URL of its committed `kind` file (results, metrics, outputs, errors) in the run at `uri`: for notebooks,
     pandas and `datasets.load_dataset("parquet", data_files=list(urls.values()))`."""
     store = RunStore(uri, storage_options or {})
     return {shard: store.url(path) for shard, path in committed_files(store, kind).items()}

@@ -1,0 +1,456 @@
+"""OpenAI batch files in and out (data.format=openai_batch): request lines checked into prompts and
+sampling params, every line answered exactly once in OpenAI's batch output or errors format, and
+the files committed and resumed like Parquet shards. Output lines are checked against the format
+by a validator written from OpenAI's spec (BatchRequestOutput, chat.completion, text_completion)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow.parquet as pq
+import pytest
+
+from batchrun.engine import EngineConfig, SamplingParams
+from batchrun.job import ConfigError, DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
+from batchrun.job.openai_requests import (
+    BatchRequest,
+    RequestError,
+    check_request,
+    sampling_params,
+)
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+ROOT = Path(__file__).resolve().parents[1]
+ALIAS = "tiny-llama"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+# ---- a validator written from OpenAI's batch output spec ------------------------------------
+
+
+def check_output_line(line: dict[str, Any], url: str) -> None:
+    """A line of a batch output file: a 200 response whose body is a chat.completion (chat url) or
+    a text_completion (completions url) with one choice and consistent usage."""
+    assert set(line) == {"id", "custom_id", "response", "error"}, line
+    assert isinstance(line["id"], str) and line["id"].startswith("batch_req_")
+    assert isinstance(line["custom_id"], str) and line["error"] is None
+    response = line["response"]
+    assert set(response) == {"status_code", "request_id", "body"}
+    assert response["status_code"] == 200 and isinstance(response["request_id"], str)
+    body = response["body"]
+    assert {"id", "object", "created", "model", "choices", "usage"} <= set(body)
+    assert isinstance(body["id"], str) and isinstance(body["created"], int) and isinstance(body["model"], str)
+    assert body["object"] == ("chat.completion" if url == CHAT else "text_completion")
+    assert len(body["choices"]) == 1
+    choice = body["choices"][0]
+    assert choice["index"] == 0 and choice["finish_reason"] in ("stop", "length") and choice["logprobs"] is None
+    if url == CHAT:
+        assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    else:
+        assert isinstance(choice["text"], str)
+    usage = body["usage"]
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert isinstance(usage[key], int) and usage[key] >= 0, usage
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
+
+
+def check_error_line(line: dict[str, Any]) -> None:
+    """A line of a batch errors file."""
+    assert set(line) == {"id", "custom_id", "response", "error"}, line
+    assert isinstance(line["id"], str) and line["id"].startswith("batch_req_")
+    assert line["custom_id"] is None or isinstance(line["custom_id"], str)
+    assert line["response"] is None
+    assert set(line["error"]) == {"code", "message"}
+    assert isinstance(line["error"]["code"], str) and isinstance(line["error"]["message"], str)
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# ---- request lines: unit checks ---------------------------------------------------------------
+
+
+def request(body: dict[str, Any], url: str = CHAT, **line: Any) -> dict[str, Any]:
+    key = {"messages": [{"role": "user", "content": "hi"}]} if url == CHAT else {"prompt": "hi"}
+    return {"custom_id": "r", "method": "POST", "url": url, "body": {"model": ALIAS, **key, **body}, **line}
+
+
+def params_of(body: dict[str, Any], url: str = CHAT, defaults: SamplingParams | None = None):
+    req = check_request(request(body, url), frozenset([ALIAS]))
+    assert isinstance(req, BatchRequest), req
+    return sampling_params(req, defaults or SamplingParams(temperature=1.0, max_tokens=64, seed=0))
+
+
+def test_body_fields_override_the_job_defaults():
+    defaults = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=64, stop=("###",), seed=0)
+    assert params_of({}, defaults=defaults) == defaults
+    p = params_of(
+        {"max_tokens": 3, "temperature": 0, "top_p": 0.5, "stop": "\n", "seed": 42, "n": 1}, defaults=defaults
+    )
+    assert (p.max_tokens, p.temperature, p.top_p, p.stop, p.seed) == (3, 0.0, 0.5, ("\n",), 42)
+    assert params_of({"max_completion_tokens": 5, "max_tokens": 9}).max_tokens == 5  # chat: the newer key wins
+    assert params_of({"max_tokens": 7}, COMPLETIONS).max_tokens == 7
+    assert params_of({"stop": ["a", "b"]}).stop == ("a", "b")
+    # null means unset; fields that change nothing, and "off" values of unsupported ones, are accepted
+    quiet = {"temperature": None, "user": "u", "stream": False, "presence_penalty": 0, "logprobs": False}
+    assert params_of({**quiet, "response_format": {"type": "text"}, "logit_bias": {}}) == params_of({})
+
+
+@pytest.mark.parametrize(
+    "body, url, code, words",
+    [
+        ({"n": 2}, CHAT, "unsupported_parameter", "n=2"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, CHAT, "unsupported_parameter", "json_schema"),
+        ({"response_format": {"type": "json_object"}}, CHAT, "unsupported_parameter", "json_object"),
+        ({"response_format": "json"}, CHAT, "invalid_request", "response_format"),
+        ({"temperature": "hot"}, CHAT, "invalid_request", "temperature"),
+        ({"temperature": 2.5}, CHAT, "invalid_request", "temperature"),
+        ({"top_p": 0}, CHAT, "invalid_request", "top_p"),
+        ({"max_tokens": 0}, CHAT, "invalid_request", "max_tokens"),
+        ({"max_tokens": True}, CHAT, "invalid_request", "max_tokens"),
+        ({"max_tokens": 2.5}, COMPLETIONS, "invalid_request", "max_tokens"),
+        ({"max_completion_tokens": 4}, COMPLETIONS, "unsupported_parameter", "max_completion_tokens"),
+        ({"seed": "x"}, CHAT, "invalid_request", "seed"),
+        ({"stop": ["a", 1]}, CHAT, "invalid_request", "stop"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, CHAT, "invalid_request", "at most 4"),
+        ({"presence_penalty": 0.5}, CHAT, "unsupported_parameter", "presence_penalty"),
+        ({"logprobs": True}, CHAT, "unsupported_parameter", "logprobs"),
+        ({"frobnicate": 1}, CHAT, "unsupported_parameter", "frobnicate"),
+    ],
+)
+def test_bad_or_unsupported_body_fields_are_typed_errors(body, url, code, words):
+    error = params_of(body, url)
+    assert isinstance(error, RequestError) and error.code == code and words in error.message, error
+
+
+@pytest.mark.parametrize(
+    "change, code, words",
+    [
+        ({"method": "GET"}, "invalid_request", "method"),
+        ({"url": "/v1/embeddings"}, "invalid_request", "url"),
+        ({"body": "text"}, "invalid_request", "body must be an object"),
+        ({"body": {"model": ALIAS}}, "invalid_request", "body.messages is required"),
+        ({"url": COMPLETIONS, "body": {"model": ALIAS}}, "invalid_request", "body.prompt is required"),
+        ({"body": {"messages": []}}, "invalid_request", "body.model"),
+        ({"body": {"model": "gpt-4o", "messages": []}}, "model_not_found", "gpt-4o"),
+        ({"extra": 1}, "invalid_request", "unknown field"),
+    ],
+)
+def test_bad_request_lines_are_typed_errors(change, code, words):
+    error = check_request({**request({}), **change}, frozenset([ALIAS]))
+    assert isinstance(error, RequestError) and error.code == code and words in error.message, error
+
+
+def test_bundled_example_has_good_and_bad_requests_for_the_default_model():
+    lines = read_lines(ROOT / "batchrun" / "data" / "openai_batch" / "requests.jsonl")
+    outcomes = []
+    for line in lines:
+        req = check_request(line, frozenset(["smollm2-135m"]))
+        if isinstance(req, BatchRequest):
+            req = sampling_params(req, SamplingParams())
+        outcomes.append(req.code if isinstance(req, RequestError) else "ok")
+    assert outcomes == ["ok", "ok", "ok", "model_not_found", "unsupported_parameter"]
+    assert {line["url"] for line in lines} == {CHAT, COMPLETIONS}
+
+
+# ---- whole runs ---------------------------------------------------------------------------------
+
+GOOD_PROMPT = "The Python language reference describes"
+
+
+def mixed_batch() -> tuple[list[str], dict[str, tuple[str, str]]]:
+    """Lines of a batch file with good, malformed and mismatched lines; and what each custom_id
+    expects: (output|error code, url)."""
+    good_chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a module?"}]
+    text_parts = [
+        {"role": "user", "content": [{"type": "text", "text": "What is a "}, {"type": "text", "text": "class?"}]}
+    ]
+    lines: list[Any] = [
+        ("chat-greedy", CHAT, {"messages": good_chat, "max_tokens": 6, "temperature": 0}),
+        ("chat-parts", CHAT, {"messages": text_parts, "max_completion_tokens": 4, "temperature": 0}),
+        ("cmpl-3", COMPLETIONS, {"prompt": GOOD_PROMPT, "max_tokens": 3, "temperature": 0}),
+        ("cmpl-ids", COMPLETIONS, {"prompt": [5, 6, 7, 8], "max_tokens": 2, "temperature": 0}),
+        ("seeded-a", COMPLETIONS, {"prompt": GOOD_PROMPT, "seed": 123}),
+        ("seeded-b", COMPLETIONS, {"prompt": GOOD_PROMPT, "seed": 123}),
+        ("unseeded-a", COMPLETIONS, {"prompt": GOOD_PROMPT}),
+        ("unseeded-b", COMPLETIONS, {"prompt": GOOD_PROMPT}),
+        "{not json",
+        "",  # a blank line is no request
+        '["a", "list"]',
+        {"method": "POST", "url": CHAT, "body": {"model": ALIAS, "messages": good_chat}},  # no custom_id
+        {"custom_id": 17, "method": "POST", "url": CHAT, "body": {"model": ALIAS, "messages": good_chat}},
+        {"custom_id": "wrong-method", "method": "GET", "url": CHAT, "body": {"model": ALIAS, "messages": good_chat}},
+        {"custom_id": "wrong-url", "method": "POST", "url": "/v1/embeddings", "body": {"model": ALIAS, "input": "x"}},
+        ("no-messages", CHAT, {}),
+        ("no-prompt", COMPLETIONS, {}),
+        ("bad-type", CHAT, {"messages": good_chat, "temperature": "hot"}),
+        ("bad-message", CHAT, {"messages": [{"role": "user"}]}),
+        ("other-model", CHAT, {"messages": good_chat, "model": "gpt-4o-mini"}),
+        ("chat-greedy", CHAT, {"messages": good_chat, "max_tokens": 6}),  # a duplicate custom_id
+        ("two-choices", CHAT, {"messages": good_chat, "n": 3}),
+        ("json-schema", CHAT, {"messages": good_chat, "response_format": {"type": "json_schema", "json_schema": {}}}),
+        ("too-long", COMPLETIONS, {"prompt": "word " * 600, "max_tokens": 2}),
+        ("model-path", CHAT, {"messages": good_chat, "max_tokens": 2, "model": "<path>"}),
+    ]
+    expected = {
+        "chat-greedy": "output",
+        "chat-parts": "output",
+        "cmpl-3": "output",
+        "cmpl-ids": "output",
+        "seeded-a": "output",
+        "seeded-b": "output",
+        "unseeded-a": "output",
+        "unseeded-b": "output",
+        "wrong-method": "invalid_request",
+        "wrong-url": "invalid_request",
+        "no-messages": "invalid_request",
+        "no-prompt": "invalid_request",
+        "bad-type": "invalid_request",
+        "bad-message": "invalid_request",
+        "other-model": "model_not_found",
+        "two-choices": "unsupported_parameter",
+        "json-schema": "unsupported_parameter",
+        "too-long": "context_length_exceeded",
+        "model-path": "output",
+    }
+    text = []
+    for line in lines:
+        if isinstance(line, tuple):
+            custom_id, url, body = line
+            line = {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": ALIAS, **body}}
+        text.append(line if isinstance(line, str) else json.dumps(line))
+    return text, expected
+
+
+def write_batch(path: Path, lines: list[str], model_path: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines).replace('"<path>"', json.dumps(model_path)) + "\n")
+
+
+def batch_config(data_uri, output_uri, model_dir, **data) -> RunConfig:
+    return RunConfig(
+        job=JobConfig(name="openai_batch"),
+        model=ModelConfig(path=model_dir),
+        engine=EngineConfig(model=model_dir, max_num_seqs=4),
+        sampling=SamplingParams(temperature=1.0, max_tokens=8, seed=0),
+        data=DataConfig(uri=str(data_uri), format="openai_batch", openai_model_name=ALIAS, **data),
+        output=OutputConfig(uri=str(output_uri)),
+        quiet=True,
+    )
+
+
+def test_round_trip_every_line_answered_once_in_openai_format(tmp_path, tiny_engine, tiny_llama_dir):
+    lines, expected = mixed_batch()
+    write_batch(tmp_path / "in" / "batch.jsonl", lines, tiny_llama_dir)
+    (tmp_path / "in" / "notes.txt").write_text("not a batch file")
+    (tmp_path / "in" / "_hidden.jsonl").write_text("{}\n")
+    out = tmp_path / "out"
+    result = run_job(batch_config(tmp_path / "in", out, tiny_llama_dir), engine=tiny_engine)
+    assert (result.exit_code, [(s.name, s.status) for s in result.shards]) == (0, [("batch", "committed")])
+
+    outputs, errors = read_lines(out / "outputs" / "batch.jsonl"), read_lines(out / "errors" / "batch.jsonl")
+    urls = {json.loads(x)["custom_id"]: json.loads(x)["url"] for x in lines if x.startswith('{"custom_id": "')}
+    for line in outputs:
+        check_output_line(line, urls[line["custom_id"]])
+    for line in errors:
+        check_error_line(line)
+    # One line per non-blank input line, none twice, input order kept within each file.
+    num_requests = sum(1 for x in lines if x.strip())
+    assert len(outputs) + len(errors) == num_requests
+    assert len({x["id"] for x in outputs + errors}) == num_requests
+    ok = {x["custom_id"]: x for x in outputs}
+    assert list(ok) == [c for c, want in expected.items() if want == "output"]
+    codes = [(x["custom_id"], x["error"]["code"]) for x in errors]
+    assert codes == [
+        (None, "invalid_json"),
+        (None, "invalid_json"),
+        (None, "invalid_request"),  # no custom_id
+        (None, "invalid_request"),  # custom_id 17
+        ("wrong-method", "invalid_request"),
+        ("wrong-url", "invalid_request"),
+        ("no-messages", "invalid_request"),
+        ("no-prompt", "invalid_request"),
+        ("bad-type", "invalid_request"),
+        ("bad-message", "invalid_request"),
+        ("other-model", "model_not_found"),
+        ("chat-greedy", "duplicate_id"),
+        ("two-choices", "unsupported_parameter"),
+        ("json-schema", "unsupported_parameter"),
+        ("too-long", "context_length_exceeded"),
+    ]
+    messages = {c: x["error"]["message"] for c, x in zip([c for c, _ in codes], errors) if c}
+    assert "line 16: body.messages" in messages["no-messages"] and "gpt-4o-mini" in messages["other-model"]
+    assert "n=3" in messages["two-choices"] and "json_schema" in messages["json-schema"]
+
+    # Per-request overrides: max_tokens bounds the completion; greedy requests say exactly what the
+    # engine says for the same prompt ids alone; one body seed gives one text whatever the custom_id.
+    usage = {c: x["response"]["body"]["usage"] for c, x in ok.items()}
+    assert usage["cmpl-3"]["completion_tokens"] <= 3 and usage["chat-parts"]["completion_tokens"] <= 4
+    assert (
+        usage["cmpl-ids"] == {**usage["cmpl-ids"], "prompt_tokens": 4} and usage["cmpl-ids"]["completion_tokens"] <= 2
+    )
+    assert all(u["completion_tokens"] <= 8 for u in usage.values())  # the job's sampling.max_tokens
+    tok = tiny_engine.tokenizer
+    messages_ids = tok.encode(
+        tok.apply_chat_template(
+            [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is a module?"}],
+            tokenize=False,
+            add_generation_prompt=True,
+        ),
+        add_special_tokens=False,
+    )
+    greedy = tiny_engine.generate(
+        [messages_ids, tok.encode(GOOD_PROMPT)],
+        [SamplingParams(temperature=0, max_tokens=6), SamplingParams(temperature=0, max_tokens=3)],
+    )
+    assert ok["chat-greedy"]["response"]["body"]["choices"][0]["message"]["content"] == greedy[0].text
+    assert ok["cmpl-3"]["response"]["body"]["choices"][0]["text"] == greedy[1].text
+    text = {c: x["response"]["body"]["choices"][0]["text"] for c, x in ok.items() if urls[c] == COMPLETIONS}
+    assert text["seeded-a"] == text["seeded-b"]
+    assert text["unseeded-a"] != text["unseeded-b"]  # seeded per row from (sampling.seed, custom_id)
+    assert (
+        ok["model-path"]["response"]["body"]["model"] == tiny_llama_dir
+        and ok["chat-greedy"]["response"]["body"]["model"] == ALIAS
+    )
+
+    # The Parquet results and metrics are written as for Parquet shards: one row per request.
+    rows = pq.read_table(out / "results" / "batch.parquet").to_pylist()
+    assert len(rows) == num_requests
+    assert [r["output"] for r in rows if r["error_type"] is None] == [
+        x["response"]["body"]["choices"][0].get(
+            "text", x["response"]["body"]["choices"][0].get("message", {}).get("content")
+        )
+        for x in outputs
+    ]
+    assert [(r["id"], r["error_type"]) for r in rows if r["error_type"]] == codes
+    metrics = pq.read_table(out / "metrics" / "batch.parquet").to_pylist()[0]
+    assert (metrics["num_rows"], metrics["num_ok"], metrics["num_errors"]) == (num_requests, len(outputs), len(errors))
+    assert json.loads((out / "_commits" / "batch.json").read_text())["files"] == [
+        "results.parquet",
+        "metrics.parquet",
+        "output.jsonl",
+        "errors.jsonl",
+    ]
+    assert not (out / "_attempts").exists()
+
+    from batchrun.job import committed_urls
+
+    assert committed_urls(str(out), kind="outputs") == {"batch": f"file://{out}/outputs/batch.jsonl"}
+
+
+def test_parquet_only_keys_are_refused_with_openai_batch(tmp_path, tiny_engine, tiny_llama_dir):
+    write_batch(tmp_path / "in" / "b.jsonl", mixed_batch()[0][:1], tiny_llama_dir)
+    cfg = batch_config(tmp_path / "in", tmp_path / "out", tiny_llama_dir)
+    with pytest.raises(ConfigError, match="job.prompt_template"):
+        run_job(RunConfig(**{**cfg.__dict__, "job": JobConfig(prompt_template="Q: {text}")}), engine=tiny_engine)
+    with pytest.raises(ConfigError, match="output.keep_columns"):
+        run_job(RunConfig(**{**cfg.__dict__, "output": OutputConfig(uri=str(tmp_path / "o"), keep_columns=("x",))}))
+    with pytest.raises(ValueError, match="data.group_column"):
+        DataConfig(uri="x", format="openai_batch", group_column="doc")
+    (tmp_path / "parquet_only").mkdir()
+    (tmp_path / "parquet_only" / "a.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ConfigError, match=r"no OpenAI batch files \(\*.jsonl\)"):
+        run_job(batch_config(tmp_path / "parquet_only", tmp_path / "out2", tiny_llama_dir), engine=tiny_engine)
+
+
+def test_cli_job_resumes_without_writing_anything_twice(tmp_path, tiny_llama_dir, job_overrides):
+    """`python -m batchrun job=openai_batch` over two files; one commit is then lost (as if its
+    worker died before the marker) and the rerun redoes that file only."""
+    lines, _ = mixed_batch()
+    write_batch(tmp_path / "in" / "a.jsonl", lines[:8], tiny_llama_dir)
+    write_batch(tmp_path / "in" / "b.jsonl", lines[8:], tiny_llama_dir)
+    out = tmp_path / "out"
+    overrides = job_overrides(tmp_path / "in", out, "job=openai_batch", f"data.openai_model_name={ALIAS}")
+
+    def run() -> subprocess.CompletedProcess:
+        proc = subprocess.run(
+            [sys.executable, "-m", "batchrun", *overrides],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ},
+        )
+        assert proc.returncode == 0, proc.stderr
+        return proc
+
+    first = run()
+    assert re.search(r"^a +committed", first.stdout, re.M) and re.search(r"^b +committed", first.stdout, re.M)
+    published = {p.relative_to(out): p.read_bytes() for d in ("outputs", "errors") for p in (out / d).iterdir()}
+    assert sorted(map(str, published)) == ["errors/a.jsonl", "errors/b.jsonl", "outputs/a.jsonl", "outputs/b.jsonl"]
+    assert published[Path("errors/a.jsonl")] == b""  # a's lines are all good
+    (out / "_commits" / "b.json").unlink()
+    for d in ("outputs", "errors"):
+        (out / d / "b.jsonl").write_text("stale, never committed\n")
+
+    second = run()
+    assert re.search(r"^a +skipped", second.stdout, re.M) and re.search(r"^b +committed", second.stdout, re.M)
+    assert (out / "outputs" / "a.jsonl").read_bytes() == published[Path("outputs/a.jsonl")]
+    # The redone file is whole again, and every request is answered exactly once across both files.
+    custom_ids = [
+        x["custom_id"] for d in ("outputs", "errors") for p in sorted((out / d).glob("*.jsonl")) for x in read_lines(p)
+    ]
+    assert len(custom_ids) == sum(1 for x in lines if x.strip())
+    named = [c for c in custom_ids if c is not None]
+    # custom_ids are unique per file: chat-greedy's second line is b's own first chat-greedy
+    assert len(named) == len(set(named)) + 1
+    for p in sorted((out / "outputs").glob("*.jsonl")):
+        for line in read_lines(p):
+            check_output_line(
+                line, COMPLETIONS if line["custom_id"].startswith(("cmpl", "seeded", "unseeded")) else CHAT
+            )
+    assert [x["error"]["code"] for x in read_lines(out / "errors" / "b.jsonl")][:2] == ["invalid_json", "invalid_json"]
+
+
+def test_s3_in_and_out(s3, tmp_path, tiny_engine, tiny_llama_dir):
+    fs, bucket, _ = s3
+    lines, _ = mixed_batch()
+    write_batch(tmp_path / "b.jsonl", lines[:3] + lines[8:9] + lines[19:20], tiny_llama_dir)
+    fs.put_file(str(tmp_path / "b.jsonl"), f"{bucket}/in/b.jsonl")
+    cfg = batch_config(f"s3://{bucket}/in", f"s3://{bucket}/run", tiny_llama_dir)
+    assert run_job(cfg, engine=tiny_engine).exit_code == 0
+    fs.invalidate_cache()
+    outputs = [json.loads(x) for x in fs.cat_file(f"{bucket}/run/outputs/b.jsonl").decode().splitlines()]
+    errors = [json.loads(x) for x in fs.cat_file(f"{bucket}/run/errors/b.jsonl").decode().splitlines()]
+    assert [x["custom_id"] for x in outputs] == ["chat-greedy", "chat-parts", "cmpl-3"]
+    assert [x["error"]["code"] for x in errors] == ["invalid_json", "model_not_found"]
+    assert fs.find(f"{bucket}/run/_attempts") == []
+    assert [s.status for s in run_job(cfg, engine=tiny_engine).shards] == ["skipped"]
+
+
+def test_a_publication_cut_short_leaves_results_last_so_the_next_run_finishes_it(tmp_path, monkeypatch):
+    from batchrun.job.store import RunStore, committed_files
+
+    store = RunStore(str(tmp_path / "run"), {})
+    attempt = store.begin("b")
+    for path in (attempt.results_tmp, attempt.metrics_tmp, attempt.output_tmp, attempt.errors_tmp):
+        Path(path).write_bytes(Path(path).name.encode())
+    real_move = store._move_if_needed
+
+    def dies_at_errors(source: str, final: str) -> bool:
+        if source.endswith("errors.jsonl"):
+            raise OSError("the worker died here")
+        return real_move(source, final)
+
+    monkeypatch.setattr(store, "_move_if_needed", dies_at_errors)
+    files = ("results.parquet", "metrics.parquet", "output.jsonl", "errors.jsonl")
+    assert store.commit(attempt, {"shard": "b"}, files)
+    # Committed, half published: results/ (what a rerun takes as "published") is not there yet.
+    assert (tmp_path / "run" / "outputs" / "b.jsonl").exists() and store.published_shards() == set()
+    assert committed_files(store, "errors")["b"] == attempt.errors_tmp  # readers see it all the same
+    monkeypatch.setattr(store, "_move_if_needed", real_move)
+    assert store.publish("b", store.read_marker("b"))
+    for kind, suffix in (("results", "parquet"), ("metrics", "parquet"), ("outputs", "jsonl"), ("errors", "jsonl")):
+        assert committed_files(store, kind)["b"] == str(tmp_path / "run" / kind / f"b.{suffix}")
+    assert (tmp_path / "run" / "errors" / "b.jsonl").read_bytes() == b"errors.jsonl"
+    assert not Path(attempt.directory).exists()

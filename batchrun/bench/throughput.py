@@ -173,7 +173,7 @@ def _build_systems(
             job_paths.append(job_path)
             max_open = 1 if name.endswith("_sequential") else None
             systems[name] = lambda prompts, params, job_path=job_path, max_open=max_open: job_path(
-                engine, params, max_open
+                engine, params, max_open, len(prompts)
             )
             continue
         planner = config.planner

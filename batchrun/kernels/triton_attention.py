@@ -111,7 +111,9 @@ def _accumulate(acc, p, v, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
     return acc + pv
 
 
-@triton.jit
+# Ints that change from step to step are not specialized on (Triton would otherwise compile a variant
+# per value class, e.g. a block-table width divisible by 16 or not, inside timed runs).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -230,7 +232,7 @@ def _decode_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -269,7 +271,7 @@ def _merge_splits_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from batchrun.kernels import elementwise as ew
-from batchrun.kernels.attention import paged_attention, write_kv_cache
+from batchrun.kernels.attention import paged_attention, qkv_norm_rope_write
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.model.moe import (
     SparseMoeBlock,
@@ -184,16 +184,24 @@ class Attention(nn.Module):
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         s = self.spec
         qkv = self.qkv_proj(x)  # (num_tokens, q_size + 2 * kv_size)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, s.num_heads, s.head_dim)
-        k = k.view(-1, s.num_kv_heads, s.head_dim)
-        v = v.view(-1, s.num_kv_heads, s.head_dim)
-        if s.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin[self.rope_key]
-        q, k = ew.apply_rotary(q, cos, sin), ew.apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache
-        write_kv_cache(k_cache, v_cache, k, v, meta.slot_mapping)
+        # q/k-norm, rotary and the KV write: one fused kernel on the GPU, the separate ops elsewhere
+        q, k, v = qkv_norm_rope_write(
+            qkv,
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            cos,
+            sin,
+            self.q_norm.weight if s.qk_norm else None,
+            self.k_norm.weight if s.qk_norm else None,
+            s.rms_norm_eps,
+            s.gemma_norms,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+        )
         o = paged_attention(q, k_cache, v_cache, meta, s.attn_scale, self.window, s.attn_logit_softcap, k, v)
         return self.o_proj(o.reshape(-1, self.q_size))
 

@@ -22,7 +22,7 @@ import triton.language as tl
 log = logging.getLogger(__name__)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the step's token count: one compiled variant for all
 def _w8a16_kernel(
     x_ptr,
     w_ptr,
@@ -85,7 +85,7 @@ def _w8a16_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the step's token count: one compiled variant for all
 def _w4a16_kernel(
     x_ptr,
     w_ptr,

@@ -252,6 +252,25 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def build_decoder(config: Any, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: Any) -> DecoderLM:
+    """The model with its weights from an HF-named `state_dict` (emptied as it is copied in), each
+    allocated once, in `dtype` on `device`. It is built on the meta device (no memory, no random
+    init) and then given storage: a model built in float32 and cast afterwards holds a float32 copy
+    of every weight on the way, which on a GPU stays in the allocator's cache, out of the KV
+    cache's reach."""
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    model = model.to(dtype).to_empty(device=device)
+    for buf in model.buffers():
+        buf.zero_()  # the buffers made at construction are counters that start at zero
+    if model.spec.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight  # to_empty gave each its own storage
+    with torch.device(device):
+        model.rope = RotaryTables(config, model.spec)  # computed on meta above: no values
+    model.load_hf_state_dict(state_dict, consume=True)
+    return model
+
+
 class DecoderLM(nn.Module):
     """The whole model: embeddings, decoder layers, final norm and LM head."""
 
@@ -301,8 +320,10 @@ class DecoderLM(nn.Module):
         """Zero the expert-load counters (after warm-up or profiling forwards, which are not real tokens)."""
         reset_expert_token_counts(self)
 
-    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named weights in, fusing q/k/v and gate/up; every parameter must be filled."""
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor], consume: bool = False) -> None:
+        """Copy HF-named weights in, fusing q/k/v and gate/up; every parameter must be filled. With
+        `consume`, `state_dict` is emptied and each checkpoint tensor dropped once copied, so the
+        checkpoint and the model are not both held whole."""
         own = dict(self.named_parameters())
         filled: set[str] = set()
 
@@ -316,6 +337,8 @@ class DecoderLM(nn.Module):
             filled.add(name)
 
         sd = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in state_dict.items()}
+        if consume:
+            state_dict.clear()
         for i in range(self.spec.num_layers):
             p = f"layers.{i}."
             put(
@@ -339,9 +362,11 @@ class DecoderLM(nn.Module):
             )
         if "lm_head.weight" not in sd or self.spec.tie_word_embeddings:
             sd["lm_head.weight"] = sd["embed_tokens.weight"]
-        for name, tensor in sd.items():
+        for name in list(sd):
+            tensor = sd.pop(name)
             if name in own:
                 put(name, tensor)
+            del tensor
         missing = set(own) - filled
         if missing:
             raise ValueError(f"checkpoint lacks parameters: {sorted(missing)[:8]}")

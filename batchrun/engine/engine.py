@@ -113,8 +113,8 @@ class Engine:
 
         spec = config.speculative
         # A draft model is loaded before the KV cache is sized: its cache holds the same blocks as
-        # the target's, so both come out of one budget (sized after the target took its share, the
-        # draft's cache would not fit on a GPU).
+        # the target's, so a block costs both and both caches come out of one budget (and one
+        # measure of free memory, taken with both models' weights in place).
         draft = self._load_draft_model(spec) if spec.method == "draft" else None
         per_block = kv_bytes_per_block(model, config.block_size, self.dtype, config.kv_cache_dtype)
         if draft is not None:

@@ -9,6 +9,7 @@ import typing
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from batchrun import cli
@@ -41,10 +42,13 @@ def test_every_preset_composes_into_the_dataclasses(job, model, launcher):
     assert cfg.output.uri == f"runs/{job}"
 
 
-def test_default_run_is_greedy_summarize_of_the_bundled_sample_on_cpu():
+def test_default_run_is_greedy_summarize_of_the_bundled_sample_on_the_gpu_else_the_cpu():
+    from batchrun.engine.engine import resolve_device
+
     cfg = cli.load_config([])
     assert cfg.job.name == "summarize" and cfg.model.path == "smollm2-135m"
-    assert cfg.engine.device == "cpu" and cfg.sampling.is_greedy and cfg.sampling.max_tokens == 64
+    assert cfg.engine.device == "auto" and cfg.sampling.is_greedy and cfg.sampling.max_tokens == 64
+    assert resolve_device(cfg.engine.device).type == ("cuda" if torch.cuda.is_available() else "cpu")
     assert cfg.job.prompt_template and "{text}" in cfg.job.prompt_template
     sample = Path(cfg.data.uri)
     assert sorted(p.name for p in sample.glob("*.parquet")) == [f"topics-0{i}.parquet" for i in range(4)]

@@ -23,7 +23,7 @@ from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from batchrun.engine.speculative import SpeculationPolicy, StepCostModel, record_acceptance, verify
 from batchrun.kernels import cpu_native
-from batchrun.model.decoder import DecoderLM
+from batchrun.model.decoder import DecoderLM, build_decoder
 from batchrun.model.linear import NativeLinear
 from batchrun.model.loader import load_model
 from batchrun.model.prepare import module_weight_bytes
@@ -100,10 +100,7 @@ class Engine:
         self.model_path = loaded.path
         self.model_fingerprint = loaded.fingerprint
         self.hf_config = loaded.config
-        with torch.device(self.device):
-            model = DecoderLM(loaded.config)
-        model.to(self.dtype)
-        model.load_hf_state_dict(loaded.state_dict)
+        model = build_decoder(loaded.config, loaded.state_dict, self.dtype, self.device)
         # Every linear's backend in one pass: quantized per engine.quantization, and on a bf16 CPU the
         # float ones packed once (for the native kernel, else oneDNN) instead of reordered on every call.
         self.quantization = prepare_linears_for_engine(
@@ -114,7 +111,14 @@ class Engine:
         self.model = model.eval()
         del loaded
 
+        spec = config.speculative
+        # A draft model is loaded before the KV cache is sized: its cache holds the same blocks as
+        # the target's, so a block costs both and both caches come out of one budget (and one
+        # measure of free memory, taken with both models' weights in place).
+        draft = self._load_draft_model(spec) if spec.method == "draft" else None
         per_block = kv_bytes_per_block(model, config.block_size, self.dtype, config.kv_cache_dtype)
+        if draft is not None:
+            per_block += kv_bytes_per_block(draft[0], config.block_size, self.dtype)
         kv_bytes = config.kv_cache_memory
         if kv_bytes is None:
             kv_bytes = default_kv_bytes(self.device, _available_memory(self.device))
@@ -137,7 +141,6 @@ class Engine:
             )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device, config.kv_cache_dtype)
-        spec = config.speculative
         limits = pick_batch_limits(
             self.runner,
             num_blocks,
@@ -189,7 +192,7 @@ class Engine:
             self.kv,
         )
         self.sampler = Sampler(config.seed)
-        self.drafter = self._build_drafter(spec, num_blocks, limits.profile) if spec.method != "none" else None
+        self.drafter = self._build_drafter(spec, num_blocks, limits.profile, draft) if spec.method != "none" else None
         self._num_spec_proposed = 0
         self._num_spec_accepted = 0
         self._next_seq_id = 0
@@ -299,7 +302,19 @@ class Engine:
             num_spec_switches=policy.num_switches,
         )
 
-    def _build_drafter(self, spec: SpeculativeConfig, num_blocks: int, profile: dict) -> Drafter:
+    def _load_draft_model(self, spec: SpeculativeConfig) -> tuple[DecoderLM, str]:
+        """(the draft model, its resolved path); it must share the target's tokenizer."""
+        loaded = load_model(spec.draft_model, dtype=self.dtype, cache_dir=self.config.cache_dir)
+        if len(loaded.tokenizer) != len(self.tokenizer) or loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab():
+            raise ValueError(
+                f"engine.speculative.draft_model {spec.draft_model!r} has a different tokenizer "
+                "from the target model; a draft must share the target's vocabulary"
+            )
+        return build_decoder(loaded.config, loaded.state_dict, self.dtype, self.device).eval(), loaded.path
+
+    def _build_drafter(
+        self, spec: SpeculativeConfig, num_blocks: int, profile: dict, draft: Optional[tuple[DecoderLM, str]]
+    ) -> Drafter:
         num_layers = None
         runner = self.runner
         draft_cost = 0.0  # one draft pass, as a fraction of one target step of the same width
@@ -308,24 +323,13 @@ class Engine:
             num_layers = min(spec.self_layers or max(1, total // 4), total - 1)
             draft_cost = num_layers / total
         elif spec.method == "draft":
-            loaded = load_model(spec.draft_model, dtype=self.dtype, cache_dir=self.config.cache_dir)
-            if (
-                len(loaded.tokenizer) != len(self.tokenizer)
-                or loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab()
-            ):
-                raise ValueError(
-                    f"engine.speculative.draft_model {spec.draft_model!r} has a different tokenizer "
-                    "from the target model; a draft must share the target's vocabulary"
-                )
-            with torch.device(self.device):
-                draft = DecoderLM(loaded.config)
-            draft.to(self.dtype)
-            draft.load_hf_state_dict(loaded.state_dict)
+            assert draft is not None
+            draft_model, path = draft
             # Same block ids and slot mapping as the target, so one block table serves both caches.
-            runner = ModelRunner(draft.eval(), num_blocks, self.config.block_size, self.dtype, self.device)
+            runner = ModelRunner(draft_model, num_blocks, self.config.block_size, self.dtype, self.device)
             # Weights as parameters or as buffers (packed, quantized, a tied head's tiles), each once.
-            draft_cost = _weight_count(draft) / _weight_count(self.model)
-            self.settings["draft_model"] = loaded.path
+            draft_cost = _weight_count(draft_model) / _weight_count(self.model)
+            self.settings["draft_model"] = path
         cost = StepCostModel(profile.get("decode_tok_s") or {1: 1.0})
         policy = SpeculationPolicy(spec, cost, draft_cost)
         self.settings["speculative"] = {

@@ -15,8 +15,9 @@ from typing import Optional
 import torch
 
 from batchrun.kernels import cpu_attention
+from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention_metadata import AttentionMetadata
-from batchrun.kernels.attention_torch import write_kv_cache_reference
+from batchrun.kernels.attention_torch import split_qkv, write_kv_cache_reference
 from batchrun.kernels.backend import triton_usable
 from batchrun.kernels.quant.kv import QuantizedKVCache
 
@@ -52,6 +53,51 @@ def write_kv_cache(
     if cpu_attention.write_kv_cache(k_cache, v_cache, k, v, slot_mapping):
         return
     write_kv_cache_reference(k_cache, v_cache, k, v, slot_mapping)
+
+
+def qkv_norm_rope_write(
+    qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim): q, k, v heads
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cos: torch.Tensor,  # (num_tokens, head_dim) in qkv's dtype
+    sin: torch.Tensor,  # (num_tokens, head_dim)
+    q_norm: Optional[torch.Tensor],  # (head_dim,) or None: no q/k-norm
+    k_norm: Optional[torch.Tensor],  # (head_dim,)
+    eps: float,
+    is_gemma: bool,
+    k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim), or a QuantizedKVCache
+    v_cache,
+    slot_mapping: torch.Tensor,  # (num_tokens,)
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """From the fused qkv projection: (q, k, v) per head, q and k normed and rotated, K and V stored
+    at their cache slots. One Triton launch where Triton serves the cache (instead of the norms',
+    rotary's and the write's separate kernels); elsewhere those ops one by one, each on its own
+    fastest path. Both equal `attention_torch.qkv_norm_rope_write_reference`."""
+    if _triton_serves(qkv, k_cache) and qkv.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride():
+        from batchrun.kernels.triton_elementwise import qkv_norm_rope_write as fused
+
+        return fused(
+            qkv,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            cos,
+            sin,
+            q_norm,
+            k_norm,
+            eps,
+            is_gemma,
+            k_cache,
+            v_cache,
+            slot_mapping,
+        )
+    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = ew.rms_norm(q, q_norm, eps, is_gemma), ew.rms_norm(k, k_norm, eps, is_gemma)
+    q, k = ew.apply_rotary(q, cos, sin), ew.apply_rotary(k, cos, sin)
+    write_kv_cache(k_cache, v_cache, k, v, slot_mapping)
+    return q, k, v
 
 
 def paged_attention(

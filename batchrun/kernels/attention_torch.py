@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.kv_layout import slots_by_head
 from batchrun.kernels.quant.kv import QuantizedKVCache
@@ -219,6 +220,39 @@ def attend_prefills(
         qp = q[start:end].transpose(0, 1).unsqueeze(0)  # (1, num_heads, q_len, head_dim)
         o = _attend(qp, k.unsqueeze(0), v.unsqueeze(0), None if mask is None else mask[None, None], scale, softcap)
         out[start:end] = o[0].transpose(0, 1)
+
+
+def split_qkv(
+    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views (num_tokens, heads, head_dim) of q, k and v in the fused qkv projection's output."""
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
+
+
+def qkv_norm_rope_write_reference(
+    qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim): q, k, v heads
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cos: torch.Tensor,  # (num_tokens, head_dim) in qkv's dtype
+    sin: torch.Tensor,  # (num_tokens, head_dim)
+    q_norm: Optional[torch.Tensor],  # (head_dim,) or None: no q/k-norm
+    k_norm: Optional[torch.Tensor],  # (head_dim,)
+    eps: float,
+    is_gemma: bool,
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (num_tokens,) int, every slot >= 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) with q and k normed (Qwen3, Gemma 3) and rotated, and K and V written to the cache:
+    what triton_elementwise.qkv_norm_rope_write is checked against."""
+    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q, k = ew.rms_norm_reference(q, q_norm, eps, is_gemma), ew.rms_norm_reference(k, k_norm, eps, is_gemma)
+    q, k = ew.apply_rotary_reference(q, cos, sin), ew.apply_rotary_reference(k, cos, sin)
+    write_kv_cache_reference(k_cache, v_cache, k, v, slot_mapping)
+    return q, k, v
 
 
 def paged_attention_reference(

@@ -1,10 +1,11 @@
 """The elementwise ops between a decoder layer's GEMMs: RMSNorm (optionally fused with the residual
 add before it), rotary position embedding and silu(gate) * up.
 
-Each function has one signature and two paths: bf16 CPU tensors go through one native pass
-(csrc/elementwise.cpp, built by cpu_native) when the kernels are built; everything else (float32,
-GPU tensors, BATCHRUN_CPU_KERNELS=0) takes the plain-torch reference path, which is also what the
-native path is tested against. The native path keeps torch's bf16 roundings (each op's result is
+Each function has one signature and up to three paths: CUDA tensors take one fused Triton kernel
+(kernels/triton_elementwise.py) where triton is installed; bf16 CPU tensors go through one native
+pass (csrc/elementwise.cpp, built by cpu_native) when the kernels are built; everything else
+(float32 on the CPU, BATCHRUN_CPU_KERNELS=0) takes the plain-torch reference path, which is also
+what the other two are tested against. The native path keeps torch's bf16 roundings (each op's result is
 rounded to bf16 before the next reads it), so rotary and the residual add are bitwise equal to the
 reference, and RMSNorm and silu differ only where a float32 sum order or exp's last bit tips a
 bf16 rounding. float32 stays on torch ops on purpose: that path is the one held token-identical to
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.kernels import cpu_native
+from batchrun.kernels.backend import triton_usable
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,10 @@ def _native(*tensors: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim, computed in float32 as HF does; Gemma scales by (1 + w) in float32,
     the others multiply w by the normalized value rounded to x's dtype (HF's rounding order)."""
+    if triton_usable(x) and x.dim() >= 2:
+        from batchrun.kernels.triton_elementwise import rms_norm as rms_norm_triton
+
+        return rms_norm_triton(x, weight, eps, is_gemma)
     if _native(x, weight) and x.stride(-1) == 1 and x.dim() >= 2:
         return _rms_norm_native(x, weight, eps, is_gemma, residual=None)
     return rms_norm_reference(x, weight, eps, is_gemma)
@@ -49,7 +55,17 @@ def add_rms_norm(
     h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(residual + h), residual + h): the residual add and the next sublayer's norm in one
-    pass. The native path updates `residual` in place (the decoder owns its residual stream)."""
+    pass. The native and Triton paths update `residual` in place (the decoder owns its residual stream)."""
+    if (
+        triton_usable(h)
+        and h.dim() == 2
+        and h.stride(-1) == 1
+        and residual.stride(-1) == 1
+        and residual.shape == h.shape
+    ):
+        from batchrun.kernels.triton_elementwise import add_rms_norm as add_rms_norm_triton
+
+        return add_rms_norm_triton(h, residual, weight, eps)
     if (
         _native(h, residual, weight)
         and h.dim() == 2
@@ -134,8 +150,13 @@ def activation(name: str):
 
 def act_mul(gate_up: torch.Tensor, name: str) -> torch.Tensor:
     """act(gate) * up for the fused gate/up projection's output (num_tokens, 2 * n), gate first."""
-    if name in ("silu", "swish") and _native(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
-        return _silu_mul_native(gate_up)
+    if name in ("silu", "swish") and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        if triton_usable(gate_up):
+            from batchrun.kernels.triton_elementwise import silu_mul
+
+            return silu_mul(gate_up)
+        if _native(gate_up):
+            return _silu_mul_native(gate_up)
     return act_mul_reference(gate_up, name)
 
 

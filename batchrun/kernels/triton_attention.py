@@ -84,7 +84,8 @@ def _load_kv_tile(
     """K and V of one KV head at token positions `pos` (BLOCK_N,) of a sequence, through its block
     table; (BLOCK_N, HEAD_DIM_PAD) each, zero where ~p_ok or past head_dim."""
     block = tl.load(table + pos // block_size, mask=p_ok, other=0).to(tl.int64)
-    offset = pos % block_size
+    offset = (pos % block_size).to(tl.int64)
+    kv_head = kv_head.to(tl.int64)  # kv_head * stride_kh passes 2**31 on large caches
     kv_mask = p_ok[:, None] & d_ok[None, :]
     k = tl.load(
         k_cache_ptr + (block * stride_kb + offset * stride_kt + kv_head * stride_kh)[:, None] + d[None, :],
@@ -110,7 +111,9 @@ def _accumulate(acc, p, v, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
     return acc + pv
 
 
-@triton.jit
+# Ints that change from step to step are not specialized on (Triton would otherwise compile a variant
+# per value class, e.g. a block-table width divisible by 16 or not, inside timed runs).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -149,6 +152,7 @@ def _decode_kernel(
     DOT_F32: tl.constexpr,
     IEEE: tl.constexpr,
 ):
+    # Offsets are products in int64 (an int32 one wraps on caches past 2**31 elements).
     i = tl.program_id(0)  # index into the decode list
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -172,8 +176,9 @@ def _decode_kernel(
     g_ok = g < GROUP
     d_ok = d < HEAD_DIM
     heads = kv_head * GROUP + g  # (GROUP_PAD,) query heads of this KV head
+    heads64 = heads.to(tl.int64)
     q = tl.load(
-        q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        q_ptr + row.to(tl.int64) * stride_qt + heads64[:, None] * stride_qh + d[None, :],
         mask=g_ok[:, None] & d_ok[None, :],
         other=0.0,
     )  # (GROUP_PAD, HEAD_DIM_PAD)
@@ -215,19 +220,19 @@ def _decode_kernel(
     if IS_SPLIT:
         # part_out (num_decode, num_heads, num_splits, HEAD_DIM_PAD), part_lse (num_decode, num_heads, num_splits)
         num_heads = tl.num_programs(1) * GROUP
-        base = (i * num_heads + heads) * num_splits + split  # (GROUP_PAD,)
-        tl.store(part_out_ptr + base[:, None].to(tl.int64) * HEAD_DIM_PAD + d[None, :], out, mask=g_ok[:, None])
+        base = (i.to(tl.int64) * num_heads + heads64) * num_splits + split  # (GROUP_PAD,)
+        tl.store(part_out_ptr + base[:, None] * HEAD_DIM_PAD + d[None, :], out, mask=g_ok[:, None])
         lse = tl.where(has_any, m + tl.log2(tl.where(has_any, l, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + base, lse, mask=g_ok)
     else:
         tl.store(
-            out_ptr + row.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
+            out_ptr + row.to(tl.int64) * stride_ot + heads64[:, None] * stride_oh + d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=g_ok[:, None] & d_ok[None, :],
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
     part_out_ptr,
     part_lse_ptr,
@@ -241,8 +246,8 @@ def _merge_splits_kernel(
     SPLITS_PAD: tl.constexpr,
     HAS_Q_ROWS: tl.constexpr,
 ):
-    i = tl.program_id(0)
-    head = tl.program_id(1)
+    i = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
     num_heads = tl.num_programs(1)
     if HAS_Q_ROWS:
         row = tl.load(q_rows_ptr + i)
@@ -256,7 +261,7 @@ def _merge_splits_kernel(
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
     w = tl.exp2(lse - top)  # (SPLITS_PAD,) 0 for empty splits
-    o = tl.load(part_out_ptr + base[:, None].to(tl.int64) * HEAD_DIM_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
+    o = tl.load(part_out_ptr + base[:, None] * HEAD_DIM_PAD + d[None, :], mask=s_ok[:, None], other=0.0)
     total = tl.sum(w, 0)
     merged = tl.sum(o * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # (HEAD_DIM_PAD,)
     tl.store(
@@ -266,7 +271,7 @@ def _merge_splits_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -303,7 +308,7 @@ def _prefill_kernel(
 ):
     tile = tl.program_id(0)
     seq = tl.load(seq_ids_ptr + tl.program_id(1))
-    head = tl.program_id(2)
+    head = tl.program_id(2).to(tl.int64)  # int64: the offsets below are products with strides
     kv_head = head // GROUP
     q_start = tl.load(query_start_ptr + seq).to(tl.int32)
     q_len = tl.load(query_start_ptr + seq + 1).to(tl.int32) - q_start

@@ -36,15 +36,17 @@ def _write_kv_kernel(
     HEADS_PAD: tl.constexpr,
     DIM_PAD: tl.constexpr,
 ):
-    t = tl.program_id(0)
-    h = tl.arange(0, HEADS_PAD)
+    # Offsets in int64: a cache past 2**31 elements is an ordinary GPU size, and an int32 product
+    # such as h * stride_ch wraps there.
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, HEADS_PAD).to(tl.int64)
     d = tl.arange(0, DIM_PAD)
     slot = tl.load(slot_ptr + t).to(tl.int64) + tl.zeros((HEADS_PAD, DIM_PAD), tl.int64)  # the token's slot, tiled
     mask = (h[:, None] < NUM_KV_HEADS) & (d[None, :] < HEAD_DIM) & (slot >= 0)
     slot = tl.maximum(slot, 0)
     dst = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct + h[:, None] * stride_ch + d[None, :]
-    k = tl.load(k_ptr + t.to(tl.int64) * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-    v = tl.load(v_ptr + t.to(tl.int64) * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
+    k = tl.load(k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

@@ -62,7 +62,8 @@ def _grouped_gemm_kernel(
         src = tl.load(row_ids_ptr + rows, mask=row_mask, other=0)
     else:
         src = rows
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # (BLOCK_N,)
+    # int64 columns (rows are cast where used): cols * stride_bn spans an expert's whole weight.
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # (BLOCK_N,)
     col_mask = cols < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from batchrun.kernels import elementwise as ew
-from batchrun.kernels.attention import paged_attention, write_kv_cache
+from batchrun.kernels.attention import paged_attention, qkv_norm_rope_write
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.model.moe import (
     SparseMoeBlock,
@@ -184,16 +184,24 @@ class Attention(nn.Module):
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         s = self.spec
         qkv = self.qkv_proj(x)  # (num_tokens, q_size + 2 * kv_size)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, s.num_heads, s.head_dim)
-        k = k.view(-1, s.num_kv_heads, s.head_dim)
-        v = v.view(-1, s.num_kv_heads, s.head_dim)
-        if s.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = cos_sin[self.rope_key]
-        q, k = ew.apply_rotary(q, cos, sin), ew.apply_rotary(k, cos, sin)
         k_cache, v_cache = kv_cache
-        write_kv_cache(k_cache, v_cache, k, v, meta.slot_mapping)
+        # q/k-norm, rotary and the KV write: one fused kernel on the GPU, the separate ops elsewhere
+        q, k, v = qkv_norm_rope_write(
+            qkv,
+            s.num_heads,
+            s.num_kv_heads,
+            s.head_dim,
+            cos,
+            sin,
+            self.q_norm.weight if s.qk_norm else None,
+            self.k_norm.weight if s.qk_norm else None,
+            s.rms_norm_eps,
+            s.gemma_norms,
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+        )
         o = paged_attention(q, k_cache, v_cache, meta, s.attn_scale, self.window, s.attn_logit_softcap, k, v)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -242,6 +250,25 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, cos_sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
+
+
+def build_decoder(config: Any, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: Any) -> DecoderLM:
+    """The model with its weights from an HF-named `state_dict` (emptied as it is copied in), each
+    allocated once, in `dtype` on `device`. It is built on the meta device (no memory, no random
+    init) and then given storage: a model built in float32 and cast afterwards holds a float32 copy
+    of every weight on the way, which on a GPU stays in the allocator's cache, out of the KV
+    cache's reach."""
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    model = model.to(dtype).to_empty(device=device)
+    for buf in model.buffers():
+        buf.zero_()  # the buffers made at construction are counters that start at zero
+    if model.spec.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight  # to_empty gave each its own storage
+    with torch.device(device):
+        model.rope = RotaryTables(config, model.spec)  # computed on meta above: no values
+    model.load_hf_state_dict(state_dict, consume=True)
+    return model
 
 
 class DecoderLM(nn.Module):
@@ -293,8 +320,10 @@ class DecoderLM(nn.Module):
         """Zero the expert-load counters (after warm-up or profiling forwards, which are not real tokens)."""
         reset_expert_token_counts(self)
 
-    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy HF-named weights in, fusing q/k/v and gate/up; every parameter must be filled."""
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor], consume: bool = False) -> None:
+        """Copy HF-named weights in, fusing q/k/v and gate/up; every parameter must be filled. With
+        `consume`, `state_dict` is emptied and each checkpoint tensor dropped once copied, so the
+        checkpoint and the model are not both held whole."""
         own = dict(self.named_parameters())
         filled: set[str] = set()
 
@@ -308,6 +337,8 @@ class DecoderLM(nn.Module):
             filled.add(name)
 
         sd = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in state_dict.items()}
+        if consume:
+            state_dict.clear()
         for i in range(self.spec.num_layers):
             p = f"layers.{i}."
             put(
@@ -331,9 +362,11 @@ class DecoderLM(nn.Module):
             )
         if "lm_head.weight" not in sd or self.spec.tie_word_embeddings:
             sd["lm_head.weight"] = sd["embed_tokens.weight"]
-        for name, tensor in sd.items():
+        for name in list(sd):
+            tensor = sd.pop(name)
             if name in own:
                 put(name, tensor)
+            del tensor
         missing = set(own) - filled
         if missing:
             raise ValueError(f"checkpoint lacks parameters: {sorted(missing)[:8]}")

@@ -276,16 +276,54 @@ def _text_model_name(name: str) -> str | None:
     return None  # vision tower, projector: not part of the text decoder
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _read_safetensors(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A .safetensors file's tensors, floats cast to `dtype` one tensor at a time: a float32
+    checkpoint loaded in bf16 holds at most one float32 tensor at once (safetensors' own loader
+    holds the whole file as a storage while the tensors are cast)."""
+    out: dict[str, torch.Tensor] = {}
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        base = 8 + header_len
+        # In file order, so the reads are sequential.
+        for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            start, end = info["data_offsets"]
+            raw = torch.empty(end - start, dtype=torch.uint8)  # (nbytes,)
+            f.seek(base + start)
+            if end > start and f.readinto(memoryview(raw.numpy())) != end - start:
+                raise ValueError(f"{path}: tensor {name} is truncated")
+            tensor = raw.view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+            out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return out
+
+
 def _load_hf_dir(
-    directory: str, files: list[str]
+    directory: str, files: list[str], dtype: torch.dtype
 ) -> tuple[PretrainedConfig, dict[str, torch.Tensor], PreTrainedTokenizerBase]:
-    from safetensors.torch import load_file
+    """Config, state dict with floats in `dtype`, tokenizer."""
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
     state_dict: dict[str, torch.Tensor] = {}
     for f in files:
-        shard = load_file(f)
+        shard = _read_safetensors(f, dtype)
         assert not (shard.keys() & state_dict.keys()), f"{f} repeats tensors of another shard"
         state_dict.update(shard)
     text_config = getattr(config, "text_config", None)
@@ -380,7 +418,7 @@ def load_model(
     if gguf_file is None:
         weight_files = _safetensors_files(directory)
         fingerprint = _files_fingerprint([os.path.join(directory, "config.json"), *weight_files], cache_root)
-        config, state_dict, tokenizer = _load_hf_dir(directory, weight_files)
+        config, state_dict, tokenizer = _load_hf_dir(directory, weight_files, dtype)
         path = directory
     else:
         path = os.path.join(directory, gguf_file)
@@ -391,8 +429,7 @@ def load_model(
         for item in (entry, *entry.iterdir()):
             check_private(item, "converted-weights cache", "BATCHRUN_CACHE or engine.cache_dir")
         # Always read back from the cache so the first load returns exactly what later loads will.
-        config, state_dict, tokenizer = _load_hf_dir(str(entry), _safetensors_files(str(entry)))
-    state_dict = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+        config, state_dict, tokenizer = _load_hf_dir(str(entry), _safetensors_files(str(entry)), dtype)
     quantized_weights = None
     if keep_gguf_quantization and gguf_file is not None:
         from batchrun.model.gguf import read_gguf_weights

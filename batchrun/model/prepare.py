@@ -72,7 +72,10 @@ def prepare_linears(
         summary.num_packed += packed is not None
         return packed
 
-    for prefix, parent in list(model.named_modules()):
+    # The parents only: a list holding the float linears themselves would keep every one alive until
+    # the loop ends, beside its packed or quantized replacement (a second copy of the weights).
+    parents = [(prefix, m) for prefix, m in model.named_modules() if not isinstance(m, nn.Linear)]
+    for prefix, parent in parents:
         deferred = None  # a float silu MLP's gate/up: packed fused or plain by _fuse_mlp
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear) or (child is head and (tied or quantize_embeddings)):

@@ -22,7 +22,7 @@ import triton.language as tl
 log = logging.getLogger(__name__)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the step's token count: one compiled variant for all
 def _w8a16_kernel(
     x_ptr,
     w_ptr,
@@ -48,8 +48,10 @@ def _w8a16_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # int64 rows and columns: offs_m * stride_xm and offs_n * stride_wn pass 2**31 on a long batch
+    # or a wide vocabulary, where an int32 product wraps.
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
@@ -83,7 +85,7 @@ def _w8a16_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # the step's token count: one compiled variant for all
 def _w4a16_kernel(
     x_ptr,
     w_ptr,
@@ -109,8 +111,10 @@ def _w4a16_kernel(
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # int64 rows and columns: offs_m * stride_xm and offs_n * stride_wn pass 2**31 on a long batch
+    # or a wide vocabulary, where an int32 product wraps.
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_j = tl.arange(0, BLOCK_K // 2)  # packed byte (k pair) within the tile
     m_ok = offs_m < M
     n_ok = offs_n < N

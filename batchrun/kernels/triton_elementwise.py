@@ -1,0 +1,292 @@
+"""Triton kernels for the small ops between a decoder layer's GEMMs, fused so each is one pass.
+
+- `rms_norm` / `add_rms_norm`: (the residual add and) RMSNorm, one program per row.
+- `silu_mul`: silu(gate) * up over the fused gate/up projection's output.
+- `qkv_norm_rope_write`: from the fused qkv projection's output, q/k-norm (Qwen3, Gemma 3), rotary
+  on q and k, and the K/V write into the paged cache, in one launch: one program per (token, head),
+  the KV heads' programs also storing K and V at the token's slot (a negative slot writes nothing,
+  the CUDA-graph padding convention).
+
+Each has the signature and result of its plain-torch reference (`batchrun.kernels.elementwise`'s
+`*_reference` and `batchrun.kernels.attention_torch.qkv_norm_rope_write_reference`), which the tests
+compare it with in Triton's interpreter. The kernels round to the tensor dtype where the references
+do (after the residual add, after the normalization, after each rotary product and sum, after silu),
+so in bf16 they differ from the references only where a float32 sum order or rsqrt/exp's last bit
+tips a rounding. Offsets are int64: rows times strides pass 2**31 on long batches.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+log = logging.getLogger(__name__)
+
+
+@triton.jit
+def _norm(x, w, n, eps, IS_GEMMA: tl.constexpr):
+    """RMSNorm of float32 x (padded with zeros past n) by weight w, rounded as the reference rounds:
+    w * normed.to(dtype), or (normed * (1 + w)).to(dtype) for Gemma; returned in float32."""
+    normed = x * tl.rsqrt(tl.sum(x * x, 0) / n + eps)
+    if IS_GEMMA:
+        return (normed * (1.0 + w.to(tl.float32))).to(w.dtype).to(tl.float32)
+    return (w.to(tl.float32) * normed.to(w.dtype).to(tl.float32)).to(w.dtype).to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    n,
+    eps,
+    stride_x,
+    stride_r,
+    stride_o,
+    HAS_RESIDUAL: tl.constexpr,
+    IS_GEMMA: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    ok = d < n
+    x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
+    if HAS_RESIDUAL:
+        # residual + h rounded to the dtype first, as the reference's add is; stored as the new residual
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + d, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(res_ptr + row * stride_r + d, x, mask=ok)
+    w = tl.load(w_ptr + d, mask=ok, other=0.0)
+    out = _norm(x.to(tl.float32), w, n, eps, IS_GEMMA)
+    tl.store(out_ptr + row * stride_o + d, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as (num_rows, n) with unit last stride; a copy only for views that do not flatten."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool = False) -> torch.Tensor:
+    """`elementwise.rms_norm_reference` in one pass; weight in x's dtype."""
+    x2 = _rows(x)  # (num_rows, n)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)  # (num_rows, n)
+    if x2.shape[0] == 0:
+        return out.view(x.shape)
+    n = x2.shape[1]
+    _rms_norm_kernel[(x2.shape[0],)](
+        x2,
+        x2,
+        weight,
+        out,
+        n,
+        float(eps),
+        x2.stride(0),
+        x2.stride(0),
+        out.stride(0),
+        HAS_RESIDUAL=False,
+        IS_GEMMA=is_gemma,
+        BLOCK=triton.next_power_of_2(n),
+    )
+    return out.view(x.shape)
+
+
+def add_rms_norm(
+    h: torch.Tensor,  # (num_tokens, n)
+    residual: torch.Tensor,  # (num_tokens, n), updated in place to residual + h
+    weight: torch.Tensor,  # (n,)
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`elementwise.add_rms_norm_reference` in one pass: (rms_norm(residual + h), residual + h)."""
+    assert h.dim() == 2 and h.stride(1) == 1 and residual.stride(1) == 1 and residual.shape == h.shape
+    out = torch.empty(h.shape, dtype=h.dtype, device=h.device)  # (num_tokens, n)
+    if h.shape[0] == 0:
+        return out, residual
+    n = h.shape[1]
+    _rms_norm_kernel[(h.shape[0],)](
+        h,
+        residual,
+        weight,
+        out,
+        n,
+        float(eps),
+        h.stride(0),
+        residual.stride(0),
+        out.stride(0),
+        HAS_RESIDUAL=True,
+        IS_GEMMA=False,
+        BLOCK=triton.next_power_of_2(n),
+    )
+    return out, residual
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, n, stride_g, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < n
+    g = tl.load(gu_ptr + row * stride_g + cols, mask=ok, other=0.0)
+    u = tl.load(gu_ptr + row * stride_g + n + cols, mask=ok, other=0.0)
+    gf = g.to(tl.float32)
+    s = (gf * tl.sigmoid(gf)).to(g.dtype)  # silu rounded to the dtype, then the product (torch's order)
+    tl.store(
+        out_ptr + row * stride_o + cols, (s.to(tl.float32) * u.to(tl.float32)).to(out_ptr.dtype.element_ty), mask=ok
+    )
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of (num_tokens, 2 * n), gate first: `elementwise.act_mul_reference(x, "silu")`."""
+    assert gate_up.dim() == 2 and gate_up.stride(1) == 1
+    num_tokens, n = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty((num_tokens, n), dtype=gate_up.dtype, device=gate_up.device)  # (num_tokens, n)
+    if num_tokens == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(n))
+    _silu_mul_kernel[(num_tokens, triton.cdiv(n, block))](
+        gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block
+    )
+    return out
+
+
+@triton.jit
+def _qkv_kernel(
+    qkv_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    q_out_ptr,
+    k_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    eps,
+    block_size,
+    stride_t,
+    stride_cs,
+    stride_qo,
+    stride_ko,
+    stride_cb,
+    stride_ct,
+    stride_ch,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    IS_GEMMA: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)  # query heads first, then KV heads
+    half = HEAD_DIM // 2
+    d = tl.arange(0, HALF_PAD)
+    ok = d < half
+    is_q = head < NUM_HEADS
+    src = qkv_ptr + t * stride_t + head * HEAD_DIM  # q heads then k heads, back to back in a qkv row
+    x1 = tl.load(src + d, mask=ok, other=0.0)  # (HALF_PAD,) first half of the head
+    x2 = tl.load(src + half + d, mask=ok, other=0.0)
+    dtype = x1.dtype
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    if HAS_NORM:
+        if is_q:
+            norm_ptr = q_norm_ptr
+        else:
+            norm_ptr = k_norm_ptr
+        w1 = tl.load(norm_ptr + d, mask=ok, other=0.0)
+        w2 = tl.load(norm_ptr + half + d, mask=ok, other=0.0)
+        inv = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / HEAD_DIM + eps)
+        if IS_GEMMA:
+            a = (a * inv * (1.0 + w1.to(tl.float32))).to(dtype).to(tl.float32)
+            b = (b * inv * (1.0 + w2.to(tl.float32))).to(dtype).to(tl.float32)
+        else:
+            a = (w1.to(tl.float32) * (a * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+            b = (w2.to(tl.float32) * (b * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    c1 = tl.load(cos_ptr + t * stride_cs + d, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_cs + half + d, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_cs + d, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_cs + half + d, mask=ok, other=0.0).to(tl.float32)
+    # x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1), each product and the sum rounded
+    r1 = ((a * c1).to(dtype).to(tl.float32) + (-b * s1).to(dtype).to(tl.float32)).to(dtype)
+    r2 = ((b * c2).to(dtype).to(tl.float32) + (a * s2).to(dtype).to(tl.float32)).to(dtype)
+    if is_q:
+        dst = q_out_ptr + t * stride_qo + head * HEAD_DIM
+        tl.store(dst + d, r1, mask=ok)
+        tl.store(dst + half + d, r2, mask=ok)
+    else:
+        kv_head = head - NUM_HEADS
+        dst = k_out_ptr + t * stride_ko + kv_head * HEAD_DIM
+        tl.store(dst + d, r1, mask=ok)
+        tl.store(dst + half + d, r2, mask=ok)
+        slot = tl.load(slot_ptr + t).to(tl.int64) + tl.zeros((HALF_PAD,), tl.int64)  # the token's slot, tiled
+        w_ok = ok & (slot >= 0)
+        slot = tl.maximum(slot, 0)
+        cache = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct + kv_head * stride_ch
+        tl.store(k_cache_ptr + cache + d, r1.to(k_cache_ptr.dtype.element_ty), mask=w_ok)
+        tl.store(k_cache_ptr + cache + half + d, r2.to(k_cache_ptr.dtype.element_ty), mask=w_ok)
+        v_src = qkv_ptr + t * stride_t + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
+        v1 = tl.load(v_src + d, mask=w_ok, other=0.0)
+        v2 = tl.load(v_src + half + d, mask=w_ok, other=0.0)
+        tl.store(v_cache_ptr + cache + d, v1.to(v_cache_ptr.dtype.element_ty), mask=w_ok)
+        tl.store(v_cache_ptr + cache + half + d, v2.to(v_cache_ptr.dtype.element_ty), mask=w_ok)
+
+
+def qkv_norm_rope_write(
+    qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim): q, k, v heads
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cos: torch.Tensor,  # (num_tokens, head_dim) in qkv's dtype
+    sin: torch.Tensor,  # (num_tokens, head_dim)
+    q_norm: Optional[torch.Tensor],  # (head_dim,) or None: no q/k-norm
+    k_norm: Optional[torch.Tensor],  # (head_dim,)
+    eps: float,
+    is_gemma: bool,
+    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # (num_tokens,) int; negative = write nothing
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v) as (num_tokens, heads, head_dim) with q and k normed and rotated, K and V written
+    to the cache: `attention_torch.qkv_norm_rope_write_reference` in one launch."""
+    num_tokens = qkv.shape[0]
+    assert qkv.stride(1) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride()
+    assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride() and head_dim % 2 == 0
+    assert (q_norm is None) == (k_norm is None)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    v = qkv[:, q_size + kv_size :].view(num_tokens, num_kv_heads, head_dim)  # (num_tokens, num_kv_heads, head_dim)
+    if num_tokens == 0:
+        return q, k, v
+    _qkv_kernel[(num_tokens, num_heads + num_kv_heads)](
+        qkv,
+        cos,
+        sin,
+        q_norm if q_norm is not None else cos,
+        k_norm if k_norm is not None else cos,
+        q,
+        k,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        float(eps),
+        k_cache.shape[1],
+        qkv.stride(0),
+        cos.stride(0),
+        q.stride(0),
+        k.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        HALF_PAD=triton.next_power_of_2(head_dim // 2),
+        HAS_NORM=q_norm is not None,
+        IS_GEMMA=is_gemma,
+    )
+    return q, k, v

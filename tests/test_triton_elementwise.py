@@ -1,0 +1,159 @@
+"""The fused Triton elementwise kernels equal their torch references: add+RMSNorm and RMSNorm
+(Gemma's (1 + w) too, and on strided head views), silu(gate) * up, and q/k-norm + rotary + KV write.
+In Triton's interpreter on CPU (one child process, see test_triton_attention.py for why), and on a
+GPU when there is one (`-m gpu`).
+
+The qkv cases take q, k and v from one fused projection row as the decoder does, write into the
+engine's head-major cache, and give one token slot -1 (the CUDA-graph padding convention: nothing is
+written; the reference is given the other rows only). Tolerances: the kernels round to the dtype
+where the references do, so float32 and float16 agree to their rounding and bf16 to about one unit
+in the last place: rsqrt's and exp's last bits may tip a rounding, and Triton's interpreter casts
+float32 to bf16 by truncating (numpy has no bf16; compiled kernels round to nearest even).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from triton_child import interpreted_cases, report_cases
+
+pytest.importorskip("triton")
+
+_ON_GPU = torch.cuda.is_available()
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TOL = {"float32": (1e-5, 1e-5), "bfloat16": (1.6e-2, 1e-2), "float16": (2e-3, 2e-3)}  # (rtol, atol)
+
+
+def _cases() -> dict[str, dict[str, Any]]:
+    cases: dict[str, dict[str, Any]] = {}
+    for dtype in ("float32", "bfloat16"):
+        cases[f"rms_norm-{dtype}"] = dict(op="rms_norm", dtype=dtype, n=48, gemma=False)
+        cases[f"rms_norm-gemma-{dtype}"] = dict(op="rms_norm", dtype=dtype, n=48, gemma=True)
+        cases[f"rms_norm-heads-{dtype}"] = dict(op="rms_norm_heads", dtype=dtype, n=16, gemma=False)
+        cases[f"add_rms_norm-{dtype}"] = dict(op="add_rms_norm", dtype=dtype, n=40, gemma=False)
+        cases[f"silu_mul-{dtype}"] = dict(op="silu_mul", dtype=dtype, n=40)
+    cases["silu_mul-wide-bfloat16"] = dict(op="silu_mul", dtype="bfloat16", n=1100)  # two column blocks
+    for dtype in ("float32", "bfloat16", "float16"):
+        for norm in ("none", "plain", "gemma"):
+            cases[f"qkv-{norm}-{dtype}"] = dict(op="qkv", dtype=dtype, norm=norm, heads=4, kv_heads=2, dim=16, bs=4)
+    cases["qkv-plain-mqa3-dim24-float32"] = dict(
+        op="qkv", dtype="float32", norm="plain", heads=3, kv_heads=1, dim=24, bs=16
+    )
+    return cases
+
+
+CASES = _cases()
+
+
+def _qkv_case(spec: dict[str, Any], device: str, num_tokens: int) -> None:
+    from batchrun.kernels.attention_torch import qkv_norm_rope_write_reference
+    from batchrun.kernels.kv_layout import as_kv_cache_layout, from_head_major
+    from batchrun.kernels.triton_elementwise import qkv_norm_rope_write
+
+    dtype = _DTYPES[spec["dtype"]]
+    heads, kv_heads, dim, bs = spec["heads"], spec["kv_heads"], spec["dim"], spec["bs"]
+    gen = torch.Generator().manual_seed(heads * dim + len(spec["norm"]))
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(size, generator=gen).to(device, dtype)
+
+    qkv = randn(num_tokens, (heads + 2 * kv_heads) * dim)
+    angles = torch.rand(num_tokens, dim // 2, generator=gen) * 6.0
+    emb = torch.cat((angles, angles), dim=-1)  # (num_tokens, dim), rotary's layout
+    cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
+    q_norm = k_norm = None
+    if spec["norm"] != "none":
+        q_norm, k_norm = randn(dim) * 0.5 + 1.0, randn(dim) * 0.5 + 1.0
+    gemma = spec["norm"] == "gemma"
+    num_blocks = -(-num_tokens // bs) + 2
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:num_tokens].to(device)
+    slots[1] = -1
+    keep = slots >= 0
+    want_k, want_v = (from_head_major(randn(kv_heads, num_blocks, bs, dim)) for _ in range(2))
+    got_k, got_v = as_kv_cache_layout(want_k), as_kv_cache_layout(want_v)
+    # The reference writes every row, so it writes into a scratch copy; the expected cache holds the
+    # kept rows only (-1 writes nothing).
+    q_ref, k_ref, v_ref = qkv_norm_rope_write_reference(
+        qkv, heads, kv_heads, dim, cos, sin, q_norm, k_norm, 1e-6, gemma, want_k.clone(), want_v.clone(), slots.clamp(0)
+    )
+    want_k.flatten(0, 1).index_copy_(0, slots[keep], k_ref[keep])
+    want_v.flatten(0, 1).index_copy_(0, slots[keep], v_ref[keep])
+    q, k, v = qkv_norm_rope_write(qkv, heads, kv_heads, dim, cos, sin, q_norm, k_norm, 1e-6, gemma, got_k, got_v, slots)
+    rtol, atol = _TOL[spec["dtype"]]
+    if dtype == torch.bfloat16:
+        # Rotary's difference of two rounded products cancels: an error of a unit in the products'
+        # last place is large relative to a small result, and the interpreter's truncating casts
+        # (four in a row with q/k-norm) all err the same way. So bf16 is held to a few units of the
+        # largest value; a wrong head, half or sign is off by the values themselves.
+        rtol, atol = 0.0, 6 * 2**-8 * float(q_ref.abs().max())
+    torch.testing.assert_close(q, q_ref, rtol=rtol, atol=atol)
+    torch.testing.assert_close(k, k_ref, rtol=rtol, atol=atol)
+    torch.testing.assert_close(v, v_ref, rtol=0, atol=0)
+    torch.testing.assert_close(got_k, want_k, rtol=rtol, atol=atol)
+    torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)
+
+
+def run_case(spec: dict[str, Any], device: str = "cpu", num_tokens: int = 7) -> None:
+    from batchrun.kernels import elementwise as ew
+    from batchrun.kernels import triton_elementwise as tew
+
+    if spec["op"] == "qkv":
+        return _qkv_case(spec, device, num_tokens)
+    dtype = _DTYPES[spec["dtype"]]
+    rtol, atol = _TOL[spec["dtype"]]
+    gen = torch.Generator().manual_seed(spec["n"])
+    n = spec["n"]
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(size, generator=gen).to(device, dtype)
+
+    weight = randn(n) * 0.5 + 1.0
+    if spec["op"] == "rms_norm":
+        x = randn(num_tokens, n)
+        torch.testing.assert_close(
+            tew.rms_norm(x, weight, 1e-6, spec["gemma"]),
+            ew.rms_norm_reference(x, weight, 1e-6, spec["gemma"]),
+            rtol=rtol,
+            atol=atol,
+        )
+    elif spec["op"] == "rms_norm_heads":  # the k heads of a qkv row: a strided 3-d view
+        x = randn(num_tokens, 6 * n)[:, 2 * n : 5 * n].view(num_tokens, 3, n)
+        torch.testing.assert_close(
+            tew.rms_norm(x, weight, 1e-6), ew.rms_norm_reference(x, weight, 1e-6), rtol=rtol, atol=atol
+        )
+    elif spec["op"] == "add_rms_norm":
+        h, residual = randn(num_tokens, n), randn(num_tokens, n)
+        want_out, want_res = ew.add_rms_norm_reference(h, residual, weight, 1e-6)
+        got_out, got_res = tew.add_rms_norm(h, residual.clone(), weight, 1e-6)
+        exact = (0, 0) if dtype != torch.bfloat16 else (rtol, atol)  # the add rounds once, as torch's
+        torch.testing.assert_close(got_res, want_res, rtol=exact[0], atol=exact[1])
+        torch.testing.assert_close(got_out, want_out, rtol=rtol, atol=atol)
+    elif spec["op"] == "silu_mul":
+        gate_up = randn(num_tokens, 2 * n) * 3.0
+        torch.testing.assert_close(tew.silu_mul(gate_up), ew.act_mul_reference(gate_up, "silu"), rtol=rtol, atol=atol)
+    else:
+        raise ValueError(spec["op"])
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict[str, dict[str, Any]]:
+    return interpreted_cases(__file__)
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_triton_elementwise_matches_reference_interpreted(interpreted, case_id):
+    assert case_id in interpreted, f"the child never reached {case_id}"
+    assert interpreted[case_id]["ok"], interpreted[case_id]["msg"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_triton_elementwise_matches_reference_on_gpu(case_id):
+    run_case(CASES[case_id], "cuda", num_tokens=3000)
+
+
+if __name__ == "__main__":
+    report_cases(CASES, run_case)

@@ -136,7 +136,15 @@ class Engine:
                 config.block_size,
             )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device, config.kv_cache_dtype)
+        self.runner = ModelRunner(
+            model,
+            num_blocks,
+            config.block_size,
+            self.dtype,
+            self.device,
+            config.kv_cache_dtype,
+            block_tables=self.kv.block_tables,
+        )
         spec = config.speculative
         limits = pick_batch_limits(
             self.runner,
@@ -315,7 +323,14 @@ class Engine:
             draft.to(self.dtype)
             draft.load_hf_state_dict(loaded.state_dict)
             # Same block ids and slot mapping as the target, so one block table serves both caches.
-            runner = ModelRunner(draft.eval(), num_blocks, self.config.block_size, self.dtype, self.device)
+            runner = ModelRunner(
+                draft.eval(),
+                num_blocks,
+                self.config.block_size,
+                self.dtype,
+                self.device,
+                block_tables=self.kv.block_tables,
+            )
             # Weights as parameters or as buffers (packed, quantized, a tied head's tiles), each once.
             draft_cost = _weight_count(draft) / _weight_count(self.model)
             self.settings["draft_model"] = loaded.path

@@ -1,8 +1,8 @@
 """KV block pool and the per-request block bookkeeping, with a hashed prefix cache.
 
-Everything here is ints, lists and numpy arrays: no tensors, so it is testable on its own. A full block is
-keyed by a hash chained over the token ids of every block before it, so two requests that share
-the first N full blocks of tokens share those blocks. Blocks no request holds stay cached until
+Everything here is ints, lists and numpy arrays: no tensors, so it is testable on its own. A full
+block is keyed by a hash chained over the token ids of every block before it, so two requests that
+share the first N full blocks of tokens share those blocks. Blocks no request holds stay cached until
 they are needed, and are then evicted least recently freed first.
 
 Work per step is proportional to what changed, not to context length: a request's block ids are

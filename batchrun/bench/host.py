@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
+from batchrun.bench.timing import round_order
 from batchrun.engine import Engine, EngineConfig, SamplingParams
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.testing import make_tiny_model
@@ -148,7 +149,8 @@ def run(rounds: int, num_steps: int) -> tuple[dict[tuple[int, int], dict[str, fl
         )
         samples: dict[tuple[int, int], list[tuple[float, float]]] = {(n, c): [] for n in NUM_SEQS for c in CONTEXTS}
         for r in range(rounds):
-            for (n, c), per_round in samples.items():
+            for n, c in round_order(list(samples), r):  # no point always runs first while the load moves
+                per_round = samples[(n, c)]
                 times = time_decode_steps(engine, n, c, num_steps, seed=r)
                 per_round.append((statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)))
             print(
@@ -177,7 +179,7 @@ def run(rounds: int, num_steps: int) -> tuple[dict[tuple[int, int], dict[str, fl
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=32, help="decode steps per point")
     ap.add_argument("--write-docs", action="store_true", help=WRITE_DOCS_HELP)
     args = ap.parse_args(argv)
@@ -189,7 +191,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             "The engine with a stand-in model whose forward costs nothing (tiny llama config, vocab "
             f"{vocab}, block size {BLOCK_SIZE}, prefix cache on, greedy): milliseconds of one decode step of "
             f"all sequences at once, {args.steps} steps per point, median step per round, median of "
-            f"{args.rounds} rounds. CPU: this thread's CPU time (torch runs one thread here)."
+            f"{args.rounds} rounds, the points' order rotating each round. CPU: this thread's CPU time "
+            "(torch runs one thread here). On a shared machine single rounds move a lot: compare the "
+            "medians, and points within one run."
         )
         command = script_command("batchrun.bench.host", argv)
         write_section(

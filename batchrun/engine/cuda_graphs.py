@@ -30,6 +30,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from batchrun.engine.block_table import NO_ROW, BlockTables, tables_from_lists
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.kernels.attention_metadata import AttentionMetadata
@@ -53,18 +54,25 @@ def pick_bucket(buckets: list[int], num_seqs: int) -> Optional[int]:
     return buckets[i] if i < len(buckets) else None
 
 
-def pack_decode_inputs(requests: list[Request], block_size: int, host: np.ndarray) -> list[int]:
+def pack_decode_inputs(
+    requests: list[Request], block_size: int, host: np.ndarray, block_tables: Optional[BlockTables] = None
+) -> list[int]:
     """Fill host (bucket, 3 + width) with one packed row per request, padded by repeating the last
-    row; width is the widest block table. Returns the batch indices of the requests that sample."""
+    row; width is the widest block table. Block ids come from the KV manager's persistent rows when
+    every request holds one, else from the requests' lists. Returns the batch indices of the
+    requests that sample."""
     n = len(requests)
     bucket = host.shape[0]
     assert 0 < n <= bucket
     positions = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=n)
     host[:n, 0] = np.fromiter((r.token_ids[r.num_computed_tokens] for r in requests), dtype=np.int64, count=n)
     host[:n, 1] = positions
-    host[:n, _NUM_FIXED:] = 0  # shorter tables are padded with block 0, as the runner pads them
-    for i, r in enumerate(requests):
-        host[i, _NUM_FIXED : _NUM_FIXED + len(r.block_ids)] = r.block_ids
+    rows = np.fromiter((r.table_row for r in requests), dtype=np.int64, count=n)
+    if block_tables is not None and rows.min() != NO_ROW:
+        tables = block_tables.gather(rows)  # (n, widest), 0-padded as the runner pads them
+    else:
+        tables = tables_from_lists([r.block_ids for r in requests])
+    host[:n, _NUM_FIXED:] = tables
     host[:n, 2] = host[np.arange(n), _NUM_FIXED + positions // block_size] * block_size + positions % block_size
     host[n:] = host[n - 1]
     # A one-token chunk of a prompt is a decode-shaped step too, but samples nothing yet.
@@ -95,6 +103,9 @@ def cuda_graphs_enabled(device: torch.device) -> bool:
 
 
 class DecodeGraphs:
+    # The KV manager's persistent block tables, set by the runner; None: packed from the requests' lists.
+    host_tables: Optional[BlockTables] = None
+
     def __init__(
         self,
         model: Any,
@@ -192,7 +203,7 @@ class DecodeGraphs:
             self.copied.synchronize()  # the previous step's upload has left the pinned buffer
         width = max(len(r.block_ids) for r in requests)
         host = self.host_np[: bucket * (_NUM_FIXED + width)].reshape(bucket, _NUM_FIXED + width)
-        sample = pack_decode_inputs(requests, self.block_size, host)
+        sample = pack_decode_inputs(requests, self.block_size, host, self.host_tables)
         self._upload(bucket, width)
         try:
             graph = self._graph(bucket)

@@ -140,7 +140,15 @@ class Engine:
                 config.block_size,
             )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, self.dtype, self.device, config.kv_cache_dtype)
+        self.runner = ModelRunner(
+            model,
+            num_blocks,
+            config.block_size,
+            self.dtype,
+            self.device,
+            config.kv_cache_dtype,
+            block_tables=self.kv.block_tables,
+        )
         limits = pick_batch_limits(
             self.runner,
             num_blocks,
@@ -326,7 +334,14 @@ class Engine:
             assert draft is not None
             draft_model, path = draft
             # Same block ids and slot mapping as the target, so one block table serves both caches.
-            runner = ModelRunner(draft_model, num_blocks, self.config.block_size, self.dtype, self.device)
+            runner = ModelRunner(
+                draft_model.eval(),
+                num_blocks,
+                self.config.block_size,
+                self.dtype,
+                self.device,
+                block_tables=self.kv.block_tables,
+            )
             # Weights as parameters or as buffers (packed, quantized, a tied head's tiles), each once.
             draft_cost = _weight_count(draft_model) / _weight_count(self.model)
             self.settings["draft_model"] = path
@@ -436,10 +451,43 @@ class Engine:
         self, batch: ScheduledBatch, out: RunnerOutput, draft_probs: dict[int, torch.Tensor]
     ) -> dict[int, tuple[Request, list[int], Optional[dict[int, float]]]]:
         """seq_id -> (request, tokens produced this step, logprobs of its one plain token)."""
+        result: dict[int, tuple[Request, list[int], Optional[dict[int, float]]]] = {}
+        if batch.spec_token_ids:
+            plain_reqs, plain_rows = self._verify_drafts(batch, out, draft_probs, result)
+        else:  # one row per sampled request, in batch order: no per-row bookkeeping
+            plain_reqs = self._sampled_requests(batch, out.sample_seq_ids)
+            plain_rows = list(range(len(plain_reqs)))
+        if plain_reqs:
+            logits = out.logits if len(plain_rows) == out.logits.shape[0] else out.logits[plain_rows]
+            tokens, logprobs = self.sampler.sample(
+                logits,
+                [r.params for r in plain_reqs],
+                [r.sample_seed for r in plain_reqs],
+                [len(r.token_ids) for r in plain_reqs],  # the position of the token each row samples
+            )
+            for i, req in enumerate(plain_reqs):
+                result[req.seq_id] = (req, [tokens[i]], logprobs[i] if logprobs is not None else None)
+        return result
+
+    @staticmethod
+    def _sampled_requests(batch: ScheduledBatch, sample_seq_ids: list[int]) -> list[Request]:
+        if len(sample_seq_ids) == len(batch.requests):  # runners list sampled requests in batch order
+            return batch.requests
+        by_seq = {r.seq_id: r for r in batch.requests}
+        return [by_seq[seq] for seq in sample_seq_ids]
+
+    def _verify_drafts(
+        self,
+        batch: ScheduledBatch,
+        out: RunnerOutput,
+        draft_probs: dict[int, torch.Tensor],
+        result: dict[int, tuple[Request, list[int], Optional[dict[int, float]]]],
+    ) -> tuple[list[Request], list[int]]:
+        """Verify the drafts of requests that carried some into `result`; return the other sampled
+        requests and their logits rows, for the plain sampler."""
         by_seq = {r.seq_id: r for r in batch.requests}
         plain_rows: list[int] = []
         plain_reqs: list[Request] = []
-        result = {}
         row = 0
         for seq, n in zip(out.sample_seq_ids, out.num_rows):
             req = by_seq[seq]
@@ -454,17 +502,7 @@ class Engine:
                 plain_rows.append(row)
                 plain_reqs.append(req)
             row += n
-        if plain_reqs:
-            logits = out.logits if len(plain_rows) == out.logits.shape[0] else out.logits[plain_rows]
-            tokens, logprobs = self.sampler.sample(
-                logits,
-                [r.params for r in plain_reqs],
-                [r.sample_seed for r in plain_reqs],
-                [r.num_tokens for r in plain_reqs],  # the position of the token each row samples
-            )
-            for i, req in enumerate(plain_reqs):
-                result[req.seq_id] = (req, [tokens[i]], logprobs[i] if logprobs is not None else None)
-        return result
+        return plain_reqs, plain_rows
 
     def _hits_stop_string(self, req: Request) -> bool:
         text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)

@@ -1,9 +1,13 @@
 """KV block pool and the per-request block bookkeeping, with a hashed prefix cache.
 
-Everything here is ints and lists: no tensors, so it is testable on its own. A full block is
-keyed by a hash chained over the token ids of every block before it, so two requests that share
-the first N full blocks of tokens share those blocks. Blocks no request holds stay cached until
+Everything here is ints, lists and numpy arrays: no tensors, so it is testable on its own. A full
+block is keyed by a hash chained over the token ids of every block before it, so two requests that
+share the first N full blocks of tokens share those blocks. Blocks no request holds stay cached until
 they are needed, and are then evicted least recently freed first.
+
+Work per step is proportional to what changed, not to context length: a request's block ids are
+mirrored into a persistent row of `block_tables` as blocks are attached, and only blocks that
+became full since the last step are hashed and published.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Optional
 
+from batchrun.engine.block_table import NO_ROW, BlockTables
 from batchrun.engine.request import Request
 
 log = logging.getLogger(__name__)
@@ -104,6 +109,7 @@ class KVCacheManager:
         self.peak_used_blocks = 0
         self.num_lookup_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of those, tokens found cached
+        self.block_tables = BlockTables()  # a row per request holding blocks, read by the runner
 
     @property
     def num_blocks(self) -> int:
@@ -114,11 +120,20 @@ class KVCacheManager:
 
     def _full_block_hashes(self, req: Request, num_tokens: int) -> list[int]:
         """Chained hashes of the full blocks among the first num_tokens tokens (memoized)."""
+        self._extend_hashes(req, num_tokens // self.block_size)
+        return req.block_hashes[: num_tokens // self.block_size]
+
+    def _extend_hashes(self, req: Request, num_full_blocks: int) -> None:
         bs = self.block_size
         hashes = req.block_hashes
-        for i in range(len(hashes), num_tokens // bs):
+        for i in range(len(hashes), num_full_blocks):
             hashes.append(hash_block(hashes[-1] if hashes else None, req.token_ids[i * bs : (i + 1) * bs]))
-        return hashes[: num_tokens // bs]
+
+    def _attach(self, req: Request, block_ids: list[int]) -> None:
+        if req.table_row == NO_ROW:
+            req.table_row = self.block_tables.acquire()
+        self.block_tables.append(req.table_row, block_ids)
+        req.block_ids.extend(block_ids)
 
     def match_prefix(self, req: Request) -> int:
         """At first admission: attach the longest cached chain of full blocks; return tokens reused.
@@ -129,13 +144,17 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return 0
         hashes = self._full_block_hashes(req, req.num_tokens - 1)
+        cached = []
         for h in hashes:
             block_id = self.pool.lookup(h)
             if block_id is None:
                 break
             self.pool.touch(block_id)
-            req.block_ids.append(block_id)
-        num_cached = len(req.block_ids) * self.block_size
+            cached.append(block_id)
+        if cached:
+            self._attach(req, cached)
+        req.num_committed_blocks = len(cached)  # found through their hashes: published already
+        num_cached = len(cached) * self.block_size
         req.num_computed_tokens = num_cached
         self._note_peak()
         return num_cached
@@ -151,26 +170,39 @@ class KVCacheManager:
 
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
         """Make room for num_new_tokens more tokens of req; False (and no change) if it can't."""
-        need = self.blocks_for(req.num_computed_tokens + num_new_tokens) - len(req.block_ids)
+        need = -(-(req.num_computed_tokens + num_new_tokens) // self.block_size) - len(req.block_ids)
+        if need <= 0:  # most steps of a decode: its last block still has room
+            return True
         if need > self.pool.num_free_blocks:
             return False
-        if need > 0:
-            req.block_ids.extend(self.pool.allocate(need))
-            self._note_peak()
+        self._attach(req, self.pool.allocate(need))
+        self._note_peak()
         return True
 
     def commit_computed(self, req: Request) -> None:
-        """After a step: publish the blocks that are now full and computed to the prefix cache."""
-        if not self.enable_prefix_caching:
+        """After a step: publish the blocks that became full and computed to the prefix cache.
+
+        Blocks published in earlier steps are not visited again; a computed count never falls
+        while a request holds its blocks (rejected drafts are never counted as computed), so
+        `num_committed_blocks` only grows until `free` resets it.
+        """
+        num_full = req.num_computed_tokens // self.block_size
+        if num_full <= req.num_committed_blocks or not self.enable_prefix_caching:
             return
-        hashes = self._full_block_hashes(req, req.num_computed_tokens)
-        for block_id, h in zip(req.block_ids, hashes):
-            self.pool.register(block_id, h)
+        self._extend_hashes(req, num_full)
+        block_ids, hashes = req.block_ids, req.block_hashes
+        for i in range(req.num_committed_blocks, num_full):
+            self.pool.register(block_ids[i], hashes[i])
+        req.num_committed_blocks = num_full
 
     def free(self, req: Request) -> None:
         # Tail blocks first into the queue: they are the least likely to be shared, so evict them first.
         self.pool.release(list(reversed(req.block_ids)))
         req.block_ids = []
+        req.num_committed_blocks = 0
+        if req.table_row != NO_ROW:
+            self.block_tables.release(req.table_row)
+            req.table_row = NO_ROW
 
     def _note_peak(self) -> None:
         self.peak_used_blocks = max(self.peak_used_blocks, self.pool.num_used_blocks)

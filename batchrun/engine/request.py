@@ -46,6 +46,8 @@ class Request:
         self.num_computed_tokens = 0
         self.block_ids: list[int] = []
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids, filled lazily
+        self.num_committed_blocks = 0  # leading blocks of block_ids already published to the prefix cache
+        self.table_row = -1  # row of the KV manager's BlockTables mirroring block_ids; -1: none
         # Per-request randomness, so sampling does not depend on batch composition: the sampler keys
         # its draws on (sample_seed, position); speculative verification and drafting use the generator.
         self.generator = generator

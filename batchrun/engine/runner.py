@@ -9,7 +9,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from batchrun.engine.block_table import NO_ROW, BlockTables, tables_from_lists
 from batchrun.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
+from batchrun.engine.request import Request
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.kv_layout import new_kv_cache
@@ -38,6 +40,9 @@ def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype, kv
 
 
 class ModelRunner:
+    # The KV manager's persistent block tables (engine/block_table.py); None: rebuilt every step.
+    block_tables: Optional[BlockTables] = None
+
     def __init__(
         self,
         model: DecoderLM,
@@ -46,8 +51,10 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         kv_cache_dtype: str = "auto",
+        block_tables: Optional[BlockTables] = None,
     ) -> None:
         self.model = model
+        self.block_tables = block_tables
         self.block_size = block_size
         self.device = device
         s = model.spec
@@ -68,35 +75,37 @@ class ModelRunner:
         if cuda_graphs_enabled(device):
             max_blocks = min(num_blocks, -(-s.max_position_embeddings // block_size))
             self.graphs = DecodeGraphs(model, self.kv_caches, block_size, max_blocks, device, dtype)
+            self.graphs.host_tables = block_tables
 
     def prepare(
         self, batch: ScheduledBatch, num_computed: Optional[list[int]] = None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int], list[int]]:
-        """Flatten a batch; `num_computed` overrides each request's start (used by draft passes)."""
+        """Flatten a batch; `num_computed` overrides each request's start (used by draft passes).
+
+        Per request only its scalars are read (and its new tokens' ids); everything else is numpy over
+        the whole batch, and block tables come from the KV manager's persistent rows, so the cost of
+        a step does not grow with context length."""
         bs = self.block_size
-        starts = np.array(
-            num_computed if num_computed is not None else [r.num_computed_tokens for r in batch.requests],
-            dtype=np.int64,
-        )
-        lens = np.array(batch.num_new_tokens, dtype=np.int64)
+        reqs = batch.requests
+        n = len(reqs)
+        start_list = num_computed if num_computed is not None else [r.num_computed_tokens for r in reqs]
+        starts = np.array(start_list, dtype=np.int64)  # (num_seqs,)
+        lens = np.array(batch.num_new_tokens, dtype=np.int64)  # (num_seqs,)
+        num_real = np.array([len(r.token_ids) for r in reqs], dtype=np.int64)  # (num_seqs,) tokens without drafts
         ends = starts + lens
-        query_start_loc = np.concatenate([[0], np.cumsum(lens)])
+        query_start_loc = np.zeros(n + 1, dtype=np.int64)  # (num_seqs + 1,)
+        np.cumsum(lens, out=query_start_loc[1:])
         num_tokens = int(query_start_loc[-1])
-        # positions: for every token, its index in its own sequence (vectorized ranges)
-        seq_of_token = np.repeat(np.arange(len(lens)), lens)
-        positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1], lens) + np.repeat(starts, lens)
-        spec = batch.spec_token_ids
-        chunks = []
-        for r, s_, e in zip(batch.requests, starts.tolist(), ends.tolist()):
-            chunk = r.token_ids[s_:e]
-            if e > r.num_tokens:  # past the real tokens: the drafts carried this step
-                chunk = chunk + spec[r.seq_id][max(s_, r.num_tokens) - r.num_tokens : e - r.num_tokens]
-            chunks.append(chunk)
-        input_ids = np.fromiter((t for c in chunks for t in c), dtype=np.int64, count=num_tokens)
-        max_blocks = max(len(r.block_ids) for r in batch.requests)
-        block_tables = np.zeros((len(lens), max_blocks), dtype=np.int64)
-        for i, r in enumerate(batch.requests):
-            block_tables[i, : len(r.block_ids)] = r.block_ids
+        if num_tokens == n and not batch.spec_token_ids:  # one real token per request: no ranges to expand
+            seq_of_token = np.arange(n)
+            positions = starts
+            input_ids = np.array([r.token_ids[i] for r, i in zip(reqs, start_list)], dtype=np.int64)  # (num_tokens,)
+        else:
+            seq_of_token = np.repeat(np.arange(n), lens)  # (num_tokens,)
+            # for every token, its index in its own sequence (vectorized ranges)
+            positions = np.arange(num_tokens) - np.repeat(query_start_loc[:-1] - starts, lens)
+            input_ids = self._chunk_token_ids(batch, start_list, ends.tolist(), num_tokens)
+        block_tables = self._block_tables(reqs)  # (num_seqs, widest table), 0-padded
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
         is_decode = lens == 1
         decode_ids = np.nonzero(is_decode)[0]
@@ -112,24 +121,41 @@ class ModelRunner:
         )
         # Rows to sample: requests whose real tokens are all computed after this step; from the row
         # of the last real token to the end of the request's rows (its drafts).
-        logits_rows: list[int] = []
-        sample_seq_ids: list[int] = []
-        num_rows: list[int] = []
-        for i, r in enumerate(batch.requests):
-            if ends[i] >= r.num_tokens:
-                first = int(query_start_loc[i]) + max(0, r.num_tokens - 1 - int(starts[i]))
-                last = int(query_start_loc[i + 1])
-                logits_rows.extend(range(first, last))
-                sample_seq_ids.append(r.seq_id)
-                num_rows.append(last - first)
+        sampled = np.nonzero(ends >= num_real)[0]  # (num_sampled,) batch indices
+        first = query_start_loc[sampled] + np.maximum(0, num_real[sampled] - 1 - starts[sampled])
+        num_rows = query_start_loc[sampled + 1] - first  # (num_sampled,)
+        # each sampled request's rows first[i] .. first[i] + num_rows[i] - 1, back to back
+        offsets = np.repeat(first - (np.cumsum(num_rows) - num_rows), num_rows)
+        logits_rows = offsets + np.arange(int(num_rows.sum()))
         return (
             torch.from_numpy(input_ids).to(self.device),
             torch.from_numpy(positions).to(self.device),
             meta,
-            logits_rows,
-            sample_seq_ids,
-            num_rows,
+            logits_rows.tolist(),
+            [reqs[i].seq_id for i in sampled.tolist()],
+            num_rows.tolist(),
         )
+
+    def _block_tables(self, reqs: list[Request]) -> np.ndarray:
+        """(num_seqs, widest) int64 tables: the persistent rows of KV-managed requests, else rebuilt
+        from the requests' lists (the start-up profile's and tests' hand-made requests)."""
+        if self.block_tables is not None:
+            rows = np.array([r.table_row for r in reqs], dtype=np.int64)  # (num_seqs,)
+            if rows.min() != NO_ROW:
+                return self.block_tables.gather(rows)
+        return tables_from_lists([r.block_ids for r in reqs])
+
+    @staticmethod
+    def _chunk_token_ids(batch: ScheduledBatch, starts: list[int], ends: list[int], num_tokens: int) -> np.ndarray:
+        """(num_tokens,) int64: each request's tokens start..end, drafts past its real tokens."""
+        spec = batch.spec_token_ids
+        chunks = []
+        for r, s_, e in zip(batch.requests, starts, ends):
+            chunk = r.token_ids[s_:e]
+            if e > r.num_tokens:  # past the real tokens: the drafts carried this step
+                chunk = chunk + spec[r.seq_id][max(s_, r.num_tokens) - r.num_tokens : e - r.num_tokens]
+            chunks.append(chunk)
+        return np.fromiter((t for c in chunks for t in c), dtype=np.int64, count=num_tokens)
 
     @torch.inference_mode()
     def execute(
@@ -147,8 +173,9 @@ class ModelRunner:
                 )
         input_ids, positions, meta, logits_rows, sample_seq_ids, num_rows = self.prepare(batch, num_computed)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers)  # (num_tokens, hidden_size)
-        rows = torch.tensor(logits_rows, dtype=torch.long, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        if len(logits_rows) < hidden.shape[0]:  # rows ascend and are distinct: equal length means all
+            hidden = hidden.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=hidden.device))
+        logits = self.model.compute_logits(hidden)
         return RunnerOutput(
             logits=self._logits_for_sampler(logits, batch, is_full_step),
             sample_seq_ids=sample_seq_ids,

@@ -87,9 +87,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(len(req.token_ids) - req.num_computed_tokens, budget)
             assert num_new > 0
-            num_spec = self._num_spec(req, spec_plan.get(req.seq_id, 0), budget - num_new)
+            num_spec = self._num_spec(req, spec_plan.get(req.seq_id, 0), budget - num_new) if spec_plan else 0
             if num_spec and self.kv.can_allocate(req, num_new + num_spec):
                 num_new += num_spec
                 batch.num_spec[req.seq_id] = num_spec
@@ -162,8 +162,8 @@ class Scheduler:
             if tokens:
                 # Rejected drafts leave KV past the accepted tokens: it is simply not counted as
                 # computed, and the slots are overwritten by the next tokens at those positions.
-                req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens - 1)
-            if not req.is_finished:
+                req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)
+            if req.status is not RequestStatus.FINISHED:
                 self.kv.commit_computed(req)
         return finished
 
@@ -171,7 +171,8 @@ class Scheduler:
         p = req.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_ids):
             return "stop"
-        if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.config.max_model_len:
+        num_tokens = len(req.token_ids)
+        if num_tokens - len(req.prompt_token_ids) >= p.max_tokens or num_tokens >= self.config.max_model_len:
             return "length"
         return None
 

@@ -23,6 +23,7 @@ from batchrun.job.claims import FAILED, QUARANTINED, RELEASED, ClaimBook, ShardQ
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import ConfigError, JobError, ShardError
 from batchrun.job.fingerprint import differences, input_fingerprint, model_fingerprint, settings_fingerprint
+from batchrun.job.logprobs import TokenTexts
 from batchrun.job.manifest import Manifest, redact, utc_now, write_merged_manifest
 from batchrun.job.metrics import ShardTally, metrics_row, percentile
 from batchrun.job.planner import plan_requests
@@ -33,7 +34,15 @@ from batchrun.job.results import RunResult, ShardSummary
 from batchrun.job.shards import Shard, Worker, assign_shards, discover_shards, open_filesystem, resolve_worker
 from batchrun.job.signals import StopRequest
 from batchrun.job.store import Attempt, RunStore
-from batchrun.job.writer import ResultWriter, error_result, output_result, result_schema, write_metrics
+from batchrun.job.writer import (
+    ResultWriter,
+    error_result,
+    logprob_columns,
+    optional_columns,
+    output_result,
+    result_schema,
+    write_metrics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -472,7 +481,11 @@ class _ShardRun:
         self.progress, self.stop, self.started_at = progress, stop, started_at
         self.config = job.config
         self.tally = ShardTally()
-        self.in_flight: dict[int, tuple[InputRow, Prompt, dict[str, Any]]] = {}
+        # Rows in the engine: (row, prompt, kept columns, samples still to come)
+        self.in_flight: dict[int, tuple[InputRow, Prompt, dict[str, Any], int]] = {}
+        self.num_samples = self.config.sampling.n  # result rows per input row
+        self.optional_columns = optional_columns(self.config.sampling)
+        self.token_texts = TokenTexts(engine.tokenizer)
         self.seen_ids: set[Any] = set()
         self.read_error: Optional[ShardError] = None
 
@@ -487,9 +500,10 @@ class _ShardRun:
             store.abandon(attempt)
             raise
         try:
-            self.progress.add_rows(self.reader.num_rows)
+            self.progress.add_rows(self.reader.num_rows * self.num_samples)
             keep_fields = [self.reader.field(c) for c in self.config.output.keep_columns]
-            self.writer = ResultWriter(store.fs, attempt.results_tmp, result_schema(keep_fields, self.reader.id_type))
+            schema = result_schema(keep_fields, self.reader.id_type, self.optional_columns)
+            self.writer = ResultWriter(store.fs, attempt.results_tmp, schema)
             try:
                 summary = self._generate_and_commit(attempt, t0)
             except BaseException:
@@ -515,8 +529,12 @@ class _ShardRun:
         # writer puts the results back in input order.
         requests = plan_requests(self._requests(), self.config.planner, self.engine.config.block_size)
         for out in self.engine.stream(requests, self.config.sampling, max_in_flight):
-            row, prompt, keep = self.in_flight.pop(out.request_id)
-            self._emit(row.index, output_result(row.id, out, prompt.error_message, keep))
+            row, prompt, keep, left = self.in_flight.pop(out.request_id)
+            if left > 1:
+                self.in_flight[out.request_id] = (row, prompt, keep, left - 1)
+            result = output_result(row.id, out, prompt.error_message, keep)
+            result.update(logprob_columns(out, self.config.sampling, self.token_texts))
+            self._emit(row.index, out.sample_index, result)
             if self._should_stop():
                 break
         if self._should_stop():
@@ -529,8 +547,11 @@ class _ShardRun:
             raise self.read_error
         wall_s = time.perf_counter() - t0
         num_rows = self.writer.close()
-        if num_rows != self.reader.num_rows:
-            raise ShardError(f"{num_rows} result rows for {self.reader.num_rows} input rows; not committed")
+        if num_rows != self.reader.num_rows * self.num_samples:
+            raise ShardError(
+                f"{num_rows} result rows for {self.reader.num_rows} input rows x {self.num_samples} samples; "
+                "not committed"
+            )
         metrics = metrics_row(self.shard.name, self.job.worker.rank, self.tally, wall_s, before, self.engine.stats())
         write_metrics(self.job.store.fs, attempt.metrics_tmp, metrics)
         fingerprint = {
@@ -575,14 +596,16 @@ class _ShardRun:
                 keep = {c: row.values[c] for c in keep_columns}
                 prompt = self._check_row(row) or self.builder.build(row)
                 if prompt.token_ids is None:
-                    self._emit(
-                        row.index,
-                        error_result(
-                            row.id, prompt.error_type or "", prompt.error_message, prompt.num_prompt_tokens, keep
-                        ),
-                    )
+                    for sample in range(self.num_samples):  # one error row per (id, sample)
+                        self._emit(
+                            row.index,
+                            sample,
+                            error_result(
+                                row.id, prompt.error_type or "", prompt.error_message, prompt.num_prompt_tokens, keep
+                            ),
+                        )
                     continue
-                self.in_flight[row.index] = (row, prompt, keep)
+                self.in_flight[row.index] = (row, prompt, keep, self.num_samples)
                 yield EngineRequest(request_id=row.index, prompt=prompt.token_ids, params=self._params_for(row))
         except ShardError as e:
             # Raising here would unwind through the engine; stop feeding it and fail after it drains.
@@ -613,14 +636,18 @@ class _ShardRun:
 
     def _params_for(self, row: InputRow) -> Optional[SamplingParams]:
         """Per-row seed from (sampling.seed, id): the same row samples the same text in any batch,
-        shard split or resumed run. None keeps the stream's shared params (greedy needs no seed)."""
+        shard split or resumed run (its n samples get seeds from it and their index, in the engine).
+        None keeps the stream's shared params (greedy needs no seed)."""
         sampling = self.config.sampling
         if sampling.seed is None or sampling.is_greedy:
             return None
         digest = hashlib.sha256(f"{sampling.seed}\0{row.id}".encode()).digest()
         return dataclasses.replace(sampling, seed=int.from_bytes(digest[:8], "little") >> 1)
 
-    def _emit(self, index: int, result: dict[str, Any]) -> None:
-        self.writer.put(index, result)
+    def _emit(self, index: int, sample: int, result: dict[str, Any]) -> None:
+        """Write one result row: rows are in input order, a row's samples in sample order."""
+        if self.num_samples > 1:
+            result["sample_index"] = sample
+        self.writer.put(index * self.num_samples + sample, result)
         self.tally.add(result)
         self.progress.advance(1, result["num_output_tokens"] or 0)

@@ -173,3 +173,15 @@ def test_prompt_logprobs_equal_a_teacher_forced_hf_forward(tiny_llama_dir, hf, c
             assert [entry[t] for t in top_ids.tolist()] == pytest.approx(top_vals.tolist(), abs=1e-4)
     assert outs[0].metrics.num_cached_tokens == 0, "a scoring request bypasses the prefix cache"
     assert outs[0].prompt_logprobs == outs[1].prompt_logprobs
+
+
+def test_samples_survive_a_kv_pool_too_small_for_all_of_them(engine, tiny_llama_dir):
+    per_block = engine.settings["kv_cache_bytes"] // engine.settings["num_kv_blocks"]
+    tight = make_engine(tiny_llama_dir, kv_cache_memory=per_block * 16, max_model_len=200)
+    ps = prompts(engine, 2, 300)
+    params = sampled(n=4, max_tokens=40)
+    squeezed = tight.generate(ps, params)
+    assert tight.stats().num_preemptions > 0, "the pool should be too small to run every sample at once"
+    assert tight.scheduler.num_unfinished == 0 and tight.kv.pool.num_used_blocks == 0
+    # preemption recomputes, so every sample still samples what it samples with room to spare
+    assert [o.token_ids for o in squeezed] == [o.token_ids for o in engine.generate(ps, params)]

@@ -115,6 +115,8 @@ class Scheduler:
                 num_new += num_spec
                 batch.num_spec[req.seq_id] = num_spec
             while not self.kv.allocate(req, num_new):
+                if self._drop_waiting_blocks():
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is req:
@@ -152,6 +154,15 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         return batch
+
+    def _drop_waiting_blocks(self) -> bool:
+        """Memory is short: released sibling samples give their shared prompt blocks back before any
+        running request is preempted (they match the prefix cache, or recompute, when admitted)."""
+        holders = [r for r in self.waiting if r.block_ids]
+        for req in holders:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+        return bool(holders)
 
     def _num_spec(self, req: Request, wanted: int, budget_left: int) -> int:
         """Draft tokens worth scheduling: only for a decode, within budget, max_tokens and max_model_len."""

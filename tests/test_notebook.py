@@ -33,7 +33,8 @@ def test_notebook_runs_on_a_real_run(tmp_path, make_shards, short_texts, tiny_en
     config = RunConfig(
         job=JobConfig(prompt_template="Summarize:\n{text}"),
         model=ModelConfig(path=tiny_llama_dir),
-        sampling=SamplingParams(temperature=0.0, max_tokens=8),
+        # two samples per row with logprobs, so the notebook's samples and logprobs cell runs too
+        sampling=SamplingParams(temperature=0.8, seed=0, max_tokens=8, n=2, logprobs=2),
         data=DataConfig(uri=str(tmp_path / "in")),
         output=OutputConfig(uri=str(out)),
         quiet=True,
@@ -72,9 +73,10 @@ def test_notebook_runs_on_a_real_run(tmp_path, make_shards, short_texts, tiny_en
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.output_type == "error"]
     images = [o for o in outputs if "image/png" in o.get("data", {})]
-    assert len(images) >= 4  # latency histograms, throughput per shard, outcomes, expert load
+    assert len(images) >= 5  # latency histograms, throughput per shard, outcomes, logprobs, expert load
     text = "\n".join(o.get("text", "") for o in outputs)
     assert "3 committed shards: part-00, part-01, part-errors" in text
-    assert "8 rows, 2 errors" in text
+    assert "16 rows, 4 errors" in text  # 8 input rows, 2 samples each
+    assert "2 samples per row" in text and "mean logprob per output token: median" in text
     spec_line = next(line for line in text.splitlines() if line.startswith("part-01 "))
     assert spec_line.split() == ["part-01", "40.0", "30.0", "0.75"]

@@ -112,3 +112,37 @@ def test_eos_and_stop_token_ids_and_max_model_len():
     assert not r3.is_finished  # EOS ignored
     sched.update(sched.schedule(), {2: [5]})
     assert r3.finish_reason == "length" and r3.num_tokens == 12
+
+
+def test_sibling_samples_wait_for_the_prompt_then_share_its_blocks():
+    """Samples 1..n-1 of a prompt are admitted only once sample 0 has computed it (over several
+    chunks), then compute only the last partial block: every full prompt block is shared."""
+    for prefix in (True, False):
+        sched, kv = make(budget=8, block_size=4, prefix=prefix)
+        prompt = list(range(1, 19))  # 18 tokens: 4 full blocks before the last token's block
+        params = SamplingParams(temperature=1.0, max_tokens=3, n=3)
+        samples = [Request(i, "r", prompt, params, 0.0, None, i, i) for i in range(3)]
+        sched.add(samples[0], samples[1:])
+        assert sched.num_unfinished == 3 and list(sched.waiting) == [samples[0]]
+        batch = sched.schedule()
+        steps, shared = [], None
+        while sched.has_unfinished():
+            steps.append([(r.seq_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)])
+            sampled = {
+                r.seq_id: [fake_next_token(r.token_ids) + r.sample_index]
+                for r, n in zip(batch.requests, batch.num_new_tokens)
+                if r.num_computed_tokens + n == r.num_tokens
+            }
+            sched.update(batch, sampled)
+            if shared is None and samples[1].status == RequestStatus.RUNNING:
+                shared = samples[0].block_ids[:4]
+            if shared is not None:
+                assert all(s.block_ids[:4] == shared for s in samples[1:] if s.block_ids), "one copy of the prompt"
+            batch = sched.schedule() if sched.has_unfinished() else batch
+        # sample 0 prefills 18 tokens in chunks of 8; the others join after it, with 2 tokens each
+        assert steps[:3] == [[(0, 8)], [(0, 8)], [(0, 2)]]
+        assert steps[3] == [(0, 1), (1, 2), (2, 2)]
+        assert shared is not None and len(shared) == 4
+        assert [s.metrics.num_cached_tokens for s in samples] == [0, 16, 16]
+        assert all(s.num_output_tokens == 3 for s in samples)
+        assert kv.pool.num_used_blocks == 0 and sched.num_unfinished == 0

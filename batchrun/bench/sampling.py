@@ -2,6 +2,7 @@
 
     python -m batchrun.bench.sampling                  # engine workload, then the sampler alone
     python -m batchrun.bench.sampling --only engine --rounds 3
+    python -m batchrun.bench.sampling --only samples   # n=4 samples per prompt against n=1
 
 Engine: the bundled summarization workload (32 CPython doc topics through the summarize prompt,
 64 tokens each, ignore_eos so every configuration produces the same number of tokens) on one
@@ -9,6 +10,10 @@ engine (SmolLM2-135M, bf16 on CPU), output tokens per wall second and per CPU se
 process, and the share of wall time spent in the sampler, for greedy, temperature 0.7, + top_p
 0.9, + top_k 50. Each round runs every configuration once, back to back; the ratio to greedy is
 taken within a round, then the median over rounds.
+
+Samples (--only samples): the same workload at temperature 0.8, n=1 against n=4 samples per
+prompt (SamplingParams.n: one shared prefill, four decodes), wall and CPU seconds per pass and
+their ratio within each round; the target is n=4 at most 2.5x the time of n=1.
 
 Sampler alone: (rows, vocab) random logits in float32 and bfloat16, the batched sampler against
 a per-row reference that sorts the vocabulary for top-p (kept here only for this comparison).
@@ -28,7 +33,7 @@ import torch
 
 from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.bench.quality import make_engine
-from batchrun.bench.timing import median_ratio
+from batchrun.bench.timing import median_ratio, round_order
 from batchrun.bench.workloads import summarize_prompts
 from batchrun.engine import Engine, SamplingParams
 from batchrun.engine.sampler import Sampler
@@ -108,6 +113,47 @@ def run_engine(rounds: int, max_tokens: int, cache_dir: Optional[str], threads: 
     return table
 
 
+def run_samples(rounds: int, max_tokens: int, n: int, cache_dir: Optional[str], threads: Optional[int]) -> dict:
+    """Seconds per pass for n=1 and n samples per prompt, and the median per-round ratio."""
+    engine = make_engine("none", "bfloat16", cache_dir=cache_dir, threads=threads)
+    prompts = summarize_prompts(engine.tokenizer)
+    params = {k: SamplingParams(temperature=0.8, max_tokens=max_tokens, ignore_eos=True, seed=0, n=k) for k in (1, n)}
+    engine.generate(prompts[:2], params[n])  # warm-up
+    print(f"samples: {len(prompts)} prompts, {max_tokens} tokens, n=1 vs n={n}, threads={torch.get_num_threads()}")
+    times: dict[int, list[dict]] = {k: [] for k in params}
+    for r in range(rounds):
+        for k in round_order(list(params), r):
+            engine.reset_prefix_cache()  # every pass prefills afresh: only the n samples share
+            before = engine.stats()
+            t, c = time.perf_counter(), time.process_time()
+            outs = engine.generate(prompts, params[k])
+            wall, cpu = time.perf_counter() - t, time.process_time() - c
+            after = engine.stats()
+            assert len(outs) == k * len(prompts) and all(len(o.token_ids) == max_tokens for o in outs)
+            times[k].append({"wall": wall, "cpu": cpu, "cached": after.num_cached_tokens - before.num_cached_tokens})
+        print(
+            f"  round {r + 1}/{rounds}: "
+            + ", ".join(f"n={k} {v[-1]['wall']:.1f}s wall / {v[-1]['cpu']:.1f}s CPU" for k, v in times.items()),
+            flush=True,
+        )
+    table = {
+        clock: {
+            "n1_s": statistics.median(v[clock] for v in times[1]),
+            "n_s": statistics.median(v[clock] for v in times[n]),
+            "ratio": median_ratio([v[clock] for v in times[n]], [v[clock] for v in times[1]]),
+        }
+        for clock in ("wall", "cpu")
+    }
+    table["shared_tokens"] = times[n][-1]["cached"]
+    table["prompt_tokens"] = sum(map(len, prompts))
+    print(
+        f"  n={n} vs n=1: {table['wall']['ratio']:.2f}x wall, {table['cpu']['ratio']:.2f}x CPU time "
+        f"(median of per-round ratios); {table['shared_tokens']} of {n * table['prompt_tokens']} "
+        "prompt tokens shared, not recomputed"
+    )
+    return table
+
+
 def _reference_sample(logits: torch.Tensor, params: list[SamplingParams], generators: list) -> list[int]:
     """One row at a time: temperature, top-k by torch.topk, top-p by sorting the whole vocabulary."""
     tokens = logits.argmax(dim=-1).tolist()
@@ -154,7 +200,8 @@ def run_sampler(rows: int, vocab: int, reps: int) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=("engine", "sampler"), default=None)
+    ap.add_argument("--only", choices=("engine", "sampler", "samples"), default=None)
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt for --only samples")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rows", type=int, default=64)
@@ -167,6 +214,28 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     rows: list[list[str]] = []
+    if args.only == "samples":
+        table = run_samples(args.rounds, args.max_tokens, args.n, args.cache_dir, args.threads)
+        rows = [
+            [
+                f"n={args.n} samples per prompt vs n=1, time",
+                f"{table['wall']['ratio']:.2f}x wall ({table['wall']['n_s']:.1f} s vs {table['wall']['n1_s']:.1f} s), "
+                f"{table['cpu']['ratio']:.2f}x CPU time",
+            ],
+            [
+                "prompt tokens shared by the samples (not recomputed)",
+                f"{table['shared_tokens']} of {args.n * table['prompt_tokens']}",
+            ],
+        ]
+        if args.write_docs:
+            notes = (
+                f"Summarize workload, temperature 0.8, {args.max_tokens} tokens with ignore_eos, bf16; "
+                f"{args.rounds} alternating rounds, median of per-round ratios in the same process."
+            )
+            command = script_command("batchrun.bench.sampling", argv)
+            table_md = markdown_table(["measurement", "result"], rows)
+            write_section("sampling_n", command, stamp(), table_md, notes, "Several samples per prompt")
+        return
     if args.only != "sampler":
         for name, row in run_engine(args.rounds, args.max_tokens, args.cache_dir, args.threads).items():
             rows.append(

@@ -124,6 +124,12 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # top-N logprobs per generated token; None for off
+    # Samples per prompt: the prompt is prefilled once and its KV blocks shared by the n samples;
+    # sample i is seeded from (seed, i), sample 0 exactly as a lone request with this seed.
+    n: int = 1
+    # top-N logprobs of every prompt token after the first, given the tokens before it (scoring);
+    # None for off. Such a request bypasses the prefix cache: cached positions have no logits.
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so the object stays hashable.
@@ -139,6 +145,13 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must be >= 0 or None, got {self.prompt_logprobs}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.n > 1 and self.is_greedy:
+            # n greedy samples are n copies of one output: almost surely a forgotten temperature.
+            raise ValueError(f"n={self.n} needs temperature > 0: greedy samples would all be identical")
 
     @property
     def is_greedy(self) -> bool:

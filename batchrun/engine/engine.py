@@ -19,7 +19,7 @@ from batchrun.engine.profiler import default_kv_bytes, pick_batch_limits
 from batchrun.engine.quantization import prepare_linears_for_engine
 from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner, RunnerOutput, kv_bytes_per_block
-from batchrun.engine.sampler import Sampler
+from batchrun.engine.sampler import Sampler, sample_seed
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from batchrun.engine.speculative import SpeculationPolicy, StepCostModel, record_acceptance, verify
 from batchrun.kernels import cpu_native
@@ -231,17 +231,19 @@ class Engine:
         prompts: Sequence[Union[str, list[int]]],
         params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order, a prompt's params.n samples
+        one after another by sample_index (so with n=1, one output per prompt)."""
         per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         assert len(per_prompt) == len(prompts), "one SamplingParams per prompt, or one for all"
         requests = [
             EngineRequest(request_id=i, prompt=p, params=sp) for i, (p, sp) in enumerate(zip(prompts, per_prompt))
         ]
-        results: list[Optional[RequestOutput]] = [None] * len(prompts)
+        results: list[dict[int, RequestOutput]] = [{} for _ in prompts]
         for out in self.stream(requests, max_in_flight=max(len(requests), 1)):
-            results[out.request_id] = out
-        assert all(r is not None for r in results)
-        return results  # type: ignore[return-value]
+            results[out.request_id][out.sample_index] = out
+        for samples, sp in zip(results, per_prompt):
+            assert sorted(samples) == list(range((sp or SamplingParams()).n))
+        return [samples[i] for samples in results for i in sorted(samples)]
 
     def stream(
         self,
@@ -249,7 +251,9 @@ class Engine:
         params: Optional[SamplingParams] = None,
         max_in_flight: Optional[int] = None,
     ) -> Iterator[RequestOutput]:
-        """Admit requests lazily and yield each output as it finishes (completion order).
+        """Admit requests lazily and yield each output as it finishes (completion order). A request
+        with params.n > 1 yields n outputs, one per sample (RequestOutput.sample_index), each as
+        it finishes; `max_in_flight` counts samples.
 
         A `None` from `requests` means "nothing to admit right now": admission pauses until the
         next step (the job's source yields it while it waits for rows in flight to finish before
@@ -271,10 +275,8 @@ class Engine:
                         break
                     if item is None:
                         break
-                    rejected = self._add(item, index, default_params)
+                    ready.extend(self._add(item, index, default_params))
                     index += 1
-                    if rejected is not None:
-                        ready.append(rejected)
                 while ready:
                     yield ready.popleft()
                 if not self.scheduler.has_unfinished():
@@ -379,19 +381,18 @@ class Engine:
                 ids.update(int(i) for i in source)
         return ids
 
-    def _add(self, item: Any, index: int, default_params: SamplingParams) -> Optional[RequestOutput]:
-        """Queue one request; return an error output instead when it can never run."""
+    def _add(self, item: Any, index: int, default_params: SamplingParams) -> list[RequestOutput]:
+        """Queue one request (params.n samples); return error outputs instead when it can never run."""
         if isinstance(item, EngineRequest):
             request_id, prompt, params = item.request_id, item.prompt, item.params or default_params
         else:
             request_id, prompt, params = index, item, default_params
         now = time.perf_counter()
-        seq_id = self._next_seq_id
-        self._next_seq_id += 1
-        generator, seed = None, None
+        first_seq_id = self._next_seq_id
+        self._next_seq_id += params.n
+        base_seed = None
         if not params.is_greedy:
-            seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + seq_id
-            generator = torch.Generator().manual_seed(seed)
+            base_seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + first_seq_id
         token_ids: list[int] = []
         error = None
         if isinstance(prompt, str):
@@ -410,13 +411,18 @@ class Engine:
                 f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
                 "(prompt plus at least one generated token must fit)"
             )
-        req = Request(seq_id, request_id, token_ids, params, now, generator, seed)
+        samples = []
+        for i in range(params.n):
+            seed = sample_seed(base_seed, i) if base_seed is not None else None
+            generator = torch.Generator().manual_seed(seed) if seed is not None else None
+            samples.append(Request(first_seq_id + i, request_id, token_ids, params, now, generator, seed, i))
         if error is not None:
-            req.finish_reason, req.error = "error", error
-            return self._to_output(req)
-        self._num_prompt_tokens += len(token_ids)
-        self.scheduler.add(req)
-        return None
+            for req in samples:
+                req.finish_reason, req.error = "error", error
+            return [self._to_output(req) for req in samples]
+        self._num_prompt_tokens += len(token_ids) * params.n
+        self.scheduler.add(samples[0], samples[1:])
+        return []
 
     def step(self) -> list[Request]:
         """One engine iteration; returns the requests that finished in it."""
@@ -430,6 +436,11 @@ class Engine:
                 req.metrics.first_scheduled_s = now
         draft_probs = self.drafter.fill(batch, proposals) if batch.num_spec else {}
         out = self.runner.execute(batch)
+        by_seq = {r.seq_id: r for r in batch.requests}
+        for seq, (first, entries) in out.prompt_logprobs.items():
+            scored = by_seq[seq].prompt_logprobs
+            assert scored is not None and len(scored) == first, "prompt tokens are scored once, in order"
+            scored.extend(entries)
         if self.drafter is not None:
             self.drafter.sync(batch)
         sampled = self._sample(batch, out, draft_probs)
@@ -532,4 +543,6 @@ class Engine:
             error=req.error,
             metrics=m,
             logprobs=req.logprobs,
+            sample_index=req.sample_index,
+            prompt_logprobs=req.prompt_logprobs,
         )

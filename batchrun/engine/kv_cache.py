@@ -141,8 +141,8 @@ class KVCacheManager:
         At least the last prompt token is always recomputed, since its logits are needed.
         """
         assert not req.block_ids and req.num_computed_tokens == 0
-        if not self.enable_prefix_caching:
-            return 0
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
+            return 0  # a request scoring its prompt needs the logits of every prompt position
         hashes = self._full_block_hashes(req, req.num_tokens - 1)
         cached = []
         for h in hashes:
@@ -158,6 +158,23 @@ class KVCacheManager:
         req.num_computed_tokens = num_cached
         self._note_peak()
         return num_cached
+
+    def fork_prefix(self, req: Request, source: Request) -> int:
+        """Give a sibling sample of `source` (same prompt, not yet admitted) a reference on each of
+        source's computed full prompt blocks; return the tokens shared.
+
+        Works with the prefix cache off too. Shared blocks are never written again: every request
+        writes only past its computed tokens, and the last prompt token is always left to recompute
+        (its logits are needed), so the partially filled block a sample writes to is its own.
+        """
+        assert not req.block_ids and req.num_computed_tokens == 0
+        assert req.prompt_token_ids == source.prompt_token_ids
+        num_blocks = min(source.num_computed_tokens, req.num_prompt_tokens - 1) // self.block_size
+        for block_id in source.block_ids[:num_blocks]:
+            self.pool.touch(block_id)
+            req.block_ids.append(block_id)
+        req.num_computed_tokens = num_blocks * self.block_size
+        return req.num_computed_tokens
 
     def record_admission(self, num_prompt_tokens: int, num_cached_tokens: int) -> None:
         """Count a first admission's prefix-cache outcome (retries and recomputes are not lookups)."""

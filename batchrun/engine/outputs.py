@@ -18,7 +18,9 @@ class RequestMetrics:
     ttft_s: Optional[float] = None  # first token time minus arrival
     itl_s: Optional[float] = None  # mean gap between output tokens (None with fewer than 2 tokens)
     latency_s: Optional[float] = None  # finish minus arrival
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first scheduling)
+    # prompt tokens not computed for it at first scheduling: served from the prefix cache, or
+    # shared with sample 0 of its prompt (SamplingParams.n)
+    num_cached_tokens: int = 0
     num_preemptions: int = 0  # times the request was evicted and recomputed
     num_spec_proposed: int = 0  # draft tokens proposed for it
     num_spec_accepted: int = 0  # of those, accepted by verification
@@ -34,8 +36,13 @@ class RequestOutput:
     finish_reason: str  # "stop" | "length" | "error"
     error: Optional[str] = None  # message when finish_reason == "error"
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    # Per generated token: {token_id: logprob} of the top-N candidates, when SamplingParams.logprobs is set.
+    # Per generated token: {token_id: logprob} of the token itself and the top-N candidates (N or
+    # N + 1 entries), from the model's raw distribution, when SamplingParams.logprobs is set.
     logprobs: Optional[list[dict[int, float]]] = None
+    sample_index: int = 0  # which of the prompt's SamplingParams.n samples (0..n-1)
+    # Per prompt token after the first: {token_id: logprob} of it and the top-N, given the tokens
+    # before it, when SamplingParams.prompt_logprobs is set.
+    prompt_logprobs: Optional[list[dict[int, float]]] = None
 
 
 @dataclass

@@ -36,6 +36,7 @@ class Request:
         arrival_s: float,
         generator: Optional[torch.Generator],
         sample_seed: Optional[int] = None,
+        sample_index: int = 0,
     ) -> None:
         self.seq_id = seq_id  # engine-internal, unique, increasing: the admission order
         self.request_id = request_id
@@ -55,7 +56,14 @@ class Request:
         self.metrics = RequestMetrics(arrival_s=arrival_s)
         self.finish_reason: Optional[str] = None
         self.error: Optional[str] = None
+        self.sample_index = sample_index  # which of its prompt's params.n samples this is
+        # Sibling samples of this prompt waiting for its prefill, to share its prompt's KV blocks
+        # (held by sample 0 only; the scheduler releases them, see Scheduler.add).
+        self.followers: list[Request] = []
         self.logprobs: Optional[list[dict[int, float]]] = [] if params.logprobs is not None else None
+        # Per prompt token after the first: {token_id: logprob} of it and the top-N; filled as the
+        # prompt is computed (a recompute after preemption does not append again).
+        self.prompt_logprobs: Optional[list[dict[int, float]]] = [] if params.prompt_logprobs is not None else None
         self.text: Optional[str] = None  # the detokenized output, filled at finish
         self.spec_acceptance: Optional[float] = None  # running per-token draft acceptance rate
         self.spec_steps_seen = 0  # decode steps the speculation policy has looked at this request

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
@@ -12,6 +12,7 @@ import torch
 from batchrun.engine.block_table import NO_ROW, BlockTables, tables_from_lists
 from batchrun.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from batchrun.engine.request import Request
+from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.kv_layout import new_kv_cache
@@ -19,6 +20,8 @@ from batchrun.kernels.quant.kv import KV_CACHE_DTYPES, QuantizedKVCache, kv_byte
 from batchrun.model.decoder import DecoderLM
 
 log = logging.getLogger(__name__)
+
+PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits are materialized at once (prompt_logprobs)
 
 
 @dataclass
@@ -28,6 +31,9 @@ class RunnerOutput:
     logits: torch.Tensor
     sample_seq_ids: list[int]  # seq_id of each request whose token list was fully computed this step
     num_rows: list[int]  # rows of `logits` per request in sample_seq_ids
+    # Requests scoring their prompt (SamplingParams.prompt_logprobs): seq_id -> (index of the first
+    # prompt token scored this step minus one, per scored token {token_id: logprob} of it and the top-N)
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 
 
 def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -162,7 +168,9 @@ class ModelRunner:
         self, batch: ScheduledBatch, num_layers: Optional[int] = None, num_computed: Optional[list[int]] = None
     ) -> RunnerOutput:
         is_full_step = num_layers is None and num_computed is None
-        if self.graphs is not None and is_full_step and self.graphs.can_run(batch):
+        # A one-token prefill chunk looks like a decode; the graphs score no prompt tokens.
+        scores_prompt = any(r.prompt_logprobs is not None for r in batch.requests)
+        if self.graphs is not None and is_full_step and not scores_prompt and self.graphs.can_run(batch):
             graphed = self.graphs.execute(batch)
             if graphed is not None:
                 logits, sample_seq_ids = graphed
@@ -180,7 +188,36 @@ class ModelRunner:
             logits=self._logits_for_sampler(logits, batch, is_full_step),
             sample_seq_ids=sample_seq_ids,
             num_rows=num_rows,
+            prompt_logprobs=self._prompt_logprobs(batch, hidden, meta.query_start_loc) if is_full_step else {},
         )
+
+    def _prompt_logprobs(
+        self, batch: ScheduledBatch, hidden: torch.Tensor, query_start_loc: list[int]
+    ) -> dict[int, tuple[int, list[dict[int, float]]]]:
+        """Logprobs of the prompt tokens this step computed the predecessors of, for requests that
+        ask; positions already scored (before a preemption) are not scored again."""
+        out: dict[int, tuple[int, list[dict[int, float]]]] = {}
+        for i, r in enumerate(batch.requests):
+            if r.prompt_logprobs is None:
+                continue
+            start = r.num_computed_tokens
+            first = max(start, len(r.prompt_logprobs))  # position j's logits score prompt token j + 1
+            end = min(start + batch.num_new_tokens[i], r.num_prompt_tokens - 1)
+            if first >= end:
+                continue
+            offset = query_start_loc[i] - start
+            entries: list[dict[int, float]] = []
+            for lo in range(first, end, PROMPT_LOGITS_ROWS):  # bounds the (rows, vocab) logits in memory
+                hi = min(lo + PROMPT_LOGITS_ROWS, end)
+                chunk = self.model.compute_logits(hidden[offset + lo : offset + hi])  # (hi - lo, vocab_size)
+                targets = r.prompt_token_ids[lo + 1 : hi + 1]
+                target_ids = torch.tensor(targets, dtype=torch.int64, device=chunk.device)
+                scored = Sampler.logprobs(
+                    chunk, [r.params] * len(targets), target_ids, targets, [r.params.prompt_logprobs] * len(targets)
+                )
+                entries.extend(scored or [])
+            out[r.seq_id] = (first, entries)
+        return out
 
     @staticmethod
     def _logits_for_sampler(logits: torch.Tensor, batch: ScheduledBatch, is_full_step: bool) -> torch.Tensor:

@@ -46,6 +46,15 @@ def uniform(seed: int, position: int) -> float:
     return (z >> 11) * 2.0**-53
 
 
+def sample_seed(seed: int, sample_index: int) -> int:
+    """The seed of sample `sample_index` of a request seeded with `seed` (SamplingParams.n):
+    sample 0 keeps the seed itself, so it samples what a lone request with that seed samples;
+    the others get independent streams, a pure function of (seed, index), never of the batch."""
+    if sample_index == 0:
+        return seed
+    return _mix64((seed & _MASK64) ^ _mix64(sample_index * 0x9E3779B97F4A7C15 & _MASK64)) >> 1
+
+
 def _truncate(
     s: torch.Tensor,  # (B, V) float32 scaled logits
     top_k: torch.Tensor,  # (B,) int64 in [0, V): 0 is off
@@ -181,7 +190,7 @@ class Sampler:
                 if group:
                     tokens[torch.tensor(group, device=device)] = self._draw(logits, group, params, seeds, positions)
         token_list = tokens.tolist()
-        return token_list, self._logprobs(logits, params, tokens, token_list)
+        return token_list, self.logprobs(logits, params, tokens, token_list)
 
     def _draw(
         self,
@@ -208,20 +217,26 @@ class Sampler:
         return _truncate_rows(s, [p.top_k for p in sub], [p.top_p for p in sub], u)[1]
 
     @staticmethod
-    def _logprobs(
-        logits: torch.Tensor, params: Sequence[SamplingParams], tokens: torch.Tensor, token_list: list[int]
+    def logprobs(
+        logits: torch.Tensor,  # (num_rows, vocab_size)
+        params: Sequence[SamplingParams],
+        tokens: torch.Tensor,  # (num_rows,) int64 on the logits' device: the token each row chose
+        token_list: list[int],  # the same tokens on the host
+        top_n: Optional[Sequence[Optional[int]]] = None,  # per row N; None: each row's params.logprobs
     ) -> Optional[list[dict[int, float]]]:
-        """Per row: {chosen token: logprob} plus the top-N, from the raw (unscaled) logits."""
-        want = [i for i, p in enumerate(params) if p.logprobs is not None]
+        """Per row: {chosen token: logprob} plus the top-N, from the raw (unscaled) logits; rows
+        whose N is None get {} (None when no row has an N)."""
+        top_n = [p.logprobs for p in params] if top_n is None else top_n
+        want = [i for i, n in enumerate(top_n) if n is not None]
         if not want:
             return None
         rows = torch.tensor(want, device=logits.device)
         lp = torch.log_softmax(logits[rows].float(), dim=-1)
         chosen = lp.gather(1, tokens[rows][:, None]).squeeze(1).tolist()
-        top_vals, top_idx = torch.topk(lp, min(max(params[i].logprobs for i in want), lp.shape[-1]), dim=-1)
+        top_vals, top_idx = torch.topk(lp, min(max(n for n in top_n if n is not None), lp.shape[-1]), dim=-1)
         top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
         out: list[dict[int, float]] = [{} for _ in params]
         for j, i in enumerate(want):
-            n = params[i].logprobs
+            n = top_n[i]
             out[i] = {token_list[i]: chosen[j], **dict(zip(top_idx[j][:n], top_vals[j][:n]))}
         return out

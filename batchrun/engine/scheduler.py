@@ -5,12 +5,18 @@ lacks up to the remaining budget, so a long prompt is prefilled in chunks beside
 When blocks run out, the newest running request is preempted: its blocks are freed and it goes
 back to the front of the queue to be recomputed later. Waiting requests are admitted only in a
 step that preempted nobody.
+
+Several samples of one prompt (SamplingParams.n) are admitted as one request, sample 0, whose
+siblings wait aside until its prompt is computed; they then take references on its full prompt
+blocks (KVCacheManager.fork_prefix) and go to the front of the queue, so the prompt is prefilled
+once whether or not the prefix cache is on, and they start decoding one step behind sample 0.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -54,17 +60,32 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_parked = 0  # sibling samples waiting for their sample 0's prompt
 
-    def add(self, req: Request) -> None:
+    def add(self, req: Request, siblings: Sequence[Request] = ()) -> None:
+        """Queue a request, and the other samples of its prompt to start once its prompt is computed."""
         assert req.num_tokens + 1 <= self.config.max_model_len, "engine must reject requests that cannot fit"
+        assert all(s.prompt_token_ids == req.prompt_token_ids for s in siblings)
         self.waiting.append(req)
+        req.followers = list(siblings)
+        self.num_parked += len(siblings)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + self.num_parked
+
+    def _release_followers(self, req: Request) -> None:
+        """req's prompt is computed: its siblings share its prompt blocks and are admitted next."""
+        for follower in reversed(req.followers):
+            self.kv.fork_prefix(follower, req)
+            if req.prompt_logprobs is not None:
+                follower.prompt_logprobs = req.prompt_logprobs  # the same prompt: computed once
+            self.waiting.appendleft(follower)
+        self.num_parked -= len(req.followers)
+        req.followers = []
 
     def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
         self.running.remove(victim)
@@ -94,6 +115,8 @@ class Scheduler:
                 num_new += num_spec
                 batch.num_spec[req.seq_id] = num_spec
             while not self.kv.allocate(req, num_new):
+                if self._drop_waiting_blocks():
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim, batch)
                 if victim is req:
@@ -109,7 +132,8 @@ class Scheduler:
         # Then new requests, unless memory was short this step.
         while self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            num_cached = self.kv.match_prefix(req)
+            # A released sibling sample holds its shared prompt blocks already.
+            num_cached = req.num_computed_tokens if req.block_ids else self.kv.match_prefix(req)
             num_new = req.num_tokens - req.num_computed_tokens
             if not self.config.enable_chunked_prefill and num_new > budget and batch.requests:
                 self.kv.free(req)
@@ -130,6 +154,15 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         return batch
+
+    def _drop_waiting_blocks(self) -> bool:
+        """Memory is short: released sibling samples give their shared prompt blocks back before any
+        running request is preempted (they match the prefix cache, or recompute, when admitted)."""
+        holders = [r for r in self.waiting if r.block_ids]
+        for req in holders:
+            self.kv.free(req)
+            req.num_computed_tokens = 0
+        return bool(holders)
 
     def _num_spec(self, req: Request, wanted: int, budget_left: int) -> int:
         """Draft tokens worth scheduling: only for a decode, within budget, max_tokens and max_model_len."""
@@ -165,6 +198,8 @@ class Scheduler:
                 req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)
             if req.status is not RequestStatus.FINISHED:
                 self.kv.commit_computed(req)
+                if req.followers and req.num_computed_tokens >= req.num_prompt_tokens:
+                    self._release_followers(req)
         return finished
 
     def _stop_reason(self, req: Request, token: int) -> Optional[str]:
@@ -178,6 +213,14 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str) -> None:
         """End a request now (also used by the engine for stop strings); frees its blocks."""
+        if req.followers:
+            if reason == "abort":
+                followers, req.followers = req.followers, []
+                self.num_parked -= len(followers)
+                for follower in followers:
+                    follower.status, follower.finish_reason = RequestStatus.FINISHED, reason
+            else:  # it ended at its first token: its prompt blocks are still held until the free below
+                self._release_followers(req)
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
         elif req in self.waiting:

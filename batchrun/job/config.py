@@ -35,6 +35,10 @@ RESULT_COLUMNS = [
     "itl_s",
     "latency_s",
 ]
+# Columns that follow them only when the sampling settings ask (writer.result_schema): n > 1 adds
+# sample_index, logprobs adds cumulative_logprob and logprobs, prompt_logprobs adds prompt_logprobs.
+# With none of these, a results file is what it was before they existed.
+OPTIONAL_RESULT_COLUMNS = ["sample_index", "cumulative_logprob", "logprobs", "prompt_logprobs"]
 PlanOrder = Literal["longest_first", "shortest_first", "input"]
 DataFormat = Literal["parquet", "openai_batch"]
 WorkloadName = Literal["summarize", "shared_prefix", "random"]
@@ -138,7 +142,7 @@ class OutputConfig:
     def __post_init__(self) -> None:
         if not self.uri:
             raise ValueError("output.uri: missing")
-        clash = [c for c in self.keep_columns if c in RESULT_COLUMNS]
+        clash = [c for c in self.keep_columns if c in RESULT_COLUMNS or c in OPTIONAL_RESULT_COLUMNS]
         if clash:
             raise ValueError(f"output.keep_columns: {', '.join(clash)} would overwrite a result column")
 

@@ -35,6 +35,7 @@ from batchrun.job.claims import ClaimBook, ShardQueue
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import ShardError
 from batchrun.job.fingerprint import input_fingerprint
+from batchrun.job.logprobs import TokenTexts
 from batchrun.job.manifest import utc_now
 from batchrun.job.metrics import ShardTally, metrics_row
 from batchrun.job.openai_files import BatchFileReader, BatchLineWriter
@@ -47,7 +48,15 @@ from batchrun.job.results import ShardSummary
 from batchrun.job.shards import Shard, Worker
 from batchrun.job.signals import StopRequest
 from batchrun.job.store import DEFAULT_FILES, Attempt, RunStore
-from batchrun.job.writer import ResultWriter, error_result, output_result, result_schema, write_metrics
+from batchrun.job.writer import (
+    ResultWriter,
+    error_result,
+    logprob_columns,
+    optional_columns,
+    output_result,
+    result_schema,
+    write_metrics,
+)
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +111,12 @@ class ShardRun:
         self.tally = ShardTally()
         self.batch_requests = host.requests  # None unless data.format=openai_batch
         self.lines: Optional[BatchLineWriter] = None  # its OpenAI batch output and errors files
-        # row index -> (row, prompt, kept columns, the batch request when the row is one)
-        self.in_flight: dict[int, tuple[InputRow, Prompt, dict[str, Any], Optional[BatchRequest]]] = {}
+        # row index -> (row, prompt, kept columns, the batch request when the row is one, samples
+        # still to come)
+        self.in_flight: dict[int, tuple[InputRow, Prompt, dict[str, Any], Optional[BatchRequest], int]] = {}
+        self.num_samples = self.config.sampling.n  # result rows per input row
+        self.optional_columns = optional_columns(self.config.sampling)
+        self.token_texts = TokenTexts(engine.tokenizer)
         self.seen_ids: set[Any] = set()
         self.is_read = False  # every row was read and either admitted or written as an error row
         self.failure: Optional[BaseException] = None  # set when the shard cannot go on
@@ -122,7 +135,7 @@ class ShardRun:
                 self.reader = ShardReader(shard, host.data_fs, self.config.data, columns)
             try:
                 keep_fields = [self.reader.field(c) for c in self.config.output.keep_columns]
-                schema = result_schema(keep_fields, self.reader.id_type)
+                schema = result_schema(keep_fields, self.reader.id_type, self.optional_columns)
                 self.writer = ResultWriter(host.store.fs, self.attempt.results_tmp, schema)
                 if self.batch_requests is not None:
                     self.lines = BatchLineWriter(host.store.fs, self.attempt.output_tmp, self.attempt.errors_tmp)
@@ -133,7 +146,7 @@ class ShardRun:
         except BaseException:
             host.store.abandon(self.attempt)
             raise
-        progress.add_rows(self.reader.num_rows)
+        progress.add_rows(self.reader.num_rows * self.num_samples)
 
     @property
     def is_lost(self) -> bool:
@@ -162,14 +175,16 @@ class ShardRun:
                 else:
                     prompt = self._check_row(row) or self.builder.build(row)
                 if prompt.token_ids is None:
-                    self._emit(
-                        row.index,
-                        error_result(
-                            row.id, prompt.error_type or "", prompt.error_message, prompt.num_prompt_tokens, keep
-                        ),
-                    )
+                    for sample in range(self.num_samples):  # one error row per (id, sample)
+                        self._emit(
+                            row.index,
+                            sample,
+                            error_result(
+                                row.id, prompt.error_type or "", prompt.error_message, prompt.num_prompt_tokens, keep
+                            ),
+                        )
                     continue
-                self.in_flight[row.index] = (row, prompt, keep, request)
+                self.in_flight[row.index] = (row, prompt, keep, request, self.num_samples)
                 seeded = request is not None and request.body.get("seed") is not None
                 yield EngineRequest(
                     request_id=(self.key, row.index),
@@ -184,8 +199,12 @@ class ShardRun:
             self.failure = e
 
     def on_output(self, out: RequestOutput) -> None:
-        row, prompt, keep, request = self.in_flight.pop(out.request_id[1])
-        self._emit(row.index, output_result(row.id, out, prompt.error_message, keep), request, out)
+        row, prompt, keep, request, left = self.in_flight.pop(out.request_id[1])
+        if left > 1:
+            self.in_flight[row.index] = (row, prompt, keep, request, left - 1)
+        result = output_result(row.id, out, prompt.error_message, keep)
+        result.update(logprob_columns(out, self.config.sampling, self.token_texts))
+        self._emit(row.index, out.sample_index, result, request, out)
         self.tally.add_request(out.metrics)
 
     def commit(self) -> ShardSummary:
@@ -193,8 +212,11 @@ class ShardRun:
         self.reader.close()
         wall_s = time.perf_counter() - self.t0
         num_rows = self.writer.close()
-        if num_rows != self.reader.num_rows:
-            raise ShardError(f"{num_rows} result rows for {self.reader.num_rows} input rows; not committed")
+        if num_rows != self.reader.num_rows * self.num_samples:
+            raise ShardError(
+                f"{num_rows} result rows for {self.reader.num_rows} input rows x {self.num_samples} samples; "
+                "not committed"
+            )
         files = DEFAULT_FILES
         if self.lines is not None:
             num_lines = self.lines.close()
@@ -275,7 +297,8 @@ class ShardRun:
         self, row: InputRow, own: Optional[SamplingParams] = None, seeded: bool = False
     ) -> Optional[SamplingParams]:
         """Per-row seed from (sampling.seed, id): the same row samples the same text in any batch,
-        shard split or resumed run. None keeps the stream's shared params (greedy needs no seed).
+        shard split or resumed run (its n samples get seeds from it and their index, in the engine).
+        None keeps the stream's shared params (greedy needs no seed).
         `own`: the row's params (a batch request's body); `seeded`: its body chose the seed."""
         sampling = own or self.config.sampling
         if seeded or sampling.seed is None or sampling.is_greedy:
@@ -286,11 +309,16 @@ class ShardRun:
     def _emit(
         self,
         index: int,
+        sample: int,
         result: dict[str, Any],
         request: Optional[BatchRequest] = None,
         out: Optional[RequestOutput] = None,
     ) -> None:
-        self.writer.put(index, result)
+        """Write one result row: rows are in input order, a row's samples in sample order (batch
+        files take n=1 only: one line per request)."""
+        if self.num_samples > 1:
+            result["sample_index"] = sample
+        self.writer.put(index * self.num_samples + sample, result)
         if self.lines is not None:
             if request is not None and out is not None and result["error_type"] is None:
                 line = response_line(self.shard.name, index, request, out)

@@ -13,8 +13,9 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.engine import RequestOutput
-from batchrun.job.config import RESULT_COLUMNS
+from batchrun.engine import RequestOutput, SamplingParams
+from batchrun.job.config import OPTIONAL_RESULT_COLUMNS, RESULT_COLUMNS
+from batchrun.job.logprobs import LOGPROBS_TYPE, TokenTexts, cumulative_logprob, logprob_entries
 
 RESULT_FIELDS: list[pa.Field] = [
     # The input row's id, in the id column's own type (result_schema), or "<shard>-<row index>"
@@ -32,6 +33,17 @@ RESULT_FIELDS: list[pa.Field] = [
     pa.field("latency_s", pa.float64()),  # admission to finish
 ]
 assert [f.name for f in RESULT_FIELDS] == RESULT_COLUMNS, "config.RESULT_COLUMNS names these fields"
+
+OPTIONAL_RESULT_FIELDS: list[pa.Field] = [
+    pa.field("sample_index", pa.int64()),  # with sampling.n > 1: which sample of the row, 0..n-1
+    # with sampling.logprobs: the sum of the output tokens' logprobs, and per output token its id,
+    # text and logprob with the top-N alternatives (logprobs.py); null on error rows
+    pa.field("cumulative_logprob", pa.float64()),
+    pa.field("logprobs", LOGPROBS_TYPE),
+    # with sampling.prompt_logprobs: the same per prompt token after the first, given those before it
+    pa.field("prompt_logprobs", LOGPROBS_TYPE),
+]
+assert [f.name for f in OPTIONAL_RESULT_FIELDS] == OPTIONAL_RESULT_COLUMNS
 
 METRICS_SCHEMA = pa.schema(
     [
@@ -89,6 +101,32 @@ def error_result(
     }
 
 
+def optional_columns(sampling: SamplingParams) -> list[str]:
+    """The optional result columns these sampling settings add, in schema order."""
+    wanted = {
+        "sample_index": sampling.n > 1,
+        "cumulative_logprob": sampling.logprobs is not None,
+        "logprobs": sampling.logprobs is not None,
+        "prompt_logprobs": sampling.prompt_logprobs is not None,
+    }
+    return [c for c in OPTIONAL_RESULT_COLUMNS if wanted[c]]
+
+
+def logprob_columns(out: RequestOutput, sampling: SamplingParams, texts: TokenTexts) -> dict[str, Any]:
+    """The logprob columns of an engine output, as far as `sampling` asks for them."""
+    columns: dict[str, Any] = {}
+    if out.finish_reason == "error":
+        return columns  # left null
+    if sampling.logprobs is not None:
+        entries = logprob_entries(out.token_ids, out.logprobs, sampling.logprobs, texts)
+        columns["logprobs"] = entries
+        columns["cumulative_logprob"] = cumulative_logprob(entries)
+    if sampling.prompt_logprobs is not None:
+        prompt = out.prompt_token_ids[1:]
+        columns["prompt_logprobs"] = logprob_entries(prompt, out.prompt_logprobs, sampling.prompt_logprobs, texts)
+    return columns
+
+
 def output_result(row_id: Any, out: RequestOutput, note: Optional[str], keep: dict[str, Any]) -> dict[str, Any]:
     """The result row of an engine output; an engine-side failure becomes a typed engine_error."""
     failed = out.finish_reason == "error"
@@ -109,11 +147,14 @@ def output_result(row_id: Any, out: RequestOutput, note: Optional[str], keep: di
     }
 
 
-def result_schema(keep_fields: Sequence[pa.Field], id_type: Optional[pa.DataType] = None) -> pa.Schema:
-    """The results schema: the fixed columns (`id` in the input's id type; text by default), then
-    the kept input columns."""
+def result_schema(
+    keep_fields: Sequence[pa.Field], id_type: Optional[pa.DataType] = None, optional: Sequence[str] = ()
+) -> pa.Schema:
+    """The results schema: the fixed columns (`id` in the input's id type; text by default), the
+    `optional` columns asked for (optional_columns), then the kept input columns."""
     fields = [f.with_type(id_type) if f.name == "id" and id_type is not None else f for f in RESULT_FIELDS]
-    return pa.schema([*fields, *keep_fields])
+    extra = [f for f in OPTIONAL_RESULT_FIELDS if f.name in optional]
+    return pa.schema([*fields, *extra, *keep_fields])
 
 
 class ResultWriter:

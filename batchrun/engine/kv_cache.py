@@ -170,9 +170,13 @@ class KVCacheManager:
         assert not req.block_ids and req.num_computed_tokens == 0
         assert req.prompt_token_ids == source.prompt_token_ids
         num_blocks = min(source.num_computed_tokens, req.num_prompt_tokens - 1) // self.block_size
-        for block_id in source.block_ids[:num_blocks]:
+        shared = source.block_ids[:num_blocks]
+        for block_id in shared:
             self.pool.touch(block_id)
-            req.block_ids.append(block_id)
+        if shared:
+            self._attach(req, shared)
+        # What source published to the prefix cache is published for the sibling too.
+        req.num_committed_blocks = min(num_blocks, source.num_committed_blocks)
         req.num_computed_tokens = num_blocks * self.block_size
         return req.num_computed_tokens
 

@@ -181,9 +181,11 @@ class ModelRunner:
                 )
         input_ids, positions, meta, logits_rows, sample_seq_ids, num_rows = self.prepare(batch, num_computed)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers)  # (num_tokens, hidden_size)
+        sampled_hidden = hidden  # (num_sampled_rows, hidden_size); `hidden` stays whole for prompt logprobs
         if len(logits_rows) < hidden.shape[0]:  # rows ascend and are distinct: equal length means all
-            hidden = hidden.index_select(0, torch.tensor(logits_rows, dtype=torch.long, device=hidden.device))
-        logits = self.model.compute_logits(hidden)
+            rows = torch.tensor(logits_rows, dtype=torch.long, device=hidden.device)
+            sampled_hidden = hidden.index_select(0, rows)
+        logits = self.model.compute_logits(sampled_hidden)
         return RunnerOutput(
             logits=self._logits_for_sampler(logits, batch, is_full_step),
             sample_seq_ids=sample_seq_ids,

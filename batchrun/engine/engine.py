@@ -13,6 +13,7 @@ import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 from batchrun.engine.drafter import Drafter
+from batchrun.engine.grammar import GrammarCompiler, apply_bitmask, fill_bitmask
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput
 from batchrun.engine.profiler import default_kv_bytes, pick_batch_limits
@@ -189,6 +190,7 @@ class Engine:
             self.kv,
         )
         self.sampler = Sampler(config.seed)
+        self.grammars = GrammarCompiler(self.tokenizer, model.spec.vocab_size, self._eos_token_ids())
         self.drafter = self._build_drafter(spec, num_blocks, limits.profile) if spec.method != "none" else None
         self._num_spec_proposed = 0
         self._num_spec_accepted = 0
@@ -389,6 +391,8 @@ class Engine:
             req.finish_reason, req.error = "error", error
             return self._to_output(req)
         self._num_prompt_tokens += len(token_ids)
+        if params.is_constrained:
+            req.grammar = self.grammars.new_state(params)  # compiles while the prompt is prefilled
         self.scheduler.add(req)
         return None
 
@@ -406,8 +410,9 @@ class Engine:
         out = self.runner.execute(batch)
         if self.drafter is not None:
             self.drafter.sync(batch)
+        failed = self._wait_for_grammars(batch, out)
         sampled = self._sample(batch, out, draft_probs)
-        finished = self.scheduler.update(batch, {seq: toks for seq, (_, toks, _) in sampled.items()})
+        finished = failed + self.scheduler.update(batch, {seq: toks for seq, (_, toks, _) in sampled.items()})
         now = time.perf_counter()
         for req, tokens, logprob in sampled.values():
             self._num_generated_tokens += len(tokens)
@@ -419,7 +424,22 @@ class Engine:
             if req.params.stop and not req.is_finished and self._hits_stop_string(req):
                 self.scheduler.finish(req, "stop")
                 finished.append(req)
+            if req.grammar is not None and not req.is_finished and req.grammar.is_terminated:
+                self.scheduler.finish(req, "stop")  # its stop token was ignored (ignore_eos) but the grammar ended
+                finished.append(req)
         return finished
+
+    def _wait_for_grammars(self, batch: ScheduledBatch, out: RunnerOutput) -> list[Request]:
+        """Make the matchers of constrained requests sampling now; finish those whose grammar failed."""
+        by_seq = {r.seq_id: r for r in batch.requests}
+        failed = []
+        for seq in out.sample_seq_ids:
+            req = by_seq[seq]
+            if req.grammar is not None and not req.grammar.ready():
+                req.error = req.grammar.error
+                self.scheduler.finish(req, "error")
+                failed.append(req)
+        return failed
 
     def _sample(
         self, batch: ScheduledBatch, out: RunnerOutput, draft_probs: dict[int, torch.Tensor]
@@ -433,7 +453,9 @@ class Engine:
         for seq, n in zip(out.sample_seq_ids, out.num_rows):
             req = by_seq[seq]
             drafts = batch.spec_token_ids.get(seq)
-            if drafts:
+            if req.is_finished:  # its grammar failed to compile
+                pass
+            elif drafts:
                 tokens = verify(out.logits[row : row + n], drafts, req.params, req.generator, draft_probs.get(seq))
                 record_acceptance(req, len(drafts), len(tokens) - 1)
                 self._num_spec_proposed += len(drafts)
@@ -445,12 +467,19 @@ class Engine:
             row += n
         if plain_reqs:
             logits = out.logits if len(plain_rows) == out.logits.shape[0] else out.logits[plain_rows]
+            constrained = [i for i, r in enumerate(plain_reqs) if r.grammar is not None]
+            if constrained:  # never drafted (drafter.is_eligible), so every one is a plain row
+                bitmask = fill_bitmask([plain_reqs[i].grammar for i in constrained], logits.shape[-1])
+                logits = apply_bitmask(logits, constrained, bitmask)
             tokens, logprobs = self.sampler.sample(
                 logits,
                 [r.params for r in plain_reqs],
                 [r.sample_seed for r in plain_reqs],
                 [r.num_tokens for r in plain_reqs],  # the position of the token each row samples
             )
+            for i in constrained:
+                accepted = plain_reqs[i].grammar.accept(tokens[i])
+                assert accepted, f"the grammar rejected token {tokens[i]} that its own mask allowed"
             for i, req in enumerate(plain_reqs):
                 result[req.seq_id] = (req, [tokens[i]], logprobs[i] if logprobs is not None else None)
         return result

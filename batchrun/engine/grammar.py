@@ -62,7 +62,8 @@ def choice_ebnf(choices: Sequence[str]) -> str:
 
 def _ebnf_literal(text: str) -> str:
     escapes = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
-    return '"' + "".join(escapes.get(ch, ch) if ch >= " " or ch in escapes else f"\\x{ord(ch):02x}" for ch in text) + '"'
+    body = "".join(escapes.get(ch, ch) if ch >= " " or ch in escapes else f"\\x{ord(ch):02x}" for ch in text)
+    return f'"{body}"'
 
 
 def _message(error: Exception) -> str:

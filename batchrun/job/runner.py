@@ -44,6 +44,7 @@ IN_FLIGHT_PER_SEQ = 4
 DUPLICATE_ID = "duplicate_id"
 NULL_ID = "null_id"
 INVALID_TEXT = "invalid_text"
+INVALID_SCHEMA = "invalid_schema"
 
 
 def run_worker(
@@ -574,6 +575,11 @@ class _ShardRun:
                     return  # stop admitting; what is in flight is abandoned by the consumer
                 keep = {c: row.values[c] for c in keep_columns}
                 prompt = self._check_row(row) or self.builder.build(row)
+                params: Optional[SamplingParams] = None
+                if prompt.token_ids is not None:
+                    params, schema_error = self._params_for(row)
+                    if schema_error is not None:
+                        prompt = Prompt(error_type=INVALID_SCHEMA, error_message=schema_error)
                 if prompt.token_ids is None:
                     self._emit(
                         row.index,
@@ -583,7 +589,7 @@ class _ShardRun:
                     )
                     continue
                 self.in_flight[row.index] = (row, prompt, keep)
-                yield EngineRequest(request_id=row.index, prompt=prompt.token_ids, params=self._params_for(row))
+                yield EngineRequest(request_id=row.index, prompt=prompt.token_ids, params=params)
         except ShardError as e:
             # Raising here would unwind through the engine; stop feeding it and fail after it drains.
             self.read_error = e
@@ -611,14 +617,28 @@ class _ShardRun:
         self.seen_ids.add(key)
         return None
 
-    def _params_for(self, row: InputRow) -> Optional[SamplingParams]:
-        """Per-row seed from (sampling.seed, id): the same row samples the same text in any batch,
-        shard split or resumed run. None keeps the stream's shared params (greedy needs no seed)."""
+    def _params_for(self, row: InputRow) -> tuple[Optional[SamplingParams], Optional[str]]:
+        """(params, None), or (None, why the row's schema is invalid). Per-row seed from
+        (sampling.seed, id): the same row samples the same text in any batch, shard split or resumed
+        run; a per-row schema from data.schema_column. None params keep the stream's shared ones."""
         sampling = self.config.sampling
-        if sampling.seed is None or sampling.is_greedy:
-            return None
-        digest = hashlib.sha256(f"{sampling.seed}\0{row.id}".encode()).digest()
-        return dataclasses.replace(sampling, seed=int.from_bytes(digest[:8], "little") >> 1)
+        changes: dict[str, Any] = {}
+        if sampling.seed is not None and not sampling.is_greedy:
+            digest = hashlib.sha256(f"{sampling.seed}\0{row.id}".encode()).digest()
+            changes["seed"] = int.from_bytes(digest[:8], "little") >> 1
+        column = self.config.data.schema_column
+        schema = row.values.get(column) if column is not None else None
+        if schema is not None:
+            if not isinstance(schema, str):
+                return None, f"column {column!r} holds {type(schema).__name__}; expected JSON Schema text"
+            # The row's schema replaces any constraint of the job's.
+            changes.update(json_schema=schema, regex=None, choice=())
+        if not changes:
+            return None, None
+        try:
+            return dataclasses.replace(sampling, **changes), None
+        except ValueError as e:  # SamplingParams checks the schema: invalid JSON or not compilable
+            return None, f"column {column!r}: {e}"
 
     def _emit(self, index: int, result: dict[str, Any]) -> None:
         self.writer.put(index, result)

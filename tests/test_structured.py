@@ -154,9 +154,7 @@ ROW_SCHEMAS = [
 def _schema_shard(path, prefix: str, texts: list[str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     ids = [f"{prefix}{i}" for i in range(len(ROW_SCHEMAS))]
-    pq.write_table(
-        pa.table({"id": ids, "text": texts[: len(ids)], "schema": pa.array(ROW_SCHEMAS, pa.string())}), path
-    )
+    pq.write_table(pa.table({"id": ids, "text": texts[: len(ids)], "schema": pa.array(ROW_SCHEMAS, pa.string())}), path)
 
 
 def _check_schema_rows(rows: list[dict]) -> None:
@@ -178,9 +176,7 @@ def test_per_row_schema_column_through_the_job_and_resume(
     data, out = tmp_path / "in", tmp_path / "out"
     _schema_shard(data / "part-00.parquet", "a", short_texts)
     overrides = job_overrides(data, out, "data.schema_column=schema", "sampling.max_tokens=40")
-    proc = subprocess.run(
-        [sys.executable, "-m", "batchrun", *overrides], capture_output=True, text=True, timeout=600
-    )
+    proc = subprocess.run([sys.executable, "-m", "batchrun", *overrides], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = out / "results" / "part-00.parquet"
     _check_schema_rows(pq.read_table(first).to_pylist())

@@ -17,7 +17,7 @@ import torch
 from batchrun import cli
 from batchrun.engine import SamplingParams
 from batchrun.engine.drafter import is_eligible
-from batchrun.engine.grammar import apply_bitmask, choice_ebnf, constraint_key
+from batchrun.engine.grammar import apply_bitmask, choice_ebnf
 from batchrun.engine.request import Request
 from batchrun.job import ConfigError, run_job
 
@@ -71,7 +71,7 @@ def test_sampling_params_check_the_constraint():
     ]:
         with pytest.raises(ValueError, match=f"^{key}"):
             SamplingParams(**kwargs)
-    assert constraint_key(SamplingParams(choice=['say "hi"\n', "a\\b"])) == (
+    assert SamplingParams(choice=['say "hi"\n', "a\\b"]).constraint_key == (
         "choice",
         choice_ebnf(['say "hi"\n', "a\\b"]),
     )

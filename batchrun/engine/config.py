@@ -152,7 +152,7 @@ class SamplingParams:
         if self.is_constrained:
             from batchrun.engine.grammar import check_constraint  # xgrammar only when a constraint is set
 
-            check_constraint(self)
+            check_constraint(self.json_schema, self.regex, self.choice)  # type: ignore[arg-type]
 
     @property
     def is_greedy(self) -> bool:
@@ -162,6 +162,13 @@ class SamplingParams:
     def is_constrained(self) -> bool:
         """Whether the output follows a grammar (json_schema, regex or choice)."""
         return self.json_schema is not None or self.regex is not None or bool(self.choice)
+
+    @property
+    def constraint_key(self) -> tuple[str, str]:
+        """(kind, text): what the grammar is compiled from and cached under (constrained params only)."""
+        from batchrun.engine.grammar import constraint_key
+
+        return constraint_key(self.json_schema, self.regex, self.choice)  # type: ignore[arg-type]
 
 
 def canonical_json_schema(schema: Union[str, dict[str, Any]]) -> str:

@@ -392,7 +392,7 @@ class Engine:
             return self._to_output(req)
         self._num_prompt_tokens += len(token_ids)
         if params.is_constrained:
-            req.grammar = self.grammars.new_state(params)  # compiles while the prompt is prefilled
+            req.grammar = self.grammars.new_state(params.constraint_key)  # compiles while the prompt is prefilled
         self.scheduler.add(req)
         return None
 

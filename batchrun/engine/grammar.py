@@ -26,8 +26,6 @@ from typing import Any, Optional
 
 import torch
 
-from batchrun.engine.config import SamplingParams
-
 log = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 512  # compiled grammars kept (least recently used dropped first)
@@ -46,13 +44,14 @@ def _xgrammar() -> Any:
     return xgrammar
 
 
-def constraint_key(params: SamplingParams) -> tuple[str, str]:
-    """(kind, text) of a constrained request: its grammar's cache key."""
-    if params.json_schema is not None:
-        return "json_schema", params.json_schema  # type: ignore[return-value]  # canonical text after __post_init__
-    if params.regex is not None:
-        return "regex", params.regex
-    return "choice", choice_ebnf(params.choice)
+def constraint_key(json_schema: Optional[str], regex: Optional[str], choice: Sequence[str]) -> tuple[str, str]:
+    """(kind, text) of a constraint (SamplingParams' three fields; this module does not import it,
+    which imports this): its grammar's cache key."""
+    if json_schema is not None:
+        return "json_schema", json_schema
+    if regex is not None:
+        return "regex", regex
+    return "choice", choice_ebnf(choice)
 
 
 def choice_ebnf(choices: Sequence[str]) -> str:
@@ -90,16 +89,15 @@ def _check(kind: str, text: str) -> None:
     build_grammar(kind, text)
 
 
-def check_constraint(params: SamplingParams) -> None:
+def check_constraint(json_schema: Optional[str], regex: Optional[str], choice: Sequence[str]) -> None:
     """ValueError, naming the key, when the constraint is malformed (SamplingParams calls this)."""
-    kinds = [k for k in ("json_schema", "regex") if getattr(params, k) is not None]
-    if params.choice:
-        kinds.append("choice")
-    if len(kinds) > 1:
-        raise ValueError(f"{kinds[1]}: set at most one of json_schema, regex and choice (also set: {kinds[0]})")
-    if params.choice and not all(isinstance(c, str) and c for c in params.choice):
+    given = {"json_schema": json_schema is not None, "regex": regex is not None, "choice": bool(choice)}
+    set_kinds = [k for k, is_set in given.items() if is_set]
+    if len(set_kinds) > 1:
+        raise ValueError(f"{set_kinds[1]}: set at most one of json_schema, regex and choice (also set: {set_kinds[0]})")
+    if choice and not all(isinstance(c, str) and c for c in choice):
         raise ValueError("choice: every choice must be a non-empty string")
-    _check(*constraint_key(params))
+    _check(*constraint_key(json_schema, regex, choice))
 
 
 class GrammarCompiler:
@@ -113,9 +111,9 @@ class GrammarCompiler:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
 
-    def submit(self, params: SamplingParams) -> Future:
-        """A future of the compiled grammar; the same future for every request with this constraint."""
-        key = constraint_key(params)
+    def submit(self, key: tuple[str, str]) -> Future:
+        """A future of the compiled grammar of a `constraint_key`; the same future for every request
+        with this constraint."""
         future = self._cache.get(key)
         if future is None:
             future = self._pool.submit(self._compile, *key)
@@ -136,8 +134,8 @@ class GrammarCompiler:
             self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler.compile_grammar(build_grammar(kind, text))
 
-    def new_state(self, params: SamplingParams) -> GrammarState:
-        return GrammarState(self.submit(params))
+    def new_state(self, key: tuple[str, str]) -> GrammarState:
+        return GrammarState(self.submit(key))
 
 
 class GrammarState:

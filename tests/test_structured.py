@@ -189,3 +189,28 @@ def test_per_row_schema_column_through_the_job_and_resume(
     assert [s.status for s in sorted(result.shards, key=lambda s: s.name)] == ["skipped", "committed"]
     assert first.read_bytes() == committed
     _check_schema_rows(pq.read_table(out / "results" / "part-01.parquet").to_pylist())
+
+
+def test_speculation_skips_constrained_rows_and_keeps_the_others(tiny_llama_dir, tiny_engine, one_torch_thread):
+    from batchrun.engine import Engine, EngineConfig
+    from batchrun.engine.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="self", adaptive=False, num_speculative_tokens=3)
+    engine = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="float32",
+            kv_cache_memory=64 << 20,
+            max_num_seqs=8,
+            max_num_batched_tokens=1024,
+            speculative=spec,
+        )
+    )
+    prompts = ["The weather today is", "Once upon a time", "def main():"]
+    free = SamplingParams(temperature=0.0, max_tokens=16)
+    constrained = SamplingParams(temperature=0.0, max_tokens=40, json_schema=OBJECT_SCHEMA)
+    outs = engine.generate(prompts, [free, constrained, free])
+    plain = tiny_engine.generate(prompts, [free, constrained, free])
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]  # speculation changes no greedy token
+    jsonschema.validate(json.loads(outs[1].text), OBJECT_SCHEMA)
+    assert outs[1].metrics.num_spec_proposed == 0 and outs[0].metrics.num_spec_proposed > 0

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,12 @@ class SamplingParams:
     # top-N logprobs of every prompt token after the first, given the tokens before it (scoring);
     # None for off. Such a request bypasses the prefix cache: cached positions have no logits.
     prompt_logprobs: Optional[int] = None
+    # Structured output, at most one of the three (engine/grammar.py): the output is constrained
+    # token by token to a JSON Schema (a mapping, or its JSON text; stored as compact JSON text),
+    # a regular expression, or exactly one of the choice strings, and ends when that is complete.
+    json_schema: Union[str, dict[str, Any], None] = None
+    regex: Optional[str] = None
+    choice: tuple[str, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so the object stays hashable.
@@ -137,6 +144,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop or ()))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        object.__setattr__(self, "choice", tuple(self.choice or ()))
+        if self.json_schema is not None:
+            object.__setattr__(self, "json_schema", canonical_json_schema(self.json_schema))
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -152,10 +162,39 @@ class SamplingParams:
         if self.n > 1 and self.is_greedy:
             # n greedy samples are n copies of one output: almost surely a forgotten temperature.
             raise ValueError(f"n={self.n} needs temperature > 0: greedy samples would all be identical")
+        if self.is_constrained:
+            from batchrun.engine.grammar import check_constraint  # xgrammar only when a constraint is set
+
+            check_constraint(self.json_schema, self.regex, self.choice)  # type: ignore[arg-type]
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def is_constrained(self) -> bool:
+        """Whether the output follows a grammar (json_schema, regex or choice)."""
+        return self.json_schema is not None or self.regex is not None or bool(self.choice)
+
+    @property
+    def constraint_key(self) -> tuple[str, str]:
+        """(kind, text): what the grammar is compiled from and cached under (constrained params only)."""
+        from batchrun.engine.grammar import constraint_key
+
+        return constraint_key(self.json_schema, self.regex, self.choice)  # type: ignore[arg-type]
+
+
+def canonical_json_schema(schema: Union[str, dict[str, Any]]) -> str:
+    """A schema as compact JSON text: the key its compiled grammar is cached under. Key order is
+    kept, because the grammar writes an object's properties in the schema's order."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"json_schema: not valid JSON text: {e}") from None
+    if not isinstance(schema, (dict, bool)):
+        raise ValueError(f"json_schema: must be a JSON object, got {type(schema).__name__}")
+    return json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
 
 
 PromptLike = Union[str, list[int]]

@@ -26,10 +26,16 @@ log = logging.getLogger(__name__)
 
 
 def is_eligible(req: Request) -> bool:
-    """A request that may carry drafts: decoding, no logprobs asked, and not a seeded sample (the
-    policy's on/off choices depend on the batch, and a seeded request must not)."""
+    """A request that may carry drafts: decoding, no logprobs asked, not a seeded sample (the
+    policy's on/off choices depend on the batch, and a seeded request must not), and not constrained
+    (verification would need the grammar's mask at every draft position)."""
     p = req.params
-    return req.num_computed_tokens == req.num_tokens - 1 and p.logprobs is None and (p.is_greedy or p.seed is None)
+    return (
+        req.num_computed_tokens == req.num_tokens - 1
+        and p.logprobs is None
+        and (p.is_greedy or p.seed is None)
+        and not p.is_constrained
+    )
 
 
 class Drafter:

@@ -13,6 +13,7 @@ import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 from batchrun.engine.drafter import Drafter
+from batchrun.engine.grammar import GrammarCompiler, apply_bitmask, fill_bitmask
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput
 from batchrun.engine.profiler import default_kv_bytes, pick_batch_limits
@@ -200,6 +201,7 @@ class Engine:
             self.kv,
         )
         self.sampler = Sampler(config.seed)
+        self.grammars = GrammarCompiler(self.tokenizer, model.spec.vocab_size, self._eos_token_ids())
         self.drafter = self._build_drafter(spec, num_blocks, limits.profile, draft) if spec.method != "none" else None
         self._num_spec_proposed = 0
         self._num_spec_accepted = 0
@@ -421,6 +423,9 @@ class Engine:
                 req.finish_reason, req.error = "error", error
             return [self._to_output(req) for req in samples]
         self._num_prompt_tokens += len(token_ids) * params.n
+        if params.is_constrained:
+            for req in samples:  # compiles while the prompt is prefilled; each sample its own matcher
+                req.grammar = self.grammars.new_state(params.constraint_key)
         self.scheduler.add(samples[0], samples[1:])
         return []
 
@@ -443,8 +448,9 @@ class Engine:
             scored.extend(entries)
         if self.drafter is not None:
             self.drafter.sync(batch)
+        failed = self._wait_for_grammars(batch, out)
         sampled = self._sample(batch, out, draft_probs)
-        finished = self.scheduler.update(batch, {seq: toks for seq, (_, toks, _) in sampled.items()})
+        finished = failed + self.scheduler.update(batch, {seq: toks for seq, (_, toks, _) in sampled.items()})
         now = time.perf_counter()
         for req, tokens, logprob in sampled.values():
             self._num_generated_tokens += len(tokens)
@@ -456,7 +462,22 @@ class Engine:
             if req.params.stop and not req.is_finished and self._hits_stop_string(req):
                 self.scheduler.finish(req, "stop")
                 finished.append(req)
+            if req.grammar is not None and not req.is_finished and req.grammar.is_terminated:
+                self.scheduler.finish(req, "stop")  # its stop token was ignored (ignore_eos) but the grammar ended
+                finished.append(req)
         return finished
+
+    def _wait_for_grammars(self, batch: ScheduledBatch, out: RunnerOutput) -> list[Request]:
+        """Make the matchers of constrained requests sampling now; finish those whose grammar failed."""
+        by_seq = {r.seq_id: r for r in batch.requests}
+        failed = []
+        for seq in out.sample_seq_ids:
+            req = by_seq[seq]
+            if req.grammar is not None and not req.grammar.ready():
+                req.error = req.grammar.error
+                self.scheduler.finish(req, "error")
+                failed.append(req)
+        return failed
 
     def _sample(
         self, batch: ScheduledBatch, out: RunnerOutput, draft_probs: dict[int, torch.Tensor]
@@ -468,14 +489,24 @@ class Engine:
         else:  # one row per sampled request, in batch order: no per-row bookkeeping
             plain_reqs = self._sampled_requests(batch, out.sample_seq_ids)
             plain_rows = list(range(len(plain_reqs)))
+            if any(r.is_finished for r in plain_reqs):  # a grammar failed to compile: nothing to sample
+                keep = [i for i, r in enumerate(plain_reqs) if not r.is_finished]
+                plain_reqs, plain_rows = [plain_reqs[i] for i in keep], keep
         if plain_reqs:
             logits = out.logits if len(plain_rows) == out.logits.shape[0] else out.logits[plain_rows]
+            constrained = [i for i, r in enumerate(plain_reqs) if r.grammar is not None]
+            if constrained:  # never drafted (drafter.is_eligible), so every one is a plain row
+                bitmask = fill_bitmask([plain_reqs[i].grammar for i in constrained], logits.shape[-1])
+                logits = apply_bitmask(logits, constrained, bitmask)
             tokens, logprobs = self.sampler.sample(
                 logits,
                 [r.params for r in plain_reqs],
                 [r.sample_seed for r in plain_reqs],
                 [len(r.token_ids) for r in plain_reqs],  # the position of the token each row samples
             )
+            for i in constrained:
+                accepted = plain_reqs[i].grammar.accept(tokens[i])
+                assert accepted, f"the grammar rejected token {tokens[i]} that its own mask allowed"
             for i, req in enumerate(plain_reqs):
                 result[req.seq_id] = (req, [tokens[i]], logprobs[i] if logprobs is not None else None)
         return result
@@ -503,7 +534,9 @@ class Engine:
         for seq, n in zip(out.sample_seq_ids, out.num_rows):
             req = by_seq[seq]
             drafts = batch.spec_token_ids.get(seq)
-            if drafts:
+            if req.is_finished:  # its grammar failed to compile
+                pass
+            elif drafts:
                 tokens = verify(out.logits[row : row + n], drafts, req.params, req.generator, draft_probs.get(seq))
                 record_acceptance(req, len(drafts), len(tokens) - 1)
                 self._num_spec_proposed += len(drafts)

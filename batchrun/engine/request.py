@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from batchrun.engine.config import SamplingParams
 from batchrun.engine.outputs import RequestMetrics
+
+if TYPE_CHECKING:
+    from batchrun.engine.grammar import GrammarState
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,7 @@ class Request:
         self.text: Optional[str] = None  # the detokenized output, filled at finish
         self.spec_acceptance: Optional[float] = None  # running per-token draft acceptance rate
         self.spec_steps_seen = 0  # decode steps the speculation policy has looked at this request
+        self.grammar: Optional[GrammarState] = None  # structured output: its matcher (engine/grammar.py)
 
     @property
     def num_tokens(self) -> int:

@@ -76,6 +76,10 @@ class DataConfig:
     # Rows with equal values here share a long prompt prefix (e.g. one document, many questions):
     # with several workers, shards go to workers by it (prefix affinity, affinity.py). null: by name.
     group_column: Optional[str] = None
+    # A column of JSON Schema text, one per row: that row's output follows its schema (structured
+    # output; overrides sampling.json_schema, which null rows keep). A row whose schema is not valid
+    # ends as an invalid_schema error row; the others go on.
+    schema_column: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.uri:
@@ -110,6 +114,8 @@ class JobConfig:
     def input_columns(self, data: DataConfig) -> list[str]:
         """Columns a shard must have for this job."""
         extra = [] if self.prompt_template is None else template_fields(self.prompt_template)
+        if data.schema_column is not None:
+            extra.append(data.schema_column)
         return list(dict.fromkeys([data.text_column, *(c for c in extra if c != "text")]))
 
 
@@ -345,6 +351,8 @@ def build_run_config(raw: Mapping[str, Any]) -> RunConfig:
         if not isinstance(values, Mapping):
             raise ConfigError(section, f"expected a mapping of keys, got {type(values).__name__} {values!r}")
         extra = {"model": kwargs["model"].path} if section == "engine" else {}  # model is built first
+        if section == "sampling" and isinstance(values.get("json_schema"), str):
+            values = {**values, "json_schema": _read_schema(values["json_schema"])}
         kwargs[section] = build_section(cls, values, section, extra)
     return RunConfig(**kwargs)
 
@@ -363,8 +371,26 @@ def build_section(cls: type, values: Mapping[str, Any], prefix: str, extra: Opti
         return cls(**kwargs)
     except (ValueError, TypeError) as e:
         message = str(e)
-        # EngineConfig's messages already name the key ("engine.dtype must be ..."); others get the group.
+        # EngineConfig's messages already name the key ("engine.dtype must be ..."); SamplingParams'
+        # structured-output ones start with the field ("json_schema: ..."); others get the group.
+        field_name, _, problem = message.partition(": ")
+        if field_name in allowed and problem:
+            raise ConfigError(f"{prefix}.{field_name}", problem) from None
         raise ConfigError("" if message.startswith(f"{prefix}.") else prefix, message) from None
+
+
+def _read_schema(value: str) -> str:
+    """sampling.json_schema given as a string: JSON text when it starts with '{', else the path (or
+    fsspec URL) of a .json file, whose text is returned."""
+    if value.lstrip().startswith("{"):
+        return value
+    import fsspec
+
+    try:
+        with fsspec.open(value, "r", encoding="utf-8") as f:
+            return f.read()
+    except (OSError, ValueError) as e:
+        raise ConfigError("sampling.json_schema", f"cannot read the schema file {value!r}: {e}") from None
 
 
 def _reject_unknown(values: Mapping[str, Any], allowed: list[str], prefix: str) -> None:

@@ -45,7 +45,7 @@ def settings_fingerprint(config: RunConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     _flatten("job", {k: v for k, v in dataclasses.asdict(config.job).items() if k != "name"}, out)
     _flatten("sampling", dataclasses.asdict(config.sampling), out)
-    data_keys = ("id_column", "text_column", "on_too_long", "format", "openai_model_name")
+    data_keys = ("id_column", "text_column", "on_too_long", "format", "openai_model_name", "schema_column")
     _flatten("data", {k: getattr(config.data, k) for k in data_keys}, out)
     out["output.keep_columns"] = list(config.output.keep_columns)
     _flatten("engine", {k: getattr(config.engine, k) for k in _ENGINE_KEYS}, out)

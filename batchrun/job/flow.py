@@ -65,6 +65,7 @@ IN_FLIGHT_PER_SEQ = 4  # requests the engine may hold at once, per sequence it r
 DUPLICATE_ID = "duplicate_id"
 NULL_ID = "null_id"
 INVALID_TEXT = "invalid_text"
+INVALID_SCHEMA = "invalid_schema"
 
 
 class ShardHost(Protocol):
@@ -174,6 +175,11 @@ class ShardRun:
                         prompt, params, request = self.batch_requests.build(row)
                 else:
                     prompt = self._check_row(row) or self.builder.build(row)
+                if prompt.token_ids is not None:
+                    seeded = request is not None and request.body.get("seed") is not None
+                    params, schema_error = self._with_row_schema(row, self._params_for(row, params, seeded))
+                    if schema_error is not None:
+                        prompt = Prompt(error_type=INVALID_SCHEMA, error_message=schema_error)
                 if prompt.token_ids is None:
                     for sample in range(self.num_samples):  # one error row per (id, sample)
                         self._emit(
@@ -185,12 +191,7 @@ class ShardRun:
                         )
                     continue
                 self.in_flight[row.index] = (row, prompt, keep, request, self.num_samples)
-                seeded = request is not None and request.body.get("seed") is not None
-                yield EngineRequest(
-                    request_id=(self.key, row.index),
-                    prompt=prompt.token_ids,
-                    params=self._params_for(row, params, seeded),
-                )
+                yield EngineRequest(request_id=(self.key, row.index), prompt=prompt.token_ids, params=params)
             self.is_read = True
         except Exception as e:
             # Raising here would unwind through the engine: the flow fails this shard alone.
@@ -305,6 +306,22 @@ class ShardRun:
             return own
         digest = hashlib.sha256(f"{sampling.seed}\0{row.id}".encode()).digest()
         return dataclasses.replace(sampling, seed=int.from_bytes(digest[:8], "little") >> 1)
+
+    def _with_row_schema(
+        self, row: InputRow, params: Optional[SamplingParams]
+    ) -> tuple[Optional[SamplingParams], Optional[str]]:
+        """(params, None), or (None, why the row's schema is invalid): a schema in
+        data.schema_column replaces any constraint of the job's for that row."""
+        column = self.config.data.schema_column
+        schema = row.values.get(column) if column is not None else None
+        if schema is None:
+            return params, None
+        if not isinstance(schema, str):
+            return None, f"column {column!r} holds {type(schema).__name__}; expected JSON Schema text"
+        try:  # SamplingParams checks the schema: invalid JSON or not compilable
+            return dataclasses.replace(params or self.config.sampling, json_schema=schema, regex=None, choice=()), None
+        except ValueError as e:
+            return None, f"column {column!r}: {e}"
 
     def _emit(
         self,

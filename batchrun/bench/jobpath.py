@@ -91,18 +91,7 @@ class JobPath:
             raise JobError(f"the job path failed: {result.message}")
         done = self._in_row_order(recorder.outputs, min(2, self.num_rows) if warm_up else self.num_rows)
         shutil.rmtree(self.root / f"out-{self._num_runs}", ignore_errors=True)
-        run = TimedRun(
-            wall_s,
-            [o.token_ids for o in done],
-            sum(len(o.prompt_token_ids) for o in done),
-            sum(len(o.token_ids) for o in done),
-            sum(o.metrics.num_cached_tokens for o in done),
-            0,
-        )
-        run.num_computed_tokens = run.num_prompt_tokens - run.num_cached_tokens + run.num_output_tokens
-        run.ttfts_s = [o.metrics.ttft_s for o in done if o.metrics.ttft_s is not None]
-        run.itls_s = [o.metrics.itl_s for o in done if o.metrics.itl_s is not None]
-        return run
+        return TimedRun.from_outputs(wall_s, done)
 
     def _in_row_order(self, outputs: dict[Any, RequestOutput], num_rows: int) -> list[RequestOutput]:
         """Request ids are (shard key, row index); one worker opens shards in name order."""

@@ -232,18 +232,7 @@ def batchrun_generate(
     failed = [o for o in done if o.finish_reason == "error"]
     if failed:
         raise JobError(f"the engine failed {len(failed)} benchmark prompts: {failed[0].error}")
-    run = TimedRun(
-        wall_s,
-        [o.token_ids for o in done],
-        sum(len(o.prompt_token_ids) for o in done),
-        sum(len(o.token_ids) for o in done),
-        sum(o.metrics.num_cached_tokens for o in done),
-        0,
-    )
-    run.num_computed_tokens = run.num_prompt_tokens - run.num_cached_tokens + run.num_output_tokens
-    run.ttfts_s = [o.metrics.ttft_s for o in done if o.metrics.ttft_s is not None]
-    run.itls_s = [o.metrics.itl_s for o in done if o.metrics.itl_s is not None]
-    return run
+    return TimedRun.from_outputs(wall_s, done)
 
 
 def _matmul_shape(engine: Engine) -> tuple[int, int]:

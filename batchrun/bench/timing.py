@@ -16,6 +16,8 @@ from typing import TypeVar
 
 import torch
 
+from batchrun.engine import RequestOutput
+
 T = TypeVar("T")
 
 
@@ -31,6 +33,23 @@ class TimedRun:
     num_computed_tokens: int  # tokens that went through the model, padding included
     ttfts_s: list[float] = field(default_factory=list)  # per request
     itls_s: list[float] = field(default_factory=list)  # per request with 2+ output tokens
+
+    @classmethod
+    def from_outputs(cls, wall_s: float, outputs: Sequence[RequestOutput]) -> TimedRun:
+        """A batchrun pass from its outputs in prompt order: only uncached prompt tokens and the
+        generated ones went through the model."""
+        run = cls(
+            wall_s,
+            [o.token_ids for o in outputs],
+            sum(len(o.prompt_token_ids) for o in outputs),
+            sum(len(o.token_ids) for o in outputs),
+            sum(o.metrics.num_cached_tokens for o in outputs),
+            0,
+        )
+        run.num_computed_tokens = run.num_prompt_tokens - run.num_cached_tokens + run.num_output_tokens
+        run.ttfts_s = [o.metrics.ttft_s for o in outputs if o.metrics.ttft_s is not None]
+        run.itls_s = [o.metrics.itl_s for o in outputs if o.metrics.itl_s is not None]
+        return run
 
 
 def round_order(names: Sequence[T], round_index: int) -> list[T]:

@@ -85,6 +85,15 @@ def request(body: dict[str, Any], url: str = CHAT, **line: Any) -> dict[str, Any
     return {"custom_id": "r", "method": "POST", "url": url, "body": {"model": ALIAS, **key, **body}, **line}
 
 
+JSON_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "pick",
+        "schema": {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]},
+    },
+}
+
+
 def params_of(body: dict[str, Any], url: str = CHAT, defaults: SamplingParams | None = None):
     req = check_request(request(body, url), frozenset([ALIAS]))
     assert isinstance(req, BatchRequest), req
@@ -104,14 +113,24 @@ def test_body_fields_override_the_job_defaults():
     # null means unset; fields that change nothing, and "off" values of unsupported ones, are accepted
     quiet = {"temperature": None, "user": "u", "stream": False, "presence_penalty": 0, "logprobs": False}
     assert params_of({**quiet, "response_format": {"type": "text"}, "logit_bias": {}}) == params_of({})
+    # response_format: JSON mode is any object; a json_schema's schema constrains the output
+    assert params_of({"response_format": {"type": "json_object"}}).json_schema == '{"type":"object"}'
+    schema = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema, "strict": True}}
+    assert json.loads(params_of({"response_format": fmt}).json_schema) == schema
 
 
 @pytest.mark.parametrize(
     "body, url, code, words",
     [
         ({"n": 2}, CHAT, "unsupported_parameter", "n=2"),
-        ({"response_format": {"type": "json_schema", "json_schema": {}}}, CHAT, "unsupported_parameter", "json_schema"),
-        ({"response_format": {"type": "json_object"}}, CHAT, "unsupported_parameter", "json_object"),
+        ({"response_format": {"type": "json_schema", "json_schema": {}}}, CHAT, "invalid_request", "schema"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
+            CHAT,
+            "invalid_request",
+            "json_schema",
+        ),
         ({"response_format": "json"}, CHAT, "invalid_request", "response_format"),
         ({"temperature": "hot"}, CHAT, "invalid_request", "temperature"),
         ({"temperature": 2.5}, CHAT, "invalid_request", "temperature"),
@@ -198,7 +217,7 @@ def mixed_batch() -> tuple[list[str], dict[str, tuple[str, str]]]:
         ("other-model", CHAT, {"messages": good_chat, "model": "gpt-4o-mini"}),
         ("chat-greedy", CHAT, {"messages": good_chat, "max_tokens": 6}),  # a duplicate custom_id
         ("two-choices", CHAT, {"messages": good_chat, "n": 3}),
-        ("json-schema", CHAT, {"messages": good_chat, "response_format": {"type": "json_schema", "json_schema": {}}}),
+        ("json-schema", CHAT, {"messages": good_chat, "max_tokens": 40, "response_format": JSON_FORMAT}),
         ("too-long", COMPLETIONS, {"prompt": "word " * 600, "max_tokens": 2}),
         ("model-path", CHAT, {"messages": good_chat, "max_tokens": 2, "model": "<path>"}),
     ]
@@ -219,7 +238,7 @@ def mixed_batch() -> tuple[list[str], dict[str, tuple[str, str]]]:
         "bad-message": "invalid_request",
         "other-model": "model_not_found",
         "two-choices": "unsupported_parameter",
-        "json-schema": "unsupported_parameter",
+        "json-schema": "output",
         "too-long": "context_length_exceeded",
         "model-path": "output",
     }
@@ -285,12 +304,14 @@ def test_round_trip_every_line_answered_once_in_openai_format(tmp_path, tiny_eng
         ("other-model", "model_not_found"),
         ("chat-greedy", "duplicate_id"),
         ("two-choices", "unsupported_parameter"),
-        ("json-schema", "unsupported_parameter"),
         ("too-long", "context_length_exceeded"),
     ]
     messages = {c: x["error"]["message"] for c, x in zip([c for c, _ in codes], errors) if c}
     assert "line 16: body.messages" in messages["no-messages"] and "gpt-4o-mini" in messages["other-model"]
-    assert "n=3" in messages["two-choices"] and "json_schema" in messages["json-schema"]
+    assert "n=3" in messages["two-choices"]
+    # response_format json_schema: the content parses and follows the schema
+    content = json.loads(ok["json-schema"]["response"]["body"]["choices"][0]["message"]["content"])
+    assert content in ({"a": "x"}, {"a": "y"})
 
     # Per-request overrides: max_tokens bounds the completion; greedy requests say exactly what the
     # engine says for the same prompt ids alone; one body seed gives one text whatever the custom_id.
@@ -299,7 +320,8 @@ def test_round_trip_every_line_answered_once_in_openai_format(tmp_path, tiny_eng
     assert (
         usage["cmpl-ids"] == {**usage["cmpl-ids"], "prompt_tokens": 4} and usage["cmpl-ids"]["completion_tokens"] <= 2
     )
-    assert all(u["completion_tokens"] <= 8 for u in usage.values())  # the job's sampling.max_tokens
+    # the job's sampling.max_tokens, where the body does not set its own
+    assert all(u["completion_tokens"] <= 8 for c, u in usage.items() if c != "json-schema")
     tok = tiny_engine.tokenizer
     messages_ids = tok.encode(
         tok.apply_chat_template(

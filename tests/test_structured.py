@@ -192,6 +192,22 @@ def test_per_row_schema_column_through_the_job_and_resume(
     _check_schema_rows(pq.read_table(out / "results" / "part-01.parquet").to_pylist())
 
 
+def test_the_synth_qa_preset_gives_n_samples_of_schema_json(tmp_path, make_shards, tiny_engine, job_overrides):
+    """job=synth_qa: several samples per row, each constrained to its question/answer schema."""
+    ids = make_shards(tmp_path / "in", num_shards=1, rows_per_shard=2)[0]
+    config = cli.load_config(["job=synth_qa", *job_overrides(tmp_path / "in", tmp_path / "out")])
+    assert config.sampling.n == 4 and config.sampling.is_constrained
+    result = run_job(config, engine=tiny_engine)
+    assert result.exit_code == 0, result.message
+    rows = pq.read_table(tmp_path / "out" / "results" / "part-00.parquet").to_pylist()
+    assert [(r["id"], r["sample_index"]) for r in rows] == [(i, k) for i in ids for k in range(4)]
+    schema = json.loads(config.sampling.json_schema)
+    finished = [r for r in rows if r["finish_reason"] == "stop"]
+    for r in finished:  # a random tiny model may run out of tokens mid-string; what ends is valid
+        jsonschema.validate(json.loads(r["output"]), schema)
+    assert all(r["finish_reason"] in ("stop", "length") and r["error_type"] is None for r in rows)
+
+
 def test_speculation_skips_constrained_rows_and_keeps_the_others(tiny_llama_dir, tiny_engine, one_torch_thread):
     from batchrun.engine import Engine, EngineConfig
     from batchrun.engine.config import SpeculativeConfig

@@ -9,7 +9,7 @@ Input (one JSON object per line, as OpenAI's Batch API takes it):
 /v1/completions (body.prompt: a string, one-string list or token ids, sent as is). Body fields that
 batchrun honors override the job's `sampling.*` for that request: max_tokens /
 max_completion_tokens, temperature, top_p, stop, seed. Fields that would change the answer in ways
-batchrun does not implement (n > 1, response_format json, logprobs, penalties, tools, ...) make the
+batchrun does not implement (n > 1, logprobs, penalties, tools, ...) make the
 request an error line rather than being silently ignored; fields that change nothing (user,
 metadata, store, stream=false, ...) are accepted.
 
@@ -190,8 +190,16 @@ def sampling_params(request: BatchRequest, defaults: SamplingParams) -> Union[Sa
         kind = value.get("type") if isinstance(value, dict) else None
         if kind not in ("text", "json_object", "json_schema"):
             return RequestError(INVALID_REQUEST, f"body.response_format must be {{'type': ...}}, got {_short(value)}")
-        if kind != "text":  # the engine has no constrained decoding
-            return RequestError(UNSUPPORTED_PARAMETER, f"response_format {kind}: only type text is supported")
+        if kind == "json_object":  # any JSON object, as OpenAI's JSON mode
+            changes.update(json_schema={"type": "object"}, regex=None, choice=())
+        elif kind == "json_schema":
+            spec = value.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                return RequestError(
+                    INVALID_REQUEST, "body.response_format.json_schema.schema must be a JSON Schema object"
+                )
+            changes.update(json_schema=schema, regex=None, choice=())
     for key, value in body.items():
         if key in _IGNORED_FIELDS:
             continue

@@ -398,8 +398,9 @@ class ShardFlow:
 
         Two shards wait for the others to drain: a shard whose earlier attempts died runs alone, so
         that a shard that kills its worker (OOM) does not take its neighbours' attempts with it
-        toward quarantine; and another worker's shard is taken only while this engine has room for
-        more rows than it holds (stealing is for idle capacity, not look-ahead)."""
+        toward quarantine; and another worker's shard is taken only while this engine's batch has
+        empty slots (fewer rows in flight than max_num_seqs): stealing is for idle capacity, not
+        look-ahead, so a worker that starts late still finds its own shards."""
         while True:
             self._settle()
             if self.stop.requested:
@@ -408,7 +409,7 @@ class ShardFlow:
                 yield None
                 continue
             shard = self._held_back or self.queue.next_shard(
-                wait=not self.open, steal=self._rows_in_flight() < self.max_in_flight
+                wait=not self.open, steal=self._rows_in_flight() < self.engine.max_num_seqs
             )
             self._held_back = None
             if shard is None:

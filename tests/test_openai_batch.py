@@ -36,9 +36,9 @@ COMPLETIONS = "/v1/completions"
 # ---- a validator written from OpenAI's batch output spec ------------------------------------
 
 
-def check_output_line(line: dict[str, Any], url: str) -> None:
+def check_output_line(line: dict[str, Any], url: str, n: int = 1) -> None:
     """A line of a batch output file: a 200 response whose body is a chat.completion (chat url) or
-    a text_completion (completions url) with one choice and consistent usage."""
+    a text_completion (completions url) with n choices and consistent usage."""
     assert set(line) == {"id", "custom_id", "response", "error"}, line
     assert isinstance(line["id"], str) and line["id"].startswith("batch_req_")
     assert isinstance(line["custom_id"], str) and line["error"] is None
@@ -49,13 +49,13 @@ def check_output_line(line: dict[str, Any], url: str) -> None:
     assert {"id", "object", "created", "model", "choices", "usage"} <= set(body)
     assert isinstance(body["id"], str) and isinstance(body["created"], int) and isinstance(body["model"], str)
     assert body["object"] == ("chat.completion" if url == CHAT else "text_completion")
-    assert len(body["choices"]) == 1
-    choice = body["choices"][0]
-    assert choice["index"] == 0 and choice["finish_reason"] in ("stop", "length") and choice["logprobs"] is None
-    if url == CHAT:
-        assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
-    else:
-        assert isinstance(choice["text"], str)
+    assert len(body["choices"]) == n
+    for i, choice in enumerate(body["choices"]):
+        assert choice["index"] == i and choice["finish_reason"] in ("stop", "length") and choice["logprobs"] is None
+        if url == CHAT:
+            assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+        else:
+            assert isinstance(choice["text"], str)
     usage = body["usage"]
     for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
         assert isinstance(usage[key], int) and usage[key] >= 0, usage
@@ -107,6 +107,7 @@ def test_body_fields_override_the_job_defaults():
         {"max_tokens": 3, "temperature": 0, "top_p": 0.5, "stop": "\n", "seed": 42, "n": 1}, defaults=defaults
     )
     assert (p.max_tokens, p.temperature, p.top_p, p.stop, p.seed) == (3, 0.0, 0.5, ("\n",), 42)
+    assert params_of({"n": 3}, defaults=defaults).n == 3 and params_of({}, defaults=defaults).n == 1
     assert params_of({"max_completion_tokens": 5, "max_tokens": 9}).max_tokens == 5  # chat: the newer key wins
     assert params_of({"max_tokens": 7}, COMPLETIONS).max_tokens == 7
     assert params_of({"stop": ["a", "b"]}).stop == ("a", "b")
@@ -123,7 +124,9 @@ def test_body_fields_override_the_job_defaults():
 @pytest.mark.parametrize(
     "body, url, code, words",
     [
-        ({"n": 2}, CHAT, "unsupported_parameter", "n=2"),
+        ({"n": 129}, CHAT, "invalid_request", "at most 128"),
+        ({"n": 0}, CHAT, "invalid_request", "body.n"),
+        ({"n": 2, "temperature": 0}, CHAT, "invalid_request", "temperature > 0"),
         ({"response_format": {"type": "json_schema", "json_schema": {}}}, CHAT, "invalid_request", "schema"),
         (
             {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}},
@@ -178,7 +181,7 @@ def test_bundled_example_has_good_and_bad_requests_for_the_default_model():
         if isinstance(req, BatchRequest):
             req = sampling_params(req, SamplingParams())
         outcomes.append(req.code if isinstance(req, RequestError) else "ok")
-    assert outcomes == ["ok", "ok", "ok", "model_not_found", "unsupported_parameter"]
+    assert outcomes == ["ok", "ok", "ok", "model_not_found", "ok", "unsupported_parameter"]
     assert {line["url"] for line in lines} == {CHAT, COMPLETIONS}
 
 
@@ -216,7 +219,7 @@ def mixed_batch() -> tuple[list[str], dict[str, tuple[str, str]]]:
         ("bad-message", CHAT, {"messages": [{"role": "user"}]}),
         ("other-model", CHAT, {"messages": good_chat, "model": "gpt-4o-mini"}),
         ("chat-greedy", CHAT, {"messages": good_chat, "max_tokens": 6}),  # a duplicate custom_id
-        ("two-choices", CHAT, {"messages": good_chat, "n": 3}),
+        ("three-choices", CHAT, {"messages": good_chat, "n": 3}),
         ("json-schema", CHAT, {"messages": good_chat, "max_tokens": 40, "response_format": JSON_FORMAT}),
         ("too-long", COMPLETIONS, {"prompt": "word " * 600, "max_tokens": 2}),
         ("model-path", CHAT, {"messages": good_chat, "max_tokens": 2, "model": "<path>"}),
@@ -237,7 +240,7 @@ def mixed_batch() -> tuple[list[str], dict[str, tuple[str, str]]]:
         "bad-type": "invalid_request",
         "bad-message": "invalid_request",
         "other-model": "model_not_found",
-        "two-choices": "unsupported_parameter",
+        "three-choices": "output",
         "json-schema": "output",
         "too-long": "context_length_exceeded",
         "model-path": "output",
@@ -280,7 +283,7 @@ def test_round_trip_every_line_answered_once_in_openai_format(tmp_path, tiny_eng
     outputs, errors = read_lines(out / "outputs" / "batch.jsonl"), read_lines(out / "errors" / "batch.jsonl")
     urls = {json.loads(x)["custom_id"]: json.loads(x)["url"] for x in lines if x.startswith('{"custom_id": "')}
     for line in outputs:
-        check_output_line(line, urls[line["custom_id"]])
+        check_output_line(line, urls[line["custom_id"]], n=3 if line["custom_id"] == "three-choices" else 1)
     for line in errors:
         check_error_line(line)
     # One line per non-blank input line, none twice, input order kept within each file.
@@ -303,15 +306,20 @@ def test_round_trip_every_line_answered_once_in_openai_format(tmp_path, tiny_eng
         ("bad-message", "invalid_request"),
         ("other-model", "model_not_found"),
         ("chat-greedy", "duplicate_id"),
-        ("two-choices", "unsupported_parameter"),
         ("too-long", "context_length_exceeded"),
     ]
     messages = {c: x["error"]["message"] for c, x in zip([c for c, _ in codes], errors) if c}
     assert "line 16: body.messages" in messages["no-messages"] and "gpt-4o-mini" in messages["other-model"]
-    assert "n=3" in messages["two-choices"]
     # response_format json_schema: the content parses and follows the schema
     content = json.loads(ok["json-schema"]["response"]["body"]["choices"][0]["message"]["content"])
     assert content in ({"a": "x"}, {"a": "y"})
+
+    # body.n: one line, n choices sampled from one prefill, each its own sample (seeded from the
+    # row's seed and its index), usage counting the prompt once and every choice's tokens
+    three = ok["three-choices"]["response"]["body"]
+    texts = [c["message"]["content"] for c in three["choices"]]
+    assert len(set(texts)) > 1
+    assert three["usage"]["prompt_tokens"] == ok["chat-greedy"]["response"]["body"]["usage"]["prompt_tokens"]
 
     # Per-request overrides: max_tokens bounds the completion; greedy requests say exactly what the
     # engine says for the same prompt ids alone; one body seed gives one text whatever the custom_id.
@@ -321,7 +329,8 @@ def test_round_trip_every_line_answered_once_in_openai_format(tmp_path, tiny_eng
         usage["cmpl-ids"] == {**usage["cmpl-ids"], "prompt_tokens": 4} and usage["cmpl-ids"]["completion_tokens"] <= 2
     )
     # the job's sampling.max_tokens, where the body does not set its own
-    assert all(u["completion_tokens"] <= 8 for c, u in usage.items() if c != "json-schema")
+    assert all(u["completion_tokens"] <= 8 for c, u in usage.items() if c not in ("json-schema", "three-choices"))
+    assert usage["three-choices"]["completion_tokens"] <= 3 * 8
     tok = tiny_engine.tokenizer
     messages_ids = tok.encode(
         tok.apply_chat_template(
@@ -345,18 +354,26 @@ def test_round_trip_every_line_answered_once_in_openai_format(tmp_path, tiny_eng
         and ok["chat-greedy"]["response"]["body"]["model"] == ALIAS
     )
 
-    # The Parquet results and metrics are written as for Parquet shards: one row per request.
+    # The Parquet results and metrics are written as for Parquet shards: one row per (request,
+    # choice), sample_index saying which choice.
     rows = pq.read_table(out / "results" / "batch.parquet").to_pylist()
-    assert len(rows) == num_requests
-    assert [r["output"] for r in rows if r["error_type"] is None] == [
-        x["response"]["body"]["choices"][0].get(
-            "text", x["response"]["body"]["choices"][0].get("message", {}).get("content")
-        )
+    assert len(rows) == num_requests + 2
+    assert [(r["id"], r["sample_index"], r["output"]) for r in rows if r["error_type"] is None] == [
+        (x["custom_id"], c["index"], c.get("text", c.get("message", {}).get("content")))
         for x in outputs
+        for c in x["response"]["body"]["choices"]
     ]
+    assert all(r["sample_index"] == 0 for r in rows if r["error_type"])
+    three_rows = [r for r in rows if r["id"] == "three-choices"]
+    assert sum(r["num_output_tokens"] for r in three_rows) == three["usage"]["completion_tokens"]
+    assert all(r["num_prompt_tokens"] == three["usage"]["prompt_tokens"] for r in three_rows)
     assert [(r["id"], r["error_type"]) for r in rows if r["error_type"]] == codes
     metrics = pq.read_table(out / "metrics" / "batch.parquet").to_pylist()[0]
-    assert (metrics["num_rows"], metrics["num_ok"], metrics["num_errors"]) == (num_requests, len(outputs), len(errors))
+    assert (metrics["num_rows"], metrics["num_ok"], metrics["num_errors"]) == (
+        num_requests + 2,
+        len(outputs) + 2,
+        len(errors),
+    )
     assert json.loads((out / "_commits" / "batch.json").read_text())["files"] == [
         "results.parquet",
         "metrics.parquet",
@@ -368,6 +385,53 @@ def test_round_trip_every_line_answered_once_in_openai_format(tmp_path, tiny_eng
     from batchrun.job import committed_urls
 
     assert committed_urls(str(out), kind="outputs") == {"batch": f"file://{out}/outputs/batch.jsonl"}
+
+
+def test_n_choices_default_from_sampling_n_and_reproducible_per_seed(tmp_path, tiny_engine, tiny_llama_dir):
+    """sampling.n is the default number of choices, a body's n overrides it, and a seeded request's
+    choice i is the same text whatever n it was asked with and whatever else is in the batch."""
+    chat = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 6}
+    lines = [
+        ("default-n", CHAT, chat),
+        ("one", CHAT, {**chat, "n": 1}),
+        ("seeded-3", CHAT, {**chat, "n": 3, "seed": 11}),
+        ("seeded-1", CHAT, {**chat, "n": 1, "seed": 11}),
+        ("cmpl-4", COMPLETIONS, {"prompt": GOOD_PROMPT, "max_tokens": 4, "n": 4, "seed": 11}),
+    ]
+    write_batch(
+        tmp_path / "in" / "b.jsonl",
+        [json.dumps({"custom_id": c, "method": "POST", "url": u, "body": {"model": ALIAS, **b}}) for c, u, b in lines],
+        tiny_llama_dir,
+    )
+    cfg = batch_config(tmp_path / "in", tmp_path / "out", tiny_llama_dir)
+    cfg = RunConfig(**{**cfg.__dict__, "sampling": SamplingParams(temperature=1.0, max_tokens=8, seed=0, n=2)})
+    assert run_job(cfg, engine=tiny_engine).exit_code == 0
+    outputs = {x["custom_id"]: x for x in read_lines(tmp_path / "out" / "outputs" / "b.jsonl")}
+    want_n = {"default-n": 2, "one": 1, "seeded-3": 3, "seeded-1": 1, "cmpl-4": 4}
+    for custom_id, n in want_n.items():
+        check_output_line(outputs[custom_id], COMPLETIONS if custom_id == "cmpl-4" else CHAT, n=n)
+
+    def texts(custom_id: str) -> list[str]:
+        return [
+            c.get("text", c.get("message", {}).get("content"))
+            for c in outputs[custom_id]["response"]["body"]["choices"]
+        ]
+
+    assert texts("seeded-3")[0] == texts("seeded-1")[0]
+    assert len(set(texts("seeded-3"))) > 1
+    rows = pq.read_table(tmp_path / "out" / "results" / "b.parquet").to_pylist()
+    assert [(r["id"], r["sample_index"]) for r in rows] == [(c, i) for c, n in want_n.items() for i in range(n)]
+    assert [r["output"] for r in rows] == [t for c in want_n for t in texts(c)]
+    # alone, the seeded request gives the same choices
+    write_batch(
+        tmp_path / "alone" / "b.jsonl",
+        [json.dumps({"custom_id": "seeded-3", "method": "POST", "url": CHAT, "body": {"model": ALIAS, **lines[2][2]}})],
+        tiny_llama_dir,
+    )
+    cfg_alone = batch_config(tmp_path / "alone", tmp_path / "out-alone", tiny_llama_dir)
+    assert run_job(cfg_alone, engine=tiny_engine).exit_code == 0
+    alone = read_lines(tmp_path / "out-alone" / "outputs" / "b.jsonl")[0]["response"]["body"]["choices"]
+    assert [c["message"]["content"] for c in alone] == texts("seeded-3")
 
 
 def test_parquet_only_keys_are_refused_with_openai_batch(tmp_path, tiny_engine, tiny_llama_dir):
@@ -429,7 +493,9 @@ def test_cli_job_resumes_without_writing_anything_twice(tmp_path, tiny_llama_dir
     for p in sorted((out / "outputs").glob("*.jsonl")):
         for line in read_lines(p):
             check_output_line(
-                line, COMPLETIONS if line["custom_id"].startswith(("cmpl", "seeded", "unseeded")) else CHAT
+                line,
+                COMPLETIONS if line["custom_id"].startswith(("cmpl", "seeded", "unseeded")) else CHAT,
+                n=3 if line["custom_id"] == "three-choices" else 1,
             )
     assert [x["error"]["code"] for x in read_lines(out / "errors" / "b.jsonl")][:2] == ["invalid_json", "invalid_json"]
 

@@ -49,6 +49,7 @@ from batchrun.job.shards import Shard, Worker
 from batchrun.job.signals import StopRequest
 from batchrun.job.store import DEFAULT_FILES, Attempt, RunStore
 from batchrun.job.writer import (
+    ENGINE_ERROR,
     ResultWriter,
     error_result,
     logprob_columns,
@@ -112,11 +113,12 @@ class ShardRun:
         self.tally = ShardTally()
         self.batch_requests = host.requests  # None unless data.format=openai_batch
         self.lines: Optional[BatchLineWriter] = None  # its OpenAI batch output and errors files
-        # row index -> (row, prompt, kept columns, the batch request when the row is one, samples
-        # still to come)
-        self.in_flight: dict[int, tuple[InputRow, Prompt, dict[str, Any], Optional[BatchRequest], int]] = {}
-        self.num_samples = self.config.sampling.n  # result rows per input row
-        self.optional_columns = optional_columns(self.config.sampling)
+        self.in_flight: dict[int, RowInFlight] = {}  # row index -> the row while its samples run
+        # Result rows per input row: sampling.n for Parquet rows; a batch request's own n (its body's,
+        # else sampling.n), and 1 for a request that is an error line.
+        self.num_samples = self.config.sampling.n
+        self.num_result_rows = 0  # result rows of the rows read so far: the next row's first index
+        self.optional_columns = optional_columns(self.config.sampling, per_row_n=self.batch_requests is not None)
         self.token_texts = TokenTexts(engine.tokenizer)
         self.seen_ids: set[Any] = set()
         self.is_read = False  # every row was read and either admitted or written as an error row
@@ -147,7 +149,7 @@ class ShardRun:
         except BaseException:
             host.store.abandon(self.attempt)
             raise
-        progress.add_rows(self.reader.num_rows * self.num_samples)
+        progress.add_rows(self.reader.num_rows * self._default_samples)
 
     @property
     def is_lost(self) -> bool:
@@ -180,17 +182,24 @@ class ShardRun:
                     params, schema_error = self._with_row_schema(row, self._params_for(row, params, seeded))
                     if schema_error is not None:
                         prompt = Prompt(error_type=INVALID_SCHEMA, error_message=schema_error)
+                num_samples = self._samples_of(prompt, params)
+                if num_samples != self._default_samples:
+                    self.progress.add_rows(num_samples - self._default_samples)
+                first = self.num_result_rows
+                self.num_result_rows += num_samples
                 if prompt.token_ids is None:
-                    for sample in range(self.num_samples):  # one error row per (id, sample)
-                        self._emit(
-                            row.index,
-                            sample,
-                            error_result(
-                                row.id, prompt.error_type or "", prompt.error_message, prompt.num_prompt_tokens, keep
-                            ),
+                    error = error_result(
+                        row.id, prompt.error_type or "", prompt.error_message, prompt.num_prompt_tokens, keep
+                    )
+                    for sample in range(num_samples):  # one error row per (id, sample)
+                        self._emit_row(first + sample, sample, dict(error))
+                    if self.lines is not None:
+                        message = prompt.error_message or prompt.error_type or ""
+                        self.lines.put(
+                            row.index, error_line(self.shard.name, row.index, row.id, error["error_type"], message)
                         )
                     continue
-                self.in_flight[row.index] = (row, prompt, keep, request, self.num_samples)
+                self.in_flight[row.index] = RowInFlight(row, prompt, keep, request, first, num_samples)
                 yield EngineRequest(request_id=(self.key, row.index), prompt=prompt.token_ids, params=params)
             self.is_read = True
         except Exception as e:
@@ -200,29 +209,34 @@ class ShardRun:
             self.failure = e
 
     def on_output(self, out: RequestOutput) -> None:
-        row, prompt, keep, request, left = self.in_flight.pop(out.request_id[1])
-        if left > 1:
-            self.in_flight[row.index] = (row, prompt, keep, request, left - 1)
-        result = output_result(row.id, out, prompt.error_message, keep)
+        """One sample of a row in flight is done: its result row now, the row's batch output line
+        once every sample is in (one line per request, its n choices in sample order)."""
+        entry = self.in_flight[out.request_id[1]]
+        entry.outputs[out.sample_index] = out
+        if len(entry.outputs) == entry.num_samples:
+            del self.in_flight[entry.row.index]
+        result = output_result(entry.row.id, out, entry.prompt.error_message, entry.keep)
         result.update(logprob_columns(out, self.config.sampling, self.token_texts))
-        self._emit(row.index, out.sample_index, result, request, out)
+        self._emit_row(entry.first + out.sample_index, out.sample_index, result)
         self.tally.add_request(out.metrics)
+        if self.lines is not None and entry.request is not None and len(entry.outputs) == entry.num_samples:
+            self.lines.put(entry.row.index, self._batch_line(entry))
 
     def commit(self) -> ShardSummary:
         """Close the results file and commit the attempt (every row has its result row)."""
         self.reader.close()
         wall_s = time.perf_counter() - self.t0
         num_rows = self.writer.close()
-        if num_rows != self.reader.num_rows * self.num_samples:
+        if num_rows != self.num_result_rows:
             raise ShardError(
-                f"{num_rows} result rows for {self.reader.num_rows} input rows x {self.num_samples} samples; "
+                f"{num_rows} result rows for {self.reader.num_rows} input rows with {self.num_result_rows} samples; "
                 "not committed"
             )
         files = DEFAULT_FILES
         if self.lines is not None:
             num_lines = self.lines.close()
-            if num_lines != num_rows:
-                raise ShardError(f"{num_lines} batch output lines for {num_rows} requests; not committed")
+            if num_lines != self.reader.num_rows:
+                raise ShardError(f"{num_lines} batch output lines for {self.reader.num_rows} requests; not committed")
             files = (*DEFAULT_FILES, "output.jsonl", "errors.jsonl")
         store = self.host.store
         metrics = metrics_row(
@@ -323,28 +337,49 @@ class ShardRun:
         except ValueError as e:
             return None, f"column {column!r}: {e}"
 
-    def _emit(
-        self,
-        index: int,
-        sample: int,
-        result: dict[str, Any],
-        request: Optional[BatchRequest] = None,
-        out: Optional[RequestOutput] = None,
-    ) -> None:
-        """Write one result row: rows are in input order, a row's samples in sample order (batch
-        files take n=1 only: one line per request)."""
-        if self.num_samples > 1:
+    @property
+    def _default_samples(self) -> int:
+        """Result rows counted per input row when the shard opens: corrected per row as it is read."""
+        return 1 if self.batch_requests is not None else self.num_samples
+
+    def _samples_of(self, prompt: Prompt, params: Optional[SamplingParams]) -> int:
+        if self.batch_requests is None:
+            return self.num_samples
+        if prompt.token_ids is None or params is None:
+            return 1  # an error line answers the request once, whatever n it asked for
+        return params.n
+
+    def _emit_row(self, index: int, sample: int, result: dict[str, Any]) -> None:
+        """Write one result row at its place: rows in input order, a row's samples in sample order."""
+        if "sample_index" in self.optional_columns:
             result["sample_index"] = sample
-        self.writer.put(index * self.num_samples + sample, result)
-        if self.lines is not None:
-            if request is not None and out is not None and result["error_type"] is None:
-                line = response_line(self.shard.name, index, request, out)
-            else:
-                message = result["error_message"] or result["error_type"]
-                line = error_line(self.shard.name, index, result["id"], result["error_type"], message)
-            self.lines.put(index, line)
+        self.writer.put(index, result)
         self.tally.add(result)
         self.progress.advance(1, result["num_output_tokens"] or 0)
+
+    def _batch_line(self, entry: RowInFlight) -> dict[str, Any]:
+        """The output line of a request whose samples are all done, or its error line when the
+        engine failed any of them (the first failed sample's message)."""
+        outs = [entry.outputs[i] for i in range(entry.num_samples)]
+        failed = next((o for o in outs if o.finish_reason == "error"), None)
+        index, request = entry.row.index, entry.request
+        assert request is not None
+        if failed is None:
+            return response_line(self.shard.name, index, request, outs)
+        return error_line(self.shard.name, index, request.custom_id, ENGINE_ERROR, failed.error or "engine error")
+
+
+@dataclasses.dataclass
+class RowInFlight:
+    """An input row whose samples are in the engine."""
+
+    row: InputRow
+    prompt: Prompt
+    keep: dict[str, Any]  # the kept input columns (output.keep_columns)
+    request: Optional[BatchRequest]  # the batch request when the row is one
+    first: int  # the result-row index of its sample 0
+    num_samples: int
+    outputs: dict[int, RequestOutput] = dataclasses.field(default_factory=dict)  # sample index -> output
 
 
 class ShardFlow:

@@ -8,10 +8,11 @@ Input (one JSON object per line, as OpenAI's Batch API takes it):
 `url` is /v1/chat/completions (body.messages, rendered with the model's chat template) or
 /v1/completions (body.prompt: a string, one-string list or token ids, sent as is). Body fields that
 batchrun honors override the job's `sampling.*` for that request: max_tokens /
-max_completion_tokens, temperature, top_p, stop, seed. Fields that would change the answer in ways
-batchrun does not implement (n > 1, logprobs, penalties, tools, ...) make the
-request an error line rather than being silently ignored; fields that change nothing (user,
-metadata, store, stream=false, ...) are accepted.
+max_completion_tokens, temperature, top_p, stop, seed, n (that many choices in the one output line,
+sampled from one prefill) and response_format (json_schema / json_object as structured output).
+Fields that would change the answer in ways batchrun does not implement (logprobs, penalties,
+tools, ...) make the request an error line rather than being silently ignored; fields that change
+nothing (user, metadata, store, stream=false, ...) are accepted.
 
 Output lines follow OpenAI's batch output format: successes
 
@@ -29,7 +30,7 @@ import dataclasses
 import hashlib
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
@@ -64,6 +65,7 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
 }
 _MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant"})
 _MAX_STOP_STRINGS = 4  # OpenAI's limit
+_MAX_N = 128  # OpenAI's limit on body.n
 
 
 @dataclass(frozen=True)
@@ -183,8 +185,9 @@ def sampling_params(request: BatchRequest, defaults: SamplingParams) -> Union[Sa
         value = body.pop("n")
         if not _is_int(value) or value < 1:
             return RequestError(INVALID_REQUEST, f"body.n must be an integer >= 1, got {_short(value)}")
-        if value != 1:  # the engine samples one completion per request
-            return RequestError(UNSUPPORTED_PARAMETER, f"n={value}: only n=1 is supported")
+        if value > _MAX_N:
+            return RequestError(INVALID_REQUEST, f"body.n={value}: at most {_MAX_N} choices per request")
+        changes["n"] = value
     if "response_format" in body:
         value = body.pop("response_format")
         kind = value.get("type") if isinstance(value, dict) else None
@@ -354,31 +357,35 @@ def line_ids(shard: str, index: int) -> tuple[str, str, str]:
     return f"batch_req_{digest[:24]}", f"req_{digest[12:36]}", digest[:24]
 
 
-def response_line(shard: str, index: int, request: BatchRequest, out: RequestOutput) -> dict[str, Any]:
-    """The output-file line of a request the engine answered (finish_reason stop or length)."""
-    assert out.finish_reason in ("stop", "length"), out.finish_reason
+def response_line(shard: str, index: int, request: BatchRequest, outs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """The output-file line of a request the engine answered: one choice per sample, in sample
+    order (each finished with stop or length); usage counts the prompt once and every choice's
+    tokens, as OpenAI's API does for n > 1."""
+    assert outs and all(o.finish_reason in ("stop", "length") for o in outs), [o.finish_reason for o in outs]
     line_id, request_id, suffix = line_ids(shard, index)
-    num_prompt, num_completion = len(out.prompt_token_ids), len(out.token_ids)
+    choices: list[dict[str, Any]] = []
+    for i, out in enumerate(outs):
+        if request.is_chat:
+            message = {"role": "assistant", "content": out.text, "refusal": None}
+            choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": out.finish_reason})
+        else:
+            choices.append({"index": i, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason})
     if request.is_chat:
-        choice: dict[str, Any] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": out.text, "refusal": None},
-            "logprobs": None,
-            "finish_reason": out.finish_reason,
-        }
         body: dict[str, Any] = {"id": f"chatcmpl-{suffix}", "object": "chat.completion"}
     else:
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
         body = {"id": f"cmpl-{suffix}", "object": "text_completion"}
+    num_prompt = len(outs[0].prompt_token_ids)
+    num_completion = sum(len(o.token_ids) for o in outs)
     body.update(
         created=int(time.time()),
         model=request.model,
-        choices=[choice],
+        choices=choices,
         usage={
             "prompt_tokens": num_prompt,
             "completion_tokens": num_completion,
             "total_tokens": num_prompt + num_completion,
-            "prompt_tokens_details": {"cached_tokens": out.metrics.num_cached_tokens or 0},
+            # the prompt's tokens served from cache for the first choice (the others share its blocks)
+            "prompt_tokens_details": {"cached_tokens": outs[0].metrics.num_cached_tokens or 0},
         },
     )
     return {

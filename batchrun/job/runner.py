@@ -160,10 +160,6 @@ class _JobRun:
             )
         if self.config.output.keep_columns:
             raise ConfigError("output.keep_columns", "batch files have no columns to keep (data.format=openai_batch)")
-        if self.config.sampling.n > 1:
-            raise ConfigError(
-                "sampling.n", "batch files answer each request once (data.format=openai_batch); leave sampling.n at 1"
-            )
 
     def _check_id_column(self, first: Shard) -> None:
         """A misspelled data.id_column must not silently become positional ids: the first shard

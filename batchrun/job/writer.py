@@ -101,10 +101,11 @@ def error_result(
     }
 
 
-def optional_columns(sampling: SamplingParams) -> list[str]:
-    """The optional result columns these sampling settings add, in schema order."""
+def optional_columns(sampling: SamplingParams, per_row_n: bool = False) -> list[str]:
+    """The optional result columns these sampling settings add, in schema order. `per_row_n`: rows
+    may ask for their own number of samples (batch requests' n), so every row says its index."""
     wanted = {
-        "sample_index": sampling.n > 1,
+        "sample_index": sampling.n > 1 or per_row_n,
         "cumulative_logprob": sampling.logprobs is not None,
         "logprobs": sampling.logprobs is not None,
         "prompt_logprobs": sampling.prompt_logprobs is not None,

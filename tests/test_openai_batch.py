@@ -36,9 +36,10 @@ COMPLETIONS = "/v1/completions"
 # ---- a validator written from OpenAI's batch output spec ------------------------------------
 
 
-def check_output_line(line: dict[str, Any], url: str, n: int = 1) -> None:
+def check_output_line(line: dict[str, Any], url: str, n: int = 1, top_logprobs: int | None = None) -> None:
     """A line of a batch output file: a 200 response whose body is a chat.completion (chat url) or
-    a text_completion (completions url) with n choices and consistent usage."""
+    a text_completion (completions url) with n choices and consistent usage; with `top_logprobs`,
+    each choice's logprobs in the url's shape with that many alternatives per token."""
     assert set(line) == {"id", "custom_id", "response", "error"}, line
     assert isinstance(line["id"], str) and line["id"].startswith("batch_req_")
     assert isinstance(line["custom_id"], str) and line["error"] is None
@@ -51,7 +52,8 @@ def check_output_line(line: dict[str, Any], url: str, n: int = 1) -> None:
     assert body["object"] == ("chat.completion" if url == CHAT else "text_completion")
     assert len(body["choices"]) == n
     for i, choice in enumerate(body["choices"]):
-        assert choice["index"] == i and choice["finish_reason"] in ("stop", "length") and choice["logprobs"] is None
+        assert choice["index"] == i and choice["finish_reason"] in ("stop", "length")
+        check_logprobs(choice["logprobs"], url, top_logprobs)
         if url == CHAT:
             assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
         else:
@@ -61,6 +63,28 @@ def check_output_line(line: dict[str, Any], url: str, n: int = 1) -> None:
         assert isinstance(usage[key], int) and usage[key] >= 0, usage
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert usage["prompt_tokens"] > 0 and usage["completion_tokens"] > 0
+
+
+def check_logprobs(logprobs: Any, url: str, top_logprobs: int | None) -> None:
+    if top_logprobs is None:
+        assert logprobs is None
+        return
+    if url == CHAT:
+        assert set(logprobs) == {"content", "refusal"} and logprobs["refusal"] is None
+        for entry in logprobs["content"]:
+            assert set(entry) == {"token", "logprob", "bytes", "top_logprobs"}
+            assert isinstance(entry["token"], str) and entry["logprob"] <= 0
+            assert entry["bytes"] == list(entry["token"].encode())
+            tops = entry["top_logprobs"]
+            assert len(tops) == top_logprobs and all(set(t) == {"token", "logprob", "bytes"} for t in tops)
+            assert [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+    else:
+        assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+        k = len(logprobs["tokens"])
+        assert len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == len(logprobs["text_offset"]) == k
+        assert all(lp <= 0 for lp in logprobs["token_logprobs"])
+        assert all(1 <= len(top) <= top_logprobs for top in logprobs["top_logprobs"])
+        assert logprobs["text_offset"] == [sum(len(t) for t in logprobs["tokens"][:i]) for i in range(k)]
 
 
 def check_error_line(line: dict[str, Any]) -> None:
@@ -85,6 +109,7 @@ def request(body: dict[str, Any], url: str = CHAT, **line: Any) -> dict[str, Any
     return {"custom_id": "r", "method": "POST", "url": url, "body": {"model": ALIAS, **key, **body}, **line}
 
 
+CHAT_LOGPROBS = {"logprobs": True, "top_logprobs": 2}
 JSON_FORMAT = {
     "type": "json_schema",
     "json_schema": {
@@ -108,6 +133,12 @@ def test_body_fields_override_the_job_defaults():
     )
     assert (p.max_tokens, p.temperature, p.top_p, p.stop, p.seed) == (3, 0.0, 0.5, ("\n",), 42)
     assert params_of({"n": 3}, defaults=defaults).n == 3 and params_of({}, defaults=defaults).n == 1
+    # logprobs as OpenAI spells them: chat true + top_logprobs, completions an integer
+    assert params_of({"logprobs": True, "top_logprobs": 4}).logprobs == 4
+    assert params_of({"logprobs": True}).logprobs == 0 and params_of({"logprobs": False}).logprobs is None
+    assert (
+        params_of({"logprobs": 3}, COMPLETIONS).logprobs == 3 and params_of({"logprobs": 0}, COMPLETIONS).logprobs == 0
+    )
     assert params_of({"max_completion_tokens": 5, "max_tokens": 9}).max_tokens == 5  # chat: the newer key wins
     assert params_of({"max_tokens": 7}, COMPLETIONS).max_tokens == 7
     assert params_of({"stop": ["a", "b"]}).stop == ("a", "b")
@@ -146,7 +177,12 @@ def test_body_fields_override_the_job_defaults():
         ({"stop": ["a", 1]}, CHAT, "invalid_request", "stop"),
         ({"stop": ["a", "b", "c", "d", "e"]}, CHAT, "invalid_request", "at most 4"),
         ({"presence_penalty": 0.5}, CHAT, "unsupported_parameter", "presence_penalty"),
-        ({"logprobs": True}, CHAT, "unsupported_parameter", "logprobs"),
+        ({"logprobs": "yes"}, CHAT, "invalid_request", "true or false"),
+        ({"top_logprobs": 3}, CHAT, "invalid_request", "needs body.logprobs: true"),
+        ({"logprobs": True, "top_logprobs": 21}, CHAT, "invalid_request", "[0, 20]"),
+        ({"logprobs": 6}, COMPLETIONS, "invalid_request", "[0, 5]"),
+        ({"logprobs": True}, COMPLETIONS, "invalid_request", "[0, 5]"),
+        ({"top_logprobs": 2}, COMPLETIONS, "unsupported_parameter", "use logprobs"),
         ({"frobnicate": 1}, CHAT, "unsupported_parameter", "frobnicate"),
     ],
 )
@@ -223,6 +259,8 @@ def mixed_batch() -> tuple[list[str], dict[str, tuple[str, str]]]:
         ("json-schema", CHAT, {"messages": good_chat, "max_tokens": 40, "response_format": JSON_FORMAT}),
         ("too-long", COMPLETIONS, {"prompt": "word " * 600, "max_tokens": 2}),
         ("model-path", CHAT, {"messages": good_chat, "max_tokens": 2, "model": "<path>"}),
+        ("chat-logprobs", CHAT, {"messages": good_chat, "max_tokens": 5, "temperature": 0, **CHAT_LOGPROBS}),
+        ("cmpl-logprobs", COMPLETIONS, {"prompt": GOOD_PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 3}),
     ]
     expected = {
         "chat-greedy": "output",
@@ -244,6 +282,8 @@ def mixed_batch() -> tuple[list[str], dict[str, tuple[str, str]]]:
         "json-schema": "output",
         "too-long": "context_length_exceeded",
         "model-path": "output",
+        "chat-logprobs": "output",
+        "cmpl-logprobs": "output",
     }
     text = []
     for line in lines:
@@ -252,6 +292,10 @@ def mixed_batch() -> tuple[list[str], dict[str, tuple[str, str]]]:
             line = {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": ALIAS, **body}}
         text.append(line if isinstance(line, str) else json.dumps(line))
     return text, expected
+
+
+CHOICES = {"three-choices": 3}  # mixed_batch's requests with n > 1, and with logprobs
+TOP_LOGPROBS = {"chat-logprobs": 2, "cmpl-logprobs": 3}
 
 
 def write_batch(path: Path, lines: list[str], model_path: str) -> None:
@@ -283,7 +327,8 @@ def test_round_trip_every_line_answered_once_in_openai_format(tmp_path, tiny_eng
     outputs, errors = read_lines(out / "outputs" / "batch.jsonl"), read_lines(out / "errors" / "batch.jsonl")
     urls = {json.loads(x)["custom_id"]: json.loads(x)["url"] for x in lines if x.startswith('{"custom_id": "')}
     for line in outputs:
-        check_output_line(line, urls[line["custom_id"]], n=3 if line["custom_id"] == "three-choices" else 1)
+        custom_id = line["custom_id"]
+        check_output_line(line, urls[custom_id], CHOICES.get(custom_id, 1), TOP_LOGPROBS.get(custom_id))
     for line in errors:
         check_error_line(line)
     # One line per non-blank input line, none twice, input order kept within each file.
@@ -364,6 +409,18 @@ def test_round_trip_every_line_answered_once_in_openai_format(tmp_path, tiny_eng
         for c in x["response"]["body"]["choices"]
     ]
     assert all(r["sample_index"] == 0 for r in rows if r["error_type"])
+    # logprobs: greedy picks the top alternative; the Parquet logprobs column holds the same numbers
+    # for the rows that asked, null for the others
+    by_id = {r["id"]: r for r in rows if r["error_type"] is None}
+    chat_lp = ok["chat-logprobs"]["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert len(chat_lp) == usage["chat-logprobs"]["completion_tokens"] > 0
+    assert all(e["logprob"] == e["top_logprobs"][0]["logprob"] for e in chat_lp)
+    assert [e["logprob"] for e in by_id["chat-logprobs"]["logprobs"]] == [e["logprob"] for e in chat_lp]
+    assert by_id["chat-logprobs"]["cumulative_logprob"] == pytest.approx(sum(e["logprob"] for e in chat_lp))
+    cmpl_lp = ok["cmpl-logprobs"]["response"]["body"]["choices"][0]["logprobs"]
+    assert cmpl_lp["token_logprobs"] == [e["logprob"] for e in by_id["cmpl-logprobs"]["logprobs"]]
+    assert all(max(top.values()) == lp for top, lp in zip(cmpl_lp["top_logprobs"], cmpl_lp["token_logprobs"]))
+    assert by_id["cmpl-3"]["logprobs"] is None and by_id["cmpl-3"]["cumulative_logprob"] is None
     three_rows = [r for r in rows if r["id"] == "three-choices"]
     assert sum(r["num_output_tokens"] for r in three_rows) == three["usage"]["completion_tokens"]
     assert all(r["num_prompt_tokens"] == three["usage"]["prompt_tokens"] for r in three_rows)
@@ -492,11 +549,9 @@ def test_cli_job_resumes_without_writing_anything_twice(tmp_path, tiny_llama_dir
     assert len(named) == len(set(named)) + 1
     for p in sorted((out / "outputs").glob("*.jsonl")):
         for line in read_lines(p):
-            check_output_line(
-                line,
-                COMPLETIONS if line["custom_id"].startswith(("cmpl", "seeded", "unseeded")) else CHAT,
-                n=3 if line["custom_id"] == "three-choices" else 1,
-            )
+            custom_id = line["custom_id"]
+            url = COMPLETIONS if custom_id.startswith(("cmpl", "seeded", "unseeded")) else CHAT
+            check_output_line(line, url, CHOICES.get(custom_id, 1), TOP_LOGPROBS.get(custom_id))
     assert [x["error"]["code"] for x in read_lines(out / "errors" / "b.jsonl")][:2] == ["invalid_json", "invalid_json"]
 
 

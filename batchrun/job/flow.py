@@ -118,7 +118,7 @@ class ShardRun:
         # else sampling.n), and 1 for a request that is an error line.
         self.num_samples = self.config.sampling.n
         self.num_result_rows = 0  # result rows of the rows read so far: the next row's first index
-        self.optional_columns = optional_columns(self.config.sampling, per_row_n=self.batch_requests is not None)
+        self.optional_columns = optional_columns(self.config.sampling, per_row=self.batch_requests is not None)
         self.token_texts = TokenTexts(engine.tokenizer)
         self.seen_ids: set[Any] = set()
         self.is_read = False  # every row was read and either admitted or written as an error row
@@ -199,7 +199,9 @@ class ShardRun:
                             row.index, error_line(self.shard.name, row.index, row.id, error["error_type"], message)
                         )
                     continue
-                self.in_flight[row.index] = RowInFlight(row, prompt, keep, request, first, num_samples)
+                self.in_flight[row.index] = RowInFlight(
+                    row, prompt, keep, request, params or self.config.sampling, first, num_samples
+                )
                 yield EngineRequest(request_id=(self.key, row.index), prompt=prompt.token_ids, params=params)
             self.is_read = True
         except Exception as e:
@@ -216,7 +218,7 @@ class ShardRun:
         if len(entry.outputs) == entry.num_samples:
             del self.in_flight[entry.row.index]
         result = output_result(entry.row.id, out, entry.prompt.error_message, entry.keep)
-        result.update(logprob_columns(out, self.config.sampling, self.token_texts))
+        result.update(logprob_columns(out, entry.params, self.token_texts))
         self._emit_row(entry.first + out.sample_index, out.sample_index, result)
         self.tally.add_request(out.metrics)
         if self.lines is not None and entry.request is not None and len(entry.outputs) == entry.num_samples:
@@ -365,7 +367,7 @@ class ShardRun:
         index, request = entry.row.index, entry.request
         assert request is not None
         if failed is None:
-            return response_line(self.shard.name, index, request, outs)
+            return response_line(self.shard.name, index, request, outs, entry.params.logprobs, self.token_texts)
         return error_line(self.shard.name, index, request.custom_id, ENGINE_ERROR, failed.error or "engine error")
 
 
@@ -377,6 +379,7 @@ class RowInFlight:
     prompt: Prompt
     keep: dict[str, Any]  # the kept input columns (output.keep_columns)
     request: Optional[BatchRequest]  # the batch request when the row is one
+    params: SamplingParams  # its own (a batch request's body, a row seed or schema) or the job's
     first: int  # the result-row index of its sample 0
     num_samples: int
     outputs: dict[int, RequestOutput] = dataclasses.field(default_factory=dict)  # sample index -> output

@@ -10,8 +10,9 @@ Input (one JSON object per line, as OpenAI's Batch API takes it):
 batchrun honors override the job's `sampling.*` for that request: max_tokens /
 max_completion_tokens, temperature, top_p, stop, seed, n (that many choices in the one output line,
 sampled from one prefill) and response_format (json_schema / json_object as structured output).
-Fields that would change the answer in ways batchrun does not implement (logprobs, penalties,
-tools, ...) make the request an error line rather than being silently ignored; fields that change
+logprobs (chat: logprobs + top_logprobs; completions: logprobs) adds each choice's token
+logprobs in OpenAI's shape. Fields that would change the answer in ways batchrun does not implement
+(penalties, tools, ...) make the request an error line rather than being silently ignored; fields that change
 nothing (user, metadata, store, stream=false, ...) are accepted.
 
 Output lines follow OpenAI's batch output format: successes
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from batchrun.engine import RequestOutput, SamplingParams
+from batchrun.job.logprobs import TokenTexts, logprob_entries
 from batchrun.job.prompts import Prompt
 from batchrun.job.reader import InputRow
 
@@ -53,8 +55,6 @@ _IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "strea
 # Fields batchrun does not implement, accepted only at the value that means "off".
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "stream": (False,),
-    "logprobs": (False, 0),
-    "top_logprobs": (0,),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
     "logit_bias": ({},),
@@ -66,6 +66,8 @@ _OFF_VALUES: dict[str, tuple[Any, ...]] = {
 _MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant"})
 _MAX_STOP_STRINGS = 4  # OpenAI's limit
 _MAX_N = 128  # OpenAI's limit on body.n
+_MAX_TOP_LOGPROBS_CHAT = 20  # OpenAI's limits on body.top_logprobs (chat) and body.logprobs (completions)
+_MAX_LOGPROBS_COMPLETIONS = 5
 
 
 @dataclass(frozen=True)
@@ -188,6 +190,11 @@ def sampling_params(request: BatchRequest, defaults: SamplingParams) -> Union[Sa
         if value > _MAX_N:
             return RequestError(INVALID_REQUEST, f"body.n={value}: at most {_MAX_N} choices per request")
         changes["n"] = value
+    logprobs = _requested_logprobs(request, body)  # pops logprobs / top_logprobs
+    if isinstance(logprobs, RequestError):
+        return logprobs
+    if logprobs is not None:
+        changes["logprobs"] = logprobs
     if "response_format" in body:
         value = body.pop("response_format")
         kind = value.get("type") if isinstance(value, dict) else None
@@ -213,6 +220,36 @@ def sampling_params(request: BatchRequest, defaults: SamplingParams) -> Union[Sa
         return dataclasses.replace(defaults, **changes)
     except ValueError as e:  # SamplingParams' own checks
         return RequestError(INVALID_REQUEST, str(e))
+
+
+def _requested_logprobs(request: BatchRequest, body: dict[str, Any]) -> Union[int, None, RequestError]:
+    """The top-N the body asks for per output token (None: no logprobs), as OpenAI spells it:
+    chat `logprobs: true` with `top_logprobs` 0..20; completions `logprobs` 0..5 (0: the chosen
+    token's alone)."""
+    value, top = body.pop("logprobs", None), body.pop("top_logprobs", None)
+    if request.is_chat:
+        if value is not None and not isinstance(value, bool):
+            return RequestError(INVALID_REQUEST, f"body.logprobs must be true or false, got {_short(value)}")
+        if top is not None and (not _is_int(top) or not 0 <= top <= _MAX_TOP_LOGPROBS_CHAT):
+            return RequestError(
+                INVALID_REQUEST,
+                f"body.top_logprobs must be an integer in [0, {_MAX_TOP_LOGPROBS_CHAT}], got {_short(top)}",
+            )
+        if not value:
+            if top:
+                return RequestError(INVALID_REQUEST, "body.top_logprobs needs body.logprobs: true")
+            return None
+        return top or 0
+    if top is not None:
+        return RequestError(UNSUPPORTED_PARAMETER, f"body.top_logprobs is for {CHAT_URL}; use logprobs")
+    if value is None:
+        return None
+    if not _is_int(value) or not 0 <= value <= _MAX_LOGPROBS_COMPLETIONS:
+        return RequestError(
+            INVALID_REQUEST,
+            f"body.logprobs must be an integer in [0, {_MAX_LOGPROBS_COMPLETIONS}], got {_short(value)}",
+        )
+    return value
 
 
 def chat_messages(request: BatchRequest) -> Union[list[dict[str, str]], RequestError]:
@@ -357,19 +394,32 @@ def line_ids(shard: str, index: int) -> tuple[str, str, str]:
     return f"batch_req_{digest[:24]}", f"req_{digest[12:36]}", digest[:24]
 
 
-def response_line(shard: str, index: int, request: BatchRequest, outs: Sequence[RequestOutput]) -> dict[str, Any]:
+def response_line(
+    shard: str,
+    index: int,
+    request: BatchRequest,
+    outs: Sequence[RequestOutput],
+    top_logprobs: Optional[int] = None,
+    texts: Optional[TokenTexts] = None,
+) -> dict[str, Any]:
     """The output-file line of a request the engine answered: one choice per sample, in sample
     order (each finished with stop or length); usage counts the prompt once and every choice's
-    tokens, as OpenAI's API does for n > 1."""
+    tokens, as OpenAI's API does for n > 1. `top_logprobs`: the request asked for logprobs with
+    that many alternatives per token (`texts` decodes the tokens)."""
     assert outs and all(o.finish_reason in ("stop", "length") for o in outs), [o.finish_reason for o in outs]
     line_id, request_id, suffix = line_ids(shard, index)
     choices: list[dict[str, Any]] = []
     for i, out in enumerate(outs):
+        logprobs = None
+        if top_logprobs is not None:
+            assert texts is not None
+            entries = logprob_entries(out.token_ids, out.logprobs, top_logprobs, texts) or []
+            logprobs = _chat_logprobs(entries) if request.is_chat else _completion_logprobs(entries)
         if request.is_chat:
             message = {"role": "assistant", "content": out.text, "refusal": None}
-            choices.append({"index": i, "message": message, "logprobs": None, "finish_reason": out.finish_reason})
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason})
         else:
-            choices.append({"index": i, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason})
+            choices.append({"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason})
     if request.is_chat:
         body: dict[str, Any] = {"id": f"chatcmpl-{suffix}", "object": "chat.completion"}
     else:
@@ -393,6 +443,43 @@ def response_line(shard: str, index: int, request: BatchRequest, outs: Sequence[
         "custom_id": request.custom_id,
         "response": {"status_code": 200, "request_id": request_id, "body": body},
         "error": None,
+    }
+
+
+def _chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """chat.completion's choice.logprobs: per token its text, logprob, UTF-8 bytes and top list.
+    A token that is part of a multi-byte character decodes alone to U+FFFD, so its bytes are
+    those of that text, not the raw byte piece."""
+
+    def token(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    content = [
+        {**token(e["token"], e["logprob"]), "top_logprobs": [token(t["token"], t["logprob"]) for t in e["top"]]}
+        for e in entries
+    ]
+    return {"content": content, "refusal": None}
+
+
+def _completion_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """text_completion's choice.logprobs: parallel lists; top_logprobs maps text -> logprob (two
+    alternatives that decode to the same text keep the larger), text_offset counts characters from
+    the completion's start."""
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    tops = []
+    for e in entries:
+        top: dict[str, float] = {}
+        for t in e["top"]:
+            top.setdefault(t["token"], t["logprob"])
+        tops.append(top)
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": tops,
+        "text_offset": offsets,
     }
 
 

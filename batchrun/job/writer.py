@@ -101,13 +101,14 @@ def error_result(
     }
 
 
-def optional_columns(sampling: SamplingParams, per_row_n: bool = False) -> list[str]:
-    """The optional result columns these sampling settings add, in schema order. `per_row_n`: rows
-    may ask for their own number of samples (batch requests' n), so every row says its index."""
+def optional_columns(sampling: SamplingParams, per_row: bool = False) -> list[str]:
+    """The optional result columns these sampling settings add, in schema order. `per_row`: rows
+    may ask for their own samples and logprobs (batch requests' n and logprobs), so those columns
+    are always there (null for rows that did not ask)."""
     wanted = {
-        "sample_index": sampling.n > 1 or per_row_n,
-        "cumulative_logprob": sampling.logprobs is not None,
-        "logprobs": sampling.logprobs is not None,
+        "sample_index": sampling.n > 1 or per_row,
+        "cumulative_logprob": sampling.logprobs is not None or per_row,
+        "logprobs": sampling.logprobs is not None or per_row,
         "prompt_logprobs": sampling.prompt_logprobs is not None,
     }
     return [c for c in OPTIONAL_RESULT_COLUMNS if wanted[c]]

@@ -77,6 +77,41 @@ def test_sampling_params_check_the_constraint():
     )
 
 
+def test_length_bounded_json_strings_admit_escapes_and_no_control_characters():
+    """xgrammar's own lowering of minLength/maxLength strings admits a raw tab (invalid JSON) and no
+    escapes; build_grammar's fix counts one JSON character per repetition."""
+    xgr = pytest.importorskip("xgrammar")
+    from batchrun.engine.grammar import build_grammar
+
+    schema = {
+        "type": "object",
+        "properties": {
+            "q": {"type": "string", "maxLength": 4},
+            "tags": {"type": "array", "items": {"type": "string", "minLength": 1}},
+        },
+        "required": ["q", "tags"],
+    }
+    info = xgr.TokenizerInfo([chr(c) for c in range(32, 127)])
+    compiled = xgr.GrammarCompiler(info).compile_grammar(build_grammar("json_schema", json.dumps(schema)))
+
+    def accepts(text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled, terminate_without_stop_token=True)
+        return matcher.accept_string(text) and matcher.is_terminated()
+
+    for text, valid in [
+        ('{"q": "abcd", "tags": ["x"]}', True),
+        ('{"q": "a\\"\\\\d", "tags": ["x"]}', True),  # escapes count one character each
+        ('{"q": "\\u00e9\\n", "tags": ["x"]}', True),
+        ('{"q": "abcde", "tags": ["x"]}', False),  # past maxLength
+        ('{"q": "a\tb", "tags": ["x"]}', False),  # a raw tab
+        ('{"q": "ab", "tags": ["\x01"]}', False),  # a raw control character, minLength path
+        ('{"q": "ab", "tags": [""]}', False),  # under minLength
+    ]:
+        assert accepts(text) == valid, text
+        if valid:
+            json.loads(text)  # strict: what the grammar accepts, Python's parser accepts
+
+
 def test_constrained_requests_never_draft():
     def decoding(params: SamplingParams) -> Request:
         req = Request(0, 0, [1, 2, 3], params, 0.0, None)
@@ -195,17 +230,26 @@ def test_per_row_schema_column_through_the_job_and_resume(
 def test_the_synth_qa_preset_gives_n_samples_of_schema_json(tmp_path, make_shards, tiny_engine, job_overrides):
     """job=synth_qa: several samples per row, each constrained to its question/answer schema."""
     ids = make_shards(tmp_path / "in", num_shards=1, rows_per_shard=2)[0]
-    config = cli.load_config(["job=synth_qa", *job_overrides(tmp_path / "in", tmp_path / "out")])
+    # The schema's maxLengths bound an object's length, so with room for the longest one every
+    # sample of even a random model ends, and every one must parse and validate (the lengths are
+    # cut to fit the tiny model's 512-token context).
+    overrides = [
+        *job_overrides(tmp_path / "in", tmp_path / "out"),
+        "sampling.max_tokens=200",
+        "sampling.json_schema.properties.question.maxLength=40",
+        "sampling.json_schema.properties.answer.maxLength=60",
+    ]
+    config = cli.load_config(["job=synth_qa", *overrides])
     assert config.sampling.n == 4 and config.sampling.is_constrained
     result = run_job(config, engine=tiny_engine)
     assert result.exit_code == 0, result.message
     rows = pq.read_table(tmp_path / "out" / "results" / "part-00.parquet").to_pylist()
     assert [(r["id"], r["sample_index"]) for r in rows] == [(i, k) for i in ids for k in range(4)]
     schema = json.loads(config.sampling.json_schema)
-    finished = [r for r in rows if r["finish_reason"] == "stop"]
-    for r in finished:  # a random tiny model may run out of tokens mid-string; what ends is valid
+    assert [(r["finish_reason"], r["error_type"]) for r in rows] == [("stop", None)] * len(rows)
+    for r in rows:
         jsonschema.validate(json.loads(r["output"]), schema)
-    assert all(r["finish_reason"] in ("stop", "length") and r["error_type"] is None for r in rows)
+    assert len({r["output"] for r in rows}) == len(rows)  # distinct samples
 
 
 def test_speculation_skips_constrained_rows_and_keeps_the_others(tiny_llama_dir, tiny_engine, one_torch_thread):

@@ -70,12 +70,31 @@ def _message(error: Exception) -> str:
     return _CPP_PREFIX.sub("", str(error).strip())
 
 
+# xgrammar (through 0.2.9, its issue #800) lowers a string with minLength/maxLength to a repetition
+# of this class: it admits raw control characters, which JSON forbids in strings (strict parsers
+# reject the output), and no escapes. Each repetition is replaced by one JSON character: an
+# unescaped code point other than U+0000-U+001F, quote and backslash, or one escape (so a surrogate
+# pair written as two \u escapes counts twice; written raw it counts once).
+_BOUNDED_STRING_CHAR = r"(([^\"\\\r\n]))"
+_JSON_STRING_CHAR = (
+    r'(([^\0-\x1f\"\\]) | ("\\" [\"\\/bfnrt]) | ("\\u" [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9] [A-Fa-f0-9]))'
+)
+
+
+def _json_schema_grammar(xgr: Any, text: str) -> Any:
+    grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS)
+    ebnf = str(grammar)
+    if _BOUNDED_STRING_CHAR not in ebnf:
+        return grammar
+    return xgr.Grammar.from_ebnf(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+
+
 def build_grammar(kind: str, text: str) -> Any:
     """The xgrammar Grammar of a constraint (no vocabulary needed); ValueError naming the key."""
     xgr = _xgrammar()
     try:
         if kind == "json_schema":
-            return xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS)
+            return _json_schema_grammar(xgr, text)
         if kind == "regex":
             return xgr.Grammar.from_regex(text)
         return xgr.Grammar.from_ebnf(text)

@@ -1,5 +1,5 @@
 """The library modules of the GPU check (`python -m batchrun.bench.gpu`): its report and budget,
-and the Triton compile counts."""
+the Triton compile counts, and the decode step's launch counting."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import math
 import pytest
 
 from batchrun.bench import compile_counts
+from batchrun.bench.decode_step import count_launches
 from batchrun.bench.gpu_report import Budget, Report, json_safe
 
 # ---- the library modules, without a subprocess ---------------------------------------------------
@@ -69,3 +70,24 @@ def test_compile_counts_lists_the_triton_kernels_once_each():
         kernels
     )
     assert len({id(fn) for fn in kernels.values()}) == len(kernels)
+
+
+def test_count_launches_separates_device_kernels_copies_and_host_launch_calls():
+    events = [
+        ("_decode_kernel", True),
+        ("ampere_bf16_gemm", True),
+        ("Memcpy HtoD (Pinned -> Device)", True),
+        ("Memset (Device)", True),
+        ("cudaLaunchKernel", False),
+        ("cuLaunchKernelEx", False),
+        ("cudaLaunchKernelExC", False),
+        ("cudaGraphLaunch", False),
+        ("cudaMemcpyAsync", False),
+        ("aten::mm", False),
+    ]
+    assert count_launches(events) == {
+        "gpu_kernels": 2,
+        "gpu_copies": 2,
+        "host_kernel_launches": 3,
+        "host_graph_launches": 1,
+    }

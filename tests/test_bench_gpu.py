@@ -1,16 +1,122 @@
-"""The library modules of the GPU check (`python -m batchrun.bench.gpu`): its report and budget,
-the Triton compile counts, and the decode step's launch counting."""
+"""The GPU check (`python -m batchrun.bench.gpu`) and the library modules it measures through.
+
+The check itself runs here as `--smoke`: every phase on the CPU at tiny sizes, in a fresh process
+(--smoke sets TRITON_INTERPRET before triton is imported; tests never import a benchmark script).
+The test reads the JSON document it writes: every section present, with sane types, and the
+GPU-only values null. No figure is asserted: a test never times anything.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from batchrun.bench import compile_counts
 from batchrun.bench.decode_step import count_launches
 from batchrun.bench.gpu_report import Budget, Report, json_safe
+
+ROOT = Path(__file__).resolve().parent.parent
+QWEN3, SMOLLM2 = "Qwen3-0.6B-shaped", "SmolLM2-135M-shaped"
+
+
+def _run_gpu_check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    path = tmp_path / "gpu.json"
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("TRITON_INTERPRET", None)  # --smoke sets it itself, before triton's first import
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchrun.bench.gpu", "--smoke", "--json", str(path), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc, json.loads(path.read_text())
+
+
+def _is_ms(value) -> bool:
+    return isinstance(value, float) and math.isfinite(value) and value >= 0
+
+
+def test_smoke_run_writes_every_section(tmp_path):
+    proc, data = _run_gpu_check(tmp_path)
+    assert data["smoke"] is True and data["ok"] is True and data["failures"] == []
+    assert "== summary" in proc.stdout
+
+    versions = data["versions"]
+    assert {"torch", "triton", "transformers", "cuda", "driver", "device_name"} <= set(versions)
+    assert isinstance(versions["torch"], str) and isinstance(versions["triton"], str)
+    assert versions["cuda"] is None and versions["driver"] is None  # no CUDA in --smoke
+
+    budget = data["budget"]
+    assert budget["budget_s"] == 480 and budget["planned_s"] > 0
+    assert [p["status"] for p in budget["phases"]] == ["ran"] * len(budget["phases"])
+    assert all(p["elapsed_s"] >= 0 for p in budget["phases"])
+
+    kernels = {row["name"]: row for row in data["kernels"]}
+    assert len(kernels) >= 14
+    assert all(row["ok"] or row.get("skipped") for row in kernels.values())
+    offsets = [row for name, row in kernels.items() if "int32" in name]
+    assert len(offsets) == 2 and all("2**31" in row["note"] for row in offsets)
+
+    bandwidth = data["bandwidth"]
+    assert bandwidth["copy_bytes_per_s"] is None and bandwidth["note"] == "n/a (no CUDA)"
+    assert bandwidth["decode"] and all("bytes_per_s" not in p for p in bandwidth["decode"])
+
+    assert set(data["models"]) == {QWEN3, SMOLLM2}
+    qwen = data["models"][QWEN3]
+    memory = qwen["memory"]
+    assert memory["weight_bytes"] > 0 and memory["kv_cache_bytes"] > 0 and memory["num_kv_blocks"] > 0
+    assert "n/a (no CUDA)" in memory["note"]
+
+    graphs = qwen["cuda_graphs"]
+    assert graphs["capture"] is None  # capture needs CUDA; the stand-in replays lazily
+    sizes = [row["num_seqs"] for row in graphs["graph_vs_eager"]]
+    assert sizes == [1, 2, 4, 8, 7]  # every bucket up to 8 sequences, then 7 padded to bucket 8
+    assert all(row["ok"] and row["argmax_agreement"] == 1.0 for row in graphs["graph_vs_eager"])
+
+    step = qwen["decode_step"]
+    assert step["num_seqs"] == 8 and step["mean_context"] > 0
+    for path in ("graphed", "eager"):
+        timed = step[path]["timed"]
+        for part in ("schedule_ms", "pack_ms", "launch_ms", "sample_ms", "update_ms", "host_ms", "step_ms"):
+            assert _is_ms(timed[part]), (path, part, timed[part])
+        assert timed["gpu_ms"] is None and timed["gpu_forward_ms"] is None
+        assert step[path]["kernels"] is None  # torch.profiler's kernel count needs CUDA
+        assert _is_ms(step[path]["wall_ms"])
+
+    runs = {run["temperature"]: run for run in qwen["throughput"]}
+    assert set(runs) == {0.0, 0.6}
+    for run in runs.values():
+        assert run["num_finished"] == 8 and run["is_cut"] is False
+        assert run["num_output_tokens"] == qwen["workload"]["num_output_tokens"] and run["output_tok_s"] > 0
+    assert qwen["compile_counts"]["note"].startswith("n/a (interpreter")
+    assert qwen["hf_baseline"]["ratio"] > 0 and qwen["hf_baseline"]["num_seqs"] == 4
+
+    smol = data["models"][SMOLLM2]
+    assert [run["temperature"] for run in smol["throughput"]] == [0.0]
+    assert "decode_step" not in smol and smol["hf_baseline"]["ratio"] > 0
+
+    assert all(isinstance(name, str) and isinstance(value, str) for name, value in data["table"])
+
+
+def test_phases_that_do_not_fit_the_budget_are_skipped_and_said(tmp_path):
+    proc, data = _run_gpu_check(tmp_path, "--only", "kernels", "--only", "engine", "--budget-s", "1")
+    phases = data["budget"]["phases"]
+    assert [p["name"] for p in phases] == ["kernels", f"{QWEN3}: build", f"{QWEN3}: decode step"]
+    assert {p["status"] for p in phases} == {"skipped", "planned"}  # the build skipped: nothing after it
+    assert phases[0]["status"] == "skipped" and "out of time" in phases[0]["note"]
+    assert "does NOT fit" in proc.stdout
+    assert any(name == "kernels" and value.startswith("skipped (out of time") for name, value in data["table"])
+
 
 # ---- the library modules, without a subprocess ---------------------------------------------------
 

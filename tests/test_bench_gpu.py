@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from batchrun.bench import compile_counts
-from batchrun.bench.decode_step import count_launches
+from batchrun.bench.decode_step import capture_buckets, count_launches
 from batchrun.bench.gpu_report import Budget, Report, json_safe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -197,3 +197,35 @@ def test_count_launches_separates_device_kernels_copies_and_host_launch_calls():
         "host_kernel_launches": 3,
         "host_graph_launches": 1,
     }
+
+
+class _FakeGraphs:
+    """DecodeGraphs' capture_all (largest bucket first, already captured ones kept) over buckets whose
+    capture fails, without CUDA."""
+
+    def __init__(self, max_batch: int, failing: set[int]) -> None:
+        from batchrun.engine.cuda_graphs import bucket_sizes
+
+        self.buckets = bucket_sizes(max_batch)
+        self.max_batch = max_batch
+        self.graphs: dict[int, object] = {}
+        self.failing = failing
+
+    def capture_all(self, max_batch: int) -> None:
+        from batchrun.engine.cuda_graphs import pick_bucket
+
+        limit = pick_bucket(self.buckets, min(max_batch, self.max_batch))
+        for bucket in reversed([b for b in self.buckets if b <= limit]):
+            if bucket not in self.graphs:
+                if bucket in self.failing:
+                    raise RuntimeError(f"capture of {bucket} failed")
+                self.graphs[bucket] = object()
+
+
+def test_capture_names_every_failing_bucket_and_captures_the_rest():
+    graphs = _FakeGraphs(64, failing={48, 4})
+    cap = capture_buckets(graphs, 64)
+    assert cap["buckets"] == [1, 2, 4, 8, 16, 32, 48, 64]
+    assert cap["captured"] == [1, 2, 8, 16, 32, 64]
+    assert sorted(cap["failed"]) == [4, 48] and "capture of 4 failed" in cap["failed"][4]
+    assert capture_buckets(_FakeGraphs(64, failing=set()), 20)["captured"] == [1, 2, 4, 8, 16, 32]

@@ -229,3 +229,22 @@ def test_capture_names_every_failing_bucket_and_captures_the_rest():
     assert cap["captured"] == [1, 2, 8, 16, 32, 64]
     assert sorted(cap["failed"]) == [4, 48] and "capture of 4 failed" in cap["failed"][4]
     assert capture_buckets(_FakeGraphs(64, failing=set()), 20)["captured"] == [1, 2, 4, 8, 16, 32]
+
+
+def test_a_profiled_step_runs_the_step_once_and_counts_its_launches():
+    """The profiler plumbing of bench.decode_step on the CPU (no device events there, so all zero);
+    the counts themselves are checked above, from names."""
+    import types
+    import warnings
+
+    import torch
+
+    from batchrun.bench.decode_step import _profiled_step
+
+    engine = types.SimpleNamespace(runner=types.SimpleNamespace(graphs=None), device=torch.device("cpu"))
+    calls = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # without CUDA the profiler says it profiles the CPU only
+        counts = _profiled_step(engine, lambda: calls.append(torch.ones(4) @ torch.ones(4)), graphed=False)
+    assert len(calls) == 1
+    assert counts == {"gpu_kernels": 0, "gpu_copies": 0, "host_kernel_launches": 0, "host_graph_launches": 0}

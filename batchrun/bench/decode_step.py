@@ -210,13 +210,27 @@ def count_launches(events: Sequence[tuple[str, bool]]) -> dict[str, int]:
 
 
 def _profiled_step(engine: Engine, step: Callable[[], Any], graphed: bool) -> dict[str, Any]:
+    """Launch counts of one step, or {"error": ...}: a profiler that fails (CUPTI can be unavailable)
+    costs this count only, and the step still runs, so the rest of the plan goes on."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    with _eager(engine.runner, not graphed), profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        step()
-        _sync(engine.device)
-    return count_launches([(e.name, e.device_type == DeviceType.CUDA) for e in prof.events()])
+    with _eager(engine.runner, not graphed):
+        try:
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
+        except Exception as exc:  # noqa: BLE001 - see the docstring
+            step()
+            return {"error": repr(exc)}
+        try:
+            step()
+            _sync(engine.device)
+        finally:
+            prof.__exit__(None, None, None)
+    try:
+        return count_launches([(e.name, e.device_type == DeviceType.CUDA) for e in prof.events()])
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        return {"error": repr(exc)}
 
 
 def _wall_step(engine: Engine, step: Callable[[], Any], graphed: bool) -> float:

@@ -260,12 +260,15 @@ class ModelCheck:
                 continue
             t = measured["timed"]
             kernels = measured["kernels"]
-            kernel_text = (
-                NO_CUDA
-                if kernels is None
-                else f"{kernels['gpu_kernels']} kernels + {kernels['gpu_copies']} copies on the device, "
-                f"{kernels['host_kernel_launches']} kernel + {kernels['host_graph_launches']} graph launches"
-            )
+            if kernels is None:
+                kernel_text = NO_CUDA
+            elif "error" in kernels:
+                kernel_text = f"profiler failed: {kernels['error']}"
+            else:
+                kernel_text = (
+                    f"{kernels['gpu_kernels']} kernels + {kernels['gpu_copies']} copies on the device, "
+                    f"{kernels['host_kernel_launches']} kernel + {kernels['host_graph_launches']} graph launches"
+                )
             path_name = path if self.cuda else f"{path}{' (stand-in)' if path == 'graphed' else ''}"
             self.report.add(
                 f"{self.label}: decode step {path_name}, {where}",

@@ -6,7 +6,8 @@ on the GPU). The test builds such a cache on the CPU without paying for it: `tor
 virtual memory only, and the kernels touch only the pages of the few blocks a case uses. Three KV
 heads with a head stride just over 2**30 put head 2 past 2**31, while every stride and every index
 still fits in int32, which is exactly where an int32 product overflows. The case's blocks sit at the
-far end of the cache; the same case on a small cache is the expected result.
+far end of the cache; the same case on a small cache is the expected result (bench.cases builds
+both; the GPU check runs the same case compiled).
 
 It runs in Triton's interpreter (TRITON_INTERPRET=1), where the kernels read memory through raw
 addresses as compiled ones do: an overflowed offset reads or writes outside the cache (a crash or
@@ -24,61 +25,29 @@ from triton_child import run_interpreted
 
 pytest.importorskip("triton")
 
-NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 3, 16, 16
-# The head stride (num_blocks * block_size * head_dim) just over 2**30: head 2 starts past 2**31.
-HUGE_BLOCKS = (1 << 30) // (BLOCK_SIZE * HEAD_DIM) + 8
+NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 3, 16, 16  # three heads: bench.cases.far_blocks_case puts head 2 past 2**31
 SEQS = [(20, 1), (0, 5), (37, 1), (9, 6)]  # (cached tokens, new tokens): decodes and prefills
 
 
-def _far(blocks: torch.Tensor, num_small: int) -> torch.Tensor:
-    """Small-cache block ids moved to the huge cache's last blocks."""
-    return blocks + (HUGE_BLOCKS - num_small)
-
-
-def _huge_like(small: torch.Tensor) -> torch.Tensor:
-    """A (HUGE_BLOCKS, block_size, heads, dim) head-major cache holding `small`'s blocks at its end;
-    only those blocks' pages are ever written or read."""
-    from batchrun.kernels.kv_layout import from_head_major
-
-    storage = torch.empty((NUM_KV_HEADS, HUGE_BLOCKS, BLOCK_SIZE, HEAD_DIM), dtype=small.dtype)  # virtual only
-    huge = from_head_major(storage)
-    assert huge.stride(2) * (NUM_KV_HEADS - 1) >= 2**31 > huge.stride(2)
-    huge[HUGE_BLOCKS - small.shape[0] :] = small
-    return huge
-
-
 def run(kernel: str) -> None:
-    from batchrun.bench.cases import attention_case
-    from batchrun.kernels.attention_metadata import AttentionMetadata
+    from batchrun.bench.cases import far_blocks_case
     from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
     from batchrun.kernels.triton_attention import paged_attention
     from batchrun.kernels.triton_kv import write_kv_cache
 
-    c = attention_case(SEQS, 6, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dtype=torch.float16, seed=3)
+    far = far_blocks_case(SEQS, 6, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dtype=torch.float16, seed=3)
+    c = far.small
     num_small = c.k_cache.shape[0]
-    k_huge, v_huge = _huge_like(c.k_cache), _huge_like(c.v_cache)
-    far_slots = _far(c.meta.slot_mapping // BLOCK_SIZE, num_small) * BLOCK_SIZE + c.meta.slot_mapping % BLOCK_SIZE
     if kernel == "write":
         k_rows = torch.randn(c.k_new.shape).to(c.k_new.dtype)
         v_rows = torch.randn(c.v_new.shape).to(c.v_new.dtype)
         write_kv_cache_reference(c.k_cache, c.v_cache, k_rows, v_rows, c.meta.slot_mapping)
-        write_kv_cache(k_huge, v_huge, k_rows, v_rows, far_slots)
-        torch.testing.assert_close(k_huge[HUGE_BLOCKS - num_small :], c.k_cache, rtol=0, atol=0)
-        torch.testing.assert_close(v_huge[HUGE_BLOCKS - num_small :], c.v_cache, rtol=0, atol=0)
+        write_kv_cache(far.k_cache, far.v_cache, k_rows, v_rows, far.meta.slot_mapping)
+        torch.testing.assert_close(far.k_cache[far.num_blocks - num_small :], c.k_cache, rtol=0, atol=0)
+        torch.testing.assert_close(far.v_cache[far.num_blocks - num_small :], c.v_cache, rtol=0, atol=0)
         return
-    m = c.meta
-    far_meta = AttentionMetadata(
-        slot_mapping=far_slots,
-        query_start_loc=m.query_start_loc,
-        seq_lens=m.seq_lens,
-        block_tables=_far(m.block_tables, num_small),
-        block_size=BLOCK_SIZE,
-        decode_seq_ids=m.decode_seq_ids,
-        decode_seq_lens=m.decode_seq_lens,
-        prefill_seq_ids=m.prefill_seq_ids,
-    )
-    want = paged_attention_reference(c.q, c.k_cache, c.v_cache, m, HEAD_DIM**-0.5)
-    got = paged_attention(c.q, k_huge, v_huge, far_meta, HEAD_DIM**-0.5)
+    want = paged_attention_reference(c.q, c.k_cache, c.v_cache, c.meta, HEAD_DIM**-0.5)
+    got = paged_attention(c.q, far.k_cache, far.v_cache, far.meta, HEAD_DIM**-0.5)
     torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
 
 

@@ -1,5 +1,6 @@
 """Inputs and reference computations shared by the benchmarks and the tests: random attention
-batches laid out as the runner builds them, the MoE definition, the error metric.
+batches laid out as the runner builds them (also at the far end of a cache past int32 offsets),
+the MoE definition, the error metric.
 
 A library module (no `__main__`): tests import from here, never from a benchmark script.
 """
@@ -82,6 +83,59 @@ def attention_case(
         prefill_seq_ids=[i for i, (_, n) in enumerate(seqs) if n != 1],
     )
     return AttentionCase(q, k_cache, v_cache, k_new, v_new, meta)
+
+
+@dataclass
+class FarCase:
+    """A batch whose blocks sit at the far end of a KV cache large enough that int32 offsets wrap."""
+
+    small: AttentionCase  # the same batch on a small cache: what the far one must reproduce
+    k_cache: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_dim), head-major storage
+    v_cache: torch.Tensor
+    meta: AttentionMetadata  # the small case's batch with every block id moved to the far end
+    num_blocks: int
+
+
+def far_blocks_case(
+    seqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float16,
+    device: Any = "cpu",
+    seed: int = 0,
+) -> FarCase:
+    """`attention_case(seqs, ...)` again on a cache whose head stride (num_blocks * block_size *
+    head_dim) is just over 2**30, so KV head 2 starts past 2**31 elements while every stride and
+    index still fits in int32: exactly where an int32 product such as `kv_head * stride_kh` wraps.
+    The small case's blocks are copied to the cache's last blocks; nothing else of it is written
+    or read, so on a CPU `torch.empty` maps virtual memory only and the case costs the pages of
+    those blocks (on a GPU it allocates 3 * 2**30 elements per cache)."""
+    assert num_kv_heads >= 3, "head 2 is the first past 2**31"
+    num_blocks = (1 << 30) // (block_size * head_dim) + 8
+    small = attention_case(seqs, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed)
+    shift = num_blocks - small.k_cache.shape[0]  # small block b is far block b + shift
+
+    def far_like(cache: torch.Tensor) -> torch.Tensor:
+        storage = torch.empty((num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype, device=device)
+        far = from_head_major(storage)
+        assert far.stride(2) * 2 >= 2**31 > far.stride(2)
+        far[shift:] = cache
+        return far
+
+    m = small.meta
+    meta = AttentionMetadata(
+        slot_mapping=m.slot_mapping + shift * block_size,
+        query_start_loc=m.query_start_loc,
+        seq_lens=m.seq_lens,
+        block_tables=m.block_tables + shift,
+        block_size=block_size,
+        decode_seq_ids=m.decode_seq_ids,
+        decode_seq_lens=m.decode_seq_lens,
+        prefill_seq_ids=m.prefill_seq_ids,
+    )
+    return FarCase(small, far_like(small.k_cache), far_like(small.v_cache), meta, num_blocks)
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:

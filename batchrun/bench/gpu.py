@@ -1,24 +1,38 @@
-"""The one-call GPU check: kernels against their references, bandwidth, then throughput; table last.
+"""The one-call GPU check: versions, kernels against their references, bandwidth, the engine's decode
+step, CUDA graphs, memory and throughput; a table last and a JSON document with every measurement.
 
-    python -m batchrun.bench.gpu                   # on a GPU (sized for < 10 minutes on one H200)
-    python -m batchrun.bench.gpu --only kernels    # kernels | bandwidth | throughput (repeatable)
+    python -m batchrun.bench.gpu                   # on a GPU: planned to fit 8 minutes on one H200
+    python -m batchrun.bench.gpu --only kernels    # kernels | bandwidth | engine | throughput (repeatable)
     python -m batchrun.bench.gpu --smoke           # CPU: tiny shapes, kernels in Triton's interpreter
+    python -m batchrun.bench.gpu --json PATH       # default: $OUT/bench-gpu.json, else ./bench-gpu.json
 
 1. Kernels: each Triton kernel (paged attention decode and prefill, KV write, W8A16/W4A16 GEMMs,
-   MoE grouped GEMM) against its torch reference on the device, random
-   inputs, max |error| and relative error ||got - want|| / ||want|| printed.
+   MoE grouped GEMM) against its torch reference on the device, random inputs, max |error| and
+   relative error ||got - want|| / ||want||. Then attention and the KV write on a cache whose last
+   KV head starts past 2**31 elements (bench.cases.far_blocks_case), where an int32 offset wraps:
+   2 x 6 GiB on the GPU; in --smoke virtual memory on the CPU, skipped where it cannot be mapped.
 2. Bandwidth: a device copy (the HBM ceiling), then the decode attention kernel at the workload's
    shape as achieved KV bytes/s and its fraction of that ceiling (target >= 70%), a small sweep of
    its tile settings.
-3. Throughput: nano-vllm's workload (256 sequences, prompt and output lengths uniform in 100-1024,
-   ignore_eos) on a Qwen3-0.6B-shaped model and a SmolLM2-135M-shaped one, random weights built
-   here from transformers configs (nothing can be downloaded there; the SmolLM2 GGUF is too big to
-   carry). Prompts are token ids (the bundled 512-token tokenizer only decodes). Greedy only, not
-   nano-vllm's temperature 0.6: this check times the GPU forward path; the sampler's cost against
-   greedy is bench.sampling's measurement. Then HF transformers' `generate` on a subset, with
-   the engine on the same subset, for the ratio.
+3. Engine (`--only engine`), on the Qwen3-0.6B-shaped model: memory at the engine's default KV
+   sizing (weights, KV bytes and blocks, peak allocated, free after construction); every CUDA-graph
+   bucket captured, a failed capture named; then bench.decode_step on 256 decoding sequences:
+   graph replay against eager logits at every bucket, one decode step's device time against its
+   host time (schedule / pack / launch / sample / update), and kernels per step, eager and graphed.
+4. Throughput (`--only throughput`): nano-vllm's workload (256 sequences, prompt and output lengths
+   uniform in 100-1024, ignore_eos) on the Qwen3-0.6B-shaped model greedy and at temperature 0.6
+   (nano-vllm's setting; the sampler's own cost is bench.sampling's measurement), and greedy on a
+   SmolLM2-135M-shaped one. Random weights built here from transformers configs (nothing can be
+   downloaded there; the SmolLM2 GGUF is too big to carry); prompts are token ids (the bundled
+   512-token tokenizer only decodes). Triton compile counts per kernel after warm-up and after the
+   timed runs (bench.compile_counts): a variant compiled during the timed runs is a failure. Then
+   the engine and HF transformers' `generate` on the same first prompts, each cold (the engine's
+   prefix cache reset), for the ratio.
 
-A deadline (--budget-s) skips what would not fit, so the table always prints.
+Every phase has a rough time estimate; one that no longer fits in --budget-s is skipped and says
+so, and a timed workload is cut at the deadline, so the table always prints. The JSON file is
+rewritten after every phase. Exit status 1 when a check failed. In --smoke every phase runs on the
+CPU at tiny sizes; what only a GPU can measure reads "n/a (no CUDA)".
 """
 
 from __future__ import annotations
@@ -30,35 +44,29 @@ import math
 import os
 import random
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 
-from batchrun.bench.cases import attention_case, rel_error
+from batchrun.bench.cases import attention_case, far_blocks_case, rel_error
 from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
-from batchrun.bench.hf_baseline import hf_generate, load_hf_model
-from batchrun.bench.workloads import nano_vllm_workload
+from batchrun.bench.gpu_engine import QWEN3, QWEN3_0_6B, SMOLLM2, SMOLLM2_135M, check_model, model_phases
+from batchrun.bench.gpu_report import NO_CUDA, Budget, Report, default_json_path, versions
 from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
 
 log = logging.getLogger(__name__)
+
+BF16_TOL = 2e-2  # relative error allowed a bf16 kernel against its reference (_kernel_checks: bf16_tol)
 
 # ---------------------------------------------------------------------------------------------
 # 1. kernels against references
 
 
-@dataclass
-class Results:
-    rows: list[tuple[str, str]] = field(default_factory=list)  # the final table
-    kernel_rows: list[tuple[str, float, float, bool]] = field(default_factory=list)
-
-    def add(self, name: str, value: str) -> None:
-        self.rows.append((name, value))
-        print(f"  {name}: {value}", flush=True)
+class SkipCheck(Exception):
+    """A kernel check that cannot run on this machine (not a failure); the message says why."""
 
 
 def _kernel_checks(
@@ -194,26 +202,86 @@ def _kernel_checks(
     ]
 
 
-def check_kernels(device: torch.device, smoke: bool, results: Results) -> None:
-    print(f"\n== kernels vs references on {device} ==", flush=True)
+def _offset_checks(
+    device: torch.device, smoke: bool
+) -> tuple[list[tuple[str, float, Callable[[], tuple[torch.Tensor, torch.Tensor]]]], str]:
+    """(checks, what they ran on): attention and the KV write on a cache past int32 offsets
+    (bench.cases.far_blocks_case); the same batch on a small cache is the expected result."""
+    from batchrun.kernels import triton_attention as ta
+    from batchrun.kernels import triton_kv as tk
+
+    # fp16 in the interpreter as tests/test_triton_offsets.py; the production dtype and head size on a GPU
+    dtype, dim = (torch.float16, 16) if smoke else (torch.bfloat16, 128)
+    heads, kv_heads, bs = 6, 3, 16
+    seqs = [(20, 1), (0, 5), (37, 1), (9, 6)] if smoke else [(700, 1), (0, 300), (3000, 1), (90, 200), (1, 1)]
+
+    def far_case():
+        try:
+            return far_blocks_case(seqs, heads, kv_heads, dim, bs, dtype, device, seed=3)
+        except RuntimeError as exc:
+            if smoke:  # a host that does not overcommit cannot map 2 x 6 GiB of untouched memory
+                raise SkipCheck(f"cannot map the far cache here ({exc})") from exc
+            raise
+
+    def attention():
+        far = far_case()
+        c = far.small
+        want = paged_attention_reference(c.q, c.k_cache, c.v_cache, c.meta, dim**-0.5)
+        return ta.paged_attention(c.q, far.k_cache, far.v_cache, far.meta, dim**-0.5), want
+
+    def kv_write():
+        far = far_case()
+        c = far.small
+        k, v = torch.randn_like(c.k_new), torch.randn_like(c.v_new)
+        write_kv_cache_reference(c.k_cache, c.v_cache, k, v, c.meta.slot_mapping)
+        tk.write_kv_cache(far.k_cache, far.v_cache, k, v, far.meta.slot_mapping)
+        n = c.k_cache.shape[0]
+        return torch.stack([far.k_cache[-n:], far.v_cache[-n:]]), torch.stack([c.k_cache, c.v_cache])
+
+    checks = [("attention past int32 offsets", BF16_TOL, attention), ("kv write past int32 offsets", 0.0, kv_write)]
+    where = "interpreter on virtual memory, head_dim 16" if smoke else "2 x 6 GiB of device memory, head_dim 128"
+    return checks, f"KV head 2 starts past 2**31 elements; {where}"
+
+
+def check_kernels(device: torch.device, smoke: bool, report: Report) -> None:
     print(f"  {'kernel':<42} {'max abs err':>12} {'rel err':>10}  ok", flush=True)
-    for name, tol, run in _kernel_checks(device, smoke):
+    rows = report.data.setdefault("kernels", [])
+    offset_checks, offset_note = _offset_checks(device, smoke)
+    notes = {name: offset_note for name, *_ in offset_checks}
+    for name, tol, run in [*_kernel_checks(device, smoke), *offset_checks]:
+        row: dict[str, Any] = {"name": name, "tolerance": tol, "note": notes.get(name, "")}
+        rows.append(row)
         try:
             got, want = run()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             max_abs, rel = rel_error(got, want)
             ok = rel <= tol if tol > 0 else max_abs == 0.0
+        except SkipCheck as exc:
+            print(f"  {name:<42} skipped: {exc}", flush=True)
+            row.update(skipped=str(exc), ok=None)
+            continue
         except Exception as exc:  # noqa: BLE001 - report and go on: one broken kernel must not hide the rest
             print(f"  {name:<42} FAILED: {exc!r}", flush=True)
             traceback.print_exc()
-            results.kernel_rows.append((name, math.nan, math.nan, False))
+            report.kernel_rows.append((name, math.nan, math.nan, False))
+            row.update(error=repr(exc), ok=False)
             continue
-        results.kernel_rows.append((name, max_abs, rel, ok))
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the far cases hold 12 GiB until here
+        report.kernel_rows.append((name, max_abs, rel, ok))
+        row.update(max_abs_err=max_abs, rel_err=rel, ok=ok)
         print(f"  {name:<42} {max_abs:12.3e} {rel:10.3e}  {'yes' if ok else 'NO'}", flush=True)
-    num_ok = sum(ok for *_, ok in results.kernel_rows)
-    worst = max((r for _, _, r, _ in results.kernel_rows if not math.isnan(r)), default=math.nan)
-    results.add("kernels within tolerance", f"{num_ok}/{len(results.kernel_rows)} (worst rel err {worst:.2e})")
+    print(f"  (past int32 offsets: {offset_note})", flush=True)
+    num_ok = sum(ok for *_, ok in report.kernel_rows)
+    worst = max((r for _, _, r, _ in report.kernel_rows if not math.isnan(r)), default=math.nan)
+    skipped = sum(1 for r in rows if r.get("skipped"))
+    report.add(
+        "kernels within tolerance",
+        f"{num_ok}/{len(report.kernel_rows)} (worst rel err {worst:.2e})" + (f", {skipped} skipped" if skipped else ""),
+        ok=num_ok == len(report.kernel_rows),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,16 +298,21 @@ def _time_ms(fn: Callable[[], Any]) -> float:
     return float(triton.testing.do_bench(fn, warmup=10, rep=50))
 
 
-def check_bandwidth(device: torch.device, smoke: bool, results: Results) -> None:
+def check_bandwidth(device: torch.device, smoke: bool, report: Report) -> None:
     from batchrun.kernels import triton_attention as ta
 
-    print("\n== bandwidth ==", flush=True)
+    def rate_text(text: str) -> str:
+        return NO_CUDA if smoke else text  # interpreter timings measure nothing
+
+    section: dict[str, Any] = {"note": NO_CUDA if smoke else "", "decode": []}
+    report.data["bandwidth"] = section
     src = torch.empty(1 << (31 if not smoke else 20), dtype=torch.uint8, device=device)  # 2 GiB: many times the L2
     dst = torch.empty_like(src)
     ms = _time_ms(functools.partial(dst.copy_, src))
     hbm = 2 * src.numel() / (ms * 1e-3)  # bytes read + written per second
     del src, dst
-    results.add("device copy bandwidth", f"{hbm / 1e12:.2f} TB/s (read + write)")
+    section["copy_bytes_per_s"] = None if smoke else hbm
+    report.add("device copy bandwidth", rate_text(f"{hbm / 1e12:.2f} TB/s (read + write)"))
 
     heads, kv_heads, dim, bs = (16, 8, 128, 16) if not smoke else (4, 2, 16, 4)
     rng = random.Random(1)
@@ -260,203 +333,72 @@ def check_bandwidth(device: torch.device, smoke: bool, results: Results) -> None
                     c.q, c.k_cache, c.v_cache, m.block_tables, m.decode_seq_ids, m.decode_seq_lens, dim**-0.5, **cfg
                 )
 
+            point: dict[str, Any] = {"num_seqs": num_seqs, "context": [lo, hi], "config": cfg or "default"}
+            section["decode"].append(point)
             try:
                 ms = _time_ms(run)
             except Exception as exc:  # noqa: BLE001 - a tile setting that does not compile is just skipped
                 print(f"  decode {num_seqs} seqs {cfg}: failed ({exc!r})", flush=True)
+                point["error"] = repr(exc)
                 continue
             rate = kv_bytes / (ms * 1e-3)
+            if not smoke:
+                point.update(us=ms * 1e3, kv_bytes=kv_bytes, bytes_per_s=rate, fraction_of_copy=rate / hbm)
             print(
                 f"  decode {num_seqs} seqs ctx {lo}-{hi} {cfg or 'default'}: {ms * 1e3:.1f} us, "
                 f"{rate / 1e12:.2f} TB/s = {100 * rate / hbm:.0f}% of copy",
                 flush=True,
             )
             if not cfg:
-                results.add(
+                report.add(
                     f"decode attention {num_seqs} seqs ctx {lo}-{hi} (default)",
-                    f"{rate / 1e12:.2f} TB/s = {100 * rate / hbm:.0f}% of copy bandwidth (target >= 70%)",
+                    rate_text(f"{rate / 1e12:.2f} TB/s = {100 * rate / hbm:.0f}% of copy bandwidth (target >= 70%)"),
                 )
             if best is None or rate > best[0]:
                 best = (rate, cfg)
         if best is not None:
-            results.add(
+            report.add(
                 f"decode attention {num_seqs} seqs best setting",
-                f"{best[1] or 'default'}: {100 * best[0] / hbm:.0f}% of copy bandwidth",
+                rate_text(f"{best[1] or 'default'}: {100 * best[0] / hbm:.0f}% of copy bandwidth"),
             )
         del c
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. throughput
+# 3. and 4. the engine (bench.gpu_engine), its phases planned against the budget
 
-QWEN3_0_6B = dict(
-    model_type="qwen3",
-    hidden_size=1024,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=3072,
-    vocab_size=151936,
-    max_position_embeddings=40960,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-6,
-)
-SMOLLM2_135M = dict(
-    model_type="llama",
-    hidden_size=576,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    intermediate_size=1536,
-    vocab_size=49152,
-    max_position_embeddings=8192,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-5,
-)
-
-
-def build_random_model(out_dir: str, shape: dict, device: torch.device, dtype: torch.dtype) -> str:
-    """A random-weight HF model directory of the given shape (weights initialized on the device)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from batchrun.testing import build_tokenizer
-
-    kw = dict(shape)
-    config = AutoConfig.for_model(kw.pop("model_type"), **kw)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    model.save_pretrained(out_dir, safe_serialization=True)
-    build_tokenizer().save_pretrained(out_dir)
-    del model
-    return out_dir
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def run_throughput(
-    name: str, shape: dict, device: torch.device, smoke: bool, deadline: float, results: Results, baseline: bool
-) -> None:
-    from batchrun.engine import Engine, EngineConfig, EngineRequest, SamplingParams
-
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    print(f"\n== throughput: {name} ==", flush=True)
-    num_seqs, lo, hi = (8, 10, 40) if smoke else (256, 100, 1024)
-    with tempfile.TemporaryDirectory(prefix="batchrun-gpu-") as tmp:
-        t0 = time.perf_counter()
-        model_dir = build_random_model(os.path.join(tmp, "model"), shape, device, dtype)
-        engine = Engine(
-            EngineConfig(
-                model=model_dir,
-                dtype=str(dtype).replace("torch.", ""),
-                device=device.type,
-                max_num_seqs=num_seqs,
-                max_num_batched_tokens=16384 if not smoke else 512,
-                max_model_len=4096,
-                kv_cache_memory=0.5 if device.type == "cuda" else 64 << 20,
-                cache_dir=os.path.join(tmp, "cache"),
-            )
-        )
-        graphs = engine.runner.graphs
-        if graphs is not None:
-            graphs.capture_all(max_batch=num_seqs)
-        warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-        engine.generate([[1] * 64, [2] * 300, [3] * 17], warm)  # compiles the prefill and decode kernels
-        _sync(device)
-        print(f"  built and warmed in {time.perf_counter() - t0:.1f}s; settings: {engine.settings}", flush=True)
-        if time.perf_counter() > deadline:
-            results.add(f"{name} throughput", "skipped (out of time)")
-            return
-        prompts, max_tokens = nano_vllm_workload(num_seqs, lo, hi, shape["vocab_size"])
-        requests = [
-            EngineRequest(i, p, SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True))
-            for i, (p, m) in enumerate(zip(prompts, max_tokens))
-        ]
-        before = engine.stats()
-        t = time.perf_counter()
-        num_done = 0
-        # Streamed so a slow engine is cut off at the deadline (the rest aborted) and still reports
-        # the rate it reached, instead of running the call past its limit.
-        for out in engine.stream(requests, max_in_flight=num_seqs):
-            num_done += 1
-            assert out.error is None and len(out.token_ids) == max_tokens[out.request_id], (
-                "ignore_eos runs to max_tokens"
-            )
-            if time.perf_counter() > deadline:
-                break
-        _sync(device)
-        wall = time.perf_counter() - t
-        stats = engine.stats()
-        num_out = stats.num_generated_tokens - before.num_generated_tokens
-        num_in = stats.num_prompt_tokens - before.num_prompt_tokens
-        cut = "" if num_done == num_seqs else f" CUT at the deadline after {num_done}/{num_seqs} finished;"
-        results.add(
-            f"{name}: {num_seqs} seqs, {num_in} prompt + {num_out} output tokens",
-            f"{num_out / wall:,.0f} output tok/s, {(num_in + num_out) / wall:,.0f} total tok/s, "
-            f"{wall:.1f}s,{cut} {stats.num_steps - before.num_steps} steps, "
-            f"{stats.num_preemptions - before.num_preemptions} preemptions"
-            + (" (target >= 20,000 output tok/s)" if "qwen3" in name.lower() else ""),
-        )
-        if baseline and deadline - time.perf_counter() > 30:
-            _hf_ratio(name, engine, model_dir, prompts, device, dtype, smoke, results)
-        del engine
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-
-
-def _hf_ratio(
-    name: str,
-    engine: Any,
-    model_dir: str,
-    prompts: list[list[int]],
-    device: torch.device,
-    dtype: torch.dtype,
-    smoke: bool,
-    results: Results,
-) -> None:
-    """HF `generate` (greedy, one left-padded static batch, fixed output length: ignore_eos) against the
-    engine, same subset, through the benchmark job's HF baseline."""
-    from batchrun.engine import SamplingParams
-
-    num, new = (4, 8) if smoke else (32, 128)
-    subset = prompts[:num]
-    hf = load_hf_model(model_dir, dtype, device)
-    hf_generate(hf, [p[-16:] for p in subset], 2, num, 0, [], ignore_eos=True)  # warm-up
-    hf_s = hf_generate(hf, subset, new, num, 0, [], ignore_eos=True).wall_s
-    del hf
-    t = time.perf_counter()
-    engine.generate(subset, SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True))
-    _sync(device)
-    engine_s = time.perf_counter() - t
-    results.add(
-        f"{name}: vs HF generate ({num} seqs x {new} tokens)",
-        f"engine {num * new / engine_s:,.0f} tok/s, HF {num * new / hf_s:,.0f} tok/s, ratio {hf_s / engine_s:.1f}x",
-    )
-
-
-# ---------------------------------------------------------------------------------------------
+# Rough seconds per phase on one H200 with a cold Triton cache (compiling dominates the first
+# phases); the JSON records each phase's real time beside its estimate.
+GPU_ESTIMATES_S = {
+    "kernels": 90,
+    "bandwidth": 30,
+    f"{QWEN3}: build": 60,
+    f"{QWEN3}: decode step": 20,
+    f"{QWEN3}: greedy": 45,
+    f"{QWEN3}: temperature 0.6": 45,
+    f"{QWEN3}: vs HF generate": 40,
+    f"{SMOLLM2}: build": 30,
+    f"{SMOLLM2}: greedy": 30,
+    f"{SMOLLM2}: vs HF generate": 30,
+}
+SMOKE_ESTIMATE_S = 10  # per phase in --smoke
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", action="append", choices=("kernels", "bandwidth", "throughput"))
+    parser.add_argument("--only", action="append", choices=("kernels", "bandwidth", "engine", "throughput"))
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, kernels in Triton's interpreter")
     parser.add_argument(
         "--budget-s",
         type=float,
         default=480.0,
-        help="seconds: phases that would start too late are skipped, a workload past it is cut",
+        help="seconds: phases whose estimate no longer fits are skipped, a workload past it is cut",
     )
     parser.add_argument("--no-baseline", action="store_true", help="skip the HF generate comparison")
+    parser.add_argument("--json", metavar="PATH", help=f"where the JSON goes (default: {default_json_path()})")
     parser.add_argument("--write-docs", action="store_true", help=WRITE_DOCS_HELP)
     args = parser.parse_args(argv)
     t_start = time.perf_counter()
-    deadline = t_start + args.budget_s
     if args.smoke:
         # Must precede triton's first import; nothing above imports it.
         assert "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1", (
@@ -469,61 +411,66 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("no CUDA device: run with --smoke for the CPU check", file=sys.stderr)
             return 2
         device = torch.device("cuda")
-        print(f"device: {torch.cuda.get_device_name()} | torch {torch.__version__}", flush=True)
-    phases = args.only or ["kernels", "bandwidth", "throughput"]
-    results = Results()
-    if "kernels" in phases:
-        check_kernels(device, args.smoke, results)
-    if "bandwidth" in phases:
-        if time.perf_counter() < deadline:
-            try:
-                check_bandwidth(device, args.smoke, results)
-            except Exception as exc:  # noqa: BLE001
-                traceback.print_exc()
-                results.add("bandwidth", f"FAILED: {exc!r}")
-    if "throughput" in phases:
-        for name, shape in (("Qwen3-0.6B-shaped", QWEN3_0_6B), ("SmolLM2-135M-shaped", SMOLLM2_135M)):
-            if args.smoke:
-                shape = {
-                    **shape,
-                    "hidden_size": 64,
-                    "num_hidden_layers": 2,
-                    "intermediate_size": 128,
-                    "vocab_size": 1000,
-                    "num_attention_heads": 4,
-                    "num_key_value_heads": 2,
-                    "head_dim": 16,
-                }
-            if deadline - time.perf_counter() < 60:  # building, loading and warming a model takes about that
-                results.add(f"{name} throughput", "skipped (out of time)")
-                continue
-            try:
-                run_throughput(name, shape, device, args.smoke, deadline, results, not args.no_baseline)
-            except Exception as exc:  # noqa: BLE001
-                traceback.print_exc()
-                results.add(f"{name} throughput", f"FAILED: {exc!r}")
-    print(f"\n== summary ({time.perf_counter() - t_start:.0f}s) ==")
-    width = max(len(n) for n, _ in results.rows) if results.rows else 10
-    for n, v in results.rows:
-        print(f"{n:<{width}}  {v}")
-    failed = any(not ok for *_, ok in results.kernel_rows) or any("FAILED" in v for _, v in results.rows)
+    selected = args.only or ["kernels", "bandwidth", "engine", "throughput"]
+    models = [(QWEN3, QWEN3_0_6B), (SMOLLM2, SMOLLM2_135M)]
+    per_model = {
+        label: model_phases(label, "engine" in selected, "throughput" in selected, not args.no_baseline)
+        for label, _ in models
+    }
+    if "throughput" not in selected:  # engine checks alone: the Qwen3 engine only
+        per_model[SMOLLM2] = []
+    names = [p for p in ("kernels", "bandwidth") if p in selected] + [p for ps in per_model.values() for p in ps]
+    budget = Budget(args.budget_s, {n: SMOKE_ESTIMATE_S if args.smoke else GPU_ESTIMATES_S[n] for n in names}, t_start)
+
+    report = Report(json_path=args.json or default_json_path())
+    report.data.update(
+        command=script_command("batchrun.bench.gpu", argv),
+        stamp=stamp(torch.cuda.get_device_name() if device.type == "cuda" else None),
+        smoke=args.smoke,
+        versions=versions(device),
+    )
+    v = report.data["versions"]
+    print(
+        f"device: {v['device_name']} | torch {v['torch']} | triton {v['triton']} | transformers "
+        f"{v['transformers']} | CUDA {v['cuda']} | driver {v['driver']}",
+        flush=True,
+    )
+    print(budget.plan_line(), flush=True)
+    if "kernels" in selected:
+        budget.run("kernels", functools.partial(check_kernels, device, args.smoke, report), report)
+    if "bandwidth" in selected:
+        budget.run("bandwidth", functools.partial(check_bandwidth, device, args.smoke, report), report)
+    for label, shape in models:
+        if per_model[label]:
+            check_model(label, shape, device, args.smoke, budget, report, per_model[label])
+
+    total_s = time.perf_counter() - t_start
+    print(f"\n== summary ({total_s:.0f}s of {args.budget_s:.0f}s) ==")
+    width = max(len(n) for n, _ in report.rows) if report.rows else 10
+    for n, value in report.rows:
+        print(f"{n:<{width}}  {value}")
+    failed = bool(report.failures) or any(not ok for *_, ok in report.kernel_rows)
+    report.data.update(ok=not failed, total_s=total_s)
+    report.write_json()
+    print(f"JSON: {report.json_path}")
     if args.write_docs:
-        _write_docs(results, device, argv)
+        _write_docs(report, device, argv)
     return 1 if failed else 0
 
 
-def _write_docs(results: Results, device: torch.device, argv: Optional[list[str]]) -> None:
+def _write_docs(report: Report, device: torch.device, argv: Optional[list[str]]) -> None:
     machine = torch.cuda.get_device_name() if device.type == "cuda" else f"{os.cpu_count()} CPU cores"
-    tables = [markdown_table(["measurement", "result"], results.rows)]
-    if results.kernel_rows:
+    tables = [markdown_table(["measurement", "result"], report.rows)]
+    if report.kernel_rows:
         tables.append(
             markdown_table(
                 ["kernel", "max abs err", "rel err", "within tolerance"],
-                [[n, f"{a:.3e}", f"{r:.3e}", "yes" if ok else "NO"] for n, a, r, ok in results.kernel_rows],
+                [[n, f"{a:.3e}", f"{r:.3e}", "yes" if ok else "NO"] for n, a, r, ok in report.kernel_rows],
             )
         )
     command = script_command("batchrun.bench.gpu", argv)
-    notes = f"torch {torch.__version__}."
+    v = report.data["versions"]
+    notes = f"torch {v['torch']}, triton {v['triton']}, CUDA {v['cuda']}, driver {v['driver']}."
     write_section("gpu", command, stamp(machine), "\n\n".join(tables), notes, "GPU check")
 
 

@@ -48,7 +48,7 @@ CASES = _cases()
 
 
 def _qkv_case(spec: dict[str, Any], device: str, num_tokens: int) -> None:
-    from batchrun.kernels.attention_torch import qkv_norm_rope_write_reference
+    from batchrun.kernels.attention_torch import QKVHeads, qkv_norm_rope_write_reference
     from batchrun.kernels.kv_layout import as_kv_cache_layout, from_head_major
     from batchrun.kernels.triton_elementwise import qkv_norm_rope_write
 
@@ -75,12 +75,13 @@ def _qkv_case(spec: dict[str, Any], device: str, num_tokens: int) -> None:
     got_k, got_v = as_kv_cache_layout(want_k), as_kv_cache_layout(want_v)
     # The reference writes every row, so it writes into a scratch copy; the expected cache holds the
     # kept rows only (-1 writes nothing).
+    layout = QKVHeads(heads, kv_heads, dim, q_norm, k_norm, 1e-6, gemma)
     q_ref, k_ref, v_ref = qkv_norm_rope_write_reference(
-        qkv, heads, kv_heads, dim, cos, sin, q_norm, k_norm, 1e-6, gemma, want_k.clone(), want_v.clone(), slots.clamp(0)
+        qkv, layout, cos, sin, want_k.clone(), want_v.clone(), slots.clamp(0)
     )
     want_k.flatten(0, 1).index_copy_(0, slots[keep], k_ref[keep])
     want_v.flatten(0, 1).index_copy_(0, slots[keep], v_ref[keep])
-    q, k, v = qkv_norm_rope_write(qkv, heads, kv_heads, dim, cos, sin, q_norm, k_norm, 1e-6, gemma, got_k, got_v, slots)
+    q, k, v = qkv_norm_rope_write(qkv, layout, cos, sin, got_k, got_v, slots)
     rtol, atol = _TOL[spec["dtype"]]
     if dtype == torch.bfloat16:
         # Rotary's difference of two rounded products cancels: an error of a unit in the products'

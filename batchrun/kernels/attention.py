@@ -17,7 +17,7 @@ import torch
 from batchrun.kernels import cpu_attention
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention_metadata import AttentionMetadata
-from batchrun.kernels.attention_torch import split_qkv, write_kv_cache_reference
+from batchrun.kernels.attention_torch import QKVHeads, split_qkv, write_kv_cache_reference
 from batchrun.kernels.backend import triton_usable
 from batchrun.kernels.quant.kv import QuantizedKVCache
 
@@ -57,15 +57,9 @@ def write_kv_cache(
 
 def qkv_norm_rope_write(
     qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim): q, k, v heads
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
+    heads: QKVHeads,
     cos: torch.Tensor,  # (num_tokens, head_dim) in qkv's dtype
     sin: torch.Tensor,  # (num_tokens, head_dim)
-    q_norm: Optional[torch.Tensor],  # (head_dim,) or None: no q/k-norm
-    k_norm: Optional[torch.Tensor],  # (head_dim,)
-    eps: float,
-    is_gemma: bool,
     k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim), or a QuantizedKVCache
     v_cache,
     slot_mapping: torch.Tensor,  # (num_tokens,)
@@ -77,24 +71,11 @@ def qkv_norm_rope_write(
     if _triton_serves(qkv, k_cache) and qkv.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride():
         from batchrun.kernels.triton_elementwise import qkv_norm_rope_write as fused
 
-        return fused(
-            qkv,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            cos,
-            sin,
-            q_norm,
-            k_norm,
-            eps,
-            is_gemma,
-            k_cache,
-            v_cache,
-            slot_mapping,
-        )
-    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
-    if q_norm is not None:
-        q, k = ew.rms_norm(q, q_norm, eps, is_gemma), ew.rms_norm(k, k_norm, eps, is_gemma)
+        return fused(qkv, heads, cos, sin, k_cache, v_cache, slot_mapping)
+    q, k, v = split_qkv(qkv, heads)
+    if heads.q_norm is not None:
+        eps, gemma = heads.eps, heads.is_gemma
+        q, k = ew.rms_norm(q, heads.q_norm, eps, gemma), ew.rms_norm(k, heads.k_norm, eps, gemma)
     q, k = ew.apply_rotary(q, cos, sin), ew.apply_rotary(k, cos, sin)
     write_kv_cache(k_cache, v_cache, k, v, slot_mapping)
     return q, k, v

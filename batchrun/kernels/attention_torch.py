@@ -11,6 +11,7 @@ j <= i and, with a sliding window W, j > i - W (the convention of HF transformer
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -222,34 +223,46 @@ def attend_prefills(
         out[start:end] = o[0].transpose(0, 1)
 
 
-def split_qkv(
-    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True)
+class QKVHeads:
+    """How one row of the fused qkv projection splits into heads (q heads, then K's, then V's,
+    head_dim each), and the q/k-norm applied to q and k before rotary (Qwen3, Gemma 3): what every
+    `qkv_norm_rope_write` takes besides the step's tensors."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    q_norm: Optional[torch.Tensor] = None  # (head_dim,) or None: no q/k-norm
+    k_norm: Optional[torch.Tensor] = None  # (head_dim,), None exactly when q_norm is
+    eps: float = 1e-6
+    is_gemma: bool = False  # norm weights apply as (1 + w)
+
+    def __post_init__(self) -> None:
+        assert (self.q_norm is None) == (self.k_norm is None), "q/k-norm comes as a pair"
+
+
+def split_qkv(qkv: torch.Tensor, heads: QKVHeads) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Views (num_tokens, heads, head_dim) of q, k and v in the fused qkv projection's output."""
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    return q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
+    dim = heads.head_dim
+    q, k, v = qkv.split([heads.num_heads * dim, heads.num_kv_heads * dim, heads.num_kv_heads * dim], dim=-1)
+    return q.view(-1, heads.num_heads, dim), k.view(-1, heads.num_kv_heads, dim), v.view(-1, heads.num_kv_heads, dim)
 
 
 def qkv_norm_rope_write_reference(
     qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim): q, k, v heads
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
+    heads: QKVHeads,
     cos: torch.Tensor,  # (num_tokens, head_dim) in qkv's dtype
     sin: torch.Tensor,  # (num_tokens, head_dim)
-    q_norm: Optional[torch.Tensor],  # (head_dim,) or None: no q/k-norm
-    k_norm: Optional[torch.Tensor],  # (head_dim,)
-    eps: float,
-    is_gemma: bool,
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # (num_tokens,) int, every slot >= 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) with q and k normed (Qwen3, Gemma 3) and rotated, and K and V written to the cache:
     what triton_elementwise.qkv_norm_rope_write is checked against."""
-    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
-    if q_norm is not None:
-        q, k = ew.rms_norm_reference(q, q_norm, eps, is_gemma), ew.rms_norm_reference(k, k_norm, eps, is_gemma)
+    q, k, v = split_qkv(qkv, heads)
+    if heads.q_norm is not None:
+        eps, gemma = heads.eps, heads.is_gemma
+        q, k = ew.rms_norm_reference(q, heads.q_norm, eps, gemma), ew.rms_norm_reference(k, heads.k_norm, eps, gemma)
     q, k = ew.apply_rotary_reference(q, cos, sin), ew.apply_rotary_reference(k, cos, sin)
     write_kv_cache_reference(k_cache, v_cache, k, v, slot_mapping)
     return q, k, v

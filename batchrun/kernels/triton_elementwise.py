@@ -18,11 +18,12 @@ tips a rounding. Offsets are int64: rows times strides pass 2**31 on long batche
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from batchrun.kernels.attention_torch import QKVHeads
 
 log = logging.getLogger(__name__)
 
@@ -237,15 +238,9 @@ def _qkv_kernel(
 
 def qkv_norm_rope_write(
     qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim): q, k, v heads
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
+    heads: QKVHeads,
     cos: torch.Tensor,  # (num_tokens, head_dim) in qkv's dtype
     sin: torch.Tensor,  # (num_tokens, head_dim)
-    q_norm: Optional[torch.Tensor],  # (head_dim,) or None: no q/k-norm
-    k_norm: Optional[torch.Tensor],  # (head_dim,)
-    eps: float,
-    is_gemma: bool,
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # (num_tokens,) int; negative = write nothing
@@ -253,9 +248,9 @@ def qkv_norm_rope_write(
     """(q, k, v) as (num_tokens, heads, head_dim) with q and k normed and rotated, K and V written
     to the cache: `attention_torch.qkv_norm_rope_write_reference` in one launch."""
     num_tokens = qkv.shape[0]
+    num_heads, num_kv_heads, head_dim = heads.num_heads, heads.num_kv_heads, heads.head_dim
     assert qkv.stride(1) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride()
     assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride() and head_dim % 2 == 0
-    assert (q_norm is None) == (k_norm is None)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -266,14 +261,14 @@ def qkv_norm_rope_write(
         qkv,
         cos,
         sin,
-        q_norm if q_norm is not None else cos,
-        k_norm if k_norm is not None else cos,
+        heads.q_norm if heads.q_norm is not None else cos,
+        heads.k_norm if heads.k_norm is not None else cos,
         q,
         k,
         k_cache,
         v_cache,
         slot_mapping,
-        float(eps),
+        float(heads.eps),
         k_cache.shape[1],
         qkv.stride(0),
         cos.stride(0),
@@ -286,7 +281,7 @@ def qkv_norm_rope_write(
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
-        HAS_NORM=q_norm is not None,
-        IS_GEMMA=is_gemma,
+        HAS_NORM=heads.q_norm is not None,
+        IS_GEMMA=heads.is_gemma,
     )
     return q, k, v

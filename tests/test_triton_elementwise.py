@@ -41,6 +41,14 @@ def _cases() -> dict[str, dict[str, Any]]:
     cases["qkv-plain-mqa3-dim24-float32"] = dict(
         op="qkv", dtype="float32", norm="plain", heads=3, kv_heads=1, dim=24, bs=16
     )
+    # Into an int8/fp8 cache (engine.kv_cache_dtype), the whole head quantized in the kernel.
+    quant = dict(op="qkv", heads=4, kv_heads=2, dim=16, bs=4)
+    cases["qkv-plain-int8-bfloat16"] = {**quant, "dtype": "bfloat16", "norm": "plain", "kv": "int8"}
+    cases["qkv-none-fp8-bfloat16"] = {**quant, "dtype": "bfloat16", "norm": "none", "kv": "fp8"}
+    cases["qkv-gemma-fp8-float32"] = {**quant, "dtype": "float32", "norm": "gemma", "kv": "fp8"}
+    cases["qkv-plain-int8-mqa3-dim24-float16"] = dict(
+        op="qkv", dtype="float16", norm="plain", heads=3, kv_heads=1, dim=24, bs=16, kv="int8"
+    )
     return cases
 
 
@@ -92,8 +100,35 @@ def _qkv_case(spec: dict[str, Any], device: str, num_tokens: int) -> None:
     torch.testing.assert_close(q, q_ref, rtol=rtol, atol=atol)
     torch.testing.assert_close(k, k_ref, rtol=rtol, atol=atol)
     torch.testing.assert_close(v, v_ref, rtol=0, atol=0)
+    if "kv" in spec:
+        return _check_quantized_write(spec["kv"], layout, qkv, cos, sin, slots, (num_blocks, bs, kv_heads, dim), k, v)
     torch.testing.assert_close(got_k, want_k, rtol=rtol, atol=atol)
     torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)
+
+
+def _check_quantized_write(kv: str, layout, qkv, cos, sin, slots, shape, k, v) -> None:
+    """The fused kernel into an int8/fp8 cache stores exactly what QuantizedKVCache.write stores
+    for the K it returned (checked against the reference above) and V, and no -1 row."""
+    from batchrun.kernels.quant.kv import KV_CACHE_DTYPES, QuantizedKVCache
+    from batchrun.kernels.triton_elementwise import qkv_norm_rope_write
+
+    num_slots = shape[0] * shape[1]
+    prior = torch.randn(num_slots, *shape[2:], generator=torch.Generator().manual_seed(5)).to(qkv.device, qkv.dtype)
+
+    def cache() -> QuantizedKVCache:  # holding earlier entries, which the -1 row must leave alone
+        c = QuantizedKVCache.empty(shape, KV_CACHE_DTYPES[kv], qkv.dtype, qkv.device)
+        c.write(prior, torch.arange(num_slots, device=qkv.device))
+        return c
+
+    got_k, got_v, want_k, want_v = cache(), cache(), cache(), cache()
+    q2, k2, v2 = qkv_norm_rope_write(qkv, layout, cos, sin, got_k, got_v, slots)
+    assert torch.equal(k2, k) and torch.equal(v2, v)  # the cache's kind changes nothing else
+    keep = slots >= 0
+    want_k.write(k[keep], slots[keep])
+    want_v.write(v[keep], slots[keep])
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), (got.data, want.data)
+        torch.testing.assert_close(got.scale, want.scale, rtol=0, atol=0)
 
 
 def run_case(spec: dict[str, Any], device: str = "cpu", num_tokens: int = 7) -> None:

@@ -50,7 +50,12 @@ def write_kv_cache_reference(
     slot_mapping: torch.Tensor,  # (num_tokens,)
 ) -> None:
     """The plain-torch cache write, and what triton_kv.write_kv_cache is checked against. Any cache
-    layout (flattening the two leading dims is a view of every layout used)."""
+    layout (flattening the two leading dims is a view of every layout used); an int8/fp8
+    QuantizedKVCache quantizes on its own write."""
+    if isinstance(k_cache, QuantizedKVCache):
+        k_cache.write(k, slot_mapping)
+        v_cache.write(v, slot_mapping)
+        return
     k_cache.flatten(0, 1).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.flatten(0, 1).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 

@@ -25,8 +25,7 @@ import triton
 import triton.language as tl
 
 from batchrun.kernels.attention_torch import QKVHeads
-from batchrun.kernels.quant.kv import QuantizedKVCache
-from batchrun.kernels.triton_kv import kv_quantize, kv_scale
+from batchrun.kernels.triton_kv import kv_cache_args, kv_quantize, kv_scale
 
 log = logging.getLogger(__name__)
 
@@ -281,16 +280,9 @@ def qkv_norm_rope_write(
     `attention_torch.qkv_norm_rope_write_reference` in one launch."""
     num_tokens = qkv.shape[0]
     num_heads, num_kv_heads, head_dim = heads.num_heads, heads.num_kv_heads, heads.head_dim
-    is_quant = isinstance(k_cache, QuantizedKVCache)
-    if is_quant:
-        k_data, v_data, k_scale, v_scale = k_cache.data, v_cache.data, k_cache.scale, v_cache.scale
-        assert k_scale.stride() == v_scale.stride()
-        scale_strides = k_scale.stride()
-    else:
-        k_data, v_data = k_scale, v_scale = k_cache, v_cache  # the scale arguments go unread
-        scale_strides = (0, 0, 0)
+    c = kv_cache_args(k_cache, v_cache)
     assert qkv.stride(1) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride()
-    assert k_data.stride(3) == 1 and k_data.stride() == v_data.stride() and head_dim % 2 == 0
+    assert c.k.stride() == c.v.stride() and head_dim % 2 == 0
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -305,28 +297,28 @@ def qkv_norm_rope_write(
         heads.k_norm if heads.k_norm is not None else cos,
         q,
         k,
-        k_data,
-        v_data,
-        k_scale,
-        v_scale,
+        c.k,
+        c.v,
+        c.k_scale,
+        c.v_scale,
         slot_mapping,
         float(heads.eps),
-        k_data.shape[1],
+        c.k.shape[1],
         qkv.stride(0),
         cos.stride(0),
         q.stride(0),
         k.stride(0),
-        k_data.stride(0),
-        k_data.stride(1),
-        k_data.stride(2),
-        *scale_strides,
+        c.k.stride(0),
+        c.k.stride(1),
+        c.k.stride(2),
+        *c.scale_strides,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
         HAS_NORM=heads.q_norm is not None,
         IS_GEMMA=heads.is_gemma,
-        IS_QUANT=is_quant,
-        IS_INT8=is_quant and k_data.dtype == torch.int8,
+        IS_QUANT=c.is_quant,
+        IS_INT8=c.is_int8,
     )
     return q, k, v

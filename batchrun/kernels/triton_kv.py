@@ -13,6 +13,7 @@ a padded row writes nothing).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -67,6 +68,39 @@ def kv_quantize(x, scale, IS_INT8: tl.constexpr):
     if IS_INT8:
         return _round_half_even(xs)
     return _round_to_e4m3(xs)
+
+
+@dataclass
+class KVCacheArgs:
+    """One layer's K/V cache as the kernels take it: the data, and for an int8/fp8 cache its scales
+    (for a float cache the data again, with zero strides: never read)."""
+
+    k: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v: torch.Tensor  # same layout as k
+    k_scale: torch.Tensor  # (num_blocks, block_size, num_kv_heads) float32
+    v_scale: torch.Tensor  # same layout as k_scale
+    scale_strides: tuple[int, int, int]
+    is_quant: bool
+    is_int8: bool
+
+
+def kv_cache_args(k_cache, v_cache) -> KVCacheArgs:
+    """The kernels' view of a float cache pair or a QuantizedKVCache pair (K and V laid out alike)."""
+    if isinstance(k_cache, QuantizedKVCache):
+        args = KVCacheArgs(
+            k_cache.data,
+            v_cache.data,
+            k_cache.scale,
+            v_cache.scale,
+            k_cache.scale.stride(),
+            True,
+            k_cache.data.dtype == torch.int8,
+        )
+        assert args.v_scale.stride() == args.scale_strides
+    else:
+        args = KVCacheArgs(k_cache, v_cache, k_cache, v_cache, (0, 0, 0), False, False)
+    assert args.k.stride(3) == 1 and args.v.stride(3) == 1
+    return args
 
 
 @triton.jit
@@ -134,37 +168,29 @@ def write_kv_cache(
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    is_quant = isinstance(k_cache, QuantizedKVCache)
-    if is_quant:
-        k_data, v_data, k_scale, v_scale = k_cache.data, v_cache.data, k_cache.scale, v_cache.scale
-        assert k_scale.stride() == v_scale.stride()
-    else:
-        k_data, v_data = k_scale, v_scale = k_cache, v_cache  # the scale arguments go unread
-    assert k.stride(2) == 1 and v.stride(2) == 1 and k_data.stride(3) == 1
-    assert k_data.stride() == v_data.stride()
+    c = kv_cache_args(k_cache, v_cache)
+    assert k.stride(2) == 1 and v.stride(2) == 1 and c.k.stride() == c.v.stride()
     _write_kv_kernel[(num_tokens,)](
         k,
         v,
-        k_data,
-        v_data,
-        k_scale,
-        v_scale,
+        c.k,
+        c.v,
+        c.k_scale,
+        c.v_scale,
         slot_mapping,
-        k_data.shape[1],
+        c.k.shape[1],
         k.stride(0),
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        k_data.stride(0),
-        k_data.stride(1),
-        k_data.stride(2),
-        k_scale.stride(0) if is_quant else 0,
-        k_scale.stride(1) if is_quant else 0,
-        k_scale.stride(2) if is_quant else 0,
+        c.k.stride(0),
+        c.k.stride(1),
+        c.k.stride(2),
+        *c.scale_strides,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),
         DIM_PAD=triton.next_power_of_2(head_dim),
-        IS_QUANT=is_quant,
-        IS_INT8=is_quant and k_data.dtype == torch.int8,
+        IS_QUANT=c.is_quant,
+        IS_INT8=c.is_int8,
     )

@@ -56,8 +56,9 @@ CASES = _cases()
 
 
 def _qkv_case(spec: dict[str, Any], device: str, num_tokens: int) -> None:
-    from batchrun.kernels.attention_torch import QKVHeads, qkv_norm_rope_write_reference
+    from batchrun.kernels.attention_torch import qkv_norm_rope_write_reference
     from batchrun.kernels.kv_layout import as_kv_cache_layout, from_head_major
+    from batchrun.kernels.qkv_heads import QKVHeads
     from batchrun.kernels.triton_elementwise import qkv_norm_rope_write
 
     dtype = _DTYPES[spec["dtype"]]

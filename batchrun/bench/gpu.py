@@ -147,7 +147,7 @@ def _kernel_checks(
 
     def qkv_write_quantized(dtype, kv):
         def run():
-            from batchrun.kernels.attention_torch import QKVHeads
+            from batchrun.kernels.qkv_heads import QKVHeads
             from batchrun.kernels.triton_elementwise import qkv_norm_rope_write
 
             c = attention_case(mixed, heads, kv_heads, dim, bs, dtype, device, seed=3)

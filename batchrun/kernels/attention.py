@@ -19,8 +19,9 @@ import torch
 from batchrun.kernels import cpu_attention
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention_metadata import AttentionMetadata
-from batchrun.kernels.attention_torch import QKVHeads, split_qkv, write_kv_cache_reference
+from batchrun.kernels.attention_torch import write_kv_cache_reference
 from batchrun.kernels.backend import triton_fp8_usable, triton_usable
+from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.kernels.quant.kv import QuantizedKVCache
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def qkv_norm_rope_write(
         from batchrun.kernels.triton_elementwise import qkv_norm_rope_write as fused
 
         return fused(qkv, heads, cos, sin, k_cache, v_cache, slot_mapping)
-    q, k, v = split_qkv(qkv, heads)
+    q, k, v = heads.split(qkv)
     if heads.q_norm is not None:
         eps, gemma = heads.eps, heads.is_gemma
         q, k = ew.rms_norm(q, heads.q_norm, eps, gemma), ew.rms_norm(k, heads.k_norm, eps, gemma)

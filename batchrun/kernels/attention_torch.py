@@ -11,7 +11,6 @@ j <= i and, with a sliding window W, j > i - W (the convention of HF transformer
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.kv_layout import slots_by_head
+from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.kernels.quant.kv import QuantizedKVCache
 
 log = logging.getLogger(__name__)
@@ -228,31 +228,6 @@ def attend_prefills(
         out[start:end] = o[0].transpose(0, 1)
 
 
-@dataclass(frozen=True)
-class QKVHeads:
-    """How one row of the fused qkv projection splits into heads (q heads, then K's, then V's,
-    head_dim each), and the q/k-norm applied to q and k before rotary (Qwen3, Gemma 3): what every
-    `qkv_norm_rope_write` takes besides the step's tensors."""
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    q_norm: Optional[torch.Tensor] = None  # (head_dim,) or None: no q/k-norm
-    k_norm: Optional[torch.Tensor] = None  # (head_dim,), None exactly when q_norm is
-    eps: float = 1e-6
-    is_gemma: bool = False  # norm weights apply as (1 + w)
-
-    def __post_init__(self) -> None:
-        assert (self.q_norm is None) == (self.k_norm is None), "q/k-norm comes as a pair"
-
-
-def split_qkv(qkv: torch.Tensor, heads: QKVHeads) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Views (num_tokens, heads, head_dim) of q, k and v in the fused qkv projection's output."""
-    dim = heads.head_dim
-    q, k, v = qkv.split([heads.num_heads * dim, heads.num_kv_heads * dim, heads.num_kv_heads * dim], dim=-1)
-    return q.view(-1, heads.num_heads, dim), k.view(-1, heads.num_kv_heads, dim), v.view(-1, heads.num_kv_heads, dim)
-
-
 def qkv_norm_rope_write_reference(
     qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim): q, k, v heads
     heads: QKVHeads,
@@ -264,7 +239,7 @@ def qkv_norm_rope_write_reference(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) with q and k normed (Qwen3, Gemma 3) and rotated, and K and V written to the cache:
     what triton_elementwise.qkv_norm_rope_write is checked against."""
-    q, k, v = split_qkv(qkv, heads)
+    q, k, v = heads.split(qkv)
     if heads.q_norm is not None:
         eps, gemma = heads.eps, heads.is_gemma
         q, k = ew.rms_norm_reference(q, heads.q_norm, eps, gemma), ew.rms_norm_reference(k, heads.k_norm, eps, gemma)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from batchrun.kernels.attention_torch import QKVHeads
+from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.kernels.triton_kv import kv_cache_args, kv_quantize, kv_scale
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ from torch import nn
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention import paged_attention, qkv_norm_rope_write
 from batchrun.kernels.attention_metadata import AttentionMetadata
-from batchrun.kernels.attention_torch import QKVHeads
+from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.model.moe import (
     SparseMoeBlock,
     expert_token_counts,

@@ -83,6 +83,12 @@ class KVCacheArgs:
     is_quant: bool
     is_int8: bool
 
+    @property
+    def read_strides(self) -> tuple[int, ...]:
+        """K's, V's and the scales' strides over (block, offset, head): what the attention kernels
+        take, in their argument order."""
+        return (*self.k.stride()[:3], *self.v.stride()[:3], *self.scale_strides)
+
 
 def kv_cache_args(k_cache, v_cache) -> KVCacheArgs:
     """The kernels' view of a float cache pair or a QuantizedKVCache pair (K and V laid out alike)."""

@@ -69,7 +69,7 @@ def test_packed_rows_match_what_the_runner_prepares(block_size):
 
 @pytest.fixture(scope="module")
 def tiny_engine_factory(tiny_llama_dir):
-    def make() -> Engine:
+    def make(kv_cache_dtype: str = "auto") -> Engine:
         return Engine(
             EngineConfig(
                 model=tiny_llama_dir,
@@ -78,6 +78,7 @@ def tiny_engine_factory(tiny_llama_dir):
                 kv_cache_memory=16 << 20,
                 max_num_seqs=16,
                 max_num_batched_tokens=256,
+                kv_cache_dtype=kv_cache_dtype,
             )
         )
 
@@ -105,16 +106,18 @@ def _prompts() -> list[list[int]]:
     return [rng.integers(3, 500, n).tolist() for n in (5, 23, 9, 40, 2, 17, 31)]
 
 
-def test_graph_path_keeps_greedy_output_and_pads_to_buckets(tiny_engine_factory):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_graph_path_keeps_greedy_output_and_pads_to_buckets(tiny_engine_factory, kv_cache_dtype):
     """Same tokens with and without the decode-graph path; batches of 7 shrinking to 1 as requests
-    finish at different lengths use the 8, 4, 2 and 1 buckets with padding rows."""
+    finish at different lengths use the 8, 4, 2 and 1 buckets with padding rows. With int8/fp8
+    caches too: padding rows write their slot's quantized K/V again, which changes nothing."""
     prompts = _prompts()
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (12, 3, 8, 20, 5, 1, 9)]
-    eager = tiny_engine_factory()
+    eager = tiny_engine_factory(kv_cache_dtype)
     assert eager.runner.graphs is None, "CPU engines never build graphs"
     want = [o.token_ids for o in eager.generate(prompts, params)]
 
-    engine = tiny_engine_factory()
+    engine = tiny_engine_factory(kv_cache_dtype)
     graphs = _attach_graphs(engine)
     replays = []
     real_execute = graphs.execute
@@ -124,6 +127,24 @@ def test_graph_path_keeps_greedy_output_and_pads_to_buckets(tiny_engine_factory)
     assert replays, "no decode step went through the graph path"
     assert {pick_bucket(graphs.buckets, n) for n in replays} >= {8, 4, 2, 1}
     assert set(graphs.graphs) == {pick_bucket(graphs.buckets, n) for n in replays}
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["int8", "fp8"])
+def test_capture_all_dummy_rows_leave_a_quantized_cache_alone(tiny_engine_factory, kv_cache_dtype):
+    """capture_all's dummy rows (slot -1) run through the model and write nothing into an int8/fp8
+    cache (int8: the native CPU write; fp8: QuantizedKVCache.write, the torch path a GPU without
+    float8 support takes too), after a real run filled it."""
+    engine = tiny_engine_factory(kv_cache_dtype)
+    engine.generate(_prompts()[:3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    graphs = _attach_graphs(engine)
+    before = [(c.data.view(torch.uint8).clone(), c.scale.clone()) for layer in engine.runner.kv_caches for c in layer]
+    graphs._fill_dummy_rows()
+    for bucket in (8, 1):
+        graphs._graph(bucket).replay()
+    after = [(c.data.view(torch.uint8), c.scale) for layer in engine.runner.kv_caches for c in layer]
+    for (data0, scale0), (data1, scale1) in zip(before, after):
+        assert torch.equal(data0, data1) and torch.equal(scale0, scale1)
+    assert torch.isfinite(graphs.hidden[:8]).all()
 
 
 def test_failed_capture_falls_back_to_eager_steps(tiny_engine_factory):
@@ -153,7 +174,8 @@ def test_batches_the_graphs_cannot_take_run_eagerly(tiny_engine_factory):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
-def test_cuda_graphs_keep_greedy_output_on_gpu(tiny_llama_dir, monkeypatch):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
+def test_cuda_graphs_keep_greedy_output_on_gpu(tiny_llama_dir, monkeypatch, kv_cache_dtype):
     prompts = _prompts()
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (12, 3, 8, 20, 5, 1, 9)]
     cfg = dict(
@@ -163,6 +185,7 @@ def test_cuda_graphs_keep_greedy_output_on_gpu(tiny_llama_dir, monkeypatch):
         kv_cache_memory=64 << 20,
         max_num_seqs=16,
         max_num_batched_tokens=256,
+        kv_cache_dtype=kv_cache_dtype,
     )
     monkeypatch.setenv("BATCHRUN_CUDA_GRAPHS", "0")
     eager = Engine(EngineConfig(**cfg))

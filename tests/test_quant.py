@@ -144,6 +144,32 @@ def test_quantized_kv_cache_round_trip(kv_dtype, max_rel):
     assert cache.nbytes() == 4 * 8 * 2 * (16 + 4)
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantized_kv_cache_write_skips_negative_slots(kv_dtype):
+    """Rows with slot -1 (CUDA-graph padding, capture_all's dummies) write nothing: the cache ends
+    up as if only the other rows were written, also when a real row writes slot 0 (where the
+    skipped rows' stand-in write would land) and when no row has a slot at all."""
+    dtype = qk.KV_CACHE_DTYPES[kv_dtype]
+
+    def cache_with_content() -> qk.QuantizedKVCache:
+        cache = qk.QuantizedKVCache.empty((4, 8, 2, 16), dtype, torch.float32, torch.device("cpu"))
+        cache.write(torch.randn(32, 2, 16, generator=torch.Generator().manual_seed(1)), torch.arange(32))
+        return cache
+
+    x = torch.randn(6, 2, 16, generator=torch.Generator().manual_seed(2))
+    for slots in ([-1, 0, 5, -1, 17, -1], [3, -1, 0, 9, 30, 12], [-1] * 6, [0, -1, -1, -1, -1, -1]):
+        slots = torch.tensor(slots)
+        keep = slots >= 0
+        got, want = cache_with_content(), cache_with_content()
+        got.write(x, slots)
+        want.write(x[keep], slots[keep])
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), slots
+        assert torch.equal(got.scale, want.scale), slots
+    got, want = cache_with_content(), cache_with_content()
+    got.write(x[:0], torch.zeros(0, dtype=torch.long))  # an empty step
+    assert torch.equal(got.scale, want.scale)
+
+
 def test_paged_attention_over_an_int8_cache_is_close_to_float():
     torch.manual_seed(0)
     num_blocks, bs, kvh, hd, heads = 6, 4, 2, 16, 4

@@ -7,7 +7,9 @@ sizes 4 and 16 make partial last blocks and unaligned prefixes. Over that: GQA r
 MQA (3 query heads on 1 KV head: a group that is not a power of two) x block sizes, each with
 sliding window off/5 and float32/bfloat16 in pairwise coverage; then split-K (1, 3 and 7 splits,
 empty splits included), softcap, float16, a head_dim that is not a power of two, and prefill-only
-and decode-only batches.
+and decode-only batches; then int8 and fp8 caches over mixed batches, split-K decodes (GQA 4, and
+more splits than tiles) and a prefill-only batch. fp8 runs in the interpreter: it loads
+float8_e4m3fn as raw bytes and widens them to float32 exactly.
 
 The interpreted cases all run in one child process (TRITON_INTERPRET must be set before triton is
 first imported, and in a pytest session some other module may already have imported it); each
@@ -63,6 +65,35 @@ def _cases() -> dict[str, dict[str, Any]]:
     cases["float16-bs16"] = {**base, "seqs": MIXED, "dtype": "float16", "block_size": 16}
     cases["head-dim24"] = {**base, "seqs": MIXED, "head_dim": 24}
     cases["prefill-only-win4"] = {**base, "seqs": [(0, 9), (5, 6), (16, 2)], "window": 4}
+    # int8/fp8 caches (engine.kv_cache_dtype): tiles dequantized in the kernel, against the
+    # reference over the same QuantizedKVCache (which dequantizes what it gathers).
+    cases["int8-mixed-fp32"] = {**base, "seqs": MIXED, "kv": "int8"}
+    cases["fp8-mixed-mqa3-bs16-win5-bf16"] = {
+        **base,
+        "seqs": MIXED,
+        "heads": 3,
+        "kv_heads": 1,
+        "block_size": 16,
+        "window": 5,
+        "dtype": "bfloat16",
+        "kv": "fp8",
+    }
+    cases["int8-decode-splits3-ratio4-bf16"] = {
+        **base,
+        "seqs": DECODES,
+        "heads": 8,
+        "num_splits": 3,
+        "dtype": "bfloat16",
+        "kv": "int8",
+    }
+    cases["fp8-decode-splits7-fp32"] = {**base, "seqs": DECODES, "num_splits": 7, "kv": "fp8"}
+    cases["fp8-prefill-only-softcap-fp16"] = {
+        **base,
+        "seqs": [(0, 9), (5, 6), (16, 2)],
+        "softcap": 2.0,
+        "dtype": "float16",
+        "kv": "fp8",
+    }
     return cases
 
 
@@ -73,6 +104,7 @@ def run_case(spec: dict[str, Any], device: str = "cpu") -> None:
     """Raise AssertionError when the Triton result differs from the reference beyond tolerance."""
     from batchrun.bench.cases import attention_case
     from batchrun.kernels.attention_torch import paged_attention_reference
+    from batchrun.kernels.quant.kv import KV_CACHE_DTYPES
     from batchrun.kernels.triton_attention import decode_attention, paged_attention
 
     c = attention_case(
@@ -84,10 +116,14 @@ def run_case(spec: dict[str, Any], device: str = "cpu") -> None:
         _DTYPES[spec["dtype"]],
         device,
         seed=len(spec["seqs"]) + spec["heads"],
+        kv_cache_dtype=KV_CACHE_DTYPES[spec["kv"]] if "kv" in spec else None,
     )
     scale = spec["head_dim"] ** -0.5
     window, softcap = spec["window"], spec.get("softcap")
-    want = paged_attention_reference(c.q, c.k_cache, c.v_cache, c.meta, scale, window, softcap, c.k_new, c.v_new)
+    # Over a quantized cache the kernels read every key from the cache, so the reference must too
+    # (given this step's keys, it would attend fresh prompts to them unquantized).
+    k_new, v_new = (None, None) if "kv" in spec else (c.k_new, c.v_new)
+    want = paged_attention_reference(c.q, c.k_cache, c.v_cache, c.meta, scale, window, softcap, k_new, v_new)
     if "num_splits" in spec:
         m = c.meta
         got = decode_attention(

@@ -8,6 +8,13 @@ fused-kernel inputs (Qwen3: q/k-norm, GQA, silu MLP, fused residual adds; Gemma 
 sliding window, MQA, a gelu MLP, sandwich norms without residual fusion), and compares the tokens
 with the plain CPU path's in the same process. It also counts the fused kernels' calls, so a
 dispatch that silently fell back to torch would fail it.
+
+The same with an int8 cache (Qwen3) and an fp8 one (Gemma 3), engine.kv_cache_dtype: the Triton
+kernels quantize on write and dequantize tiles on read, the CPU path quantizes the same way and
+dequantizes what it gathers, so the tokens agree (quantized against quantized: quantization itself
+may change tokens against a float cache). In these runs the Triton engine's decode steps go through
+the CUDA-graph path (engine/cuda_graphs.py: static buffers, bucket padding), with EagerReplay
+standing in for the capture, as on a GPU where every decode step replays a graph.
 """
 
 from __future__ import annotations
@@ -23,13 +30,17 @@ pytest.importorskip("triton")
 PROMPTS = ["The quick brown fox jumps over", "Lists are mutable sequences"]
 
 
-def run(model_dir: str) -> dict:
+def run(model_dir: str, kv_cache_dtype: str) -> dict:
     import batchrun.kernels.attention as attention
     import batchrun.kernels.elementwise as ew
+    import batchrun.kernels.triton_attention as ta
     import batchrun.kernels.triton_elementwise as tew
     from batchrun import Engine, EngineConfig, SamplingParams
+    from batchrun.engine.cuda_graphs import DecodeGraphs, EagerReplay
 
-    def generate() -> list[list[int]]:
+    replays = []
+
+    def generate(graphs: bool = False) -> list[list[int]]:
         engine = Engine(
             EngineConfig(
                 model=model_dir,
@@ -38,33 +49,47 @@ def run(model_dir: str) -> dict:
                 kv_cache_memory=4 << 20,
                 max_num_seqs=4,
                 max_num_batched_tokens=256,
+                kv_cache_dtype=kv_cache_dtype,
             )
         )
+        if graphs:
+            r = engine.runner
+            max_blocks = -(-engine.max_model_len // r.block_size)
+            r.graphs = DecodeGraphs(
+                r.model, r.kv_caches, r.block_size, max_blocks, engine.device, engine.dtype, 8, EagerReplay
+            )
+            graph_execute = r.graphs.execute
+            r.graphs.execute = lambda batch: replays.append(len(batch.requests)) or graph_execute(batch)
         return [o.token_ids for o in engine.generate(PROMPTS, SamplingParams(max_tokens=3, temperature=0.0))]
 
     want = generate()
-    calls = {"qkv_norm_rope_write": 0, "add_rms_norm": 0, "rms_norm": 0, "silu_mul": 0}
+    calls = {"qkv_norm_rope_write": 0, "add_rms_norm": 0, "rms_norm": 0, "silu_mul": 0, "paged_attention": 0}
     for name in calls:
-        original = getattr(tew, name)
+        module = ta if name == "paged_attention" else tew
+        original = getattr(module, name)
 
         def counted(*args, _original=original, _name=name, **kwargs):
             calls[_name] += 1
             return _original(*args, **kwargs)
 
-        setattr(tew, name, counted)
+        setattr(module, name, counted)
     attention.triton_usable = ew.triton_usable = lambda x: True  # the GPU path, on CPU tensors
-    got = generate()
-    return {"same": got == want, "want": want, "got": got, "calls": calls}
+    got = generate(graphs=kv_cache_dtype != "auto")
+    return {"same": got == want, "want": want, "got": got, "calls": calls, "replays": len(replays)}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3_text"])
-def test_decoder_triton_path_generates_the_cpu_tokens_interpreted(family, tiny_model_factory):
-    proc = run_interpreted(__file__, tiny_model_factory(family), timeout=600)
+@pytest.mark.parametrize(
+    "family,kv_cache_dtype", [("qwen3", "auto"), ("gemma3_text", "auto"), ("qwen3", "int8"), ("gemma3_text", "fp8")]
+)
+def test_decoder_triton_path_generates_the_cpu_tokens_interpreted(family, kv_cache_dtype, tiny_model_factory):
+    proc = run_interpreted(__file__, tiny_model_factory(family), kv_cache_dtype, timeout=600)
     assert proc.returncode == 0, f"child exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["same"], result
     calls = result["calls"]
-    assert calls["qkv_norm_rope_write"] > 0, calls
+    assert calls["qkv_norm_rope_write"] > 0 and calls["paged_attention"] > 0, calls
+    if kv_cache_dtype != "auto":
+        assert result["replays"] > 0, "no decode step went through the graph path"
     if family == "gemma3_text":  # sandwich norms: plain RMSNorm only, the residual added apart; gelu
         assert calls["rms_norm"] > 0, calls
     else:
@@ -72,4 +97,4 @@ def test_decoder_triton_path_generates_the_cpu_tokens_interpreted(family, tiny_m
 
 
 if __name__ == "__main__":
-    print(json.dumps(run(sys.argv[1])), flush=True)
+    print(json.dumps(run(sys.argv[1], sys.argv[2])), flush=True)

@@ -41,6 +41,14 @@ def _cases() -> dict[str, dict[str, Any]]:
     cases["qkv-plain-mqa3-dim24-float32"] = dict(
         op="qkv", dtype="float32", norm="plain", heads=3, kv_heads=1, dim=24, bs=16
     )
+    # Into an int8/fp8 cache (engine.kv_cache_dtype), the whole head quantized in the kernel.
+    quant = dict(op="qkv", heads=4, kv_heads=2, dim=16, bs=4)
+    cases["qkv-plain-int8-bfloat16"] = {**quant, "dtype": "bfloat16", "norm": "plain", "kv": "int8"}
+    cases["qkv-none-fp8-bfloat16"] = {**quant, "dtype": "bfloat16", "norm": "none", "kv": "fp8"}
+    cases["qkv-gemma-fp8-float32"] = {**quant, "dtype": "float32", "norm": "gemma", "kv": "fp8"}
+    cases["qkv-plain-int8-mqa3-dim24-float16"] = dict(
+        op="qkv", dtype="float16", norm="plain", heads=3, kv_heads=1, dim=24, bs=16, kv="int8"
+    )
     return cases
 
 
@@ -50,6 +58,7 @@ CASES = _cases()
 def _qkv_case(spec: dict[str, Any], device: str, num_tokens: int) -> None:
     from batchrun.kernels.attention_torch import qkv_norm_rope_write_reference
     from batchrun.kernels.kv_layout import as_kv_cache_layout, from_head_major
+    from batchrun.kernels.qkv_heads import QKVHeads
     from batchrun.kernels.triton_elementwise import qkv_norm_rope_write
 
     dtype = _DTYPES[spec["dtype"]]
@@ -75,12 +84,13 @@ def _qkv_case(spec: dict[str, Any], device: str, num_tokens: int) -> None:
     got_k, got_v = as_kv_cache_layout(want_k), as_kv_cache_layout(want_v)
     # The reference writes every row, so it writes into a scratch copy; the expected cache holds the
     # kept rows only (-1 writes nothing).
+    layout = QKVHeads(heads, kv_heads, dim, q_norm, k_norm, 1e-6, gemma)
     q_ref, k_ref, v_ref = qkv_norm_rope_write_reference(
-        qkv, heads, kv_heads, dim, cos, sin, q_norm, k_norm, 1e-6, gemma, want_k.clone(), want_v.clone(), slots.clamp(0)
+        qkv, layout, cos, sin, want_k.clone(), want_v.clone(), slots.clamp(0)
     )
     want_k.flatten(0, 1).index_copy_(0, slots[keep], k_ref[keep])
     want_v.flatten(0, 1).index_copy_(0, slots[keep], v_ref[keep])
-    q, k, v = qkv_norm_rope_write(qkv, heads, kv_heads, dim, cos, sin, q_norm, k_norm, 1e-6, gemma, got_k, got_v, slots)
+    q, k, v = qkv_norm_rope_write(qkv, layout, cos, sin, got_k, got_v, slots)
     rtol, atol = _TOL[spec["dtype"]]
     if dtype == torch.bfloat16:
         # Rotary's difference of two rounded products cancels: an error of a unit in the products'
@@ -91,8 +101,35 @@ def _qkv_case(spec: dict[str, Any], device: str, num_tokens: int) -> None:
     torch.testing.assert_close(q, q_ref, rtol=rtol, atol=atol)
     torch.testing.assert_close(k, k_ref, rtol=rtol, atol=atol)
     torch.testing.assert_close(v, v_ref, rtol=0, atol=0)
+    if "kv" in spec:
+        return _check_quantized_write(spec["kv"], layout, qkv, cos, sin, slots, (num_blocks, bs, kv_heads, dim), k, v)
     torch.testing.assert_close(got_k, want_k, rtol=rtol, atol=atol)
     torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)
+
+
+def _check_quantized_write(kv: str, layout, qkv, cos, sin, slots, shape, k, v) -> None:
+    """The fused kernel into an int8/fp8 cache stores exactly what QuantizedKVCache.write stores
+    for the K it returned (checked against the reference above) and V, and no -1 row."""
+    from batchrun.kernels.quant.kv import KV_CACHE_DTYPES, QuantizedKVCache
+    from batchrun.kernels.triton_elementwise import qkv_norm_rope_write
+
+    num_slots = shape[0] * shape[1]
+    prior = torch.randn(num_slots, *shape[2:], generator=torch.Generator().manual_seed(5)).to(qkv.device, qkv.dtype)
+
+    def cache() -> QuantizedKVCache:  # holding earlier entries, which the -1 row must leave alone
+        c = QuantizedKVCache.empty(shape, KV_CACHE_DTYPES[kv], qkv.dtype, qkv.device)
+        c.write(prior, torch.arange(num_slots, device=qkv.device))
+        return c
+
+    got_k, got_v, want_k, want_v = cache(), cache(), cache(), cache()
+    q2, k2, v2 = qkv_norm_rope_write(qkv, layout, cos, sin, got_k, got_v, slots)
+    assert torch.equal(k2, k) and torch.equal(v2, v)  # the cache's kind changes nothing else
+    keep = slots >= 0
+    want_k.write(k[keep], slots[keep])
+    want_v.write(v[keep], slots[keep])
+    for got, want in ((got_k, want_k), (got_v, want_v)):
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8)), (got.data, want.data)
+        torch.testing.assert_close(got.scale, want.scale, rtol=0, atol=0)
 
 
 def run_case(spec: dict[str, Any], device: str = "cpu", num_tokens: int = 7) -> None:

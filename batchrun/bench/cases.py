@@ -8,7 +8,7 @@ A library module (no `__main__`): tests import from here, never from a benchmark
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -16,13 +16,15 @@ import torch.nn.functional as F
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.attention_torch import write_kv_cache_reference
 from batchrun.kernels.kv_layout import from_head_major
+from batchrun.kernels.quant.kv import QuantizedKVCache
 
 
 @dataclass
 class AttentionCase:
     q: torch.Tensor  # (num_tokens, num_heads, head_dim)
-    k_cache: torch.Tensor  # (num_blocks, block_size, num_kv_heads, head_dim), this step's keys written
-    v_cache: torch.Tensor
+    # (num_blocks, block_size, num_kv_heads, head_dim) tensor or QuantizedKVCache, this step's keys written
+    k_cache: Any
+    v_cache: Any
     k_new: torch.Tensor  # (num_tokens, num_kv_heads, head_dim)
     v_new: torch.Tensor
     meta: AttentionMetadata
@@ -37,10 +39,12 @@ def attention_case(
     dtype: torch.dtype = torch.float32,
     device: Any = "cpu",
     seed: int = 0,
+    kv_cache_dtype: Optional[torch.dtype] = None,
 ) -> AttentionCase:
     """A flattened batch like the runner builds: per sequence (cached tokens, new tokens); one new
     token makes it a decode. Blocks are shuffled across sequences and the cache holds random K/V
-    around them, so wrong block arithmetic reads wrong numbers."""
+    around them, so wrong block arithmetic reads wrong numbers. With `kv_cache_dtype` (int8 or
+    float8_e4m3fn) the caches are QuantizedKVCaches holding the same entries quantized."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-(c + n) // block_size) for c, n in seqs]
     num_blocks = sum(blocks_per_seq) + 3
@@ -67,6 +71,8 @@ def attention_case(
 
     # the engine's head-major layout (kernels/attention.py), seen through the logical shape
     k_cache, v_cache = (from_head_major(randn(num_kv_heads, num_blocks, block_size, head_dim)) for _ in range(2))
+    if kv_cache_dtype is not None:
+        k_cache, v_cache = quantized_copy(k_cache, kv_cache_dtype), quantized_copy(v_cache, kv_cache_dtype)
     q = randn(num_tokens, num_heads, head_dim)
     k_new, v_new = randn(num_tokens, num_kv_heads, head_dim), randn(num_tokens, num_kv_heads, head_dim)
     slot_mapping = torch.tensor(slots, dtype=torch.long, device=device)
@@ -136,6 +142,16 @@ def far_blocks_case(
         prefill_seq_ids=m.prefill_seq_ids,
     )
     return FarCase(small, far_like(small.k_cache), far_like(small.v_cache), meta, num_blocks)
+
+
+def quantized_copy(cache: torch.Tensor, kv_cache_dtype: torch.dtype) -> QuantizedKVCache:
+    """An int8/fp8 cache holding a float cache's (num_blocks, block_size, num_kv_heads, head_dim)
+    entries, quantized as the engine's cache write quantizes them."""
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    out = QuantizedKVCache.empty(tuple(cache.shape), kv_cache_dtype, cache.dtype, cache.device)
+    num_slots = num_blocks * block_size
+    out.write(cache.reshape(num_slots, num_kv_heads, head_dim), torch.arange(num_slots, device=cache.device))
+    return out
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:

@@ -6,14 +6,16 @@ step, CUDA graphs, memory and throughput; a table last and a JSON document with 
     python -m batchrun.bench.gpu --smoke           # CPU: tiny shapes, kernels in Triton's interpreter
     python -m batchrun.bench.gpu --json PATH       # default: $OUT/bench-gpu.json, else ./bench-gpu.json
 
-1. Kernels: each Triton kernel (paged attention decode and prefill, KV write, W8A16/W4A16 GEMMs,
+1. Kernels: each Triton kernel (paged attention decode and prefill over float, int8 and fp8 caches,
+   the KV write and the fused q/k-norm + rotary + KV write into int8/fp8 caches, W8A16/W4A16 GEMMs,
    MoE grouped GEMM) against its torch reference on the device, random inputs, max |error| and
-   relative error ||got - want|| / ||want||. Then attention and the KV write on a cache whose last
-   KV head starts past 2**31 elements (bench.cases.far_blocks_case), where an int32 offset wraps:
-   2 x 6 GiB on the GPU; in --smoke virtual memory on the CPU, skipped where it cannot be mapped.
+   relative error ||got - want|| / ||want|| (writes into quantized caches: bitwise). Then attention
+   and the KV write on a cache whose last KV head starts past 2**31 elements
+   (bench.cases.far_blocks_case), where an int32 offset wraps: 2 x 6 GiB on the GPU; in --smoke
+   virtual memory on the CPU, skipped where it cannot be mapped.
 2. Bandwidth: a device copy (the HBM ceiling), then the decode attention kernel at the workload's
    shape as achieved KV bytes/s and its fraction of that ceiling (target >= 70%), a small sweep of
-   its tile settings.
+   its tile settings, and the same decode over an int8 cache.
 3. Engine (`--only engine`), on the Qwen3-0.6B-shaped model: memory at the engine's default KV
    sizing (weights, KV bytes and blocks, peak allocated, free after construction); every CUDA-graph
    bucket captured, a failed capture named; then bench.decode_step on 256 decoding sequences:
@@ -51,7 +53,7 @@ from typing import Any, Optional
 
 import torch
 
-from batchrun.bench.cases import attention_case, far_blocks_case, rel_error
+from batchrun.bench.cases import attention_case, far_blocks_case, quantized_copy, rel_error
 from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.bench.gpu_engine import QWEN3, QWEN3_0_6B, SMOLLM2, SMOLLM2_135M, check_model, model_phases
 from batchrun.bench.gpu_report import NO_CUDA, Budget, Report, default_json_path, versions
@@ -93,12 +95,13 @@ def _kernel_checks(
         long_decodes = [(30000, 1), (12345, 1)]
         gemm = (256, 3072, 1024)
 
-    def attn(seqs, h, kvh, d, dtype, window=None, softcap=None, num_splits=None):
+    def attn(seqs, h, kvh, d, dtype, window=None, softcap=None, num_splits=None, kv=None):
         def run():
-            c = attention_case(seqs, h, kvh, d, bs, dtype, device, seed=1)
-            want = paged_attention_reference(
-                c.q, c.k_cache, c.v_cache, c.meta, d**-0.5, window, softcap, c.k_new, c.v_new
-            )
+            c = attention_case(seqs, h, kvh, d, bs, dtype, device, seed=1, kv_cache_dtype=kv)
+            # Over an int8/fp8 cache the kernels read every key quantized, so the reference reads
+            # the cache too (given this step's keys, it attends fresh prompts to them unquantized).
+            k_new, v_new = (c.k_new, c.v_new) if kv is None else (None, None)
+            want = paged_attention_reference(c.q, c.k_cache, c.v_cache, c.meta, d**-0.5, window, softcap, k_new, v_new)
             if num_splits is None:
                 got = ta.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, d**-0.5, window, softcap)
             else:
@@ -127,6 +130,49 @@ def _kernel_checks(
             write_kv_cache_reference(k_ref, v_ref, k, v, c.meta.slot_mapping)
             tk.write_kv_cache(k_got, v_got, k, v, c.meta.slot_mapping)
             return torch.stack([k_got, v_got]), torch.stack([k_ref, v_ref])
+
+        return run
+
+    def quantized_bytes(caches) -> torch.Tensor:
+        """The caches' stored bytes and scales as one float64 vector: equal exactly when bitwise equal."""
+        parts = [t for c in caches for t in (c.data.view(torch.uint8).flatten().double(), c.scale.flatten().double())]
+        return torch.cat(parts)
+
+    def kv_write_quantized(dtype, kv):
+        def run():
+            c = attention_case(mixed, heads, kv_heads, dim, bs, dtype, device, seed=2)
+            k, v = torch.randn_like(c.k_new), torch.randn_like(c.v_new)
+            k[::5] *= 1e-12  # rows whose scale is clamped at MIN_SCALE
+            slots = c.meta.slot_mapping.clone()
+            slots[::7] = -1  # CUDA-graph padding: nothing written
+            keep = slots >= 0
+            got_k, got_v, want_k, want_v = (quantized_copy(c.k_cache, kv) for _ in range(4))
+            want_k.write(k[keep], slots[keep])  # the torch path: quantize_kv + index_copy_
+            want_v.write(v[keep], slots[keep])
+            tk.write_kv_cache(got_k, got_v, k, v, slots)
+            return quantized_bytes([got_k, got_v]), quantized_bytes([want_k, want_v])
+
+        return run
+
+    def qkv_write_quantized(dtype, kv):
+        def run():
+            from batchrun.kernels.qkv_heads import QKVHeads
+            from batchrun.kernels.triton_elementwise import qkv_norm_rope_write
+
+            c = attention_case(mixed, heads, kv_heads, dim, bs, dtype, device, seed=3)
+            num_tokens = c.q.shape[0]
+            qkv = torch.randn(num_tokens, (heads + 2 * kv_heads) * dim, device=device).to(dtype)
+            angles = torch.rand(num_tokens, dim // 2, device=device) * 6.0
+            emb = torch.cat((angles, angles), dim=-1)  # (num_tokens, dim), rotary's layout
+            norm = torch.rand(dim, device=device).to(dtype) + 0.5
+            layout = QKVHeads(heads, kv_heads, dim, norm, norm, 1e-6, False)
+            got_k, got_v, want_k, want_v = (quantized_copy(c.k_cache, kv) for _ in range(4))
+            cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+            _, k, v = qkv_norm_rope_write(qkv, layout, cos, sin, got_k, got_v, c.meta.slot_mapping)
+            # the fused kernel stores exactly the quantization of the K (and V) it returns
+            want_k.write(k, c.meta.slot_mapping)
+            want_v.write(v, c.meta.slot_mapping)
+            return quantized_bytes([got_k, got_v]), quantized_bytes([want_k, want_v])
 
         return run
 
@@ -172,7 +218,7 @@ def _kernel_checks(
             grouped_gemm_reference(x, b, d.expert_offsets, d.sorted_token_ids),
         )
 
-    f32 = torch.float32
+    f32, int8, fp8 = torch.float32, torch.int8, torch.float8_e4m3fn
     bf16_tol, f32_tol = 2e-2, 1e-4
     return [
         ("attention mixed batch bf16 (GQA)", bf16_tol, attn(mixed, heads, kv_heads, dim, bf16)),
@@ -195,6 +241,20 @@ def _kernel_checks(
             attn(long_decodes, heads, kv_heads, dim, bf16, num_splits=8),
         ),
         ("kv write bf16", 0.0, kv_write(bf16)),
+        ("attention mixed bf16 int8 cache", bf16_tol, attn(mixed, heads, kv_heads, dim, bf16, kv=int8)),
+        ("attention mixed bf16 fp8 cache", bf16_tol, attn(mixed, heads, kv_heads, dim, bf16, kv=fp8)),
+        ("attention mixed fp32 int8 cache win", f32_tol, attn(mixed, heads, kv_heads, dim, f32, window=5, kv=int8)),
+        ("attention decode bf16 fp8 cache", bf16_tol, attn(decodes, heads, kv_heads, dim, bf16, kv=fp8)),
+        (
+            "attention decode bf16 long int8, 8 splits",
+            bf16_tol,
+            attn(long_decodes, heads, kv_heads, dim, bf16, num_splits=8, kv=int8),
+        ),
+        ("kv write bf16 -> int8 (slots -1 skipped)", 0.0, kv_write_quantized(bf16, int8)),
+        ("kv write bf16 -> fp8 (slots -1 skipped)", 0.0, kv_write_quantized(bf16, fp8)),
+        ("kv write fp32 -> fp8", 0.0, kv_write_quantized(f32, fp8)),
+        ("qkv norm+rope+write bf16 -> int8", 0.0, qkv_write_quantized(bf16, int8)),
+        ("qkv norm+rope+write bf16 -> fp8", 0.0, qkv_write_quantized(bf16, fp8)),
         ("W8A16 per-channel", bf16_tol, w8a16(None)),
         ("W8A16 group 32", bf16_tol, w8a16(32)),
         ("W4A16 group 32", bf16_tol, w4a16),
@@ -362,6 +422,26 @@ def check_bandwidth(device: torch.device, smoke: bool, report: Report) -> None:
                 rate_text(f"{best[1] or 'default'}: {100 * best[0] / hbm:.0f}% of copy bandwidth"),
             )
         del c
+        # The same decode over an int8 cache (engine.kv_cache_dtype: int8): half the bytes, each tile
+        # dequantized in registers; its bytes count the scales too.
+        qc = attention_case(seqs, heads, kv_heads, dim, bs, torch.bfloat16, device, seed=7, kv_cache_dtype=torch.int8)
+        m = qc.meta
+        q_bytes = sum(m.seq_lens) * kv_heads * (dim + 4) * 2
+        ms = _time_ms(
+            lambda qc=qc, m=m: ta.decode_attention(
+                qc.q, qc.k_cache, qc.v_cache, m.block_tables, m.decode_seq_ids, m.decode_seq_lens, dim**-0.5
+            )
+        )
+        rate = q_bytes / (ms * 1e-3)
+        point = {"num_seqs": num_seqs, "context": [lo, hi], "config": "default", "kv_cache_dtype": "int8"}
+        if not smoke:
+            point.update(us=ms * 1e3, kv_bytes=q_bytes, bytes_per_s=rate, fraction_of_copy=rate / hbm)
+        section["decode"].append(point)
+        report.add(
+            f"decode attention {num_seqs} seqs ctx {lo}-{hi} int8 cache (default)",
+            rate_text(f"{ms * 1e3:.1f} us, {rate / 1e12:.2f} TB/s = {100 * rate / hbm:.0f}% of copy bandwidth"),
+        )
+        del qc
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ outputs are dropped, so padding needs no special case in any kernel or in the to
 Graphs are captured lazily, the first time a bucket is seen, with that step's real inputs already in
 the buffers (so the eager warm-up run before the capture computes the real step: writing the same
 K/V twice is harmless). `capture_all` captures every bucket up front with dummy rows whose cache
-slot is -1 (skipped by the Triton KV write), so it is safe at any time on the GPU.
+slot is -1 (skipped by the Triton KV writes and by an int8/fp8 cache's torch write), so it is safe
+at any time on the GPU. Float, int8 and fp8 caches capture alike: on the GPU all three take the
+Triton kernels, which never sync with the host (kernels/attention.py).
 
 Only `DecodeGraphs(..., capture=...)` knows about CUDA: the CPU tests pass `EagerReplay`, which
 "replays" by running the step again, and so exercise the buckets, padding, packing and buffers.
@@ -217,15 +219,19 @@ class DecodeGraphs:
         logits = self.model.compute_logits(hidden)
         return logits, [requests[i].seq_id for i in sample]
 
-    @torch.inference_mode()
-    def capture_all(self, max_batch: Optional[int] = None) -> None:
-        """Capture every bucket up to max_batch now (GPU only): dummy rows write nothing (slot -1)
-        and read block 0."""
-        assert self.device.type == "cuda", "capture_all relies on the Triton KV write skipping slot -1"
+    def _fill_dummy_rows(self) -> None:
+        """Inputs for capturing without a real step: token 0 at position 0 of block 0, slot -1."""
         self.input_ids.zero_()
         self.positions.zero_()
         self.slot_mapping.fill_(-1)
         self.block_tables[:, 0] = 0
+
+    @torch.inference_mode()
+    def capture_all(self, max_batch: Optional[int] = None) -> None:
+        """Capture every bucket up to max_batch now (GPU only): dummy rows write nothing (slot -1)
+        and read block 0."""
+        assert self.device.type == "cuda", "capture_all relies on the Triton KV writes skipping slot -1"
+        self._fill_dummy_rows()
         limit = pick_bucket(self.buckets, min(max_batch or self.max_batch, self.max_batch))
         for bucket in reversed([b for b in self.buckets if b <= limit]):  # largest first: the rest fit in its pool
             self._graph(bucket)

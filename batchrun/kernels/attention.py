@@ -1,8 +1,10 @@
 """Paged attention and the KV-cache write, dispatched to a backend.
 
 One call per layer and step, for a flattened batch of tokens (kernels/attention_metadata.py) over a
-paged cache (kernels/kv_layout.py). Plain float caches on a CUDA device with triton installed take
-the Triton kernels (kernels/triton_attention.py, kernels/triton_kv.py); everything else takes the
+paged cache (kernels/kv_layout.py). Float caches and int8/fp8 QuantizedKVCaches (engine.kv_cache_dtype;
+fp8 on GPUs of compute capability 8.9 and up) on a CUDA device with triton installed take the
+Triton kernels (kernels/triton_attention.py, kernels/triton_kv.py, kernels/triton_elementwise.py),
+which never sync with the host, so decode steps capture in CUDA graphs; everything else takes the
 CPU path (kernels/cpu_attention.py: native kernels where they serve, plain torch for the rest). The
 plain-torch reference both are checked against is kernels/attention_torch.py.
 """
@@ -17,34 +19,35 @@ import torch
 from batchrun.kernels import cpu_attention
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention_metadata import AttentionMetadata
-from batchrun.kernels.attention_torch import split_qkv, write_kv_cache_reference
-from batchrun.kernels.backend import triton_usable
+from batchrun.kernels.attention_torch import write_kv_cache_reference
+from batchrun.kernels.backend import triton_fp8_usable, triton_usable
+from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.kernels.quant.kv import QuantizedKVCache
 
 log = logging.getLogger(__name__)
 
 
 def _triton_serves(x: torch.Tensor, k_cache) -> bool:
-    """The Triton kernels serve plain float caches (not a QuantizedKVCache) where Triton runs."""
-    return isinstance(k_cache, torch.Tensor) and triton_usable(x)
+    """The Triton kernels serve float caches and int8/fp8 QuantizedKVCaches where Triton runs (fp8
+    where the GPU converts it); the rest takes the torch path, which syncs with the host and so
+    keeps decode steps out of CUDA graphs."""
+    if not triton_usable(x):
+        return False
+    if isinstance(k_cache, QuantizedKVCache):
+        return k_cache.dtype == torch.int8 or triton_fp8_usable(x.device)
+    return isinstance(k_cache, torch.Tensor)
 
 
 def write_kv_cache(
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim) tensor, or a QuantizedKVCache
+    v_cache,  # the same kind and layout as k_cache
     k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     slot_mapping: torch.Tensor,  # (num_tokens,)
 ) -> None:
-    """Store this step's K and V rows at their cache slots."""
-    if isinstance(k_cache, QuantizedKVCache):
-        # int8/fp8 cache (engine.kv_cache_dtype): quantized on write (natively for int8 on the CPU),
-        # read by the native CPU kernels as it is or dequantized when gathered.
-        if not k.is_cuda and cpu_attention.write_kv_cache(k_cache, v_cache, k, v, slot_mapping):
-            return
-        k_cache.write(k, slot_mapping)
-        v_cache.write(v, slot_mapping)
-        return
+    """Store this step's K and V rows at their cache slots (a negative slot: nothing). An int8/fp8
+    cache (engine.kv_cache_dtype) quantizes them on the way: in the Triton kernel, natively for
+    int8 on the CPU, else in QuantizedKVCache.write."""
     if _triton_serves(k, k_cache):
         from batchrun.kernels.triton_kv import write_kv_cache as write_kv_cache_triton
 
@@ -57,15 +60,9 @@ def write_kv_cache(
 
 def qkv_norm_rope_write(
     qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim): q, k, v heads
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
+    heads: QKVHeads,
     cos: torch.Tensor,  # (num_tokens, head_dim) in qkv's dtype
     sin: torch.Tensor,  # (num_tokens, head_dim)
-    q_norm: Optional[torch.Tensor],  # (head_dim,) or None: no q/k-norm
-    k_norm: Optional[torch.Tensor],  # (head_dim,)
-    eps: float,
-    is_gemma: bool,
     k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim), or a QuantizedKVCache
     v_cache,
     slot_mapping: torch.Tensor,  # (num_tokens,)
@@ -77,24 +74,11 @@ def qkv_norm_rope_write(
     if _triton_serves(qkv, k_cache) and qkv.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride():
         from batchrun.kernels.triton_elementwise import qkv_norm_rope_write as fused
 
-        return fused(
-            qkv,
-            num_heads,
-            num_kv_heads,
-            head_dim,
-            cos,
-            sin,
-            q_norm,
-            k_norm,
-            eps,
-            is_gemma,
-            k_cache,
-            v_cache,
-            slot_mapping,
-        )
-    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
-    if q_norm is not None:
-        q, k = ew.rms_norm(q, q_norm, eps, is_gemma), ew.rms_norm(k, k_norm, eps, is_gemma)
+        return fused(qkv, heads, cos, sin, k_cache, v_cache, slot_mapping)
+    q, k, v = heads.split(qkv)
+    if heads.q_norm is not None:
+        eps, gemma = heads.eps, heads.is_gemma
+        q, k = ew.rms_norm(q, heads.q_norm, eps, gemma), ew.rms_norm(k, heads.k_norm, eps, gemma)
     q, k = ew.apply_rotary(q, cos, sin), ew.apply_rotary(k, cos, sin)
     write_kv_cache(k_cache, v_cache, k, v, slot_mapping)
     return q, k, v
@@ -102,8 +86,8 @@ def qkv_norm_rope_write(
 
 def paged_attention(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), this step's keys already written
-    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim) or a QuantizedKVCache, this step's keys written
+    v_cache,  # the same kind and layout as k_cache
     meta: AttentionMetadata,
     scale: float,
     sliding_window: Optional[int] = None,

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.kv_layout import slots_by_head
+from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.kernels.quant.kv import QuantizedKVCache
 
 log = logging.getLogger(__name__)
@@ -49,7 +50,12 @@ def write_kv_cache_reference(
     slot_mapping: torch.Tensor,  # (num_tokens,)
 ) -> None:
     """The plain-torch cache write, and what triton_kv.write_kv_cache is checked against. Any cache
-    layout (flattening the two leading dims is a view of every layout used)."""
+    layout (flattening the two leading dims is a view of every layout used); an int8/fp8
+    QuantizedKVCache quantizes on its own write."""
+    if isinstance(k_cache, QuantizedKVCache):
+        k_cache.write(k, slot_mapping)
+        v_cache.write(v, slot_mapping)
+        return
     k_cache.flatten(0, 1).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.flatten(0, 1).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -222,34 +228,21 @@ def attend_prefills(
         out[start:end] = o[0].transpose(0, 1)
 
 
-def split_qkv(
-    qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Views (num_tokens, heads, head_dim) of q, k and v in the fused qkv projection's output."""
-    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
-    return q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim), v.view(-1, num_kv_heads, head_dim)
-
-
 def qkv_norm_rope_write_reference(
     qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim): q, k, v heads
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
+    heads: QKVHeads,
     cos: torch.Tensor,  # (num_tokens, head_dim) in qkv's dtype
     sin: torch.Tensor,  # (num_tokens, head_dim)
-    q_norm: Optional[torch.Tensor],  # (head_dim,) or None: no q/k-norm
-    k_norm: Optional[torch.Tensor],  # (head_dim,)
-    eps: float,
-    is_gemma: bool,
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # (num_tokens,) int, every slot >= 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) with q and k normed (Qwen3, Gemma 3) and rotated, and K and V written to the cache:
     what triton_elementwise.qkv_norm_rope_write is checked against."""
-    q, k, v = split_qkv(qkv, num_heads, num_kv_heads, head_dim)
-    if q_norm is not None:
-        q, k = ew.rms_norm_reference(q, q_norm, eps, is_gemma), ew.rms_norm_reference(k, k_norm, eps, is_gemma)
+    q, k, v = heads.split(qkv)
+    if heads.q_norm is not None:
+        eps, gemma = heads.eps, heads.is_gemma
+        q, k = ew.rms_norm_reference(q, heads.q_norm, eps, gemma), ew.rms_norm_reference(k, heads.k_norm, eps, gemma)
     q, k = ew.apply_rotary_reference(q, cos, sin), ew.apply_rotary_reference(k, cos, sin)
     write_kv_cache_reference(k_cache, v_cache, k, v, slot_mapping)
     return q, k, v

@@ -18,6 +18,11 @@ cache blocks, so the tile size does not depend on the cache's block size.
 
 Visibility is the reference's: key j is visible to the query at position i when j <= i and, with a
 window W, j > i - W. Softmax runs in float32 in the exp2 domain.
+
+An int8/fp8 cache (engine.kv_cache_dtype, kernels/quant/kv.py: QuantizedKVCache) is read as it is
+stored: each K/V tile is loaded as int8/float8 with its per-(slot, head) float32 scales and
+dequantized in registers (`_load_kv_tile`) to the query's dtype, the values QuantizedKVCache's own
+dequantization gives; everything after that is the float path.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import triton
 import triton.language as tl
 
 from batchrun.kernels.attention_metadata import AttentionMetadata
+from batchrun.kernels.triton_kv import kv_cache_args
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +73,8 @@ def _scores(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT_F32: tl.constex
 def _load_kv_tile(
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     table,
     pos,
     p_ok,
@@ -80,9 +88,17 @@ def _load_kv_tile(
     stride_vb,
     stride_vt,
     stride_vh,
+    stride_sb,
+    stride_st,
+    stride_sh,
+    IS_QUANT: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
 ):
     """K and V of one KV head at token positions `pos` (BLOCK_N,) of a sequence, through its block
-    table; (BLOCK_N, HEAD_DIM_PAD) each, zero where ~p_ok or past head_dim."""
+    table; (BLOCK_N, HEAD_DIM_PAD) each, zero where ~p_ok or past head_dim. From an int8/fp8 cache
+    (IS_QUANT) the tile is dequantized here by its per-(slot, head) scales, to OUT_DTYPE (the
+    query's) as QuantizedKVCache's own dequantization rounds it, so the cache is read as it is
+    stored and never dequantized whole."""
     block = tl.load(table + pos // block_size, mask=p_ok, other=0).to(tl.int64)
     offset = (pos % block_size).to(tl.int64)
     kv_head = kv_head.to(tl.int64)  # kv_head * stride_kh passes 2**31 on large caches
@@ -97,6 +113,12 @@ def _load_kv_tile(
         mask=kv_mask,
         other=0.0,
     )
+    if IS_QUANT:
+        at = block * stride_sb + offset * stride_st + kv_head * stride_sh  # (BLOCK_N,)
+        k_scale = tl.load(k_scale_ptr + at, mask=p_ok, other=0.0)
+        v_scale = tl.load(v_scale_ptr + at, mask=p_ok, other=0.0)
+        k = (k.to(tl.float32) * k_scale[:, None]).to(OUT_DTYPE)
+        v = (v.to(tl.float32) * v_scale[:, None]).to(OUT_DTYPE)
     return k, v
 
 
@@ -118,6 +140,8 @@ def _decode_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     block_tables_ptr,
     seq_ids_ptr,
     seq_lens_ptr,
@@ -137,6 +161,9 @@ def _decode_kernel(
     stride_vb,
     stride_vt,
     stride_vh,
+    stride_sb,
+    stride_st,
+    stride_sh,
     stride_bt,
     stride_ot,
     stride_oh,
@@ -151,6 +178,7 @@ def _decode_kernel(
     HAS_SOFTCAP: tl.constexpr,
     DOT_F32: tl.constexpr,
     IEEE: tl.constexpr,
+    IS_QUANT: tl.constexpr,
 ):
     # Offsets are products in int64 (an int32 one wraps on caches past 2**31 elements).
     i = tl.program_id(0)  # index into the decode list
@@ -192,6 +220,8 @@ def _decode_kernel(
         k, v = _load_kv_tile(
             k_cache_ptr,
             v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
             table,
             pos,
             p_ok,
@@ -205,6 +235,11 @@ def _decode_kernel(
             stride_vb,
             stride_vt,
             stride_vh,
+            stride_sb,
+            stride_st,
+            stride_sh,
+            IS_QUANT,
+            q_ptr.dtype.element_ty,
         )  # (BLOCK_N, HEAD_DIM_PAD)
         s = _scores(q, k, scale, softcap, HAS_SOFTCAP, DOT_F32, IEEE)  # (GROUP_PAD, BLOCK_N)
         s = tl.where(p_ok[None, :], s, float("-inf"))
@@ -276,6 +311,8 @@ def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     out_ptr,
     block_tables_ptr,
     seq_ids_ptr,
@@ -293,6 +330,9 @@ def _prefill_kernel(
     stride_vb,
     stride_vt,
     stride_vh,
+    stride_sb,
+    stride_st,
+    stride_sh,
     stride_bt,
     stride_ot,
     stride_oh,
@@ -305,6 +345,7 @@ def _prefill_kernel(
     HAS_SOFTCAP: tl.constexpr,
     DOT_F32: tl.constexpr,
     IEEE: tl.constexpr,
+    IS_QUANT: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.load(seq_ids_ptr + tl.program_id(1))
@@ -339,6 +380,8 @@ def _prefill_kernel(
         k, v = _load_kv_tile(
             k_cache_ptr,
             v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
             table,
             pos,
             p_ok,
@@ -352,6 +395,11 @@ def _prefill_kernel(
             stride_vb,
             stride_vt,
             stride_vh,
+            stride_sb,
+            stride_st,
+            stride_sh,
+            IS_QUANT,
+            q_ptr.dtype.element_ty,
         )  # (BLOCK_N, HEAD_DIM_PAD)
         s = _scores(q, k, scale, softcap, HAS_SOFTCAP, DOT_F32, IEEE)  # (BLOCK_M, BLOCK_N)
         visible = p_ok[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -405,8 +453,8 @@ def _pad(n: int, at_least: int = 1) -> int:
 
 def decode_attention(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim) tensor, or a QuantizedKVCache
+    v_cache,  # the same kind and layout as k_cache
     block_tables: torch.Tensor,  # (num_seqs, max_blocks) int
     seq_ids: torch.Tensor,  # (num_decode,) row of block_tables of each decode
     seq_lens: torch.Tensor,  # (num_decode,) context length, this step's token included
@@ -424,7 +472,9 @@ def decode_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
-    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert q.stride(2) == 1
+    c = kv_cache_args(k_cache, v_cache)
+    assert not c.is_quant or k_cache.out_dtype == q.dtype, "tiles dequantize to the query's dtype"
     group = num_heads // num_kv_heads
     num_decode = seq_ids.shape[0]
     if out is None:
@@ -447,8 +497,10 @@ def decode_attention(
     dot_f32 = _dot_f32(q.dtype)
     _decode_kernel[(num_decode, num_kv_heads, num_splits)](
         q,
-        k_cache,
-        v_cache,
+        c.k,
+        c.v,
+        c.k_scale,
+        c.v_scale,
         block_tables,
         seq_ids,
         seq_lens,
@@ -462,12 +514,7 @@ def decode_attention(
         k_cache.shape[1],
         q.stride(0),
         q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *c.read_strides,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -482,6 +529,7 @@ def decode_attention(
         HAS_SOFTCAP=softcap is not None,
         DOT_F32=dot_f32,
         IEEE=on_gpu and q.dtype == torch.float32,
+        IS_QUANT=c.is_quant,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -504,8 +552,8 @@ def decode_attention(
 
 def prefill_attention(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), this step's keys already written
-    v_cache: torch.Tensor,
+    k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim) or a QuantizedKVCache, this step's keys written
+    v_cache,  # the same kind and layout as k_cache
     block_tables: torch.Tensor,  # (num_seqs, max_blocks) int
     query_start_loc: torch.Tensor,  # (num_seqs + 1,) int: where each sequence's query rows start
     seq_lens: torch.Tensor,  # (num_seqs,) int: context length after this step
@@ -524,7 +572,9 @@ def prefill_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
-    assert q.stride(2) == 1 and k_cache.stride(3) == 1 and v_cache.stride(3) == 1
+    assert q.stride(2) == 1
+    c = kv_cache_args(k_cache, v_cache)
+    assert not c.is_quant or k_cache.out_dtype == q.dtype, "tiles dequantize to the query's dtype"
     if out is None:
         out = torch.empty_like(q)
     num_prefill = seq_ids.shape[0]
@@ -539,8 +589,10 @@ def prefill_attention(
     grid = (triton.cdiv(max_query_len, block_m), num_prefill, num_heads)
     _prefill_kernel[grid](
         q,
-        k_cache,
-        v_cache,
+        c.k,
+        c.v,
+        c.k_scale,
+        c.v_scale,
         out,
         block_tables,
         seq_ids,
@@ -552,12 +604,7 @@ def prefill_attention(
         k_cache.shape[1],
         q.stride(0),
         q.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
+        *c.read_strides,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -570,6 +617,7 @@ def prefill_attention(
         HAS_SOFTCAP=softcap is not None,
         DOT_F32=_dot_f32(q.dtype),
         IEEE=on_gpu and q.dtype == torch.float32,
+        IS_QUANT=c.is_quant,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -612,8 +660,8 @@ def _step_tensors(meta: AttentionMetadata, device: torch.device) -> _StepTensors
 
 def paged_attention(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim), this step's keys already written
-    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim) or a QuantizedKVCache, this step's keys written
+    v_cache,  # the same kind and layout as k_cache
     meta: AttentionMetadata,
     scale: float,
     sliding_window: Optional[int] = None,
@@ -621,7 +669,8 @@ def paged_attention(
     k_new: Optional[torch.Tensor] = None,  # unused: the kernels read every key from the cache
     v_new: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """`batchrun.kernels.attention.paged_attention` on Triton kernels (CUDA tensors, float caches)."""
+    """`batchrun.kernels.attention.paged_attention` on Triton kernels (CUDA tensors; float, int8 or
+    fp8 caches)."""
     out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
     t = _step_tensors(meta, q.device)
     if meta.decode_seq_ids.shape[0] > 0:

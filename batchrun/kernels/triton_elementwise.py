@@ -5,7 +5,8 @@
 - `qkv_norm_rope_write`: from the fused qkv projection's output, q/k-norm (Qwen3, Gemma 3), rotary
   on q and k, and the K/V write into the paged cache, in one launch: one program per (token, head),
   the KV heads' programs also storing K and V at the token's slot (a negative slot writes nothing,
-  the CUDA-graph padding convention).
+  the CUDA-graph padding convention); into an int8/fp8 cache quantized on the way, each program
+  holding its whole head for the scale (kernels/triton_kv.py's quantization).
 
 Each has the signature and result of its plain-torch reference (`batchrun.kernels.elementwise`'s
 `*_reference` and `batchrun.kernels.attention_torch.qkv_norm_rope_write_reference`), which the tests
@@ -18,11 +19,13 @@ tips a rounding. Offsets are int64: rows times strides pass 2**31 on long batche
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from batchrun.kernels.qkv_heads import QKVHeads
+from batchrun.kernels.triton_kv import kv_cache_args, kv_quantize, kv_scale
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +156,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _quantize_halves(x1, x2, IS_INT8: tl.constexpr):
+    """A head given as its two halves (zero past the half's end), quantized as quantize_kv does:
+    (q1, q2, scale), q1 and q2 as float32 values exact in int8 or float8_e4m3fn."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    scale = kv_scale(tl.maximum(tl.max(tl.abs(x1), 0), tl.max(tl.abs(x2), 0)), IS_INT8)
+    return kv_quantize(x1, scale, IS_INT8), kv_quantize(x2, scale, IS_INT8), scale
+
+
+@triton.jit
 def _qkv_kernel(
     qkv_ptr,
     cos_ptr,
@@ -163,6 +176,8 @@ def _qkv_kernel(
     k_out_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     slot_ptr,
     eps,
     block_size,
@@ -173,12 +188,17 @@ def _qkv_kernel(
     stride_cb,
     stride_ct,
     stride_ch,
+    stride_sb,
+    stride_st,
+    stride_sh,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HALF_PAD: tl.constexpr,
     HAS_NORM: tl.constexpr,
     IS_GEMMA: tl.constexpr,
+    IS_QUANT: tl.constexpr,
+    IS_INT8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1).to(tl.int64)  # query heads first, then KV heads
@@ -226,36 +246,43 @@ def _qkv_kernel(
         w_ok = ok & (slot >= 0)
         slot = tl.maximum(slot, 0)
         cache = (slot // block_size) * stride_cb + (slot % block_size) * stride_ct + kv_head * stride_ch
-        tl.store(k_cache_ptr + cache + d, r1.to(k_cache_ptr.dtype.element_ty), mask=w_ok)
-        tl.store(k_cache_ptr + cache + half + d, r2.to(k_cache_ptr.dtype.element_ty), mask=w_ok)
         v_src = qkv_ptr + t * stride_t + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
         v1 = tl.load(v_src + d, mask=w_ok, other=0.0)
         v2 = tl.load(v_src + half + d, mask=w_ok, other=0.0)
+        k1 = r1
+        k2 = r2
+        if IS_QUANT:
+            # quantize_kv of the rotated K (as rounded to the dtype) and of V: one scale per (token,
+            # KV head) over both halves of the head
+            k1, k2, k_scale = _quantize_halves(r1, r2, IS_INT8)
+            v1, v2, v_scale = _quantize_halves(v1, v2, IS_INT8)
+            scale_at = (slot // block_size) * stride_sb + (slot % block_size) * stride_st + kv_head * stride_sh
+            one = w_ok & (d == 0)  # the head's scale, stored from one lane
+            tl.store(k_scale_ptr + scale_at, k_scale + tl.zeros((HALF_PAD,), tl.float32), mask=one)
+            tl.store(v_scale_ptr + scale_at, v_scale + tl.zeros((HALF_PAD,), tl.float32), mask=one)
+        tl.store(k_cache_ptr + cache + d, k1.to(k_cache_ptr.dtype.element_ty), mask=w_ok)
+        tl.store(k_cache_ptr + cache + half + d, k2.to(k_cache_ptr.dtype.element_ty), mask=w_ok)
         tl.store(v_cache_ptr + cache + d, v1.to(v_cache_ptr.dtype.element_ty), mask=w_ok)
         tl.store(v_cache_ptr + cache + half + d, v2.to(v_cache_ptr.dtype.element_ty), mask=w_ok)
 
 
 def qkv_norm_rope_write(
     qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim): q, k, v heads
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
+    heads: QKVHeads,
     cos: torch.Tensor,  # (num_tokens, head_dim) in qkv's dtype
     sin: torch.Tensor,  # (num_tokens, head_dim)
-    q_norm: Optional[torch.Tensor],  # (head_dim,) or None: no q/k-norm
-    k_norm: Optional[torch.Tensor],  # (head_dim,)
-    eps: float,
-    is_gemma: bool,
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: torch.Tensor,
+    k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim) tensor, or a QuantizedKVCache
+    v_cache,  # the same kind and layout as k_cache
     slot_mapping: torch.Tensor,  # (num_tokens,) int; negative = write nothing
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) as (num_tokens, heads, head_dim) with q and k normed and rotated, K and V written
-    to the cache: `attention_torch.qkv_norm_rope_write_reference` in one launch."""
+    to the cache (quantized into an int8/fp8 one, bitwise as `QuantizedKVCache.write`):
+    `attention_torch.qkv_norm_rope_write_reference` in one launch."""
     num_tokens = qkv.shape[0]
+    num_heads, num_kv_heads, head_dim = heads.num_heads, heads.num_kv_heads, heads.head_dim
+    c = kv_cache_args(k_cache, v_cache)
     assert qkv.stride(1) == 1 and cos.stride(1) == 1 and sin.stride() == cos.stride()
-    assert k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride() and head_dim % 2 == 0
-    assert (q_norm is None) == (k_norm is None)
+    assert c.k.stride() == c.v.stride() and head_dim % 2 == 0
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -266,27 +293,32 @@ def qkv_norm_rope_write(
         qkv,
         cos,
         sin,
-        q_norm if q_norm is not None else cos,
-        k_norm if k_norm is not None else cos,
+        heads.q_norm if heads.q_norm is not None else cos,
+        heads.k_norm if heads.k_norm is not None else cos,
         q,
         k,
-        k_cache,
-        v_cache,
+        c.k,
+        c.v,
+        c.k_scale,
+        c.v_scale,
         slot_mapping,
-        float(eps),
-        k_cache.shape[1],
+        float(heads.eps),
+        c.k.shape[1],
         qkv.stride(0),
         cos.stride(0),
         q.stride(0),
         k.stride(0),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
+        c.k.stride(0),
+        c.k.stride(1),
+        c.k.stride(2),
+        *c.scale_strides,
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HALF_PAD=triton.next_power_of_2(head_dim // 2),
-        HAS_NORM=q_norm is not None,
-        IS_GEMMA=is_gemma,
+        HAS_NORM=heads.q_norm is not None,
+        IS_GEMMA=heads.is_gemma,
+        IS_QUANT=c.is_quant,
+        IS_INT8=c.is_int8,
     )
     return q, k, v

@@ -19,6 +19,7 @@ from torch import nn
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention import paged_attention, qkv_norm_rope_write
 from batchrun.kernels.attention_metadata import AttentionMetadata
+from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.model.moe import (
     SparseMoeBlock,
     expert_token_counts,
@@ -181,27 +182,19 @@ class Attention(nn.Module):
         self.window = spec.layer_windows[layer_idx]
         self.rope_key = spec.layer_rope_keys[layer_idx]
 
+    def _heads(self) -> QKVHeads:
+        # Made per call: the norms' weights are replaced when the model gets its storage.
+        s = self.spec
+        norms = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
+        return QKVHeads(s.num_heads, s.num_kv_heads, s.head_dim, *norms, s.rms_norm_eps, s.gemma_norms)
+
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         s = self.spec
         qkv = self.qkv_proj(x)  # (num_tokens, q_size + 2 * kv_size)
         cos, sin = cos_sin[self.rope_key]
         k_cache, v_cache = kv_cache
         # q/k-norm, rotary and the KV write: one fused kernel on the GPU, the separate ops elsewhere
-        q, k, v = qkv_norm_rope_write(
-            qkv,
-            s.num_heads,
-            s.num_kv_heads,
-            s.head_dim,
-            cos,
-            sin,
-            self.q_norm.weight if s.qk_norm else None,
-            self.k_norm.weight if s.qk_norm else None,
-            s.rms_norm_eps,
-            s.gemma_norms,
-            k_cache,
-            v_cache,
-            meta.slot_mapping,
-        )
+        q, k, v = qkv_norm_rope_write(qkv, self._heads(), cos, sin, k_cache, v_cache, meta.slot_mapping)
         o = paged_attention(q, k_cache, v_cache, meta, s.attn_scale, self.window, s.attn_logit_softcap, k, v)
         return self.o_proj(o.reshape(-1, self.q_size))
 

@@ -87,14 +87,31 @@ class QuantizedKVCache:
         return dequantize_kv(self.data[index], self.scale[index], self.out_dtype)
 
     def write(self, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Quantize (num_tokens, num_kv_heads, head_dim) and store it at the given flat slots."""
+        """Quantize (num_tokens, num_kv_heads, head_dim) and store it at the given flat slots; a
+        negative slot writes nothing (CUDA-graph padding and `capture_all`'s dummy rows).
+
+        Skipping must not read the slots on the host (a sync, and no CUDA-graph capture), so rows
+        are never dropped: a row with a negative slot instead repeats the row holding the largest
+        slot, which writes the same bytes to the same slot again. With no slot at all, every row
+        rewrites slot 0 with what it already holds."""
+        if slot_mapping.shape[0] == 0:
+            return
         q, scale = quantize_kv(x, self.data.dtype)
-        # index_copy_ has no float8 kernel on the CPU; the bytes are the same through a uint8 view.
-        flat = self.data.flatten(0, 1)
+        # Indexing has no float8 kernel on the CPU; the bytes are the same through a uint8 view.
+        flat = self.data.flatten(0, 1)  # (num_slots, num_kv_heads, head_dim)
         if flat.dtype != torch.int8:
             flat, q = flat.view(torch.uint8), q.view(torch.uint8)
-        flat.index_copy_(0, slot_mapping, q)
-        self.scale.flatten(0, 1).index_copy_(0, slot_mapping, scale)
+        flat_scale = self.scale.flatten(0, 1)  # (num_slots, num_kv_heads)
+        rows = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)
+        rows = torch.where(slot_mapping >= 0, rows, slot_mapping.argmax())  # (num_tokens,)
+        slots = slot_mapping[rows]
+        has_slot = slots >= 0  # False only where no row has a slot
+        slots = slots.clamp(min=0)
+        q = torch.where(has_slot[:, None, None], q[rows], flat[slots])
+        scale = torch.where(has_slot[:, None], scale[rows], flat_scale[slots])
+        # Duplicate slots carry identical rows, so whichever copy lands last, the result is the same.
+        flat.index_copy_(0, slots, q)
+        flat_scale.index_copy_(0, slots, scale)
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * self.scale.element_size()

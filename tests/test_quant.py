@@ -415,6 +415,43 @@ def test_int8_kv_cache_halves_kv_bytes_and_keeps_greedy_close(tiny_llama_dir):
     assert sum(x == y for o, p in zip(a, b) for x, y in zip(o.token_ids, p.token_ids)) >= 0.75 * 24
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_a_quantized_kv_cache_leaves_greedy_unchanged_by_prefix_caching_chunking_and_batch_size(
+    tiny_llama_dir, kv_dtype, one_torch_thread
+):
+    """Every path reads the same quantized K/V: a prompt attends to its own tokens as the cache
+    holds them, so a prefix served from the cache, a prompt cut into chunks, or one sequence at a
+    time gives the tokens of one full-batch run with every prompt computed."""
+    from batchrun.engine import Engine, EngineConfig, SamplingParams
+
+    stem = "The weather report for the coming week says that the mornings will be cold and "
+    prompts = [stem + "the sun", stem + "the rain falls", "Once upon a time there was", "def main(): return"]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    common = dict(
+        model=tiny_llama_dir,
+        dtype="float32",
+        kv_cache_memory=16 << 20,
+        max_num_seqs=8,
+        max_num_batched_tokens=1024,
+        kv_cache_dtype=kv_dtype,
+    )
+    runs = {}
+    for name, change in {
+        "no prefix cache": dict(enable_prefix_caching=False),
+        "prefix cache": {},
+        "chunks of 8 tokens": dict(max_num_batched_tokens=8),
+        "one sequence at a time": dict(max_num_seqs=1),
+    }.items():
+        engine = Engine(EngineConfig(**{**common, **change}))
+        runs[name] = [o.token_ids for o in engine.generate(prompts, params)]
+        if name == "prefix cache":  # the same prompts again: their full blocks come from the cache
+            again = engine.generate(prompts, params)
+            assert all(o.metrics.num_cached_tokens >= 16 for o in again[:2])
+            runs["prefix cache, served from it"] = [o.token_ids for o in again]
+    want = runs.pop("no prefix cache")
+    assert {name: got == want for name, got in runs.items()} == dict.fromkeys(runs, True)
+
+
 def test_w8a8_float_outlier_channels_cut_the_error_of_outlier_heavy_activations():
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(96, 256, generator=gen) * 0.05

@@ -415,6 +415,21 @@ def test_int8_kv_cache_halves_kv_bytes_and_keeps_greedy_close(tiny_llama_dir):
     assert sum(x == y for o, p in zip(a, b) for x, y in zip(o.token_ids, p.token_ids)) >= 0.75 * 24
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_a_fresh_prompt_attends_to_its_keys_as_a_quantized_cache_holds_them(kv_dtype):
+    """Handing attention this step's K/V (the fresh-prompt shortcut) must not change what a prompt
+    over a quantized cache sees: a prefix served from the cache is read quantized, so the prompt
+    computed whole must read its own tokens quantized too, or prefix caching changes outputs."""
+    from batchrun.bench.cases import attention_case
+    from batchrun.kernels.cpu_attention import paged_attention_cpu
+
+    case = attention_case([(0, 9), (0, 5), (6, 1)], 4, 2, 16, 4, kv_cache_dtype=kv_dtype)
+    args = (case.q, case.k_cache, case.v_cache, case.meta, 16**-0.5)
+    torch.testing.assert_close(
+        paged_attention_cpu(*args, k_new=case.k_new, v_new=case.v_new), paged_attention_cpu(*args), rtol=0, atol=0
+    )
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_a_quantized_kv_cache_leaves_greedy_unchanged_by_prefix_caching_chunking_and_batch_size(
     tiny_llama_dir, kv_dtype, one_torch_thread

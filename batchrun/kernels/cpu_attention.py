@@ -276,6 +276,10 @@ def paged_attention_cpu(
     decodes and prefills run the native kernels where they are built and serve the cache's dtype and
     shape (`supports`, `supports_prefill`), the rest the torch path."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (num_tokens, num_heads, head_dim)
+    if isinstance(k_cache, QuantizedKVCache):
+        # A prefix served from the cache is read quantized; a fresh prompt must see its own keys the
+        # same way (not this step's float K/V), or prefix caching would change its outputs.
+        k_new = v_new = None
     if meta.prefill_seq_ids and supports_prefill(q, k_cache):
         paged_prefill_attention(
             q.contiguous(), k_cache, v_cache, *meta.prefill_native_inputs(), out, scale, sliding_window, softcap

@@ -13,8 +13,6 @@ import logging
 import time
 from typing import Any, Optional
 
-import torch
-
 from batchrun.engine.config import SamplingParams
 from batchrun.engine.grammar import GrammarCompiler
 from batchrun.engine.outputs import EngineRequest
@@ -59,8 +57,7 @@ class Admission:
         samples = []
         for i in range(params.n):
             seed = sample_seed(base_seed, i) if base_seed is not None else None
-            generator = torch.Generator().manual_seed(seed) if seed is not None else None
-            samples.append(Request(first_seq_id + i, request_id, token_ids, params, now, generator, seed, i))
+            samples.append(Request(first_seq_id + i, request_id, token_ids, params, now, seed, i))
         if error is not None:
             for req in samples:
                 req.finish_reason, req.error = "error", error

@@ -359,7 +359,7 @@ class Engine:
             "self_layers": num_layers,
             "adaptive": spec.adaptive,
         }
-        return Drafter(spec, policy, runner, num_layers)
+        return Drafter(spec, policy, runner, self.sampler, num_layers)
 
     def reset_peak_stats(self) -> None:
         self.kv.reset_peak()
@@ -404,7 +404,7 @@ class Engine:
         for req in batch.requests:
             if req.metrics.first_scheduled_s is None:
                 req.metrics.first_scheduled_s = now
-        draft_probs = self.drafter.fill(batch, proposals) if batch.num_spec else {}
+        draft_probs = self.drafter.fill(batch, proposals) if batch.num_spec else None
         out = self.runner.execute(batch)
         by_seq = {r.seq_id: r for r in batch.requests}
         for seq, (first, entries) in out.prompt_logprobs.items():

@@ -13,14 +13,12 @@ import logging
 from collections.abc import Sequence
 from typing import Any, Optional
 
-import torch
-
 from batchrun.engine.grammar import apply_bitmask, fill_bitmask
 from batchrun.engine.request import Request
 from batchrun.engine.runner import RunnerOutput
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler
-from batchrun.engine.speculative import record_acceptance, verify
+from batchrun.engine.speculative import DraftProbs, record_acceptance, verify
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +57,7 @@ class StepSampler:
                 failed.append(req)
         return failed
 
-    def sample(self, batch: ScheduledBatch, out: RunnerOutput, draft_probs: dict[int, torch.Tensor]) -> SampledTokens:
+    def sample(self, batch: ScheduledBatch, out: RunnerOutput, draft_probs: Optional[DraftProbs]) -> SampledTokens:
         """The tokens every sampling request produces this step (requests finished by a failed
         grammar produce none)."""
         result: SampledTokens = {}
@@ -101,30 +99,36 @@ class StepSampler:
         self,
         batch: ScheduledBatch,
         out: RunnerOutput,
-        draft_probs: dict[int, torch.Tensor],
+        draft_probs: Optional[DraftProbs],
         result: SampledTokens,
     ) -> tuple[list[Request], list[int]]:
-        """Verify the drafts of requests that carried some into `result`; return the other sampled
-        requests and their logits rows, for the plain sampler."""
+        """Verify the drafts of every request that carried some, all in one call, into `result`;
+        return the other sampled requests and their logits rows, for the plain sampler."""
         by_seq = {r.seq_id: r for r in batch.requests}
         plain_rows: list[int] = []
         plain_reqs: list[Request] = []
+        spec_rows: list[int] = []
+        spec_reqs: list[Request] = []
         row = 0
         for seq, n in zip(out.sample_seq_ids, out.num_rows):
             req = by_seq[seq]
-            drafts = batch.spec_token_ids.get(seq)
             if req.is_finished:  # its grammar failed to compile
                 pass
-            elif drafts:
-                tokens = verify(out.logits[row : row + n], drafts, req.params, req.generator, draft_probs.get(seq))
-                record_acceptance(req, len(drafts), len(tokens) - 1)
-                self.num_spec_proposed += len(drafts)
-                self.num_spec_accepted += len(tokens) - 1
-                result[seq] = (req, tokens, None)
+            elif batch.spec_token_ids.get(seq):
+                spec_rows.append(row)
+                spec_reqs.append(req)
             else:
                 plain_rows.append(row)
                 plain_reqs.append(req)
             row += n
+        if spec_reqs:
+            drafts = [batch.spec_token_ids[r.seq_id] for r in spec_reqs]
+            verified = verify(out.logits, spec_rows, spec_reqs, drafts, self.sampler, draft_probs)
+            for req, proposed, tokens in zip(spec_reqs, drafts, verified):
+                record_acceptance(req, len(proposed), len(tokens) - 1)
+                self.num_spec_proposed += len(proposed)
+                self.num_spec_accepted += len(tokens) - 1
+                result[req.seq_id] = (req, tokens, None)
         return plain_reqs, plain_rows
 
     def stops(self, sampled: SampledTokens) -> list[Request]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -13,6 +12,7 @@ import torch
 
 from batchrun.engine.admission import Admission
 from batchrun.engine.config import EngineConfig, SamplingParams, SpeculativeConfig
+from batchrun.engine.device import available_memory, resolve_device, resolve_dtype, weight_count
 from batchrun.engine.drafter import Drafter
 from batchrun.engine.grammar import GrammarCompiler
 from batchrun.engine.kv_cache import KVCacheManager
@@ -32,51 +32,6 @@ from batchrun.model.loader import load_model
 from batchrun.model.prepare import module_weight_bytes
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AVX-512 BF16 or AMX), where bf16 beats fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("engine.device is 'cuda' but no CUDA GPU is visible")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-
-
-def _weight_count(model: torch.nn.Module) -> int:
-    """Elements of a model's parameters and buffers, a tensor shared by two modules counted once."""
-    seen: set[int] = set()
-    total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel()
-    return total
-
-
-def _available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class Engine:
@@ -124,9 +79,9 @@ class Engine:
             per_block += kv_bytes_per_block(draft[0], config.block_size, self.dtype)
         kv_bytes = config.kv_cache_memory
         if kv_bytes is None:
-            kv_bytes = default_kv_bytes(self.device, _available_memory(self.device))
+            kv_bytes = default_kv_bytes(self.device, available_memory(self.device))
         elif kv_bytes <= 1:
-            kv_bytes = kv_bytes * _available_memory(self.device)
+            kv_bytes = kv_bytes * available_memory(self.device)
         num_blocks = int(kv_bytes // per_block)
         if num_blocks < 1:
             raise ValueError(
@@ -349,7 +304,7 @@ class Engine:
                 block_tables=self.kv.block_tables,
             )
             # Weights as parameters or as buffers (packed, quantized, a tied head's tiles), each once.
-            draft_cost = _weight_count(draft_model) / _weight_count(self.model)
+            draft_cost = weight_count(draft_model) / weight_count(self.model)
             self.settings["draft_model"] = path
         cost = StepCostModel(profile.get("decode_tok_s") or {1: 1.0})
         policy = SpeculationPolicy(spec, cost, draft_cost)

@@ -25,6 +25,7 @@ from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from batchrun.engine.speculative import SpeculationPolicy, StepCostModel
 from batchrun.engine.step_sampler import StepSampler, cut_at_stop_string
+from batchrun.engine.warmup import warm_up
 from batchrun.kernels import cpu_native
 from batchrun.model.decoder import DecoderLM, build_decoder
 from batchrun.model.linear import NativeLinear
@@ -167,6 +168,8 @@ class Engine:
         self._num_generated_tokens = 0
         self._num_steps = 0
         self.model.reset_expert_token_counts()  # start-up profiling forwards are not real tokens
+        if config.warmup or (config.warmup is None and self.device.type == "cuda"):
+            self.warmup()
         log.info(
             "engine ready in %.1fs: %s (%s) on %s/%s, %d KV blocks x %d tokens, max_model_len %d, "
             "max_num_seqs %d, max_num_batched_tokens %d%s",
@@ -315,6 +318,25 @@ class Engine:
             "adaptive": spec.adaptive,
         }
         return Drafter(spec, policy, runner, self.sampler, num_layers)
+
+    def warmup(self) -> dict[str, Any]:
+        """Run each kind of step this engine will run once, so Triton compiles every kernel variant
+        and every CUDA-graph bucket is captured before anything is timed (engine/warmup.py); return
+        what ran (also in settings["warmup"]). Engine init calls it per EngineConfig.warmup.
+
+        It leaves no trace a request could see: no KV block allocated, no request id consumed, the
+        sampler's generator untouched. It needs an idle engine, forgets the prefix cache (its steps
+        write into free blocks) and zeroes the expert-load counters, as start-up does."""
+        assert not self.scheduler.has_unfinished() and not self.scheduler.num_parked, "warm up an idle engine only"
+        self.kv.reset_prefix_cache()  # the warm-up writes into free blocks: none may hold cached content
+        runners = [self.runner]
+        if self.drafter is not None and self.drafter.runner is not self.runner:
+            runners.append(self.drafter.runner)  # a draft model: its own shapes, its own kernels and graphs
+        limits = (self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs)
+        summary = warm_up(runners, self.sampler, self.kv.num_blocks, *limits)
+        self.kv.reset_peak()
+        self.settings["warmup"] = summary
+        return summary
 
     def reset_peak_stats(self) -> None:
         self.kv.reset_peak()

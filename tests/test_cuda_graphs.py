@@ -35,7 +35,7 @@ def test_buckets_cover_every_batch_size_with_the_smallest_fit():
 
 
 def _request(seq_id: int, num_tokens: int, num_computed: int, block_size: int, rng: np.random.Generator) -> Request:
-    req = Request(seq_id, seq_id, rng.integers(0, 500, num_tokens).tolist(), Params(temperature=0.0), 0.0, None)
+    req = Request(seq_id, seq_id, rng.integers(0, 500, num_tokens).tolist(), Params(temperature=0.0), 0.0)
     req.num_computed_tokens = num_computed
     num_blocks = -(-(num_computed + 1) // block_size)
     req.block_ids = rng.permutation(200)[:num_blocks].tolist()

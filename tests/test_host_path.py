@@ -38,7 +38,7 @@ def _simulate(kv: KVCacheManager, seed: int, on_step) -> Scheduler:
     sched = Scheduler(SchedulerConfig(max_num_seqs=6, max_num_batched_tokens=48, max_model_len=96), kv)
     for i, prompt in enumerate(_prompts(rng, 40)):
         params = SamplingParams(temperature=0.0, max_tokens=int(rng.integers(1, 60)))
-        sched.add(Request(i, i, prompt, params, 0.0, None))
+        sched.add(Request(i, i, prompt, params, 0.0))
     step = 0
     while sched.has_unfinished():
         batch = sched.schedule()
@@ -159,7 +159,7 @@ def test_incremental_registration_registers_what_full_reregistration_does():
 
 def test_commit_computed_hashes_only_blocks_filled_since_the_last_step(monkeypatch):
     kv = KVCacheManager(num_blocks=64, block_size=4, enable_prefix_caching=True)
-    r = Request(0, 0, list(range(9)), SamplingParams(temperature=0.0), 0.0, None)
+    r = Request(0, 0, list(range(9)), SamplingParams(temperature=0.0), 0.0)
     assert kv.allocate(r, 9)
     registered: list[int] = []
     register = kv.pool.register

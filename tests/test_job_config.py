@@ -95,3 +95,18 @@ def test_unknown_key_suggestions_for_hydra_refusals():
         "engine.speculative.methd: unknown key (did you mean method?)"
     )
     assert str(unknown_key("engine.dtype.x")) == "engine.dtype: is not a group of keys"
+
+
+def test_speculative_settings_enter_the_fingerprint_only_where_seeded_rows_speculate():
+    from batchrun.job.fingerprint import differences, settings_fingerprint
+
+    def fingerprint(**spec) -> dict:
+        return settings_fingerprint(build_run_config(_raw(engine={"speculative": spec})))
+
+    adaptive = fingerprint(method="ngram", num_speculative_tokens=2)
+    assert adaptive["engine.speculative.seeded_drafts"] is None  # seeded rows never carry drafts
+    assert not differences(adaptive, fingerprint(method="ngram", num_speculative_tokens=5))
+    forced = fingerprint(method="ngram", num_speculative_tokens=2, adaptive=False)
+    (changed,) = differences(adaptive, forced)
+    assert changed.startswith("engine.speculative.seeded_drafts: null -> {")
+    assert differences(forced, fingerprint(method="ngram", num_speculative_tokens=5, adaptive=False))

@@ -12,7 +12,7 @@ P = SamplingParams(temperature=0.0)
 
 
 def req(seq_id: int, tokens: list[int]) -> Request:
-    return Request(seq_id, seq_id, tokens, P, 0.0, None)
+    return Request(seq_id, seq_id, tokens, P, 0.0)
 
 
 def test_pool_allocates_in_order_and_reuses_uncached_blocks_first():

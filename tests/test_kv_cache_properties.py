@@ -45,7 +45,7 @@ def test_pool_invariants_hold_under_any_traffic(ops, prefix, block_size):
     for kind, slot, pattern, length in ops:
         if kind == "admit" and slot not in live:
             tokens = [pattern * 100 + (i % 7) for i in range(length)]  # patterns share prefixes
-            r = Request(next_id, next_id, tokens, P, 0.0, None)
+            r = Request(next_id, next_id, tokens, P, 0.0)
             next_id += 1
             held_before = {b for x in live.values() for b in x.block_ids}
             kv.match_prefix(r)

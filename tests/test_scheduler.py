@@ -50,7 +50,6 @@ def reqs(lengths, max_tokens=5, seed=0):
             [rng.randint(1, 50) for _ in range(n)],
             SamplingParams(temperature=0, max_tokens=max_tokens),
             0.0,
-            None,
         )
         for i, n in enumerate(lengths)
     ]
@@ -97,16 +96,16 @@ def test_preemption_recomputes_and_gives_the_same_tokens():
 
 def test_eos_and_stop_token_ids_and_max_model_len():
     sched, _ = make(max_model_len=12)
-    r = Request(0, 0, [1, 2, 3], SamplingParams(temperature=0, max_tokens=100), 0.0, None)
+    r = Request(0, 0, [1, 2, 3], SamplingParams(temperature=0, max_tokens=100), 0.0)
     sched.add(r)
     batch = sched.schedule()
     sched.update(batch, {0: [EOS]})
     assert r.finish_reason == "stop" and r.output_token_ids == [EOS]
-    r2 = Request(1, 1, [1, 2, 3], SamplingParams(temperature=0, max_tokens=100, stop_token_ids=(7,)), 0.0, None)
+    r2 = Request(1, 1, [1, 2, 3], SamplingParams(temperature=0, max_tokens=100, stop_token_ids=(7,)), 0.0)
     sched.add(r2)
     sched.update(sched.schedule(), {1: [7]})
     assert r2.finish_reason == "stop"
-    r3 = Request(2, 2, [1] * 10, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), 0.0, None)
+    r3 = Request(2, 2, [1] * 10, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), 0.0)
     sched.add(r3)
     sched.update(sched.schedule(), {2: [EOS]})
     assert not r3.is_finished  # EOS ignored
@@ -121,7 +120,7 @@ def test_sibling_samples_wait_for_the_prompt_then_share_its_blocks():
         sched, kv = make(budget=8, block_size=4, prefix=prefix)
         prompt = list(range(1, 19))  # 18 tokens: 4 full blocks before the last token's block
         params = SamplingParams(temperature=1.0, max_tokens=3, n=3)
-        samples = [Request(i, "r", prompt, params, 0.0, None, i, i) for i in range(3)]
+        samples = [Request(i, "r", prompt, params, 0.0, i, i) for i in range(3)]
         sched.add(samples[0], samples[1:])
         assert sched.num_unfinished == 3 and list(sched.waiting) == [samples[0]]
         batch = sched.schedule()

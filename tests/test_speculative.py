@@ -12,10 +12,19 @@ from hypothesis import strategies as st
 
 from batchrun import Engine, EngineConfig, SamplingParams
 from batchrun.engine.config import SpeculativeConfig
+from batchrun.engine.drafter import is_eligible
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.request import Request
+from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Scheduler, SchedulerConfig
-from batchrun.engine.speculative import SpeculationPolicy, StepCostModel, expected_accepted, ngram_propose, verify
+from batchrun.engine.speculative import (
+    DraftProbs,
+    SpeculationPolicy,
+    StepCostModel,
+    expected_accepted,
+    ngram_propose,
+    verify,
+)
 from batchrun.testing import sample_texts
 
 # ---- proposers and helpers ---------------------------------------------------------------------
@@ -41,7 +50,7 @@ def test_expected_accepted_and_cost_model():
 
 
 def _req(seq_id: int, n: int = 5, greedy: bool = True) -> Request:
-    r = Request(seq_id, seq_id, list(range(1, n + 1)), SamplingParams(temperature=0.0 if greedy else 1.0), 0.0, None)
+    r = Request(seq_id, seq_id, list(range(1, n + 1)), SamplingParams(temperature=0.0 if greedy else 1.0), 0.0)
     r.num_computed_tokens = n - 1
     return r
 
@@ -94,24 +103,33 @@ def test_at_batch_1_a_memory_bound_profile_speculates_and_width_1_alone_would_no
 # ---- verification ------------------------------------------------------------------------------
 
 
+def _verify_one(logits: torch.Tensor, drafts: list[int], params: SamplingParams, seed=None) -> list[int]:
+    """verify() for one request whose rows are all of `logits` (prompt of 3 tokens)."""
+    req = Request(0, 0, [1, 2, 3], params, 0.0, seed)
+    return verify(logits, [0], [req], [drafts], Sampler(seed=0))[0]
+
+
 def test_greedy_verify_accepts_the_matching_prefix_plus_the_target_token():
     logits = torch.full((4, 10), -5.0)
     for row, tok in enumerate([3, 4, 9, 1]):
         logits[row, tok] = 5.0
     greedy = SamplingParams(temperature=0.0)
-    assert verify(logits, [3, 4, 5], greedy, None) == [3, 4, 9]
-    assert verify(logits, [3, 4, 9], greedy, None) == [3, 4, 9, 1]  # all accepted + bonus
-    assert verify(logits, [0, 4, 9], greedy, None) == [3]
+    assert _verify_one(logits, [3, 4, 5], greedy) == [3, 4, 9]
+    assert _verify_one(logits, [3, 4, 9], greedy) == [3, 4, 9, 1]  # all accepted + bonus
+    assert _verify_one(logits, [0, 4, 9], greedy) == [3]
 
 
 def _tv(counts: Counter, probs: torch.Tensor, n: int) -> float:
     return 0.5 * sum(abs(counts.get(i, 0) / n - float(probs[i])) for i in range(len(probs)))
 
 
+@pytest.mark.parametrize("seeded", [True, False])
 @pytest.mark.parametrize("proposal", ["point_mass", "draft_probs"])
-def test_rejection_sampling_keeps_the_target_distribution(proposal):
+def test_rejection_sampling_keeps_the_target_distribution(proposal, seeded):
     """Tiny vocabulary, many draws: the first token follows p0 and the second, given the first was
-    the accepted draft, follows p1 (total-variation bound for 20k samples)."""
+    the accepted draft, follows p1 (total-variation bound for 20k samples). All draws are one
+    batched verification of 20k requests over the same logits rows: seeded requests each with
+    their own seed, unseeded ones drawing from the sampler's generator."""
     torch.manual_seed(0)
     vocab = 6
     logits = torch.randn(3, vocab) * 1.5
@@ -121,19 +139,87 @@ def test_rejection_sampling_keeps_the_target_distribution(proposal):
     g = torch.Generator().manual_seed(1)
     n = 20_000
     first, second = Counter(), Counter()
-    for _ in range(n):
-        if proposal == "point_mass":
-            drafts, dp = [2, 4], None
-        else:
-            drafts = [int(torch.multinomial(q[0], 1, generator=g)), int(torch.multinomial(q[1], 1, generator=g))]
-            dp = q
-        out = verify(logits, drafts, params, g, dp)
+    reqs = [Request(i, i, [1, 2, 3], params, 0.0, 1000 + i if seeded else None) for i in range(n)]
+    if proposal == "point_mass":
+        drafts, dp = [[2, 4]] * n, None
+    else:
+        drafts = torch.stack(
+            [torch.multinomial(q[0], n, True, generator=g), torch.multinomial(q[1], n, True, generator=g)], 1
+        )
+        drafts, dp = drafts.tolist(), DraftProbs(q, {i: [0, 1] for i in range(n)})
+    for out in verify(logits, [0] * n, reqs, drafts, Sampler(seed=2), dp):
         first[out[0]] += 1
         if proposal == "point_mass" and out[0] == 2:
             second[out[1]] += 1
     assert _tv(first, p[0], n) < 0.02
     if proposal == "point_mass":
         assert _tv(second, p[1], sum(second.values())) < 0.03
+
+
+def test_verify_of_a_batch_equals_each_request_verified_alone():
+    """Greedy, point-mass and sampled-draft requests with different draft counts and masks, verified
+    in one call, give what each gives alone: every draw is keyed by (seed, position, stream), none
+    by a row's place in the batch."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 40
+    cases = [  # (params, number of drafts, whether the drafts were sampled from a distribution)
+        (SamplingParams(temperature=0.0), 3, False),
+        (SamplingParams(temperature=1.0, seed=5), 2, False),
+        (SamplingParams(temperature=0.8, top_k=6, seed=6), 4, True),
+        (SamplingParams(temperature=1.2, top_p=0.7, seed=7), 1, True),
+        (SamplingParams(temperature=1.0, seed=8), 3, True),
+    ]
+    reqs, drafts, blocks, probs, rows = [], [], [], [], {}
+    for i, (params, k, has_probs) in enumerate(cases):
+        reqs.append(Request(i, i, list(range(5 + i)), params, 0.0, params.seed))
+        block = torch.randn(k + 1, vocab, generator=g) * 2
+        q = torch.softmax(block[:k] + torch.randn(k, vocab, generator=g), dim=-1)  # a draft near the target
+        d = torch.multinomial(q, 1, generator=g).squeeze(1).tolist()
+        d[0] = int(block[0].argmax()) if i % 2 == 0 else d[0]  # some drafts that greedy accepts
+        blocks.append(block)
+        drafts.append(d)
+        if has_probs:
+            rows[i] = list(range(sum(len(x) for x in probs), sum(len(x) for x in probs) + k))
+            probs.append(q)
+    logits = torch.cat(blocks)
+    first_rows = [sum(len(b) for b in blocks[:i]) for i in range(len(blocks))]
+    dp = DraftProbs(torch.cat(probs), rows)
+    together = verify(logits, first_rows, reqs, drafts, Sampler(seed=0), dp)
+    for i in range(len(reqs)):
+        alone_dp = DraftProbs(dp.probs, {i: rows[i]}) if i in rows else None
+        alone = verify(blocks[i], [0], [reqs[i]], [drafts[i]], Sampler(seed=1), alone_dp)[0]
+        assert together[i] == alone, i
+        assert 1 <= len(alone) <= len(drafts[i]) + 1 and alone[:-1] == drafts[i][: len(alone) - 1]
+    reordered = verify(logits, first_rows[::-1], reqs[::-1], drafts[::-1], Sampler(seed=2), dp)
+    assert reordered[::-1] == together
+
+
+def test_all_drafts_accepted_end_with_the_token_the_plain_sampler_draws():
+    """The bonus token after fully accepted drafts is the sampler's own draw at its position, so a
+    step that speculated draws that position exactly as a plain step would have."""
+    g = torch.Generator().manual_seed(4)
+    params = SamplingParams(temperature=0.9, top_k=20, seed=77)
+    logits = torch.randn(4, 50, generator=g)
+    drafts = [7, 8, 9]
+    for row, token in enumerate(drafts):
+        logits[row, token] = 60.0  # p(draft) = 1 in float32: accepted whatever the uniform
+    prompt = list(range(11))
+    out = _verify_one(logits, drafts, params, seed=77)
+    plain, _ = Sampler().sample(logits[3:], [params], [77], [len(prompt) + len(drafts)])
+    assert out[:3] == drafts and out[3] == plain[0]
+    # A different seed or position draws differently somewhere (so the check above can fail).
+    others = {Sampler().sample(logits[3:], [params], [s], [14])[0][0] for s in range(20)}
+    assert len(others) > 1
+
+
+def test_seeded_samples_draft_only_under_a_per_request_policy():
+    req = Request(0, 0, [1, 2, 3], SamplingParams(temperature=1.0, seed=3), 0.0, 3)
+    req.num_computed_tokens = 2
+    assert not is_eligible(req, is_adaptive=True)  # on/off would follow the batch and the timings
+    assert is_eligible(req, is_adaptive=False)
+    unseeded = Request(1, 1, [1, 2, 3], SamplingParams(temperature=1.0), 0.0, 12)
+    unseeded.num_computed_tokens = 2
+    assert is_eligible(unseeded, is_adaptive=True)
 
 
 # ---- KV rollback through the scheduler (fake target: next = f(sequence)) --------------------------
@@ -153,8 +239,7 @@ def test_rollback_keeps_pool_consistent_and_output_unchanged(seed, k, num_blocks
         kv = KVCacheManager(num_blocks, 4, enable_prefix_caching=True)
         sched = Scheduler(SchedulerConfig(4, 32, 200, True, frozenset()), kv)
         reqs = [
-            Request(i, i, list(p), SamplingParams(temperature=0.0, max_tokens=15), 0.0, None)
-            for i, p in enumerate(prompts)
+            Request(i, i, list(p), SamplingParams(temperature=0.0, max_tokens=15), 0.0) for i, p in enumerate(prompts)
         ]
         for r in reqs:
             sched.add(r)
@@ -293,6 +378,45 @@ def test_sampled_tokens_follow_the_target_distribution_in_the_engine(tiny_llama_
     assert 0 < stats.num_spec_accepted < stats.num_spec_proposed  # both branches of verification ran
     tv = 0.5 * sum(abs(off[c] / n - on[c] / n) for c in set(off) | set(on))
     assert tv < 0.1, (off, on)
+
+
+@pytest.mark.parametrize("method, text, temperature, top_k", [("self", 5, 0.8, 8), ("ngram", 1, 1.0, 2)])
+def test_a_seeded_request_with_speculation_gives_the_same_tokens_alone_and_batched(
+    tiny_llama_dir, method, text, temperature, top_k
+):
+    """Speculation forced on (not adaptive): the seeded request drafts (self: sampled drafts with
+    their distributions; ngram: point masses) and is verified alone, then beside greedy, unseeded
+    and other seeded requests that also speculate. Its tokens must not change. (Prompt and params
+    are ones where the tiny random model both accepts and rejects some of the drafts.)"""
+    engine = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="float32",
+            max_num_seqs=8,
+            max_num_batched_tokens=512,
+            kv_cache_memory=16 << 20,
+            speculative=dict(method=method, self_layers=1, adaptive=False, num_speculative_tokens=3),
+        )
+    )
+    texts = sample_texts()
+    prompt = texts[text][:50] + " " + texts[text][:50]  # repeats: n-gram lookup finds drafts
+    seeded = SamplingParams(temperature=temperature, top_k=top_k, seed=2024, max_tokens=24, ignore_eos=True)
+    alone = engine.generate([prompt], seeded)[0]
+    others = [texts[i][:40] + " " + texts[i][:40] for i in (1, 2, 3)]
+    batch = engine.generate(
+        [others[0], prompt, others[1], others[2]],
+        [
+            SamplingParams(temperature=0.0, max_tokens=24),
+            seeded,
+            SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True),
+            SamplingParams(temperature=0.7, seed=1, max_tokens=30, ignore_eos=True),
+        ],
+    )
+    assert 0 < alone.metrics.num_spec_accepted < alone.metrics.num_spec_proposed  # both verification branches
+    assert batch[1].metrics.num_spec_proposed == alone.metrics.num_spec_proposed
+    assert sum(o.metrics.num_spec_proposed for o in batch) > batch[1].metrics.num_spec_proposed
+    assert batch[1].token_ids == alone.token_ids
+    assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
 
 
 @pytest.mark.slow

@@ -114,7 +114,7 @@ def test_length_bounded_json_strings_admit_escapes_and_no_control_characters():
 
 def test_constrained_requests_never_draft():
     def decoding(params: SamplingParams) -> Request:
-        req = Request(0, 0, [1, 2, 3], params, 0.0, None)
+        req = Request(0, 0, [1, 2, 3], params, 0.0)
         req.num_computed_tokens = 2
         return req
 

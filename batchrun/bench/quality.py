@@ -55,7 +55,7 @@ def teacher_forced(model, runner, sequences: list[list[int]], logits_rows: int =
     reqs, next_block = [], 0
     for i, ids in enumerate(sequences):
         num_blocks = -(-len(ids) // bs)
-        req = Request(i, i, list(ids), SamplingParams(temperature=0.0), 0.0, None)
+        req = Request(i, i, list(ids), SamplingParams(temperature=0.0), 0.0)
         req.block_ids = list(range(next_block, next_block + num_blocks))
         next_block += num_blocks
         reqs.append(req)

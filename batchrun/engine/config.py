@@ -73,6 +73,9 @@ class EngineConfig:
     # fastest; 64 keeps SmolLM2 within the int8 quality bound (tests/test_quant_quality.py).
     w8a8_outlier_channels: int = 64
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8, with a scale per token and head
+    # Run each kind of step once at start-up (Engine.warmup: compiles every Triton kernel variant and
+    # captures every CUDA-graph bucket) so none of it lands in timed steps; None: on a GPU only.
+    warmup: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):  # accepted from plain configs
@@ -108,6 +111,8 @@ class EngineConfig:
                 raise ValueError(f"engine.{name} must be positive, got {value!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"engine.kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+        if self.warmup is not None and not isinstance(self.warmup, bool):
+            raise ValueError(f"engine.warmup must be true, false or null, got {self.warmup!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"engine.max_model_len must be positive, got {self.max_model_len!r}")
 

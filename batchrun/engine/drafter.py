@@ -18,22 +18,25 @@ import torch
 from batchrun.engine.config import SpeculativeConfig
 from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner
-from batchrun.engine.sampler import sampling_probs
+from batchrun.engine.sampler import STREAM_DRAFT, Sampler, draw_from_probs, sampling_probs_rows
 from batchrun.engine.scheduler import ScheduledBatch
-from batchrun.engine.speculative import SpeculationPolicy, ngram_propose
+from batchrun.engine.speculative import DraftProbs, SpeculationPolicy, ngram_propose
 
 log = logging.getLogger(__name__)
 
 
-def is_eligible(req: Request) -> bool:
-    """A request that may carry drafts: decoding, no logprobs asked, not a seeded sample (the
-    policy's on/off choices depend on the batch, and a seeded request must not), and not constrained
-    (verification would need the grammar's mask at every draft position)."""
+def is_eligible(req: Request, is_adaptive: bool = True) -> bool:
+    """A request that may carry drafts: decoding, no logprobs asked, not constrained (verification
+    would need the grammar's mask at every draft position), and not a seeded sample under the
+    adaptive policy: its on/off choices depend on the batch and the measured step costs, and
+    speculating or not changes which draws decide a sampled token, while a seeded request's tokens
+    must not depend on the batch. Without the adaptive policy a seeded request speculates whenever
+    it has drafts, whatever the batch (as long as the token budget and KV pool hold its drafts)."""
     p = req.params
     return (
         req.num_computed_tokens == req.num_tokens - 1
         and p.logprobs is None
-        and (p.is_greedy or p.seed is None)
+        and (p.is_greedy or p.seed is None or not is_adaptive)
         and not p.is_constrained
     )
 
@@ -44,11 +47,13 @@ class Drafter:
         config: SpeculativeConfig,
         policy: SpeculationPolicy,
         runner: ModelRunner,
+        sampler: Sampler,
         num_layers: Optional[int] = None,
     ) -> None:
         self.config = config
         self.policy = policy
         self.runner = runner  # the target's runner (self) or the draft model's (draft)
+        self.sampler = sampler  # the engine's: unseeded requests draw from its generator
         self.num_layers = num_layers  # self: how many target layers make the draft
 
     def plan(self, running: list[Request]) -> tuple[dict[int, int], dict[int, list[int]]]:
@@ -60,7 +65,7 @@ class Drafter:
             if r.num_computed_tokens != r.num_tokens - 1:
                 continue
             num_decodes += 1
-            if not is_eligible(r):
+            if not is_eligible(r, self.config.adaptive):
                 continue
             if self.config.method == "ngram":
                 drafts = ngram_propose(r.token_ids, k, self.config.ngram_min, self.config.ngram_max)
@@ -73,32 +78,47 @@ class Drafter:
         return self.policy.choose(candidates, num_decodes), proposals
 
     @torch.inference_mode()
-    def fill(self, batch: ScheduledBatch, proposals: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """Put the drafts into the batch; return draft distributions of sampled requests (seq_id ->
-        (num_drafts, vocab_size)); point-mass proposals (n-gram, greedy) need none."""
+    def fill(self, batch: ScheduledBatch, proposals: dict[int, list[int]]) -> Optional[DraftProbs]:
+        """Put the drafts into the batch; return the distributions sampled drafts were drawn from
+        (None when there are none: point-mass proposals, n-gram or greedy, need none).
+
+        Each draft pass handles all its requests at once on the device: greedy rows take the
+        argmax, sampled rows draw with uniform (seed, position, STREAM_DRAFT) from their masked
+        distribution; only the draft token ids come to the host (the next pass's inputs)."""
         if self.config.method == "ngram":
             batch.spec_token_ids = {s: proposals[s][:n] for s, n in batch.num_spec.items()}
-            return {}
+            return None
         reqs = [r for r in batch.requests if r.seq_id in batch.num_spec]
         drafts: dict[int, list[int]] = {r.seq_id: [] for r in reqs}
-        probs: dict[int, list[torch.Tensor]] = {r.seq_id: [] for r in reqs if not r.params.is_greedy}
+        probs: list[torch.Tensor] = []  # per pass: (its sampled rows, vocab_size)
+        prob_rows: dict[int, list[int]] = {}
+        num_prob_rows = 0
         for j in range(max(batch.num_spec.values(), default=0)):
             active = [r for r in reqs if batch.num_spec[r.seq_id] > j]
             step = ScheduledBatch(active, [1] * len(active))
             step.spec_token_ids = drafts
-            out = self.runner.execute(
-                step, num_layers=self.num_layers, num_computed=[r.num_tokens - 1 + j for r in active]
-            )
-            greedy = out.logits.argmax(dim=-1).tolist()
-            for row, r in enumerate(active):
-                if r.params.is_greedy:
-                    drafts[r.seq_id].append(greedy[row])
-                else:
-                    q = sampling_probs(out.logits[row], r.params)
-                    probs[r.seq_id].append(q)
-                    drafts[r.seq_id].append(int(torch.multinomial(q, 1, generator=r.generator)))
+            positions = [r.num_tokens - 1 + j for r in active]  # each row's input token
+            out = self.runner.execute(step, num_layers=self.num_layers, num_computed=positions)
+            tokens = out.logits.argmax(dim=-1)  # (len(active),) int64 on the device
+            sampled = [i for i, r in enumerate(active) if not r.params.is_greedy]
+            if sampled:
+                rows = torch.tensor(sampled, device=tokens.device)
+                q = sampling_probs_rows(out.logits.index_select(0, rows), [active[i].params for i in sampled])
+                u = self.sampler.uniforms(
+                    [active[i].sample_seed for i in sampled],
+                    [positions[i] + 1 for i in sampled],  # the position the draft is proposed for
+                    STREAM_DRAFT,
+                    tokens.device,
+                )
+                tokens = tokens.index_copy(0, rows, draw_from_probs(q.double(), u))
+                probs.append(q)
+                for k, i in enumerate(sampled):
+                    prob_rows.setdefault(active[i].seq_id, []).append(num_prob_rows + k)
+                num_prob_rows += len(sampled)
+            for r, token in zip(active, tokens.tolist()):
+                drafts[r.seq_id].append(token)
         batch.spec_token_ids = drafts
-        return {s: torch.stack(p) for s, p in probs.items() if p}
+        return DraftProbs(torch.cat(probs), prob_rows) if probs else None
 
     def sync(self, batch: ScheduledBatch) -> None:
         """Draft model only: compute its KV for every token the target computed this step."""

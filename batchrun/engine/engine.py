@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -11,18 +10,22 @@ from typing import Any, Optional, Union
 
 import torch
 
+from batchrun.engine.admission import Admission
 from batchrun.engine.config import EngineConfig, SamplingParams, SpeculativeConfig
+from batchrun.engine.device import available_memory, resolve_device, resolve_dtype, weight_count
 from batchrun.engine.drafter import Drafter
-from batchrun.engine.grammar import GrammarCompiler, apply_bitmask, fill_bitmask
+from batchrun.engine.grammar import GrammarCompiler
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput
 from batchrun.engine.profiler import default_kv_bytes, pick_batch_limits
 from batchrun.engine.quantization import prepare_linears_for_engine
 from batchrun.engine.request import Request
-from batchrun.engine.runner import ModelRunner, RunnerOutput, kv_bytes_per_block
-from batchrun.engine.sampler import Sampler, sample_seed
+from batchrun.engine.runner import ModelRunner, kv_bytes_per_block
+from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from batchrun.engine.speculative import SpeculationPolicy, StepCostModel, record_acceptance, verify
+from batchrun.engine.speculative import SpeculationPolicy, StepCostModel
+from batchrun.engine.step_sampler import StepSampler, cut_at_stop_string
+from batchrun.engine.warmup import warm_up
 from batchrun.kernels import cpu_native
 from batchrun.model.decoder import DecoderLM, build_decoder
 from batchrun.model.linear import NativeLinear
@@ -30,51 +33,6 @@ from batchrun.model.loader import load_model
 from batchrun.model.prepare import module_weight_bytes
 
 log = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cpu_has_fast_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AVX-512 BF16 or AMX), where bf16 beats fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("engine.device is 'cuda' but no CUDA GPU is visible")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
-
-
-def _weight_count(model: torch.nn.Module) -> int:
-    """Elements of a model's parameters and buffers, a tensor shared by two modules counted once."""
-    seen: set[int] = set()
-    total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel()
-    return total
-
-
-def _available_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class Engine:
@@ -122,9 +80,9 @@ class Engine:
             per_block += kv_bytes_per_block(draft[0], config.block_size, self.dtype)
         kv_bytes = config.kv_cache_memory
         if kv_bytes is None:
-            kv_bytes = default_kv_bytes(self.device, _available_memory(self.device))
+            kv_bytes = default_kv_bytes(self.device, available_memory(self.device))
         elif kv_bytes <= 1:
-            kv_bytes = kv_bytes * _available_memory(self.device)
+            kv_bytes = kv_bytes * available_memory(self.device)
         num_blocks = int(kv_bytes // per_block)
         if num_blocks < 1:
             raise ValueError(
@@ -202,14 +160,16 @@ class Engine:
         )
         self.sampler = Sampler(config.seed)
         self.grammars = GrammarCompiler(self.tokenizer, model.spec.vocab_size, self._eos_token_ids())
+        vocab_size = model.spec.vocab_size
+        self.admission = Admission(self.tokenizer, vocab_size, self.max_model_len, config.seed, self.grammars)
+        self.step_sampler = StepSampler(self.sampler, self.scheduler, self.tokenizer)
         self.drafter = self._build_drafter(spec, num_blocks, limits.profile, draft) if spec.method != "none" else None
-        self._num_spec_proposed = 0
-        self._num_spec_accepted = 0
-        self._next_seq_id = 0
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_steps = 0
         self.model.reset_expert_token_counts()  # start-up profiling forwards are not real tokens
+        if config.warmup or (config.warmup is None and self.device.type == "cuda"):
+            self.warmup()
         log.info(
             "engine ready in %.1fs: %s (%s) on %s/%s, %d KV blocks x %d tokens, max_model_len %d, "
             "max_num_seqs %d, max_num_batched_tokens %d%s",
@@ -308,8 +268,8 @@ class Engine:
             return {}
         policy = self.drafter.policy
         return dict(
-            num_spec_proposed=self._num_spec_proposed,
-            num_spec_accepted=self._num_spec_accepted,
+            num_spec_proposed=self.step_sampler.num_spec_proposed,
+            num_spec_accepted=self.step_sampler.num_spec_accepted,
             num_spec_steps=policy.num_steps_on,
             num_spec_switches=policy.num_switches,
         )
@@ -347,7 +307,7 @@ class Engine:
                 block_tables=self.kv.block_tables,
             )
             # Weights as parameters or as buffers (packed, quantized, a tied head's tiles), each once.
-            draft_cost = _weight_count(draft_model) / _weight_count(self.model)
+            draft_cost = weight_count(draft_model) / weight_count(self.model)
             self.settings["draft_model"] = path
         cost = StepCostModel(profile.get("decode_tok_s") or {1: 1.0})
         policy = SpeculationPolicy(spec, cost, draft_cost)
@@ -357,7 +317,26 @@ class Engine:
             "self_layers": num_layers,
             "adaptive": spec.adaptive,
         }
-        return Drafter(spec, policy, runner, num_layers)
+        return Drafter(spec, policy, runner, self.sampler, num_layers)
+
+    def warmup(self) -> dict[str, Any]:
+        """Run each kind of step this engine will run once, so Triton compiles every kernel variant
+        and every CUDA-graph bucket is captured before anything is timed (engine/warmup.py); return
+        what ran (also in settings["warmup"]). Engine init calls it per EngineConfig.warmup.
+
+        It leaves no trace a request could see: no KV block allocated, no request id consumed, the
+        sampler's generator untouched. It needs an idle engine, forgets the prefix cache (its steps
+        write into free blocks) and zeroes the expert-load counters, as start-up does."""
+        assert not self.scheduler.has_unfinished() and not self.scheduler.num_parked, "warm up an idle engine only"
+        self.kv.reset_prefix_cache()  # the warm-up writes into free blocks: none may hold cached content
+        runners = [self.runner]
+        if self.drafter is not None and self.drafter.runner is not self.runner:
+            runners.append(self.drafter.runner)  # a draft model: its own shapes, its own kernels and graphs
+        limits = (self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs)
+        summary = warm_up(runners, self.sampler, self.kv.num_blocks, *limits)
+        self.kv.reset_peak()
+        self.settings["warmup"] = summary
+        return summary
 
     def reset_peak_stats(self) -> None:
         self.kv.reset_peak()
@@ -385,47 +364,10 @@ class Engine:
 
     def _add(self, item: Any, index: int, default_params: SamplingParams) -> list[RequestOutput]:
         """Queue one request (params.n samples); return error outputs instead when it can never run."""
-        if isinstance(item, EngineRequest):
-            request_id, prompt, params = item.request_id, item.prompt, item.params or default_params
-        else:
-            request_id, prompt, params = index, item, default_params
-        now = time.perf_counter()
-        first_seq_id = self._next_seq_id
-        self._next_seq_id += params.n
-        base_seed = None
-        if not params.is_greedy:
-            base_seed = params.seed if params.seed is not None else self.config.seed * 1_000_003 + first_seq_id
-        token_ids: list[int] = []
-        error = None
-        if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            token_ids = list(prompt)
-            vocab = self.model.spec.vocab_size
-            if any(t < 0 or t >= vocab for t in token_ids):
-                error = f"prompt token ids must be in [0, {vocab})"
-        else:
-            error = f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}"
-        if error is None and not token_ids:
-            error = "prompt is empty (no tokens)"
-        if error is None and len(token_ids) + 1 > self.max_model_len:
-            error = (
-                f"prompt has {len(token_ids)} tokens but max_model_len is {self.max_model_len} "
-                "(prompt plus at least one generated token must fit)"
-            )
-        samples = []
-        for i in range(params.n):
-            seed = sample_seed(base_seed, i) if base_seed is not None else None
-            generator = torch.Generator().manual_seed(seed) if seed is not None else None
-            samples.append(Request(first_seq_id + i, request_id, token_ids, params, now, generator, seed, i))
-        if error is not None:
-            for req in samples:
-                req.finish_reason, req.error = "error", error
+        samples = self.admission.build(item, index, default_params)
+        if samples[0].error is not None:
             return [self._to_output(req) for req in samples]
-        self._num_prompt_tokens += len(token_ids) * params.n
-        if params.is_constrained:
-            for req in samples:  # compiles while the prompt is prefilled; each sample its own matcher
-                req.grammar = self.grammars.new_state(params.constraint_key)
+        self._num_prompt_tokens += samples[0].num_prompt_tokens * len(samples)
         self.scheduler.add(samples[0], samples[1:])
         return []
 
@@ -439,7 +381,7 @@ class Engine:
         for req in batch.requests:
             if req.metrics.first_scheduled_s is None:
                 req.metrics.first_scheduled_s = now
-        draft_probs = self.drafter.fill(batch, proposals) if batch.num_spec else {}
+        draft_probs = self.drafter.fill(batch, proposals) if batch.num_spec else None
         out = self.runner.execute(batch)
         by_seq = {r.seq_id: r for r in batch.requests}
         for seq, (first, entries) in out.prompt_logprobs.items():
@@ -448,8 +390,8 @@ class Engine:
             scored.extend(entries)
         if self.drafter is not None:
             self.drafter.sync(batch)
-        failed = self._wait_for_grammars(batch, out)
-        sampled = self._sample(batch, out, draft_probs)
+        failed = self.step_sampler.wait_for_grammars(batch, out)
+        sampled = self.step_sampler.sample(batch, out, draft_probs)
         finished = failed + self.scheduler.update(batch, {seq: toks for seq, (_, toks, _) in sampled.items()})
         now = time.perf_counter()
         for req, tokens, logprob in sampled.values():
@@ -459,107 +401,14 @@ class Engine:
             req.metrics.finished_s = now  # last token time until it finishes
             if logprob is not None and req.logprobs is not None:
                 req.logprobs.append(logprob)
-            if req.params.stop and not req.is_finished and self._hits_stop_string(req):
-                self.scheduler.finish(req, "stop")
-                finished.append(req)
-            if req.grammar is not None and not req.is_finished and req.grammar.is_terminated:
-                self.scheduler.finish(req, "stop")  # its stop token was ignored (ignore_eos) but the grammar ended
-                finished.append(req)
-        return finished
-
-    def _wait_for_grammars(self, batch: ScheduledBatch, out: RunnerOutput) -> list[Request]:
-        """Make the matchers of constrained requests sampling now; finish those whose grammar failed."""
-        by_seq = {r.seq_id: r for r in batch.requests}
-        failed = []
-        for seq in out.sample_seq_ids:
-            req = by_seq[seq]
-            if req.grammar is not None and not req.grammar.ready():
-                req.error = req.grammar.error
-                self.scheduler.finish(req, "error")
-                failed.append(req)
-        return failed
-
-    def _sample(
-        self, batch: ScheduledBatch, out: RunnerOutput, draft_probs: dict[int, torch.Tensor]
-    ) -> dict[int, tuple[Request, list[int], Optional[dict[int, float]]]]:
-        """seq_id -> (request, tokens produced this step, logprobs of its one plain token)."""
-        result: dict[int, tuple[Request, list[int], Optional[dict[int, float]]]] = {}
-        if batch.spec_token_ids:
-            plain_reqs, plain_rows = self._verify_drafts(batch, out, draft_probs, result)
-        else:  # one row per sampled request, in batch order: no per-row bookkeeping
-            plain_reqs = self._sampled_requests(batch, out.sample_seq_ids)
-            plain_rows = list(range(len(plain_reqs)))
-            if any(r.is_finished for r in plain_reqs):  # a grammar failed to compile: nothing to sample
-                keep = [i for i, r in enumerate(plain_reqs) if not r.is_finished]
-                plain_reqs, plain_rows = [plain_reqs[i] for i in keep], keep
-        if plain_reqs:
-            logits = out.logits if len(plain_rows) == out.logits.shape[0] else out.logits[plain_rows]
-            constrained = [i for i, r in enumerate(plain_reqs) if r.grammar is not None]
-            if constrained:  # never drafted (drafter.is_eligible), so every one is a plain row
-                bitmask = fill_bitmask([plain_reqs[i].grammar for i in constrained], logits.shape[-1])
-                logits = apply_bitmask(logits, constrained, bitmask)
-            tokens, logprobs = self.sampler.sample(
-                logits,
-                [r.params for r in plain_reqs],
-                [r.sample_seed for r in plain_reqs],
-                [len(r.token_ids) for r in plain_reqs],  # the position of the token each row samples
-            )
-            for i in constrained:
-                accepted = plain_reqs[i].grammar.accept(tokens[i])
-                assert accepted, f"the grammar rejected token {tokens[i]} that its own mask allowed"
-            for i, req in enumerate(plain_reqs):
-                result[req.seq_id] = (req, [tokens[i]], logprobs[i] if logprobs is not None else None)
-        return result
-
-    @staticmethod
-    def _sampled_requests(batch: ScheduledBatch, sample_seq_ids: list[int]) -> list[Request]:
-        if len(sample_seq_ids) == len(batch.requests):  # runners list sampled requests in batch order
-            return batch.requests
-        by_seq = {r.seq_id: r for r in batch.requests}
-        return [by_seq[seq] for seq in sample_seq_ids]
-
-    def _verify_drafts(
-        self,
-        batch: ScheduledBatch,
-        out: RunnerOutput,
-        draft_probs: dict[int, torch.Tensor],
-        result: dict[int, tuple[Request, list[int], Optional[dict[int, float]]]],
-    ) -> tuple[list[Request], list[int]]:
-        """Verify the drafts of requests that carried some into `result`; return the other sampled
-        requests and their logits rows, for the plain sampler."""
-        by_seq = {r.seq_id: r for r in batch.requests}
-        plain_rows: list[int] = []
-        plain_reqs: list[Request] = []
-        row = 0
-        for seq, n in zip(out.sample_seq_ids, out.num_rows):
-            req = by_seq[seq]
-            drafts = batch.spec_token_ids.get(seq)
-            if req.is_finished:  # its grammar failed to compile
-                pass
-            elif drafts:
-                tokens = verify(out.logits[row : row + n], drafts, req.params, req.generator, draft_probs.get(seq))
-                record_acceptance(req, len(drafts), len(tokens) - 1)
-                self._num_spec_proposed += len(drafts)
-                self._num_spec_accepted += len(tokens) - 1
-                result[seq] = (req, tokens, None)
-            else:
-                plain_rows.append(row)
-                plain_reqs.append(req)
-            row += n
-        return plain_reqs, plain_rows
-
-    def _hits_stop_string(self, req: Request) -> bool:
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        return any(s in text for s in req.params.stop)
+        return finished + self.step_sampler.stops(sampled)
 
     def _to_output(self, req: Request) -> RequestOutput:
         m = req.metrics
         out_ids = req.output_token_ids
         text = self.tokenizer.decode(out_ids, skip_special_tokens=True) if out_ids else ""
         if req.params.stop:
-            cut = min((i for i in (text.find(s) for s in req.params.stop) if i >= 0), default=-1)
-            if cut >= 0:
-                text = text[:cut]
+            text = cut_at_stop_string(text, req.params.stop)
         if m.finished_s is None:
             m.finished_s = time.perf_counter()
         if m.first_token_s is not None:

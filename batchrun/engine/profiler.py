@@ -42,7 +42,7 @@ def default_kv_bytes(device: torch.device, available: int) -> int:
 
 
 def _fake_request(seq_id: int, num_tokens: int, num_computed: int, block_ids: list[int]) -> Request:
-    req = Request(seq_id, seq_id, [1] * num_tokens, SamplingParams(temperature=0.0), 0.0, None)
+    req = Request(seq_id, seq_id, [1] * num_tokens, SamplingParams(temperature=0.0), 0.0)
     req.num_computed_tokens = num_computed
     req.block_ids = block_ids
     return req

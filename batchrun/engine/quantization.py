@@ -28,7 +28,7 @@ def prefill_forward(
     def run(token_ids: list[int]) -> None:
         num_blocks = -(-len(token_ids) // block_size)
         runner = ModelRunner(model, num_blocks, block_size, dtype, device)
-        req = Request(0, 0, list(token_ids), SamplingParams(temperature=0.0), 0.0, None)
+        req = Request(0, 0, list(token_ids), SamplingParams(temperature=0.0), 0.0)
         req.block_ids = list(range(num_blocks))
         runner.execute(ScheduledBatch([req], [len(token_ids)]))
 

@@ -6,8 +6,6 @@ import enum
 import logging
 from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-
 from batchrun.engine.config import SamplingParams
 from batchrun.engine.outputs import RequestMetrics
 
@@ -37,7 +35,6 @@ class Request:
         prompt_token_ids: list[int],
         params: SamplingParams,
         arrival_s: float,
-        generator: Optional[torch.Generator],
         sample_seed: Optional[int] = None,
         sample_index: int = 0,
     ) -> None:
@@ -52,9 +49,9 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of the full blocks of token_ids, filled lazily
         self.num_committed_blocks = 0  # leading blocks of block_ids already published to the prefix cache
         self.table_row = -1  # row of the KV manager's BlockTables mirroring block_ids; -1: none
-        # Per-request randomness, so sampling does not depend on batch composition: the sampler keys
-        # its draws on (sample_seed, position); speculative verification and drafting use the generator.
-        self.generator = generator
+        # Per-request randomness, so sampling does not depend on batch composition: the sampler, the
+        # drafter and verification key their draws on (sample_seed, position, stream); None (greedy,
+        # or a hand-made request) draws from the engine sampler's generator.
         self.sample_seed = sample_seed
         self.metrics = RequestMetrics(arrival_s=arrival_s)
         self.finish_reason: Optional[str] = None

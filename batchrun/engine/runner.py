@@ -26,8 +26,9 @@ PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits are materialized at on
 
 @dataclass
 class RunnerOutput:
-    # (num_rows, vocab_size) float32: per request in `sample_seq_ids`, the row of its last real token
-    # followed by one row per draft token it carried (1 + num_spec rows)
+    # (num_rows, vocab_size) float32 on the model's device (the sampler, the drafter and verification
+    # all work there; only token ids come back): per request in `sample_seq_ids`, the row of its last
+    # real token followed by one row per draft token it carried (1 + num_spec rows)
     logits: torch.Tensor
     sample_seq_ids: list[int]  # seq_id of each request whose token list was fully computed this step
     num_rows: list[int]  # rows of `logits` per request in sample_seq_ids
@@ -175,7 +176,7 @@ class ModelRunner:
             if graphed is not None:
                 logits, sample_seq_ids = graphed
                 return RunnerOutput(
-                    logits=self._logits_for_sampler(logits, batch, is_full_step),
+                    logits=logits,
                     sample_seq_ids=sample_seq_ids,
                     num_rows=[1] * len(sample_seq_ids),
                 )
@@ -187,7 +188,7 @@ class ModelRunner:
             sampled_hidden = hidden.index_select(0, rows)
         logits = self.model.compute_logits(sampled_hidden)
         return RunnerOutput(
-            logits=self._logits_for_sampler(logits, batch, is_full_step),
+            logits=logits,
             sample_seq_ids=sample_seq_ids,
             num_rows=num_rows,
             prompt_logprobs=self._prompt_logprobs(batch, hidden, meta.query_start_loc) if is_full_step else {},
@@ -220,12 +221,3 @@ class ModelRunner:
                 entries.extend(scored or [])
             out[r.seq_id] = (first, entries)
         return out
-
-    @staticmethod
-    def _logits_for_sampler(logits: torch.Tensor, batch: ScheduledBatch, is_full_step: bool) -> torch.Tensor:
-        """On the GPU, plain steps keep the logits there: the sampler runs on the device and only
-        token ids (and requested logprobs) come back. Draft verification and drafter passes use
-        per-request CPU generators, so they get the logits copied; on CPU this is a no-op."""
-        if logits.is_cuda and is_full_step and not batch.spec_token_ids:
-            return logits
-        return logits.cpu()

@@ -15,6 +15,8 @@ reach past it (a wide nucleus, or ties at its edge).
 Randomness is counter-based: a sampled row draws one uniform from a hash of (its request's seed,
 the position of the token being sampled) and inverts the CDF of its masked distribution. A draw
 therefore depends on nothing else in the batch, nor on how many steps the request was split over.
+Speculative decoding draws from the same hash with a stream id (draft proposals, acceptance tests,
+residual resampling), so its draws are independent of the sampler's and of each other's.
 """
 
 from __future__ import annotations
@@ -32,6 +34,12 @@ log = logging.getLogger(__name__)
 CANDIDATES = 128  # first candidate width for a top-p nucleus; rows it cannot hold retry 8x wider
 _MASK64 = (1 << 64) - 1
 
+# Streams of one request's uniforms: each (seed, position, stream) is one independent draw.
+STREAM_SAMPLE = 0  # the token sampled at a position (plain steps, and verification's bonus token)
+STREAM_DRAFT = 1  # a draft proposed for a position (drafter)
+STREAM_ACCEPT = 2  # the acceptance test of the draft at a position (verification)
+STREAM_RESIDUAL = 3  # the token drawn from the residual where that draft was rejected (verification)
+
 
 def _mix64(z: int) -> int:
     """splitmix64's finalizer: a bijection on 64-bit ints that spreads every input bit."""
@@ -40,9 +48,12 @@ def _mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def uniform(seed: int, position: int) -> float:
-    """A uniform in [0, 1) with 53 random bits, a pure function of (seed, position)."""
-    z = _mix64((_mix64(seed & _MASK64) + (position & _MASK64) * 0x9E3779B97F4A7C15) & _MASK64)
+def uniform(seed: int, position: int, stream: int = STREAM_SAMPLE) -> float:
+    """A uniform in [0, 1) with 53 random bits, a pure function of (seed, position, stream)."""
+    key = _mix64(seed & _MASK64)
+    if stream != STREAM_SAMPLE:  # the sampler's own stream keeps the key it always had
+        key = _mix64(key ^ (stream * 0xD1B54A32D192ED03 & _MASK64))
+    z = _mix64((key + (position & _MASK64) * 0x9E3779B97F4A7C15) & _MASK64)
     return (z >> 11) * 2.0**-53
 
 
@@ -104,13 +115,19 @@ def _truncate(
     return threshold, token
 
 
-def _draw_full(s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw from softmax(s) over the whole vocabulary: s (B, V), u (B,) -> (B,) int64."""
-    cdf = torch.softmax(s, dim=-1).cumsum(dim=-1)  # non-decreasing; flat exactly at zero-mass tokens
+def draw_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw over the vocabulary in id order: probs (B, V) non-negative, each row with
+    positive mass (need not sum to 1), u (B,) in [0, 1) -> (B,) int64; never a zero-mass token."""
+    cdf = probs.cumsum(dim=-1)  # non-decreasing; flat exactly at zero-mass tokens
     total = cdf[:, -1:]
     # Strictly below the total, so the first cdf above it always exists and adds positive mass.
     target = torch.minimum(u.to(cdf.dtype)[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
+
+
+def _draw_full(s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw from softmax(s) over the whole vocabulary: s (B, V), u (B,) -> (B,) int64."""
+    return draw_from_probs(torch.softmax(s, dim=-1), u)
 
 
 def _scaled(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -153,8 +170,27 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """The distribution a sampled request draws from: logits (vocab_size,) -> (vocab_size,) float32."""
-    masked = apply_top_k_top_p(logits.float() / params.temperature, params.top_k, params.top_p)
-    return torch.softmax(masked, dim=-1)
+    return sampling_probs_rows(logits[None], [params])[0]
+
+
+def sampling_probs_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """`sampling_probs` of every row at once, each with its own (sampled, not greedy) params:
+    logits (B, V) -> (B, V) float32 on the logits' device."""
+    assert not any(p.is_greedy for p in params), "greedy rows have no distribution to sample"
+    s = _scaled(logits, params)  # (B, V) float32, a new tensor: masked in place
+    vocab = s.shape[-1]
+    truncated = [i for i, p in enumerate(params) if _is_truncated(p, vocab)]
+    if truncated:
+        rows = s if len(truncated) == s.shape[0] else s[torch.tensor(truncated, device=s.device)]
+        threshold, _ = _truncate_rows(
+            rows, [params[i].top_k for i in truncated], [params[i].top_p for i in truncated], None
+        )
+        masked = rows.masked_fill(rows < threshold[:, None], float("-inf"))
+        if len(truncated) == s.shape[0]:
+            s = masked
+        else:
+            s[torch.tensor(truncated, device=s.device)] = masked
+    return torch.softmax(s, dim=-1)
 
 
 class Sampler:
@@ -171,6 +207,32 @@ class Sampler:
         positions: Sequence[int],  # per row: the index in its request's tokens of the token sampled
     ) -> tuple[list[int], Optional[list[dict[int, float]]]]:
         """Return one token per row, and per-row top-N logprobs when any row asks for them."""
+        tokens = self.draw(logits, params, seeds, positions)
+        token_list = tokens.tolist()
+        return token_list, self.logprobs(logits, params, tokens, token_list)
+
+    def uniforms(
+        self, seeds: Sequence[Optional[int]], positions: Sequence[int], stream: int, device: torch.device
+    ) -> torch.Tensor:
+        """(len(seeds),) float64 on `device`: a seeded row's uniform is `uniform(seed, position,
+        stream)`; an unseeded row's comes from this sampler's generator, in row order."""
+        u = [
+            uniform(seed, position, stream)
+            if seed is not None
+            else float(torch.rand((), generator=self._generator, dtype=torch.float64))
+            for seed, position in zip(seeds, positions)
+        ]
+        return torch.tensor(u, dtype=torch.float64, device=device)
+
+    @torch.inference_mode()
+    def draw(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[Optional[int]],
+        positions: Sequence[int],
+    ) -> torch.Tensor:
+        """`sample`'s tokens as a (num_rows,) int64 tensor on the logits' device (no host copy)."""
         num_rows, vocab = logits.shape
         assert num_rows == len(params) == len(seeds) == len(positions)
         device = logits.device
@@ -189,8 +251,7 @@ class Sampler:
             ):
                 if group:
                     tokens[torch.tensor(group, device=device)] = self._draw(logits, group, params, seeds, positions)
-        token_list = tokens.tolist()
-        return token_list, self.logprobs(logits, params, tokens, token_list)
+        return tokens
 
     def _draw(
         self,
@@ -205,13 +266,7 @@ class Sampler:
         sub = [params[i] for i in group]
         rows = logits if len(group) == logits.shape[0] else logits[torch.tensor(group, device=device)]
         s = _scaled(rows, sub)
-        u = [
-            uniform(seeds[i], positions[i])
-            if seeds[i] is not None
-            else float(torch.rand((), generator=self._generator, dtype=torch.float64))
-            for i in group
-        ]
-        u = torch.tensor(u, dtype=torch.float64, device=device)
+        u = self.uniforms([seeds[i] for i in group], [positions[i] for i in group], STREAM_SAMPLE, device)
         if not _is_truncated(sub[0], s.shape[-1]):
             return _draw_full(s, u)
         return _truncate_rows(s, [p.top_k for p in sub], [p.top_p for p in sub], u)[1]

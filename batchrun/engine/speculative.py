@@ -7,6 +7,13 @@ identical with speculation on or off. Sampled requests use rejection sampling (a
 min(1, p/q), on rejection draw from normalize(max(0, p - q))), so tokens follow the target's
 distribution whatever the proposer (n-gram lookup is a point-mass proposal q).
 
+Verification handles every drafted request of a step at once, as tensor ops on the logits' device.
+Its randomness is counter-based like the sampler's, keyed by (the request's sample seed, the
+position, a stream per purpose: draft, acceptance, residual), so a request's tokens never depend
+on what else is in the batch. They do depend on whether it carried drafts at a step (a different
+stream decides its token), which is why a seeded request speculates only under a policy that
+decides per request (drafter.is_eligible).
+
 Policy (adaptive): speculation costs a wider forward; it pays when the expected accepted tokens
 outweigh the cost of the extra rows. Each request keeps a running per-token acceptance rate a; with
 k drafts it expects E = a(1 - a^k)/(1 - a) extra tokens. The step's cost comes from the decode
@@ -19,16 +26,18 @@ again every few steps so a rate can recover.
 from __future__ import annotations
 
 import bisect
+import functools
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
-from batchrun.engine.config import SamplingParams, SpeculativeConfig
+from batchrun.engine.config import SpeculativeConfig
 from batchrun.engine.request import Request
-from batchrun.engine.sampler import sampling_probs
+from batchrun.engine.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, Sampler, draw_from_probs, sampling_probs_rows
 
 log = logging.getLogger(__name__)
 
@@ -129,40 +138,140 @@ def record_acceptance(req: Request, num_proposed: int, num_accepted: int) -> Non
     req.spec_acceptance = rate if req.spec_acceptance is None else (1 - EMA) * req.spec_acceptance + EMA * rate
 
 
+@dataclass
+class DraftProbs:
+    """The distributions sampled drafts were drawn from (greedy and n-gram drafts have none: point
+    masses), one tensor for the whole step so verification reads them with one gather."""
+
+    probs: torch.Tensor  # (num_rows, vocab_size) float32 on the logits' device
+    rows: dict[int, list[int]]  # seq_id -> the rows of `probs` of its drafts, in draft order
+
+
+@torch.inference_mode()
 def verify(
-    logits: torch.Tensor,  # (1 + num_drafts, vocab_size): target logits at the pending token and each draft
-    drafts: list[int],
-    params: SamplingParams,
-    generator: Optional[torch.Generator],
-    draft_probs: Optional[torch.Tensor] = None,  # (num_drafts, vocab_size); None: point-mass proposals
-) -> list[int]:
-    """The tokens this step produces: accepted drafts, then one token from the target."""
-    if params.is_greedy:
-        targets = logits.argmax(dim=-1).tolist()
-        out = []
-        for i, d in enumerate(drafts):
-            if d != targets[i]:
-                break
-            out.append(d)
-        out.append(targets[len(out)])
-        return out
-    out = []
-    for i, d in enumerate(drafts):
-        p = sampling_probs(logits[i], params)
-        q_d = 1.0 if draft_probs is None else float(draft_probs[i, d])
-        u = float(torch.rand((), generator=generator))
-        if q_d > 0 and u < min(1.0, float(p[d]) / q_d):
-            out.append(d)
-            continue
-        if draft_probs is None:
-            residual = p.clone()
-            residual[d] = 0.0
-        else:
-            residual = torch.clamp(p - draft_probs[i], min=0.0)
-        total = float(residual.sum())
-        dist = residual / total if total > 0 else p
-        out.append(int(torch.multinomial(dist, 1, generator=generator)))
-        return out
-    p = sampling_probs(logits[len(drafts)], params)
-    out.append(int(torch.multinomial(p, 1, generator=generator)))
+    logits: torch.Tensor,  # (num_rows, vocab_size) target logits, on any device
+    first_rows: Sequence[int],  # per request: its row at the pending token; one row per draft follows
+    requests: Sequence[Request],
+    drafts: Sequence[Sequence[int]],  # per request: the tokens proposed after its pending token (>= 1)
+    sampler: Sampler,  # unseeded requests draw their uniforms from its generator
+    draft_probs: Optional[DraftProbs] = None,  # None, or a request missing from it: point-mass drafts
+) -> list[list[int]]:
+    """Per request, the tokens this step produces: its accepted drafts, then one token from the
+    target. Every request of the step at once, as tensor ops on the logits' device; only the
+    number accepted and the next token of each request come back to the host.
+
+    A draft proposed for position i (i = len(token_ids) + j for draft j) is accepted with
+    probability min(1, p_i(d) / q_i(d)) using uniform (seed, i, STREAM_ACCEPT); the first rejected
+    one is replaced by a draw from normalize(max(0, p_i - q_i)) with uniform (seed, i,
+    STREAM_RESIDUAL). When all are accepted the target's token after them is drawn exactly as the
+    plain sampler draws it (uniform (seed, i, STREAM_SAMPLE)). Greedy requests accept a draft
+    exactly when it is the argmax."""
+    assert len(first_rows) == len(requests) == len(drafts) and all(drafts)
+    greedy = [j for j, r in enumerate(requests) if r.params.is_greedy]
+    sampled = [j for j, r in enumerate(requests) if not r.params.is_greedy]
+    parts = []  # per group: (2, group size) int64 [number accepted, next token]
+    for group, is_greedy in ((greedy, True), (sampled, False)):
+        if group:
+            rows = _DraftRows(logits.device, [first_rows[j] for j in group], [len(drafts[j]) for j in group])
+            group_requests = [requests[j] for j in group]
+            group_drafts = torch.tensor([t for j in group for t in drafts[j]], dtype=torch.int64, device=logits.device)
+            if is_greedy:
+                is_accepted, replacement, bonus = _greedy_rows(logits, rows, group_drafts)
+            else:
+                is_accepted, replacement, bonus = _sampled_rows(
+                    logits, rows, group_requests, group_drafts, sampler, draft_probs
+                )
+            parts.append(rows.select(is_accepted, replacement, bonus))
+    num_accepted_and_next = torch.cat(parts, dim=1).tolist()  # the one device-to-host copy
+    out: list[list[int]] = [[] for _ in requests]
+    for col, j in enumerate(greedy + sampled):
+        n = num_accepted_and_next[0][col]
+        out[j] = [*drafts[j][:n], num_accepted_and_next[1][col]]
     return out
+
+
+class _DraftRows:
+    """The draft rows of one group of G requests, flattened request after request: flat row r is
+    draft `index[r]` of request `request[r]`. Draft k of a request, proposed for the position k
+    after its pending token, is scored by the target row k after the pending token's row (the row
+    of the token before it); the row after its last draft scores the bonus token."""
+
+    def __init__(self, device: torch.device, first_rows: list[int], num_drafts: list[int]) -> None:
+        counts = np.array(num_drafts, dtype=np.int64)  # (G,)
+        starts = np.array(first_rows, dtype=np.int64)  # (G,)
+        self.num_drafts = num_drafts
+        self.num_requests = len(num_drafts)
+        self.max_drafts = int(counts.max())
+        self.flat_start = np.cumsum(counts) - counts  # (G,) first flat draft row of each request
+        # (num_draft_rows,): the request and draft index of each flat draft row
+        self.request_np = np.repeat(np.arange(len(counts)), counts)
+        self.index_np = np.arange(int(counts.sum())) - np.repeat(self.flat_start, counts)
+        to = functools.partial(torch.as_tensor, device=device)
+        self.request = to(self.request_np)
+        self.index = to(self.index_np)
+        # The target row scoring draft k's position is the one before it: the pending token's row + k.
+        self.logits_rows = to(starts[self.request_np] + self.index_np)  # (num_draft_rows,)
+        self.bonus_rows = to(starts + counts)  # (G,) the row after the last draft
+        self.counts = to(counts)
+
+    def select(self, is_accepted: torch.Tensor, replacement: torch.Tensor, bonus: torch.Tensor) -> torch.Tensor:
+        """(2, G) int64: per request the number of leading accepted drafts and the token after them:
+        the replacement at the first rejected draft, else the bonus token."""
+        g, k = self.num_requests, self.max_drafts
+        accepted = torch.zeros((g, k), dtype=torch.int64, device=bonus.device)  # padding counts as rejected
+        accepted[self.request, self.index] = is_accepted.to(torch.int64)
+        num_accepted = accepted.cumprod(dim=1).sum(dim=1)  # (G,)
+        candidates = torch.zeros((g, k + 1), dtype=torch.int64, device=bonus.device)
+        candidates[self.request, self.index] = replacement
+        candidates[torch.arange(g, device=bonus.device), self.counts] = bonus
+        return torch.stack([num_accepted, candidates.gather(1, num_accepted[:, None]).squeeze(1)])
+
+
+def _greedy_rows(
+    logits: torch.Tensor, rows: _DraftRows, drafts: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    targets = logits.index_select(0, rows.logits_rows).argmax(dim=-1)  # (num_draft_rows,)
+    return drafts == targets, targets, logits.index_select(0, rows.bonus_rows).argmax(dim=-1)
+
+
+def _sampled_rows(
+    logits: torch.Tensor,
+    rows: _DraftRows,
+    requests: list[Request],
+    drafts: torch.Tensor,  # (num_draft_rows,) int64
+    sampler: Sampler,
+    draft_probs: Optional[DraftProbs],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(is_accepted, replacement token, per request the bonus token) of rejection sampling."""
+    device = logits.device
+    row_requests = [requests[g] for g in rows.request_np.tolist()]
+    row_positions = [len(r.token_ids) + k for r, k in zip(row_requests, rows.index_np.tolist())]
+    row_seeds = [r.sample_seed for r in row_requests]
+    p = sampling_probs_rows(logits.index_select(0, rows.logits_rows), [r.params for r in row_requests])  # (R, V)
+    # q: the proposal of every draft row; a point mass at the draft unless the drafter sampled it.
+    q = torch.zeros_like(p).scatter_(1, drafts[:, None], 1.0)  # (R, V)
+    if draft_probs is not None:
+        flat: list[int] = []  # flat draft rows whose draft was sampled ...
+        prob_rows: list[int] = []  # ... and their rows of draft_probs.probs
+        for r, first, n in zip(requests, rows.flat_start.tolist(), rows.num_drafts):
+            if r.seq_id in draft_probs.rows:
+                flat.extend(range(first, first + n))
+                prob_rows.extend(draft_probs.rows[r.seq_id][:n])
+        if flat:
+            source = draft_probs.probs.index_select(0, torch.tensor(prob_rows, device=device))
+            q.index_copy_(0, torch.tensor(flat, device=device), source.to(q.dtype))
+    p_draft = p.gather(1, drafts[:, None]).squeeze(1).double()
+    q_draft = q.gather(1, drafts[:, None]).squeeze(1).double()
+    u_accept = sampler.uniforms(row_seeds, row_positions, STREAM_ACCEPT, device)
+    is_accepted = (q_draft > 0) & (u_accept < p_draft / q_draft.clamp_min(torch.finfo(torch.float64).tiny))
+    residual = (p - q).clamp_min(0.0).double()
+    # All mass at most q's (p == q up to rounding): a rejection then has nothing left; draw from p.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p.double())
+    replacement = draw_from_probs(residual, sampler.uniforms(row_seeds, row_positions, STREAM_RESIDUAL, device))
+    bonus = sampler.draw(
+        logits.index_select(0, rows.bonus_rows),
+        [r.params for r in requests],
+        [r.sample_seed for r in requests],
+        [len(r.token_ids) + n for r, n in zip(requests, rows.num_drafts)],
+    )
+    return is_accepted, replacement, bonus

@@ -6,7 +6,8 @@ result row, in three parts:
 - settings (known before the model loads): the job's prompt template, system prompt and chat
   template mode, all sampling parameters, the data keys that pick columns (and the input format), output.keep_columns,
   and the engine settings that change numbers (dtype, quantization and its knobs, kv_cache_dtype,
-  max_model_len, seed, speculative method);
+  max_model_len, seed, speculative method, and every speculative setting when seeded rows
+  speculate);
 - model (known once the engine is loaded): the model file's sha256, the tokenizer's and chat
   template's hash, the dtype `auto` resolved to;
 - input: the shard file's size and version (ETag on object stores, mtime elsewhere).
@@ -50,6 +51,13 @@ def settings_fingerprint(config: RunConfig) -> dict[str, Any]:
     out["output.keep_columns"] = list(config.output.keep_columns)
     _flatten("engine", {k: getattr(config.engine, k) for k in _ENGINE_KEYS}, out)
     out["engine.speculative.method"] = config.engine.speculative.method
+    spec = config.engine.speculative
+    # Without the adaptive policy seeded sampled rows speculate (engine/drafter.is_eligible), and then
+    # the drafts decide which random draws pick their tokens; null where speculation leaves them alone.
+    seeded_drafts = None
+    if spec.method != "none" and not spec.adaptive:
+        seeded_drafts = {k: v for k, v in dataclasses.asdict(spec).items() if k != "adaptive"}
+    out["engine.speculative.seeded_drafts"] = seeded_drafts
     return out
 
 

@@ -1,0 +1,147 @@
+"""One step's logits become tokens: grammar masks, draft verification, the sampler, stop checks.
+
+The runner hands back, per request whose token list was fully computed, the logits row of its last
+real token and one row per draft it carried. Requests with drafts go through verification (they
+may produce several tokens); the rest are sampled together in one batched sampler call, with the
+bitmask of constrained rows applied first. After the scheduler appended the tokens, `stops` finds
+the requests that a stop string or a completed grammar ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any, Optional
+
+from batchrun.engine.grammar import apply_bitmask, fill_bitmask
+from batchrun.engine.request import Request
+from batchrun.engine.runner import RunnerOutput
+from batchrun.engine.sampler import Sampler
+from batchrun.engine.scheduler import ScheduledBatch, Scheduler
+from batchrun.engine.speculative import DraftProbs, record_acceptance, verify
+
+log = logging.getLogger(__name__)
+
+# seq_id -> (its request, the tokens it produced this step, logprobs of its one plain token or None)
+SampledTokens = dict[int, tuple[Request, list[int], Optional[dict[int, float]]]]
+
+
+def hits_stop_string(tokenizer: Any, req: Request) -> bool:
+    text = tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+    return any(s in text for s in req.params.stop)
+
+
+def cut_at_stop_string(text: str, stop: Sequence[str]) -> str:
+    """The text before the earliest stop string in it (all of it when none occurs)."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return text[:cut] if cut >= 0 else text
+
+
+class StepSampler:
+    def __init__(self, sampler: Sampler, scheduler: Scheduler, tokenizer: Any) -> None:
+        self.sampler = sampler  # the engine's, so whoever wraps engine.sampler sees every call
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.num_spec_proposed = 0  # draft tokens verified, over the engine's life
+        self.num_spec_accepted = 0  # of those, accepted
+
+    def wait_for_grammars(self, batch: ScheduledBatch, out: RunnerOutput) -> list[Request]:
+        """Make the matchers of constrained requests sampling now; finish those whose grammar failed."""
+        by_seq = {r.seq_id: r for r in batch.requests}
+        failed = []
+        for seq in out.sample_seq_ids:
+            req = by_seq[seq]
+            if req.grammar is not None and not req.grammar.ready():
+                req.error = req.grammar.error
+                self.scheduler.finish(req, "error")
+                failed.append(req)
+        return failed
+
+    def sample(self, batch: ScheduledBatch, out: RunnerOutput, draft_probs: Optional[DraftProbs]) -> SampledTokens:
+        """The tokens every sampling request produces this step (requests finished by a failed
+        grammar produce none)."""
+        result: SampledTokens = {}
+        if batch.spec_token_ids:
+            plain_reqs, plain_rows = self._verify_drafts(batch, out, draft_probs, result)
+        else:  # one row per sampled request, in batch order: no per-row bookkeeping
+            plain_reqs = self._sampled_requests(batch, out.sample_seq_ids)
+            plain_rows = list(range(len(plain_reqs)))
+            if any(r.is_finished for r in plain_reqs):  # a grammar failed to compile: nothing to sample
+                keep = [i for i, r in enumerate(plain_reqs) if not r.is_finished]
+                plain_reqs, plain_rows = [plain_reqs[i] for i in keep], keep
+        if plain_reqs:
+            logits = out.logits if len(plain_rows) == out.logits.shape[0] else out.logits[plain_rows]
+            constrained = [i for i, r in enumerate(plain_reqs) if r.grammar is not None]
+            if constrained:  # never drafted (drafter.is_eligible), so every one is a plain row
+                bitmask = fill_bitmask([plain_reqs[i].grammar for i in constrained], logits.shape[-1])
+                logits = apply_bitmask(logits, constrained, bitmask)
+            tokens, logprobs = self.sampler.sample(
+                logits,
+                [r.params for r in plain_reqs],
+                [r.sample_seed for r in plain_reqs],
+                [len(r.token_ids) for r in plain_reqs],  # the position of the token each row samples
+            )
+            for i in constrained:
+                accepted = plain_reqs[i].grammar.accept(tokens[i])
+                assert accepted, f"the grammar rejected token {tokens[i]} that its own mask allowed"
+            for i, req in enumerate(plain_reqs):
+                result[req.seq_id] = (req, [tokens[i]], logprobs[i] if logprobs is not None else None)
+        return result
+
+    @staticmethod
+    def _sampled_requests(batch: ScheduledBatch, sample_seq_ids: list[int]) -> list[Request]:
+        if len(sample_seq_ids) == len(batch.requests):  # runners list sampled requests in batch order
+            return batch.requests
+        by_seq = {r.seq_id: r for r in batch.requests}
+        return [by_seq[seq] for seq in sample_seq_ids]
+
+    def _verify_drafts(
+        self,
+        batch: ScheduledBatch,
+        out: RunnerOutput,
+        draft_probs: Optional[DraftProbs],
+        result: SampledTokens,
+    ) -> tuple[list[Request], list[int]]:
+        """Verify the drafts of every request that carried some, all in one call, into `result`;
+        return the other sampled requests and their logits rows, for the plain sampler."""
+        by_seq = {r.seq_id: r for r in batch.requests}
+        plain_rows: list[int] = []
+        plain_reqs: list[Request] = []
+        spec_rows: list[int] = []
+        spec_reqs: list[Request] = []
+        row = 0
+        for seq, n in zip(out.sample_seq_ids, out.num_rows):
+            req = by_seq[seq]
+            if req.is_finished:  # its grammar failed to compile
+                pass
+            elif batch.spec_token_ids.get(seq):
+                spec_rows.append(row)
+                spec_reqs.append(req)
+            else:
+                plain_rows.append(row)
+                plain_reqs.append(req)
+            row += n
+        if spec_reqs:
+            drafts = [batch.spec_token_ids[r.seq_id] for r in spec_reqs]
+            verified = verify(out.logits, spec_rows, spec_reqs, drafts, self.sampler, draft_probs)
+            for req, proposed, tokens in zip(spec_reqs, drafts, verified):
+                record_acceptance(req, len(proposed), len(tokens) - 1)
+                self.num_spec_proposed += len(proposed)
+                self.num_spec_accepted += len(tokens) - 1
+                result[req.seq_id] = (req, tokens, None)
+        return plain_reqs, plain_rows
+
+    def stops(self, sampled: SampledTokens) -> list[Request]:
+        """Finish the requests that, with this step's tokens appended, end on a stop string or a
+        completed grammar; return them."""
+        finished = []
+        for req, _, _ in sampled.values():
+            if req.is_finished:
+                continue
+            if req.params.stop and hits_stop_string(self.tokenizer, req):
+                self.scheduler.finish(req, "stop")
+                finished.append(req)
+            elif req.grammar is not None and req.grammar.is_terminated:
+                self.scheduler.finish(req, "stop")  # its stop token was ignored (ignore_eos) but the grammar ended
+                finished.append(req)
+        return finished

@@ -11,16 +11,19 @@ runs it over every scheduled token so its cache always covers what the target's 
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from batchrun.engine.config import SpeculativeConfig
+from batchrun.engine.device import weight_count
 from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner
 from batchrun.engine.sampler import STREAM_DRAFT, Sampler, draw_from_probs, sampling_probs_rows
 from batchrun.engine.scheduler import ScheduledBatch
-from batchrun.engine.speculative import DraftProbs, SpeculationPolicy, ngram_propose
+from batchrun.engine.speculative import DraftProbs, SpeculationPolicy, StepCostModel, ngram_propose
+from batchrun.model.decoder import DecoderLM, build_decoder
+from batchrun.model.loader import load_model
 
 log = logging.getLogger(__name__)
 
@@ -124,3 +127,59 @@ class Drafter:
         """Draft model only: compute its KV for every token the target computed this step."""
         if self.config.method == "draft":
             self.runner.execute(batch)
+
+
+def load_draft_model(
+    spec: SpeculativeConfig, tokenizer: Any, dtype: torch.dtype, device: torch.device, cache_dir: Optional[str]
+) -> tuple[DecoderLM, str]:
+    """(the draft model, its resolved path); it must share the target's tokenizer."""
+    loaded = load_model(spec.draft_model, dtype=dtype, cache_dir=cache_dir)
+    if len(loaded.tokenizer) != len(tokenizer) or loaded.tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(
+            f"engine.speculative.draft_model {spec.draft_model!r} has a different tokenizer "
+            "from the target model; a draft must share the target's vocabulary"
+        )
+    return build_decoder(loaded.config, loaded.state_dict, dtype, device).eval(), loaded.path
+
+
+def build_drafter(
+    spec: SpeculativeConfig,
+    model: DecoderLM,
+    runner: ModelRunner,
+    sampler: Sampler,
+    num_blocks: int,
+    profile: dict,
+    draft: Optional[tuple[DecoderLM, str]],
+) -> tuple[Drafter, dict[str, Any]]:
+    """The drafter of `spec` for the target `model` (run by `runner`), and the settings it adds to
+    the engine's: method, k, self layers, adaptive. `draft`: the loaded draft model and its path
+    (method "draft"); `profile`: the engine's start-up profile, whose decode speeds price drafting."""
+    num_layers = None
+    draft_cost = 0.0  # one draft pass, as a fraction of one target step of the same width
+    if spec.method == "self":
+        total = model.spec.num_layers
+        num_layers = min(spec.self_layers or max(1, total // 4), total - 1)
+        draft_cost = num_layers / total
+    elif spec.method == "draft":
+        assert draft is not None
+        draft_model = draft[0]
+        # Same block ids and slot mapping as the target, so one block table serves both caches.
+        runner = ModelRunner(
+            draft_model.eval(),
+            num_blocks,
+            runner.block_size,
+            runner.dtype,
+            runner.device,
+            block_tables=runner.block_tables,
+        )
+        # Weights as parameters or as buffers (packed, quantized, a tied head's tiles), each once.
+        draft_cost = weight_count(draft_model) / weight_count(model)
+    cost = StepCostModel(profile.get("decode_tok_s") or {1: 1.0})
+    policy = SpeculationPolicy(spec, cost, draft_cost)
+    settings = {
+        "method": spec.method,
+        "k": spec.num_speculative_tokens,
+        "self_layers": num_layers,
+        "adaptive": spec.adaptive,
+    }
+    return Drafter(spec, policy, runner, sampler, num_layers), settings

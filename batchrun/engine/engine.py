@@ -11,9 +11,9 @@ from typing import Any, Optional, Union
 import torch
 
 from batchrun.engine.admission import Admission
-from batchrun.engine.config import EngineConfig, SamplingParams, SpeculativeConfig
-from batchrun.engine.device import available_memory, resolve_device, resolve_dtype, weight_count
-from batchrun.engine.drafter import Drafter
+from batchrun.engine.config import EngineConfig, SamplingParams
+from batchrun.engine.device import available_memory, resolve_device, resolve_dtype
+from batchrun.engine.drafter import build_drafter, load_draft_model
 from batchrun.engine.grammar import GrammarCompiler
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput
@@ -23,11 +23,10 @@ from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner, kv_bytes_per_block
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from batchrun.engine.speculative import SpeculationPolicy, StepCostModel
 from batchrun.engine.step_sampler import StepSampler, cut_at_stop_string
 from batchrun.engine.warmup import warm_up
 from batchrun.kernels import cpu_native
-from batchrun.model.decoder import DecoderLM, build_decoder
+from batchrun.model.decoder import build_decoder
 from batchrun.model.linear import NativeLinear
 from batchrun.model.loader import load_model
 from batchrun.model.prepare import module_weight_bytes
@@ -74,7 +73,11 @@ class Engine:
         # A draft model is loaded before the KV cache is sized: its cache holds the same blocks as
         # the target's, so a block costs both and both caches come out of one budget (and one
         # measure of free memory, taken with both models' weights in place).
-        draft = self._load_draft_model(spec) if spec.method == "draft" else None
+        draft = (
+            load_draft_model(spec, self.tokenizer, self.dtype, self.device, config.cache_dir)
+            if spec.method == "draft"
+            else None
+        )
         per_block = kv_bytes_per_block(model, config.block_size, self.dtype, config.kv_cache_dtype)
         if draft is not None:
             per_block += kv_bytes_per_block(draft[0], config.block_size, self.dtype)
@@ -163,7 +166,13 @@ class Engine:
         vocab_size = model.spec.vocab_size
         self.admission = Admission(self.tokenizer, vocab_size, self.max_model_len, config.seed, self.grammars)
         self.step_sampler = StepSampler(self.sampler, self.scheduler, self.tokenizer)
-        self.drafter = self._build_drafter(spec, num_blocks, limits.profile, draft) if spec.method != "none" else None
+        self.drafter = None
+        if spec.method != "none":
+            self.drafter, self.settings["speculative"] = build_drafter(
+                spec, self.model, self.runner, self.sampler, num_blocks, limits.profile, draft
+            )
+            if draft is not None:
+                self.settings["draft_model"] = draft[1]
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_steps = 0
@@ -273,51 +282,6 @@ class Engine:
             num_spec_steps=policy.num_steps_on,
             num_spec_switches=policy.num_switches,
         )
-
-    def _load_draft_model(self, spec: SpeculativeConfig) -> tuple[DecoderLM, str]:
-        """(the draft model, its resolved path); it must share the target's tokenizer."""
-        loaded = load_model(spec.draft_model, dtype=self.dtype, cache_dir=self.config.cache_dir)
-        if len(loaded.tokenizer) != len(self.tokenizer) or loaded.tokenizer.get_vocab() != self.tokenizer.get_vocab():
-            raise ValueError(
-                f"engine.speculative.draft_model {spec.draft_model!r} has a different tokenizer "
-                "from the target model; a draft must share the target's vocabulary"
-            )
-        return build_decoder(loaded.config, loaded.state_dict, self.dtype, self.device).eval(), loaded.path
-
-    def _build_drafter(
-        self, spec: SpeculativeConfig, num_blocks: int, profile: dict, draft: Optional[tuple[DecoderLM, str]]
-    ) -> Drafter:
-        num_layers = None
-        runner = self.runner
-        draft_cost = 0.0  # one draft pass, as a fraction of one target step of the same width
-        if spec.method == "self":
-            total = self.model.spec.num_layers
-            num_layers = min(spec.self_layers or max(1, total // 4), total - 1)
-            draft_cost = num_layers / total
-        elif spec.method == "draft":
-            assert draft is not None
-            draft_model, path = draft
-            # Same block ids and slot mapping as the target, so one block table serves both caches.
-            runner = ModelRunner(
-                draft_model.eval(),
-                num_blocks,
-                self.config.block_size,
-                self.dtype,
-                self.device,
-                block_tables=self.kv.block_tables,
-            )
-            # Weights as parameters or as buffers (packed, quantized, a tied head's tiles), each once.
-            draft_cost = weight_count(draft_model) / weight_count(self.model)
-            self.settings["draft_model"] = path
-        cost = StepCostModel(profile.get("decode_tok_s") or {1: 1.0})
-        policy = SpeculationPolicy(spec, cost, draft_cost)
-        self.settings["speculative"] = {
-            "method": spec.method,
-            "k": spec.num_speculative_tokens,
-            "self_layers": num_layers,
-            "adaptive": spec.adaptive,
-        }
-        return Drafter(spec, policy, runner, self.sampler, num_layers)
 
     def warmup(self) -> dict[str, Any]:
         """Run each kind of step this engine will run once, so Triton compiles every kernel variant

@@ -64,6 +64,7 @@ class ModelRunner:
         self.block_tables = block_tables
         self.block_size = block_size
         self.device = device
+        self.dtype = dtype  # activations' and a float cache's dtype
         s = model.spec
         shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
         if kv_cache_dtype != "auto":

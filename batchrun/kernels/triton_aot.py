@@ -156,7 +156,11 @@ def _resource_usage(cubin: bytes) -> Optional[tuple[int, int]]:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
+        try:
+            out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True)
+        except (OSError, subprocess.CalledProcessError) as e:
+            log.warning("cuobjdump could not read a cubin (%s): register counts unknown", e)
+            return None
     m = _USAGE.search(out.stdout)
     if m is None:
         return None

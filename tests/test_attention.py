@@ -166,9 +166,10 @@ def test_engine_greedy_output_is_the_same_with_and_without_the_shared_prefix_pat
     assert [o.token_ids for o in engine.generate(prompts, params)] == with_shared
 
 
-def test_triton_takes_fp8_caches_only_on_gpus_that_convert_e4m3(monkeypatch):
+def test_triton_takes_fp8_caches_only_on_gpus_that_convert_e4m3():
     """An fp8 cache takes the Triton kernels from compute capability 8.9 on (Triton refuses
     float8_e4m3fn below); an int8 cache everywhere Triton runs. CPU tensors never do."""
+    pytest.importorskip("triton")
     from batchrun.kernels import attention, backend
     from batchrun.kernels.quant.kv import QuantizedKVCache
 
@@ -177,11 +178,9 @@ def test_triton_takes_fp8_caches_only_on_gpus_that_convert_e4m3(monkeypatch):
 
     x = torch.zeros(1)
     assert not attention._triton_serves(x, cache(torch.int8))  # CPU: the CPU path, as before
-    monkeypatch.setattr(attention, "triton_usable", lambda t: True)
-    gpu = torch.device("cuda", 0)  # the dispatch asks about the query's device: as if it were this one
-    monkeypatch.setattr(attention, "triton_fp8_usable", lambda device: backend.triton_fp8_usable(gpu))
     for capability, fp8 in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
-        monkeypatch.setattr(backend, "_cuda_capability", lambda index, c=capability: c)
-        assert attention._triton_serves(x, cache(torch.float8_e4m3fn)) == fp8, capability
-        assert attention._triton_serves(x, cache(torch.int8))
-        assert attention._triton_serves(x, torch.zeros(2, 4, 1, 8))
+        # the dispatch asks about the query's device: as if it were a GPU of this capability
+        with backend.simulated_gpu(backend.GpuTarget(capability, 132)):
+            assert attention._triton_serves(x, cache(torch.float8_e4m3fn)) == fp8, capability
+            assert attention._triton_serves(x, cache(torch.int8))
+            assert attention._triton_serves(x, torch.zeros(2, 4, 1, 8))

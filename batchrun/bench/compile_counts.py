@@ -69,6 +69,22 @@ def triton_kernels() -> dict[str, Any]:
     return found
 
 
+def entry_kernels() -> dict[str, Any]:
+    """The kernels of `triton_kernels()` that a launcher starts: those no other Triton function calls
+    (the rest are helpers, compiled inlined into their callers)."""
+    import ast
+
+    kernels = triton_kernels()
+    called: set[int] = set()
+    for fn in kernels.values():
+        for node in ast.walk(fn.parse()):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                callee = _jit_function(fn.__globals__.get(node.func.id))
+                if callee is not None:
+                    called.add(id(callee))
+    return {name: fn for name, fn in kernels.items() if id(fn) not in called}
+
+
 def variant_keys(fn: Any) -> set[str]:
     """Keys of the variants `fn` has compiled, on every device."""
     caches = getattr(fn, "device_caches", None)

@@ -1,13 +1,49 @@
-"""The one "can Triton run here?" check that every kernel dispatch asks."""
+"""The one "can Triton run here?" check that every kernel dispatch asks, and the GPU a launch is
+sized for.
+
+Launchers size their tiles, padding and split counts for the GPU they launch on (`gpu_target`).
+While `simulated_gpu` is active (kernels/triton_aot.py's compile-only checks, on a machine without
+one), CPU tensors take the Triton paths and the launchers size for the simulated GPU, so a check
+compiles exactly the variants a run on that GPU would.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GpuTarget:
+    """What a launcher needs to know of the GPU it launches on."""
+
+    capability: tuple[int, int]  # compute capability, e.g. (9, 0)
+    num_sms: int  # streaming multiprocessors: how many programs one wave runs
+
+
+# Process-wide, as is the launch patch that goes with it (kernels/triton_aot.py: compile_only).
+_simulated: Optional[GpuTarget] = None
+
+
+@contextlib.contextmanager
+def simulated_gpu(target: GpuTarget) -> Iterator[GpuTarget]:
+    """Inside, every tensor counts as living on `target`: the dispatches take the Triton paths and
+    the launchers size for it. Only for compile-only checks: nothing here makes a launch run."""
+    global _simulated
+    before = _simulated
+    _simulated = target
+    try:
+        yield target
+    finally:
+        _simulated = before
 
 
 @functools.lru_cache(maxsize=1)
@@ -22,20 +58,30 @@ def triton_installed() -> bool:
 
 
 def triton_usable(x: torch.Tensor) -> bool:
-    """Whether the Triton kernels serve a tensor: it lives on a CUDA device and triton is installed."""
-    return x.is_cuda and triton_installed()
+    """Whether the Triton kernels serve a tensor: it lives on a CUDA device (or a simulated GPU is
+    active) and triton is installed."""
+    return (x.is_cuda or _simulated is not None) and triton_installed()
 
 
 @functools.cache
-def _cuda_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def _cuda_target(index: int) -> GpuTarget:
+    props = torch.cuda.get_device_properties(index)
+    return GpuTarget((props.major, props.minor), props.multi_processor_count)
+
+
+def gpu_target(device: torch.device) -> Optional[GpuTarget]:
+    """The GPU a launch on `device` is sized for: the simulated one while `simulated_gpu` is active,
+    else a CUDA device's own; None off a GPU (only Triton's interpreter launches there)."""
+    if _simulated is not None:
+        return _simulated
+    if device.type != "cuda":
+        return None
+    return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def triton_fp8_usable(device: torch.device) -> bool:
     """Whether Triton kernels may hold float8_e4m3fn values on `device`: a GPU of compute capability
     8.9 or newer (older ones have no e4m3 conversions and Triton refuses the type there); off a GPU,
     which only Triton's interpreter reaches, yes."""
-    if device.type != "cuda":
-        return True
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _cuda_capability(index) >= (8, 9)
+    target = gpu_target(device)
+    return target is None or target.capability >= (8, 9)

@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from batchrun.kernels.attention_metadata import AttentionMetadata
+from batchrun.kernels.backend import gpu_target
 from batchrun.kernels.triton_kv import kv_cache_args
 
 log = logging.getLogger(__name__)
@@ -424,16 +425,11 @@ def _prefill_kernel(
 # ---------------------------------------------------------------------------------------------
 # launchers
 
-_NUM_SMS: dict[int, int] = {}
-
 
 def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a couple of splits, so the merge runs in tests too
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
+    target = gpu_target(device)
+    # the interpreter: a couple of splits, so the merge runs in tests too
+    return target.num_sms if target is not None else 4
 
 
 def default_num_splits(
@@ -481,7 +477,7 @@ def decode_attention(
         out = torch.empty_like(q)
     if num_decode == 0:
         return out
-    on_gpu = q.is_cuda
+    on_gpu = gpu_target(q.device) is not None  # tiles for the GPU's tensor cores, not the interpreter
     block_n = block_n or (64 if on_gpu else 16)
     if num_splits is None:
         num_splits = default_num_splits(
@@ -580,7 +576,7 @@ def prefill_attention(
     num_prefill = seq_ids.shape[0]
     if num_prefill == 0 or max_query_len == 0:
         return out
-    on_gpu = q.is_cuda
+    on_gpu = gpu_target(q.device) is not None  # tiles for the GPU's tensor cores, not the interpreter
     head_dim_pad = _pad(head_dim, 16 if on_gpu else 1)
     block_m = block_m or (64 if on_gpu else 16)
     block_n = block_n or (64 if on_gpu else 16)

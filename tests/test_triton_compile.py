@@ -1,0 +1,207 @@
+"""Every Triton kernel compiles for an H100/H200 (sm_90), checked on a machine without a GPU.
+
+The interpreter tests (tests/test_triton_*.py) check the kernels' numbers but never lower them, so
+a kernel that only fails in the compiler (a tl type mismatch, a constexpr misuse, float8 on an
+architecture without it, shared memory past the GPU's limit) would pass them. Here every kernel is
+compiled ahead of time for sm_90 (kernels/triton_aot.py: compile_only) through the launchers a run
+calls, with the tile sizes, warps and split counts they pick on an H200 (bench/compile_cases.py:
+the fast set; `python -m batchrun.bench.triton_compile` compiles every case). Triton's on-disk
+cache keeps a rerun quick.
+
+Spills are a speed problem, not an error: bf16 and fp16 variants (what runs on a GPU) must not
+spill past SPILL_BOUND_BYTES; float32 variants are reported, not bounded (some spill: the IEEE
+float32 dots take no tensor cores and hold their tiles in registers).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from batchrun.bench import compile_counts  # noqa: E402
+from batchrun.bench.cases import attention_case  # noqa: E402
+from batchrun.bench.compile_cases import compile_cases, launch_cases  # noqa: E402
+from batchrun.kernels import attention, backend, triton_aot  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+SPILL_BOUND_BYTES = 64  # local memory per thread a bf16/fp16 variant may use: a small stack frame, no real spills
+
+if triton_aot.triton_supported() is not None:
+    pytestmark = pytest.mark.skip(reason=triton_aot.triton_supported())
+elif compile_counts.interpreted():
+    pytestmark = pytest.mark.skip(reason="under TRITON_INTERPRET the kernels are not JITFunctions")
+
+
+@pytest.fixture(scope="module")
+def sm90() -> triton_aot.CompileLog:
+    return compile_cases(90, launch_cases())
+
+
+def _describe(v: triton_aot.CompiledVariant) -> str:
+    return f"{v.name} ({v.label}): {v.error}"
+
+
+def _first_pointer_dtype(v: triton_aot.CompiledVariant) -> str:
+    return next(t for t in v.signature.values() if t.startswith("*"))[1:]
+
+
+def test_every_kernel_compiles_for_sm90(sm90):
+    assert not sm90.failures, "\n".join(_describe(v) for v in sm90.failures)
+    every_kernel = {f"batchrun.kernels.{name}" for name in compile_counts.entry_kernels()}
+    assert every_kernel - sm90.kernels() == set(), "kernels the cases never launch"
+
+
+def test_the_cases_cover_the_variants_a_run_uses(sm90):
+    """Coverage of the case set itself, so that trimming it fails here instead of silently
+    compiling less."""
+    decode = sm90.of("_decode_kernel")
+    assert {v.constexprs["IS_SPLIT"] for v in decode} == {True, False}  # one split and several
+    assert {v.constexprs["HAS_Q_ROWS"] for v in decode} == {True, False}  # mixed and pure-decode steps
+    assert {v.constexprs["HEAD_DIM"] for v in decode} >= {64, 128, 256}
+    assert any(v.constexprs["GROUP"] > 1 for v in decode)  # GQA
+    assert any(v.constexprs["HAS_WINDOW"] for v in decode)
+    for name in ("_decode_kernel", "_prefill_kernel", "_qkv_kernel", "_write_kv_kernel"):
+        caches = {v.signature["k_cache_ptr"] for v in sm90.of(name)}
+        assert {"*i8", "*fp8e4nv"} <= caches, (name, caches)  # int8 and fp8 caches
+    for name in ("_decode_kernel", "_prefill_kernel", "_rms_norm_kernel", "_w8a16_kernel", "_w4a16_kernel"):
+        assert {_first_pointer_dtype(v) for v in sm90.of(name)} >= {"bf16", "fp32"}, name
+    assert "fp16" in {_first_pointer_dtype(v) for v in sm90.of("_prefill_kernel")}
+    assert len(sm90.of("_merge_splits_kernel")) >= 2
+    # the H200's tile sizes, not the interpreter's
+    assert {v.constexprs["BLOCK_N"] for v in decode} == {64}
+    assert {v.constexprs["GROUP_PAD"] for v in decode} == {16}
+
+
+def test_production_dtypes_do_not_spill_on_sm90(sm90):
+    if any(v.n_regs is None for v in sm90.variants):
+        pytest.skip("no cuobjdump: register and local-memory counts unknown")
+    spilling = [
+        f"{v.name} ({v.label}): {v.n_regs} registers, {v.n_spills} B local"
+        for v in sm90.variants
+        if _first_pointer_dtype(v) in ("bf16", "fp16") and v.n_spills > SPILL_BOUND_BYTES
+    ]
+    assert not spilling, "\n".join(spilling)
+    assert all(v.n_regs <= 255 and v.shared <= triton_aot.ARCHS[90].max_shared for v in sm90.variants)
+
+
+def _padded(table: torch.Tensor, width: int) -> torch.Tensor:
+    """The block table as a step with a longer context elsewhere in the batch pads it: (num_seqs, width)."""
+    out = torch.zeros(table.shape[0], width, dtype=table.dtype)
+    out[:, : table.shape[1]] = table
+    return out
+
+
+def test_ints_marked_do_not_specialize_compile_no_new_variants():
+    """Block-table width, split count and GEMM token count change from step to step; each value
+    class (1, divisible by 16, other) must not compile a variant of its own in the middle of a run."""
+    from batchrun.kernels import triton_attention as ta
+    from batchrun.kernels.quant import quantize_int4, quantize_int8
+    from batchrun.kernels.quant.triton_gemm import w4a16_matmul, w8a16_matmul
+
+    c = attention_case([(3, 1), (9, 1), (4, 6)], 4, 2, 64, 16, torch.bfloat16)  # every context in one block
+    m = c.meta
+    assert m.block_tables.shape[1] == 1
+    starts, seq_lens = torch.tensor(m.query_start_loc), torch.tensor(m.seq_lens)
+    prefill_ids = torch.tensor(m.prefill_seq_ids)
+    qw8, s8 = quantize_int8(torch.randn(64, 128), None)
+    qw4, s4, mins4 = quantize_int4(torch.randn(64, 128), 32)
+
+    def decode(table: torch.Tensor, num_splits: int) -> None:
+        ids, lens = m.decode_seq_ids, m.decode_seq_lens
+        ta.decode_attention(c.q, c.k_cache, c.v_cache, table, ids, lens, 0.1, num_splits=num_splits)
+
+    with triton_aot.compile_only(90) as log:
+        for width in (1, 16, 17, 48):
+            table = _padded(m.block_tables, width)
+            decode(table, 2)
+            ta.prefill_attention(c.q, c.k_cache, c.v_cache, table, starts, seq_lens, prefill_ids, 6, 0.1)
+        for num_splits in (9, 12, 16):  # one SPLITS_PAD (16)
+            decode(m.block_tables, num_splits)
+        for tokens in (1, 7, 16):  # one BLOCK_M (16)
+            x = torch.randn(tokens, 128, dtype=torch.bfloat16)
+            w8a16_matmul(x, qw8, s8)
+            w4a16_matmul(x, qw4, s4, mins4)
+    assert not log.failures, "\n".join(_describe(v) for v in log.failures)
+    launches = {name: [v.launches for v in log.of(name)] for name in ("_prefill_kernel", "_w8a16_kernel")}
+    assert launches == {"_prefill_kernel": [4], "_w8a16_kernel": [3]}
+    assert [v.launches for v in log.of("_w4a16_kernel")] == [3]
+    # two splits, then 9..16: the decode kernel takes the split count from the grid only
+    assert [v.launches for v in log.of("_decode_kernel")] == [7]
+    assert sorted((v.constexprs["SPLITS_PAD"], v.launches) for v in log.of("_merge_splits_kernel")) == [(2, 4), (16, 3)]
+
+
+def test_an_int_left_to_specialize_compiles_a_variant_per_value_class():
+    """The check above can fail: without do_not_specialize, 1, a multiple of 16 and any other int
+    are three variants (Triton folds 1 into a constant and marks multiples of 16)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def specialized(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+    @triton.jit(do_not_specialize=["n"])
+    def unspecialized(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
+
+    x = torch.zeros(64)
+    with triton_aot.compile_only(90) as log:
+        for n in (1, 16, 17):
+            specialized[(1,)](x, n, BLOCK=64)
+            unspecialized[(1,)](x, n, BLOCK=64)
+    assert [v.launches for v in log.of("specialized")] == [1, 1, 1]
+    assert [v.constexprs.get("n") for v in log.of("specialized")] == [1, None, None]
+    assert [v.divisible_by_16 for v in log.of("specialized")][1:] == [["x_ptr", "n"], ["x_ptr"]]
+    assert [v.launches for v in log.of("unspecialized")] == [3]
+
+
+def test_fp8_caches_compile_for_sm90_and_are_refused_below_sm89(sm90):
+    """sm_80 has no e4m3 conversions: the dispatch sends an fp8 cache to the CPU path there, and a
+    launch forced past it does not compile."""
+    from batchrun.kernels import triton_attention as ta
+
+    fp8 = [v for v in sm90.of("_decode_kernel") if v.signature["k_cache_ptr"] == "*fp8e4nv"]
+    assert fp8 and all(v.ok for v in fp8)
+    c = attention_case([(5, 1), (0, 9)], 4, 2, 64, 16, torch.bfloat16, kv_cache_dtype=torch.float8_e4m3fn)
+    with triton_aot.compile_only(80) as log:
+        assert not backend.triton_fp8_usable(c.q.device)
+        attention.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, 0.125)  # runs on the CPU path
+        assert log.variants == []
+        m = c.meta
+        ta.decode_attention(c.q, c.k_cache, c.v_cache, m.block_tables, m.decode_seq_ids, m.decode_seq_lens, 0.125)
+    (v,) = log.of("_decode_kernel")
+    assert not v.ok and "fp8e4nv" in v.error
+
+
+def test_simulated_gpu_is_scoped_to_compile_only():
+    cpu = torch.device("cpu")
+    with triton_aot.compile_only(90):
+        assert backend.gpu_target(cpu) == backend.GpuTarget((9, 0), 132)
+        assert backend.triton_usable(torch.zeros(1))
+    assert backend.gpu_target(cpu) is None
+    assert not backend.triton_usable(torch.zeros(1))
+
+
+def test_the_benchmark_script_prints_a_row_per_variant(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchrun.bench.triton_compile", "--fast", "--only", "kv write bf16"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split() for line in proc.stdout.splitlines() if line.startswith("_write_kv_kernel")]
+    assert len(rows) == 3, proc.stdout  # float, int8 and fp8 caches
+    assert all("sm_90" in r and "ok" in r for r in rows), proc.stdout

@@ -17,6 +17,7 @@ from batchrun import Engine, EngineConfig, SamplingParams
 from batchrun.engine.warmup import decode_split_fn, warmup_plan, width_class
 from batchrun.kernels import triton_attention
 from batchrun.kernels.attention_metadata import AttentionMetadata
+from batchrun.kernels.backend import GpuTarget, simulated_gpu
 from batchrun.testing import sample_texts
 
 BLOCK = 16
@@ -30,14 +31,14 @@ def _reachable(split_fn, max_num_seqs: int, max_blocks: int) -> set[tuple[int, s
     }
 
 
-def test_the_plan_covers_every_split_count_a_gpu_step_can_get(monkeypatch):
-    """GPU-sized shapes without a GPU: default_num_splits for a 132-SM device (its SM count cached
-    as a real device's would be), 8 KV heads, 8k context, 256 sequences: split counts 1 to 32."""
-    monkeypatch.setitem(triton_attention._NUM_SMS, 0, 132)
+def test_the_plan_covers_every_split_count_a_gpu_step_can_get():
+    """GPU-sized shapes without a GPU: default_num_splits for a 132-SM device (an H200, simulated),
+    8 KV heads, 8k context, 256 sequences: split counts 1 to 32."""
     device = torch.device("cuda", 0)
 
     def split_fn(n: int, ctx: int) -> int:
-        return triton_attention.default_num_splits(n, 8, ctx, device, 64)
+        with simulated_gpu(GpuTarget((9, 0), 132)):
+            return triton_attention.default_num_splits(n, 8, ctx, device, 64)
 
     max_model_len, max_num_seqs = 8192, 256
     plan = warmup_plan(BLOCK, max_model_len, 2048, max_num_seqs, split_fn)

@@ -180,7 +180,7 @@ def test_triton_takes_fp8_caches_only_on_gpus_that_convert_e4m3():
     assert not attention._triton_serves(x, cache(torch.int8))  # CPU: the CPU path, as before
     for capability, fp8 in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
         # the dispatch asks about the query's device: as if it were a GPU of this capability
-        with backend.simulated_gpu(backend.GpuTarget(capability, 132)):
+        with backend.simulated_gpu(backend.GpuTarget(capability, 132, backend.MAX_SHARED_PER_BLOCK[capability])):
             assert attention._triton_serves(x, cache(torch.float8_e4m3fn)) == fp8, capability
             assert attention._triton_serves(x, cache(torch.int8))
             assert attention._triton_serves(x, torch.zeros(2, 4, 1, 8))

@@ -6,7 +6,9 @@ architecture without it, shared memory past the GPU's limit) would pass them. He
 compiled ahead of time for sm_90 (kernels/triton_aot.py: compile_only) through the launchers a run
 calls, with the tile sizes, warps and split counts they pick on an H200 (bench/compile_cases.py:
 the fast set; `python -m batchrun.bench.triton_compile` compiles every case). Triton's on-disk
-cache keeps a rerun quick.
+cache keeps a rerun quick. On sm_89 (99 KB of shared memory per block) a few attention launches
+check that the launchers shrink their tiles to fit, with the estimate they choose by bounding the
+compiled figure.
 
 Spills are a speed problem, not an error: bf16 and fp16 variants (what runs on a GPU) must not
 spill past SPILL_BOUND_BYTES; float32 variants are reported, not bounded (some spill: the IEEE
@@ -89,6 +91,58 @@ def test_production_dtypes_do_not_spill_on_sm90(sm90):
     ]
     assert not spilling, "\n".join(spilling)
     assert all(v.n_regs <= 255 and v.shared <= triton_aot.ARCHS[90].max_shared for v in sm90.variants)
+
+
+def _estimate(v: triton_aot.CompiledVariant) -> int:
+    """triton_attention.shared_bytes for a compiled attention variant, from its constexprs."""
+    from batchrun.kernels import triton_attention as ta
+
+    c = v.constexprs
+    prefill = v.name == "_prefill_kernel"
+    return ta.shared_bytes(
+        backend.GpuTarget((v.arch // 10, v.arch % 10), 1, triton_aot.ARCHS[v.arch].max_shared),
+        c["BLOCK_M"] if prefill else c["GROUP_PAD"],
+        c["BLOCK_N"],
+        c["HEAD_DIM_PAD"],
+        v.num_stages,
+        4 if _first_pointer_dtype(v) == "fp32" else 2,
+        c["IS_QUANT"],
+        prefill,
+    )
+
+
+def _estimates_bound_the_compiler(compile_log: triton_aot.CompileLog) -> list[str]:
+    """Attention variants whose compiled shared memory passes the launchers' estimate, which the
+    tile choice relies on being an upper bound."""
+    variants = compile_log.of("_decode_kernel") + compile_log.of("_prefill_kernel")
+    return [f"{v.name} ({v.label}): {v.shared} B > {_estimate(v)} B" for v in variants if v.shared > _estimate(v)]
+
+
+def test_attention_shared_memory_estimate_bounds_sm90(sm90):
+    assert not _estimates_bound_the_compiler(sm90)
+
+
+def test_attention_tiles_shrink_to_fit_sm89_shared_memory():
+    """An L40S/RTX 4090 (sm_89) has 99 KB of shared memory per block: the default 64x64 prefill
+    tiles pass it at bf16 head_dim 256 (Gemma 2/3) and float32 head_dim 128, so the launcher takes
+    smaller ones there, and keeps the defaults where they fit (bf16 head_dim 128)."""
+    from batchrun.kernels import triton_attention as ta
+
+    with triton_aot.compile_only(89) as log:
+        for head_dim, dtype in ((256, torch.bfloat16), (128, torch.float32), (128, torch.bfloat16)):
+            c = attention_case([(0, 9)], 4, 2, head_dim, 16, dtype)  # one prefill, no decodes
+            m = c.meta
+            starts, seq_lens = torch.tensor(m.query_start_loc), torch.tensor(m.seq_lens)
+            ids = torch.tensor(m.prefill_seq_ids)
+            ta.prefill_attention(c.q, c.k_cache, c.v_cache, m.block_tables, starts, seq_lens, ids, 9, 0.1)
+    assert not log.failures, "\n".join(_describe(v) for v in log.failures)
+    assert not _estimates_bound_the_compiler(log)
+    tiles = {
+        (v.constexprs["HEAD_DIM"], _first_pointer_dtype(v)): (v.constexprs["BLOCK_M"], v.constexprs["BLOCK_N"])
+        for v in log.of("_prefill_kernel")
+    }
+    assert tiles[(128, "bf16")] == (64, 64)
+    assert tiles[(256, "bf16")] != (64, 64) and tiles[(128, "fp32")] != (64, 64)
 
 
 def _padded(table: torch.Tensor, width: int) -> torch.Tensor:
@@ -185,7 +239,7 @@ def test_fp8_caches_compile_for_sm90_and_are_refused_below_sm89(sm90):
 def test_simulated_gpu_is_scoped_to_compile_only():
     cpu = torch.device("cpu")
     with triton_aot.compile_only(90):
-        assert backend.gpu_target(cpu) == backend.GpuTarget((9, 0), 132)
+        assert backend.gpu_target(cpu) == backend.GpuTarget((9, 0), 132, triton_aot.ARCHS[90].max_shared)
         assert backend.triton_usable(torch.zeros(1))
     assert backend.gpu_target(cpu) is None
     assert not backend.triton_usable(torch.zeros(1))

@@ -17,7 +17,7 @@ from batchrun import Engine, EngineConfig, SamplingParams
 from batchrun.engine.warmup import decode_split_fn, warmup_plan, width_class
 from batchrun.kernels import triton_attention
 from batchrun.kernels.attention_metadata import AttentionMetadata
-from batchrun.kernels.backend import GpuTarget, simulated_gpu
+from batchrun.kernels.backend import MAX_SHARED_PER_BLOCK, GpuTarget, simulated_gpu
 from batchrun.testing import sample_texts
 
 BLOCK = 16
@@ -37,7 +37,7 @@ def test_the_plan_covers_every_split_count_a_gpu_step_can_get():
     device = torch.device("cuda", 0)
 
     def split_fn(n: int, ctx: int) -> int:
-        with simulated_gpu(GpuTarget((9, 0), 132)):
+        with simulated_gpu(GpuTarget((9, 0), 132, MAX_SHARED_PER_BLOCK[(9, 0)])):
             return triton_attention.default_num_splits(n, 8, ctx, device, 64)
 
     max_model_len, max_num_seqs = 8192, 256

@@ -27,6 +27,17 @@ class GpuTarget:
 
     capability: tuple[int, int]  # compute capability, e.g. (9, 0)
     num_sms: int  # streaming multiprocessors: how many programs one wave runs
+    max_shared: int  # bytes of shared memory one block may use (the opt-in maximum): caps tile sizes
+
+
+# The opt-in shared memory per block of each compute capability a launcher may be sized for without
+# the GPU at hand (simulated ones, kernels/triton_aot.py's ARCHS); a real GPU reports its own.
+MAX_SHARED_PER_BLOCK: dict[tuple[int, int], int] = {
+    (8, 0): 166912,
+    (8, 6): 101376,
+    (8, 9): 101376,
+    (9, 0): 232448,
+}
 
 
 # Process-wide, as is the launch patch that goes with it (kernels/triton_aot.py: compile_only).
@@ -66,7 +77,14 @@ def triton_usable(x: torch.Tensor) -> bool:
 @functools.cache
 def _cuda_target(index: int) -> GpuTarget:
     props = torch.cuda.get_device_properties(index)
-    return GpuTarget((props.major, props.minor), props.multi_processor_count)
+    capability = (props.major, props.minor)
+    # The opt-in maximum is what a kernel may ask for. Torch builds without that attribute report
+    # only the default per-block figure (48 KiB), which would shrink tiles a kernel can have, so the
+    # capability's table entry comes before it.
+    max_shared = getattr(props, "shared_memory_per_block_optin", None) or MAX_SHARED_PER_BLOCK.get(capability)
+    if max_shared is None:
+        max_shared = props.shared_memory_per_block
+    return GpuTarget(capability, props.multi_processor_count, max_shared)
 
 
 def gpu_target(device: torch.device) -> Optional[GpuTarget]:

@@ -39,7 +39,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from batchrun.kernels.backend import GpuTarget, simulated_gpu
+from batchrun.kernels.backend import MAX_SHARED_PER_BLOCK, GpuTarget, simulated_gpu
 
 log = logging.getLogger(__name__)
 
@@ -55,10 +55,10 @@ class ArchSpec:
 
 # One representative GPU per architecture: the launchers' split counts follow its SM count.
 ARCHS: dict[int, ArchSpec] = {
-    80: ArchSpec("A100", 108, 166912),
-    86: ArchSpec("A40", 84, 101376),
-    89: ArchSpec("L40S", 142, 101376),
-    90: ArchSpec("H100/H200", 132, 232448),
+    80: ArchSpec("A100", 108, MAX_SHARED_PER_BLOCK[(8, 0)]),
+    86: ArchSpec("A40", 84, MAX_SHARED_PER_BLOCK[(8, 6)]),
+    89: ArchSpec("L40S", 142, MAX_SHARED_PER_BLOCK[(8, 9)]),
+    90: ArchSpec("H100/H200", 132, MAX_SHARED_PER_BLOCK[(9, 0)]),
 }
 
 _REGISTERS_PER_SM = 65536  # every architecture above: a block's threads share at most this many
@@ -251,8 +251,8 @@ def compile_only(arch: int = 90, num_sms: Optional[int] = None) -> Iterator[Comp
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError("under TRITON_INTERPRET the kernels are interpreted, never compiled")
+    assert arch in ARCHS, f"no GPU on file for sm_{arch}"
     if num_sms is None:
-        assert arch in ARCHS, f"no GPU on file for sm_{arch}: pass num_sms"
         num_sms = ARCHS[arch].num_sms
     compile_log = CompileLog(arch)
     compiler = _Compiler(arch, compile_log)
@@ -264,7 +264,7 @@ def compile_only(arch: int = 90, num_sms: Optional[int] = None) -> Iterator[Comp
 
     JITFunction.run = run
     try:
-        with simulated_gpu(GpuTarget((arch // 10, arch % 10), num_sms)):
+        with simulated_gpu(GpuTarget((arch // 10, arch % 10), num_sms, ARCHS[arch].max_shared)):
             yield compile_log
     finally:
         JITFunction.run = real_run

@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from batchrun.kernels.attention_metadata import AttentionMetadata
-from batchrun.kernels.backend import gpu_target
+from batchrun.kernels.backend import GpuTarget, gpu_target
 from batchrun.kernels.triton_kv import kv_cache_args
 
 log = logging.getLogger(__name__)
@@ -447,6 +447,70 @@ def _pad(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(n))
 
 
+# Bytes the compiler adds to the tiles `shared_bytes` counts (row maxima, layout conversions of
+# vectors); the estimate must stay an upper bound of the compiled kernel's shared memory.
+_SHARED_SLACK = 256
+
+# The tiles a launch tries on a GPU, first to last: the defaults, then smaller ones (each at least
+# 16, tl.dot's smallest operand). A launcher takes the first that fits the GPU's shared memory.
+_PREFILL_TILES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16))  # (BLOCK_M, BLOCK_N)
+_DECODE_TILES = (64, 32, 16)  # BLOCK_N
+_DEFAULT_STAGES = 2
+
+
+def shared_bytes(
+    target: GpuTarget,
+    rows: int,
+    block_n: int,
+    head_dim_pad: int,
+    num_stages: int,
+    elem_size: int,
+    is_quant: bool,
+    is_prefill: bool,
+) -> int:
+    """Shared memory one program of `_decode_kernel` (rows = GROUP_PAD) or `_prefill_kernel` (rows =
+    BLOCK_M) takes on `target`, as Triton lays the kernel out: the query tile (rows, HEAD_DIM_PAD),
+    the K and V tiles (BLOCK_N, HEAD_DIM_PAD) as the cache stores them, the probabilities (rows,
+    BLOCK_N) staged for the second dot, and a quantized cache's per-token scales. `elem_size` is the
+    query's element size (2 or 4). An upper bound of the compiler's figure, checked against every
+    variant tests/test_triton_compile.py compiles."""
+    kv_size = 1 if is_quant else elem_size
+    # Only sm_90's 16-bit prefill (wgmma takes both operands from shared memory) keeps num_stages
+    # copies of K and V in flight; the other variants stage one copy of each.
+    wgmma = is_prefill and target.capability >= (9, 0) and elem_size == 2
+    copies = num_stages if wgmma else 1
+    per_dim = rows * elem_size + 2 * block_n * kv_size * copies
+    if is_quant and elem_size == 4:
+        per_dim += 2 * block_n * 4  # the dequantized float32 K and V tiles the IEEE dots read
+    elif is_quant and wgmma:
+        per_dim += block_n * elem_size  # the dequantized tile wgmma reads
+    total = head_dim_pad * per_dim
+    if not (is_quant and elem_size == 4):  # that variant keeps the probabilities in registers
+        total += rows * block_n * elem_size
+    if is_quant:
+        total += 2 * block_n * 4  # float32 K and V scales, one per token
+    return total + _SHARED_SLACK
+
+
+def _fitting(target: Optional[GpuTarget], candidates: list[tuple[int, ...]], estimate) -> tuple[int, ...]:
+    """The first candidate whose `estimate` fits the GPU's shared memory per block; the first one
+    off a GPU (the interpreter has no limit); the last (smallest) when none fits, so the compiler
+    reports the overflow."""
+    if target is None:
+        return candidates[0]
+    for c in candidates:
+        if estimate(*c) <= target.max_shared:
+            return c
+    log.warning(
+        "no attention tile fits %d B of shared memory per block; launching %s", target.max_shared, candidates[-1]
+    )
+    return candidates[-1]
+
+
+def _pinned(value: Optional[int], default: tuple[int, ...]) -> tuple[int, ...]:
+    return default if value is None else (value,)
+
+
 def decode_attention(
     q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
     k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim) tensor, or a QuantizedKVCache
@@ -460,9 +524,9 @@ def decode_attention(
     q_rows: Optional[torch.Tensor] = None,  # (num_decode,) query row of each decode; None = row i
     out: Optional[torch.Tensor] = None,  # (num_tokens, num_heads, head_dim), written at the decode rows
     num_splits: Optional[int] = None,
-    block_n: Optional[int] = None,
+    block_n: Optional[int] = None,  # None: the largest of _DECODE_TILES the GPU's shared memory holds
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: Optional[int] = None,  # None: 2, fewer only where the tile needs it
 ) -> torch.Tensor:
     """Single-query attention of every decode over its paged context (GQA/MQA, window, split-K)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -477,13 +541,30 @@ def decode_attention(
         out = torch.empty_like(q)
     if num_decode == 0:
         return out
-    on_gpu = gpu_target(q.device) is not None  # tiles for the GPU's tensor cores, not the interpreter
-    block_n = block_n or (64 if on_gpu else 16)
+    target = gpu_target(q.device)
+    on_gpu = target is not None  # tiles for the GPU's tensor cores, not the interpreter
     if num_splits is None:
+        # From the default tile, not the one shared memory leaves: the split count stays a function
+        # of shapes and device kind only, which is what engine/warmup.py plans its captures by.
         num_splits = default_num_splits(
-            num_decode, num_kv_heads, block_tables.shape[1] * k_cache.shape[1], q.device, block_n
+            num_decode,
+            num_kv_heads,
+            block_tables.shape[1] * k_cache.shape[1],
+            q.device,
+            block_n or (64 if on_gpu else 16),
         )
     head_dim_pad = _pad(head_dim, 16 if on_gpu else 1)
+    group_pad = _pad(group, 16 if on_gpu else 1)
+    candidates = [
+        (n, st)
+        for n in _pinned(block_n, _DECODE_TILES if on_gpu else (16,))
+        for st in _pinned(num_stages, (_DEFAULT_STAGES, 1))
+    ]
+    block_n, num_stages = _fitting(
+        target,
+        candidates,
+        lambda n, st: shared_bytes(target, group_pad, n, head_dim_pad, st, q.element_size(), c.is_quant, False),
+    )
     is_split = num_splits > 1
     if is_split:
         part_out = torch.empty((num_decode, num_heads, num_splits, head_dim_pad), dtype=torch.float32, device=q.device)
@@ -515,7 +596,7 @@ def decode_attention(
         out.stride(0),
         out.stride(1),
         GROUP=group,
-        GROUP_PAD=_pad(group, 16 if on_gpu else 1),
+        GROUP_PAD=group_pad,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
         BLOCK_N=block_n,
@@ -559,10 +640,10 @@ def prefill_attention(
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
     out: Optional[torch.Tensor] = None,
-    block_m: Optional[int] = None,
-    block_n: Optional[int] = None,
+    block_m: Optional[int] = None,  # None (each of the three): the first of _PREFILL_TILES, with
+    block_n: Optional[int] = None,  # 2 stages, else 1, that the GPU's shared memory holds
     num_warps: Optional[int] = None,
-    num_stages: int = 2,
+    num_stages: Optional[int] = None,
 ) -> torch.Tensor:
     """Causal attention of each listed sequence's query tokens over its cached prefix and themselves."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -576,10 +657,19 @@ def prefill_attention(
     num_prefill = seq_ids.shape[0]
     if num_prefill == 0 or max_query_len == 0:
         return out
-    on_gpu = gpu_target(q.device) is not None  # tiles for the GPU's tensor cores, not the interpreter
+    target = gpu_target(q.device)
+    on_gpu = target is not None  # tiles for the GPU's tensor cores, not the interpreter
     head_dim_pad = _pad(head_dim, 16 if on_gpu else 1)
-    block_m = block_m or (64 if on_gpu else 16)
-    block_n = block_n or (64 if on_gpu else 16)
+    default = 64 if on_gpu else 16
+    tiles = [(m, n) for m, n in _PREFILL_TILES if block_m in (None, m) and block_n in (None, n)]
+    if not on_gpu or not tiles:  # the interpreter's tiles, or a size given outside the table
+        tiles = [(block_m or default, block_n or default)]
+    candidates = [(m, n, st) for m, n in tiles for st in _pinned(num_stages, (_DEFAULT_STAGES, 1))]
+    block_m, block_n, num_stages = _fitting(
+        target,
+        candidates,
+        lambda m, n, st: shared_bytes(target, m, n, head_dim_pad, st, q.element_size(), c.is_quant, True),
+    )
     if num_warps is None:
         num_warps = 8 if head_dim_pad >= 128 else 4
     grid = (triton.cdiv(max_query_len, block_m), num_prefill, num_heads)

@@ -89,6 +89,12 @@ class KVCacheArgs:
         take, in their argument order."""
         return (*self.k.stride()[:3], *self.v.stride()[:3], *self.scale_strides)
 
+    @property
+    def write_strides(self) -> tuple[int, ...]:
+        """The cache's and the scales' strides over (block, offset, head), V sharing K's: what the
+        kernels that store K/V take, in their argument order."""
+        return (*self.k.stride()[:3], *self.scale_strides)
+
 
 def kv_cache_args(k_cache, v_cache) -> KVCacheArgs:
     """The kernels' view of a float cache pair or a QuantizedKVCache pair (K and V laid out alike)."""
@@ -189,10 +195,7 @@ def write_kv_cache(
         k.stride(1),
         v.stride(0),
         v.stride(1),
-        c.k.stride(0),
-        c.k.stride(1),
-        c.k.stride(2),
-        *c.scale_strides,
+        *c.write_strides,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads),

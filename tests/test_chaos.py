@@ -57,6 +57,7 @@ def _trial(seed: int, data: Path, out_uri: str, tiny_llama_dir: str, env: dict) 
         f"launcher.world_size={world}",
         f"launcher.claim_lease_s={LEASE_S}",
         "launcher.max_shard_attempts=1000",
+        "output.checkpoint_rows=1",  # every row its own part: kills land between parts, and mid-part
     ]
     procs = {r: _worker([*common, f"launcher.rank={r}"], env) for r in range(world)}
     events = {"kill": 0, "stop": 0, "term": 0, "restart": 0}

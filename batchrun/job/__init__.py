@@ -3,6 +3,7 @@
 It sees the engine's public API only (`batchrun.engine`), and no Hydra: the cli hands it a RunConfig.
 """
 
+from batchrun.job.checkpoints import committed_urls
 from batchrun.job.config import (
     DataConfig,
     JobConfig,
@@ -17,7 +18,6 @@ from batchrun.job.errors import ConfigError, JobError, ShardError
 from batchrun.job.launch import run_job
 from batchrun.job.results import RunResult, ShardSummary
 from batchrun.job.runner import load_engine
-from batchrun.job.store import committed_urls
 from batchrun.job.summary import format_summary
 
 __all__ = [

@@ -144,10 +144,19 @@ class OutputConfig:
     # A rerun whose settings, model or input differ from what a shard was committed with: `error`
     # stops with one line naming what changed; `recompute` redoes those shards (fingerprint.py).
     on_change: Literal["error", "recompute"] = "error"
+    # Checkpoints inside a shard (checkpoints.py): its finished rows are committed as a part every
+    # this many result rows or seconds, whichever comes first, so a killed worker loses only the
+    # rows since its last part and a rerun resumes the shard there. 0 turns a trigger off.
+    checkpoint_rows: int = 10000
+    checkpoint_s: float = 60.0
 
     def __post_init__(self) -> None:
         if not self.uri:
             raise ValueError("output.uri: missing")
+        if self.checkpoint_rows < 0:
+            raise ValueError(f"output.checkpoint_rows: must be >= 0, got {self.checkpoint_rows}")
+        if self.checkpoint_s < 0:
+            raise ValueError(f"output.checkpoint_s: must be >= 0, got {self.checkpoint_s}")
         clash = [c for c in self.keep_columns if c in RESULT_COLUMNS or c in OPTIONAL_RESULT_COLUMNS]
         if clash:
             raise ValueError(f"output.keep_columns: {', '.join(clash)} would overwrite a result column")

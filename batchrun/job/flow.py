@@ -30,27 +30,38 @@ import time
 from collections.abc import Iterator
 from typing import Any, Optional, Protocol
 
-from batchrun.engine import Engine, EngineRequest, EngineStats, RequestOutput, SamplingParams
+from batchrun.engine import Engine, EngineRequest, EngineStats, RequestMetrics, RequestOutput, SamplingParams
+from batchrun.job.checkpoints import (
+    CheckpointPolicy,
+    PartLost,
+    Resume,
+    ShardOutput,
+    fingerprint_changes,
+    read_parts,
+    remove_parts,
+    resume_from,
+    tally_rows,
+)
 from batchrun.job.claims import ClaimBook, ShardQueue
 from batchrun.job.config import RunConfig
-from batchrun.job.errors import ShardError
-from batchrun.job.fingerprint import input_fingerprint
+from batchrun.job.errors import ConfigError, ShardError
+from batchrun.job.fence import FingerprintConflict
+from batchrun.job.fingerprint import differences, input_fingerprint
 from batchrun.job.logprobs import TokenTexts
 from batchrun.job.manifest import utc_now
 from batchrun.job.metrics import ShardTally, metrics_row
-from batchrun.job.openai_files import BatchFileReader, BatchLineWriter
+from batchrun.job.openai_files import BatchFileReader
 from batchrun.job.openai_requests import BatchRequest, RequestBuilder, error_line, response_line
 from batchrun.job.planner import plan_requests
 from batchrun.job.progress import Progress
 from batchrun.job.prompts import Prompt, PromptBuilder
 from batchrun.job.reader import InputRow, ShardReader
 from batchrun.job.results import ShardSummary
-from batchrun.job.shards import Shard, Worker
+from batchrun.job.shards import Shard, Worker, refreshed
 from batchrun.job.signals import StopRequest
 from batchrun.job.store import DEFAULT_FILES, Attempt, RunStore
 from batchrun.job.writer import (
     ENGINE_ERROR,
-    ResultWriter,
     error_result,
     logprob_columns,
     optional_columns,
@@ -85,6 +96,8 @@ class ShardHost(Protocol):
 
     def record_ids(self, shard: str, id_keys: set[Any]) -> None: ...
 
+    def check_fence(self) -> None: ...  # before every commit: raises FingerprintConflict
+
     def start_shard(self, shard: Shard) -> str: ...
 
     def finish_shard(self, shard: Shard, summary: ShardSummary) -> None: ...
@@ -112,7 +125,6 @@ class ShardRun:
         self.config = host.config
         self.tally = ShardTally()
         self.batch_requests = host.requests  # None unless data.format=openai_batch
-        self.lines: Optional[BatchLineWriter] = None  # its OpenAI batch output and errors files
         self.in_flight: dict[int, RowInFlight] = {}  # row index -> the row while its samples run
         # Result rows per input row: sampling.n for Parquet rows; a batch request's own n (its body's,
         # else sampling.n), and 1 for a request that is an error line.
@@ -131,25 +143,100 @@ class ShardRun:
         self.attempt: Attempt = host.store.begin(shard.name)
         columns = [*self.config.job.input_columns(self.config.data), *self.config.output.keep_columns]
         try:
+            # The input as it is now, not as listed (or planned) at start: what this attempt reads.
+            try:
+                self.shard = refreshed(shard, host.data_fs)
+            except FileNotFoundError:
+                raise ShardError(f"cannot read {shard.url}: it no longer exists") from None
+            self.fingerprint = {
+                "settings": host.settings,
+                "model": host.model_fp,
+                "input": input_fingerprint(self.shard),
+            }
             self.reader: ShardReader | BatchFileReader
             if self.batch_requests is not None:
-                self.reader = BatchFileReader(shard, host.data_fs)
+                self.reader = BatchFileReader(self.shard, host.data_fs)
             else:
-                self.reader = ShardReader(shard, host.data_fs, self.config.data, columns)
+                self.reader = ShardReader(self.shard, host.data_fs, self.config.data, columns)
             try:
                 keep_fields = [self.reader.field(c) for c in self.config.output.keep_columns]
                 schema = result_schema(keep_fields, self.reader.id_type, self.optional_columns)
-                self.writer = ResultWriter(host.store.fs, self.attempt.results_tmp, schema)
-                if self.batch_requests is not None:
-                    self.lines = BatchLineWriter(host.store.fs, self.attempt.output_tmp, self.attempt.errors_tmp)
+                self.resume = self._resume()
+                output = self.config.output
+                self.output = ShardOutput(
+                    host.store,
+                    self.attempt,
+                    schema,
+                    with_lines=self.batch_requests is not None,
+                    policy=CheckpointPolicy(output.checkpoint_rows, output.checkpoint_s),
+                    resume=self.resume,
+                    part_marker=self._part_fields,
+                    before_commit=host.check_fence,
+                )
             except BaseException:
-                self._abort_writers()
                 self.reader.close()
                 raise
         except BaseException:
             host.store.abandon(self.attempt)
             raise
         progress.add_rows(self.reader.num_rows * self._default_samples)
+
+    def _resume(self) -> Resume:
+        """Take over the shard's committed parts (checkpoints.py): their rows are not run again,
+        and they count in this shard's metrics. Parts computed with other settings, model or input
+        are redone (output.on_change=recompute) or stop the run (error)."""
+        store = self.host.store
+        parts = read_parts(store, self.shard.name)
+        if not parts:
+            return Resume()
+        changes = fingerprint_changes(parts, self.fingerprint)
+        if changes and self.config.output.on_change == "error":
+            raise ConfigError(
+                "output.on_change",
+                f"shard {self.shard.name} in {self.config.output.uri} has committed parts computed with other "
+                f"settings, model or input ({'; '.join(changes[:4])}); use a new output.uri, or set "
+                "output.on_change=recompute to redo them",
+            )
+        if changes:
+            log.warning("shard %s: its parts differ (%s); recomputing it", self.shard.name, "; ".join(changes[:4]))
+            remove_parts(store, self.shard.name)
+            return Resume()
+        resume = resume_from(parts)
+        for row in tally_rows(store, parts):
+            self.tally.add(row)
+        for part in parts:
+            self.tally.num_preemptions += part.request_counts.get("num_preemptions", 0)
+            self.tally.num_spec_proposed += part.request_counts.get("num_spec_proposed", 0)
+            self.tally.num_spec_accepted += part.request_counts.get("num_spec_accepted", 0)
+        log.info(
+            "shard %s: resuming after %d committed part(s): %d of %d rows done",
+            self.shard.name,
+            len(parts),
+            len(resume.done),
+            self.reader.num_rows,
+        )
+        return resume
+
+    def _part_fields(self) -> dict[str, Any]:
+        """What every part marker of this attempt carries besides its rows."""
+        return {
+            "input": self.shard.url,
+            "owner": self.host.claims.owner,
+            "worker": self.host.worker.rank,
+            "committed_at": utc_now(),
+            "fingerprint": self.fingerprint,
+            "wall_s": self.resume.wall_s + time.perf_counter() - self.t0,
+        }
+
+    def checkpoint_if_due(self) -> None:
+        if self.failure is None and self.output.is_due():
+            self.output.checkpoint()
+
+    def checkpoint_on_stop(self) -> None:
+        """A stop signal: commit the finished rows as a part before the attempt is abandoned, so
+        a graceful stop (Slurm's preemption SIGTERM) loses only the rows in flight."""
+        if self.failure is None and not self.is_lost and self.output.policy.enabled:
+            self.output.checkpoint()
 
     @property
     def is_lost(self) -> bool:
@@ -168,6 +255,10 @@ class ShardRun:
             for row in self.reader.rows():
                 if stop.requested or self.is_lost:
                     return
+                done = self.resume.done.get(row.index)
+                if done is not None:
+                    self._skip_done(row, done)
+                    continue
                 keep = {c: row.values[c] for c in keep_columns}
                 request: Optional[BatchRequest] = None
                 params = None
@@ -187,15 +278,16 @@ class ShardRun:
                     self.progress.add_rows(num_samples - self._default_samples)
                 first = self.num_result_rows
                 self.num_result_rows += num_samples
+                self.output.expect(row.index, num_samples)
                 if prompt.token_ids is None:
                     error = error_result(
                         row.id, prompt.error_type or "", prompt.error_message, prompt.num_prompt_tokens, keep
                     )
                     for sample in range(num_samples):  # one error row per (id, sample)
-                        self._emit_row(first + sample, sample, dict(error))
-                    if self.lines is not None:
+                        self._emit_row(row.index, sample, dict(error))
+                    if self.batch_requests is not None:
                         message = prompt.error_message or prompt.error_type or ""
-                        self.lines.put(
+                        self.output.put_line(
                             row.index, error_line(self.shard.name, row.index, row.id, error["error_type"], message)
                         )
                     continue
@@ -219,24 +311,24 @@ class ShardRun:
             del self.in_flight[entry.row.index]
         result = output_result(entry.row.id, out, entry.prompt.error_message, entry.keep)
         result.update(logprob_columns(out, entry.params, self.token_texts))
-        self._emit_row(entry.first + out.sample_index, out.sample_index, result)
+        self._emit_row(entry.row.index, out.sample_index, result, out.metrics)
         self.tally.add_request(out.metrics)
-        if self.lines is not None and entry.request is not None and len(entry.outputs) == entry.num_samples:
-            self.lines.put(entry.row.index, self._batch_line(entry))
+        if entry.request is not None and len(entry.outputs) == entry.num_samples:
+            self.output.put_line(entry.row.index, self._batch_line(entry))
 
     def commit(self) -> ShardSummary:
-        """Close the results file and commit the attempt (every row has its result row)."""
+        """Write the results file (with the committed parts' rows) and commit the attempt (every
+        row has its result row)."""
         self.reader.close()
-        wall_s = time.perf_counter() - self.t0
-        num_rows = self.writer.close()
+        wall_s = self.resume.wall_s + time.perf_counter() - self.t0
+        num_rows, num_lines = self.output.finish()
         if num_rows != self.num_result_rows:
             raise ShardError(
                 f"{num_rows} result rows for {self.reader.num_rows} input rows with {self.num_result_rows} samples; "
                 "not committed"
             )
         files = DEFAULT_FILES
-        if self.lines is not None:
-            num_lines = self.lines.close()
+        if self.batch_requests is not None:
             if num_lines != self.reader.num_rows:
                 raise ShardError(f"{num_lines} batch output lines for {self.reader.num_rows} requests; not committed")
             files = (*DEFAULT_FILES, "output.jsonl", "errors.jsonl")
@@ -245,11 +337,8 @@ class ShardRun:
             self.shard.name, self.host.worker.rank, self.tally, wall_s, self.engine_before, self.engine.stats()
         )
         write_metrics(store.fs, self.attempt.metrics_tmp, metrics)
-        fingerprint = {
-            "settings": self.host.settings,
-            "model": self.host.model_fp,
-            "input": input_fingerprint(self.shard),
-        }
+        fingerprint = self.fingerprint
+        self.host.check_fence()
         is_first = store.commit(
             self.attempt,
             {
@@ -268,19 +357,42 @@ class ShardRun:
             files,
         )
         if not is_first:
+            winner = store.read_marker(self.shard.name) or {}
+            theirs = winner.get("fingerprint") or {}
+            changes = [c for key in ("settings", "model") for c in differences(theirs.get(key) or {}, fingerprint[key])]
+            if changes:  # a concurrent launch with other settings: never adopt its rows as ours
+                raise FingerprintConflict(
+                    "output.on_change",
+                    f"shard {self.shard.name} was committed meanwhile by a launch with other settings or another "
+                    f"model ({'; '.join(changes[:4])}); this worker stops",
+                )
             log.warning(
                 "shard %s was committed by another worker meanwhile; this attempt is discarded", self.shard.name
             )
-            return ShardSummary(self.shard.name, "skipped", (store.read_marker(self.shard.name) or {}).get("metrics"))
+            return ShardSummary(self.shard.name, "skipped", winner.get("metrics"))
+        try:  # the marker has the rows now; the parts are only working state
+            remove_parts(store, self.shard.name)
+        except Exception:
+            log.warning("shard %s: could not remove its committed parts", self.shard.name, exc_info=True)
         self.host.ttfts.extend(self.tally.ttfts)
         self.host.record_ids(self.shard.name, self.seen_ids)
         return ShardSummary(self.shard.name, "committed", metrics)
 
     def abandon(self) -> None:
-        """Nothing of this attempt is committed; its files are removed."""
-        self._abort_writers()
+        """Nothing more of this attempt is committed; its own files are removed (its committed
+        parts stay: the next attempt resumes from them)."""
+        self.output.abort()
         self.reader.close()
         self.host.store.abandon(self.attempt)
+
+    def _skip_done(self, row: InputRow, num_results: int) -> None:
+        """A row a committed part holds: counted, and its id seen, but not run again."""
+        if self.batch_requests is None or self.batch_requests.check_line(row) is None:
+            self._check_row(row)  # for the duplicate-id check of the rows after it
+        self.num_result_rows += num_results
+        if num_results != self._default_samples:
+            self.progress.add_rows(num_results - self._default_samples)
+        self.progress.advance(num_results, 0)
 
     def _check_row(self, row: InputRow) -> Optional[Prompt]:
         """Errors of the row itself, before any prompt is built: its text and its id."""
@@ -304,11 +416,6 @@ class ShardRun:
             )
         self.seen_ids.add(key)
         return None
-
-    def _abort_writers(self) -> None:
-        for writer in (getattr(self, "writer", None), self.lines):
-            if writer is not None:
-                writer.abort()
 
     def _params_for(
         self, row: InputRow, own: Optional[SamplingParams] = None, seeded: bool = False
@@ -351,11 +458,13 @@ class ShardRun:
             return 1  # an error line answers the request once, whatever n it asked for
         return params.n
 
-    def _emit_row(self, index: int, sample: int, result: dict[str, Any]) -> None:
-        """Write one result row at its place: rows in input order, a row's samples in sample order."""
+    def _emit_row(
+        self, row: int, sample: int, result: dict[str, Any], metrics: Optional[RequestMetrics] = None
+    ) -> None:
+        """One result row, at its place: rows in input order, a row's samples in sample order."""
         if "sample_index" in self.optional_columns:
             result["sample_index"] = sample
-        self.writer.put(index, result)
+        self.output.put(row, sample, result, metrics)
         self.tally.add(result)
         self.progress.advance(1, result["num_output_tokens"] or 0)
 
@@ -410,6 +519,14 @@ class ShardFlow:
         self._is_exhausted = False  # no shard left to open
 
     def run(self) -> None:
+        try:
+            self._run()
+        except ConfigError:  # the run's fingerprint changed under it: nothing more is committed
+            for run in list(self.open.values()):
+                self._close(run, ShardSummary(run.shard.name, "interrupted"))
+            raise
+
+    def _run(self) -> None:
         block_size = self.engine.config.block_size
         while not self._is_exhausted and not self.stop.requested:
             requests = plan_requests(self._requests(), self.config.planner, block_size)
@@ -421,13 +538,23 @@ class ShardFlow:
                     self._settle()
                     if self.stop.requested:
                         break
+            except ConfigError:
+                raise
             except Exception as e:  # the engine itself: it cannot say whose row broke it
                 log.exception("the engine failed with %d shard(s) open", len(self.open))
                 for run in self.open.values():
                     run.failure = run.failure or ShardError(f"the engine failed: {type(e).__name__}: {e}")
             self._settle()
-        for run in list(self.open.values()):  # stopped: nothing of an open shard is committed
-            log.warning("shard %s abandoned (%s): nothing of it is committed", run.shard.name, self.stop.name)
+        for run in list(self.open.values()):  # stopped: what is finished becomes a part, the rest is dropped
+            try:
+                run.checkpoint_on_stop()
+            except ConfigError:
+                raise
+            except Exception:  # the finished rows are recomputed; the committed parts stand
+                log.warning("shard %s: could not commit its finished rows at the stop", run.shard.name, exc_info=True)
+            parts = run.output.num_committed_parts + len(run.resume.parts)
+            kept = f"{parts} committed part(s) kept, a rerun resumes after them" if parts else "nothing committed"
+            log.warning("shard %s abandoned (%s): %s", run.shard.name, self.stop.name, kept)
             self._close(run, ShardSummary(run.shard.name, "interrupted"))
 
     def _requests(self) -> Iterator[Optional[EngineRequest]]:
@@ -472,6 +599,9 @@ class ShardFlow:
             self.engine.reset_peak_stats()  # the KV peak of this shard and those opened before it closes
         try:
             run = ShardRun(self.host, shard, self._next_key, self.engine, self.builder, self.progress)
+        except ConfigError:
+            self.host.finish_shard(shard, ShardSummary(shard.name, "interrupted"))
+            raise
         except Exception as e:
             self.host.finish_shard(shard, _failed(shard, e))
             return None
@@ -495,11 +625,26 @@ class ShardFlow:
             elif run.is_complete:
                 try:
                     summary = run.commit()
+                except ConfigError:
+                    raise
+                except PartLost as e:
+                    log.warning("shard %s: %s", run.shard.name, e)
+                    self._close(run, ShardSummary(run.shard.name, "lost"))
                 except Exception as e:
                     self._close(run, _failed(run.shard, e))
                 else:
                     del self.open[run.key]
                     self.host.finish_shard(run.shard, summary)
+            else:
+                try:
+                    run.checkpoint_if_due()
+                except ConfigError:
+                    raise
+                except PartLost as e:
+                    log.warning("shard %s: %s", run.shard.name, e)
+                    self._close(run, ShardSummary(run.shard.name, "lost"))
+                except Exception as e:  # writing a part failed after retries: the shard fails, its parts stay
+                    self._close(run, _failed(run.shard, e))
 
     def _close(self, run: ShardRun, summary: ShardSummary) -> None:
         del self.open[run.key]

@@ -23,9 +23,11 @@ from typing import Any, Optional
 
 from batchrun.engine import Engine, EngineConfig, EngineStats
 from batchrun.job.affinity import partition_by_group, shard_groups
+from batchrun.job.checkpoints import remove_parts
 from batchrun.job.claims import FAILED, QUARANTINED, RELEASED, ClaimBook, ShardQueue, steal_order
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import ConfigError, JobError
+from batchrun.job.fence import FingerprintFence
 from batchrun.job.fingerprint import differences, input_fingerprint, model_fingerprint, settings_fingerprint
 from batchrun.job.flow import ShardFlow
 from batchrun.job.manifest import Manifest, redact, utc_now, write_merged_manifest
@@ -97,6 +99,9 @@ class _JobRun:
             raise JobError(f"output.uri: cannot list {config.output.uri}: {e}") from None
         self.manifest = Manifest(self.store, redact(config.to_dict()), self.worker, len(all_shards), self.shards)
         self.settings = settings_fingerprint(config)
+        self.model_fp: dict[str, Any] = {}  # set once the engine is loaded
+        self.fence = FingerprintFence(self.store, config.output.on_change)
+        self.fence.check_settings(self.settings)
         self.summaries: dict[str, ShardSummary] = {s.name: ShardSummary(s.name, "pending") for s in self.shards}
         self.markers: dict[str, dict[str, Any]] = {}  # own committed shards' markers, read once
         self.stale = self._check_committed(committed)
@@ -140,7 +145,13 @@ class _JobRun:
             if not isinstance(existing, dict) or not isinstance(existing.get("shards"), list):
                 raise JobError(f"output.uri: {self.store.url(path)} is unreadable; delete it if no worker is running")
             doc = existing
-        planned = [Shard(**s) for s in doc["shards"]]
+        # The plan fixes names and order; sizes and versions are the files' own now, so that a
+        # rewritten input is seen as changed (the committed markers' input fingerprints).
+        fresh = {s.name: s for s in listed}
+        planned = [
+            dataclasses.replace(s, size=fresh[s.name].size, version=fresh[s.name].version) if s.name in fresh else s
+            for s in (Shard(**s) for s in doc["shards"])
+        ]
         extra = {s.name for s in listed} - {s.name for s in planned}
         if extra:
             log.warning(
@@ -251,6 +262,7 @@ class _JobRun:
             try:
                 if not self.store.publish(shard.name, marker):
                     log.error("shard %s: committed, but its files are missing from %s", shard.name, self.store.uri)
+                remove_parts(self.store, shard.name)  # its committer died before removing them
             except Exception:
                 log.warning("shard %s: could not publish its committed files", shard.name, exc_info=True)
         metrics = marker.get("metrics")
@@ -274,6 +286,7 @@ class _JobRun:
                     engine = engine or load_engine(self.config.engine)
                     self.manifest.set_engine(engine.model_path, engine.model_fingerprint, engine.settings)
                     self._check_model(engine)
+                    self.fence.establish(self.settings, self.model_fp)
                     with self.claims:
                         self._process(engine, stop)
                 except (JobError, ConfigError) as e:
@@ -339,9 +352,24 @@ class _JobRun:
             log.warning("could not write %s", self.manifest.url, exc_info=True)
 
     def _is_committed(self, shard: str) -> bool:
-        if shard in self.stale:  # committed under other settings: ours to redo
+        marker = self.store.read_marker(shard)
+        if marker is None:
             return False
-        return self.store.read_marker(shard) is not None
+        if shard in self.stale:  # committed under other settings: ours to redo, unless redone meanwhile
+            if not self._is_current(marker):
+                return False
+            self.stale.discard(shard)  # another recompute launch committed it with these settings
+        return True
+
+    def _is_current(self, marker: dict[str, Any]) -> bool:
+        """The marker was committed with this worker's settings and model."""
+        fingerprint = marker.get("fingerprint") or {}
+        return not differences(fingerprint.get("settings") or {}, self.settings) and not differences(
+            fingerprint.get("model") or {}, self.model_fp
+        )
+
+    def check_fence(self) -> None:
+        self.fence.check()
 
     def _skip_claimed(self, shard: Shard, status: str) -> None:
         """One of our shards that another worker committed ("skipped"), is working on ("elsewhere"),
@@ -379,7 +407,10 @@ class _JobRun:
         self.manifest.update(shard.name, status="running", started_at=started_at)
         self._write_manifest_quietly()
         if shard.name in self.stale:  # output.on_change=recompute: un-commit it, under our claim
-            self.store.remove_marker(shard.name)
+            marker = self.store.read_marker(shard.name)
+            # Read again: a marker another recompute launch committed since is current, not stale.
+            if marker is not None and not self._is_current(marker):
+                self.store.remove_marker(shard.name)
         return started_at
 
     def finish_shard(self, shard: Shard, summary: ShardSummary) -> None:

@@ -20,6 +20,8 @@ worker computes the same split independently; with many similar shards it balanc
 
 from __future__ import annotations
 
+import dataclasses
+import datetime as dt
 import hashlib
 import logging
 import posixpath
@@ -152,10 +154,21 @@ def is_safe_name(name: str) -> bool:
     return bool(_SAFE_NAME.fullmatch(name)) and len(name.encode()) <= NAME_MAX_BYTES
 
 
+def refreshed(shard: Shard, fs: fsspec.AbstractFileSystem) -> Shard:
+    """`shard` with the size and version its file has now: what an attempt that opens it reads,
+    and so what its commit must be fingerprinted with (a listing or `_plan.json` may be older)."""
+    fs.invalidate_cache(posixpath.dirname(shard.path))
+    info = fs.info(shard.path)
+    return dataclasses.replace(shard, size=info.get("size"), version=_version(info))
+
+
 def _version(info: Mapping[str, Any]) -> Optional[str]:
     for key in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "created"):
-        if info.get(key) is not None:
-            return f"{key}={info[key]}"
+        value = info.get(key)
+        if value is not None:
+            # One spelling whether a listing or info() gave it (memory:// gives a float in one, a
+            # datetime in the other): a version must compare equal to itself.
+            return f"{key}={value.timestamp() if isinstance(value, dt.datetime) else value}"
     return None
 
 

@@ -341,6 +341,20 @@ class RunStore:
         with_retries(lambda: self.fs.pipe_file(path, data), f"writing {self.url(path)}")
         return True
 
+    def sync_files(self, paths: Sequence[str]) -> None:
+        """Make written files durable before a marker names them: on local disks fsync each file
+        and then each directory holding them (a power loss must not leave a marker naming a short
+        or missing file); an object store's PUT is durable once it returns."""
+        if not self.is_local:
+            return
+        directories = []
+        for path in paths:
+            _fsync_path(path)
+            if posixpath.dirname(path) not in directories:
+                directories.append(posixpath.dirname(path))
+        for directory in directories:
+            _fsync_path(directory)
+
     def write_json(self, path: str, obj: Any) -> None:
         """Replace `path` whole: a reader sees the old or the new content, never a mix."""
         data = _encode(obj)
@@ -386,6 +400,14 @@ class RunStore:
                 os.rmdir(posixpath.dirname(posixpath.dirname(path)))
             except OSError:
                 pass
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def marker_files(marker: Mapping[str, Any]) -> list[str]:
@@ -444,12 +466,3 @@ def committed_files(store: RunStore, kind: str = "results") -> dict[str, str]:
             path = pending if store.fs.exists(pending) else path
         out[shard] = path
     return out
-
-
-def committed_urls(
-    uri: str, storage_options: Optional[Mapping[str, Any]] = None, kind: str = "results"
-) -> dict[str, str]:
-    """shard -> URL of its committed `kind` file (results, metrics, outputs, errors) in the run at `uri`: for notebooks,
-    pandas and `datasets.load_dataset("parquet", data_files=list(urls.values()))`."""
-    store = RunStore(uri, storage_options or {})
-    return {shard: store.url(path) for shard, path in committed_files(store, kind).items()}

@@ -37,3 +37,79 @@ if _spec:
         time.sleep(float(_cfg.get("delay_s", 0)))
 
     _flow.ShardRun.on_output = _on_output
+
+# Checkpoint hooks (tests/test_checkpoints.py), also off unless BATCHRUN_TEST_HOOKS names them:
+#    record            append each output's input row index to {dir}/outputs-{pid}
+#    kill_after        SIGKILL this process after that many outputs
+#    kill_at           SIGKILL at a point of the commit protocol, the kill_at_count-th time (from 1):
+#                      part_written (part files written, marker not created), part_committed
+#                      (marker created), merge (the shard's results file half written),
+#                      marker_created (shard marker created, files not published)
+if _spec:
+    from batchrun.job import checkpoints as _checkpoints
+    from batchrun.job import store as _store
+
+    _outputs = {"n": 0}
+    _points: dict = {}
+    _record = open(_dir / f"outputs-{os.getpid()}", "a", buffering=1) if _cfg.get("record") else None
+
+    def _at(point, before_kill=None):
+        _points[point] = _points.get(point, 0) + 1
+        if _cfg.get("kill_at") == point and _points[point] == int(_cfg.get("kill_at_count", 1)):
+            if before_kill is not None:
+                before_kill()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    _hooked_on_output = _flow.ShardRun.on_output
+
+    def _on_output_recorded(self, out):
+        _hooked_on_output(self, out)
+        if _record is not None:
+            _record.write(f"{out.request_id[1]}\n")
+        _outputs["n"] += 1
+        if _cfg.get("kill_after") is not None and _outputs["n"] >= int(_cfg["kill_after"]):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    _flow.ShardRun.on_output = _on_output_recorded
+
+    _real_create_decided = _checkpoints.ShardOutput._create_decided
+
+    def _create_decided(self, path, doc):
+        _at("part_written")
+        won = _real_create_decided(self, path, doc)
+        _at("part_committed")
+        return won
+
+    _checkpoints.ShardOutput._create_decided = _create_decided
+
+    _real_merge = _checkpoints.ShardOutput._merge_results
+
+    def _merge_results(self, chunks, memory):
+        real_open = self.store.fs.open
+
+        def open_then_kill(path, mode="rb", **kw):
+            f = real_open(path, mode, **kw)
+            if "w" in mode and path == self.attempt.results_tmp:
+
+                def torn():  # the kill leaves the file half written
+                    f.write(b"PAR1")
+                    f.flush()
+
+                _at("merge", torn)
+            return f
+
+        self.store.fs.open = open_then_kill
+        try:
+            return _real_merge(self, chunks, memory)
+        finally:
+            del self.store.fs.open
+
+    _checkpoints.ShardOutput._merge_results = _merge_results
+
+    _real_publish = _store.RunStore.publish
+
+    def _publish(self, shard, marker):
+        _at("marker_created")
+        return _real_publish(self, shard, marker)
+
+    _store.RunStore.publish = _publish

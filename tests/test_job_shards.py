@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchrun.job import ConfigError, LauncherConfig
+from batchrun.job import ConfigError, JobError, LauncherConfig
 from batchrun.job.shards import Shard, Worker, assign_shards, discover_shards, open_filesystem, resolve_worker
 
 
@@ -79,6 +79,23 @@ def test_names_that_sanitizing_would_merge_stay_apart(tmp_path):
     assert "a_b" in names and len(set(names)) == 2
     other = next(n for n in names if n != "a_b")
     assert other.startswith("a_b-") and len(other) == len("a_b-") + 10
+
+
+def test_names_differing_only_in_case_are_refused_naming_both_files(tmp_path):
+    """On a case-insensitive output filesystem `Data` and `data` would share one commit marker: the
+    second would be reported done with its rows never answered. Discovery refuses the pair."""
+    _touch_parquet(tmp_path / "in" / "Data.parquet")
+    _touch_parquet(tmp_path / "in" / "data.parquet")
+    with pytest.raises(JobError, match="differ only in letter case") as error:
+        _discover(str(tmp_path / "in"))
+    assert "/in/Data.parquet" in str(error.value) and "/in/data.parquet" in str(error.value)
+    # Names made safe with a hash differ by the hash of their own path, so they may stay; and an
+    # uppercase name that collides with nothing keeps its plain name.
+    _touch_parquet(tmp_path / "ok" / "A b.parquet")
+    _touch_parquet(tmp_path / "ok" / "a b.parquet")
+    _touch_parquet(tmp_path / "ok" / "Part-0.parquet")
+    names = [s.name for s in _discover(str(tmp_path / "ok"))]
+    assert len({n.lower() for n in names}) == len(names) == 3 and "Part-0" in names
 
 
 @pytest.mark.parametrize(

@@ -555,6 +555,40 @@ def test_cli_job_resumes_without_writing_anything_twice(tmp_path, tiny_llama_dir
     assert [x["error"]["code"] for x in read_lines(out / "errors" / "b.jsonl")][:2] == ["invalid_json", "invalid_json"]
 
 
+def _parsed(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+def test_two_local_workers_answer_every_request_exactly_once(tmp_path, tiny_llama_dir, job_overrides):
+    """launcher.num_workers=2 over batch files: the launcher lists the same *.jsonl files as its
+    workers, and each request line gets one output or error line across the run."""
+    lines, _ = mixed_batch()
+    files = {"a": lines[:4], "b": lines[4:6] + lines[8:9] + lines[19:20]}  # b: a bad line, another model
+    for name, part in files.items():
+        write_batch(tmp_path / "in" / f"{name}.jsonl", part, tiny_llama_dir)
+    out = tmp_path / "out"
+    overrides = job_overrides(
+        tmp_path / "in", out, "job=openai_batch", f"data.openai_model_name={ALIAS}", "launcher.num_workers=2"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "batchrun", *overrides], cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "2 workers: 2 committed" in proc.stdout
+    for name, part in files.items():
+        answered = [x for d in ("outputs", "errors") for x in read_lines(out / d / f"{name}.jsonl")]
+        wanted = [x.get("custom_id") if isinstance(x, dict) else None for x in map(_parsed, part)]
+        assert sorted(map(str, (x["custom_id"] for x in answered))) == sorted(map(str, wanted))
+        assert len({x["id"] for x in answered}) == len(part)
+    assert [x["error"]["code"] for x in read_lines(out / "errors" / "b.jsonl")] == ["invalid_json", "model_not_found"]
+    merged = json.loads((out / "_manifest.json").read_text())
+    assert merged["status"] == "completed"
+    assert [(s["name"], s["status"]) for s in merged["shards"]] == [("a", "committed"), ("b", "committed")]
+
+
 def test_s3_in_and_out(s3, tmp_path, tiny_engine, tiny_llama_dir):
     fs, bucket, _ = s3
     lines, _ = mixed_batch()

@@ -13,6 +13,7 @@ import dataclasses
 import datetime as dt
 import importlib.metadata
 import json
+import logging
 import os
 import platform
 import socket
@@ -31,6 +32,8 @@ PACKAGES = ("batchrun", "torch", "transformers", "pyarrow", "fsspec", "s3fs", "t
 _SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "key", "auth", "signature", "sas")
 _NOT_SECRET = {"anon", "use_ssl", "endpoint_url", "region_name", "requester_pays"}
 REDACTED = "<redacted>"
+
+log = logging.getLogger(__name__)
 
 
 def redact(config: Any, inside_options: bool = False) -> Any:
@@ -184,9 +187,13 @@ def merge_manifests(store: RunStore, shards: Sequence[Shard], world_size: int) -
     """One manifest for the whole run from the workers' own and the commit markers (the truth).
 
     Workers never coordinate, so any of them (and the local launcher, after all of them) may write
-    it; the content is a function of the files, and the last writer has seen the most of them.
+    it; the content is a function of the files (write_merged_manifest says why the last one written
+    has seen every worker's final state).
     """
-    docs = read_worker_manifests(store)
+    return _merge(store, shards, world_size, read_worker_manifests(store))
+
+
+def _merge(store: RunStore, shards: Sequence[Shard], world_size: int, docs: list[dict[str, Any]]) -> dict[str, Any]:
     committed = store.committed_shards()
     records: dict[str, dict[str, Any]] = {}
     for doc in docs:
@@ -253,7 +260,39 @@ def merge_manifests(store: RunStore, shards: Sequence[Shard], world_size: int) -
     }
 
 
+# Rounds of write_merged_manifest's merge, write and re-read: each further round needs a worker to
+# have started or finished during the previous one, so this bounds only a store gone wrong.
+MAX_MERGE_ROUNDS = 20
+
+
 def write_merged_manifest(store: RunStore, shards: Sequence[Shard], world_size: int) -> dict[str, Any]:
-    doc = merge_manifests(store, shards, world_size)
-    store.write_json(store.path("_manifest.json"), doc)
+    """Merge and write `_manifest.json`, the merged document returned.
+
+    Writers hold no lock, so a merge read while some worker was still running may be written after
+    that worker has written its own final merge, replacing the run's final state with "running".
+    Hence, after writing, the workers' manifests are read again; when a worker started or finished
+    in between (its _worker_key changed), the merge is redone and written again. Every worker
+    writes its final manifest before it merges, so one that finishes after that last re-read
+    merges, and writes, after this writer: the last `_manifest.json` written has seen every
+    worker's final manifest (a worker killed before it could merge leaves its own saying running).
+    """
+    path = store.path("_manifest.json")
+    docs = read_worker_manifests(store)
+    for _ in range(MAX_MERGE_ROUNDS):
+        doc = _merge(store, shards, world_size, docs)
+        store.write_json(path, doc)
+        seen, docs = docs, read_worker_manifests(store)
+        if _worker_keys(docs) == _worker_keys(seen):
+            return doc
+    log.warning("the run manifest kept changing while it was merged; the next worker to finish merges it again")
     return doc
+
+
+def _worker_keys(docs: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """What changes in a worker's manifest when it starts or finishes (not after each shard: a
+    running worker merges again itself when it finishes)."""
+    return [
+        (d["worker"]["rank"], d["worker"].get("hostname"), d["worker"].get("pid"))
+        + (d.get("started_at"), d.get("status"), d.get("finished_at"))
+        for d in docs
+    ]

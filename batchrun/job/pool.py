@@ -88,7 +88,11 @@ def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> RunResult:
         raise JobError(f"output.uri: cannot open {config.output.uri}: {e}") from None
     data_fs, data_path = open_filesystem(config.data.uri, config.data.storage_options)
     same_fs = type(data_fs) is type(store.fs) and data_fs.protocol == store.fs.protocol
-    shards = discover_shards(data_fs, data_path, config.data.uri, exclude=store.root if same_fs else None)
+    # The same listing the workers make (runner._JobRun): the launcher's shard list names the
+    # merged manifest's shards and the report, so it must take the configured format's files.
+    shards = discover_shards(
+        data_fs, data_path, config.data.uri, exclude=store.root if same_fs else None, data_format=config.data.format
+    )
     started_at = utc_now()
     workers = worker_configs(config, env)
     log.info("starting %d workers over %d shards; output %s", len(workers), len(shards), store.url(store.root))

@@ -8,6 +8,13 @@ input name can address anything outside its own files in the output directory. T
 only on the file's own path, never on which other files exist, so adding inputs later cannot rename
 a committed shard.
 
+Names must also differ in more than letter case: on a case-insensitive output filesystem (macOS,
+SMB and most Windows shares) `Data` and `data` would share one commit marker, so the second shard
+would be reported done with its rows never answered. Discovery refuses such a pair with a JobError
+naming both files rather than renaming either: a rename that depended on the other file would
+break the promise above, and one for every name with an uppercase letter would rename shards that
+earlier runs committed under their plain names.
+
 Discovery takes the input format's files only, by extension (`*.parquet`, or `*.jsonl` OpenAI batch
 files with data.format=openai_batch; the Parquet reader checks the magic bytes), skips hidden
 and `_`-prefixed files (Spark's `_SUCCESS`, checksums, our own output), and never takes files under
@@ -126,14 +133,20 @@ def discover_shards(
         Shard(shard_name(p, root), p, fs.unstrip_protocol(p), infos[p].get("size"), _version(infos[p]))
         for p in sorted(files)
     ]
-    by_name: dict[str, Shard] = {}
+    # Keyed by the case-folded name: output files named by two shards must stay apart on any
+    # filesystem (names are ASCII, so lower() is the folding every filesystem does).
+    by_folded: dict[str, Shard] = {}
     for shard in shards:
-        if shard.name in by_name:
+        first = by_folded.get(shard.name.lower())
+        if first is not None and first.name == shard.name:
+            raise JobError(f"input files {first.url} and {shard.url} both map to shard name {shard.name!r}; rename one")
+        if first is not None:
             raise JobError(
-                f"input files {by_name[shard.name].url} and {shard.url} both map to shard name "
-                f"{shard.name!r}; rename one"
+                f"input files {first.url} and {shard.url} map to shard names {first.name!r} and "
+                f"{shard.name!r}, which differ only in letter case: on a case-insensitive output "
+                "filesystem they would share one set of output files; rename one"
             )
-        by_name[shard.name] = shard
+        by_folded[shard.name.lower()] = shard
     return sorted(shards, key=lambda s: s.name)
 
 

@@ -282,6 +282,38 @@ def test_a_frozen_owner_finds_its_claim_lost_and_a_failing_heartbeat_warns(tmp_p
     assert broken.is_lost("s1")
 
 
+def test_a_worker_takes_back_its_own_claim_lost_while_the_store_was_out_of_reach(tmp_path):
+    """Its heartbeat could not renew the claim for a whole lease, so it let the shard go; the claim
+    in the store is still its own, which nobody else may take before the lease runs out, so it
+    takes it again at the next generation (no attempt died) instead of waiting for itself."""
+    store = RunStore(str(tmp_path / "out"), {})
+    book = ClaimBook(store, lease_s=0.2)
+    assert book.try_claim("s0") == CLAIMED
+    book.store = RunStore(str(tmp_path / "out"), {})
+    book.store.write_json = lambda path, obj: (_ for _ in ()).throw(OSError("store out of reach"))
+    book.renew()
+    time.sleep(0.25)
+    book.renew()
+    assert book.is_lost("s0")
+    book.release("s0")  # what a worker does with a shard whose claim it lost
+    book.store = store  # the store is back
+    assert book.try_claim("s0") == CLAIMED and not book.is_lost("s0") and book.died_before("s0") == 0
+    assert sorted(p.name for p in (tmp_path / "out" / "_claims" / "s0").iterdir()) == ["000000.json", "000001.json"]
+    assert book.holder("s0") == book.owner and book.died_attempts("s0") == 0
+    book.renew()
+    assert not book.is_lost("s0")
+
+
+def test_a_shard_this_worker_quarantined_stays_quarantined(tmp_path):
+    """Its own quarantined claim is not a lost claim of its own to take back."""
+    store = RunStore(str(tmp_path / "out"), {})
+    dying = _elsewhere(ClaimBook(store, lease_s=0.05))
+    assert dying.try_claim("s0") == CLAIMED
+    time.sleep(0.1)  # ...and dies on it
+    book = ClaimBook(store, lease_s=0.05, max_attempts=1)
+    assert book.try_claim("s0") == QUARANTINED and book.try_claim("s0") == QUARANTINED
+
+
 def test_a_shard_whose_attempts_die_is_quarantined(tmp_path):
     store = RunStore(str(tmp_path / "out"), {})
     for attempt in range(3):

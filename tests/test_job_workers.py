@@ -314,6 +314,38 @@ def test_a_shard_this_worker_quarantined_stays_quarantined(tmp_path):
     assert book.try_claim("s0") == QUARANTINED and book.try_claim("s0") == QUARANTINED
 
 
+def test_an_unparseable_claim_file_is_live_for_a_lease_then_taken_over(tmp_path):
+    """A claim file cut short (a crash leftover) or not a claim at all (a foreign writer) must not
+    block its shard forever: judged by its age on the store's clock, it is live for a lease (it may
+    be mid-write) and then taken over as a died attempt."""
+    store = RunStore(str(tmp_path / "out"), {})
+    claims = tmp_path / "out" / "_claims"
+
+    def leave(shard: str, data: bytes, age_s: float, generation: int = 0) -> Path:
+        path = claims / shard / f"{generation:06d}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        written = path.stat().st_mtime  # by the store's clock: this disk's
+        os.utime(path, (written - age_s, written - age_s))
+        return path
+
+    with ClaimBook(store, lease_s=2) as book:  # measures the store's clock
+        for name, data in {"empty": b"", "cut": b'{"owner": "w', "list": b"[]", "null": b"null"}.items():
+            fresh = leave(f"{name}-fresh", data, age_s=0)
+            leave(f"{name}-old", data, age_s=10)
+            assert book.try_claim(f"{name}-fresh") == HELD, name
+            assert book.try_claim(f"{name}-old") == CLAIMED and book.died_attempts(f"{name}-old") == 1, name
+            assert sorted(p.name for p in (claims / f"{name}-old").iterdir()) == ["000000.json", "000001.json"]
+            written = fresh.stat().st_mtime
+            os.utime(fresh, (written - 10, written - 10))  # it stayed as it was for a lease
+            assert book.try_claim(f"{name}-fresh") == CLAIMED, name
+
+        # The attempts that died before an unreadable claim still count toward quarantine.
+        leave("counted", json.dumps({"owner": "gone", "state": "running", "died_attempts": 1}).encode(), 10)
+        leave("counted", b"", age_s=10, generation=1)
+        assert book.try_claim("counted") == CLAIMED and book.died_attempts("counted") == 2
+
+
 def test_a_shard_whose_attempts_die_is_quarantined(tmp_path):
     store = RunStore(str(tmp_path / "out"), {})
     for attempt in range(3):

@@ -18,7 +18,8 @@ A claim may be taken over when
 - or its lease ran out: the claim file was not rewritten for `lease_s` by the STORE's clock. Owners
   rewrite it every lease_s / 4; its age is the store's modification time against the store's
   current time, which each worker estimates by writing a probe file (`_claims/.clock/`). No two
-  hosts' clocks are ever compared;
+  hosts' clocks are ever compared. A claim file that does not parse as a claim (a crash leftover,
+  a foreign writer: ours are always written whole) is judged by its age alone, as a running claim;
 - or it is the taker's own, and the taker no longer holds it: its heartbeat found it lost (see
   below) and let it go. Nobody else would take it before its lease ran out, and its owner would
   wait for itself; it takes it again at the next generation, which counts no died attempt.
@@ -113,7 +114,7 @@ class ClaimBook:
             log.warning(
                 "shard %s: taking over the claim of %s, which %s (died attempts: %d of %d)",
                 shard,
-                current.get("owner"),
+                "an unreadable claim file" if current.get("unreadable") else current.get("owner"),
                 "is dead" if self._is_dead(current) else "let its lease run out",
                 died,
                 self.max_attempts,
@@ -284,9 +285,34 @@ class ClaimBook:
         generation = max(files)
         try:
             doc = json.loads(self.fs.cat_file(self._path(shard, generation)))
-        except (FileNotFoundError, ValueError):  # being replaced right now: treat it as live
+        except FileNotFoundError:  # listed, then gone: the shard was committed and its claims dropped
             return generation, {"owner": None, "state": RUNNING}, None
-        return generation, doc if isinstance(doc, dict) else {"state": RUNNING}, store_mtime(files[generation])
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            # Claim files are written whole (a hard link or rename locally, one PUT on S3), so an
+            # unparseable one is a crash leftover or a foreign writer's. Read as a running claim of
+            # nobody, it is judged by its age alone: live for a lease (it may be mid-write), then
+            # taken over as a died attempt, keeping the count of the generation before it.
+            doc = {
+                "owner": None,
+                "state": RUNNING,
+                "died_attempts": self._died_before_generation(shard, files, generation),
+                "unreadable": True,
+            }
+        return generation, doc, store_mtime(files[generation])
+
+    def _died_before_generation(self, shard: str, files: dict[int, Any], generation: int) -> int:
+        """The died attempts of the newest readable claim older than `generation`: an unreadable
+        claim must not reset the count that quarantines a shard which kills its workers."""
+        for older in sorted((g for g in files if g < generation), reverse=True):
+            try:
+                doc = json.loads(self.fs.cat_file(self._path(shard, older)))
+            except (FileNotFoundError, ValueError):
+                continue
+            if isinstance(doc, dict):
+                return _died_attempts(doc)
+        return 0
 
     def _measure_clock(self) -> None:
         """Estimate the store's clock: write a probe file and read its modification time."""

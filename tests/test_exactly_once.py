@@ -137,6 +137,34 @@ def test_case2_a_worker_frozen_past_its_lease_exits_0_and_nothing_is_doubled(
     assert merged["status"] == "completed"
 
 
+def test_case2_a_worker_whose_store_was_out_of_reach_past_its_lease_takes_its_shard_back(
+    tmp_path, make_shards, tiny_llama_dir, job_overrides, spawn
+):
+    """Its heartbeat could not renew part-00's claim for longer than the lease, so it stopped that
+    shard; nobody else took it, and the claim left in the store is its own: it must take it back
+    and finish, not wait for itself."""
+    ids = [i for s in make_shards(tmp_path / "in", num_shards=2, rows_per_shard=2) for i in s]
+    out = tmp_path / "out"
+    proc = spawn(
+        job_overrides(tmp_path / "in", out, "launcher.claim_lease_s=1.5"),
+        {"store_outage_on": "part-00", "store_outage_s": 3},
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT_S)  # a hang guard
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the worker never finished: {stderr[-3000:]}")
+    assert proc.returncode == 0, stderr
+    assert "shard part-00: claim lost" in stderr  # the outage did cost it the claim
+    assert "shard part-00: taking back this worker's own lost claim" in stderr
+    assert sorted(_committed_ids(out)) == sorted(ids) and len(_committed_ids(out)) == len(ids)
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert manifest["status"] == "completed"
+    assert {s["name"]: s["status"] for s in manifest["shards"]} == {"part-00": "committed", "part-01": "committed"}
+    assert not (out / "_claims").exists()
+
+
 def test_a_late_committer_never_replaces_the_winners_files(tmp_path):
     store = RunStore(str(tmp_path / "out"), {})
     late, winner = store.begin("s0"), store.begin("s0")  # the late one began first, then froze

@@ -282,6 +282,70 @@ def test_a_frozen_owner_finds_its_claim_lost_and_a_failing_heartbeat_warns(tmp_p
     assert broken.is_lost("s1")
 
 
+def test_a_worker_takes_back_its_own_claim_lost_while_the_store_was_out_of_reach(tmp_path):
+    """Its heartbeat could not renew the claim for a whole lease, so it let the shard go; the claim
+    in the store is still its own, which nobody else may take before the lease runs out, so it
+    takes it again at the next generation (no attempt died) instead of waiting for itself."""
+    store = RunStore(str(tmp_path / "out"), {})
+    book = ClaimBook(store, lease_s=0.2)
+    assert book.try_claim("s0") == CLAIMED
+    book.store = RunStore(str(tmp_path / "out"), {})
+    book.store.write_json = lambda path, obj: (_ for _ in ()).throw(OSError("store out of reach"))
+    book.renew()
+    time.sleep(0.25)
+    book.renew()
+    assert book.is_lost("s0")
+    book.release("s0")  # what a worker does with a shard whose claim it lost
+    book.store = store  # the store is back
+    assert book.try_claim("s0") == CLAIMED and not book.is_lost("s0") and book.died_before("s0") == 0
+    assert sorted(p.name for p in (tmp_path / "out" / "_claims" / "s0").iterdir()) == ["000000.json", "000001.json"]
+    assert book.holder("s0") == book.owner and book.died_attempts("s0") == 0
+    book.renew()
+    assert not book.is_lost("s0")
+
+
+def test_a_shard_this_worker_quarantined_stays_quarantined(tmp_path):
+    """Its own quarantined claim is not a lost claim of its own to take back."""
+    store = RunStore(str(tmp_path / "out"), {})
+    dying = _elsewhere(ClaimBook(store, lease_s=0.05))
+    assert dying.try_claim("s0") == CLAIMED
+    time.sleep(0.1)  # ...and dies on it
+    book = ClaimBook(store, lease_s=0.05, max_attempts=1)
+    assert book.try_claim("s0") == QUARANTINED and book.try_claim("s0") == QUARANTINED
+
+
+def test_an_unparseable_claim_file_is_live_for_a_lease_then_taken_over(tmp_path):
+    """A claim file cut short (a crash leftover) or not a claim at all (a foreign writer) must not
+    block its shard forever: judged by its age on the store's clock, it is live for a lease (it may
+    be mid-write) and then taken over as a died attempt."""
+    store = RunStore(str(tmp_path / "out"), {})
+    claims = tmp_path / "out" / "_claims"
+
+    def leave(shard: str, data: bytes, age_s: float, generation: int = 0) -> Path:
+        path = claims / shard / f"{generation:06d}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+        written = path.stat().st_mtime  # by the store's clock: this disk's
+        os.utime(path, (written - age_s, written - age_s))
+        return path
+
+    with ClaimBook(store, lease_s=2) as book:  # measures the store's clock
+        for name, data in {"empty": b"", "cut": b'{"owner": "w', "list": b"[]", "null": b"null"}.items():
+            fresh = leave(f"{name}-fresh", data, age_s=0)
+            leave(f"{name}-old", data, age_s=10)
+            assert book.try_claim(f"{name}-fresh") == HELD, name
+            assert book.try_claim(f"{name}-old") == CLAIMED and book.died_attempts(f"{name}-old") == 1, name
+            assert sorted(p.name for p in (claims / f"{name}-old").iterdir()) == ["000000.json", "000001.json"]
+            written = fresh.stat().st_mtime
+            os.utime(fresh, (written - 10, written - 10))  # it stayed as it was for a lease
+            assert book.try_claim(f"{name}-fresh") == CLAIMED, name
+
+        # The attempts that died before an unreadable claim still count toward quarantine.
+        leave("counted", json.dumps({"owner": "gone", "state": "running", "died_attempts": 1}).encode(), 10)
+        leave("counted", b"", age_s=10, generation=1)
+        assert book.try_claim("counted") == CLAIMED and book.died_attempts("counted") == 2
+
+
 def test_a_shard_whose_attempts_die_is_quarantined(tmp_path):
     store = RunStore(str(tmp_path / "out"), {})
     for attempt in range(3):

@@ -18,7 +18,11 @@ A claim may be taken over when
 - or its lease ran out: the claim file was not rewritten for `lease_s` by the STORE's clock. Owners
   rewrite it every lease_s / 4; its age is the store's modification time against the store's
   current time, which each worker estimates by writing a probe file (`_claims/.clock/`). No two
-  hosts' clocks are ever compared.
+  hosts' clocks are ever compared. A claim file that does not parse as a claim (a crash leftover,
+  a foreign writer: ours are always written whole) is judged by its age alone, as a running claim;
+- or it is the taker's own, and the taker no longer holds it: its heartbeat found it lost (see
+  below) and let it go. Nobody else would take it before its lease ran out, and its owner would
+  wait for itself; it takes it again at the next generation, which counts no died attempt.
 
 Taking over a claim whose owner did not release it counts one died attempt; when a shard's died
 attempts reach `max_attempts` (launcher.max_shard_attempts) the taker writes a `quarantined` claim
@@ -88,13 +92,21 @@ class ClaimBook:
         generation, current, mtime = self._current(shard)
         if current is None:
             return self._create(shard, 0, RUNNING, 0)
-        died = int(current.get("died_attempts") or 0)
-        if current.get("owner") == self.owner:
-            return CLAIMED if shard in self._held else HELD
-        if current.get("state") == QUARANTINED:
+        died = _died_attempts(current)
+        if current.get("state") == QUARANTINED:  # whoever wrote it, ourselves included
             if died >= self.max_attempts:
                 return QUARANTINED
             return self._create(shard, generation + 1, RUNNING, died)  # the limit was raised
+        if current.get("owner") == self.owner:
+            with self._lock:
+                if shard in self._held and shard not in self._lost:
+                    return CLAIMED
+            # Our own claim that we no longer hold: the heartbeat found it lost (the store was out of
+            # reach for a lease, or a listing hid its newest generation) and it was let go. Nobody
+            # else will take it before its lease runs out, and we would wait for ourselves forever:
+            # it is ours to take again at the next generation. No attempt of ours died on it.
+            log.info("shard %s: taking back this worker's own lost claim", shard)
+            return self._create(shard, generation + 1, RUNNING, died)
         if not self._is_stale(current, mtime):
             return HELD
         if current.get("state") == RUNNING:  # not released: its owner died or froze on it
@@ -102,7 +114,7 @@ class ClaimBook:
             log.warning(
                 "shard %s: taking over the claim of %s, which %s (died attempts: %d of %d)",
                 shard,
-                current.get("owner"),
+                "an unreadable claim file" if current.get("unreadable") else current.get("owner"),
                 "is dead" if self._is_dead(current) else "let its lease run out",
                 died,
                 self.max_attempts,
@@ -119,7 +131,7 @@ class ClaimBook:
 
     def died_attempts(self, shard: str) -> int:
         _, current, _ = self._current(shard)
-        return int((current or {}).get("died_attempts") or 0)
+        return _died_attempts(current or {})
 
     def died_before(self, shard: str) -> int:
         """Attempts at `shard` that died (their worker killed or frozen) before our claim."""
@@ -273,9 +285,34 @@ class ClaimBook:
         generation = max(files)
         try:
             doc = json.loads(self.fs.cat_file(self._path(shard, generation)))
-        except (FileNotFoundError, ValueError):  # being replaced right now: treat it as live
+        except FileNotFoundError:  # listed, then gone: the shard was committed and its claims dropped
             return generation, {"owner": None, "state": RUNNING}, None
-        return generation, doc if isinstance(doc, dict) else {"state": RUNNING}, store_mtime(files[generation])
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            # Claim files are written whole (a hard link or rename locally, one PUT on S3), so an
+            # unparseable one is a crash leftover or a foreign writer's. Read as a running claim of
+            # nobody, it is judged by its age alone: live for a lease (it may be mid-write), then
+            # taken over as a died attempt, keeping the count of the generation before it.
+            doc = {
+                "owner": None,
+                "state": RUNNING,
+                "died_attempts": self._died_before_generation(shard, files, generation),
+                "unreadable": True,
+            }
+        return generation, doc, store_mtime(files[generation])
+
+    def _died_before_generation(self, shard: str, files: dict[int, Any], generation: int) -> int:
+        """The died attempts of the newest readable claim older than `generation`: an unreadable
+        claim must not reset the count that quarantines a shard which kills its workers."""
+        for older in sorted((g for g in files if g < generation), reverse=True):
+            try:
+                doc = json.loads(self.fs.cat_file(self._path(shard, older)))
+            except (FileNotFoundError, ValueError):
+                continue
+            if isinstance(doc, dict):
+                return _died_attempts(doc)
+        return 0
 
     def _measure_clock(self) -> None:
         """Estimate the store's clock: write a probe file and read its modification time."""
@@ -308,6 +345,12 @@ class ClaimBook:
             return claim.get("owner") not in _OPEN_OWNERS
         start = process_start_time(pid)
         return start is None or (claim.get("pid_start") is not None and start != claim["pid_start"])
+
+
+def _died_attempts(claim: dict[str, Any]) -> int:
+    """A claim's died_attempts; anything but a count (a foreign writer's file) counts none."""
+    died = claim.get("died_attempts")
+    return died if isinstance(died, int) and not isinstance(died, bool) and died > 0 else 0
 
 
 def store_mtime(info: dict[str, Any]) -> Optional[float]:
@@ -386,8 +429,10 @@ class ShardQueue:
     worker waits for its own shards held elsewhere: until they are committed, or their claim goes
     stale (its owner died) and it takes them itself. So a worker ends with every one of its own
     shards committed, failed or quarantined, whoever ran them. Stolen shards are not reported when
-    someone else has them: they were never ours. `wait_for(shard)` puts an own shard whose claim
-    this worker lost back on the waiting list.
+    someone else has them: they were never ours. `wait_for(shard)` puts a shard whose claim this
+    worker lost back on the waiting list: taken again if nobody took it meanwhile (a store out of
+    reach for a lease loses claims nobody else wanted), else waited for when it is our own; a
+    stolen one someone else holds now is theirs to finish.
     """
 
     def __init__(
@@ -411,8 +456,7 @@ class ShardQueue:
         self._next_poll = 0.0  # time.monotonic() before which the waiting list is not polled
 
     def wait_for(self, shard: Shard) -> None:
-        if shard.name in self._own_names:
-            self._add_waiting(shard)
+        self._add_waiting(shard)
 
     def _add_waiting(self, shard: Shard) -> None:
         # A claim just found held is not worth reading again before one poll interval.

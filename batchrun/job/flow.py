@@ -528,7 +528,10 @@ class ShardFlow:
 
     def _run(self) -> None:
         block_size = self.engine.config.block_size
-        while not self._is_exhausted and not self.stop.requested:
+        # Exhausted is rechecked once the engine drains: a claim lost meanwhile (_settle) puts
+        # its shard back in the queue, which must be taken again or waited for, not left undone.
+        while not (self._is_exhausted and self.queue.is_done) and not self.stop.requested:
+            self._is_exhausted = False
             requests = plan_requests(self._requests(), self.config.planner, block_size)
             try:
                 for out in self.engine.stream(requests, self.config.sampling, self.max_in_flight):

@@ -6,6 +6,11 @@ BATCHRUN_TEST_HOOKS holds a JSON object:
     delay_s    sleep after each output row (so that kills and stops land mid-shard)
     die_on     shard names on which this process SIGKILLs itself after its first output (an OOM)
     rank       a label for the files
+    store_outage_on, store_outage_s
+               a shard name and seconds: at that shard's first output, the store goes out of reach
+               for this process's claim heartbeat: its next write of that shard's claim hangs for
+               store_outage_s and then fails (once, so make it longer than the lease), and the
+               shard's outputs wait until the heartbeat has found its claim lost
 Each shard this process starts writes {dir}/started-{rank}-{shard}-{pid} at its first output
 (with shards open side by side, several may have started).
 """
@@ -113,3 +118,36 @@ if _spec:
         return _real_publish(self, shard, marker)
 
     _store.RunStore.publish = _publish
+
+    _outage_on = _cfg.get("store_outage_on")
+    if _outage_on:
+        import threading
+
+        from batchrun.job import store as _store
+
+        _outage = threading.Event()  # set: the next write of the shard's claim hangs, then fails
+        _outages = []  # the one outage, once it happened: the shard taken back runs normally
+        _real_write_json = _store.RunStore.write_json
+
+        def _write_json(self, path, obj):
+            if f"/_claims/{_outage_on}/" in path and _outage.is_set():
+                _outage.clear()
+                time.sleep(float(_cfg["store_outage_s"]))
+                raise OSError(f"the store is out of reach (test hook): writing {path}")
+            return _real_write_json(self, path, obj)
+
+        _store.RunStore.write_json = _write_json
+        _on_output_before_outage = _flow.ShardRun.on_output
+
+        def _on_output_with_outage(self, out):
+            first = not getattr(self, "_outage_hooked", False)
+            self._outage_hooked = True
+            if first and self.shard.name == _outage_on and not _outages:
+                _outages.append(self.shard.name)
+                _outage.set()
+                deadline = time.monotonic() + 120
+                while not self.host.claims.is_lost(self.shard.name) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+            _on_output_before_outage(self, out)
+
+        _flow.ShardRun.on_output = _on_output_with_outage

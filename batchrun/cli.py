@@ -28,6 +28,7 @@ from batchrun.bench.report import format_benchmark
 from batchrun.bench.throughput import run_benchmark
 from batchrun.job import ConfigError, JobError, RunConfig, build_run_config, format_summary, run_job
 from batchrun.job.config import unknown_key
+from batchrun.utils.redact import redact_text
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 # In the source tree (and editable installs) batchrun/conf is a symlink to the repository's conf/;
@@ -77,9 +78,9 @@ def _run(cfg: DictConfig) -> None:
         return _report(2, f"config error: {_hydra_message(e)}")
     except JobError as e:
         return _report(1, f"error: {e}")
-    print(format_summary(result), flush=True)
+    print(redact_text(format_summary(result)), flush=True)
     if result.exit_code:
-        print(f"batchrun: {result.message}", file=sys.stderr, flush=True)
+        print(f"batchrun: {redact_text(result.message)}", file=sys.stderr, flush=True)
     _exit_codes.append(result.exit_code)
 
 
@@ -125,5 +126,5 @@ def _hydra_message(error: BaseException) -> str:
 
 
 def _report(code: int, message: str) -> None:
-    print(f"batchrun: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    print(f"batchrun: {redact_text(' '.join(message.split()))}", file=sys.stderr, flush=True)
     _exit_codes.append(code)

@@ -140,7 +140,13 @@ class _JobRun:
             if not isinstance(existing, dict) or not isinstance(existing.get("shards"), list):
                 raise JobError(f"output.uri: {self.store.url(path)} is unreadable; delete it if no worker is running")
             doc = existing
+        # The plan on disk is redacted (store._encode): paths come from this worker's own listing.
+        here = {s.name: s for s in listed}
         planned = [Shard(**s) for s in doc["shards"]]
+        planned = [
+            dataclasses.replace(s, path=here[s.name].path, url=here[s.name].url) if s.name in here else s
+            for s in planned
+        ]
         extra = {s.name for s in listed} - {s.name for s in planned}
         if extra:
             log.warning(

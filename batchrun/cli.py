@@ -12,7 +12,9 @@ where the results are. Expected failures end as one line on stderr, never a trac
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +30,8 @@ from batchrun.bench.report import format_benchmark
 from batchrun.bench.throughput import run_benchmark
 from batchrun.job import ConfigError, JobError, RunConfig, build_run_config, format_summary, run_job
 from batchrun.job.config import unknown_key
+from batchrun.utils.private_dir import private_dir
+from batchrun.utils.redact import redact_text
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 # In the source tree (and editable installs) batchrun/conf is a symlink to the repository's conf/;
@@ -40,7 +44,25 @@ def package_path(relative: str) -> str:
     return str(PACKAGE_DIR / relative)
 
 
+def submitit_dir(output_uri: str) -> str:
+    """`${batchrun_submitit_dir:${output.uri}}` in YAML (the Slurm preset): where submitit keeps
+    the run's pickles and logs. The compute node unpickles what is there, and the pickled config
+    holds the storage credentials, so it is a private local directory (0700, refused when others
+    could write it; utils/private_dir.py), one per output.uri, under $BATCHRUN_SUBMITIT_DIR or
+    ~/.cache/batchrun/submitit: never inside output.uri, which others may be able to write (and
+    which, as an s3:// URL, would become a local folder named 's3:'). Compute nodes must see it,
+    as they see $HOME on most clusters."""
+    base = os.environ.get("BATCHRUN_SUBMITIT_DIR") or os.path.join(
+        os.environ.get("BATCHRUN_CACHE") or "~/.cache/batchrun", "submitit"
+    )
+    slug = re.sub(r"[^A-Za-z0-9._-]+", "_", output_uri.rstrip("/").rsplit("/", 1)[-1]).strip("._-")[:60] or "run"
+    digest = hashlib.sha256(output_uri.encode()).hexdigest()[:12]
+    path = Path(base).expanduser() / f"{slug}-{digest}"
+    return str(private_dir(path, "submitit folder", "BATCHRUN_SUBMITIT_DIR"))
+
+
 OmegaConf.register_new_resolver("batchrun_path", package_path, replace=True)
+OmegaConf.register_new_resolver("batchrun_submitit_dir", submitit_dir, replace=True)
 
 
 def to_run_config(cfg: DictConfig) -> RunConfig:
@@ -77,9 +99,9 @@ def _run(cfg: DictConfig) -> None:
         return _report(2, f"config error: {_hydra_message(e)}")
     except JobError as e:
         return _report(1, f"error: {e}")
-    print(format_summary(result), flush=True)
+    print(redact_text(format_summary(result)), flush=True)
     if result.exit_code:
-        print(f"batchrun: {result.message}", file=sys.stderr, flush=True)
+        print(f"batchrun: {redact_text(result.message)}", file=sys.stderr, flush=True)
     _exit_codes.append(result.exit_code)
 
 
@@ -125,5 +147,5 @@ def _hydra_message(error: BaseException) -> str:
 
 
 def _report(code: int, message: str) -> None:
-    print(f"batchrun: {' '.join(message.split())}", file=sys.stderr, flush=True)
+    print(f"batchrun: {redact_text(' '.join(message.split()))}", file=sys.stderr, flush=True)
     _exit_codes.append(code)

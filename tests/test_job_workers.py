@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -416,21 +417,51 @@ def test_prefix_affinity_puts_a_group_on_one_worker(tmp_path):
     assert {s.name for s in assign_shards(shards, Worker(1, 2, "t"))} & {"a1", "a2", "a3"}
 
 
-def test_the_slurm_launcher_preset_composes(tmp_path):
-    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+def _compose_slurm_preset(output_uri: str):
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
-        cfg = compose(
+        return compose(
             config_name="config",
             return_hydra_config=True,
-            overrides=["hydra/launcher=slurm", f"output.uri={tmp_path}", "launcher.world_size=4", "launcher.rank=3"],
+            overrides=["hydra/launcher=slurm", f"output.uri={output_uri}", "launcher.world_size=4", "launcher.rank=3"],
         )
+
+
+def test_the_slurm_launcher_preset_composes(tmp_path, monkeypatch):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("BATCHRUN_SUBMITIT_DIR", raising=False)
+    monkeypatch.delenv("BATCHRUN_CACHE", raising=False)
+    cfg = _compose_slurm_preset(str(tmp_path / "run"))
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.signal_delay_s, launcher.tasks_per_node, launcher.max_num_timeout) == (90, 1, 20)
-    assert cfg.hydra.sweep.dir == f"{tmp_path}/_submitit" and cfg.hydra.sweep.subdir == "rank3"
+    assert cfg.hydra.sweep.subdir == "rank3"
     assert cfg.launcher.rank == 3 and cfg.launcher.world_size == 4  # the batchrun side is untouched
+
+    # submitit's pickles (credentials included, unpickled on the compute node) live in a private
+    # directory of this user's, never in the output directory others may write.
+    folder = Path(cfg.hydra.sweep.dir)
+    assert folder.parent == tmp_path / "home" / ".cache" / "batchrun" / "submitit"
+    assert not folder.is_relative_to(tmp_path / "run") and launcher.submitit_folder == f"{folder}/%j"
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and folder.stat().st_uid == os.getuid()
+    assert _compose_slurm_preset(str(tmp_path / "run")).hydra.sweep.dir == str(folder)  # a requeue finds it
+    assert _compose_slurm_preset(str(tmp_path / "other")).hydra.sweep.dir != str(folder)
+
+
+def test_the_slurm_preset_keeps_an_s3_runs_pickles_in_a_private_local_directory(tmp_path, monkeypatch):
+    pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
+    monkeypatch.setenv("BATCHRUN_SUBMITIT_DIR", str(tmp_path / "submitit"))
+    monkeypatch.chdir(tmp_path)
+    folder = Path(_compose_slurm_preset("s3://bucket/runs/docs").hydra.sweep.dir)
+    assert folder.parent == tmp_path / "submitit" and "s3:" not in str(folder)
+    assert stat.S_IMODE(folder.stat().st_mode) == 0o700
+    assert not (tmp_path / "s3:").exists()
+
+    folder.chmod(0o777)  # anyone could now plant pickles there: refused, not used
+    with pytest.raises(Exception, match="writable by group or others"):
+        assert not _compose_slurm_preset("s3://bucket/runs/docs").hydra.sweep.dir
 
 
 def test_a_worker_waits_for_its_shards_held_elsewhere_and_takes_back_a_dead_owners(tmp_path):

@@ -191,6 +191,24 @@ def test_file_sha256_is_memoized_and_tolerates_corruption(tmp_path: Path) -> Non
     assert json.loads(memo_path.read_text())[os.path.realpath(data)]["size"] == len(b"changed")
 
 
+def test_file_sha256_rehashes_a_replaced_file_whose_size_and_mtime_were_kept(tmp_path: Path) -> None:
+    """rsync -t, tar and container layers give a new file its predecessor's size and mtime: the memo
+    must not hand back the old file's hash (and with it the old converted weights)."""
+    data, cache = tmp_path / "model.gguf", tmp_path / "cache"
+    old, new = os.urandom(1 << 20), os.urandom(1 << 20)
+    data.write_bytes(old)
+    os.utime(data, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+    assert file_sha256(str(data), cache) == hashlib.sha256(old).hexdigest()
+    assert file_sha256(str(data), cache) == hashlib.sha256(old).hexdigest()  # a memo hit
+
+    staged = tmp_path / ".model.gguf.partial"  # how rsync and tar replace a file
+    staged.write_bytes(new)
+    os.utime(staged, ns=(1_700_000_000_000_000_000, 1_700_000_000_000_000_000))
+    os.replace(staged, data)
+    assert (data.stat().st_size, data.stat().st_mtime_ns) == (len(old), 1_700_000_000_000_000_000)
+    assert file_sha256(str(data), cache) == hashlib.sha256(new).hexdigest()
+
+
 # ---------------------------------------------------------------------------------------------
 # GGUF cache mechanics, with the converter replaced by a tiny HF model (fast)
 

@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 from batchrun.job.config import RunConfig
 from batchrun.job.shards import Shard
+from batchrun.utils.redact import redact
 
 # Engine settings that change what a row says; the rest (batch sizes, threads, caches) only
 # change speed (and in bf16 an occasional near-tied token, which any batching engine does).
@@ -58,7 +59,8 @@ def settings_fingerprint(config: RunConfig) -> dict[str, Any]:
     if spec.method != "none" and not spec.adaptive:
         seeded_drafts = {k: v for k, v in dataclasses.asdict(spec).items() if k != "adaptive"}
     out["engine.speculative.seeded_drafts"] = seeded_drafts
-    return out
+    # Markers hold it redacted (store._encode): compare like with like.
+    return redact(out)
 
 
 def model_fingerprint(model_sha256: str, tokenizer: Any, resolved_dtype: str) -> dict[str, Any]:

@@ -24,38 +24,11 @@ from typing import Any, Optional
 from batchrun.engine import EngineStats
 from batchrun.job.shards import Shard, Worker
 from batchrun.job.store import RunStore
+from batchrun.utils.redact import REDACTED, redact  # noqa: F401 - manifest.redact, manifest.REDACTED
 
 PACKAGES = ("batchrun", "torch", "transformers", "pyarrow", "fsspec", "s3fs", "tokenizers")
 
-# Keys inside storage_options (at any depth) whose values are credentials: never written to a
-# manifest, which often sits in a bucket others can list.
-_SECRET_WORDS = ("secret", "token", "password", "passwd", "credential", "key", "auth", "signature", "sas")
-_NOT_SECRET = {"anon", "use_ssl", "endpoint_url", "region_name", "requester_pays"}
-REDACTED = "<redacted>"
-
 log = logging.getLogger(__name__)
-
-
-def redact(config: Any, inside_options: bool = False) -> Any:
-    """A copy of `config` with the credential-like values of every `storage_options` replaced."""
-    if isinstance(config, dict):
-        out = {}
-        for key, value in config.items():
-            name = str(key).lower()
-            if (
-                inside_options
-                and not isinstance(value, (dict, list, tuple))
-                and value not in (None, "")
-                and name not in _NOT_SECRET
-                and any(w in name for w in _SECRET_WORDS)
-            ):
-                out[key] = REDACTED
-            else:
-                out[key] = redact(value, inside_options or name == "storage_options")
-        return out
-    if isinstance(config, (list, tuple)):
-        return [redact(v, inside_options) for v in config]
-    return config
 
 
 def utc_now() -> str:

@@ -32,6 +32,8 @@ from batchrun.job.runner import run_worker
 from batchrun.job.shards import Shard, discover_shards, open_filesystem
 from batchrun.job.signals import StopRequest
 from batchrun.job.store import RunStore
+from batchrun.utils.logs import StderrHandler
+from batchrun.utils.redact import redact_text
 
 log = logging.getLogger(__name__)
 
@@ -164,16 +166,18 @@ def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> RunResult:
 def _worker_main(config_path: str) -> int:
     with open(config_path) as f:
         config = build_run_config(json.load(f))
-    logging.basicConfig(
-        level=logging.INFO, stream=sys.stderr, format=f"[worker {config.launcher.rank}] %(levelname)s %(message)s"
-    )
+    handler = StderrHandler()  # redacts credentials, like the CLI's
+    handler.setFormatter(logging.Formatter(f"[worker {config.launcher.rank}] %(levelname)s %(message)s"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
     try:
         result = run_worker(config)
     except ConfigError as e:
-        print(f"batchrun worker {config.launcher.rank}: config error: {e}", file=sys.stderr, flush=True)
+        print(
+            f"batchrun worker {config.launcher.rank}: config error: {redact_text(str(e))}", file=sys.stderr, flush=True
+        )
         return 2
     except JobError as e:
-        print(f"batchrun worker {config.launcher.rank}: error: {e}", file=sys.stderr, flush=True)
+        print(f"batchrun worker {config.launcher.rank}: error: {redact_text(str(e))}", file=sys.stderr, flush=True)
         return 1
     log.info("%s", result.message)
     return result.exit_code

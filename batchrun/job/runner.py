@@ -145,13 +145,11 @@ class _JobRun:
             if not isinstance(existing, dict) or not isinstance(existing.get("shards"), list):
                 raise JobError(f"output.uri: {self.store.url(path)} is unreadable; delete it if no worker is running")
             doc = existing
-        # The plan fixes names and order; sizes and versions are the files' own now, so that a
-        # rewritten input is seen as changed (the committed markers' input fingerprints).
-        fresh = {s.name: s for s in listed}
-        planned = [
-            dataclasses.replace(s, size=fresh[s.name].size, version=fresh[s.name].version) if s.name in fresh else s
-            for s in (Shard(**s) for s in doc["shards"])
-        ]
+        # The plan fixes names and order. Everything else comes from this worker's own listing: the
+        # plan on disk is redacted (store._encode), and sizes and versions must be the files' own
+        # now, so that a rewritten input is seen as changed (the markers' input fingerprints).
+        here = {s.name: s for s in listed}
+        planned = [here.get(s.name, s) for s in (Shard(**s) for s in doc["shards"])]
         extra = {s.name for s in listed} - {s.name for s in planned}
         if extra:
             log.warning(

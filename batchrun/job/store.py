@@ -52,6 +52,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from batchrun.job.shards import is_safe_name, open_filesystem
+from batchrun.utils.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -430,7 +431,11 @@ def _checked(shard: str) -> str:
 
 
 def _encode(obj: Any) -> bytes:
-    return json.dumps(obj, indent=2, sort_keys=False, default=str).encode()
+    """Every JSON document the store writes (markers, plan, manifests, claims) passes here, so none
+    can carry a credential from a URL or a storage option (utils/redact.py). create_json's read-back
+    compares bytes from this same function."""
+    plain = json.loads(json.dumps(obj, default=str))  # what default=str makes of odd values gets redacted too
+    return json.dumps(redact(plain), indent=2, sort_keys=False).encode()
 
 
 def _supports_conditional_put(fs: fsspec.AbstractFileSystem) -> bool:

@@ -201,17 +201,30 @@ def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def _memo_key(st: os.stat_result) -> dict[str, int]:
+    """What a memo entry must match to be trusted without rehashing. size and mtime alone are not
+    enough: rsync -t, tar and container layers give a replaced file its predecessor's mtime. A
+    replacement is a new inode (or, rewritten in place, a new ctime), and no tool can set ctime
+    back: touching the inode in any way (utime included) moves it, which costs only a rehash."""
+    return {
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "inode": st.st_ino,
+        "device": st.st_dev,
+    }
+
+
 def file_sha256(path: str, cache_root: Path | None = None) -> str:
-    """sha256 of one file, memoized in `{cache_root}/fingerprints.json` by (realpath, size, mtime_ns)."""
+    """sha256 of one file, memoized in `{cache_root}/fingerprints.json` by realpath and _memo_key."""
     real = os.path.realpath(path)
-    stat = os.stat(real)
+    key = _memo_key(os.stat(real))
     memo_path = cache_root / _FINGERPRINTS_FILE if cache_root is not None else None
     if memo_path is not None:
         hit = _read_json_dict(memo_path).get(real)
         if (
             isinstance(hit, dict)
-            and hit.get("size") == stat.st_size
-            and hit.get("mtime_ns") == stat.st_mtime_ns
+            and all(hit.get(k) == v for k, v in key.items())
             and isinstance(hit.get("sha256"), str)
         ):
             return hit["sha256"]
@@ -222,7 +235,7 @@ def file_sha256(path: str, cache_root: Path | None = None) -> str:
         try:
             memo_path.parent.mkdir(parents=True, exist_ok=True)
             memo = _read_json_dict(memo_path)
-            memo[real] = {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": digest}
+            memo[real] = {**key, "sha256": digest}
             _write_json_atomic(memo_path, memo)
         except OSError:
             pass

@@ -4,7 +4,8 @@
 in-process (a notebook, a test, a scheduler calling `batchrun.cli.main`), `sys.stderr` is often
 replaced later (Jupyter's per-cell streams, pytest's capture) and the old object closed, after
 which every log line turns into a '--- Logging error ---' traceback. This handler looks
-`sys.stderr` up on each record instead, like `logging.lastResort` does.
+`sys.stderr` up on each record instead, like `logging.lastResort` does. It also redacts every
+record (utils/redact.py): log lines name URLs and storage options, and job logs are shared.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from __future__ import annotations
 import logging
 import sys
 
+from batchrun.utils.redact import RedactFilter
+
 
 class StderrHandler(logging.StreamHandler):
     """StreamHandler bound to the current `sys.stderr` rather than the one at construction."""
 
     def __init__(self, level: int = logging.NOTSET) -> None:
         logging.Handler.__init__(self, level)
+        self.addFilter(RedactFilter())
 
     @property  # type: ignore[override]
     def stream(self):  # noqa: D401 - logging.StreamHandler reads and flushes self.stream

@@ -354,16 +354,19 @@ class _JobRun:
         if marker is None:
             return False
         if shard in self.stale:  # committed under other settings: ours to redo, unless redone meanwhile
-            if not self._is_current(marker):
+            if not self._is_current(marker, shard):
                 return False
             self.stale.discard(shard)  # another recompute launch committed it with these settings
         return True
 
-    def _is_current(self, marker: dict[str, Any]) -> bool:
-        """The marker was committed with this worker's settings and model."""
+    def _is_current(self, marker: dict[str, Any], shard: str) -> bool:
+        """The marker was committed with this worker's settings and model, from the input as listed."""
         fingerprint = marker.get("fingerprint") or {}
-        return not differences(fingerprint.get("settings") or {}, self.settings) and not differences(
-            fingerprint.get("model") or {}, self.model_fp
+        listed = next((s for s in self.all_shards if s.name == shard), None)
+        return not (
+            differences(fingerprint.get("settings") or {}, self.settings)
+            or differences(fingerprint.get("model") or {}, self.model_fp)
+            or (listed is not None and differences(fingerprint.get("input") or {}, input_fingerprint(listed)))
         )
 
     def check_fence(self) -> None:
@@ -407,7 +410,7 @@ class _JobRun:
         if shard.name in self.stale:  # output.on_change=recompute: un-commit it, under our claim
             marker = self.store.read_marker(shard.name)
             # Read again: a marker another recompute launch committed since is current, not stale.
-            if marker is not None and not self._is_current(marker):
+            if marker is not None and not self._is_current(marker, shard.name):
                 self.store.remove_marker(shard.name)
         return started_at
 

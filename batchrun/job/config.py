@@ -144,6 +144,10 @@ class OutputConfig:
     # A rerun whose settings, model or input differ from what a shard was committed with: `error`
     # stops with one line naming what changed; `recompute` redoes those shards (fingerprint.py).
     on_change: Literal["error", "recompute"] = "error"
+    # A store whose create-if-absent fails the start-up probe (an s3fs or botocore too old for
+    # If-None-Match, a store that ignores it, no conditional create at all) is refused unless this
+    # is true: then two racing committers may both publish, and the manifest's commit_method says so.
+    allow_non_exclusive: bool = False
 
     def __post_init__(self) -> None:
         if not self.uri:

@@ -75,10 +75,11 @@ class FaultProxy:
         with self._lock:
             self.rules.extend(rules)
 
-    def actions(self, key: str) -> list[str]:
-        """The actions taken on requests whose path holds `key`, in order ("forward" when none)."""
+    def actions(self, key: str, method: Optional[str] = None) -> list[str]:
+        """The actions taken on (`method`) requests whose path holds `key`, in order ("forward":
+        passed through as it came)."""
         with self._lock:
-            return [action for _, path, _, action in self.log if key in path]
+            return [action for m, path, _, action in self.log if key in path and method in (None, m)]
 
     def _match(self, method: str, path: str, has_inm: bool) -> Optional[Rule]:
         with self._lock:

@@ -115,6 +115,33 @@ def test_the_files_a_marker_names_are_fsynced_before_its_link(tmp_path, monkeypa
     assert str(out / "_commits") in after
 
 
+def test_committed_files_prefers_a_publication_that_lands_while_it_looks(tmp_path, monkeypatch):
+    """The committer publishes right after the reader found the attempt's file: the reader must
+    name the published file, not the pending one that just vanished."""
+    store = RunStore(str(tmp_path / "out"), {})
+    attempt = _attempt_with_files(store)
+    marker = {
+        "protocol": 2,
+        "attempt": attempt.attempt_id,
+        "attempt_dir": str(Path(attempt.directory).relative_to(store.root)),
+    }
+    assert store.create_json(store.marker_path("s0"), {**marker, "files": ["results.parquet", "metrics.parquet"]})
+    real_exists = store.fs.exists
+    published: list[bool] = []
+
+    def exists_then_publish(path, **kwargs):
+        found = real_exists(path, **kwargs)
+        if path == attempt.results_tmp and found and not published:
+            published.append(True)
+            store.publish("s0", store.read_marker("s0"))  # the committer, a moment later
+        return found
+
+    monkeypatch.setattr(store.fs, "exists", exists_then_publish)
+    paths = committed_files(store)
+    monkeypatch.undo()
+    assert paths == {"s0": store.results_path("s0")} and Path(paths["s0"]).read_bytes() == b"results"
+
+
 # ---- S3 behind the fault proxy, in this process --------------------------------------------------
 
 

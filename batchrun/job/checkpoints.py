@@ -383,19 +383,9 @@ class ShardOutput:
         self.num_committed_parts += 1
 
     def _create_decided(self, path: str, doc: dict[str, Any]) -> bool:
-        """Create the part marker; when the create failed or its outcome is unclear (a reply lost
-        after the write landed), the marker's own attempt id says whether it is ours."""
-        try:
-            if self.store.create_json(path, doc):
-                return True
-        except Exception:
-            log.warning("shard %s: committing part %s failed; reading it back", self.attempt.shard, doc["part"])
-        existing = self.store.read_json(path)
-        if existing is None:  # nobody's: the create never landed
-            if self.store.create_json(path, doc):
-                return True
-            existing = self.store.read_json(path)
-        return isinstance(existing, dict) and existing.get("attempt") == self.attempt.attempt_id
+        """Create the part marker; an unclear outcome (a reply lost after the write landed) is
+        decided by the marker's own attempt id (RunStore.create_owned)."""
+        return self.store.create_owned(path, doc, "attempt")
 
     def _write_chunk(self, base: str, rows: list[tuple[int, _Row]]) -> _Chunk:
         results_path = f"{base}.parquet"

@@ -149,6 +149,10 @@ class OutputConfig:
     # rows since its last part and a rerun resumes the shard there. 0 turns a trigger off.
     checkpoint_rows: int = 10000
     checkpoint_s: float = 60.0
+    # A store whose create-if-absent fails the start-up probe (an s3fs or botocore too old for
+    # If-None-Match, a store that ignores it, no conditional create at all) is refused unless this
+    # is true: then two racing committers may both publish, and the manifest's commit_method says so.
+    allow_non_exclusive: bool = False
 
     def __post_init__(self) -> None:
         if not self.uri:

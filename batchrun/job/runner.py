@@ -113,6 +113,7 @@ class _JobRun:
         for shard in self.shards:
             if shard.name in committed and shard.name not in self.stale:
                 self._record_skipped(shard, self.markers.get(shard.name), publish=shard.name not in published)
+        commit_method = self.store.verify_exclusive(config.output.allow_non_exclusive)
         log.info(
             "worker %d of %d (%s): %d of %d shards, %d already committed; output %s (commits: %s)",
             self.worker.rank,
@@ -122,9 +123,9 @@ class _JobRun:
             len(all_shards),
             len(self.shards) - len(self.todo),
             self.store.url(self.store.root),
-            self.store.commit_method,
+            commit_method,
         )
-        self.manifest.set_commit_method(self.store.commit_method)
+        self.manifest.set_commit_method(commit_method)
         try:
             self.manifest.write()
         except Exception as e:

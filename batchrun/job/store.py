@@ -35,6 +35,8 @@ Every path is built from shard names (shards.py makes them safe) and checked to 
 
 from __future__ import annotations
 
+import errno
+import inspect
 import json
 import logging
 import os
@@ -51,6 +53,7 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
+from batchrun.job.errors import ConfigError, JobError, ShardError
 from batchrun.job.shards import is_safe_name, open_filesystem
 from batchrun.utils.redact import redact
 
@@ -86,16 +89,28 @@ _PERMANENT = (
 )
 
 
-def with_retries(action: Callable[[], T], what: str, attempts: int = 4, base_delay_s: float = 0.5) -> T:
-    """Run `action`, retrying transient storage errors (timeouts, connection resets, 5xx: any
-    OSError but the permanent ones) with jittered exponential backoff; the last error is raised."""
+RETRY_BASE_DELAY_S = 0.5  # with_retries' first backoff (tests shorten it)
+
+
+class CommitUnclear(ShardError):
+    """The marker's create failed in a way that leaves open whether it landed, and reading it back
+    failed too. Nothing is deleted: the attempt stays, and whoever next finds a marker naming it
+    (a rerun, a reader) publishes it; without such a marker the attempt is an unread leftover."""
+
+
+def with_retries(action: Callable[[], T], what: str, attempts: int = 4, base_delay_s: Optional[float] = None) -> T:
+    """Run `action`, retrying transient storage errors (timeouts, connection resets, 5xx, and 409
+    ConditionalRequestConflict: a concurrent conditional write is in flight; any OSError but the
+    permanent ones and a failed precondition) with jittered exponential backoff; the last error is
+    raised."""
+    base_delay_s = RETRY_BASE_DELAY_S if base_delay_s is None else base_delay_s
     for attempt in range(attempts):
         try:
             return action()
         except _PERMANENT:
             raise
         except (OSError, TimeoutError, ConnectionError) as e:
-            if attempt == attempts - 1:
+            if attempt == attempts - 1 or _is_precondition_failure(e):
                 raise
             delay = base_delay_s * (2**attempt) * (0.5 + random.random())
             log.warning("%s failed (%s: %s); retrying in %.1f s", what, type(e).__name__, e, delay)
@@ -126,6 +141,8 @@ class RunStore:
         self.is_memory = isinstance(self.fs, MemoryFileSystem)
         # Object stores have no directories; a local filesystem needs them before a file goes in.
         self._needs_dirs = self.is_local
+        self._conditional_put = _supports_conditional_put(self.fs)  # False too once a probe disproves it
+        self._kept: set[str] = set()  # attempt directories an unclear commit may have named: never removed
 
     # ---- paths ------------------------------------------------------------------------------
 
@@ -169,6 +186,58 @@ class RunStore:
         if _supports_conditional_put(self.fs):
             return "if-none-match (exclusive)"
         return "check-then-put (NOT exclusive: two racing committers may both publish)"
+
+    def verify_exclusive(self, allow_non_exclusive: bool) -> str:
+        """Prove, once at run start, that this store's create-if-absent is exclusive, and return the
+        commit method text for the log and the manifest. An object store is probed: one object
+        created twice under `_probe/`, the second create must be refused. Without that (an s3fs
+        or botocore that drops `mode="create"` silently, a store that ignores If-None-Match, a store
+        with no conditional create at all) the run is refused with a ConfigError naming
+        output.allow_non_exclusive, unless it is set: then creates fall back to check-then-put and
+        the returned text says NOT exclusive."""
+        if self.is_local or self.is_memory:
+            return self.commit_method
+        try:
+            problem = self._exclusive_create_problem()
+        except Exception as e:
+            raise JobError(f"output.uri: cannot write to {self.uri}: {_describe(e)}") from None
+        if problem is None:
+            return self.commit_method
+        if not allow_non_exclusive:
+            raise ConfigError(
+                "output.allow_non_exclusive",
+                f"{self.uri} has no exclusive create ({problem}): two racing committers could both publish; "
+                "set output.allow_non_exclusive=true to run anyway",
+            )
+        self._conditional_put = False  # a create that does not exclude: at least look first
+        log.warning("output %s: commits are NOT exclusive (%s); output.allow_non_exclusive=true", self.uri, problem)
+        return f"check-then-put (NOT exclusive: {problem}; two racing committers may both publish)"
+
+    def _exclusive_create_problem(self) -> Optional[str]:
+        """None when a second conditional create of one object is refused, else why it is not."""
+        if not self._conditional_put:
+            if type(self.fs).__module__.split(".")[0] == "s3fs":
+                return "this s3fs has no pipe_file(mode='create'): it needs s3fs>=2024.12 and botocore>1.35.20"
+            return f"{type(self.fs).__name__} has no conditional create"
+        path = self.path("_probe", f"{uuid.uuid4().hex}.json")
+        create = self.fs.pipe_file
+        try:
+            try:
+                with_retries(lambda: create(path, b"{}", mode="create"), f"probing {self.url(path)}")
+            except TypeError:
+                return "this filesystem's pipe_file takes no mode='create'"
+            try:
+                with_retries(lambda: create(path, b"{}", mode="create"), f"probing {self.url(path)}")
+            except (FileExistsError, OSError) as e:
+                if _is_precondition_failure(e):
+                    return None
+                raise
+            return "a second create of one object was accepted: the store or botocore ignores If-None-Match"
+        finally:
+            try:
+                self.fs.rm(path)
+            except Exception:
+                log.warning("could not remove the probe %s", self.url(path), exc_info=True)
 
     # ---- commit markers -----------------------------------------------------------------------
 
@@ -236,6 +305,13 @@ class RunStore:
 
         False, with this attempt's files discarded, when another attempt's marker was there first:
         that commit stands and this attempt's work is redundant.
+
+        The outcome is decided by reading the marker back whenever the create does not plainly
+        succeed: a create can land and still fail on the way back (a lost reply whose retries then
+        fail, a retransmitted NFS link answered EEXIST), and discarding the attempt then would leave
+        a marker naming deleted files. Only an attempt that another marker names is discarded;
+        when the marker cannot be read, or is absent after an error, CommitUnclear is raised and
+        the attempt is kept (abandon() leaves it alone).
         """
         doc = {
             **marker,
@@ -245,9 +321,20 @@ class RunStore:
             "files": list(files),
         }
         assert all(name in PUBLISHED_FILES for name in files), files
-        if not self.create_json(self.marker_path(attempt.shard), doc):
+        marker_path = self.marker_path(attempt.shard)
+        if self.is_local:
+            self._sync_before_marker(attempt, files)
+        error: Optional[Exception] = None
+        try:
+            created = self.create_json(marker_path, doc)
+        except Exception as e:
+            created, error = False, e
+        if not created and not self._marker_is_ours(attempt, error):
             self.abandon(attempt)
             return False
+        if self.is_local:  # the marker's name, and _commits/ itself when it was just made
+            _fsync_dir(posixpath.dirname(marker_path))
+            _fsync_dir(self.root)
         try:
             self.publish(attempt.shard, doc)
         except Exception:  # committed all the same: whoever looks next finishes the publication
@@ -294,8 +381,79 @@ class RunStore:
             return self.fs.exists(final)
         return True
 
+    def _marker_is_ours(self, attempt: Attempt, error: Optional[Exception]) -> bool:
+        """After a create that did not plainly succeed (`error`, or None when it answered "exists"):
+        does the marker name this attempt? CommitUnclear when that cannot be known."""
+        path = self.marker_path(attempt.shard)
+        return self.is_own_create(path, "attempt", attempt.attempt_id, error, keep=attempt.directory)
+
+    def create_owned(self, path: str, doc: Mapping[str, Any], key: str = "attempt") -> bool:
+        """create_json, decided by reading back when the create did not plainly succeed: True when
+        `path` now holds a document whose `key` is `doc[key]` (ours), False when another's."""
+        try:
+            if self.create_json(path, doc):
+                return True
+            error: Optional[Exception] = None
+        except Exception as e:
+            error = e
+        return self.is_own_create(path, key, doc[key], error)
+
+    def is_own_create(
+        self, path: str, key: str, value: Any, error: Optional[Exception], keep: Optional[str] = None
+    ) -> bool:
+        """Whether the document at `path` (just created by someone, maybe us) has `key` == `value`.
+        `error`: how our create failed (None: it answered "exists"). CommitUnclear when that cannot
+        be known: the document cannot be read, or is absent after an error (a request still in
+        flight may yet land); `keep` (a directory it may name) is then never removed by abandon()."""
+        url = self.url(path)
+        self.fs.invalidate_cache(posixpath.dirname(path))
+        try:
+            raw = with_retries(lambda: self.fs.cat_file(path), f"reading {url}")
+        except FileNotFoundError:
+            raw = None
+        except Exception as e:
+            if keep is not None:
+                self._kept.add(keep)
+            raise CommitUnclear(
+                f"creating {url} failed ({_describe(error or e)}) and it cannot be read back ({_describe(e)})"
+                + (f"; the attempt is kept at {self.url(keep)}" if keep else "")
+            ) from (error or e)
+        if raw is not None:
+            try:
+                existing = json.loads(raw)
+            except ValueError:
+                existing = None
+            ours = isinstance(existing, dict) and existing.get(key) == value
+            if ours and error is not None:
+                log.warning("%s: the create said %s, yet it is ours", url, _describe(error))
+            return ours
+        if error is None:  # it existed a moment ago and was removed since (recompute): never ours
+            return False
+        if keep is not None:
+            self._kept.add(keep)
+        raise CommitUnclear(
+            f"creating {url} failed ({_describe(error)}) and nothing is there yet"
+            + (f"; the attempt is kept at {self.url(keep)}" if keep else "")
+        ) from error
+
+    def _sync_before_marker(self, attempt: Attempt, files: Sequence[str]) -> None:
+        """Make the files the marker will name durable first, with the directory entries leading to
+        them (attempt, shard, _attempts, root): a power loss must not leave a marker naming a short
+        or missing file."""
+        for name in files:
+            _fsync_file(posixpath.join(attempt.directory, name))
+        directory = attempt.directory
+        while directory != self.root and directory.startswith(self.root):
+            _fsync_dir(directory)
+            directory = posixpath.dirname(directory)
+        _fsync_dir(self.root)
+
     def abandon(self, attempt: Attempt) -> None:
-        """Remove this attempt's own files; they were never visible."""
+        """Remove this attempt's own files; they were never visible. Not those of an attempt whose
+        commit is unclear (CommitUnclear): a marker naming it may exist or yet appear."""
+        if attempt.directory in self._kept:
+            log.warning("shard %s: keeping attempt %s (its commit is unclear)", attempt.shard, attempt.attempt_id)
+            return
         self._remove_tree(attempt.directory)
 
     # ---- files --------------------------------------------------------------------------------
@@ -312,19 +470,25 @@ class RunStore:
                 f.flush()
                 os.fsync(f.fileno())
             try:
-                os.link(tmp, path)  # fails if `path` exists, whoever made it
+                try:
+                    os.link(tmp, path)  # fails if `path` exists, whoever made it
+                except FileExistsError:
+                    # NFSv3 retransmits a LINK whose reply was lost, and the retry answers EEXIST
+                    # although the first one linked: our private temp file then has a second name.
+                    return os.stat(tmp).st_nlink >= 2
                 return True
-            except FileExistsError:
-                return False
             finally:
-                os.unlink(tmp)
+                try:
+                    os.unlink(tmp)
+                except OSError:  # the link (or its refusal) stands; a leftover temp name is harmless
+                    log.warning("could not remove %s", tmp, exc_info=True)
         if self.is_memory:
             with _MEMORY_LOCK:
                 if self.fs.exists(path):
                     return False
                 self.fs.pipe_file(path, data)
                 return True
-        if _supports_conditional_put(self.fs):
+        if self._conditional_put:
             try:
                 with_retries(lambda: self.fs.pipe_file(path, data, mode="create"), f"creating {self.url(path)}")
                 return True
@@ -333,7 +497,7 @@ class RunStore:
                     raise
                 # A retried PUT whose first try did land answers 412 too: the bytes tell whose it is.
                 try:
-                    return bool(self.fs.cat_file(path) == data)
+                    return bool(with_retries(lambda: self.fs.cat_file(path), f"reading {self.url(path)}") == data)
                 except FileNotFoundError:
                     return False
         self.fs.invalidate_cache(posixpath.dirname(path))
@@ -344,17 +508,13 @@ class RunStore:
 
     def sync_files(self, paths: Sequence[str]) -> None:
         """Make written files durable before a marker names them: on local disks fsync each file
-        and then each directory holding them (a power loss must not leave a marker naming a short
-        or missing file); an object store's PUT is durable once it returns."""
+        and then each directory holding them; an object store's PUT is durable once it returns."""
         if not self.is_local:
             return
-        directories = []
         for path in paths:
-            _fsync_path(path)
-            if posixpath.dirname(path) not in directories:
-                directories.append(posixpath.dirname(path))
-        for directory in directories:
-            _fsync_path(directory)
+            _fsync_file(path)
+        for directory in dict.fromkeys(posixpath.dirname(p) for p in paths):
+            _fsync_dir(directory)
 
     def write_json(self, path: str, obj: Any) -> None:
         """Replace `path` whole: a reader sees the old or the new content, never a mix."""
@@ -403,14 +563,6 @@ class RunStore:
                 pass
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def marker_files(marker: Mapping[str, Any]) -> list[str]:
     """The attempt files a commit marker publishes (only names this module knows: a marker is data)."""
     files = marker.get("files")
@@ -439,23 +591,83 @@ def _encode(obj: Any) -> bytes:
 
 
 def _supports_conditional_put(fs: fsspec.AbstractFileSystem) -> bool:
-    """s3fs sends If-None-Match for pipe_file(mode="create"); fsspec's generic pipe_file only
-    checks, then writes, which is no exclusion at all."""
-    return type(fs).__module__.split(".")[0] == "s3fs"
+    """s3fs from 2024.12 sends If-None-Match for pipe_file(mode="create") (an older one passes `mode`
+    on as an unknown keyword that botocore drops); fsspec's generic pipe_file only checks, then
+    writes, which is no exclusion at all. Whether the store honours the header is only known by
+    trying (RunStore.verify_exclusive)."""
+    if type(fs).__module__.split(".")[0] != "s3fs":
+        return False
+    try:
+        return "mode" in inspect.signature(type(fs)._pipe_file).parameters
+    except (AttributeError, TypeError, ValueError):
+        return False
 
 
 def _is_precondition_failure(error: BaseException) -> bool:
-    if isinstance(error, FileExistsError):
-        return True
-    text = f"{error} {error.__cause__ or ''} {error.__context__ or ''}"
-    return "PreconditionFailed" in text or "412" in text or "ConditionalRequestConflict" in text
+    """The store refused a conditional request because its condition did not hold: HTTP 412, by
+    the error's code anywhere on the exception chain, never by its text (a key or request id may
+    hold "412"). A 409 ConditionalRequestConflict is not one: the write it raced is still in flight,
+    so it is retried and the outcome read back."""
+    for e in _exception_chain(error):
+        if isinstance(e, FileExistsError):
+            return True
+        response = getattr(e, "response", None)  # botocore's ClientError
+        if isinstance(response, dict):
+            code = (response.get("Error") or {}).get("Code")
+            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if code == "PreconditionFailed" or status == 412:
+                return True
+    return False
+
+
+def _exception_chain(error: BaseException) -> list[BaseException]:
+    """`error` and its causes and contexts, each once."""
+    seen: list[BaseException] = []
+    todo: list[BaseException] = [error]
+    while todo and len(seen) < 32:
+        e = todo.pop()
+        if any(e is s for s in seen):
+            continue
+        seen.append(e)
+        todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
+    return seen
+
+
+def _describe(error: Optional[BaseException]) -> str:
+    return "exists" if error is None else f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    """Make the names in directory `path` durable; a filesystem that cannot sync a directory
+    (EINVAL, ENOTSUP) orders its metadata by other means."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
 
 
 def committed_files(store: RunStore, kind: str = "results") -> dict[str, str]:
     """shard -> path of its committed `kind` file ("results", "metrics", and for OpenAI batch
     runs "outputs" or "errors"), from the markers alone: what a reader should use to see exactly the
     committed results, also while workers are running. Read-only: a shard whose publication is
-    pending is read from the attempt its marker names."""
+    pending is read from the attempt its marker names. A publication that moves the file after the
+    last look (a moment's window) makes the returned pending path vanish: a reader that gets
+    FileNotFoundError for it calls again and finds the published file."""
     assert kind in _KIND_FILES, kind
     name = _KIND_FILES[kind]
     out = {}
@@ -467,7 +679,10 @@ def committed_files(store: RunStore, kind: str = "results") -> dict[str, str]:
         attempt_dir = marker.get("attempt_dir")
         if isinstance(attempt_dir, str) and not store.fs.exists(path):
             pending = posixpath.join(store.path(*attempt_dir.split("/")), name)
-            store.fs.invalidate_cache(posixpath.dirname(path))
-            path = pending if store.fs.exists(pending) else path
+            store.fs.invalidate_cache(posixpath.dirname(pending))
+            if store.fs.exists(pending):
+                # published between the two looks? then the pending name is about to vanish
+                store.fs.invalidate_cache(posixpath.dirname(path))
+                path = path if store.fs.exists(path) else pending
         out[shard] = path
     return out

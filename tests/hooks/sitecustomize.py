@@ -11,6 +11,9 @@ BATCHRUN_TEST_HOOKS holds a JSON object:
                for this process's claim heartbeat: its next write of that shard's claim hangs for
                store_outage_s and then fails (once, so make it longer than the lease), and the
                shard's outputs wait until the heartbeat has found its claim lost
+    s3fs_without_create_mode   s3fs behaves as before 2024.12: pipe_file takes no `mode` and passes
+               it on as a keyword that botocore drops, so a "create" silently overwrites
+    retry_base_delay_s         the store's first retry backoff (batchrun.job.store.RETRY_BASE_DELAY_S)
 Each shard this process starts writes {dir}/started-{rank}-{shard}-{pid} at its first output
 (with shards open side by side, several may have started).
 """
@@ -151,3 +154,18 @@ if _spec:
             _on_output_before_outage(self, out)
 
         _flow.ShardRun.on_output = _on_output_with_outage
+    if "retry_base_delay_s" in _cfg:
+        from batchrun.job import store as _store
+
+        _store.RETRY_BASE_DELAY_S = float(_cfg["retry_base_delay_s"])
+
+    if _cfg.get("s3fs_without_create_mode"):
+        import s3fs
+
+        _real_pipe_file = s3fs.S3FileSystem._pipe_file
+
+        async def _pipe_file(self, path, data, chunksize=50 * 2**20, max_concurrency=None, **kwargs):
+            kwargs.pop("mode", None)  # what botocore's keyword filter did with it
+            return await _real_pipe_file(self, path, data, chunksize, max_concurrency, **kwargs)
+
+        s3fs.S3FileSystem._pipe_file = _pipe_file

@@ -4,6 +4,7 @@ shard open): real worker processes over one output directory.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -128,3 +129,26 @@ def test_a_rewritten_input_is_seen_with_a_shared_plan(tmp_path, make_shards, job
     assert redo.returncode == 0, redo.stderr[-2000:]
     marker = _markers(str(out))["part-01"]
     assert marker["fingerprint"]["input"]["input.size"] == (tmp_path / "in" / "part-01.parquet").stat().st_size
+
+
+def test_a_recompute_launch_keeps_a_marker_another_recompute_committed_meanwhile(
+    tmp_path, make_shards, tiny_engine, job_overrides
+):
+    """Two recompute launches: the one that found the shard stale first must not remove the marker
+    the other one committed with the new settings in the meantime."""
+    from batchrun import cli
+    from batchrun.job import run_job
+    from batchrun.job.runner import _JobRun
+
+    make_shards(tmp_path / "in", num_shards=1, rows_per_shard=2)
+    out = tmp_path / "out"
+    overrides = job_overrides(tmp_path / "in", out)
+    assert run_job(cli.load_config(overrides), engine=tiny_engine).exit_code == 0
+    new_settings = [*overrides, "sampling.max_tokens=3", "output.on_change=recompute"]
+    slow = _JobRun(cli.load_config(new_settings), {})  # found part-00 stale at its start
+    assert slow.stale == {"part-00"}
+    assert run_job(cli.load_config(new_settings), engine=tiny_engine).exit_code == 0  # the other launch
+    fresh = json.loads((out / "_commits" / "part-00.json").read_text())
+    result = slow.run(tiny_engine)
+    assert result.exit_code == 0 and [s.status for s in result.shards] == ["skipped"]
+    assert json.loads((out / "_commits" / "part-00.json").read_text())["attempt"] == fresh["attempt"]

@@ -434,6 +434,7 @@ class _JobRun:
                 m["num_errors"],
                 m["output_tokens_per_s"],
             )
+        status_was_lost = summary.status == "lost"
         if summary.status == "lost":
             self.queue.wait_for(shard)  # another worker has it now; ours until it commits
             summary = ShardSummary(shard.name, "elsewhere")
@@ -444,6 +445,8 @@ class _JobRun:
             self.claims.release(shard.name, FAILED if summary.status == "failed" else RELEASED)
         self.summaries[shard.name] = summary
         self._write_manifest_quietly()
+        if status_was_lost:  # it comes back through the queue: counted once, when it ends for good
+            return
         self.progress.shard_done()
 
     def record_ids(self, shard: str, id_keys: set[Any]) -> None:

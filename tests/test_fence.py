@@ -26,6 +26,14 @@ def _run(args: list[str], env=None) -> subprocess.CompletedProcess:
     )
 
 
+def _wait_until_established(proc: subprocess.Popen, out) -> None:
+    """Until the launch `proc` has made its fingerprint the run's (its engine is loaded)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (out / "_fingerprint.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the first launch never started"
+        time.sleep(0.1)
+
+
 def _markers(out: str) -> dict[str, dict]:
     store = RunStore(out, {})
     return {name: store.read_marker(name) for name in store.committed_shards()}
@@ -55,11 +63,7 @@ def test_an_overlapping_launch_with_other_settings_stops_at_start(tmp_path, make
         text=True,
     )
     try:
-        fence = out / "_fingerprint.json"
-        deadline = time.monotonic() + TIMEOUT_S
-        while not fence.exists():
-            assert slow.poll() is None and time.monotonic() < deadline, "the first launch never started"
-            time.sleep(0.1)
+        _wait_until_established(slow, out)
         other = _run([*job_overrides(tmp_path / "in", out), "sampling.max_tokens=3"])
         assert other.returncode == 2, other.stderr[-2000:]
         assert "sampling.max_tokens: 8 -> 3" in other.stderr
@@ -82,11 +86,7 @@ def test_a_recompute_launch_stops_the_running_one_at_its_next_commit(tmp_path, m
         text=True,
     )
     try:
-        fence = out / "_fingerprint.json"
-        deadline = time.monotonic() + TIMEOUT_S
-        while not fence.exists():
-            assert slow.poll() is None and time.monotonic() < deadline, "the first launch never started"
-            time.sleep(0.1)
+        _wait_until_established(slow, out)
         new = _run(
             [
                 *job_overrides(tmp_path / "in", out),

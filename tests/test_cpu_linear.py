@@ -43,9 +43,11 @@ def _assert_one_rounding_of_exact(got: torch.Tensor, x: torch.Tensor, linear: to
     assert bool((err <= bound).all()), f"max excess {(err - bound).max().item()}"
 
 
-def _assert_within_one_step_of(got: torch.Tensor, want: torch.Tensor) -> None:
+def _assert_within_one_step_of(got: torch.Tensor, want: torch.Tensor, slack: float | torch.Tensor = 1e-30) -> None:
+    """`got` within one bf16 step of torch's own `want`; `slack`: what torch's float32 sums may lose
+    where products cancel (a value near zero is then off by more than a step of itself)."""
     g, w = got.float(), want.float()
-    assert bool(((g - w).abs() <= w.abs() * 2.0**-7 + 1e-30).all())
+    assert bool(((g - w).abs() <= w.abs() * 2.0**-7 + slack).all())
     assert (g != w).float().mean().item() < 0.01
 
 
@@ -60,7 +62,8 @@ def test_native_linear_is_one_rounding_of_the_exact_product(rows, bias):
         got = native(x)
         assert got.dtype == BF16 and got.shape == (rows, 224)
         _assert_one_rounding_of_exact(got, x, linear)
-        _assert_within_one_step_of(got, linear(x))
+        cancellation = 2e-6 * (x.float().abs() @ linear.weight.float().abs().t())
+        _assert_within_one_step_of(got, linear(x), cancellation)
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

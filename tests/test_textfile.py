@@ -3,10 +3,12 @@ written by a real worker, true to its results, and never seen torn by a concurre
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -118,3 +120,30 @@ def test_a_worker_writes_its_metrics_atomically_and_true_to_its_results(
     assert got[("batchrun_output_tokens_per_second", ())] > 0
     assert got[("batchrun_running", ())] == 0 and got[("batchrun_last_exit_code", ())] == 0
     assert abs(got[("batchrun_last_success_timestamp_seconds", ())] - time.time()) < 600
+
+
+def test_nightly_points_the_textfile_at_the_collector_directory(tmp_path):
+    """jobs/nightly/nightly.sh passes output.metrics_textfile when the collector directory exists
+    (batchrun itself replaced by a stand-in that records its arguments)."""
+    script = Path(__file__).resolve().parents[1] / "jobs" / "nightly" / "nightly.sh"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/bin/sh\n[ "$1" = -c ] && exec {sys.executable} "$@"\nprintf "%s\\n" "$@" > "$ARGS"\n')
+    fake.chmod(0o755)
+    (tmp_path / "collector").mkdir()
+    env = {
+        **os.environ,
+        "BATCHRUN_PYTHON": str(fake),
+        "BATCHRUN_NIGHTLY_LOCK_DIR": str(tmp_path / "locks"),
+        "BATCHRUN_TEXTFILE_DIR": str(tmp_path / "collector"),
+        "ARGS": str(tmp_path / "args"),
+    }
+    env.pop("BATCHRUN_METRICS_TEXTFILE", None)
+
+    def args(**extra: str) -> list[str]:
+        cmd = [str(script), str(tmp_path / "nightly"), "job=summarize"]
+        run = subprocess.run(cmd, env={**env, **extra}, timeout=60)
+        assert run.returncode == 0
+        return (tmp_path / "args").read_text().splitlines()
+
+    assert f"output.metrics_textfile={tmp_path}/collector/batchrun-nightly.prom" in args()
+    assert not any(a.startswith("output.metrics_textfile") for a in args(BATCHRUN_METRICS_TEXTFILE=""))

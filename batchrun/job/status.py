@@ -448,8 +448,8 @@ def status_schema() -> dict[str, Any]:
 
 
 def format_status(report: StatusReport, max_shards: int = 50) -> str:
-    """The report for a terminal: totals first, then one line per shard (the first `max_shards`
-    not committed, then committed ones, up to `max_shards` lines)."""
+    """The report for a terminal: totals first, then one line per shard, those not committed first,
+    up to `max_shards` lines. A shard's time is when it committed, or when its attempt started."""
     c = report.counts
     fp = report.fingerprint
     known = f"{report.num_shards_known + report.num_unknown}"
@@ -480,7 +480,7 @@ def format_status(report: StatusReport, max_shards: int = 50) -> str:
     order = sorted(report.shards, key=lambda s: (s.state == COMMITTED, STATES.index(s.state), s.name))
     shown = order[:max_shards]
     if shown:
-        rows = [("shard", "state", "worker", "since", "rows", "note")]
+        rows = [("shard", "state", "worker", "time", "rows", "note")]
         for s in shown:
             note = s.error or ""
             if s.state in (RUNNING, STALLED):

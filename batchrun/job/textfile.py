@@ -9,6 +9,7 @@ once at its end. A write that fails is logged once and never stops the run.
 
 With several workers each writes its own file: `{rank}` in the path is replaced by the rank;
 without it, rank r of several writes PATH with `.rank{r}` before its `.prom` suffix (or at its end).
+On the command line Hydra needs such a path quoted: 'output.metrics_textfile="/dir/batchrun-{rank}.prom"'.
 Every sample carries the labels job, output_uri (credentials redacted) and rank, so the files of
 one run's workers add up in PromQL without clashing.
 

@@ -1,4 +1,6 @@
-"""Command line: `python -m batchrun job=summarize [group=option ...] [key=value ...]`.
+"""Command line: `python -m batchrun job=summarize [group=option ...] [key=value ...]`, and
+`python -m batchrun status OUTPUT_URI [--json] [--watch [SECONDS]] [--data URI]` (job/status.py:
+reads a run's state from its store, before Hydra sees the arguments).
 
 The only module that imports Hydra or OmegaConf. It composes conf/, turns the result into the
 plain frozen dataclasses of batchrun.job (which check every key and type), runs the job and prints
@@ -30,6 +32,7 @@ from batchrun.bench.report import format_benchmark
 from batchrun.bench.throughput import run_benchmark
 from batchrun.job import ConfigError, JobError, RunConfig, build_run_config, format_summary, run_job
 from batchrun.job.config import unknown_key
+from batchrun.job.status import main as status_main
 from batchrun.utils.private_dir import private_dir
 from batchrun.utils.redact import redact_text
 
@@ -109,6 +112,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Entry point of `python -m batchrun` and the `batchrun` script; exits with the codes above."""
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
+    if sys.argv[1:2] == ["status"]:
+        sys.exit(status_main(sys.argv[2:]))
     _exit_codes.clear()
     if os.environ.get("HYDRA_FULL_ERROR") == "1":  # the user asked for full tracebacks
         _run()

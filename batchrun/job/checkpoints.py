@@ -96,6 +96,9 @@ class Part:
     fingerprint: dict[str, Any]
     request_counts: dict[str, int]  # the engine's per-request counters over its rows (ShardTally)
     wall_s: float  # the shard's wall time over all attempts up to this part's commit
+    committed_at: Optional[str] = None  # by its writer's clock; for readers (status.py), never compared
+    worker: Optional[int] = None  # its writer's rank
+    owner: Optional[str] = None  # its writer's claim owner
 
 
 @dataclass
@@ -155,6 +158,9 @@ def _part_of(store: RunStore, directory: str, index: int, doc: Mapping[str, Any]
         fingerprint=dict(doc.get("fingerprint") or {}),
         request_counts={k: int(v) for k, v in (doc.get("request_counts") or {}).items()},
         wall_s=float(doc.get("wall_s") or 0.0),
+        committed_at=doc.get("committed_at") if isinstance(doc.get("committed_at"), str) else None,
+        worker=doc.get("worker") if isinstance(doc.get("worker"), int) else None,
+        owner=doc.get("owner") if isinstance(doc.get("owner"), str) else None,
     )
 
 

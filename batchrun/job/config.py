@@ -153,6 +153,10 @@ class OutputConfig:
     # If-None-Match, a store that ignores it, no conditional create at all) is refused unless this
     # is true: then two racing committers may both publish, and the manifest's commit_method says so.
     allow_non_exclusive: bool = False
+    # Each worker writes its progress here in Prometheus text format, for node_exporter's textfile
+    # collector (textfile.py: rows, errors, tokens, shards, tok/s, TTFT, last success); `{rank}` is
+    # replaced by the rank, else rank r of several writes PATH with `.rank{r}` before `.prom`.
+    metrics_textfile: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.uri:

@@ -466,7 +466,7 @@ class ShardRun:
             result["sample_index"] = sample
         self.output.put(row, sample, result, metrics)
         self.tally.add(result)
-        self.progress.advance(1, result["num_output_tokens"] or 0)
+        self.progress.advance(1, result["num_output_tokens"] or 0, result)
 
     def _batch_line(self, entry: RowInFlight) -> dict[str, Any]:
         """The output line of a request whose samples are all done, or its error line when the

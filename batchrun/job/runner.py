@@ -39,6 +39,7 @@ from batchrun.job.results import RunResult, ShardSummary
 from batchrun.job.shards import Shard, Worker, assign_shards, discover_shards, open_filesystem, resolve_worker
 from batchrun.job.signals import StopRequest
 from batchrun.job.store import RunStore
+from batchrun.job.textfile import MetricsTextfile, textfile_path
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,15 @@ class _JobRun:
             self.manifest.write()
         except Exception as e:
             raise JobError(f"output.uri: cannot write to {config.output.uri}: {e}") from None
+        self.textfile: Optional[MetricsTextfile] = None  # output.metrics_textfile
+        if config.output.metrics_textfile:
+            self.textfile = MetricsTextfile(
+                textfile_path(config.output.metrics_textfile, self.worker.rank, self.worker.world_size),
+                config.job.name,
+                self.store.url(self.store.root),
+                self.worker.rank,
+                self._shard_states,
+            )
         self.ttfts: list[float] = []
         self.run_ids: set[int] = set()  # id hashes of the shards committed by this worker in this run
 
@@ -291,11 +301,15 @@ class _JobRun:
                 except (JobError, ConfigError) as e:
                     self.manifest.finish("failed", str(e), None)
                     self.manifest.write()
+                    if self.textfile is not None:
+                        self.textfile.finish(2 if isinstance(e, ConfigError) else 1)
                     raise
                 stats = engine.stats()
             result = self._result(stop)
             self.manifest.finish(result.status, result.message, stats)
             self._write_manifests()
+            if self.textfile is not None:
+                self.textfile.finish(result.exit_code)
         self.store.cleanup()
         return result
 
@@ -326,7 +340,7 @@ class _JobRun:
                 self.config.sampling,
                 self.config.job.system_prompt,
             )
-        progress = Progress(len(self.todo), self.config.quiet)
+        progress = Progress(len(self.todo), self.config.quiet, self.textfile)
         queue = ShardQueue(
             self.todo,
             self.steal,
@@ -343,6 +357,13 @@ class _JobRun:
                 ShardFlow(self, engine, builder, progress, stop, queue).run()
         finally:
             progress.close()
+
+    def _shard_states(self) -> dict[str, int]:
+        """This worker's shards by manifest status (the metrics textfile's batchrun_shards)."""
+        states: dict[str, int] = {}
+        for record in self.manifest.shards.values():
+            states[record.status] = states.get(record.status, 0) + 1
+        return states
 
     def _write_manifest_quietly(self) -> None:
         try:

@@ -19,6 +19,12 @@
 # Environment: BATCHRUN_PYTHON (default python), BATCHRUN_NIGHTLY_DATE, BATCHRUN_NIGHTLY_LOCK_DIR
 # (default $XDG_RUNTIME_DIR/batchrun, else ~/.cache/batchrun; created 0700, refused when others can
 # write it). For several local workers add launcher.num_workers=N to the overrides.
+# Monitoring: each worker writes Prometheus text for node_exporter's textfile collector to
+# BATCHRUN_METRICS_TEXTFILE (output.metrics_textfile; empty: none), by default
+# $BATCHRUN_TEXTFILE_DIR/batchrun-<last part of OUTPUT_ROOT>.prom when that directory exists and is
+# writable (default /var/lib/node_exporter/textfile_collector); one file for all days, so
+# batchrun_last_success_timestamp_seconds says when a night last succeeded. With several workers
+# each writes its own (.rank<r>.prom). An output.metrics_textfile override wins.
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
@@ -34,6 +40,13 @@ if ! [[ $day =~ ^[0-9]{4}-[0-9]{2}-[0-9]{2}$ ]]; then
 fi
 out="$root/$day"
 python=${BATCHRUN_PYTHON:-python}
+textfile_dir=${BATCHRUN_TEXTFILE_DIR:-/var/lib/node_exporter/textfile_collector}
+if [ -z "${BATCHRUN_METRICS_TEXTFILE+set}" ] && [ -d "$textfile_dir" ] && [ -w "$textfile_dir" ]; then
+    name=$(printf '%s' "${root##*/}" | tr -c 'A-Za-z0-9._-' '_')
+    BATCHRUN_METRICS_TEXTFILE="$textfile_dir/batchrun-${name:-nightly}.prom"
+fi
+metrics=()
+[ -n "${BATCHRUN_METRICS_TEXTFILE:-}" ] && metrics=("output.metrics_textfile=$BATCHRUN_METRICS_TEXTFILE")
 
 # The lock lives in a directory only this user can write: a predictable name in a shared /tmp lets
 # another user pre-create it (and hold it, or point it elsewhere with a symlink).
@@ -97,7 +110,7 @@ run_day() {  # run_day DAY [overrides ...]: batchrun into OUTPUT_ROOT/DAY; its e
     echo "nightly: $(date -u +%FT%TZ) run for $d -> $root/$d"
     # In the background so that a SIGTERM/SIGINT to this script (systemctl stop, Ctrl-C) reaches
     # batchrun once, as a graceful stop: bash runs traps only between commands.
-    "$python" -m batchrun quiet=true "output.uri=$root/$d" "$@" &
+    "$python" -m batchrun quiet=true "output.uri=$root/$d" ${metrics[@]+"${metrics[@]}"} "$@" &
     child=$!
     while true; do
         wait "$child"

@@ -14,6 +14,7 @@ BATCHRUN_TEST_HOOKS holds a JSON object:
     s3fs_without_create_mode   s3fs behaves as before 2024.12: pipe_file takes no `mode` and passes
                it on as a keyword that botocore drops, so a "create" silently overwrites
     retry_base_delay_s         the store's first retry backoff (batchrun.job.store.RETRY_BASE_DELAY_S)
+    metrics_interval_s         the least time between metrics textfile rewrites (batchrun.job.textfile.INTERVAL_S)
 Each shard this process starts writes {dir}/started-{rank}-{shard}-{pid} at its first output
 (with shards open side by side, several may have started).
 """
@@ -158,6 +159,10 @@ if _spec:
         from batchrun.job import store as _store
 
         _store.RETRY_BASE_DELAY_S = float(_cfg["retry_base_delay_s"])
+    if "metrics_interval_s" in _cfg:
+        from batchrun.job import textfile as _textfile
+
+        _textfile.INTERVAL_S = float(_cfg["metrics_interval_s"])
 
     if _cfg.get("s3fs_without_create_mode"):
         import s3fs

@@ -59,6 +59,61 @@ def load_engine(config: EngineConfig) -> Engine:
         raise JobError(f"cannot load model {config.model!r}: {type(e).__name__}: {' '.join(str(e).split())}") from None
 
 
+def check_openai_batch_config(config: RunConfig) -> None:
+    """Keys that read Parquet columns or template rows mean nothing for batch files: refuse them
+    rather than ignore them."""
+    if config.job.prompt_template is not None:
+        raise ConfigError(
+            "job.prompt_template", "not used with data.format=openai_batch (requests carry their prompts)"
+        )
+    if config.output.keep_columns:
+        raise ConfigError("output.keep_columns", "batch files have no columns to keep (data.format=openai_batch)")
+
+
+def check_id_column(config: RunConfig, fs: Any, first: Shard) -> None:
+    """A misspelled data.id_column must not silently become positional ids: the first shard must
+    have it (a later shard without it fails on its own)."""
+    column = config.data.id_column
+    if column is None or config.data.format == "openai_batch":
+        return
+    try:
+        with fs.open(first.path, "rb") as f:
+            import pyarrow.parquet as pq
+
+            names = pq.read_schema(f).names
+    except Exception:  # unreadable: that shard fails with its own message later
+        return
+    if column not in names:
+        raise ConfigError(
+            "data.id_column",
+            f"no column {column!r} in {first.url} (it has {', '.join(names)}); "
+            "set data.id_column to the id column, or null for ids <shard>-<row index>",
+        )
+
+
+def prompt_builders(config: RunConfig, engine: Engine) -> tuple[PromptBuilder, Optional[RequestBuilder]]:
+    """What turns rows into prompts for this engine (a real run and a dry run alike): the
+    PromptBuilder, and with data.format=openai_batch the RequestBuilder of batch lines."""
+    max_prompt_tokens = engine.max_model_len - config.sampling.max_tokens
+    if max_prompt_tokens <= 0:
+        raise JobError(
+            f"sampling.max_tokens={config.sampling.max_tokens} leaves no room for a prompt "
+            f"within the engine's max_model_len={engine.max_model_len}"
+        )
+    builder = PromptBuilder(config.job, config.data, engine.tokenizer, max_prompt_tokens)
+    requests = None
+    if config.data.format == "openai_batch":
+        alias = config.data.openai_model_name
+        requests = RequestBuilder(
+            engine.tokenizer,
+            engine.max_model_len,
+            frozenset([config.model.path, *([alias] if alias else [])]),
+            config.sampling,
+            config.job.system_prompt,
+        )
+    return builder, requests
+
+
 def _id_hash(key: Any) -> int:
     """8 bytes per id for the run-wide duplicate count, whatever the id's size."""
     return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little")
@@ -162,34 +217,10 @@ class _JobRun:
         return planned
 
     def _check_openai_batch_config(self) -> None:
-        """Keys that read Parquet columns or template rows mean nothing for batch files: refuse
-        them rather than ignore them."""
-        if self.config.job.prompt_template is not None:
-            raise ConfigError(
-                "job.prompt_template", "not used with data.format=openai_batch (requests carry their prompts)"
-            )
-        if self.config.output.keep_columns:
-            raise ConfigError("output.keep_columns", "batch files have no columns to keep (data.format=openai_batch)")
+        check_openai_batch_config(self.config)
 
     def _check_id_column(self, first: Shard) -> None:
-        """A misspelled data.id_column must not silently become positional ids: the first shard
-        must have it (a later shard without it fails on its own)."""
-        column = self.config.data.id_column
-        if column is None or self.is_openai_batch:
-            return
-        try:
-            with self.data_fs.open(first.path, "rb") as f:
-                import pyarrow.parquet as pq
-
-                names = pq.read_schema(f).names
-        except Exception:  # unreadable: that shard fails with its own message later
-            return
-        if column not in names:
-            raise ConfigError(
-                "data.id_column",
-                f"no column {column!r} in {first.url} (it has {', '.join(names)}); "
-                "set data.id_column to the id column, or null for ids <shard>-<row index>",
-            )
+        check_id_column(self.config, self.data_fs, first)
 
     def _check_committed(self, committed: set[str]) -> set[str]:
         """Compare the committed markers' fingerprints with this run's (settings and inputs; the
@@ -309,23 +340,7 @@ class _JobRun:
                 log.warning("could not merge the run manifest", exc_info=True)
 
     def _process(self, engine: Engine, stop: StopRequest) -> None:
-        max_prompt_tokens = engine.max_model_len - self.config.sampling.max_tokens
-        if max_prompt_tokens <= 0:
-            raise JobError(
-                f"sampling.max_tokens={self.config.sampling.max_tokens} leaves no room for a prompt "
-                f"within the engine's max_model_len={engine.max_model_len}"
-            )
-        builder = PromptBuilder(self.config.job, self.config.data, engine.tokenizer, max_prompt_tokens)
-        self.requests: Optional[RequestBuilder] = None  # read by flow.ShardRun
-        if self.is_openai_batch:
-            alias = self.config.data.openai_model_name
-            self.requests = RequestBuilder(
-                engine.tokenizer,
-                engine.max_model_len,
-                frozenset([self.config.model.path, *([alias] if alias else [])]),
-                self.config.sampling,
-                self.config.job.system_prompt,
-            )
+        builder, self.requests = prompt_builders(self.config, engine)  # self.requests: read by flow.ShardRun
         progress = Progress(len(self.todo), self.config.quiet)
         queue = ShardQueue(
             self.todo,

@@ -82,6 +82,21 @@ def test_plan_counts_what_the_run_does_on_hostile_input(tmp_path, short_texts, t
     assert plan.num_prompt_tokens == sum(m["metrics"]["num_prompt_tokens"] for m in markers.values())
 
 
+def test_plan_of_an_openai_batch_file_counts_what_the_run_does(tmp_path, tiny_engine, tiny_llama_dir):
+    from test_openai_batch import batch_config, mixed_batch, write_batch
+
+    lines, _ = mixed_batch()  # good requests, several n, and every kind of bad line
+    write_batch(tmp_path / "in" / "batch.jsonl", lines, tiny_llama_dir)
+    out = tmp_path / "out"
+    config = batch_config(tmp_path / "in", out, tiny_llama_dir)
+    plan = plan_run(config, engine=tiny_engine)
+    assert not out.exists() and plan.error_counts
+    assert run_job(config, engine=tiny_engine).exit_code == 0
+    marker = _committed(out)["batch"]
+    assert (marker["num_rows"], marker["error_counts"]) == (plan.num_result_rows, plan.error_counts)
+    assert marker["metrics"]["num_prompt_tokens"] == plan.num_prompt_tokens
+
+
 def test_shared_prefixes_are_counted_per_planner_window(tmp_path, short_texts, tiny_engine, job_overrides):
     src = tmp_path / "in"
     # The system prompt is the shared prefix: every prompt starts with the same long text.

@@ -32,6 +32,7 @@ from batchrun.bench.report import format_benchmark
 from batchrun.bench.throughput import run_benchmark
 from batchrun.job import ConfigError, JobError, RunConfig, build_run_config, format_summary, run_job
 from batchrun.job.config import unknown_key
+from batchrun.job.dry_run import format_plan, plan_run, write_plan_json
 from batchrun.job.status import main as status_main
 from batchrun.utils.private_dir import private_dir
 from batchrun.utils.redact import redact_text
@@ -92,6 +93,13 @@ def _run(cfg: DictConfig) -> None:
         if config.job.name == "benchmark":  # job=benchmark measures instead of writing results
             print(format_benchmark(run_benchmark(config)), flush=True)
             _exit_codes.append(0)
+            return None
+        if config.dry_run:  # plan only: nothing is run, nothing written to output.uri
+            plan = plan_run(config)
+            print(redact_text(format_plan(plan)), flush=True)
+            if config.dry_run_json:
+                write_plan_json(plan, config.dry_run_json, config.output.uri)
+            _exit_codes.append(1 if plan.num_failed_shards else 0)
             return None
         result = run_job(config)
     except ConfigError as e:

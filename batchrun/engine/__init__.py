@@ -2,7 +2,7 @@
 
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.engine import Engine
-from batchrun.engine.outputs import EngineRequest, EngineStats, RequestMetrics, RequestOutput
+from batchrun.engine.outputs import EngineRequest, EngineStats, RequestMetrics, RequestOutput, ThroughputProfile
 
 __all__ = [
     "Engine",
@@ -12,4 +12,5 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "ThroughputProfile",
 ]

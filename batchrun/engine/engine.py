@@ -16,8 +16,8 @@ from batchrun.engine.device import available_memory, resolve_device, resolve_dty
 from batchrun.engine.drafter import build_drafter, load_draft_model
 from batchrun.engine.grammar import GrammarCompiler
 from batchrun.engine.kv_cache import KVCacheManager
-from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput
-from batchrun.engine.profiler import default_kv_bytes, pick_batch_limits
+from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput, ThroughputProfile
+from batchrun.engine.profiler import default_kv_bytes, measure_rates, pick_batch_limits
 from batchrun.engine.quantization import prepare_linears_for_engine
 from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner, kv_bytes_per_block
@@ -177,8 +177,10 @@ class Engine:
         self._num_generated_tokens = 0
         self._num_steps = 0
         self.model.reset_expert_token_counts()  # start-up profiling forwards are not real tokens
+        self._profile = limits.profile
         if config.warmup or (config.warmup is None and self.device.type == "cuda"):
             self.warmup()
+        self.startup_s = time.perf_counter() - t0
         log.info(
             "engine ready in %.1fs: %s (%s) on %s/%s, %d KV blocks x %d tokens, max_model_len %d, "
             "max_num_seqs %d, max_num_batched_tokens %d%s",
@@ -270,6 +272,34 @@ class Engine:
             num_steps=self._num_steps,
             expert_token_counts=self.model.expert_token_counts(),  # one device read, not one per step
             **self._spec_stats(),
+        )
+
+    def throughput_profile(self) -> ThroughputProfile:
+        """Prefill and decode rates of this model on this machine. The start-up profile's, where it
+        measured them; it measures nothing when max_num_seqs and max_num_batched_tokens are both
+        configured (and no decode rates when only max_num_seqs is), and then the missing rates are
+        timed now, at those limits, as the profile would (a few synthetic steps, once). Needs an
+        idle engine; forgets the prefix cache, since those steps write into free blocks."""
+        if not self._profile.get("prefill_tok_s") or not self._profile.get("decode_tok_s"):
+            assert not self.scheduler.has_unfinished() and not self.scheduler.num_parked, "profile an idle engine only"
+            self.kv.reset_prefix_cache()
+            measured = measure_rates(
+                self.runner,
+                self.kv.num_blocks,
+                self.config.block_size,
+                self.max_model_len,
+                self.max_num_batched_tokens,
+                self.max_num_seqs,
+            )
+            self._profile = {**measured, **{k: v for k, v in self._profile.items() if v}}
+        return ThroughputProfile(
+            prefill_tok_s=dict(self._profile["prefill_tok_s"]),
+            decode_tok_s=dict(self._profile["decode_tok_s"]),
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            startup_s=self.startup_s,
+            device=self.device.type,
+            num_threads=torch.get_num_threads(),
         )
 
     def _spec_stats(self) -> dict:

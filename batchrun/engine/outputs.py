@@ -73,3 +73,19 @@ class EngineStats:
     expert_token_counts: Optional[list[list[int]]] = None
     num_spec_steps: Optional[int] = None  # steps in which the policy let requests speculate
     num_spec_switches: Optional[int] = None  # times the policy turned speculation on or off
+
+
+@dataclass(frozen=True)
+class ThroughputProfile:
+    """How fast this model runs on this machine, as the engine measured it (engine/profiler.py):
+    what a dry run estimates a run's time from."""
+
+    # prefill chunk size (tokens in one step) -> prompt tokens per second
+    prefill_tok_s: dict[int, float]
+    # running sequences -> output tokens per second (one token per sequence per step)
+    decode_tok_s: dict[int, float]
+    max_num_seqs: int  # the engine's batch limits, at which a run's steps run
+    max_num_batched_tokens: int
+    startup_s: float  # seconds the engine took to build (load, size the cache, profile)
+    device: str  # "cpu" or "cuda"
+    num_threads: int  # torch threads (CPU)

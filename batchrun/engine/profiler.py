@@ -126,6 +126,27 @@ def pick_batch_limits(
     return BatchLimits(max_num_seqs, max_num_batched_tokens, profile)
 
 
+def measure_rates(
+    runner: ModelRunner, num_blocks: int, block_size: int, max_model_len: int, chunk_tokens: int, num_seqs: int
+) -> dict:
+    """The prefill rate of one chunk of `chunk_tokens` and the decode rate of `num_seqs` sequences
+    (DECODE_CONTEXT tokens of context each), timed as the start-up profile times them, in its
+    shape: {"prefill_tok_s": {tokens: tok/s}, "decode_tok_s": {seqs: tok/s}}. The steps write into
+    the first blocks of the cache: the caller must hold no request and no cached prefix."""
+    capacity = num_blocks * block_size
+    chunk = max(1, min(chunk_tokens, capacity, max_model_len))
+    prefill = ScheduledBatch([_fake_request(0, chunk, 0, list(range(-(-chunk // block_size))))], [chunk])
+    runner.execute(prefill)  # the first call of a shape pays for one-off setup
+    profile: dict = {"prefill_tok_s": {chunk: round(_rate(runner, prefill)[0], 1)}}
+    context = min(DECODE_CONTEXT, max_model_len - 1)
+    blocks = list(range(-(-(context + 1) // block_size)))
+    seqs = max(1, min(num_seqs, capacity // int(1.5 * (context + 1)) or 1))
+    decode = ScheduledBatch([_fake_request(i, context + 1, context, blocks) for i in range(seqs)], [1] * seqs)
+    runner.execute(decode)
+    profile["decode_tok_s"] = {seqs: round(_rate(runner, decode)[0], 1)}
+    return profile
+
+
 def cpu_threads() -> int:
     """Physical-ish core count for torch's intra-op pool (hyperthreads do not help matmuls)."""
     try:

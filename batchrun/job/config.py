@@ -295,6 +295,10 @@ class RunConfig:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)  # read by job=benchmark only
     quiet: bool = False  # no progress bar (for log files); per-shard log lines remain
+    # Plan instead of run (dry_run.py): read and validate every row, estimate the time; nothing is
+    # written to output.uri. dry_run_json: also write the plan there as JSON (outside output.uri).
+    dry_run: bool = False
+    dry_run_json: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.engine.model != self.model.path:
@@ -320,7 +324,7 @@ _SECTIONS: dict[str, type] = {
     "benchmark": BenchmarkConfig,
 }
 _HIDDEN_FIELDS = {"engine": {"model"}}
-_TOP_LEVEL_SCALARS = {"quiet": bool}
+_TOP_LEVEL_SCALARS = {"quiet": bool, "dry_run": bool, "dry_run_json": Optional[str]}
 _MOVED_KEYS = {"engine.model": "model.path"}
 
 

@@ -112,6 +112,43 @@ def id_key(row_id: Any) -> Any:
         return repr(row_id)
 
 
+def check_row(row: InputRow, seen_ids: set[Any], id_column: Optional[str]) -> Optional[Prompt]:
+    """Errors of the row itself, before any prompt is built: its text and its id. `seen_ids` holds
+    the id keys of the shard's earlier rows and gains this row's. The one check of a real run and
+    of a dry run (dry_run.py), so both count the same error rows."""
+    if row.invalid_columns:
+        return Prompt(
+            error_type=INVALID_TEXT,
+            error_message=(
+                f"row {row.index} (id {row.id!r}): column(s) {', '.join(map(repr, row.invalid_columns))} hold text "
+                "that is not valid UTF-8"
+            ),
+        )
+    if row.id is None:
+        return Prompt(error_type=NULL_ID, error_message=f"row {row.index}: column {id_column!r} is null or NaN")
+    key = id_key(row.id)
+    if key in seen_ids:
+        return Prompt(error_type=DUPLICATE_ID, error_message=f"id {row.id!r} already appeared earlier in this shard")
+    seen_ids.add(key)
+    return None
+
+
+def with_row_schema(
+    row: InputRow, params: SamplingParams, schema_column: Optional[str]
+) -> tuple[Optional[SamplingParams], Optional[str]]:
+    """(params, None), or (None, why the row's schema is invalid): a schema in data.schema_column
+    replaces any constraint of the job's for that row. Params unchanged come back as given."""
+    schema = row.values.get(schema_column) if schema_column is not None else None
+    if schema is None:
+        return params, None
+    if not isinstance(schema, str):
+        return None, f"column {schema_column!r} holds {type(schema).__name__}; expected JSON Schema text"
+    try:  # SamplingParams checks the schema: invalid JSON or not compilable
+        return dataclasses.replace(params, json_schema=schema, regex=None, choice=()), None
+    except ValueError as e:
+        return None, f"column {schema_column!r}: {e}"
+
+
 class ShardRun:
     """One attempt at one shard while it is open: its reader, its results file, its rows in flight.
 
@@ -396,26 +433,7 @@ class ShardRun:
 
     def _check_row(self, row: InputRow) -> Optional[Prompt]:
         """Errors of the row itself, before any prompt is built: its text and its id."""
-        if row.invalid_columns:
-            return Prompt(
-                error_type=INVALID_TEXT,
-                error_message=(
-                    f"row {row.index} (id {row.id!r}): column(s) {', '.join(map(repr, row.invalid_columns))} hold text "
-                    "that is not valid UTF-8"
-                ),
-            )
-        if row.id is None:
-            return Prompt(
-                error_type=NULL_ID,
-                error_message=f"row {row.index}: column {self.config.data.id_column!r} is null or NaN",
-            )
-        key = id_key(row.id)
-        if key in self.seen_ids:
-            return Prompt(
-                error_type=DUPLICATE_ID, error_message=f"id {row.id!r} already appeared earlier in this shard"
-            )
-        self.seen_ids.add(key)
-        return None
+        return check_row(row, self.seen_ids, self.config.data.id_column)
 
     def _params_for(
         self, row: InputRow, own: Optional[SamplingParams] = None, seeded: bool = False
@@ -433,18 +451,10 @@ class ShardRun:
     def _with_row_schema(
         self, row: InputRow, params: Optional[SamplingParams]
     ) -> tuple[Optional[SamplingParams], Optional[str]]:
-        """(params, None), or (None, why the row's schema is invalid): a schema in
-        data.schema_column replaces any constraint of the job's for that row."""
         column = self.config.data.schema_column
-        schema = row.values.get(column) if column is not None else None
-        if schema is None:
-            return params, None
-        if not isinstance(schema, str):
-            return None, f"column {column!r} holds {type(schema).__name__}; expected JSON Schema text"
-        try:  # SamplingParams checks the schema: invalid JSON or not compilable
-            return dataclasses.replace(params or self.config.sampling, json_schema=schema, regex=None, choice=()), None
-        except ValueError as e:
-            return None, f"column {column!r}: {e}"
+        if column is None or row.values.get(column) is None:
+            return params, None  # None stays None: the stream's shared params
+        return with_row_schema(row, params or self.config.sampling, column)
 
     @property
     def _default_samples(self) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from batchrun.engine import EngineStats
+from batchrun.job.results import run_throughput
 from batchrun.job.shards import Shard, Worker
 from batchrun.job.store import RunStore
 from batchrun.utils.redact import REDACTED, redact  # noqa: F401 - manifest.redact, manifest.REDACTED
@@ -88,6 +89,7 @@ class Manifest:
             "commit_method": store.commit_method,  # how commit markers are made exclusive (store.py)
             "num_duplicate_ids": 0,  # ids that also appeared in another shard this worker ran
             "engine_stats": None,
+            "throughput": None,  # results.run_throughput: this worker's rate over its run
             "message": None,
         }
 
@@ -116,12 +118,15 @@ class Manifest:
         """A shard taken over from another worker (work stealing)."""
         self.shards.setdefault(shard.name, ShardRecord(shard.name, shard.url))
 
-    def finish(self, status: str, message: str, stats: Optional[EngineStats]) -> None:
+    def finish(
+        self, status: str, message: str, stats: Optional[EngineStats], throughput: Optional[dict[str, Any]] = None
+    ) -> None:
         self._doc.update(
             status=status,
             finished_at=utc_now(),
             message=message,
             engine_stats=dataclasses.asdict(stats) if stats is not None else None,
+            throughput=throughput,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -217,6 +222,7 @@ def _merge(store: RunStore, shards: Sequence[Shard], world_size: int, docs: list
                 "finished_at": d["finished_at"],
                 "message": d.get("message"),
                 "engine_stats": d.get("engine_stats"),
+                "throughput": d.get("throughput"),
             }
             for d in docs
         ],
@@ -228,9 +234,25 @@ def _merge(store: RunStore, shards: Sequence[Shard], world_size: int, docs: list
         "commit_method": first.get("commit_method"),
         "num_duplicate_ids": sum(d.get("num_duplicate_ids") or 0 for d in docs),
         "engine_stats": None,  # per worker, under workers
+        "throughput": _merged_throughput(docs, status),
         "message": f"{num_done} of {len(shards)} shards committed",
         "shards": merged_shards,
     }
+
+
+def _merged_throughput(docs: Sequence[dict[str, Any]], status: str) -> Optional[dict[str, Any]]:
+    """The workers' tokens and engine time summed, over the run's wall time from the first start
+    to the last finish (none while it runs)."""
+    own = [d["throughput"] for d in docs if d.get("throughput")]
+    if not own:
+        return None
+    finished = [d["finished_at"] for d in docs if d.get("finished_at")]
+    wall = None
+    if status != "running" and finished:
+        start = min(dt.datetime.fromisoformat(d["started_at"]) for d in docs)
+        wall = (max(dt.datetime.fromisoformat(f) for f in finished) - start).total_seconds()
+    engine_s = sum(t.get("engine_s") or 0.0 for t in own)
+    return run_throughput(sum(t.get("num_output_tokens") or 0 for t in own), wall, engine_s or None)
 
 
 # Rounds of write_merged_manifest's merge, write and re-read: each further round needs a worker to

@@ -95,7 +95,7 @@ def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> RunResult:
     shards = discover_shards(
         data_fs, data_path, config.data.uri, exclude=store.root if same_fs else None, data_format=config.data.format
     )
-    started_at = utc_now()
+    started_at, t0 = utc_now(), time.perf_counter()
     workers = worker_configs(config, env)
     log.info("starting %d workers over %d shards; output %s", len(workers), len(shards), store.url(store.root))
     with tempfile.TemporaryDirectory(prefix="batchrun-workers-") as tmp, StopRequest() as stop:
@@ -158,8 +158,19 @@ def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> RunResult:
     )
     if num_left and not stop.requested:
         message += "; rerun the same command to redo the rest"
+    produced = [(w.get("throughput") or {}) for w in doc.get("workers", [])]
+    engine_s = sum(t.get("engine_s") or 0.0 for t in produced)
     return RunResult(
-        exit_code, status, message, store.url(store.root), store.url(store.path("_manifest.json")), summaries, None
+        exit_code,
+        status,
+        message,
+        store.url(store.root),
+        store.url(store.path("_manifest.json")),
+        summaries,
+        None,
+        num_output_tokens=sum(t.get("num_output_tokens") or 0 for t in produced),
+        wall_s=time.perf_counter() - t0,
+        engine_s=engine_s or None,
     )
 
 

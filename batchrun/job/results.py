@@ -35,3 +35,25 @@ class RunResult:
     manifest_url: str
     shards: list[ShardSummary]
     ttft_p50_s: Optional[float]  # over the rows generated in this run
+    # What this run produced and how long it took, whatever the shards' overlap (see run_throughput).
+    num_output_tokens: Optional[int] = None
+    wall_s: Optional[float] = None
+    engine_s: Optional[float] = None
+
+
+def run_throughput(num_output_tokens: int, wall_s: Optional[float], engine_s: Optional[float]) -> dict[str, Any]:
+    """The run's rates, as the manifest and the summary report them. `num_output_tokens`: tokens
+    the engine generated in this run (rows of shards committed earlier are not this run's work);
+    `wall_s`: start to finish, engine start-up included; `engine_s`: the time the engine streamed
+    rows, summed over workers, so that tokens over it is the rate of one engine."""
+
+    def rate(seconds: Optional[float]) -> Optional[float]:
+        return num_output_tokens / seconds if seconds else None
+
+    return {
+        "num_output_tokens": num_output_tokens,
+        "wall_s": wall_s,
+        "engine_s": engine_s,
+        "output_tokens_per_s": rate(wall_s),
+        "engine_output_tokens_per_s": rate(engine_s),
+    }

@@ -1,23 +1,28 @@
-"""The end-of-run report: where the results are, and one line per shard plus totals."""
+"""The end-of-run report: where the results are, and one line per shard plus totals.
+
+Shards overlap in the engine (up to planner.max_open_shards at once), so a shard's rate is its own
+tokens over its own open time, and those rates do not add up: the total row's rate is the run's,
+its output tokens over its wall time (results.run_throughput), never a sum or mean of shards'."""
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-from batchrun.job.results import RunResult
+from batchrun.job.results import RunResult, run_throughput
 
-_COLUMNS = ("shard", "status", "rows", "ok", "errors", "out tok/s", "TTFT p50")
+_COLUMNS = ("shard", "status", "rows", "ok", "errors", "out tok", "shard tok/s", "TTFT p50")
 
 
 def format_summary(result: RunResult) -> str:
     rows = [_row(s.name, s.status, s.metrics) for s in result.shards]
     metrics = [s.metrics for s in result.shards if s.metrics]
-    wall = sum(m["wall_s"] for m in metrics)
+    run = run_throughput(result.num_output_tokens or 0, result.wall_s, result.engine_s)
     totals = {
         "num_rows": sum(m["num_rows"] for m in metrics),
         "num_ok": sum(m["num_ok"] for m in metrics),
         "num_errors": sum(m["num_errors"] for m in metrics),
-        "output_tokens_per_s": sum(m["num_output_tokens"] for m in metrics) / wall if wall else None,
+        "num_output_tokens": sum(m["num_output_tokens"] for m in metrics),
+        "output_tokens_per_s": run["output_tokens_per_s"] if result.num_output_tokens is not None else None,
         "ttft_p50_s": result.ttft_p50_s,
     }
     done = sum(s.status in ("committed", "skipped") for s in result.shards)
@@ -42,6 +47,8 @@ def format_summary(result: RunResult) -> str:
             f"manifest: {result.manifest_url}",
             "",
             *table,
+            "shard tok/s: a shard's output tokens over its own open time (shards overlap: these do not add up)",
+            *_run_line(run, result.num_output_tokens),
             "",
             f"{result.status}: {result.message}",
         ]
@@ -50,16 +57,27 @@ def format_summary(result: RunResult) -> str:
 
 def _row(name: str, status: str, m: Optional[dict[str, Any]]) -> tuple[str, ...]:
     if not m:
-        return (name, status, "-", "-", "-", "-", "-")
+        return (name, status, "-", "-", "-", "-", "-", "-")
     return (
         name,
         status,
         str(m["num_rows"]),
         str(m["num_ok"]),
         str(m["num_errors"]),
+        _num(m.get("num_output_tokens"), "{}"),
         _num(m.get("output_tokens_per_s"), "{:.1f}"),
         _num(m.get("ttft_p50_s"), "{:.2f}s"),
     )
+
+
+def _run_line(run: dict[str, Any], num_output_tokens: Optional[int]) -> list[str]:
+    """The run's rate: over its wall time (the total row's) and over the time in the engine."""
+    if num_output_tokens is None or run["wall_s"] is None:
+        return []
+    line = f"total tok/s: this run's {num_output_tokens} output tokens over its {run['wall_s']:.1f}s wall time"
+    if run["engine_output_tokens_per_s"] is not None:
+        line += f"; {run['engine_output_tokens_per_s']:.1f} tok/s over its {run['engine_s']:.1f}s in the engine"
+    return [line]
 
 
 def _num(value: Optional[float], fmt: str) -> str:

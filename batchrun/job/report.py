@@ -377,15 +377,7 @@ def render_report(store: RunStore) -> str:
         "</dl>",
         "<p>From the committed shards only (their commit markers, results and metrics files).</p>",
     ]
-    titles = {
-        "fig-throughput": "Throughput over time",
-        "fig-ttft": "Time to first token",
-        "fig-itl": "Inter-token latency",
-        "fig-errors": "Rows by outcome",
-    }
-    for key in FIGURE_IDS:
-        parts += [f"<h2>{titles[key]}</h2>", f'<figure id="{key}">{figures[key]}</figure>']
-    parts += ["<h2>Shards</h2>", _shard_table(data.shards)]
+    # What an operator must act on comes first.
     if data.not_committed:
         parts += [
             f'<h2 class="failed">Shards not committed ({len(data.not_committed)})</h2>',
@@ -396,6 +388,15 @@ def render_report(store: RunStore) -> str:
                 text_columns={0, 1, 3},
             ),
         ]
+    titles = {
+        "fig-throughput": "Throughput over time",
+        "fig-ttft": "Time to first token",
+        "fig-itl": "Inter-token latency",
+        "fig-errors": "Rows by outcome",
+    }
+    for key in FIGURE_IDS:
+        parts += [f"<h2>{titles[key]}</h2>", f'<figure id="{key}">{figures[key]}</figure>']
+    parts += ["<h2>Shards</h2>", _shard_table(data.shards)]
     if data.error_rows:
         shown = f"the first {len(data.error_rows)} of {num_errors:,}" if num_errors > len(data.error_rows) else "all"
         parts += [

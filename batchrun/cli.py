@@ -10,6 +10,8 @@ where the results are. Expected failures end as one line on stderr, never a trac
     exit 1  some shard failed (the others are committed), or the job could not start
     exit 2  configuration error (unknown key, wrong type, bad override)
     exit 130 / 143  stopped by SIGINT / SIGTERM; rerun the same command to resume
+
+`python -m batchrun report OUTPUT_URI [--out PATH]` writes a run's report page (job/report.py).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from batchrun.bench.throughput import run_benchmark
 from batchrun.job import ConfigError, JobError, RunConfig, build_run_config, format_summary, run_job
 from batchrun.job.config import unknown_key
 from batchrun.job.dry_run import format_plan, plan_run, write_plan_json
+from batchrun.job.report import write_report
 from batchrun.job.status import main as status_main
 from batchrun.utils.private_dir import private_dir
 from batchrun.utils.redact import redact_text
@@ -122,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
         sys.argv = [sys.argv[0], *argv]
     if sys.argv[1:2] == ["status"]:
         sys.exit(status_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["report"]:  # a subcommand, not a Hydra override: dispatched before Hydra sees argv
+        sys.exit(report_main(sys.argv[2:]))
     _exit_codes.clear()
     if os.environ.get("HYDRA_FULL_ERROR") == "1":  # the user asked for full tracebacks
         _run()
@@ -138,6 +143,28 @@ def main(argv: Sequence[str] | None = None) -> NoReturn:
     finally:
         os.environ.pop("HYDRA_FULL_ERROR", None)
     sys.exit(max(_exit_codes, default=0))
+
+
+def report_main(argv: Sequence[str]) -> int:
+    """`python -m batchrun report OUTPUT_URI [--out PATH]`: (re)write a run's report.html."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m batchrun report", description="Write the HTML report of a run from its committed files."
+    )
+    parser.add_argument("output_uri", help="the run's output.uri (a local path or any fsspec URL)")
+    parser.add_argument("--out", help="where to write the page instead of OUTPUT_URI/report.html")
+    args = parser.parse_args(argv)  # a usage error exits 2, like a configuration error
+    try:
+        url = write_report(args.output_uri, out=args.out)
+    except JobError as e:
+        _report(1, f"error: {e}")
+        return 1
+    except Exception as e:  # an unreadable store or file: one line, not a traceback
+        _report(1, f"error: cannot write the report of {args.output_uri}: {type(e).__name__}: {e}")
+        return 1
+    print(redact_text(url), flush=True)
+    return 0
 
 
 def _hydra_message(error: BaseException) -> str:

@@ -44,6 +44,8 @@ def test_s3_in_and_out_with_resume(s3, tmp_path, make_shards, tiny_engine, tiny_
     assert fs.find(f"{bucket}/run/_attempts") == []
     manifest = json.loads(fs.cat_file(f"{bucket}/run/_manifest.json"))
     assert [s["status"] for s in manifest["shards"]] == ["committed"] * 3
+    report = fs.cat_file(f"{bucket}/run/report.html").decode()  # written through the store, on S3 too
+    assert all(f'<td class="text">part-0{i}</td>' in report for i in range(3))
 
     # Uncommit one shard; the rerun redoes only that one. Here the endpoint comes through
     # storage_options instead of the environment.

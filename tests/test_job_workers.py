@@ -100,6 +100,9 @@ def test_two_worker_processes_give_the_same_rows_as_one(tmp_path, make_shards, j
     assert sorted(w["rank"] for w in merged["workers"]) == [0, 1]
     assert all(json.loads((out / f"_manifest.rank{r}.json").read_text())["status"] == "completed" for r in (0, 1))
     assert not (out / "_claims").exists() and not (out / "_attempts").exists()
+    # The launcher writes the run's report once both workers are done (the workers write none).
+    report = (out / "report.html").read_text()
+    assert "<dt>workers</dt><dd>2</dd>" in report and "<dt>shards</dt><dd>4 committed of 4</dd>" in report
 
     # The analysis notebook's loading cell reads the merged manifest beside the workers' own.
     import contextlib

@@ -189,8 +189,9 @@ def test_no_credential_reaches_a_marker_the_plan_the_manifest_or_a_log_line(
 
     names = {p[len(out_path) + 1 :] for p in written}
     assert {"_plan.json", "_manifest.rank0.json", "_commits/part-00.json", "_commits/part-01.json"} <= names
+    assert "report.html" in names  # written by the last worker to finish
     for path, data in written.items():
-        if path.endswith(".json"):
+        if path.endswith((".json", ".html")):
             assert SECRET.encode() not in data, (form, path, data.decode()[:2000])
     manifest = json.loads(written[f"{out_path}/_manifest.rank0.json"])
     assert REDACTED in json.dumps(manifest["config"]) or REDACTED in manifest["output_uri"]

@@ -1,5 +1,7 @@
 """run_job: the entry point of a run. One worker in this process, or, with launcher.num_workers=N
-(and no rank given), N worker processes on this machine (pool.py), each running runner.run_worker."""
+(and no rank given), N worker processes on this machine (pool.py), each running runner.run_worker.
+Where the whole run ends (the one worker, the launcher, or the last of several workers to finish)
+it writes the run's report.html (report.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ from typing import Optional
 from batchrun.engine import Engine
 from batchrun.job.config import RunConfig
 from batchrun.job.pool import run_local_workers
+from batchrun.job.report import write_report_at_end
 from batchrun.job.results import RunResult
 from batchrun.job.runner import run_worker
+from batchrun.job.shards import resolve_worker
 
 
 def run_job(config: RunConfig, engine: Optional[Engine] = None, env: Optional[Mapping[str, str]] = None) -> RunResult:
@@ -23,5 +27,12 @@ def run_job(config: RunConfig, engine: Optional[Engine] = None, env: Optional[Ma
     """
     env = env if env is not None else os.environ
     if config.launcher.num_workers > 1 and config.launcher.rank is None:
-        return run_local_workers(config, env)
-    return run_worker(config, engine, env)
+        result = run_local_workers(config, env)
+        world_size = 1  # the launcher ends after all its workers: the run has ended
+    else:
+        result = run_worker(config, engine, env)
+        world_size = resolve_worker(config.launcher, env).world_size
+    # Once per run, after its manifest is final; a stopped run resumes, and its rerun writes it.
+    if result.status != "interrupted":
+        write_report_at_end(config.output.uri, config.output.storage_options, world_size)
+    return result

@@ -518,7 +518,10 @@ class RunStore:
 
     def write_json(self, path: str, obj: Any) -> None:
         """Replace `path` whole: a reader sees the old or the new content, never a mix."""
-        data = _encode(obj)
+        self.write_bytes(path, _encode(obj))
+
+    def write_bytes(self, path: str, data: bytes) -> None:
+        """Replace `path` whole with `data` (write_json's atomic replace, for files that are not JSON)."""
         if not self._needs_dirs:
             # an object store publishes a PUT only once it is complete
             with_retries(lambda: self.fs.pipe_file(path, data), f"writing {self.url(path)}")

@@ -261,3 +261,17 @@ def test_openai_batch_shard_resumes_from_its_parts(tmp_path, tiny_llama_dir, one
         for path in committed_files(store, kind).values():
             answered += [json.loads(x)["custom_id"] for x in store.fs.cat_file(path).decode().splitlines()]
     assert sorted(answered, key=str) == sorted([None] + [f"req-{i}" for i in range(30)], key=str)
+
+
+def test_parts_by_time_alone(tmp_path, short_texts, tiny_llama_dir, hooked_env):
+    """output.checkpoint_rows=0: parts are committed by output.checkpoint_s alone."""
+    _one_shard(tmp_path / "in", short_texts, num_rows=60)
+    out = str(tmp_path / "out")
+    args = _args(tiny_llama_dir, tmp_path / "in", out, "output.checkpoint_rows=0", "output.checkpoint_s=0.2")
+    killed = _run(args, hooked_env({"delay_s": 0.03, "kill_after": 45}))
+    assert killed.returncode == -signal.SIGKILL
+    parts = read_parts(RunStore(out, {}), "big")
+    assert len(parts) >= 2 and all(p.num_result_rows < 45 for p in parts)  # by time, not one batch at the end
+    resumed = _run(args, hooked_env())
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _results(out).column("id").to_pylist() == [f"row-{i:04d}" for i in range(60)]

@@ -48,7 +48,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.job.errors import ShardError
-from batchrun.job.fingerprint import differences
+from batchrun.job.fingerprint import fingerprint_changes
+from batchrun.job.metrics import REQUEST_COUNTERS
 from batchrun.job.store import Attempt, RunStore, checked_name, committed_files
 
 log = logging.getLogger(__name__)
@@ -60,9 +61,6 @@ SPILL_ROWS = 16384  # result rows held in memory before an uncommitted spill (ch
 # The result columns a resumed attempt reads back from its committed parts to count them in the
 # shard's metrics (metrics.ShardTally.add).
 TALLY_COLUMNS = ("error_type", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "ttft_s", "itl_s")
-
-# The engine's per-request counters (RequestMetrics fields) a part records for the shard's metrics.
-REQUEST_COUNTERS = ("num_preemptions", "num_spec_proposed", "num_spec_accepted")
 
 RowRuns = list[tuple[int, int, int]]  # [(first input row, end input row, result rows per row)], sorted
 
@@ -187,15 +185,13 @@ def remove_parts(store: RunStore, shard: str) -> None:
             pass
 
 
-def fingerprint_changes(parts: Sequence[Part], fingerprint: Mapping[str, Mapping[str, Any]]) -> list[str]:
+def parts_changes(parts: Sequence[Part], fingerprint: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """What differs between the parts' fingerprints and this attempt's (settings, model, input)."""
-    changes: list[str] = []
     for part in parts:
-        for key in ("settings", "model", "input"):
-            changes += differences(part.fingerprint.get(key) or {}, fingerprint.get(key) or {})
+        changes = fingerprint_changes(part.fingerprint, fingerprint)
         if changes:
-            break
-    return changes
+            return changes
+    return []
 
 
 def resume_from(parts: Sequence[Part]) -> Resume:

@@ -23,7 +23,7 @@ from collections.abc import Mapping
 from typing import Any, Optional
 
 from batchrun.job.errors import ConfigError
-from batchrun.job.fingerprint import differences
+from batchrun.job.fingerprint import differences, fingerprint_changes
 from batchrun.job.manifest import utc_now
 from batchrun.job.store import RunStore
 
@@ -93,9 +93,7 @@ class FingerprintFence:
         assert self._expected is not None
         if existing is None:
             return ["the run's fingerprint file is unreadable"]
-        return differences(existing.get("settings") or {}, self._expected["settings"]) + differences(
-            existing.get("model") or {}, self._expected["model"]
-        )
+        return fingerprint_changes(existing, self._expected, ("settings", "model"))
 
     def _read(self) -> Optional[dict[str, Any]]:
         doc = self.store.read_json(self.path)

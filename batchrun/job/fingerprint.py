@@ -90,6 +90,14 @@ def tokenizer_sha256(tokenizer: Any) -> str:
     return digest.hexdigest()
 
 
+def fingerprint_changes(
+    committed: Mapping[str, Any], current: Mapping[str, Any], parts: tuple[str, ...] = ("settings", "model", "input")
+) -> list[str]:
+    """differences() over the named parts of two fingerprints ({"settings", "model", "input"} ->
+    flat pairs); a part either side lacks compares as empty."""
+    return [c for part in parts for c in differences(committed.get(part) or {}, current.get(part) or {})]
+
+
 def differences(committed: Mapping[str, Any], current: Mapping[str, Any], keys: Optional[set[str]] = None) -> list[str]:
     """'key: old -> new' for each key both sides know (or `keys`) whose value differs. A key the
     committed side lacks (a marker of an older version) is not a difference."""

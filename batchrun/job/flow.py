@@ -27,8 +27,8 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Iterator
-from typing import Any, Optional, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Optional, Protocol, TypeVar
 
 from batchrun.engine import Engine, EngineRequest, EngineStats, RequestMetrics, RequestOutput, SamplingParams
 from batchrun.job.checkpoints import (
@@ -36,7 +36,7 @@ from batchrun.job.checkpoints import (
     PartLost,
     Resume,
     ShardOutput,
-    fingerprint_changes,
+    parts_changes,
     read_parts,
     remove_parts,
     resume_from,
@@ -46,7 +46,7 @@ from batchrun.job.claims import ClaimBook, ShardQueue
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import ConfigError, ShardError
 from batchrun.job.fence import FingerprintConflict
-from batchrun.job.fingerprint import differences, input_fingerprint
+from batchrun.job.fingerprint import fingerprint_changes, input_fingerprint
 from batchrun.job.logprobs import TokenTexts
 from batchrun.job.manifest import utc_now
 from batchrun.job.metrics import ShardTally, metrics_row
@@ -71,6 +71,8 @@ from batchrun.job.writer import (
 )
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 IN_FLIGHT_PER_SEQ = 4  # requests the engine may hold at once, per sequence it runs
 
@@ -226,7 +228,7 @@ class ShardRun:
         parts = read_parts(store, self.shard.name)
         if not parts:
             return Resume()
-        changes = fingerprint_changes(parts, self.fingerprint)
+        changes = parts_changes(parts, self.fingerprint)
         if changes and self.config.output.on_change == "error":
             raise ConfigError(
                 "output.on_change",
@@ -242,9 +244,7 @@ class ShardRun:
         for row in tally_rows(store, parts):
             self.tally.add(row)
         for part in parts:
-            self.tally.num_preemptions += part.request_counts.get("num_preemptions", 0)
-            self.tally.num_spec_proposed += part.request_counts.get("num_spec_proposed", 0)
-            self.tally.num_spec_accepted += part.request_counts.get("num_spec_accepted", 0)
+            self.tally.add_counts(part.request_counts)
         log.info(
             "shard %s: resuming after %d committed part(s): %d of %d rows done",
             self.shard.name,
@@ -313,7 +313,6 @@ class ShardRun:
                 num_samples = self._samples_of(prompt, params)
                 if num_samples != self._default_samples:
                     self.progress.add_rows(num_samples - self._default_samples)
-                first = self.num_result_rows
                 self.num_result_rows += num_samples
                 self.output.expect(row.index, num_samples)
                 if prompt.token_ids is None:
@@ -329,7 +328,7 @@ class ShardRun:
                         )
                     continue
                 self.in_flight[row.index] = RowInFlight(
-                    row, prompt, keep, request, params or self.config.sampling, first, num_samples
+                    row, prompt, keep, request, params or self.config.sampling, num_samples
                 )
                 yield EngineRequest(request_id=(self.key, row.index), prompt=prompt.token_ids, params=params)
             self.is_read = True
@@ -395,8 +394,7 @@ class ShardRun:
         )
         if not is_first:
             winner = store.read_marker(self.shard.name) or {}
-            theirs = winner.get("fingerprint") or {}
-            changes = [c for key in ("settings", "model") for c in differences(theirs.get(key) or {}, fingerprint[key])]
+            changes = fingerprint_changes(winner.get("fingerprint") or {}, fingerprint, ("settings", "model"))
             if changes:  # a concurrent launch with other settings: never adopt its rows as ours
                 raise FingerprintConflict(
                     "output.on_change",
@@ -499,7 +497,6 @@ class RowInFlight:
     keep: dict[str, Any]  # the kept input columns (output.keep_columns)
     request: Optional[BatchRequest]  # the batch request when the row is one
     params: SamplingParams  # its own (a batch request's body, a row seed or schema) or the job's
-    first: int  # the result-row index of its sample 0
     num_samples: int
     outputs: dict[int, RequestOutput] = dataclasses.field(default_factory=dict)  # sample index -> output
 
@@ -636,28 +633,28 @@ class ShardFlow:
             elif run.is_lost:
                 self._close(run, ShardSummary(run.shard.name, "lost"))
             elif run.is_complete:
-                try:
-                    summary = run.commit()
-                except ConfigError:
-                    raise
-                except PartLost as e:
-                    log.warning("shard %s: %s", run.shard.name, e)
-                    self._close(run, ShardSummary(run.shard.name, "lost"))
-                except Exception as e:
-                    self._close(run, _failed(run.shard, e))
-                else:
+                summary = self._guarded(run, run.commit)
+                if summary is not None:
                     del self.open[run.key]
                     self.host.finish_shard(run.shard, summary)
             else:
-                try:
-                    run.checkpoint_if_due()
-                except ConfigError:
-                    raise
-                except PartLost as e:
-                    log.warning("shard %s: %s", run.shard.name, e)
-                    self._close(run, ShardSummary(run.shard.name, "lost"))
-                except Exception as e:  # writing a part failed after retries: the shard fails, its parts stay
-                    self._close(run, _failed(run.shard, e))
+                self._guarded(run, run.checkpoint_if_due)
+
+    def _guarded(self, run: ShardRun, action: Callable[[], T]) -> Optional[T]:
+        """`action`'s result; None with `run` closed when it failed: a part index another attempt
+        took makes the shard lost (it resumes elsewhere or later), any other error (a write that
+        failed after retries) fails it, its committed parts kept. A changed run fingerprint
+        (ConfigError) stops the whole flow."""
+        try:
+            return action()
+        except ConfigError:
+            raise
+        except PartLost as e:
+            log.warning("shard %s: %s", run.shard.name, e)
+            self._close(run, ShardSummary(run.shard.name, "lost"))
+        except Exception as e:
+            self._close(run, _failed(run.shard, e))
+        return None
 
     def _close(self, run: ShardRun, summary: ShardSummary) -> None:
         del self.open[run.key]

@@ -137,7 +137,7 @@ class Manifest:
 
 
 # A shard's record in the run manifest comes from the worker whose record says the most.
-_STATUS_RANK = {
+STATUS_RANK = {
     "committed": 6,
     "skipped": 5,
     "quarantined": 4,
@@ -177,7 +177,7 @@ def _merge(store: RunStore, shards: Sequence[Shard], world_size: int, docs: list
     for doc in docs:
         for record in doc.get("shards", []):
             best = records.get(record["name"])
-            if best is None or _STATUS_RANK.get(record["status"], 0) > _STATUS_RANK.get(best["status"], 0):
+            if best is None or STATUS_RANK.get(record["status"], 0) > STATUS_RANK.get(best["status"], 0):
                 records[record["name"]] = {**record, "worker": doc["worker"]["rank"]}
     merged_shards = []
     for shard in shards:

@@ -9,6 +9,9 @@ import numpy as np
 
 from batchrun.engine import EngineStats, RequestMetrics
 
+# The engine's per-request counters (RequestMetrics fields) a shard's metrics sum over its rows.
+REQUEST_COUNTERS = ("num_preemptions", "num_spec_proposed", "num_spec_accepted")
+
 
 @dataclass
 class ShardTally:
@@ -43,9 +46,12 @@ class ShardTally:
             self.itls.append(row["itl_s"])
 
     def add_request(self, metrics: RequestMetrics) -> None:
-        self.num_preemptions += metrics.num_preemptions
-        self.num_spec_proposed += metrics.num_spec_proposed
-        self.num_spec_accepted += metrics.num_spec_accepted
+        self.add_counts({name: getattr(metrics, name) for name in REQUEST_COUNTERS})
+
+    def add_counts(self, counts: dict[str, int]) -> None:
+        """REQUEST_COUNTERS summed elsewhere (a committed part's rows)."""
+        for name in REQUEST_COUNTERS:
+            setattr(self, name, getattr(self, name) + int(counts.get(name, 0)))
 
     @property
     def num_errors(self) -> int:

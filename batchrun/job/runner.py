@@ -29,7 +29,13 @@ from batchrun.job.claims import FAILED, QUARANTINED, RELEASED, ClaimBook, ShardQ
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import ConfigError, JobError
 from batchrun.job.fence import FingerprintFence
-from batchrun.job.fingerprint import differences, input_fingerprint, model_fingerprint, settings_fingerprint
+from batchrun.job.fingerprint import (
+    differences,
+    fingerprint_changes,
+    input_fingerprint,
+    model_fingerprint,
+    settings_fingerprint,
+)
 from batchrun.job.flow import ShardFlow
 from batchrun.job.manifest import Manifest, redact, utc_now, write_merged_manifest
 from batchrun.job.metrics import percentile
@@ -138,13 +144,13 @@ class _JobRun:
         same_fs = type(self.data_fs) is type(self.store.fs) and self.data_fs.protocol == self.store.fs.protocol
         self.is_openai_batch = config.data.format == "openai_batch"
         if self.is_openai_batch:
-            self._check_openai_batch_config()
+            check_openai_batch_config(config)
         listed = discover_shards(
             self.data_fs, data_path, data_uri, self.store.root if same_fs else None, config.data.format
         )
         stealing = config.launcher.work_stealing and self.worker.world_size > 1
         all_shards = self._shared_plan(listed) if self.worker.world_size > 1 and not stealing else listed
-        self._check_id_column(all_shards[0])
+        check_id_column(config, self.data_fs, all_shards[0])
         if config.data.group_column and self.worker.world_size > 1:
             groups = shard_groups(self.data_fs, all_shards, config.data.group_column)
             parts = partition_by_group(all_shards, groups, self.worker.world_size)
@@ -229,12 +235,6 @@ class _JobRun:
                 ", ".join(sorted(extra)[:3]),
             )
         return planned
-
-    def _check_openai_batch_config(self) -> None:
-        check_openai_batch_config(self.config)
-
-    def _check_id_column(self, first: Shard) -> None:
-        check_id_column(self.config, self.data_fs, first)
 
     def _check_committed(self, committed: set[str]) -> set[str]:
         """Compare the committed markers' fingerprints with this run's (settings and inputs; the
@@ -408,13 +408,11 @@ class _JobRun:
 
     def _is_current(self, marker: dict[str, Any], shard: str) -> bool:
         """The marker was committed with this worker's settings and model, from the input as listed."""
-        fingerprint = marker.get("fingerprint") or {}
         listed = next((s for s in self.all_shards if s.name == shard), None)
-        return not (
-            differences(fingerprint.get("settings") or {}, self.settings)
-            or differences(fingerprint.get("model") or {}, self.model_fp)
-            or (listed is not None and differences(fingerprint.get("input") or {}, input_fingerprint(listed)))
-        )
+        current = {"settings": self.settings, "model": self.model_fp}
+        if listed is not None:
+            current["input"] = input_fingerprint(listed)
+        return not fingerprint_changes(marker.get("fingerprint") or {}, current, tuple(current))
 
     def check_fence(self) -> None:
         self.fence.check()

@@ -52,7 +52,7 @@ import pyarrow.parquet as pq
 from batchrun.job.checkpoints import Part, committed_parts
 from batchrun.job.claims import FAILED, QUARANTINED, RUNNING, process_identity, process_start_time, store_mtime
 from batchrun.job.fence import FENCE_FILE
-from batchrun.job.manifest import read_worker_manifests
+from batchrun.job.manifest import STATUS_RANK, read_worker_manifests
 from batchrun.job.shards import discover_shards, is_safe_name, open_filesystem
 from batchrun.job.store import RunStore
 from batchrun.utils.redact import redact_text
@@ -140,7 +140,7 @@ def read_status(
                 continue
             inputs.setdefault(record["name"], record.get("input"))
             best = records.get(record["name"])
-            if best is None or _RECORD_RANK.get(record.get("status"), 0) > _RECORD_RANK.get(best[0].get("status"), 0):
+            if best is None or STATUS_RANK.get(record.get("status"), 0) > STATUS_RANK.get(best[0].get("status"), 0):
                 records[record["name"]] = (record, rank)
     if isinstance(plan, dict):
         for entry in plan.get("shards") or []:
@@ -232,10 +232,6 @@ def read_status(
         workers=[_worker_summary(w) for w in workers],
         shards=shards,
     )
-
-
-# A shard's manifest record from the worker whose record says the most (as manifest._merge).
-_RECORD_RANK = {"committed": 6, "skipped": 5, "quarantined": 4, "failed": 4, "interrupted": 3, "running": 2}
 
 
 def _shard_status(

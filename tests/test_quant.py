@@ -144,6 +144,22 @@ def test_quantized_kv_cache_round_trip(kv_dtype, max_rel):
     assert cache.nbytes() == 4 * 8 * 2 * (16 + 4)
 
 
+@pytest.mark.parametrize("kv_dtype,qmax", [("int8", 127.0), ("fp8", 448.0)])
+def test_kv_scale_is_amax_times_the_float32_reciprocal_of_qmax(kv_dtype, qmax):
+    """The scale is max(amax * fl32(1 / qmax), MIN_SCALE): one float32 product, the same operation
+    on every device (CUDA torch evaluates `amax / python_float` as amax * (1 / qmax), CPU torch as a
+    true division, Triton's div_rn as a true division; they differ by an ulp on a few rows in a
+    hundred, and an ulp of scale moves an element across a rounding boundary)."""
+    amax = np.abs(np.random.default_rng(0).standard_normal(4000).astype(np.float32)) * np.float32(3.0)
+    amax = np.concatenate([amax, np.float32([0.0, 1e-12, qmax])])
+    want = np.maximum(amax * np.float32(1.0 / qmax), np.float32(1e-10))
+    assert (amax / np.float32(qmax) != amax * np.float32(1.0 / qmax)).sum() > 10  # the rows that tell them apart
+    x = torch.zeros(amax.size, 1, 8)
+    x[:, 0, 3] = -torch.from_numpy(amax)  # amax carried by a negative entry: |x| is what counts
+    _, scale = qk.quantize_kv(x, qk.KV_CACHE_DTYPES[kv_dtype])
+    assert np.array_equal(scale[:, 0].numpy().view(np.uint32), want.view(np.uint32))
+
+
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 def test_quantized_kv_cache_write_skips_negative_slots(kv_dtype):
     """Rows with slot -1 (CUDA-graph padding, capture_all's dummies) write nothing: the cache ends

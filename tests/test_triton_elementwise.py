@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from triton_child import interpreted_cases, report_cases
+from triton_child import interpreted_cases, report_cases, unary_minus_as_subtraction
 
 pytest.importorskip("triton")
 
@@ -49,6 +49,16 @@ def _cases() -> dict[str, dict[str, Any]]:
     cases["qkv-plain-int8-mqa3-dim24-float16"] = dict(
         op="qkv", dtype="float16", norm="plain", heads=3, kv_heads=1, dim=24, bs=16, kv="int8"
     )
+    # Signs of zero: V entries so small they round to -0.0 in e4m3, and a K head whose rotation at
+    # angle 0 is -0.0 + -(+0.0) * 0, all under Triton's `-x` as `0 - x` (how it compiles up to 3.6).
+    cases["qkv-none-fp8-float32-minus-as-sub"] = {
+        **quant,
+        "dtype": "float32",
+        "norm": "none",
+        "kv": "fp8",
+        "zeros": True,
+        "minus_as_sub": True,
+    }
     return cases
 
 
@@ -70,6 +80,10 @@ def _qkv_case(spec: dict[str, Any], device: str, num_tokens: int) -> None:
 
     qkv = randn(num_tokens, (heads + 2 * kv_heads) * dim)
     angles = torch.rand(num_tokens, dim // 2, generator=gen) * 6.0
+    if spec.get("zeros"):
+        k0, v0 = heads * dim, (heads + kv_heads) * dim  # token 0's first K head; every token's V heads
+        qkv[0, k0], qkv[0, k0 + dim // 2], angles[0, 0] = -0.0, 0.0, 0.0
+        qkv[:, v0 + 1 :: dim] = -1e-7 * qkv[:, v0:].abs().amax()
     emb = torch.cat((angles, angles), dim=-1)  # (num_tokens, dim), rotary's layout
     cos, sin = emb.cos().to(device, dtype), emb.sin().to(device, dtype)
     q_norm = k_norm = None
@@ -101,6 +115,8 @@ def _qkv_case(spec: dict[str, Any], device: str, num_tokens: int) -> None:
     torch.testing.assert_close(q, q_ref, rtol=rtol, atol=atol)
     torch.testing.assert_close(k, k_ref, rtol=rtol, atol=atol)
     torch.testing.assert_close(v, v_ref, rtol=0, atol=0)
+    if spec.get("zeros"):
+        assert torch.equal(k.signbit(), k_ref.signbit()), "the sign of a zero K entry"
     if "kv" in spec:
         return _check_quantized_write(spec["kv"], layout, qkv, cos, sin, slots, (num_blocks, bs, kv_heads, dim), k, v)
     torch.testing.assert_close(got_k, want_k, rtol=rtol, atol=atol)
@@ -133,6 +149,11 @@ def _check_quantized_write(kv: str, layout, qkv, cos, sin, slots, shape, k, v) -
 
 
 def run_case(spec: dict[str, Any], device: str = "cpu", num_tokens: int = 7) -> None:
+    if spec.get("minus_as_sub"):
+        if device != "cpu":
+            return  # compiled, `-x` is whatever this Triton makes of it: the plain cases cover that
+        with unary_minus_as_subtraction():
+            return run_case({k: v for k, v in spec.items() if k != "minus_as_sub"}, device, num_tokens)
     from batchrun.kernels import elementwise as ew
     from batchrun.kernels import triton_elementwise as tew
 

@@ -8,11 +8,12 @@ and reads what the child printed: one JSON line per case (`report_cases`), or wh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,3 +46,23 @@ def report_cases(cases: Mapping[str, Any], run_case: Callable[[Any], None]) -> N
             print(json.dumps({"id": case_id, "ok": True, "msg": ""}), flush=True)
         except Exception as exc:  # noqa: BLE001 - every case reports
             print(json.dumps({"id": case_id, "ok": False, "msg": f"{type(exc).__name__}: {exc}"}), flush=True)
+
+
+@contextlib.contextmanager
+def unary_minus_as_subtraction() -> Iterator[None]:
+    """Triton's `-x` on floats as `0 - x`, which is how Triton compiles it up to 3.6 (and so on the
+    GPUs the project runs on): `-(+0.0)` is then +0.0, not -0.0. A kernel that must keep the sign
+    of zero is checked under this in the interpreter, whatever Triton version runs the tests."""
+    from triton.language import core
+    from triton.language.semantic import TritonSemantic
+
+    def minus(self, input):  # noqa: A002 - Triton's own parameter name
+        zero = core.tensor(self.builder.get_null_value(input.type.scalar.to_ir(self.builder)), input.type.scalar)
+        return self.sub(zero, input, True)
+
+    real = TritonSemantic.minus
+    TritonSemantic.minus = minus
+    try:
+        yield
+    finally:
+        TritonSemantic.minus = real

@@ -230,8 +230,10 @@ def _qkv_kernel(
     c2 = tl.load(cos_ptr + t * stride_cs + half + d, mask=ok, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + t * stride_cs + d, mask=ok, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + t * stride_cs + half + d, mask=ok, other=0.0).to(tl.float32)
-    # x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1), each product and the sum rounded
-    r1 = ((a * c1).to(dtype).to(tl.float32) + (-b * s1).to(dtype).to(tl.float32)).to(dtype)
+    # x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1), each product and the sum rounded;
+    # p + (-x2 * s) written p - x2 * s, the same IEEE result (signed zeros included) without a
+    # negation, which Triton may compile as 0 - x (-(+0.0) = +0.0)
+    r1 = ((a * c1).to(dtype).to(tl.float32) - (b * s1).to(dtype).to(tl.float32)).to(dtype)
     r2 = ((b * c2).to(dtype).to(tl.float32) + (a * s2).to(dtype).to(tl.float32)).to(dtype)
     if is_q:
         dst = q_out_ptr + t * stride_qo + head * HEAD_DIM

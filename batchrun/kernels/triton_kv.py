@@ -4,8 +4,9 @@ quantization it shares with the fused qkv kernel (kernels/triton_elementwise.py)
 `write_kv_cache` has the signature and result of `batchrun.kernels.attention_torch.write_kv_cache_reference`
 (which the tests compare it with) for a float cache, and of `QuantizedKVCache.write` for an int8/fp8
 one: each (token, head) row quantized as `kernels/quant/kv.py: quantize_kv` does it, bitwise (scale
-= amax / qmax at least MIN_SCALE, x / scale clamped to +-qmax, int8 rounded half to even, fp8
-rounded to the nearest e4m3 value), data and scale stored at the token's slot. One program per
+= amax * fl32(1 / qmax) at least MIN_SCALE, x / scale clamped to +-qmax, int8 rounded half to even,
+fp8 rounded to the nearest e4m3 value keeping the sign of zero), data and scale stored at the
+token's slot. One program per
 token copies all its KV heads; a negative slot is skipped (the convention CUDA-graph padding uses:
 a padded row writes nothing).
 """
@@ -19,13 +20,15 @@ import torch
 import triton
 import triton.language as tl
 
-from batchrun.kernels.quant.formats import FP8_E4M3_MAX, INT8_MAX, MIN_SCALE
+from batchrun.kernels.quant.formats import FP8_E4M3_MAX, INT8_MAX, INV_FP8_E4M3_MAX, INV_INT8_MAX, MIN_SCALE
 from batchrun.kernels.quant.kv import QuantizedKVCache
 
 log = logging.getLogger(__name__)
 
 _INT8_MAX = tl.constexpr(INT8_MAX)
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
+_INV_INT8_MAX = tl.constexpr(INV_INT8_MAX)  # exact in float32, so the constant is the same float everywhere
+_INV_FP8_MAX = tl.constexpr(INV_FP8_E4M3_MAX)
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 
@@ -49,14 +52,18 @@ def _round_to_e4m3(x):
     inv_step = ((254 + 3 - e) << 23).to(tl.float32, bitcast=True)  # 2**-(e-127-3), exact
     step = ((e - 3) << 23).to(tl.float32, bitcast=True)
     r = _round_half_even(tl.abs(x) * inv_step) * step
-    return tl.where(bits < 0, -r, r)  # the sign bit, so -0.0 stays -0.0 as in torch's cast
+    # x's sign bit onto |r| by bits, so an entry that rounds to zero keeps its sign as torch's cast
+    # does: a negation would not, where Triton compiles -r as 0 - r (-(+0.0) = +0.0).
+    sign = bits & -2147483648  # the int32 with only the sign bit set
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def kv_scale(amax, IS_INT8: tl.constexpr):
-    """quantize_kv's scale of a row whose largest |entry| is amax (float32)."""
-    qmax = _INT8_MAX if IS_INT8 else _FP8_MAX
-    return tl.maximum(tl.math.div_rn(amax, qmax), _MIN_SCALE)  # div_rn: IEEE division, as torch's
+    """quantize_kv's scale of a row whose largest |entry| is amax (float32): one float32 product
+    with the reciprocal, not a division (see formats.INV_INT8_MAX)."""
+    inv_qmax = _INV_INT8_MAX if IS_INT8 else _INV_FP8_MAX
+    return tl.maximum(amax * inv_qmax, _MIN_SCALE)
 
 
 @triton.jit

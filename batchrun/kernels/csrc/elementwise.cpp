@@ -165,7 +165,8 @@ int batchrun_write_kv_cache(const void* k, const void* v, int64_t elem_size, int
 }
 
 // The same copy into an int8 cache (engine.kv_cache_dtype: int8), quantizing each (token, head)
-// row on the way as kernels/quant.py: quantize_kv does: scale = max(amax / 127, 1e-10) in float32,
+// row on the way as kernels/quant/kv.py: quantize_kv does: scale = max(amax * fl32(1 / 127), 1e-10) in
+// float32 (a product with the reciprocal, the operation the GPU kernels and torch compute alike),
 // q = round-half-even(clamp(x / scale, -127, 127)) (bitwise its result). k, v: bf16 (elem_size 2) or
 // float32 (4); k_scale, v_scale: float32 (num_blocks, block_size, num_kv_heads) with strides
 // (s0, s1, s2).
@@ -192,7 +193,7 @@ int batchrun_write_kv_cache_int8(const void* k, const void* v, int64_t elem_size
             nan |= x[d] != x[d];
         }
         // A NaN row: torch's amax, scale and quotients are NaN, and NaN -> int8 stores 0.
-        const float scale = nan ? NAN : std::max(amax / 127.f, 1e-10f);
+        const float scale = nan ? NAN : std::max(amax * (1.f / 127.f), 1e-10f);
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) {
             const float v = x[d] / scale;

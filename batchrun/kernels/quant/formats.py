@@ -21,6 +21,12 @@ INT8_MAX = 127.0
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn
 # A group or row of all zeros gets this scale instead of 0, so dividing by it stays finite.
 MIN_SCALE = 1e-10
+# 1 / INT8_MAX and 1 / FP8_E4M3_MAX rounded to float32 (exact as Python floats): the KV cache's scale
+# is amax times this, one float32 product, which every device computes alike. A quotient amax / qmax
+# does not: CUDA torch evaluates a division by a Python float as a multiplication by its reciprocal,
+# CPU torch and Triton's div_rn as a true division, an ulp apart on a few rows in a hundred.
+INV_INT8_MAX = float(torch.tensor(1.0 / INT8_MAX, dtype=torch.float32))
+INV_FP8_E4M3_MAX = float(torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32))
 
 
 def quantize_int8(w: torch.Tensor, group_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ import logging
 import torch
 
 from batchrun.kernels.kv_layout import from_head_major, slots_by_head
-from batchrun.kernels.quant.formats import FP8_E4M3_MAX, INT8_MAX, MIN_SCALE
+from batchrun.kernels.quant.formats import FP8_E4M3_MAX, INT8_MAX, INV_FP8_E4M3_MAX, INV_INT8_MAX, MIN_SCALE
 
 log = logging.getLogger(__name__)
 
@@ -16,10 +16,15 @@ KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 
 
 def quantize_kv(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(num_tokens, num_kv_heads, head_dim) float -> (same shape in `dtype`, scales (num_tokens, num_kv_heads))."""
-    qmax = INT8_MAX if dtype == torch.int8 else FP8_E4M3_MAX
+    """(num_tokens, num_kv_heads, head_dim) float -> (same shape in `dtype`, scales (num_tokens, num_kv_heads)).
+
+    scale = max(amax * fl32(1 / qmax), MIN_SCALE), then x / scale (a true division, tensor by tensor,
+    IEEE on every device) clamped to +-qmax and rounded to nearest even: the Triton kernels
+    (kernels/triton_kv.py) and the native CPU write (csrc/elementwise.cpp) do the same operations."""
+    int8 = dtype == torch.int8
+    qmax = INT8_MAX if int8 else FP8_E4M3_MAX
     amax = torch.linalg.vector_norm(x, float("inf"), dim=-1).float()
-    scale = (amax / qmax).clamp_(min=MIN_SCALE)  # (num_tokens, num_kv_heads)
+    scale = (amax * (INV_INT8_MAX if int8 else INV_FP8_E4M3_MAX)).clamp_(min=MIN_SCALE)  # (num_tokens, num_kv_heads)
     xs = (x.float() / scale[..., None]).clamp_(-qmax, qmax)
     q = torch.round(xs).to(dtype) if dtype == torch.int8 else xs.to(dtype)
     return q, scale

@@ -82,6 +82,7 @@ class CompiledVariant:
     n_spills: Optional[int] = None  # local memory per thread in bytes (spills and stack), 0 when none
     shared: Optional[int] = None  # shared memory per block in bytes
     launches: int = 1  # launches inside the check that used this variant
+    ptx: Optional[str] = field(default=None, repr=False)  # the PTX it lowered to: which instructions it issues
     label: str = ""  # CompileLog.label when it was first launched: what the caller was driving
 
     @property
@@ -232,6 +233,7 @@ class _Compiler:
             log.info("%s for sm_%d does not compile: %s", kernel, self.target.arch, v.error)
             return
         v.shared = int(compiled.metadata.shared)
+        v.ptx = compiled.asm.get("ptx")
         usage = _resource_usage(compiled.asm["cubin"])
         if usage is not None:
             v.n_regs, v.n_spills = usage

@@ -8,6 +8,10 @@
   the CUDA-graph padding convention); into an int8/fp8 cache quantized on the way, each program
   holding its whole head for the scale (kernels/triton_kv.py's quantization).
 
+Every launch turns Triton's fusion of a product and a sum into one multiply-add off
+(`enable_fp_fusion=False`), so float32 rounds each op as torch's separate kernels do (HF's float32
+greedy tokens are the oracle); these kernels are memory-bound, the extra instructions cost nothing.
+
 Each has the signature and result of its plain-torch reference (`batchrun.kernels.elementwise`'s
 `*_reference` and `batchrun.kernels.attention_torch.qkv_norm_rope_write_reference`), which the tests
 compare it with in Triton's interpreter. The kernels round to the tensor dtype where the references
@@ -31,10 +35,12 @@ log = logging.getLogger(__name__)
 
 
 @triton.jit
-def _norm(x, w, n, eps, IS_GEMMA: tl.constexpr):
+def _norm(x, w, inv_n, eps, IS_GEMMA: tl.constexpr):
     """RMSNorm of float32 x (padded with zeros past n) by weight w, rounded as the reference rounds:
-    w * normed.to(dtype), or (normed * (1 + w)).to(dtype) for Gemma; returned in float32."""
-    normed = x * tl.rsqrt(tl.sum(x * x, 0) / n + eps)
+    w * normed.to(dtype), or (normed * (1 + w)).to(dtype) for Gemma; returned in float32. The mean
+    is the sum times inv_n = fl32(1 / n), as torch's CUDA mean computes it (`/` would lower to an
+    approximate division)."""
+    normed = x * tl.rsqrt(tl.sum(x * x, 0) * inv_n + eps)
     if IS_GEMMA:
         return (normed * (1.0 + w.to(tl.float32))).to(w.dtype).to(tl.float32)
     return (w.to(tl.float32) * normed.to(w.dtype).to(tl.float32)).to(w.dtype).to(tl.float32)
@@ -47,6 +53,7 @@ def _rms_norm_kernel(
     w_ptr,
     out_ptr,
     n,
+    inv_n,
     eps,
     stride_x,
     stride_r,
@@ -64,8 +71,13 @@ def _rms_norm_kernel(
         x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + d, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
         tl.store(res_ptr + row * stride_r + d, x, mask=ok)
     w = tl.load(w_ptr + d, mask=ok, other=0.0)
-    out = _norm(x.to(tl.float32), w, n, eps, IS_GEMMA)
+    out = _norm(x.to(tl.float32), w, inv_n, eps, IS_GEMMA)
     tl.store(out_ptr + row * stride_o + d, out.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _inverse(n: int) -> float:
+    """fl32(1 / n) as a Python float (exact in float32): the factor torch's CUDA mean multiplies by."""
+    return float(torch.tensor(1.0, dtype=torch.float32) / n)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -87,6 +99,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool =
         weight,
         out,
         n,
+        _inverse(n),
         float(eps),
         x2.stride(0),
         x2.stride(0),
@@ -94,6 +107,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool =
         HAS_RESIDUAL=False,
         IS_GEMMA=is_gemma,
         BLOCK=triton.next_power_of_2(n),
+        enable_fp_fusion=False,
     )
     return out.view(x.shape)
 
@@ -116,6 +130,7 @@ def add_rms_norm(
         weight,
         out,
         n,
+        _inverse(n),
         float(eps),
         h.stride(0),
         residual.stride(0),
@@ -123,6 +138,7 @@ def add_rms_norm(
         HAS_RESIDUAL=True,
         IS_GEMMA=False,
         BLOCK=triton.next_power_of_2(n),
+        enable_fp_fusion=False,
     )
     return out, residual
 
@@ -150,7 +166,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(1024, triton.next_power_of_2(n))
     _silu_mul_kernel[(num_tokens, triton.cdiv(n, block))](
-        gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block
+        gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block, enable_fp_fusion=False
     )
     return out
 
@@ -179,6 +195,7 @@ def _qkv_kernel(
     k_scale_ptr,
     v_scale_ptr,
     slot_ptr,
+    inv_dim,
     eps,
     block_size,
     stride_t,
@@ -219,7 +236,7 @@ def _qkv_kernel(
             norm_ptr = k_norm_ptr
         w1 = tl.load(norm_ptr + d, mask=ok, other=0.0)
         w2 = tl.load(norm_ptr + half + d, mask=ok, other=0.0)
-        inv = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) / HEAD_DIM + eps)
+        inv = tl.rsqrt((tl.sum(a * a, 0) + tl.sum(b * b, 0)) * inv_dim + eps)  # inv_dim: see _norm
         if IS_GEMMA:
             a = (a * inv * (1.0 + w1.to(tl.float32))).to(dtype).to(tl.float32)
             b = (b * inv * (1.0 + w2.to(tl.float32))).to(dtype).to(tl.float32)
@@ -304,6 +321,7 @@ def qkv_norm_rope_write(
         c.k_scale,
         c.v_scale,
         slot_mapping,
+        _inverse(head_dim),
         float(heads.eps),
         c.k.shape[1],
         qkv.stride(0),
@@ -319,5 +337,6 @@ def qkv_norm_rope_write(
         IS_GEMMA=heads.is_gemma,
         IS_QUANT=c.is_quant,
         IS_INT8=c.is_int8,
+        enable_fp_fusion=False,
     )
     return q, k, v

@@ -69,9 +69,9 @@ def decode_split_fn(device: torch.device, num_kv_heads: int) -> SplitFn:
     """The split count the Triton decode launcher picks for a step's decodes (1 without Triton)."""
     if not triton_installed():
         return lambda num_decode, max_context: 1
-    from batchrun.kernels.triton_attention import default_num_splits
+    from batchrun.kernels.triton_attention import default_decode_block_n, default_num_splits
 
-    block_n = 64 if device.type == "cuda" else 16  # triton_attention.decode_attention's default tile
+    block_n = default_decode_block_n(device)  # the tile decode_attention's split count is computed from
 
     def split_fn(num_decode: int, max_context: int) -> int:
         return default_num_splits(num_decode, num_kv_heads, max_context, device, block_n)

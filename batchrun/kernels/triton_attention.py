@@ -454,8 +454,26 @@ _SHARED_SLACK = 256
 # The tiles a launch tries on a GPU, first to last: the defaults, then smaller ones (each at least
 # 16, tl.dot's smallest operand). A launcher takes the first that fits the GPU's shared memory.
 _PREFILL_TILES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16))  # (BLOCK_M, BLOCK_N)
-_DECODE_TILES = (64, 32, 16)  # BLOCK_N
 _DEFAULT_STAGES = 2
+
+
+def decode_tiles(target: Optional[GpuTarget]) -> tuple[int, ...]:
+    """The decode BLOCK_N candidates for a GPU, first to last (the first is the default): the one
+    table of them, which the split count, the CUDA-graph plan (engine/warmup.py) and the launcher
+    all read. On sm_90 (H100/H200) 128-token tiles read closest to copy bandwidth both at a large
+    batch and at a few long sequences (`python -m batchrun.bench.gpu`'s decode sweep, bf16 and
+    quantized caches alike: a quantized tile of 128 tokens is as many bytes as a bf16 one of 64);
+    elsewhere, unmeasured, 64. Off a GPU (the interpreter) one small tile."""
+    if target is None:
+        return (16,)
+    if target.capability >= (9, 0):
+        return (128, 64, 32, 16)
+    return (64, 32, 16)
+
+
+def default_decode_block_n(device: torch.device) -> int:
+    """decode_attention's default BLOCK_N on `device` (before shared memory may shrink it)."""
+    return decode_tiles(gpu_target(device))[0]
 
 
 def shared_bytes(
@@ -524,7 +542,7 @@ def decode_attention(
     q_rows: Optional[torch.Tensor] = None,  # (num_decode,) query row of each decode; None = row i
     out: Optional[torch.Tensor] = None,  # (num_tokens, num_heads, head_dim), written at the decode rows
     num_splits: Optional[int] = None,
-    block_n: Optional[int] = None,  # None: the largest of _DECODE_TILES the GPU's shared memory holds
+    block_n: Optional[int] = None,  # None: the first of decode_tiles() the GPU's shared memory holds
     num_warps: int = 4,
     num_stages: Optional[int] = None,  # None: 2, fewer only where the tile needs it
 ) -> torch.Tensor:
@@ -551,14 +569,12 @@ def decode_attention(
             num_kv_heads,
             block_tables.shape[1] * k_cache.shape[1],
             q.device,
-            block_n or (64 if on_gpu else 16),
+            block_n or decode_tiles(target)[0],
         )
     head_dim_pad = _pad(head_dim, 16 if on_gpu else 1)
     group_pad = _pad(group, 16 if on_gpu else 1)
     candidates = [
-        (n, st)
-        for n in _pinned(block_n, _DECODE_TILES if on_gpu else (16,))
-        for st in _pinned(num_stages, (_DEFAULT_STAGES, 1))
+        (n, st) for n in _pinned(block_n, decode_tiles(target)) for st in _pinned(num_stages, (_DEFAULT_STAGES, 1))
     ]
     block_n, num_stages = _fitting(
         target,

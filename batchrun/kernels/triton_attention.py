@@ -20,9 +20,11 @@ Visibility is the reference's: key j is visible to the query at position i when 
 window W, j > i - W. Softmax runs in float32 in the exp2 domain.
 
 An int8/fp8 cache (engine.kv_cache_dtype, kernels/quant/kv.py: QuantizedKVCache) is read as it is
-stored: each K/V tile is loaded as int8/float8 with its per-(slot, head) float32 scales and
-dequantized in registers (`_load_kv_tile`) to the query's dtype, the values QuantizedKVCache's own
-dequantization gives; everything after that is the float path.
+stored: each K/V tile is loaded as int8/float8 and cast to the query's dtype (exact), with its
+per-(slot, head) float32 scales (`_load_kv_tile`); q @ K_codes.T is scaled per column by the K
+scales, and the probabilities per column by the V scales before p @ V_codes, which is the product
+with the dequantized tiles up to float32 rounding, at one multiply per token instead of one per
+element.
 """
 
 from __future__ import annotations
@@ -54,8 +56,12 @@ def _dot_f32(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def _scores(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
-    """(rows, BLOCK_N) logits in the log2 domain: q @ k.T * scale, soft-capped if asked."""
+def _scores(
+    q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT_F32: tl.constexpr, IEEE: tl.constexpr, IS_QUANT: tl.constexpr
+):
+    """(rows, BLOCK_N) logits in the log2 domain: q @ k.T * scale, soft-capped if asked. Over a
+    quantized cache k holds the stored codes and scale is per column (BLOCK_N,): the softmax scale
+    times each token's K scale, folded into the scores instead of into every element of K."""
     if DOT_F32:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
@@ -63,7 +69,10 @@ def _scores(q, k, scale, softcap, HAS_SOFTCAP: tl.constexpr, DOT_F32: tl.constex
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
-    s = s * scale
+    if IS_QUANT:
+        s = s * scale[None, :]
+    else:
+        s = s * scale
     if HAS_SOFTCAP:
         # softcap * tanh(s / softcap), with tanh(x) = 2 sigmoid(2x) - 1 (tl has no tanh of its own)
         s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
@@ -95,11 +104,13 @@ def _load_kv_tile(
     IS_QUANT: tl.constexpr,
     OUT_DTYPE: tl.constexpr,
 ):
-    """K and V of one KV head at token positions `pos` (BLOCK_N,) of a sequence, through its block
-    table; (BLOCK_N, HEAD_DIM_PAD) each, zero where ~p_ok or past head_dim. From an int8/fp8 cache
-    (IS_QUANT) the tile is dequantized here by its per-(slot, head) scales, to OUT_DTYPE (the
-    query's) as QuantizedKVCache's own dequantization rounds it, so the cache is read as it is
-    stored and never dequantized whole."""
+    """(k, v, k_scale, v_scale): K and V of one KV head at token positions `pos` (BLOCK_N,) of a
+    sequence, through its block table; (BLOCK_N, HEAD_DIM_PAD) each, zero where ~p_ok or past
+    head_dim. From an int8/fp8 cache (IS_QUANT) k and v are the stored codes cast to OUT_DTYPE (the
+    query's; exact: int8 and e4m3 values are bf16, fp16 and float32 values) and k_scale, v_scale
+    their per-token float32 scales (BLOCK_N,), 0 where ~p_ok, which the caller folds into the score
+    columns and the probabilities: one multiply per token instead of a dequantization per element,
+    so the tile costs what its bytes cost. Else the scales are 1.0 and unused."""
     block = tl.load(table + pos // block_size, mask=p_ok, other=0).to(tl.int64)
     offset = (pos % block_size).to(tl.int64)
     kv_head = kv_head.to(tl.int64)  # kv_head * stride_kh passes 2**31 on large caches
@@ -114,17 +125,24 @@ def _load_kv_tile(
         mask=kv_mask,
         other=0.0,
     )
+    k_scale = 1.0
+    v_scale = 1.0
     if IS_QUANT:
         at = block * stride_sb + offset * stride_st + kv_head * stride_sh  # (BLOCK_N,)
         k_scale = tl.load(k_scale_ptr + at, mask=p_ok, other=0.0)
         v_scale = tl.load(v_scale_ptr + at, mask=p_ok, other=0.0)
-        k = (k.to(tl.float32) * k_scale[:, None]).to(OUT_DTYPE)
-        v = (v.to(tl.float32) * v_scale[:, None]).to(OUT_DTYPE)
-    return k, v
+        # through float32 (exact both ways): the interpreter has no direct int8 -> bf16 cast
+        k = k.to(tl.float32).to(OUT_DTYPE)
+        v = v.to(tl.float32).to(OUT_DTYPE)
+    return k, v, k_scale, v_scale
 
 
 @triton.jit
-def _accumulate(acc, p, v, DOT_F32: tl.constexpr, IEEE: tl.constexpr):
+def _accumulate(acc, p, v, v_scale, DOT_F32: tl.constexpr, IEEE: tl.constexpr, IS_QUANT: tl.constexpr):
+    """acc + p @ V; over a quantized cache v holds the codes and v_scale (BLOCK_N,) the per-token
+    scales, folded into the probabilities' columns (after their row sums were taken)."""
+    if IS_QUANT:
+        p = p * v_scale[None, :]
     if DOT_F32:
         pv = tl.dot(p, v.to(tl.float32))
     elif IEEE:
@@ -218,7 +236,7 @@ def _decode_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) token positions
         p_ok = pos < end
-        k, v = _load_kv_tile(
+        k, v, k_scale, v_scale = _load_kv_tile(
             k_cache_ptr,
             v_cache_ptr,
             k_scale_ptr,
@@ -242,14 +260,14 @@ def _decode_kernel(
             IS_QUANT,
             q_ptr.dtype.element_ty,
         )  # (BLOCK_N, HEAD_DIM_PAD)
-        s = _scores(q, k, scale, softcap, HAS_SOFTCAP, DOT_F32, IEEE)  # (GROUP_PAD, BLOCK_N)
+        s = _scores(q, k, k_scale * scale, softcap, HAS_SOFTCAP, DOT_F32, IEEE, IS_QUANT)  # (GROUP_PAD, BLOCK_N)
         s = tl.where(p_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet stays at 0
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
-        acc = _accumulate(acc * alpha[:, None], p, v, DOT_F32, IEEE)
+        acc = _accumulate(acc * alpha[:, None], p, v, v_scale, DOT_F32, IEEE, IS_QUANT)
         m = m_new
     has_any = l > 0.0  # an empty split (or a padded batch row with seq_len 0) writes zeros
     out = acc / tl.where(has_any, l, 1.0)[:, None]
@@ -378,7 +396,7 @@ def _prefill_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) key positions
         p_ok = pos < hi
-        k, v = _load_kv_tile(
+        k, v, k_scale, v_scale = _load_kv_tile(
             k_cache_ptr,
             v_cache_ptr,
             k_scale_ptr,
@@ -402,7 +420,7 @@ def _prefill_kernel(
             IS_QUANT,
             q_ptr.dtype.element_ty,
         )  # (BLOCK_N, HEAD_DIM_PAD)
-        s = _scores(q, k, scale, softcap, HAS_SOFTCAP, DOT_F32, IEEE)  # (BLOCK_M, BLOCK_N)
+        s = _scores(q, k, k_scale * scale, softcap, HAS_SOFTCAP, DOT_F32, IEEE, IS_QUANT)  # (BLOCK_M, BLOCK_N)
         visible = p_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (pos[None, :] > q_pos[:, None] - window)
@@ -412,7 +430,7 @@ def _prefill_kernel(
         alpha = tl.exp2(m - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l = l * alpha + tl.sum(p, 1)
-        acc = _accumulate(acc * alpha[:, None], p, v, DOT_F32, IEEE)
+        acc = _accumulate(acc * alpha[:, None], p, v, v_scale, DOT_F32, IEEE, IS_QUANT)
         m = m_new
     out = acc / tl.where(l > 0.0, l, 1.0)[:, None]
     tl.store(

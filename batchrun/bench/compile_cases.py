@@ -76,7 +76,7 @@ GEMMA2 = AttentionShape("Gemma-2-2B", 8, 4, 256, window=4096, softcap=50.0)
 # launcher picks one split for the short contexts (the block-table width caps them) and many for
 # the long ones; the mixed batch holds decodes, a fresh prompt and a chunked prefill.
 BATCHES: dict[str, list[tuple[int, int]]] = {
-    "mixed": [(5, 1), (0, 9), (300, 1), (6, 70)],
+    "mixed": [(5, 1), (0, 9), (600, 1), (6, 70)],  # 600: long enough to split at 128-token tiles
     "decode 1 split": [(3, 1), (20, 1), (41, 1), (200, 1)],
     "decode splits": [(3000, 1), (700, 1)],
 }

@@ -15,7 +15,7 @@ step, CUDA graphs, memory and throughput; a table last and a JSON document with 
    virtual memory on the CPU, skipped where it cannot be mapped.
 2. Bandwidth: a device copy (the HBM ceiling), then the decode attention kernel at the workload's
    shape as achieved KV bytes/s and its fraction of that ceiling (target >= 70%), a small sweep of
-   its tile settings, and the same decode over an int8 cache.
+   its tile settings, and the same decode over int8 and fp8 caches (default tile and 64).
 3. Engine (`--only engine`), on the Qwen3-0.6B-shaped model: memory at the engine's default KV
    sizing (weights, KV bytes and blocks, peak allocated, free after construction); every CUDA-graph
    bucket captured, a failed capture named; then bench.decode_step on 256 decoding sequences:
@@ -58,6 +58,7 @@ from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, 
 from batchrun.bench.gpu_engine import QWEN3, QWEN3_0_6B, SMOLLM2, SMOLLM2_135M, check_model, model_phases
 from batchrun.bench.gpu_report import NO_CUDA, Budget, Report, default_json_path, versions
 from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
+from batchrun.kernels.backend import triton_fp8_usable
 
 log = logging.getLogger(__name__)
 
@@ -422,26 +423,43 @@ def check_bandwidth(device: torch.device, smoke: bool, report: Report) -> None:
                 rate_text(f"{best[1] or 'default'}: {100 * best[0] / hbm:.0f}% of copy bandwidth"),
             )
         del c
-        # The same decode over an int8 cache (engine.kv_cache_dtype: int8): half the bytes, each tile
-        # dequantized in registers; its bytes count the scales too.
-        qc = attention_case(seqs, heads, kv_heads, dim, bs, torch.bfloat16, device, seed=7, kv_cache_dtype=torch.int8)
-        m = qc.meta
-        q_bytes = sum(m.seq_lens) * kv_heads * (dim + 4) * 2
-        ms = _time_ms(
-            lambda qc=qc, m=m: ta.decode_attention(
-                qc.q, qc.k_cache, qc.v_cache, m.block_tables, m.decode_seq_ids, m.decode_seq_lens, dim**-0.5
-            )
-        )
-        rate = q_bytes / (ms * 1e-3)
-        point = {"num_seqs": num_seqs, "context": [lo, hi], "config": "default", "kv_cache_dtype": "int8"}
-        if not smoke:
-            point.update(us=ms * 1e3, kv_bytes=q_bytes, bytes_per_s=rate, fraction_of_copy=rate / hbm)
-        section["decode"].append(point)
-        report.add(
-            f"decode attention {num_seqs} seqs ctx {lo}-{hi} int8 cache (default)",
-            rate_text(f"{ms * 1e3:.1f} us, {rate / 1e12:.2f} TB/s = {100 * rate / hbm:.0f}% of copy bandwidth"),
-        )
-        del qc
+        # The same decode over int8 and fp8 caches (engine.kv_cache_dtype): half the bytes, the
+        # per-token scales folded into scores and probabilities; the bytes count the scales too.
+        # The default tile and 64 beside it, so the quantized tile choice is measured as well.
+        for kv_name, kv_dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+            if kv_dtype == torch.float8_e4m3fn and not triton_fp8_usable(device):
+                continue
+            qc = attention_case(seqs, heads, kv_heads, dim, bs, torch.bfloat16, device, seed=7, kv_cache_dtype=kv_dtype)
+            m = qc.meta
+            q_bytes = sum(m.seq_lens) * kv_heads * (dim + 4) * 2
+            for cfg in (dict(), dict(block_n=64))[: None if not smoke else 1]:
+                ms = _time_ms(
+                    lambda qc=qc, m=m, cfg=cfg: ta.decode_attention(
+                        qc.q,
+                        qc.k_cache,
+                        qc.v_cache,
+                        m.block_tables,
+                        m.decode_seq_ids,
+                        m.decode_seq_lens,
+                        dim**-0.5,
+                        **cfg,
+                    )
+                )
+                rate = q_bytes / (ms * 1e-3)
+                point = {
+                    "num_seqs": num_seqs,
+                    "context": [lo, hi],
+                    "config": cfg or "default",
+                    "kv_cache_dtype": kv_name,
+                }
+                if not smoke:
+                    point.update(us=ms * 1e3, kv_bytes=q_bytes, bytes_per_s=rate, fraction_of_copy=rate / hbm)
+                section["decode"].append(point)
+                report.add(
+                    f"decode attention {num_seqs} seqs ctx {lo}-{hi} {kv_name} cache ({cfg or 'default'})",
+                    rate_text(f"{ms * 1e3:.1f} us, {rate / 1e12:.2f} TB/s = {100 * rate / hbm:.0f}% of copy bandwidth"),
+                )
+            del qc
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,7 +469,7 @@ def check_bandwidth(device: torch.device, smoke: bool, report: Report) -> None:
 # phases); the JSON records each phase's real time beside its estimate.
 GPU_ESTIMATES_S = {
     "kernels": 90,
-    "bandwidth": 30,
+    "bandwidth": 40,
     f"{QWEN3}: build": 60,
     f"{QWEN3}: decode step": 20,
     f"{QWEN3}: greedy": 45,

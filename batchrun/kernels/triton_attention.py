@@ -475,16 +475,19 @@ _PREFILL_TILES = ((64, 64), (64, 32), (32, 32), (32, 16), (16, 16))  # (BLOCK_M,
 _DEFAULT_STAGES = 2
 
 
-def decode_tiles(target: Optional[GpuTarget]) -> tuple[int, ...]:
+def decode_tiles(target: Optional[GpuTarget], kv_row_bytes: int = 0) -> tuple[int, ...]:
     """The decode BLOCK_N candidates for a GPU, first to last (the first is the default): the one
     table of them, which the split count, the CUDA-graph plan (engine/warmup.py) and the launcher
     all read. On sm_90 (H100/H200) 128-token tiles read closest to copy bandwidth both at a large
-    batch and at a few long sequences (`python -m batchrun.bench.gpu`'s decode sweep, bf16 and
-    quantized caches alike: a quantized tile of 128 tokens is as many bytes as a bf16 one of 64);
-    elsewhere, unmeasured, 64. Off a GPU (the interpreter) one small tile."""
+    batch and at a few long sequences (`python -m batchrun.bench.gpu`'s decode sweep), while a
+    token's K row takes at most 256 bytes (`kv_row_bytes`: head_dim padded times the cache's
+    element size; bf16 head_dim 128, or int8/fp8 up to 256); wider rows keep 64, whose tiles hold
+    as many bytes and do not spill. Elsewhere, unmeasured, 64. Off a GPU (the interpreter) one small
+    tile. The split count reads the default without `kv_row_bytes` (a function of the device
+    only), as it ignores a tile shared memory shrinks."""
     if target is None:
         return (16,)
-    if target.capability >= (9, 0):
+    if target.capability >= (9, 0) and kv_row_bytes <= 256:
         return (128, 64, 32, 16)
     return (64, 32, 16)
 
@@ -592,7 +595,9 @@ def decode_attention(
     head_dim_pad = _pad(head_dim, 16 if on_gpu else 1)
     group_pad = _pad(group, 16 if on_gpu else 1)
     candidates = [
-        (n, st) for n in _pinned(block_n, decode_tiles(target)) for st in _pinned(num_stages, (_DEFAULT_STAGES, 1))
+        (n, st)
+        for n in _pinned(block_n, decode_tiles(target, head_dim_pad * c.k.element_size()))
+        for st in _pinned(num_stages, (_DEFAULT_STAGES, 1))
     ]
     block_n, num_stages = _fitting(
         target,

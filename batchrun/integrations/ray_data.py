@@ -131,9 +131,10 @@ class BatchrunPredictor:
 def _rows(batch: Batch) -> list[dict[str, Any]]:
     """A batch in any of Ray Data's formats as a list of {column: Python value}."""
     if isinstance(batch, pa.Table):
-        return batch.to_pylist()
+        rows: list[dict[str, Any]] = batch.to_pylist()
+        return rows
     if hasattr(batch, "to_dict") and hasattr(batch, "columns"):  # pandas
-        return list(batch.to_dict("records"))
+        return [dict(r) for r in batch.to_dict("records")]
     columns = {k: (v.tolist() if hasattr(v, "tolist") else list(v)) for k, v in dict(batch).items()}
     num_rows = len(next(iter(columns.values()), []))
     return [{k: v[i] for k, v in columns.items()} for i in range(num_rows)]

@@ -302,15 +302,15 @@ def _worker_from_env(
                 "launcher.world_size",
                 f"launcher.world_size={config_world} contradicts BATCHRUN_WORLD_SIZE={env_world}; set one",
             )
-        world = config_world if config_world is not None else env_world
-        if world is None:
+        k8s_world = config_world if config_world is not None else env_world
+        if k8s_world is None:
             raise ConfigError(
                 "launcher.world_size",
                 f"{K8S_INDEX} is set (a Kubernetes Indexed Job) but the world size is not: set "
                 "launcher.world_size or BATCHRUN_WORLD_SIZE to the Job's completions",
             )
         where = "launcher.world_size" if config_world is not None else "BATCHRUN_WORLD_SIZE"
-        return num(K8S_INDEX), world, f"Kubernetes {K8S_INDEX} + {where}", (K8S_INDEX, where)
+        return num(K8S_INDEX), k8s_world, f"Kubernetes {K8S_INDEX} + {where}", (K8S_INDEX, where)
     return None
 
 

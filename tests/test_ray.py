@@ -151,3 +151,12 @@ def test_a_bad_row_is_a_typed_error_row_and_the_batch_goes_on(tiny_engine, job_o
     assert table.schema.names[:4] == ["id", "output", "finish_reason", "error_type"]
     assert [r["error_type"] for r in rows] == [None, "null_prompt", "null_id", "empty_prompt"]
     assert rows[0]["output"] is not None and rows[0]["num_output_tokens"] >= 1
+
+
+def test_without_ray_the_launcher_says_so_in_one_line(monkeypatch, tmp_path, job_overrides):
+    monkeypatch.setitem(sys.modules, "ray", None)  # `import ray` raises ImportError, as when not installed
+    config = cli.load_config(job_overrides(cli.package_path("data/sample"), tmp_path / "out", "launcher=ray"))
+    with pytest.raises(cli.ConfigError, match=r"launcher.name: launcher=ray needs Ray .*pip install 'batchrun\[ray\]'"):
+        run_job(config)
+    with pytest.raises(cli.ConfigError, match="launcher.ray_address: used only with launcher=ray"):
+        cli.load_config(job_overrides(tmp_path, tmp_path / "out", "launcher.ray_address=auto"))

@@ -77,6 +77,7 @@ def _yaml_keys(node: dict, cls: type) -> None:
         ("data", "sample", DataConfig),
         ("output", "default", OutputConfig),
         ("launcher", "local", LauncherConfig),
+        ("launcher", "ray", LauncherConfig),
         ("model", "smollm2_135m", None),
     ],
 )

@@ -137,7 +137,12 @@ def test_worker_from_environment(env, expected):
 def test_config_wins_over_environment_and_bad_ranks_are_config_errors():
     env = {"RANK": "3", "WORLD_SIZE": "8"}
     assert resolve_worker(LauncherConfig(rank=1, world_size=2), env) == Worker(1, 2, "config")
-    assert resolve_worker(LauncherConfig(rank=5), env).world_size == 8
+    assert resolve_worker(LauncherConfig(rank=3), env) == Worker(3, 8, "torchrun RANK/WORLD_SIZE")
+    # One value given two ways must agree: the line names both.
+    with pytest.raises(ConfigError, match="launcher.rank: launcher.rank=5 contradicts RANK=3"):
+        resolve_worker(LauncherConfig(rank=5), env)
+    with pytest.raises(ConfigError, match="launcher.world_size=4 contradicts WORLD_SIZE=8"):
+        resolve_worker(LauncherConfig(world_size=4), env)
     with pytest.raises(ConfigError, match="launcher.rank"):
         resolve_worker(LauncherConfig(rank=2, world_size=2), {})
     with pytest.raises(ConfigError, match="launcher.world_size"):
@@ -158,3 +163,70 @@ def test_assignment_partitions_the_shards_deterministically(world_size):
     assert parts == [assign_shards(shards, Worker(r, world_size, "test")) for r in range(world_size)]
     assert max(map(len, parts)) - min(map(len, parts)) <= 1
     assert [s.name for s in parts[0]] == [s.name for s in shards][::world_size]
+
+
+@pytest.mark.parametrize(
+    "config, env, expected",
+    [
+        # Kubernetes Indexed Job: the index is the rank; the world size is the user's to give.
+        (LauncherConfig(world_size=4), {"JOB_COMPLETION_INDEX": "3"}, (3, 4, "Kubernetes JOB_COMPLETION_INDEX")),
+        (LauncherConfig(), {"JOB_COMPLETION_INDEX": "1", "BATCHRUN_WORLD_SIZE": "2"}, (1, 2, "Kubernetes")),
+        (LauncherConfig(world_size=2), {"JOB_COMPLETION_INDEX": "0", "BATCHRUN_WORLD_SIZE": "2"}, (0, 2, "Kubernetes")),
+        # The Ray launcher's actors (and any batchrun launcher) name their worker outright; a Ray
+        # cluster started inside a Slurm allocation leaves SLURM_* in the actors' environment.
+        (
+            LauncherConfig(),
+            {"BATCHRUN_RANK": "1", "BATCHRUN_WORLD_SIZE": "3", "BATCHRUN_LAUNCHER": "ray", "SLURM_PROCID": "0"},
+            (1, 3, "ray launcher BATCHRUN_RANK/WORLD_SIZE"),
+        ),
+        # torchrun inside srun: torchrun's ranks are the finer split.
+        (LauncherConfig(), {"RANK": "5", "WORLD_SIZE": "8", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, (5, 8, "torch")),
+        # Both explicit: the environment is not read at all.
+        (LauncherConfig(rank=0, world_size=1), {"JOB_COMPLETION_INDEX": "7"}, (0, 1, "config")),
+        (LauncherConfig(world_size=3), {}, (0, 3, "config+default")),
+    ],
+)
+def test_one_resolution_for_every_scheduler(config, env, expected):
+    worker = resolve_worker(config, env)
+    assert (worker.rank, worker.world_size) == expected[:2]
+    assert worker.source.startswith(expected[2])
+
+
+@pytest.mark.parametrize(
+    "config, env, message",
+    [
+        (LauncherConfig(), {"JOB_COMPLETION_INDEX": "0"}, "launcher.world_size: JOB_COMPLETION_INDEX is set"),
+        (
+            LauncherConfig(world_size=3),
+            {"JOB_COMPLETION_INDEX": "0", "BATCHRUN_WORLD_SIZE": "2"},
+            "launcher.world_size=3 contradicts BATCHRUN_WORLD_SIZE=2",
+        ),
+        (LauncherConfig(world_size=2), {"JOB_COMPLETION_INDEX": "2"}, "launcher.rank: must be in \\[0, 2\\), got 2"),
+        (
+            LauncherConfig(),
+            {"JOB_COMPLETION_INDEX": "0", "BATCHRUN_WORLD_SIZE": "2", "SLURM_PROCID": "0"},
+            "both Slurm .* and Kubernetes",
+        ),
+        (
+            LauncherConfig(world_size=4),
+            {"BATCHRUN_RANK": "0", "BATCHRUN_WORLD_SIZE": "2"},
+            "launcher.world_size=4 contradicts BATCHRUN_WORLD_SIZE=2",
+        ),
+        (
+            LauncherConfig(world_size=2),
+            {"SLURM_ARRAY_TASK_ID": "0", "SLURM_ARRAY_TASK_COUNT": "3"},
+            "launcher.world_size=2 contradicts SLURM_ARRAY_TASK_COUNT/SLURM_NTASKS=3",
+        ),
+        (LauncherConfig(), {"JOB_COMPLETION_INDEX": "x", "BATCHRUN_WORLD_SIZE": "2"}, "not an integer"),
+    ],
+)
+def test_contradictions_are_refused_in_one_line_naming_the_keys(config, env, message):
+    with pytest.raises(ConfigError, match=message) as error:
+        resolve_worker(config, env)
+    assert "\n" not in str(error.value)
+
+
+def test_the_worker_records_the_gpu_it_was_given():
+    assert resolve_worker(LauncherConfig(), {"CUDA_VISIBLE_DEVICES": "3"}).device == "3"
+    assert resolve_worker(LauncherConfig(), {"CUDA_VISIBLE_DEVICES": ""}).device is None
+    assert resolve_worker(LauncherConfig(), {}).device is None

@@ -174,12 +174,13 @@ class OutputConfig:
 class LauncherConfig:
     """How this process finds its place among the workers; None reads it from the environment."""
 
-    name: str = "local"
-    rank: Optional[int] = None  # this worker's index; None: torchrun RANK, Slurm ids, else 0
-    world_size: Optional[int] = None  # number of workers; None: torchrun WORLD_SIZE, Slurm counts, else 1
-    # Worker processes this command starts on this machine (one engine each, one GPU each on
-    # cuda); 1 runs in this process. With N > 1 the command is the launcher of ranks 0..N-1.
-    num_workers: int = 1
+    name: Literal["local", "ray"] = "local"  # ray: the workers are Ray actors (job/ray_launch.py)
+    rank: Optional[int] = None  # this worker's index; None: from the scheduler (shards.resolve_worker), else 0
+    world_size: Optional[int] = None  # number of workers; None: from the scheduler, else 1
+    # Workers this command starts (one engine each, one GPU each on cuda): processes on this
+    # machine, or Ray actors with launcher=ray. None: one per visible GPU (the cluster's GPUs with
+    # ray), and one on a CPU or where a scheduler already gave this process its rank.
+    num_workers: Optional[int] = None
     # Idle workers take unstarted (and dead workers') shards through claim files (claims.py).
     work_stealing: bool = True
     claim_lease_s: float = 120.0  # a claim without a heartbeat for this long may be taken over
@@ -187,14 +188,23 @@ class LauncherConfig:
     # native code) is quarantined, reported as failed and no longer taken by anyone; raise the
     # limit or delete {output.uri}/_claims/{shard}/ to try it again.
     max_shard_attempts: int = 3
+    # launcher=ray: the cluster (auto: the one this machine belongs to; ray://host:port: a remote
+    # one through Ray Client; null: a Ray instance started for this run on this machine), and how
+    # often Ray restarts a worker actor that died before the run gives up on it.
+    ray_address: Optional[str] = None
+    max_restarts: int = 3
 
     def __post_init__(self) -> None:
-        if self.num_workers < 1:
-            raise ValueError(f"launcher.num_workers must be >= 1, got {self.num_workers}")
+        if self.num_workers is not None and self.num_workers < 1:
+            raise ValueError(f"launcher.num_workers must be >= 1 (or null: one per GPU), got {self.num_workers}")
         if self.claim_lease_s <= 0:
             raise ValueError(f"launcher.claim_lease_s must be > 0, got {self.claim_lease_s}")
         if self.max_shard_attempts < 1:
             raise ValueError(f"launcher.max_shard_attempts must be >= 1, got {self.max_shard_attempts}")
+        if self.max_restarts < 0:
+            raise ValueError(f"launcher.max_restarts must be >= 0, got {self.max_restarts}")
+        if self.name != "ray" and self.ray_address is not None:
+            raise ValueError("ray_address: used only with launcher=ray; drop it or add launcher=ray")
 
 
 @dataclass(frozen=True)

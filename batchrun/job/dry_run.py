@@ -34,6 +34,7 @@ from batchrun.job.errors import ConfigError, ShardError
 from batchrun.job.flow import INVALID_SCHEMA, check_row, with_row_schema
 from batchrun.job.openai_files import BatchFileReader
 from batchrun.job.openai_requests import RequestBuilder
+from batchrun.job.pool import num_local_workers
 from batchrun.job.prompts import Prompt, PromptBuilder
 from batchrun.job.reader import InputRow, ShardReader
 from batchrun.job.runner import check_id_column, check_openai_batch_config, load_engine, prompt_builders
@@ -110,8 +111,8 @@ def plan_run(config: RunConfig, engine: Optional[Engine] = None, env: Optional[M
     shards = discover_shards(data_fs, data_path, config.data.uri, exclude, config.data.format)
     check_id_column(config, data_fs, shards[0])
     worker = resolve_worker(config.launcher, env)
-    local = config.launcher.num_workers > 1 and config.launcher.rank is None
-    num_workers = config.launcher.num_workers if local else worker.world_size
+    local = num_local_workers(config, env) if config.launcher.rank is None else 1
+    num_workers = local if local > 1 else worker.world_size
 
     engine = engine or load_engine(config.engine)
     profile = engine.throughput_profile()

@@ -1,5 +1,6 @@
 """run_job: the entry point of a run. One worker in this process, or, with launcher.num_workers=N
-(and no rank given), N worker processes on this machine (pool.py), each running runner.run_worker.
+(and no rank given; null: one per visible GPU), N worker processes on this machine (pool.py), or
+with launcher=ray N Ray actors (ray_launch.py), each running runner.run_worker.
 Where the whole run ends (the one worker, the launcher, or the last of several workers to finish)
 it writes the run's report.html (report.py)."""
 
@@ -11,7 +12,8 @@ from typing import Optional
 
 from batchrun.engine import Engine
 from batchrun.job.config import RunConfig
-from batchrun.job.pool import run_local_workers
+from batchrun.job.pool import num_local_workers, run_local_workers
+from batchrun.job.ray_launch import run_ray_workers
 from batchrun.job.report import write_report_at_end
 from batchrun.job.results import RunResult
 from batchrun.job.runner import run_worker
@@ -26,7 +28,9 @@ def run_job(config: RunConfig, engine: Optional[Engine] = None, env: Optional[Ma
     os.environ and is where torchrun/Slurm ranks are read from when the config leaves them unset.
     """
     env = env if env is not None else os.environ
-    if config.launcher.num_workers > 1 and config.launcher.rank is None:
+    if config.launcher.name == "ray":
+        result, world_size = run_ray_workers(config, env), 1  # the driver ends after all its actors
+    elif config.launcher.rank is None and _num_workers(config, env, engine) > 1:
         result = run_local_workers(config, env)
         world_size = 1  # the launcher ends after all its workers: the run has ended
     else:
@@ -36,3 +40,10 @@ def run_job(config: RunConfig, engine: Optional[Engine] = None, env: Optional[Ma
     if result.status != "interrupted":
         write_report_at_end(config.output.uri, config.output.storage_options, world_size)
     return result
+
+
+def _num_workers(config: RunConfig, env: Mapping[str, str], engine: Optional[Engine]) -> int:
+    """An engine passed in is used here, in this process, unless num_workers asks for more."""
+    if engine is not None and config.launcher.num_workers is None:
+        return 1
+    return num_local_workers(config, env)

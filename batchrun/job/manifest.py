@@ -78,6 +78,7 @@ class Manifest:
                 "rank": worker.rank,
                 "world_size": worker.world_size,
                 "source": worker.source,
+                "device": worker.device,  # the GPU(s) this worker was given (CUDA_VISIBLE_DEVICES), else null
                 "hostname": socket.gethostname(),
                 "pid": os.getpid(),
             },

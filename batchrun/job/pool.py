@@ -29,7 +29,7 @@ from batchrun.job.errors import ConfigError, JobError
 from batchrun.job.manifest import utc_now, write_merged_manifest
 from batchrun.job.results import DONE_STATUSES, RunResult, ShardSummary
 from batchrun.job.runner import run_worker
-from batchrun.job.shards import Shard, discover_shards, open_filesystem
+from batchrun.job.shards import Shard, discover_shards, open_filesystem, resolve_worker
 from batchrun.job.signals import StopRequest
 from batchrun.job.store import RunStore
 from batchrun.utils.logs import StderrHandler
@@ -40,9 +40,21 @@ log = logging.getLogger(__name__)
 POLL_S = 0.2
 
 
+def num_local_workers(config: RunConfig, env: Mapping[str, str], device_count: Optional[int] = None) -> int:
+    """launcher.num_workers, or where it is null one worker per visible GPU: one where a scheduler
+    (or the config) gives this process its rank, on the CPU, and where no GPU is visible.
+    `device_count`: the GPUs torch would see (tests simulate a GPU host with it)."""
+    if config.launcher.num_workers is not None:
+        return config.launcher.num_workers
+    if config.launcher.rank is not None or resolve_worker(config.launcher, env).source != "default":
+        return 1
+    gpu_ids = _gpu_ids(config, env, device_count)
+    return max(1, len(gpu_ids)) if gpu_ids is not None else 1
+
+
 def worker_configs(config: RunConfig, env: Mapping[str, str]) -> list[tuple[RunConfig, dict[str, str]]]:
     """Each worker's config (its rank, its share of the CPU threads) and environment (its GPU)."""
-    n = config.launcher.num_workers
+    n = num_local_workers(config, env)
     gpu_ids = _gpu_ids(config, env)
     if gpu_ids is not None and len(gpu_ids) < n:
         raise ConfigError("launcher.num_workers", f"{n} workers need {n} GPUs; {len(gpu_ids)} visible")
@@ -65,16 +77,18 @@ def worker_configs(config: RunConfig, env: Mapping[str, str]) -> list[tuple[RunC
     return out
 
 
-def _gpu_ids(config: RunConfig, env: Mapping[str, str]) -> Optional[list[str]]:
+def _gpu_ids(config: RunConfig, env: Mapping[str, str], device_count: Optional[int] = None) -> Optional[list[str]]:
     """The GPUs the workers share out, or None when the engine runs on the CPU."""
     if config.engine.device == "cpu":
         return None
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible:
         return [d.strip() for d in visible.split(",") if d.strip()]
-    import torch  # only here: a CPU-only launcher does not pay for importing it
+    if device_count is None:
+        import torch  # only here: a CPU-only launcher does not pay for importing it
 
-    count = torch.cuda.device_count()
+        device_count = torch.cuda.device_count()
+    count = device_count
     if count == 0:
         if config.engine.device == "cuda":
             raise ConfigError("engine.device", "cuda requested but no GPU is visible")
@@ -82,7 +96,9 @@ def _gpu_ids(config: RunConfig, env: Mapping[str, str]) -> Optional[list[str]]:
     return [str(i) for i in range(count)]
 
 
-def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> RunResult:
+def open_run(config: RunConfig) -> tuple[RunStore, list[Shard]]:
+    """A launcher's store and shard list: the same listing the workers make (runner._JobRun), as
+    the merged manifest's shards and the report are named from it."""
     assert config.data.uri is not None
     try:
         store = RunStore(config.output.uri, config.output.storage_options)
@@ -90,11 +106,14 @@ def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> RunResult:
         raise JobError(f"output.uri: cannot open {config.output.uri}: {e}") from None
     data_fs, data_path = open_filesystem(config.data.uri, config.data.storage_options)
     same_fs = type(data_fs) is type(store.fs) and data_fs.protocol == store.fs.protocol
-    # The same listing the workers make (runner._JobRun): the launcher's shard list names the
-    # merged manifest's shards and the report, so it must take the configured format's files.
     shards = discover_shards(
         data_fs, data_path, config.data.uri, exclude=store.root if same_fs else None, data_format=config.data.format
     )
+    return store, shards
+
+
+def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> RunResult:
+    store, shards = open_run(config)
     started_at, t0 = utc_now(), time.perf_counter()
     workers = worker_configs(config, env)
     log.info("starting %d workers over %d shards; output %s", len(workers), len(shards), store.url(store.root))
@@ -120,11 +139,27 @@ def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> RunResult:
                 forwarded = True
             time.sleep(POLL_S)
     codes = [p.returncode for p in procs]
+    return launcher_result(config, store, shards, started_at, t0, codes, stop)
+
+
+def launcher_result(
+    config: RunConfig,
+    store: RunStore,
+    shards: list[Shard],
+    started_at: str,
+    t0: float,
+    codes: list[int],
+    stop: StopRequest,
+    what: str = "workers",
+) -> RunResult:
+    """After all workers ended (exit `codes`, negative: died by a signal): merge `_manifest.json`
+    and report from the commit markers. Exit 0 when every shard is done, whoever did it; the stop
+    signal's code when stopped first; else 1 (2 when a worker refused its configuration)."""
     if not config.launcher.work_stealing:  # the workers ran the shared plan's shards (runner._shared_plan)
         plan = store.read_json(store.path("_plan.json"))
         if isinstance(plan, dict) and isinstance(plan.get("shards"), list):
             shards = [Shard(**s) for s in plan["shards"]]
-    doc = write_merged_manifest(store, shards, len(workers))
+    doc = write_merged_manifest(store, shards, len(codes))
     summaries = []
     for record in doc["shards"]:
         status, metrics = record["status"], None
@@ -152,7 +187,7 @@ def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> RunResult:
         exit_code = 2 if 2 in codes else 1
         status = "failed"
     message = (
-        f"{len(workers)} workers: {sum(s.status == 'committed' for s in summaries)} committed, "
+        f"{len(codes)} {what}: {sum(s.status == 'committed' for s in summaries)} committed, "
         f"{sum(s.status == 'skipped' for s in summaries)} already done, {num_left} not done "
         f"(worker exit codes {codes})"
     )

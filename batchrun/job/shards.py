@@ -58,6 +58,7 @@ class Worker:
     rank: int
     world_size: int
     source: str  # where rank and world size came from, for the log and the manifest
+    device: Optional[str] = None  # the GPU(s) given to this worker (CUDA_VISIBLE_DEVICES); None: not set
 
 
 log = logging.getLogger(__name__)
@@ -196,21 +197,66 @@ def _is_hidden(rel_path: str) -> bool:
     return any(part.startswith(("_", ".")) for part in rel_path.split("/"))
 
 
+# Where each scheduler says which worker this process is, innermost first: a launcher started inside
+# another one knows the finer split (torchrun under srun, a Ray actor on a Slurm node), so the first
+# source found is the one used and the outer ones' variables are not read.
+#   batchrun's launchers  BATCHRUN_RANK + BATCHRUN_WORLD_SIZE (set for each worker; BATCHRUN_LAUNCHER
+#                         names it, e.g. ray)
+#   torchrun              RANK + WORLD_SIZE
+#   Slurm                 array task x step task: (SLURM_ARRAY_TASK_ID - SLURM_ARRAY_TASK_MIN) /
+#                         SLURM_ARRAY_TASK_STEP of SLURM_ARRAY_TASK_COUNT, times SLURM_PROCID of SLURM_NTASKS
+#   Kubernetes Indexed Job  JOB_COMPLETION_INDEX, world size from launcher.world_size or
+#                         BATCHRUN_WORLD_SIZE (Kubernetes does not tell a pod the Job's completions)
+K8S_INDEX = "JOB_COMPLETION_INDEX"
+
+
 def resolve_worker(config: LauncherConfig, env: Mapping[str, str]) -> Worker:
-    """Rank and world size: config values win, then torchrun, then Slurm (array x tasks), then 0 of 1."""
-    env_rank, env_world, source = _worker_from_env(env)
-    rank = config.rank if config.rank is not None else env_rank
-    world = config.world_size if config.world_size is not None else env_world
-    if config.rank is not None or config.world_size is not None:
-        source = "config" if config.rank is not None and config.world_size is not None else f"config+{source}"
-    if world < 1:
-        raise ConfigError("launcher.world_size", f"must be >= 1, got {world} (from {source})")
-    if not 0 <= rank < world:
-        raise ConfigError("launcher.rank", f"must be in [0, {world}), got {rank} (from {source})")
-    return Worker(rank, world, source)
+    """This worker's rank and world size: launcher.rank and launcher.world_size when both are set
+    (nothing else is read), else the innermost scheduler's variables (above), else 0 of 1.
+
+    A value set once in the config and once by the environment must agree: launcher.world_size=4
+    under WORLD_SIZE=8 is a ConfigError naming both, as is a Kubernetes index with no world size or
+    two world sizes. The worker's device is the GPU(s) CUDA_VISIBLE_DEVICES gives it (a launcher
+    sets one per worker), recorded in its manifest."""
+    device = env.get("CUDA_VISIBLE_DEVICES") or None
+    if config.rank is not None and config.world_size is not None:
+        return _checked(Worker(config.rank, config.world_size, "config", device))
+    found = _worker_from_env(env, config.world_size)
+    if found is None:
+        rank = config.rank if config.rank is not None else 0
+        world = config.world_size if config.world_size is not None else 1
+        source = "config" if config.rank is not None or config.world_size is not None else "default"
+        return _checked(Worker(rank, world, "default" if source == "default" else "config+default", device))
+    rank, world, source, keys = found
+    for key, mine, theirs, their_key in (
+        ("launcher.rank", config.rank, rank, keys[0]),
+        ("launcher.world_size", config.world_size, world, keys[1]),
+    ):
+        if mine is not None and mine != theirs:
+            raise ConfigError(
+                key,
+                f"{key}={mine} contradicts {their_key}={theirs} ({source}); set it only one way, or set both "
+                "launcher.rank and launcher.world_size to ignore the environment",
+            )
+    return _checked(Worker(rank, world, source, device))
 
 
-def _worker_from_env(env: Mapping[str, str]) -> tuple[int, int, str]:
+def _checked(worker: Worker) -> Worker:
+    if worker.world_size < 1:
+        raise ConfigError("launcher.world_size", f"must be >= 1, got {worker.world_size} (from {worker.source})")
+    if not 0 <= worker.rank < worker.world_size:
+        raise ConfigError(
+            "launcher.rank", f"must be in [0, {worker.world_size}), got {worker.rank} (from {worker.source})"
+        )
+    return worker
+
+
+def _worker_from_env(
+    env: Mapping[str, str], config_world: Optional[int]
+) -> Optional[tuple[int, int, str, tuple[str, str]]]:
+    """(rank, world size, source, (the rank's variable, the world size's)) of the innermost
+    scheduler whose variables are set, or None."""
+
     def num(name: str, default: Optional[int] = None) -> int:
         value = env.get(name)
         if value is None or value == "":
@@ -222,20 +268,50 @@ def _worker_from_env(env: Mapping[str, str]) -> tuple[int, int, str]:
         except ValueError:
             raise ConfigError("launcher", f"environment variable {name}={value!r} is not an integer") from None
 
+    if "BATCHRUN_RANK" in env:
+        label = env.get("BATCHRUN_LAUNCHER") or "batchrun"
+        source = f"{label} launcher BATCHRUN_RANK/WORLD_SIZE"
+        return num("BATCHRUN_RANK"), num("BATCHRUN_WORLD_SIZE"), source, ("BATCHRUN_RANK", "BATCHRUN_WORLD_SIZE")
     if "RANK" in env and "WORLD_SIZE" in env:
-        return num("RANK"), num("WORLD_SIZE"), "torchrun RANK/WORLD_SIZE"
-    rank, world, sources = 0, 1, []
-    if "SLURM_ARRAY_TASK_ID" in env:
-        step = num("SLURM_ARRAY_TASK_STEP", 1)
-        rank = (num("SLURM_ARRAY_TASK_ID") - num("SLURM_ARRAY_TASK_MIN", 0)) // step
-        world = num("SLURM_ARRAY_TASK_COUNT")
-        sources.append("SLURM_ARRAY_TASK_ID/COUNT")
-    if "SLURM_PROCID" in env:
-        # Each array task may itself run several tasks (srun): ranks nest as array x tasks.
-        num_tasks = num("SLURM_NTASKS", 1)
-        rank, world = rank * num_tasks + num("SLURM_PROCID"), world * num_tasks
-        sources.append("SLURM_PROCID/NTASKS")
-    return rank, world, " + ".join(sources) or "default"
+        return num("RANK"), num("WORLD_SIZE"), "torchrun RANK/WORLD_SIZE", ("RANK", "WORLD_SIZE")
+    slurm = "SLURM_ARRAY_TASK_ID" in env or "SLURM_PROCID" in env
+    if slurm and K8S_INDEX in env:
+        raise ConfigError("launcher", f"both Slurm (SLURM_*) and Kubernetes ({K8S_INDEX}) variables are set; unset one")
+    if slurm:
+        rank, world, sources = 0, 1, []
+        if "SLURM_ARRAY_TASK_ID" in env:
+            step = num("SLURM_ARRAY_TASK_STEP", 1)
+            rank = (num("SLURM_ARRAY_TASK_ID") - num("SLURM_ARRAY_TASK_MIN", 0)) // step
+            world = num("SLURM_ARRAY_TASK_COUNT")
+            sources.append("SLURM_ARRAY_TASK_ID/COUNT")
+        if "SLURM_PROCID" in env:
+            # Each array task may itself run several tasks (srun): ranks nest as array x tasks.
+            num_tasks = num("SLURM_NTASKS", 1)
+            rank, world = rank * num_tasks + num("SLURM_PROCID"), world * num_tasks
+            sources.append("SLURM_PROCID/NTASKS")
+        return (
+            rank,
+            world,
+            " + ".join(sources),
+            ("SLURM_ARRAY_TASK_ID/SLURM_PROCID", "SLURM_ARRAY_TASK_COUNT/SLURM_NTASKS"),
+        )
+    if K8S_INDEX in env:
+        env_world = num("BATCHRUN_WORLD_SIZE") if env.get("BATCHRUN_WORLD_SIZE") else None
+        if config_world is not None and env_world is not None and config_world != env_world:
+            raise ConfigError(
+                "launcher.world_size",
+                f"launcher.world_size={config_world} contradicts BATCHRUN_WORLD_SIZE={env_world}; set one",
+            )
+        k8s_world = config_world if config_world is not None else env_world
+        if k8s_world is None:
+            raise ConfigError(
+                "launcher.world_size",
+                f"{K8S_INDEX} is set (a Kubernetes Indexed Job) but the world size is not: set "
+                "launcher.world_size or BATCHRUN_WORLD_SIZE to the Job's completions",
+            )
+        where = "launcher.world_size" if config_world is not None else "BATCHRUN_WORLD_SIZE"
+        return num(K8S_INDEX), k8s_world, f"Kubernetes {K8S_INDEX} + {where}", (K8S_INDEX, where)
+    return None
 
 
 def assign_shards(shards: Sequence[Shard], worker: Worker) -> list[Shard]:

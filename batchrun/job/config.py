@@ -38,7 +38,7 @@ RESULT_COLUMNS = [
 # Columns that follow them only when the sampling settings ask (writer.result_schema): n > 1 adds
 # sample_index, logprobs adds cumulative_logprob and logprobs, prompt_logprobs adds prompt_logprobs.
 # With none of these, a results file is what it was before they existed.
-OPTIONAL_RESULT_COLUMNS = ["sample_index", "cumulative_logprob", "logprobs", "prompt_logprobs"]
+OPTIONAL_RESULT_COLUMNS = ["sample_index", "cumulative_logprob", "logprobs", "prompt_logprobs", "tool_calls"]
 PlanOrder = Literal["longest_first", "shortest_first", "input"]
 DataFormat = Literal["parquet", "openai_batch"]
 WorkloadName = Literal["summarize", "shared_prefix", "random"]
@@ -106,6 +106,11 @@ class JobConfig:
     # For text rows: auto uses the tokenizer's chat template when it has one; always requires one;
     # never sends the text raw. Message rows always go through the chat template.
     chat_template: Literal["auto", "always", "never"] = "auto"
+    # Batch requests with tools (data.format=openai_batch): the chat template that shows the tools to
+    # the model. null uses the model's own, which must render them (else a tools_unsupported error
+    # line); `chatml` is batchrun's ChatML template with a Hermes-style tools section
+    # (job/tool_calls.py); anything else is the path of a Jinja template file.
+    tools_chat_template: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.prompt_template is not None:

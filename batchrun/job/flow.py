@@ -51,7 +51,7 @@ from batchrun.job.logprobs import TokenTexts
 from batchrun.job.manifest import utc_now
 from batchrun.job.metrics import ShardTally, metrics_row
 from batchrun.job.openai_files import BatchFileReader
-from batchrun.job.openai_requests import BatchRequest, RequestBuilder, error_line, response_line
+from batchrun.job.openai_requests import BatchRequest, RequestBuilder, error_line, response_line, tool_columns
 from batchrun.job.planner import plan_requests
 from batchrun.job.progress import Progress
 from batchrun.job.prompts import Prompt, PromptBuilder
@@ -347,6 +347,8 @@ class ShardRun:
             del self.in_flight[entry.row.index]
         result = output_result(entry.row.id, out, entry.prompt.error_message, entry.keep)
         result.update(logprob_columns(out, entry.params, self.token_texts))
+        if entry.request is not None:  # a batch chat choice's parsed tool calls
+            result.update(tool_columns(entry.request, out, self.shard.name, entry.row.index))
         self._emit_row(entry.row.index, out.sample_index, result, out.metrics)
         self.tally.add_request(out.metrics)
         if entry.request is not None and len(entry.outputs) == entry.num_samples:

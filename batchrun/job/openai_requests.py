@@ -11,9 +11,11 @@ batchrun honors override the job's `sampling.*` for that request: max_tokens /
 max_completion_tokens, temperature, top_p, stop, seed, n (that many choices in the one output line,
 sampled from one prefill) and response_format (json_schema / json_object as structured output).
 logprobs (chat: logprobs + top_logprobs; completions: logprobs) adds each choice's token
-logprobs in OpenAI's shape. Fields that would change the answer in ways batchrun does not implement
-(penalties, tools, ...) make the request an error line rather than being silently ignored; fields that change
-nothing (user, metadata, store, stream=false, ...) are accepted.
+logprobs in OpenAI's shape. Chat requests' tools, tool_choice and parallel_tool_calls go through
+tool_calls.py (the tools into the prompt, a required or named call into a JSON-schema constraint,
+the output back into message.tool_calls). Fields that would change the answer in ways batchrun does
+not implement (penalties, ...) make the request an error line rather than being silently ignored;
+fields that change nothing (user, metadata, store, stream=false, ...) are accepted.
 
 Output lines follow OpenAI's batch output format: successes
 
@@ -39,6 +41,15 @@ from batchrun.engine import RequestOutput, SamplingParams
 from batchrun.job.logprobs import TokenTexts, logprob_entries
 from batchrun.job.prompts import Prompt
 from batchrun.job.reader import InputRow
+from batchrun.job.tool_calls import (
+    ToolsError,
+    ToolSpec,
+    chat_choice,
+    render,
+    result_columns,
+    template_messages,
+    tool_spec,
+)
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -51,19 +62,18 @@ UNSUPPORTED_PARAMETER = "unsupported_parameter"  # a body field batchrun does no
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # prompt + max_tokens over max_model_len (OpenAI's code)
 
 # Body fields that never change a completion's tokens: accepted and ignored.
-_IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "stream_options", "parallel_tool_calls"})
+_IGNORED_FIELDS = frozenset({"user", "metadata", "store", "service_tier", "stream_options"})
 # Fields batchrun does not implement, accepted only at the value that means "off".
 _OFF_VALUES: dict[str, tuple[Any, ...]] = {
     "stream": (False,),
     "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0),
     "logit_bias": ({},),
-    "tools": ([],),
     "echo": (False,),
     "best_of": (1,),
     "suffix": ("",),
 }
-_MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant"})
+_MESSAGE_ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _MAX_STOP_STRINGS = 4  # OpenAI's limit
 _MAX_N = 128  # OpenAI's limit on body.n
 _MAX_TOP_LOGPROBS_CHAT = 20  # OpenAI's limits on body.top_logprobs (chat) and body.logprobs (completions)
@@ -86,6 +96,8 @@ class BatchRequest:
     url: str  # CHAT_URL or COMPLETIONS_URL
     model: str  # as the request names it; echoed in the response
     body: dict[str, Any]
+    # a chat request's tools (tool_calls.tool_spec of its body), set once its body was checked
+    tools: Optional[ToolSpec] = None
 
     @property
     def is_chat(self) -> bool:
@@ -195,6 +207,19 @@ def sampling_params(request: BatchRequest, defaults: SamplingParams) -> Union[Sa
         return logprobs
     if logprobs is not None:
         changes["logprobs"] = logprobs
+    tool_keys = ("tools", "tool_choice", "parallel_tool_calls")
+    if not request.is_chat and any(k in body for k in tool_keys):
+        key = next(k for k in tool_keys if k in body)
+        return RequestError(UNSUPPORTED_PARAMETER, f"body.{key} is for {CHAT_URL}")
+    try:
+        tools = tool_spec(body) if request.is_chat else None
+    except ToolsError as e:
+        return RequestError(e.code, e.message)
+    for key in tool_keys:
+        body.pop(key, None)
+    tool_constraint = tools.constraint if tools is not None else None
+    if tool_constraint is not None:
+        changes.update(json_schema=tool_constraint, regex=None, choice=())
     if "response_format" in body:
         value = body.pop("response_format")
         kind = value.get("type") if isinstance(value, dict) else None
@@ -210,6 +235,10 @@ def sampling_params(request: BatchRequest, defaults: SamplingParams) -> Union[Sa
                     INVALID_REQUEST, "body.response_format.json_schema.schema must be a JSON Schema object"
                 )
             changes.update(json_schema=schema, regex=None, choice=())
+        if kind != "text" and tools is not None and tools.mode != "none":
+            return RequestError(
+                UNSUPPORTED_PARAMETER, "body.response_format with body.tools: only with tool_choice none"
+            )
     for key, value in body.items():
         if key in _IGNORED_FIELDS:
             continue
@@ -252,9 +281,11 @@ def _requested_logprobs(request: BatchRequest, body: dict[str, Any]) -> Union[in
     return value
 
 
-def chat_messages(request: BatchRequest) -> Union[list[dict[str, str]], RequestError]:
+def chat_messages(request: BatchRequest) -> Union[list[dict[str, Any]], RequestError]:
     """body.messages as {role, content} text messages for a chat template; content given as a list
-    of text parts is joined. `developer` is OpenAI's newer name for `system`."""
+    of text parts is joined. `developer` is OpenAI's newer name for `system`. A conversation with
+    tool calls keeps them: an assistant message's tool_calls (its content may then be null) and a
+    tool message's tool_call_id (tool_calls.template_messages)."""
     messages = request.body["messages"]
     if not isinstance(messages, list) or not messages:
         return RequestError(INVALID_REQUEST, "body.messages must be a non-empty list")
@@ -266,6 +297,9 @@ def chat_messages(request: BatchRequest) -> Union[list[dict[str, str]], RequestE
                 INVALID_REQUEST, f"messages[{i}].role must be one of {', '.join(sorted(_MESSAGE_ROLES))}"
             )
         content = m.get("content")
+        calls = m.get("tool_calls") if role == "assistant" else None
+        if content is None and calls:
+            content = ""
         if isinstance(content, list):
             if not all(
                 isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
@@ -274,10 +308,20 @@ def chat_messages(request: BatchRequest) -> Union[list[dict[str, str]], RequestE
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             return RequestError(INVALID_REQUEST, f"messages[{i}].content must be a string or a list of text parts")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    if not any(m["content"].strip() for m in out):
+        message: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+        if calls is not None:
+            message["tool_calls"] = calls
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                return RequestError(INVALID_REQUEST, f"messages[{i}].tool_call_id must be a string")
+            message["tool_call_id"] = m["tool_call_id"]
+        out.append(message)
+    if not any(m["content"].strip() or m.get("tool_calls") for m in out):
         return RequestError(INVALID_REQUEST, "every message is empty")
-    return out
+    try:
+        return template_messages(out)
+    except ToolsError as e:
+        return RequestError(e.code, e.message)
 
 
 def completion_prompt(request: BatchRequest, vocab_size: int) -> Union[str, list[int], RequestError]:
@@ -308,12 +352,16 @@ class RequestBuilder:
         model_names: frozenset[str],
         defaults: SamplingParams,
         system_prompt: Optional[str] = None,
+        tools_template: Optional[str] = None,
     ) -> None:
+        """`tools_template`: the chat template text for requests with tools (job.tools_chat_template
+        resolved by tool_calls.resolve_template); None renders them with the model's own."""
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.model_names = model_names
         self.defaults = defaults
         self.system_prompt = system_prompt
+        self.tools_template = tools_template
         self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
 
     def check_line(self, row: InputRow) -> Optional[Prompt]:
@@ -342,6 +390,8 @@ class RequestBuilder:
         params = sampling_params(request, self.defaults)
         if isinstance(params, RequestError):
             return _failed(params), None, request
+        if request.is_chat:  # checked by sampling_params: no ToolsError now
+            request = dataclasses.replace(request, tools=tool_spec(request.body))
         ids = self._token_ids(request)
         if isinstance(ids, RequestError):
             return _failed(ids), None, request
@@ -369,12 +419,15 @@ class RequestBuilder:
         messages = chat_messages(request)
         if isinstance(messages, RequestError):
             return messages
-        if not self.has_chat_template:
+        with_tools = request.tools is not None and request.tools.template_tools is not None
+        if not self.has_chat_template and not (with_tools and self.tools_template is not None):
             return RequestError(INVALID_REQUEST, f"the model's tokenizer has no chat template; use {COMPLETIONS_URL}")
         if self.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         try:
-            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = render(self.tokenizer, messages, request.tools, self.tools_template)
+        except ToolsError as e:
+            return RequestError(e.code, e.message)
         except Exception as e:  # jinja raises many kinds (a template that rejects a role order, ...)
             return RequestError(INVALID_REQUEST, f"the chat template failed: {type(e).__name__}: {_short(e)}")
         # The template already wrote any BOS it wants; letting encode add another would double it.
@@ -403,9 +456,10 @@ def response_line(
     texts: Optional[TokenTexts] = None,
 ) -> dict[str, Any]:
     """The output-file line of a request the engine answered: one choice per sample, in sample
-    order (each finished with stop or length); usage counts the prompt once and every choice's
-    tokens, as OpenAI's API does for n > 1. `top_logprobs`: the request asked for logprobs with
-    that many alternatives per token (`texts` decodes the tokens)."""
+    order (each finished with stop or length, or tool_calls when a chat choice holds calls); usage
+    counts the prompt once and every choice's tokens, as OpenAI's API does for n > 1.
+    `top_logprobs`: the request asked for logprobs with that many alternatives per token (`texts`
+    decodes the tokens)."""
     assert outs and all(o.finish_reason in ("stop", "length") for o in outs), [o.finish_reason for o in outs]
     line_id, request_id, suffix = line_ids(shard, index)
     choices: list[dict[str, Any]] = []
@@ -416,8 +470,8 @@ def response_line(
             entries = logprob_entries(out.token_ids, out.logprobs, top_logprobs, texts) or []
             logprobs = _chat_logprobs(entries) if request.is_chat else _completion_logprobs(entries)
         if request.is_chat:
-            message = {"role": "assistant", "content": out.text, "refusal": None}
-            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": out.finish_reason})
+            message, finish_reason = chat_choice(request.tools, out.text, out.finish_reason, shard, index, i)
+            choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
         else:
             choices.append({"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason})
     if request.is_chat:
@@ -444,6 +498,12 @@ def response_line(
         "response": {"status_code": 200, "request_id": request_id, "body": body},
         "error": None,
     }
+
+
+def tool_columns(request: BatchRequest, out: RequestOutput, shard: str, index: int) -> dict[str, Any]:
+    """The Parquet result row's tool_calls (and finish_reason tool_calls) of one sample, the same
+    calls and ids as its choice in the output line; {} when it holds no calls."""
+    return result_columns(request.tools, out.text, out.finish_reason, shard, index, out.sample_index)
 
 
 def _chat_logprobs(entries: list[dict[str, Any]]) -> dict[str, Any]:

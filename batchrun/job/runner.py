@@ -47,6 +47,7 @@ from batchrun.job.shards import Shard, Worker, assign_shards, discover_shards, o
 from batchrun.job.signals import StopRequest
 from batchrun.job.store import RunStore
 from batchrun.job.textfile import MetricsTextfile, textfile_path
+from batchrun.job.tool_calls import resolve_template
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,7 @@ def prompt_builders(config: RunConfig, engine: Engine) -> tuple[PromptBuilder, O
             frozenset([config.model.path, *([alias] if alias else [])]),
             config.sampling,
             config.job.system_prompt,
+            resolve_template(config.job.tools_chat_template),
         )
     return builder, requests
 

@@ -16,13 +16,14 @@ import pyarrow.parquet as pq
 from batchrun.engine import RequestOutput, SamplingParams
 from batchrun.job.config import OPTIONAL_RESULT_COLUMNS, RESULT_COLUMNS
 from batchrun.job.logprobs import LOGPROBS_TYPE, TokenTexts, cumulative_logprob, logprob_entries
+from batchrun.job.tool_calls import TOOL_CALLS_TYPE
 
 RESULT_FIELDS: list[pa.Field] = [
     # The input row's id, in the id column's own type (result_schema), or "<shard>-<row index>"
     # text with data.id_column=null; null on null_id and some invalid_text rows.
     pa.field("id", pa.string()),
     pa.field("output", pa.string()),  # generated text; null for error rows
-    pa.field("finish_reason", pa.string()),  # stop | length | error
+    pa.field("finish_reason", pa.string()),  # stop | length | error (| tool_calls: batch chat choices with calls)
     pa.field("error_type", pa.string()),  # null, or one of the typed errors (null_prompt, ...)
     pa.field("error_message", pa.string()),  # why; on ok rows a note such as a truncation
     pa.field("num_prompt_tokens", pa.int64()),  # null when the row was never tokenized
@@ -42,6 +43,9 @@ OPTIONAL_RESULT_FIELDS: list[pa.Field] = [
     pa.field("logprobs", LOGPROBS_TYPE),
     # with sampling.prompt_logprobs: the same per prompt token after the first, given those before it
     pa.field("prompt_logprobs", LOGPROBS_TYPE),
+    # batch files: a chat choice's parsed tool calls in OpenAI's message.tool_calls shape (id, type,
+    # function {name, arguments as JSON text}); null when it holds none (tool_calls.py)
+    pa.field("tool_calls", TOOL_CALLS_TYPE),
 ]
 assert [f.name for f in OPTIONAL_RESULT_FIELDS] == OPTIONAL_RESULT_COLUMNS
 
@@ -103,13 +107,14 @@ def error_result(
 
 def optional_columns(sampling: SamplingParams, per_row: bool = False) -> list[str]:
     """The optional result columns these sampling settings add, in schema order. `per_row`: rows
-    may ask for their own samples and logprobs (batch requests' n and logprobs), so those columns
-    are always there (null for rows that did not ask)."""
+    may ask for their own samples, logprobs and tools (batch requests' n, logprobs and tools), so
+    those columns are always there (null for rows that did not ask)."""
     wanted = {
         "sample_index": sampling.n > 1 or per_row,
         "cumulative_logprob": sampling.logprobs is not None or per_row,
         "logprobs": sampling.logprobs is not None or per_row,
         "prompt_logprobs": sampling.prompt_logprobs is not None,
+        "tool_calls": per_row,
     }
     return [c for c in OPTIONAL_RESULT_COLUMNS if wanted[c]]
 

@@ -162,7 +162,7 @@ def write_kv_cache(
         and cpu_native.usable(k, kc)
     ):
         return False
-    lib = cpu_native.library()
+    lib = cpu_native.loaded()
     args = (
         k.data_ptr(),
         v.data_ptr(),
@@ -200,7 +200,7 @@ def supports_prefill(q: torch.Tensor, k_cache) -> bool:
     int8 = isinstance(k_cache, QuantizedKVCache)
     data = k_cache.data if int8 else k_cache
     return bool(
-        cpu_native.library().batchrun_prefill_attention_supported(
+        cpu_native.loaded().batchrun_prefill_attention_supported(
             head_dim,
             DTYPE_CODES[q.dtype],
             block_size,

@@ -53,7 +53,7 @@ def native_supported(out_features: int, in_features: int) -> bool:
     and built with AVX512-BF16, out_features a multiple of 32, in_features even and not too wide."""
     if not (cpu_native.enabled() and cpu_native.available()) or in_features > NATIVE_MAX_IN_FEATURES:
         return False
-    return bool(cpu_native.library().batchrun_linear_bf16_supported(out_features, in_features))
+    return bool(cpu_native.loaded().batchrun_linear_bf16_supported(out_features, in_features))
 
 
 def pack_tiles(w: torch.Tensor, group: int) -> torch.Tensor:

@@ -159,6 +159,13 @@ def library() -> Optional[ctypes.CDLL]:
     return lib
 
 
+def loaded() -> ctypes.CDLL:
+    """The loaded kernels, for a caller that checked `usable` (or `available`) first."""
+    lib = library()
+    assert lib is not None, "native CPU kernels called without checking cpu_native.usable()"
+    return lib
+
+
 def available() -> bool:
     """Whether the kernels are built and loaded (building them on the first call)."""
     return library() is not None

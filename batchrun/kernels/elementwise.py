@@ -91,7 +91,7 @@ def _rms_norm_native(
     x2 = x if x.dim() == 2 else x.reshape(-1, k)  # (num_rows, k); a copy only for strided head views
     out = torch.empty(x2.shape, dtype=x.dtype)  # (num_rows, k)
     assert weight.is_contiguous()
-    cpu_native.library().batchrun_rms_norm_bf16(
+    cpu_native.loaded().batchrun_rms_norm_bf16(
         x2.data_ptr(),
         x2.shape[0],
         k,
@@ -125,7 +125,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         and head_dim % 2 == 0
         and head_dim <= 512
     ):
-        cpu_native.library().batchrun_rotary_bf16(
+        cpu_native.loaded().batchrun_rotary_bf16(
             x.data_ptr(), t, num_heads, head_dim, x.stride(0), cos.data_ptr(), sin.data_ptr(), torch.get_num_threads()
         )
         return x
@@ -163,7 +163,7 @@ def act_mul(gate_up: torch.Tensor, name: str) -> torch.Tensor:
 def _silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
     n = gate_up.shape[-1] // 2
     out = torch.empty((gate_up.shape[0], n), dtype=gate_up.dtype)  # (num_tokens, n)
-    cpu_native.library().batchrun_silu_mul_bf16(
+    cpu_native.loaded().batchrun_silu_mul_bf16(
         gate_up.data_ptr(), gate_up.shape[0], n, gate_up.stride(0), out.data_ptr(), torch.get_num_threads()
     )
     return out

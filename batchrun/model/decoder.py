@@ -200,6 +200,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    gate_up_proj: nn.Module  # nn.Linear, or the packed/quantized module model/prepare.py puts there
+    down_proj: nn.Module
+
     def __init__(self, spec: DecoderSpec) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)

@@ -123,6 +123,7 @@ def read_gguf_weights(path: str) -> dict[str, QuantizedWeight]:
             if name.endswith("self_attn.q_proj"):
                 w = unpermute_rows(w, num_heads)
             elif name.endswith("self_attn.k_proj"):
+                assert num_kv_heads
                 w = unpermute_rows(w, num_kv_heads)
         out[name] = w
     return out

@@ -65,6 +65,9 @@ class PackedWeightLinear(nn.Module):
 class PackedLinear(PackedWeightLinear):
     """y = x @ W.T + b with W held in oneDNN's packed layout (an opaque mkldnn tensor buffer)."""
 
+    packed_weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+
     def __init__(
         self, packed_weight: torch.Tensor, bias: Optional[torch.Tensor], in_features: int, out_features: int
     ) -> None:
@@ -86,6 +89,8 @@ class NativeLinear(PackedWeightLinear):
     CPU takes F.linear over the unpacked weight."""
 
     silu_mul = False  # the subclass below applies silu(gate) * up in the kernel
+    packed_weight: torch.Tensor
+    bias: Optional[torch.Tensor]
 
     def __init__(self, packed_weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
         super().__init__(packed_weight.shape[1], packed_weight.shape[0])
@@ -176,8 +181,9 @@ class NativeEmbedding(nn.Module):
 
     def __init__(self, head: NativeLinear) -> None:
         super().__init__()
+        self._head: NativeLinear
         object.__setattr__(self, "_head", head)  # not a submodule (see above)
-        self.num_embeddings, self.embedding_dim = head.packed_weight.shape
+        self.num_embeddings, self.embedding_dim = (int(n) for n in head.packed_weight.shape)
 
     @property
     def packed_weight(self) -> torch.Tensor:

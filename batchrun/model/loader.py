@@ -320,7 +320,7 @@ def _read_safetensors(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
             start, end = info["data_offsets"]
             raw = torch.empty(end - start, dtype=torch.uint8)  # (nbytes,)
             f.seek(base + start)
-            if end > start and f.readinto(memoryview(raw.numpy())) != end - start:
+            if end > start and f.readinto(raw.numpy().data) != end - start:
                 raise ValueError(f"{path}: tensor {name} is truncated")
             tensor = raw.view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
             out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor

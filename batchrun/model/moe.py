@@ -136,6 +136,8 @@ class Experts(nn.Module):
 class SparseMoeBlock(nn.Module):
     """Replaces the MLP in MoE layers; parameter names follow transformers 5 (`gate`, `experts.*`)."""
 
+    token_counts: torch.Tensor  # (num_experts,) int64, cumulative tokens routed to each expert
+
     def __init__(self, spec: Any, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
         self.num_experts = spec.num_experts

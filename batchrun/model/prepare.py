@@ -13,12 +13,13 @@ way, and packing it there would keep a second copy of the vocabulary matrix.
 from __future__ import annotations
 
 import logging
-from typing import Optional, Union
+from typing import Optional, TypeGuard, Union
 
 import torch
 from torch import nn
 
 from batchrun.kernels.quant import w4a8 as w4
+from batchrun.model.decoder import MLP
 from batchrun.model.linear import NativeEmbedding, NativeLinear, pack_linear, pack_silu_mul
 from batchrun.model.quant.layers import W4A8Linear, W4A8SiluMulLinear
 from batchrun.model.quant.smoothquant import PROJECTION_NAMES
@@ -28,9 +29,9 @@ from batchrun.model.quant.weights import QuantizedWeight
 log = logging.getLogger(__name__)
 
 
-def _is_silu_mlp(module: nn.Module) -> bool:
+def _is_silu_mlp(module: nn.Module) -> TypeGuard[MLP]:
     """A decoder MLP (it has the `fused_act` switch) with a silu activation."""
-    return hasattr(module, "fused_act") and getattr(module, "activation", None) in ("silu", "swish")
+    return isinstance(module, MLP) and module.activation in ("silu", "swish")
 
 
 def prepare_linears(
@@ -99,8 +100,10 @@ def prepare_linears(
             )
             log.warning(summary.notes[-1])
     if quantize_embeddings:
+        assert quantizer is not None
         quantizer.quantize_embeddings(model)
     elif pack and tied:
+        assert isinstance(head, nn.Linear)
         packed_head = pack_linear(head, batch_hint)
         if isinstance(packed_head, NativeLinear):
             model.lm_head, model.embed_tokens = packed_head, NativeEmbedding(packed_head)
@@ -116,9 +119,7 @@ def prepare_linears(
     return summary
 
 
-def _fuse_mlp(
-    mlp: nn.Module, float_gate_up: Optional[nn.Linear], batch_hint: int, summary: QuantizationSummary
-) -> None:
+def _fuse_mlp(mlp: MLP, float_gate_up: Optional[nn.Linear], batch_hint: int, summary: QuantizationSummary) -> None:
     """Whether a silu MLP's gate/up projection applies silu(gate) * up itself, and which layer does it.
 
     `float_gate_up`: its float bf16 gate/up projection when that was left to this choice (packed
@@ -142,7 +143,8 @@ def _fuse_mlp(
     ):
         qweight, scales, mins = gate_up.int4_weight()
         weight = QuantizedWeight("int4", qweight, scales, mins, gate_up.in_features)
-        mlp.gate_up_proj, mlp.fused_act = W4A8SiluMulLinear(weight, gate_up.bias), True
+        mlp.gate_up_proj = W4A8SiluMulLinear(weight, gate_up.bias)
+        mlp.fused_act = True
 
 
 def quantize_model(

@@ -37,7 +37,7 @@ def quantize_groups_int8(x: torch.Tensor, group: int = W4A8_GROUP) -> tuple[torc
         xq = torch.empty((m, k), dtype=torch.int8)
         scales = torch.empty((m, k // group), dtype=torch.float32)
         sums = torch.empty((m, k // group), dtype=torch.float32)
-        cpu_native.library().batchrun_quantize_groups_int8(
+        cpu_native.loaded().batchrun_quantize_groups_int8(
             x.data_ptr(),
             DTYPE_CODES[x.dtype],
             m,
@@ -80,7 +80,7 @@ def w4a8_native_supported(out_features: int, in_features: int) -> bool:
     and BF16; out_features a multiple of 32, in_features of 32)."""
     if not (cpu_native.enabled() and cpu_native.available()):
         return False
-    return bool(cpu_native.library().batchrun_w4a8_linear_supported(out_features, in_features))
+    return bool(cpu_native.loaded().batchrun_w4a8_linear_supported(out_features, in_features))
 
 
 def pack_w4a8_weight(
@@ -178,7 +178,7 @@ def w4a8_matmul_native(
     n = packed.shape[0]
     y = torch.empty((m, n), dtype=torch.bfloat16)
     if m:
-        rc = cpu_native.library().batchrun_w4a8_linear(
+        rc = cpu_native.loaded().batchrun_w4a8_linear(
             xq,
             m,
             k,
@@ -220,7 +220,7 @@ def w4a8_silu_quant_native(
     scales = torch.empty((m, n // W4A8_GROUP), dtype=torch.float32)
     sums = torch.empty((m, n // W4A8_GROUP), dtype=torch.float32)
     if m:
-        rc = cpu_native.library().batchrun_w4a8_silu_quant(
+        rc = cpu_native.loaded().batchrun_w4a8_silu_quant(
             xq,
             m,
             k,

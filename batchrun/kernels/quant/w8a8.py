@@ -34,7 +34,8 @@ def quantize_per_token_int8(x: torch.Tensor, skip: Optional[torch.Tensor] = None
     linalg.vector_norm(inf), which is much slower here).
     """
     if native_rows(x):
-        return _quantize_per_token_int8_native(x, skip)
+        xq, scale, _ = _quantize_per_token_int8_native(x, skip)
+        return xq, scale
     xf = x.float()
     if skip is not None:
         xf = xf.masked_fill(skip, 0.0)
@@ -52,16 +53,16 @@ def native_rows(x: torch.Tensor) -> bool:
 
 def _quantize_per_token_int8_native(
     x: torch.Tensor, skip: Optional[torch.Tensor], gather: Optional[torch.Tensor] = None
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """quantize_per_token_int8 in one pass (csrc/quant.cpp); bitwise equal to the torch code. With
-    `gather` ((n,) int64 column indices) also returns x[:, gather], copied in the same pass."""
+    `gather` ((n,) int64 column indices) also x[:, gather], copied in the same pass (else None)."""
     m, k = x.shape
     xq = torch.empty((m, k), dtype=torch.int8)
     scale = torch.empty((m, 1), dtype=torch.float32)
     # A contiguous bool mask is read as its bytes (0/1): no conversion on this per-projection path.
     skip = None if skip is None else skip.contiguous()  # held until the call returns
     gathered = None if gather is None else torch.empty((m, gather.numel()), dtype=x.dtype)  # (m, n)
-    cpu_native.library().batchrun_quantize_per_token_int8(
+    cpu_native.loaded().batchrun_quantize_per_token_int8(
         x.data_ptr(),
         DTYPE_CODES[x.dtype],
         m,
@@ -75,7 +76,7 @@ def _quantize_per_token_int8_native(
         None if gathered is None else gathered.data_ptr(),
         torch.get_num_threads(),
     )
-    return (xq, scale) if gather is None else (xq, scale, gathered)
+    return xq, scale, gathered
 
 
 def quantize_with_outliers(
@@ -84,7 +85,9 @@ def quantize_with_outliers(
     """(x_q, scale) of quantize_per_token_int8(x, outliers.skip), and x[:, outliers.index] for the
     float product: one native pass where the kernels serve x, else the torch code and an index_select."""
     if native_rows(x) and outliers.index.dtype == torch.int64 and outliers.index.is_contiguous():
-        return _quantize_per_token_int8_native(x, outliers.skip, outliers.index)
+        xq, scale, gathered = _quantize_per_token_int8_native(x, outliers.skip, outliers.index)
+        assert gathered is not None
+        return xq, scale, gathered
     xq, scale = quantize_per_token_int8(x, outliers.skip)
     return xq, scale, x.index_select(1, outliers.index)
 
@@ -105,7 +108,7 @@ def _w8a8_epilogue(
         y = torch.empty((m, n), dtype=dtype)
         ws, xs = w_scales.reshape(-1).contiguous(), x_scales.reshape(-1).contiguous()
         b = bias.contiguous() if bias is not None else None
-        cpu_native.library().batchrun_w8a8_epilogue(
+        cpu_native.loaded().batchrun_w8a8_epilogue(
             acc.data_ptr(),
             m,
             n,
@@ -180,7 +183,7 @@ def w8a8_native_supported(out_features: int, in_features: int, num_float_channel
     and BF16; out_features a multiple of 32, in_features of 4, an even number of float channels)."""
     if not (cpu_native.enabled() and cpu_native.available()):
         return False
-    return bool(cpu_native.library().batchrun_w8a8_linear_supported(out_features, in_features, num_float_channels))
+    return bool(cpu_native.loaded().batchrun_w8a8_linear_supported(out_features, in_features, num_float_channels))
 
 
 def pack_w8a8_weight(qweight: torch.Tensor) -> torch.Tensor:
@@ -235,7 +238,7 @@ def w8a8_matmul_native(
             quantize_with_outliers(x2, outliers) if outliers is not None else (*quantize_per_token_int8(x2), None)
         )
         sx = sx.reshape(-1).contiguous()
-    rc = cpu_native.library().batchrun_w8a8_linear(
+    rc = cpu_native.loaded().batchrun_w8a8_linear(
         None if xq is None else xq.data_ptr(),
         m,
         k,

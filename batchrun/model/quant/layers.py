@@ -30,6 +30,8 @@ CPU_INT8PACK_MAX_ROWS = 4
 class QuantLinear(PackedWeightLinear):
     """Base of the quantized linears: y = x @ W.T (+ bias) in x's dtype; W is held quantized."""
 
+    bias: Optional[torch.Tensor]
+
     def __init__(self, in_features: int, out_features: int, bias: Optional[torch.Tensor]) -> None:
         super().__init__(in_features, out_features)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
@@ -40,6 +42,9 @@ class QuantLinear(PackedWeightLinear):
 
 class Int8Linear(QuantLinear):
     """W8A16: int8 weights (per channel, or in groups for GGUF Q8_0), activations in the model dtype."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
 
     def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> None:
         assert weight.format == "int8"
@@ -64,6 +69,7 @@ class Int8Linear(QuantLinear):
             and self.is_per_channel
             and x2.shape[0] <= CPU_INT8PACK_MAX_ROWS
         ):
+            assert self._scales_bf16 is not None  # set whenever is_per_channel
             y = qk.int8_weight_matmul_cpu(x2, self.qweight, self._scales_bf16)
             if self.bias is not None:
                 y = y + self.bias
@@ -79,6 +85,14 @@ class W8A8Linear(QuantLinear):
     For bf16 on a CPU where the native kernel serves the shape (kernels/quant/w8a8.py:
     w8a8_native_supported), the weight is held only in that kernel's tiles (and the float channels'
     weight in bf16 tiles), and every call runs it; otherwise torch._int_mm and the epilogue."""
+
+    scales: torch.Tensor
+    qweight: torch.Tensor
+    packed_qweight: torch.Tensor
+    packed_outlier_weight: Optional[torch.Tensor]
+    outlier_index: torch.Tensor
+    outlier_skip: torch.Tensor
+    outlier_weight_t: torch.Tensor
 
     def __init__(
         self,
@@ -151,6 +165,7 @@ class W8A8Linear(QuantLinear):
         """w8a8_matmul over the unpacked weights (slow; only when the native kernel cannot run)."""
         outliers = self.outliers
         if outliers is not None:
+            assert self.packed_outlier_weight is not None  # packed whenever there are outliers
             weight_t = unpack_native_weight(self.packed_outlier_weight).t().contiguous()
             outliers = qk.OutlierChannels(outliers.index, outliers.skip, weight_t)
         return qk.w8a8_matmul(x, qk.unpack_w8a8_weight(self.packed_qweight), self.scales, self.bias, outliers)
@@ -160,10 +175,16 @@ class Int4Linear(QuantLinear):
     """W4A16 in groups along K. On a CPU with bf16 activations the weight is held only in torch's
     packed int4 layout (its kernel); otherwise in our canonical layout (Triton on GPU, reference on CPU)."""
 
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
     def __init__(
         self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None, compute_dtype: torch.dtype = torch.float32
     ) -> None:
-        assert weight.format == "int4"
+        assert weight.format == "int4" and weight.mins is not None
         super().__init__(weight.in_features, weight.out_features, bias)
         self.group_size = weight.group_size
         self.format_key = f"int4/g{self.group_size}"
@@ -204,10 +225,18 @@ class W4A8Linear(QuantLinear):
     nibble tiles (kernels/quant/w4a8.py: w4a8_matmul_native); elsewhere the reference (w4a8_matmul,
     which dequantizes the weight on every call: slow, for checks and float32 models)."""
 
+    packed_qweight: torch.Tensor
+    packed_scales: torch.Tensor
+    packed_mins: torch.Tensor
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor
+
     def __init__(
         self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None, compute_dtype: Optional[torch.dtype] = None
     ) -> None:
         assert weight.format == "int4" and weight.group_size == w4.W4A8_GROUP, "W4A8 needs int4 in groups of 32"
+        assert weight.mins is not None
         super().__init__(weight.in_features, weight.out_features, bias)
         self.format_key = f"w4a8/g{w4.W4A8_GROUP}"
         self.is_native = (
@@ -276,8 +305,11 @@ class W4A8SiluMulLinear(W4A8Linear):
     Where the kernel cannot run (switched off, another dtype) it returns silu(gate) * up as a
     tensor, from the reference projection, and the down projection quantizes it itself."""
 
+    _plain_order: torch.Tensor
+
     def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> None:
         order = silu_pair_order(weight.out_features // 2)
+        assert weight.mins is not None
         permuted = QuantizedWeight(
             "int4", weight.qweight[order], weight.scales[order], weight.mins[order], weight.in_features
         )
@@ -290,7 +322,9 @@ class W4A8SiluMulLinear(W4A8Linear):
         o = self._plain_order
         return qweight[o], scales[o], mins[o]
 
-    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, w4.GroupQuantized]:
+    # Narrower input and wider output than W4A8Linear.forward by design: its output feeds only the
+    # down projection, which takes either form.
+    def forward(self, x: torch.Tensor) -> Union[torch.Tensor, w4.GroupQuantized]:  # type: ignore[override]
         if self._native_ok(x):
             return w4.w4a8_silu_quant_native(
                 x, self.packed_qweight, self.packed_scales, self.packed_mins, self._bias_f32
@@ -303,6 +337,9 @@ class W4A8SiluMulLinear(W4A8Linear):
 class Fp8Linear(QuantLinear):
     """e4m3 weights per channel: W8A8-FP8 through torch._scaled_mm on GPUs with fp8 tensor cores
     (compute capability 8.9+), a dequantizing reference elsewhere."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
 
     def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> None:
         assert weight.format == "fp8"
@@ -324,6 +361,9 @@ class Fp8Linear(QuantLinear):
 class QuantEmbedding(nn.Module):
     """Token embedding held as int8 (or fp8) rows with a scale per row (per row or per group):
     a lookup dequantizes only the rows it reads."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
 
     def __init__(self, weight: QuantizedWeight, dtype: torch.dtype) -> None:
         super().__init__()

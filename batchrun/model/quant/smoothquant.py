@@ -107,11 +107,13 @@ def smooth_activations(model: nn.Module, input_absmax: dict[str, torch.Tensor], 
         count += 1
 
     def fold_into_norm(norm: nn.Module, s: torch.Tensor) -> None:
+        weight = norm.weight
+        assert isinstance(weight, torch.Tensor)
         with torch.no_grad():
             if getattr(norm, "is_gemma", False):  # scales by (1 + w)
-                norm.weight.copy_(((1.0 + norm.weight.float()) / s - 1.0).to(norm.weight.dtype))
+                weight.copy_(((1.0 + weight.float()) / s - 1.0).to(weight.dtype))
             else:
-                norm.weight.copy_((norm.weight.float() / s).to(norm.weight.dtype))
+                weight.copy_((weight.float() / s).to(weight.dtype))
 
     for prefix, layer in ((n, m) for n, m in modules.items() if n.startswith("layers.") and n.count(".") == 1):
         qkv_name = f"{prefix}.self_attn.qkv_proj"

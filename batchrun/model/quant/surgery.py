@@ -47,8 +47,9 @@ def _fused_gguf_weight(name: str, prequantized: dict[str, QuantizedWeight]) -> O
     for fused, parts in FUSED_PROJECTIONS.items():
         if name.endswith(fused):
             prefix = name[: -len(fused)]
-            got = [prequantized.get(f"{prefix}{p}") for p in parts]
-            if any(g is None for g in got):
+            found = [prequantized.get(f"{prefix}{p}") for p in parts]
+            got = [g for g in found if g is not None]
+            if len(got) != len(found):
                 return None
             if len({(g.format, g.scales.shape[1]) for g in got}) != 1:
                 return None
@@ -128,7 +129,8 @@ class ProjectionQuantizer:
     def quantize_embeddings(self, model: nn.Module) -> None:
         """Embedding and LM head as one per-row 8-bit matrix (fp8 in fp8 mode), shared when tied."""
         mode = self.mode
-        embed: nn.Embedding = model.embed_tokens
+        embed = model.embed_tokens
+        assert isinstance(embed, nn.Embedding)  # prepare_linears quantizes embeddings only then
         lm_head = getattr(model, "lm_head", None)
         dtype, device = embed.weight.dtype, embed.weight.device
         row_fmt = "fp8" if mode == "fp8" else "int8"

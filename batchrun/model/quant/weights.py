@@ -35,6 +35,7 @@ class QuantizedWeight:
         if self.format == "int8":
             return qk.dequantize_int8(self.qweight, self.scales, dtype)
         if self.format == "int4":
+            assert self.mins is not None
             return qk.dequantize_int4(self.qweight, self.scales, self.mins, dtype)
         return qk.dequantize_fp8(self.qweight, self.scales, dtype)
 
@@ -51,7 +52,7 @@ class QuantizedWeight:
             and p.scales.shape[1] == first.scales.shape[1]
             for p in parts
         ), "cannot fuse mixed formats"
-        mins = torch.cat([p.mins for p in parts]) if first.mins is not None else None
+        mins = torch.cat([p.mins for p in parts if p.mins is not None]) if first.mins is not None else None
         return QuantizedWeight(
             first.format,
             torch.cat([p.qweight for p in parts]),

@@ -132,7 +132,7 @@ def read_status(
     config = next((w.get("config") for w in workers if isinstance(w.get("config"), dict)), None) or {}
     lease_s = _float((config.get("launcher") or {}).get("claim_lease_s")) or DEFAULT_LEASE_S
     inputs: dict[str, Optional[str]] = {}  # every shard the store names -> its input URL
-    records: dict[str, tuple[dict[str, Any], int]] = {}  # shard -> (best manifest record, its rank)
+    records: dict[str, tuple[dict[str, Any], Optional[int]]] = {}  # shard -> (best manifest record, its rank)
     for doc in workers:
         rank = (doc.get("worker") or {}).get("rank")
         for record in doc.get("shards") or []:
@@ -140,7 +140,8 @@ def read_status(
                 continue
             inputs.setdefault(record["name"], record.get("input"))
             best = records.get(record["name"])
-            if best is None or STATUS_RANK.get(record.get("status"), 0) > STATUS_RANK.get(best[0].get("status"), 0):
+            rank_of = STATUS_RANK.get
+            if best is None or rank_of(record.get("status", ""), 0) > rank_of(best[0].get("status", ""), 0):
                 records[record["name"]] = (record, rank)
     if isinstance(plan, dict):
         for entry in plan.get("shards") or []:
@@ -151,9 +152,9 @@ def read_status(
         data_format = (config.get("data") or {}).get("format") or "parquet"
         fs, path = open_filesystem(data_uri, data_storage_options or {})
         same_fs = type(fs) is type(store.fs) and fs.protocol == store.fs.protocol
-        shards = discover_shards(fs, path, data_uri, store.root if same_fs else None, data_format)
-        listed = len(shards)
-        for shard in shards:
+        listed_shards = discover_shards(fs, path, data_uri, store.root if same_fs else None, data_format)
+        listed = len(listed_shards)
+        for shard in listed_shards:
             inputs.setdefault(shard.name, shard.url)
     for name in [*markers, *claims, *parts]:
         inputs.setdefault(name, None)
@@ -262,7 +263,7 @@ def _shard_status(
             num_output_tokens=_int(metrics.get("num_output_tokens")),
         )
     rows, prompt_tokens, output_tokens, errors = _parts_tally(store, parts)
-    done = {
+    done: dict[str, Any] = {
         "input": input_url,
         "num_rows": rows,
         "num_parts": len(parts),

@@ -8,7 +8,7 @@ A library module (no `__main__`): tests import from here, never from a benchmark
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +70,8 @@ def attention_case(
         return torch.randn(size, generator=dev_gen, device=device).to(dtype)
 
     # the engine's head-major layout (kernels/attention.py), seen through the logical shape
+    k_cache: Union[torch.Tensor, QuantizedKVCache]
+    v_cache: Union[torch.Tensor, QuantizedKVCache]
     k_cache, v_cache = (from_head_major(randn(num_kv_heads, num_blocks, block_size, head_dim)) for _ in range(2))
     if kv_cache_dtype is not None:
         k_cache, v_cache = quantized_copy(k_cache, kv_cache_dtype), quantized_copy(v_cache, kv_cache_dtype)

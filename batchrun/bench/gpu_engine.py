@@ -192,6 +192,7 @@ class ModelCheck:
             return
         default_fraction = default_kv_bytes(self.device, 1 << 40) / (1 << 40)
         free_after = torch.cuda.mem_get_info()[0]
+        assert total is not None  # read before construction whenever self.cuda
         memory.update(
             default_kv_fraction_of_free=default_fraction,
             kv_fraction_of_free_after_weights=kv / max(free_before - weights, 1),  # approximate: the engine measures

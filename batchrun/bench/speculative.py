@@ -28,7 +28,7 @@ from typing import Optional
 from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.bench.timing import round_order
 from batchrun.bench.workloads import copy_prompts, summarize_prompts
-from batchrun.engine import Engine, EngineConfig, SamplingParams
+from batchrun.engine import Engine, EngineConfig, SamplingParams, SpeculativeConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ def _engine(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=1024,
             kv_cache_memory=512 << 20,
-            speculative=dict(method=method, adaptive=adaptive, self_layers=self_layers),
+            speculative=SpeculativeConfig(method=method, adaptive=adaptive, self_layers=self_layers),
         )
     )
 
@@ -60,10 +60,19 @@ def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[flo
     t = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
     wall = time.perf_counter() - t
-    decode = [(len(o.token_ids) - 1) / (o.metrics.latency_s - o.metrics.ttft_s) for o in outs if len(o.token_ids) > 1]
+    decode = [
+        (len(o.token_ids) - 1) / (o.metrics.latency_s - o.metrics.ttft_s)
+        for o in outs
+        if len(o.token_ids) > 1 and o.metrics.latency_s is not None and o.metrics.ttft_s is not None
+    ]
     after = engine.stats()
     spec = {}
-    if after.num_spec_proposed is not None:
+    if (
+        after.num_spec_proposed is not None
+        and after.num_spec_accepted is not None
+        and before.num_spec_proposed is not None
+        and before.num_spec_accepted is not None
+    ):
         proposed = after.num_spec_proposed - before.num_spec_proposed
         accepted = after.num_spec_accepted - before.num_spec_accepted
         spec = {
@@ -144,9 +153,9 @@ def _batch_one(args) -> list[list[str]]:
             + ", ".join(f"{name} {_agreement(res[name][2], res['off'][2])}" for name in methods)
         )
     rows = []
-    for name, vals in ratios.items():
-        print(f"  {name} / off decode tok/s at batch 1: {statistics.mean(vals):.2f}x")
-        acceptance = res[name][3].get("acceptance")
+    for method, vals in ratios.items():
+        print(f"  {method} / off decode tok/s at batch 1: {statistics.mean(vals):.2f}x")
+        acceptance = res[method][3].get("acceptance")
         accepted = "" if acceptance is None else f", {100 * acceptance:.0f}% of drafts accepted (last round)"
         rows.append([f"{name} / off, decode tok/s at batch 1", f"{statistics.mean(vals):.2f}x{accepted}"])
     return rows

@@ -107,7 +107,7 @@ def _shared_prefix_workload(
     document_ids = tokenizer.encode("\n\n".join(texts), add_special_tokens=False)
 
     def build(document_tokens: int, question: str) -> Optional[list[int]]:
-        system = SHARED_INSTRUCTION + tokenizer.decode(document_ids[:document_tokens])
+        system = SHARED_INSTRUCTION + str(tokenizer.decode(document_ids[:document_tokens]))
         job = JobConfig(name="benchmark", system_prompt=system, chat_template=config.job.chat_template)
         return (
             PromptBuilder(job, config.data, tokenizer, max_prompt_tokens)

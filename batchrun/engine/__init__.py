@@ -1,6 +1,6 @@
 """The inference engine: its public API is what this module exports, nothing deeper."""
 
-from batchrun.engine.config import EngineConfig, SamplingParams
+from batchrun.engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestMetrics, RequestOutput, ThroughputProfile
 
@@ -12,5 +12,6 @@ __all__ = [
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",
+    "SpeculativeConfig",
     "ThroughputProfile",
 ]

@@ -11,7 +11,7 @@ j <= i and, with a sliding window W, j > i - W (the convention of HF transformer
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -43,8 +43,8 @@ def gather_slots(cache, slots: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv_cache_reference(
-    k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
-    v_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache: Union[torch.Tensor, QuantizedKVCache],  # (num_blocks, block_size, num_kv_heads, head_dim)
+    v_cache: Union[torch.Tensor, QuantizedKVCache],  # (num_blocks, block_size, num_kv_heads, head_dim)
     k: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     v: torch.Tensor,  # (num_tokens, num_kv_heads, head_dim)
     slot_mapping: torch.Tensor,  # (num_tokens,)
@@ -53,9 +53,11 @@ def write_kv_cache_reference(
     layout (flattening the two leading dims is a view of every layout used); an int8/fp8
     QuantizedKVCache quantizes on its own write."""
     if isinstance(k_cache, QuantizedKVCache):
+        assert isinstance(v_cache, QuantizedKVCache), "K and V caches share one dtype"
         k_cache.write(k, slot_mapping)
         v_cache.write(v, slot_mapping)
         return
+    assert isinstance(v_cache, torch.Tensor)
     k_cache.flatten(0, 1).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.flatten(0, 1).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 

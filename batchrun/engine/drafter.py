@@ -133,6 +133,7 @@ def load_draft_model(
     spec: SpeculativeConfig, tokenizer: Any, dtype: torch.dtype, device: torch.device, cache_dir: Optional[str]
 ) -> tuple[DecoderLM, str]:
     """(the draft model, its resolved path); it must share the target's tokenizer."""
+    assert spec.draft_model is not None  # SpeculativeConfig requires it for method=draft
     loaded = load_model(spec.draft_model, dtype=dtype, cache_dir=cache_dir)
     if len(loaded.tokenizer) != len(tokenizer) or loaded.tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ValueError(
@@ -148,7 +149,7 @@ def build_drafter(
     runner: ModelRunner,
     sampler: Sampler,
     num_blocks: int,
-    profile: dict,
+    profile: dict[str, Any],
     draft: Optional[tuple[DecoderLM, str]],
 ) -> tuple[Drafter, dict[str, Any]]:
     """The drafter of `spec` for the target `model` (run by `runner`), and the settings it adds to

@@ -84,7 +84,9 @@ class BlockPool:
         """Drop the cached content of every block no request holds; return how many had some."""
         dropped = [block_id for block_id in self.free if self.block_hash[block_id] is not None]
         for block_id in dropped:
-            del self.hash_to_block[self.block_hash[block_id]]  # type: ignore[index]
+            h = self.block_hash[block_id]
+            assert h is not None
+            del self.hash_to_block[h]
             self.block_hash[block_id] = None
         return len(dropped)
 

@@ -58,7 +58,8 @@ def ngram_propose(token_ids: Sequence[int], k: int, n_min: int, n_max: int) -> l
         hits = np.nonzero((windows == suffix).all(axis=1))[0]
         if hits.size:
             start = int(hits[-1]) + n
-            return arr[start : start + k].tolist()
+            proposal: list[int] = arr[start : start + k].tolist()
+            return proposal
     return []
 
 

@@ -424,7 +424,7 @@ def _read_schema(value: str) -> str:
 
     try:
         with fsspec.open(value, "r", encoding="utf-8") as f:
-            return f.read()
+            return str(f.read())
     except (OSError, ValueError) as e:
         raise ConfigError("sampling.json_schema", f"cannot read the schema file {value!r}: {e}") from None
 

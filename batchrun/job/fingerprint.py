@@ -60,7 +60,8 @@ def settings_fingerprint(config: RunConfig) -> dict[str, Any]:
         seeded_drafts = {k: v for k, v in dataclasses.asdict(spec).items() if k != "adaptive"}
     out["engine.speculative.seeded_drafts"] = seeded_drafts
     # Markers hold it redacted (store._encode): compare like with like.
-    return redact(out)
+    redacted: dict[str, Any] = redact(out)
+    return redacted
 
 
 def model_fingerprint(model_sha256: str, tokenizer: Any, resolved_dtype: str) -> dict[str, Any]:

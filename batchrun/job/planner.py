@@ -60,8 +60,9 @@ def plan_order(prompts: Sequence[Sequence[int]], order: PlanOrder, block_size: i
         return list(range(len(prompts)))
     # Lexicographic order makes every set of prompts with a common prefix one contiguous run.
     # (sorted is stable: identical prompts keep their input order.)
-    prompts = [p if isinstance(p, list) else list(p) for p in prompts]
-    run = sorted(range(len(prompts)), key=prompts.__getitem__)
+    lists = [p if isinstance(p, list) else list(p) for p in prompts]
+    prompts = lists
+    run = sorted(range(len(lists)), key=lambda i: lists[i])
     key = _SORT_KEYS[order]
     # A depth-first walk with an explicit stack: prompts that extend one another (conversations)
     # make the trie as deep as the window is long. A frame holds the trie children still to plan,

@@ -80,7 +80,8 @@ FORMAT_FILES: dict[str, tuple[tuple[str, ...], str]] = {
 
 def open_filesystem(uri: str, storage_options: Mapping[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
     """fsspec filesystem and in-filesystem path for a local path or any fsspec URL."""
-    return url_to_fs(uri, **dict(storage_options))
+    fs, path = url_to_fs(uri, **dict(storage_options))
+    return fs, str(path)
 
 
 def discover_shards(

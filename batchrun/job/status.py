@@ -441,7 +441,8 @@ def _iso(seconds: float) -> str:
 
 def status_schema() -> dict[str, Any]:
     """The JSON schema `--json` output follows (batchrun/job/status.schema.json)."""
-    return json.loads(resources.files("batchrun.job").joinpath(SCHEMA_FILE).read_text())
+    schema: dict[str, Any] = json.loads(resources.files("batchrun.job").joinpath(SCHEMA_FILE).read_text())
+    return schema
 
 
 def format_status(report: StatusReport, max_shards: int = 50) -> str:

@@ -157,7 +157,7 @@ class RunStore:
         return out
 
     def url(self, path: str) -> str:
-        return self.fs.unstrip_protocol(path)
+        return str(self.fs.unstrip_protocol(path))
 
     def results_path(self, shard: str) -> str:
         return self.path("results", f"{_checked(shard)}.parquet")
@@ -350,7 +350,7 @@ class RunStore:
         may call it for any committed shard). False when neither place has them (deleted by hand)."""
         attempt_dir = marker.get("attempt_dir")
         if not isinstance(attempt_dir, str):  # a marker of the earlier layout: files were moved first
-            return self.fs.exists(self.results_path(shard))
+            return bool(self.fs.exists(self.results_path(shard)))
         parts = attempt_dir.split("/")
         source_dir = self.path(*parts)
         complete = True
@@ -367,7 +367,7 @@ class RunStore:
         source between our looks, so a missing source means: look at `final` once more."""
         if not self.fs.exists(source):
             self.fs.invalidate_cache(posixpath.dirname(final))
-            return self.fs.exists(final)
+            return bool(self.fs.exists(final))
         if self._needs_dirs:
             self.fs.makedirs(posixpath.dirname(final), exist_ok=True)
         try:
@@ -378,7 +378,7 @@ class RunStore:
                 self.fs.rm(source)
         except FileNotFoundError:
             self.fs.invalidate_cache(posixpath.dirname(final))
-            return self.fs.exists(final)
+            return bool(self.fs.exists(final))
         return True
 
     def _marker_is_ours(self, attempt: Attempt, error: Optional[Exception]) -> bool:

@@ -228,4 +228,5 @@ def read_metrics(fs: fsspec.AbstractFileSystem, path: str) -> Optional[dict[str,
 
 def read_column(fs: fsspec.AbstractFileSystem, path: str, column: str) -> list[Any]:
     with fs.open(path, "rb") as f:
-        return pq.read_table(f, columns=[column]).column(column).to_pylist()
+        values: list[Any] = pq.read_table(f, columns=[column]).column(column).to_pylist()
+    return values

@@ -107,7 +107,7 @@ def run_benchmark(config: RunConfig, engine: Optional[Engine] = None) -> Benchma
             key = str(dtype).replace("torch.", "")
             peaks[key] = max(peaks.get(key, 0.0), matmul_peak(dtype, *shape))
     settings = {
-        "engine": engine.settings,
+        "engine": engine.settings.as_dict(),
         "model": engine.model_path,
         "num_parameters": count_parameters(engine.hf_config),
         "matmul_shape": list(shape),

@@ -218,7 +218,7 @@ class PlannerConfig:
 
     enabled: bool = True  # false: rows go to the engine in input order, one at a time
     # Among prompts (and groups of prompts sharing a prefix): longest_first | shortest_first | input.
-    # longest_first is the default: see the planner measurement in the issue 4 closing note.
+    # longest_first is the default: no long prompt starts last and becomes the tail of the run (planner.py).
     order: PlanOrder = "longest_first"
     window: int = 4096  # rows read ahead and ordered together; memory grows with it, not the shard
     # Shards open at once per worker: the next shards' rows are admitted while earlier ones finish,

@@ -85,4 +85,5 @@ class BenchmarkConfig:
 
 def benchmark_config(values: Mapping[str, Any]) -> BenchmarkConfig:
     """The composed `benchmark` group as a BenchmarkConfig; ConfigError naming the key when bad."""
-    return build_section(BenchmarkConfig, values, "benchmark")
+    config: BenchmarkConfig = build_section(BenchmarkConfig, values, "benchmark")
+    return config

@@ -46,11 +46,8 @@ class EngineSettings:
 
     def as_dict(self) -> dict[str, Any]:
         """A plain dict for JSON (copies: changing it changes nothing here)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        for key in _PRESENT_ONLY:
-            if out[key] is None:
-                del out[key]
-        return _plain(out)
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: _plain(v) for k, v in fields.items() if not (k in _PRESENT_ONLY and v is None)}
 
     def with_warmup(self, summary: Mapping[str, Any]) -> EngineSettings:
         return dataclasses.replace(self, warmup=summary)

@@ -233,7 +233,7 @@ def build_core(config: EngineConfig, target: Target, kv_plan: KVPlan, cache: Cac
     )
     sampler = Sampler(config.seed)
     vocab_size = target.model.spec.vocab_size
-    grammars = GrammarCompiler(target.tokenizer, vocab_size, eos_ids)
+    grammars = GrammarCompiler(target.tokenizer, vocab_size, sorted(eos_ids))
     admission = Admission(target.tokenizer, vocab_size, kv_plan.max_model_len, config.seed, grammars)
     step_sampler = StepSampler(sampler, scheduler, target.tokenizer)
     drafter, speculative = None, None

@@ -22,7 +22,7 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import hydra
 from hydra import compose, initialize_config_dir
@@ -30,15 +30,16 @@ from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from batchrun.bench.report import format_benchmark
-from batchrun.bench.throughput import run_benchmark
 from batchrun.job import ConfigError, JobError, RunConfig, build_run_config, format_summary, run_job
-from batchrun.job.config import unknown_key
+from batchrun.job.config import JOB_GROUPS, unknown_key
 from batchrun.job.dry_run import format_plan, plan_run, write_plan_json
 from batchrun.job.report import write_report
 from batchrun.job.status import main as status_main
 from batchrun.utils.private_dir import private_dir
 from batchrun.utils.redact import redact_text
+
+if TYPE_CHECKING:
+    from batchrun.bench.config import BenchmarkConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 # In the source tree (and editable installs) batchrun/conf is a symlink to the repository's conf/;
@@ -72,17 +73,37 @@ OmegaConf.register_new_resolver("batchrun_path", package_path, replace=True)
 OmegaConf.register_new_resolver("batchrun_submitit_dir", submitit_dir, replace=True)
 
 
-def to_run_config(cfg: DictConfig) -> RunConfig:
+def _split_config(cfg: DictConfig) -> tuple[RunConfig, dict[str, Any]]:
+    """The RunConfig, and the group that only this job composes ({} when none): job=benchmark's
+    `benchmark` group, which the benchmark checks itself (bench/config.py)."""
     raw = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     assert isinstance(raw, dict)
     raw.pop("hydra", None)
-    return build_run_config({str(k): v for k, v in raw.items()})
+    plain = {str(k): v for k, v in raw.items()}
+    job = plain.get("job")
+    job_name = job.get("name") if isinstance(job, dict) else None
+    group = next((g for g, name in JOB_GROUPS.items() if name == job_name), None)
+    values = plain.pop(group, None) if group is not None else None
+    return build_run_config(plain), values or {}
+
+
+def to_run_config(cfg: DictConfig) -> RunConfig:
+    return _split_config(cfg)[0]
 
 
 def load_config(overrides: Sequence[str] = ()) -> RunConfig:
     """Compose conf/ with `overrides` (as on the command line) into a RunConfig, without running."""
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return to_run_config(compose(config_name="config", overrides=list(overrides)))
+
+
+def load_benchmark_config(overrides: Sequence[str] = ()) -> tuple[RunConfig, BenchmarkConfig]:
+    """Compose conf/ for job=benchmark: the RunConfig and the checked `benchmark` group."""
+    from batchrun.bench.config import benchmark_config
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        config, values = _split_config(compose(config_name="config", overrides=list(overrides)))
+    return config, benchmark_config(values)
 
 
 _exit_codes: list[int] = []  # one per job (several under --multirun)
@@ -92,9 +113,9 @@ _exit_codes: list[int] = []  # one per job (several under --multirun)
 def _run(cfg: DictConfig) -> None:
     # Expected failures are reported here: raised through Hydra they would gain an extra line.
     try:
-        config = to_run_config(cfg)
+        config, job_group = _split_config(cfg)
         if config.job.name == "benchmark":  # job=benchmark measures instead of writing results
-            print(format_benchmark(run_benchmark(config)), flush=True)
+            _run_benchmark(config, job_group)
             _exit_codes.append(0)
             return None
         if config.dry_run:  # plan only: nothing is run, nothing written to output.uri
@@ -117,6 +138,15 @@ def _run(cfg: DictConfig) -> None:
     if result.exit_code:
         print(f"batchrun: {redact_text(result.message)}", file=sys.stderr, flush=True)
     _exit_codes.append(result.exit_code)
+
+
+def _run_benchmark(config: RunConfig, values: dict[str, Any]) -> None:
+    """The benchmark and its HF baselines are imported here only: every other job starts without them."""
+    from batchrun.bench.config import benchmark_config
+    from batchrun.bench.report import format_benchmark
+    from batchrun.bench.throughput import run_benchmark
+
+    print(format_benchmark(run_benchmark(config, benchmark_config(values))), flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> NoReturn:

@@ -7,12 +7,9 @@ same models. The tokenizer is a small byte-level BPE trained on CPython's own do
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 from typing import Any
-
-log = logging.getLogger(__name__)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"

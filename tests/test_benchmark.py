@@ -11,12 +11,13 @@ import yaml
 
 from batchrun import cli
 from batchrun.bench import doc
+from batchrun.bench.config import BenchmarkConfig
 from batchrun.bench.hf_baseline import hf_generate, load_hf_model
 from batchrun.bench.report import SUMMARY_COLUMNS
 from batchrun.bench.throughput import batchrun_generate, run_benchmark
 from batchrun.bench.workloads import build_workload
 from batchrun.engine import SamplingParams
-from batchrun.job.config import BenchmarkConfig, PlannerConfig
+from batchrun.job.config import PlannerConfig
 from batchrun.job.runner import load_engine
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_torch_thread")]
@@ -133,9 +134,9 @@ def test_shared_prefix_workload_and_the_prefix_cache_ratio(tmp_path, tiny_llama_
         "benchmark.repeats=2",
         "benchmark.systems=[batchrun,batchrun_no_prefix_cache]",
     ]
-    config = cli.load_config(overrides)
+    config, bench = cli.load_benchmark_config(overrides)
     engine = load_engine(config.engine)
-    workload = build_workload(config, engine)
+    workload = build_workload(config, bench, engine)
     assert len({tuple(p) for p in workload.prompts}) == 5
     assert abs(workload.notes["shared_prefix_tokens"] - 120) <= 8
     assert all(
@@ -143,7 +144,7 @@ def test_shared_prefix_workload_and_the_prefix_cache_ratio(tmp_path, tiny_llama_
         for p in workload.prompts
     )
 
-    result = run_benchmark(config, engine=engine)
+    result = run_benchmark(config, bench, engine=engine)
     rows = {r["system"]: r for r in result.rows}
     assert list(rows) == ["batchrun", "batchrun_no_prefix_cache"]
     # Cached blocks are reused within a round only: every round starts from an empty cache.
@@ -190,9 +191,9 @@ def test_reset_prefix_cache_makes_the_next_request_cold(tiny_engine):
 def test_benchmark_yaml_lists_every_key_and_bad_values_name_the_key(capsys, tmp_path, monkeypatch):
     node = yaml.safe_load((cli.CONF_DIR / "job" / "benchmark.yaml").read_text())
     assert sorted(node["benchmark"]) == sorted(f.name for f in dataclasses.fields(BenchmarkConfig))
-    assert cli.load_config(["job=benchmark"]).benchmark == BenchmarkConfig()
+    assert cli.load_benchmark_config(["job=benchmark"])[1] == BenchmarkConfig()
     with pytest.raises(cli.ConfigError, match="benchmark.systems: unknown hf_fp16"):
-        cli.load_config(["job=benchmark", "benchmark.systems=[batchrun,hf_fp16]"])
+        cli.load_benchmark_config(["job=benchmark", "benchmark.systems=[batchrun,hf_fp16]"])
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["benchmark.repeats=2"])  # the group exists only in job=benchmark
@@ -201,3 +202,18 @@ def test_benchmark_yaml_lists_every_key_and_bad_values_name_the_key(capsys, tmp_
         capsys.readouterr().err.strip()
         == "batchrun: config error: benchmark: not a group of this job (use job=benchmark)"
     )
+
+
+def test_the_cli_imports_the_benchmark_only_for_job_benchmark():
+    """Every other job starts without the benchmark's modules (and the HF baselines they load)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from batchrun import cli; "
+        "cfg = cli.load_config([]); "
+        "print(sorted(m for m in sys.modules if m.startswith('batchrun.bench')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+    assert not hasattr(cli.load_config(["job=benchmark"]), "benchmark")  # the group is the benchmark's own

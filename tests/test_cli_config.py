@@ -43,7 +43,7 @@ def test_every_preset_composes_into_the_dataclasses(job, model, launcher):
 
 
 def test_default_run_is_greedy_summarize_of_the_bundled_sample_on_the_gpu_else_the_cpu():
-    from batchrun.engine.engine import resolve_device
+    from batchrun.engine.device import resolve_device
 
     cfg = cli.load_config([])
     assert cfg.job.name == "summarize" and cfg.model.path == "smollm2-135m"

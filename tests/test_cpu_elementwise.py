@@ -249,8 +249,8 @@ def test_engine_packs_bf16_linears_and_the_tokens_stay(tiny_llama_dir, monkeypat
     engine, tokens = run("bfloat16")
     num_layers = engine.model.spec.num_layers
     assert not engine.model.spec.tie_word_embeddings
-    assert engine.settings["packed_linears"] == 4 * num_layers + 1  # qkv, o, gate_up, down per layer, LM head
-    assert engine.settings["native_linears"] == 0
+    assert engine.settings.packed_linears == 4 * num_layers + 1  # qkv, o, gate_up, down per layer, LM head
+    assert engine.settings.native_linears == 0
     assert sum(isinstance(m, PackedLinear) for m in engine.model.modules()) == 4 * num_layers + 1
     # The same engine with the packed layers swapped back for plain ones gives the same tokens.
     for parent in list(engine.model.modules()):
@@ -267,7 +267,7 @@ def test_engine_packs_bf16_linears_and_the_tokens_stay(tiny_llama_dir, monkeypat
     params = SamplingParams(temperature=0.0, max_tokens=16)
     assert [o.token_ids for o in engine.generate(prompts, params)] == tokens
     fp32_engine, _ = run("float32")
-    assert fp32_engine.settings["packed_linears"] == 0
+    assert fp32_engine.settings.packed_linears == 0
 
 
 @pytest.mark.skipif(

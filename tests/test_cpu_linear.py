@@ -199,7 +199,7 @@ def test_engine_runs_its_bf16_linears_natively_and_the_tokens_match_plain_linear
         )
     )
     num_layers = engine.model.spec.num_layers
-    assert engine.settings["native_linears"] == engine.settings["packed_linears"] == 4 * num_layers + 1
+    assert engine.settings.native_linears == engine.settings.packed_linears == 4 * num_layers + 1
     prompts = [[5 + (3 * i + j) % 150 for j in range(10 + 9 * i)] for i in range(5)]
     params = SamplingParams(temperature=0.0, max_tokens=16)
     tokens = [o.token_ids for o in engine.generate(prompts, params)]
@@ -220,7 +220,7 @@ def test_engine_runs_its_bf16_linears_natively_and_the_tokens_match_plain_linear
             block_size=16,
         )
     )
-    assert fp32.settings["native_linears"] == 0
+    assert fp32.settings.native_linears == 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -176,7 +176,7 @@ def test_prompt_logprobs_equal_a_teacher_forced_hf_forward(tiny_llama_dir, hf, c
 
 
 def test_samples_survive_a_kv_pool_too_small_for_all_of_them(engine, tiny_llama_dir):
-    per_block = engine.settings["kv_cache_bytes"] // engine.settings["num_kv_blocks"]
+    per_block = engine.settings.kv_cache_bytes // engine.settings.num_kv_blocks
     tight = make_engine(tiny_llama_dir, kv_cache_memory=per_block * 16, max_model_len=200)
     ps = prompts(engine, 2, 300)
     params = sampled(n=4, max_tokens=40)

@@ -74,4 +74,4 @@ def test_draft_model_cache_comes_out_of_the_same_kv_budget(tiny_model_factory):
     target, draft = _cache_bytes(engine.runner), _cache_bytes(engine.drafter.runner)
     assert draft > 0 and engine.drafter.runner is not engine.runner
     assert target + draft <= budget
-    assert engine.settings["kv_cache_bytes"] == target + draft
+    assert engine.settings.kv_cache_bytes == target + draft

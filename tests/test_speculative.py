@@ -87,7 +87,7 @@ def test_the_decode_profile_covers_the_widths_a_speculative_step_has(tiny_llama_
             speculative=dict(method="ngram", num_speculative_tokens=k),
         )
     )
-    widths = set(engine.settings["batch_limits_profile"]["decode_tok_s"])
+    widths = set(engine.settings.batch_limits_profile["decode_tok_s"])
     assert {1, 1 + k, max_num_seqs * (1 + k)} <= widths
     assert engine.max_num_seqs == max_num_seqs
 

@@ -104,7 +104,7 @@ def _prompts() -> list[str]:
 def test_warmup_covers_every_step_kind_and_leaves_no_trace(tiny_llama_dir, one_torch_thread):
     fresh = Engine(_config(tiny_llama_dir))
     engine = Engine(_config(tiny_llama_dir))
-    assert "warmup" not in engine.settings  # null: on a GPU only
+    assert engine.settings.warmup is None and "warmup" not in engine.settings.as_dict()  # null: on a GPU only
     before = _state(fresh)
     assert _state(engine) == before
 
@@ -112,7 +112,7 @@ def test_warmup_covers_every_step_kind_and_leaves_no_trace(tiny_llama_dir, one_t
     hook = engine.runner.model.register_forward_pre_hook(lambda module, args: metas.append(args[3]))
     summary = engine.warmup()
     hook.remove()
-    assert summary["num_steps"] == len(metas) and engine.settings["warmup"] == summary
+    assert summary["num_steps"] == len(metas) and engine.settings.warmup == summary
     assert summary["graph_buckets"] == []  # no CUDA graphs on the CPU
 
     kinds = set()
@@ -157,7 +157,7 @@ def test_warmup_covers_every_step_kind_and_leaves_no_trace(tiny_llama_dir, one_t
 
 def test_warmup_true_runs_at_start_up_and_needs_an_idle_engine(tiny_llama_dir, one_torch_thread):
     engine = Engine(_config(tiny_llama_dir, warmup=True))
-    assert engine.settings["warmup"]["num_steps"] > 0
+    assert engine.settings.warmup["num_steps"] > 0
     assert engine.admission.next_seq_id == 0 and engine.kv.pool.num_free_blocks == engine.kv.num_blocks
     (request,) = engine.admission.build([1, 2, 3], 0, SamplingParams(temperature=0.0, max_tokens=2))
     engine.scheduler.add(request)
@@ -183,7 +183,7 @@ def test_a_draft_model_is_warmed_up_too_and_greedy_output_is_unchanged(tiny_mode
         )
         for r in runners
     ]
-    assert warmed.settings["warmup"]["num_steps"] == sum(len(p) for p in plans)
+    assert warmed.settings.warmup["num_steps"] == sum(len(p) for p in plans)
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
     assert [o.token_ids for o in warmed.generate(_prompts(), greedy)] == [
         o.token_ids for o in plain.generate(_prompts(), greedy)

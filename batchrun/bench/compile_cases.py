@@ -19,7 +19,6 @@ A library module (no `__main__`).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Optional
@@ -35,8 +34,6 @@ from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.kernels.quant import quantize_int4, quantize_int8
 from batchrun.kernels.quant.kv import QuantizedKVCache
 from batchrun.kernels.triton_aot import CompileLog, compile_only
-
-log = logging.getLogger(__name__)
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 INT8, FP8 = torch.int8, torch.float8_e4m3fn

@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import logging
 import os
 import pkgutil
 from typing import Any, Optional
-
-log = logging.getLogger(__name__)
 
 Snapshot = dict[str, set[str]]  # "module.kernel" -> keys of its compiled variants
 

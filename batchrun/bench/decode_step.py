@@ -28,7 +28,6 @@ graphs (`stand_in_graphs`) in --smoke, where only the harness itself is exercise
 from __future__ import annotations
 
 import contextlib
-import logging
 import re
 import statistics
 import time
@@ -41,8 +40,6 @@ import torch
 from batchrun.engine import Engine, EngineRequest, SamplingParams
 from batchrun.engine.cuda_graphs import DecodeGraphs, EagerReplay, pack_decode_inputs, pick_bucket
 from batchrun.engine.scheduler import ScheduledBatch
-
-log = logging.getLogger(__name__)
 
 _PACKED_FIXED_COLUMNS = 3  # pack_decode_inputs' columns before the block table: token id, position, slot
 _LAUNCH_CALL = re.compile(r"^(cuda|cu)(LaunchKernel|LaunchKernelEx|LaunchKernelExC|LaunchCooperativeKernel)(_v\d+)?$")

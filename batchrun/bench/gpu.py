@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import logging
 import math
 import os
 import random
@@ -59,8 +58,6 @@ from batchrun.bench.gpu_engine import QWEN3, QWEN3_0_6B, SMOLLM2, SMOLLM2_135M, 
 from batchrun.bench.gpu_report import NO_CUDA, Budget, Report, default_json_path, versions
 from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
 from batchrun.kernels.backend import triton_fp8_usable
-
-log = logging.getLogger(__name__)
 
 BF16_TOL = 2e-2  # relative error allowed a bf16 kernel against its reference (_kernel_checks: bf16_tol)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import logging
 import math
 import os
 import tempfile
@@ -25,8 +24,6 @@ from batchrun.bench.decode_step import capture_buckets, probe_decode_steps
 from batchrun.bench.gpu_report import NO_CUDA, Budget, Report
 from batchrun.bench.hf_baseline import hf_generate, load_hf_model
 from batchrun.bench.workloads import nano_vllm_workload
-
-log = logging.getLogger(__name__)
 
 GRAPH_REL_TOL = 2e-2  # graph replay against eager logits in bf16 (a padded bucket may tile differently)
 
@@ -169,22 +166,23 @@ class ModelCheck:
         warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         self.engine.generate([[1] * 64, [2] * 300, [3] * 17], warm)  # compiles the prefill and decode kernels
         _sync(self.device)
-        print(f"  built and warmed in {time.perf_counter() - t0:.1f}s; settings: {self.engine.settings}", flush=True)
+        built_s = time.perf_counter() - t0
+        print(f"  built and warmed in {built_s:.1f}s; settings: {self.engine.settings.as_dict()}", flush=True)
 
     def _memory(self, free_before: Optional[int], total: Optional[int]) -> None:
         from batchrun.engine.profiler import default_kv_bytes
 
         settings = self.engine.settings
-        weights, kv = settings["weight_bytes"], settings["kv_cache_bytes"]
+        weights, kv = settings.weight_bytes, settings.kv_cache_bytes
         memory: dict[str, Any] = {
             "weight_bytes": weights,
             "kv_cache_bytes": kv,
-            "num_kv_blocks": settings["num_kv_blocks"],
-            "block_size": settings["block_size"],
-            "max_model_len": settings["max_model_len"],
+            "num_kv_blocks": settings.num_kv_blocks,
+            "block_size": settings.block_size,
+            "max_model_len": settings.max_model_len,
         }
         self.section["memory"] = memory
-        num_blocks, block_size = settings["num_kv_blocks"], settings["block_size"]
+        num_blocks, block_size = settings.num_kv_blocks, settings.block_size
         head = f"weights {_gib(weights)}, KV {_gib(kv)} = {num_blocks:,} blocks x {block_size} tokens"
         if not self.cuda:
             memory["note"] = f"{NO_CUDA}: KV sized 64 MiB, not the default"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import logging
 import math
 import os
 import platform
@@ -21,8 +20,6 @@ from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any, Optional, TypeVar
 
 import torch
-
-log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 JSON_NAME = "bench-gpu.json"

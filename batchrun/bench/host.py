@@ -34,8 +34,6 @@ from batchrun.engine import Engine, EngineConfig, SamplingParams
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.testing import make_tiny_model
 
-log = logging.getLogger(__name__)
-
 NUM_SEQS = (64, 256)
 CONTEXTS = (512, 4096)
 BLOCK_SIZE = 16

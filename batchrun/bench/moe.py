@@ -9,7 +9,6 @@ Prints the best of --repeats timings of each, and the largest difference from th
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 from collections.abc import Callable
 from typing import Optional
@@ -21,8 +20,6 @@ from batchrun.bench.cases import moe_per_token
 from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.kernels.moe import fused_experts
 from batchrun.model.moe import route
-
-log = logging.getLogger(__name__)
 
 
 def every_expert(x, gate_up, down, weights, ids):

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 from typing import Optional
 
@@ -34,8 +33,6 @@ from batchrun.bench.timing import median_ratio
 from batchrun.bench.workloads import chat_ids, summarize_prompts, summarize_tokens_per_s
 from batchrun.engine import Engine, SamplingParams
 from batchrun.testing import sample_texts
-
-log = logging.getLogger(__name__)
 
 GREEDY_PROMPTS = (
     "The capital of France is",
@@ -74,7 +71,7 @@ def run_quality(modes: list[str], dtype: str, cache_dir: Optional[str], threads:
     base = make_engine("none", dtype, cache_dir=cache_dir, threads=threads)
     seqs = quality_sequences(base.tokenizer)
     ref = engine_teacher_forced(base, seqs)
-    rows = {"none": {"ppl": ref.perplexity, "agree": 1.0, "weight_bytes": base.settings["weight_bytes"]}}
+    rows = {"none": {"ppl": ref.perplexity, "agree": 1.0, "weight_bytes": base.settings.weight_bytes}}
     outputs = {"none": greedy(base)}
     del base
     for mode in modes:
@@ -84,8 +81,8 @@ def run_quality(modes: list[str], dtype: str, cache_dir: Optional[str], threads:
         rows[mode] = {
             "ppl": tf.perplexity,
             "agree": agreement(ref, tf),
-            "weight_bytes": e.settings["weight_bytes"],
-            "formats": e.settings["quant_formats"],
+            "weight_bytes": e.settings.weight_bytes,
+            "formats": dict(e.settings.quant_formats),
         }
         outputs[mode] = greedy(e)
         del e
@@ -152,8 +149,8 @@ def run_speed(
             ratio = median_ratio(res[k], results[ref][k]) if ref else float("nan")
             cells.append(f"{med:>10.1f} ({ratio:>4.2f}x)")
             table.setdefault(mode, {})[k] = {"tok_s": med, "vs_bf16": ratio, "all": res[k]}
-        table[mode]["weight_bytes"] = engines[mode].settings["weight_bytes"]
-        print(f"{mode:<10} {engines[mode].settings['weight_bytes'] / 1e6:>9.1f} " + " ".join(f"{c:>20}" for c in cells))
+        table[mode]["weight_bytes"] = engines[mode].settings.weight_bytes
+        print(f"{mode:<10} {engines[mode].settings.weight_bytes / 1e6:>9.1f} " + " ".join(f"{c:>20}" for c in cells))
     return table
 
 

@@ -30,7 +30,7 @@ from batchrun.bench.timing import TimedRun, median_ratio
 from batchrun.job.shards import open_filesystem
 
 if TYPE_CHECKING:
-    from batchrun.job.config import BenchmarkConfig
+    from batchrun.bench.config import BenchmarkConfig
 
 REFERENCES = {
     "ratio_vs_hf_fp32": "hf_fp32",

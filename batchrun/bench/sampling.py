@@ -22,7 +22,6 @@ a per-row reference that sorts the vocabulary for top-p (kept here only for this
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -37,8 +36,6 @@ from batchrun.bench.timing import median_ratio, round_order
 from batchrun.bench.workloads import summarize_prompts
 from batchrun.engine import Engine, SamplingParams
 from batchrun.engine.sampler import Sampler
-
-log = logging.getLogger(__name__)
 
 CONFIGS = {
     "greedy": dict(temperature=0.0),

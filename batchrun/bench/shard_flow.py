@@ -20,12 +20,13 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchrun.bench.config import BenchmarkConfig
 from batchrun.bench.doc import WRITE_DOCS_HELP, script_command, stamp, write_section
 from batchrun.bench.report import format_benchmark, markdown_benchmark
 from batchrun.bench.throughput import run_benchmark
 from batchrun.bench.workloads import SUMMARIZE_SYSTEM, SUMMARIZE_TEMPLATE
 from batchrun.engine import EngineConfig
-from batchrun.job.config import BenchmarkConfig, DataConfig, JobConfig, OutputConfig, RunConfig
+from batchrun.job.config import DataConfig, JobConfig, OutputConfig, RunConfig
 from batchrun.testing import sample_texts
 
 SYSTEMS = ("batchrun", "batchrun_job", "batchrun_job_sharded", "batchrun_job_sharded_sequential")
@@ -59,17 +60,17 @@ def main() -> None:
             engine=EngineConfig(),
             data=DataConfig(uri=str(root / "in"), on_too_long="truncate"),
             output=OutputConfig(uri=str(root / "out")),
-            benchmark=BenchmarkConfig(
-                workload="summarize",
-                num_prompts=args.rows,
-                max_tokens=args.max_tokens,
-                repeats=args.repeats,
-                systems=SYSTEMS,
-                job_shards=args.shards,
-            ),
             quiet=True,
         )
-        result = run_benchmark(config)
+        bench = BenchmarkConfig(
+            workload="summarize",
+            num_prompts=args.rows,
+            max_tokens=args.max_tokens,
+            repeats=args.repeats,
+            systems=SYSTEMS,
+            job_shards=args.shards,
+        )
+        result = run_benchmark(config, bench)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(format_benchmark(result))

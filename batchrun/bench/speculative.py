@@ -20,7 +20,6 @@ can flip an argmax and the texts part from there on. In float32 the outputs are 
 from __future__ import annotations
 
 import argparse
-import logging
 import statistics
 import time
 from typing import Optional
@@ -29,8 +28,6 @@ from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, 
 from batchrun.bench.timing import round_order
 from batchrun.bench.workloads import copy_prompts, summarize_prompts
 from batchrun.engine import Engine, EngineConfig, SamplingParams, SpeculativeConfig
-
-log = logging.getLogger(__name__)
 
 
 def _engine(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import statistics
 import time
 from typing import Any, Optional, Union
@@ -32,8 +31,6 @@ from batchrun.bench.quality import make_engine
 from batchrun.bench.timing import median_ratio, round_order
 from batchrun.bench.workloads import bundled_texts, chat_ids
 from batchrun.engine import Engine, SamplingParams
-
-log = logging.getLogger(__name__)
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from batchrun.bench.config import BENCHMARK_SYSTEMS, BenchmarkConfig
 from batchrun.bench.doc import command_line, stamp, write_section
 from batchrun.bench.hf_baseline import cast_model, count_parameters, hf_generate, load_hf_model
 from batchrun.bench.jobpath import JobPath
@@ -52,7 +53,7 @@ from batchrun.bench.report import BenchmarkResult, build_result, markdown_benchm
 from batchrun.bench.timing import TimedRun, matmul_peak, round_order
 from batchrun.bench.workloads import BenchmarkWorkload, build_workload
 from batchrun.engine import Engine, EngineRequest, RequestOutput, SamplingParams
-from batchrun.job.config import BENCHMARK_SYSTEMS, PlannerConfig
+from batchrun.job.config import PlannerConfig
 from batchrun.job.errors import JobError
 from batchrun.job.planner import plan_requests
 from batchrun.job.runner import load_engine
@@ -67,13 +68,13 @@ SYSTEMS = BENCHMARK_SYSTEMS
 HF_DTYPES = {"hf_fp32": torch.float32, "hf_bf16": torch.bfloat16}
 
 
-def run_benchmark(config: RunConfig, engine: Optional[Engine] = None) -> BenchmarkResult:
-    """Run the benchmark job; `engine` may be passed in to reuse a loaded one (tests)."""
-    bench = config.benchmark
+def run_benchmark(config: RunConfig, bench: BenchmarkConfig, engine: Optional[Engine] = None) -> BenchmarkResult:
+    """Run the benchmark job: `config` sets up the engine, planner and summarize rows as a job
+    would, `bench` what is measured; `engine` may be passed in to reuse a loaded one (tests)."""
     load_start = os.getloadavg()
     engine = engine or load_engine(config.engine)
-    workload = build_workload(config, engine)
-    systems, job_paths = _build_systems(config, engine, workload)
+    workload = build_workload(config, bench, engine)
+    systems, job_paths = _build_systems(config, bench, engine, workload)
     log.info(
         "benchmark %s: %d prompts (%.0f prompt tokens on average), %d new tokens, systems %s, %d rounds",
         bench.workload,
@@ -107,7 +108,7 @@ def run_benchmark(config: RunConfig, engine: Optional[Engine] = None) -> Benchma
             key = str(dtype).replace("torch.", "")
             peaks[key] = max(peaks.get(key, 0.0), matmul_peak(dtype, *shape))
     settings = {
-        "engine": engine.settings,
+        "engine": engine.settings.as_dict(),
         "model": engine.model_path,
         "num_parameters": count_parameters(engine.hf_config),
         "matmul_shape": list(shape),
@@ -137,9 +138,9 @@ RunFn = Callable[[list[list[int]], SamplingParams], TimedRun]
 
 
 def _build_systems(
-    config: RunConfig, engine: Engine, workload: BenchmarkWorkload
+    config: RunConfig, bench: BenchmarkConfig, engine: Engine, workload: BenchmarkWorkload
 ) -> tuple[dict[str, RunFn], list[JobPath]]:
-    names = config.benchmark.system_names()
+    names = bench.system_names()
     systems: dict[str, RunFn] = {}
     job_paths: list[JobPath] = []
     hf_models: dict[str, Any] = {}
@@ -162,14 +163,14 @@ def _build_systems(
                 model,
                 prompts,
                 params.max_tokens,
-                config.benchmark.hf_batch_size,
+                bench.hf_batch_size,
                 pad_token_id,
                 eos_token_ids,
                 ignore_eos=params.ignore_eos,
             )
             continue
         if name.startswith("batchrun_job"):
-            job_path = _job_path(config, workload, 1 if name == "batchrun_job" else config.benchmark.job_shards)
+            job_path = _job_path(config, workload, 1 if name == "batchrun_job" else bench.job_shards)
             job_paths.append(job_path)
             max_open = 1 if name.endswith("_sequential") else None
             systems[name] = lambda prompts, params, job_path=job_path, max_open=max_open: job_path(

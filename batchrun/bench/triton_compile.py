@@ -23,8 +23,6 @@ from typing import Optional
 from batchrun.bench.compile_cases import compile_cases, launch_cases
 from batchrun.kernels.triton_aot import ARCHS, CompiledVariant, triton_supported
 
-log = logging.getLogger(__name__)
-
 
 def _flags(v: CompiledVariant) -> str:
     return " ".join(name for name, value in v.constexprs.items() if value is True)

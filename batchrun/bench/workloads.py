@@ -14,8 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+from batchrun.bench.config import BenchmarkConfig
 from batchrun.engine import Engine, SamplingParams
-from batchrun.job.config import BenchmarkConfig, DataConfig, JobConfig
+from batchrun.job.config import DataConfig, JobConfig
 from batchrun.job.errors import JobError
 from batchrun.job.prompts import PromptBuilder
 from batchrun.job.reader import InputRow, ShardReader
@@ -57,8 +58,7 @@ class BenchmarkWorkload:
     rows: Optional[list[InputRow]] = None
 
 
-def build_workload(config: RunConfig, engine: Engine) -> BenchmarkWorkload:
-    bench = config.benchmark
+def build_workload(config: RunConfig, bench: BenchmarkConfig, engine: Engine) -> BenchmarkWorkload:
     max_prompt_tokens = engine.max_model_len - bench.max_tokens
     if max_prompt_tokens <= 0:
         raise JobError(
@@ -81,7 +81,7 @@ def build_workload(config: RunConfig, engine: Engine) -> BenchmarkWorkload:
                 f"{len(prompts)} usable rows; lower it or point data.uri at more rows"
             )
         return BenchmarkWorkload(prompts, params, {"source": config.data.uri}, [row for row, _ in usable])
-    return _shared_prefix_workload(config, engine, rows, params, max_prompt_tokens)
+    return _shared_prefix_workload(config, bench, engine, rows, params, max_prompt_tokens)
 
 
 def _data_rows(data: DataConfig, job: JobConfig) -> list[InputRow]:
@@ -98,11 +98,16 @@ def _data_rows(data: DataConfig, job: JobConfig) -> list[InputRow]:
 
 
 def _shared_prefix_workload(
-    config: RunConfig, engine: Engine, rows: list[InputRow], params: SamplingParams, max_prompt_tokens: int
+    config: RunConfig,
+    bench: BenchmarkConfig,
+    engine: Engine,
+    rows: list[InputRow],
+    params: SamplingParams,
+    max_prompt_tokens: int,
 ) -> BenchmarkWorkload:
     """One system message (instruction + documentation, about shared_prefix_tokens tokens with the
     chat template) shared by every prompt, then a short distinct question per prompt."""
-    bench, tokenizer = config.benchmark, engine.tokenizer
+    tokenizer = engine.tokenizer
     texts = [t for t in (row.values.get(config.data.text_column) for row in rows) if isinstance(t, str)]
     document_ids = tokenizer.encode("\n\n".join(texts), add_special_tokens=False)
 

@@ -3,11 +3,13 @@
 from batchrun.engine.config import EngineConfig, SamplingParams, SpeculativeConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestMetrics, RequestOutput, ThroughputProfile
+from batchrun.engine.settings import EngineSettings
 
 __all__ = [
     "Engine",
     "EngineConfig",
     "EngineRequest",
+    "EngineSettings",
     "EngineStats",
     "RequestMetrics",
     "RequestOutput",

@@ -9,7 +9,6 @@ longer than max_model_len) yields requests already finished with an error, never
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Optional
 
@@ -18,8 +17,6 @@ from batchrun.engine.grammar import GrammarCompiler
 from batchrun.engine.outputs import EngineRequest
 from batchrun.engine.request import Request
 from batchrun.engine.sampler import sample_seed
-
-log = logging.getLogger(__name__)
 
 SEED_STRIDE = 1_000_003  # unseeded requests: seed = engine seed * SEED_STRIDE + first seq_id
 

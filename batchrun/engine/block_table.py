@@ -8,12 +8,9 @@ one numpy index. Entries past a row's blocks are 0, the padding block id the ker
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import numpy as np
-
-log = logging.getLogger(__name__)
 
 NO_ROW = -1  # Request.table_row of a request that holds no row (no blocks, or not KV-managed)
 

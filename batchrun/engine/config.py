@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import json
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
-
-log = logging.getLogger(__name__)
-
 
 QUANTIZATION_MODES = ("none", "int8", "w8a8", "int4", "w4a8", "fp8", "gguf")
 

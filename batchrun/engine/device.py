@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
-
-log = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -10,7 +10,6 @@ runs it over every scheduled token so its cache always covers what the target's 
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Optional
 
 import torch
@@ -24,8 +23,6 @@ from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.speculative import DraftProbs, SpeculationPolicy, StepCostModel, ngram_propose
 from batchrun.model.decoder import DecoderLM, build_decoder
 from batchrun.model.loader import load_model
-
-log = logging.getLogger(__name__)
 
 
 def is_eligible(req: Request, is_adaptive: bool = True) -> bool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 from collections.abc import Iterable, Iterator, Sequence
@@ -10,28 +9,14 @@ from typing import Any, Optional, Union
 
 import torch
 
-from batchrun.engine.admission import Admission
 from batchrun.engine.config import EngineConfig, SamplingParams
-from batchrun.engine.device import available_memory, resolve_device, resolve_dtype
-from batchrun.engine.drafter import build_drafter, load_draft_model
-from batchrun.engine.grammar import GrammarCompiler
-from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput, ThroughputProfile
-from batchrun.engine.profiler import default_kv_bytes, measure_rates, pick_batch_limits
-from batchrun.engine.quantization import prepare_linears_for_engine
+from batchrun.engine.profiler import measure_rates
 from batchrun.engine.request import Request
-from batchrun.engine.runner import ModelRunner, kv_bytes_per_block
-from batchrun.engine.sampler import Sampler
-from batchrun.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
-from batchrun.engine.step_sampler import StepSampler, cut_at_stop_string
-from batchrun.engine.warmup import warm_up
-from batchrun.kernels import cpu_native
-from batchrun.model.decoder import build_decoder
-from batchrun.model.linear import NativeLinear
-from batchrun.model.loader import load_model
-from batchrun.model.prepare import module_weight_bytes
-
-log = logging.getLogger(__name__)
+from batchrun.engine.scheduler import ScheduledBatch
+from batchrun.engine.settings import EngineSettings
+from batchrun.engine.startup import EngineParts, start_engine, warm_up
+from batchrun.engine.step_sampler import cut_at_stop_string
 
 
 class Engine:
@@ -41,161 +26,35 @@ class Engine:
     and yields each output as soon as it finishes, keeping at most `max_in_flight` in the engine.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parts: Optional[EngineParts] = None) -> None:
+        """Assign what start-up built: `parts`, or the phases of engine/startup.py run on `config`."""
+        parts = parts if parts is not None else start_engine(config)
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        t0 = time.perf_counter()
-        loaded = load_model(
-            config.model,
-            dtype=self.dtype,
-            cache_dir=config.cache_dir,
-            keep_gguf_quantization=config.quantization in ("gguf", "w4a8"),
-        )
-        self.tokenizer = loaded.tokenizer
-        self.model_path = loaded.path
-        self.model_fingerprint = loaded.fingerprint
-        self.hf_config = loaded.config
-        model = build_decoder(loaded.config, loaded.state_dict, self.dtype, self.device)
-        # Every linear's backend in one pass: quantized per engine.quantization, and on a bf16 CPU the
-        # float ones packed once (for the native kernel, else oneDNN) instead of reordered on every call.
-        self.quantization = prepare_linears_for_engine(
-            model, config, loaded.tokenizer, loaded.quantized_weights, self.dtype, self.device
-        )
-        num_packed = self.quantization.num_packed
-        num_native = sum(isinstance(m, NativeLinear) for m in model.modules())
-        self.model = model.eval()
-        del loaded
-
-        spec = config.speculative
-        # A draft model is loaded before the KV cache is sized: its cache holds the same blocks as
-        # the target's, so a block costs both and both caches come out of one budget (and one
-        # measure of free memory, taken with both models' weights in place).
-        draft = (
-            load_draft_model(spec, self.tokenizer, self.dtype, self.device, config.cache_dir)
-            if spec.method == "draft"
-            else None
-        )
-        per_block = kv_bytes_per_block(model, config.block_size, self.dtype, config.kv_cache_dtype)
-        if draft is not None:
-            per_block += kv_bytes_per_block(draft[0], config.block_size, self.dtype)
-        kv_bytes = config.kv_cache_memory
-        if kv_bytes is None:
-            kv_bytes = default_kv_bytes(self.device, available_memory(self.device))
-        elif kv_bytes <= 1:
-            kv_bytes = kv_bytes * available_memory(self.device)
-        num_blocks = int(kv_bytes // per_block)
-        if num_blocks < 1:
-            raise ValueError(
-                f"engine.kv_cache_memory={config.kv_cache_memory} leaves no room for one KV block ({per_block} bytes)"
-            )
-        model_limit = config.max_model_len or model.spec.max_position_embeddings
-        self.max_model_len = min(model_limit, num_blocks * config.block_size)
-        if self.max_model_len < model_limit and config.max_model_len:
-            log.warning(
-                "max_model_len %d capped to %d: the KV cache holds only %d blocks of %d tokens",
-                model_limit,
-                self.max_model_len,
-                num_blocks,
-                config.block_size,
-            )
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(
-            model,
-            num_blocks,
-            config.block_size,
-            self.dtype,
-            self.device,
-            config.kv_cache_dtype,
-            block_tables=self.kv.block_tables,
-        )
-        limits = pick_batch_limits(
-            self.runner,
-            num_blocks,
-            config.block_size,
-            self.max_model_len,
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            profile_decode=spec.method != "none",
-            spec_tokens=spec.num_speculative_tokens if spec.method != "none" else 0,
-        )
-        self.max_num_seqs = limits.max_num_seqs
-        self.max_num_batched_tokens = limits.max_num_batched_tokens
-        # What was resolved at start-up, for logs and run manifests.
-        self.settings = {
-            "model_type": model.spec.model_type,
-            "device": str(self.device),
-            "dtype": str(self.dtype).replace("torch.", ""),
-            "num_threads": torch.get_num_threads(),
-            "block_size": config.block_size,
-            "num_kv_blocks": num_blocks,
-            "kv_cache_bytes": num_blocks * per_block,
-            "max_model_len": self.max_model_len,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "batch_limits_profile": limits.profile,
-            # csrc/ kernels (decode and prefill attention, W8A8 quantization) built and on; False: plain torch
-            "native_cpu_kernels": self.device.type == "cpu" and cpu_native.enabled() and cpu_native.available(),
-            "packed_linears": num_packed,  # bf16 CPU linears whose weights were packed at load
-            "native_linears": num_native,  # of those, the ones csrc/linear.cpp runs (the others: oneDNN)
-        }
-        self.settings.update(
-            {  # weights and KV format (issue 5): also what the benchmark table shows
-                "quantization": config.quantization,
-                "quant_group_size": config.quant_group_size,
-                "w8a8_outlier_channels": config.w8a8_outlier_channels if config.quantization == "w8a8" else None,
-                "quant_formats": dict(self.quantization.formats),
-                "weight_bytes": module_weight_bytes(model),
-                "kv_cache_dtype": config.kv_cache_dtype,
-            }
-        )
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=self.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                eos_token_ids=frozenset(self._eos_token_ids()),
-            ),
-            self.kv,
-        )
-        self.sampler = Sampler(config.seed)
-        self.grammars = GrammarCompiler(self.tokenizer, model.spec.vocab_size, self._eos_token_ids())
-        vocab_size = model.spec.vocab_size
-        self.admission = Admission(self.tokenizer, vocab_size, self.max_model_len, config.seed, self.grammars)
-        self.step_sampler = StepSampler(self.sampler, self.scheduler, self.tokenizer)
-        self.drafter = None
-        if spec.method != "none":
-            self.drafter, self.settings["speculative"] = build_drafter(
-                spec, self.model, self.runner, self.sampler, num_blocks, limits.profile, draft
-            )
-            if draft is not None:
-                self.settings["draft_model"] = draft[1]
+        self.device = parts.target.device
+        self.dtype = parts.target.dtype
+        self.tokenizer = parts.target.tokenizer
+        self.model_path = parts.target.path
+        self.model_fingerprint = parts.target.fingerprint
+        self.hf_config = parts.target.hf_config
+        self.model = parts.target.model
+        self.quantization = parts.target.quantization
+        self.max_model_len = parts.kv_plan.max_model_len
+        self.kv = parts.cache.kv
+        self.runner = parts.cache.runner
+        self.max_num_seqs = parts.limits.max_num_seqs
+        self.max_num_batched_tokens = parts.limits.max_num_batched_tokens
+        self.scheduler = parts.core.scheduler
+        self.sampler = parts.core.sampler
+        self.grammars = parts.core.grammars
+        self.admission = parts.core.admission
+        self.step_sampler = parts.core.step_sampler
+        self.drafter = parts.core.drafter
+        self.settings: EngineSettings = parts.settings
+        self.startup_s = parts.startup_s
+        self._profile = parts.limits.profile
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_steps = 0
-        self.model.reset_expert_token_counts()  # start-up profiling forwards are not real tokens
-        self._profile = limits.profile
-        if config.warmup or (config.warmup is None and self.device.type == "cuda"):
-            self.warmup()
-        self.startup_s = time.perf_counter() - t0
-        log.info(
-            "engine ready in %.1fs: %s (%s) on %s/%s, %d KV blocks x %d tokens, max_model_len %d, "
-            "max_num_seqs %d, max_num_batched_tokens %d%s",
-            time.perf_counter() - t0,
-            self.model_path,
-            model.spec.model_type,
-            self.device,
-            self.dtype,
-            num_blocks,
-            config.block_size,
-            self.max_model_len,
-            self.max_num_seqs,
-            self.max_num_batched_tokens,
-            f" (profiled: {limits.profile})" if limits.profile else "",
-        )
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -316,20 +175,15 @@ class Engine:
     def warmup(self) -> dict[str, Any]:
         """Run each kind of step this engine will run once, so Triton compiles every kernel variant
         and every CUDA-graph bucket is captured before anything is timed (engine/warmup.py); return
-        what ran (also in settings["warmup"]). Engine init calls it per EngineConfig.warmup.
+        what ran (also in settings.warmup). Start-up runs it per EngineConfig.warmup.
 
         It leaves no trace a request could see: no KV block allocated, no request id consumed, the
         sampler's generator untouched. It needs an idle engine, forgets the prefix cache (its steps
         write into free blocks) and zeroes the expert-load counters, as start-up does."""
         assert not self.scheduler.has_unfinished() and not self.scheduler.num_parked, "warm up an idle engine only"
-        self.kv.reset_prefix_cache()  # the warm-up writes into free blocks: none may hold cached content
-        runners = [self.runner]
-        if self.drafter is not None and self.drafter.runner is not self.runner:
-            runners.append(self.drafter.runner)  # a draft model: its own shapes, its own kernels and graphs
         limits = (self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs)
-        summary = warm_up(runners, self.sampler, self.kv.num_blocks, *limits)
-        self.kv.reset_peak()
-        self.settings["warmup"] = summary
+        summary = warm_up(self.kv, self.runner, self.drafter, self.sampler, *limits)
+        self.settings = self.settings.with_warmup(summary)
         return summary
 
     def reset_peak_stats(self) -> None:
@@ -346,15 +200,6 @@ class Engine:
             self.scheduler.finish(req, "abort")
 
     # ---- internals ----------------------------------------------------------------------------
-
-    def _eos_token_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for source in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
-            if isinstance(source, int):
-                ids.add(source)
-            elif isinstance(source, (list, tuple)):
-                ids.update(int(i) for i in source)
-        return ids
 
     def _add(self, item: Any, index: int, default_params: SamplingParams) -> list[RequestOutput]:
         """Queue one request (params.n samples); return error outputs instead when it can never run."""
@@ -385,6 +230,8 @@ class Engine:
         if self.drafter is not None:
             self.drafter.sync(batch)
         failed = self.step_sampler.wait_for_grammars(batch, out)
+        for req in failed:  # a grammar that failed to compile: the request ends as an error
+            self.scheduler.finish(req, "error")
         sampled = self.step_sampler.sample(batch, out, draft_probs)
         finished = failed + self.scheduler.update(batch, {seq: toks for seq, (_, toks, _) in sampled.items()})
         now = time.perf_counter()

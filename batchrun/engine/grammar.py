@@ -17,7 +17,6 @@ paid once per schema (`python -m batchrun.bench.structured --only libraries`; do
 from __future__ import annotations
 
 import functools
-import logging
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -25,8 +24,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
 import torch
-
-log = logging.getLogger(__name__)
 
 MAX_CACHED_GRAMMARS = 512  # compiled grammars kept (least recently used dropped first)
 # Compact JSON with a space after separators: no free whitespace, so a model cannot spin in it.

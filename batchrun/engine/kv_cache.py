@@ -12,15 +12,12 @@ became full since the last step are hashed and published.
 
 from __future__ import annotations
 
-import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Optional
 
 from batchrun.engine.block_table import NO_ROW, BlockTables
 from batchrun.engine.request import Request
-
-log = logging.getLogger(__name__)
 
 
 def hash_block(parent_hash: Optional[int], token_ids: Sequence[int]) -> int:

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -7,7 +7,6 @@ smallest setting that gets close to the best rate (smaller batches mean lower la
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -18,8 +17,6 @@ from batchrun.engine.config import SamplingParams
 from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner
 from batchrun.engine.scheduler import ScheduledBatch
-
-log = logging.getLogger(__name__)
 
 PREFILL_SIZES = (256, 512, 1024, 2048, 4096)
 DECODE_SIZES = (1, 8, 16, 32, 64, 128, 256)

@@ -3,7 +3,6 @@ device and dtype), with the calibration pass W8A8 needs first."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -16,8 +15,6 @@ from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.model.decoder import DecoderLM
 from batchrun.model.prepare import prepare_linears
 from batchrun.model.quant import QuantizationSummary, QuantizedWeight, calibration_token_ids, collect_input_absmax
-
-log = logging.getLogger(__name__)
 
 
 def prefill_forward(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 from batchrun.engine.config import SamplingParams
@@ -11,8 +10,6 @@ from batchrun.engine.outputs import RequestMetrics
 
 if TYPE_CHECKING:
     from batchrun.engine.grammar import GrammarState
-
-log = logging.getLogger(__name__)
 
 
 class RequestStatus(enum.Enum):

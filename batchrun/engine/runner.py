@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -12,14 +11,11 @@ import torch
 from batchrun.engine.block_table import NO_ROW, BlockTables, tables_from_lists
 from batchrun.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from batchrun.engine.request import Request
-from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.kv_layout import new_kv_cache
 from batchrun.kernels.quant.kv import KV_CACHE_DTYPES, QuantizedKVCache, kv_bytes_per_token_head
 from batchrun.model.decoder import DecoderLM
-
-log = logging.getLogger(__name__)
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits are materialized at once (prompt_logprobs)
 
@@ -44,6 +40,17 @@ def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype, kv
         per_head = kv_bytes_per_token_head(s.head_dim, KV_CACHE_DTYPES[kv_cache_dtype])
         return 2 * s.num_layers * block_size * s.num_kv_heads * per_head
     return 2 * s.num_layers * block_size * s.num_kv_heads * s.head_dim * torch.finfo(dtype).bits // 8
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[dict[int, float]]:
+    """Per row of `logits` (num_rows, vocab_size): {its token: logprob} plus the top-`top_n`, from
+    the raw (unscaled) distribution in float32; the same numbers as the sampler's logprobs."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (num_rows, vocab_size)
+    token_ids = torch.tensor(tokens, dtype=torch.int64, device=logits.device)
+    chosen = lp.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    top_vals, top_idx = torch.topk(lp, min(top_n, lp.shape[-1]), dim=-1)
+    vals, idx = top_vals.tolist(), top_idx.tolist()
+    return [{token: chosen[i], **dict(zip(idx[i], vals[i]))} for i, token in enumerate(tokens)]
 
 
 class ModelRunner:
@@ -215,10 +222,6 @@ class ModelRunner:
                 hi = min(lo + PROMPT_LOGITS_ROWS, end)
                 chunk = self.model.compute_logits(hidden[offset + lo : offset + hi])  # (hi - lo, vocab_size)
                 targets = r.prompt_token_ids[lo + 1 : hi + 1]
-                target_ids = torch.tensor(targets, dtype=torch.int64, device=chunk.device)
-                scored = Sampler.logprobs(
-                    chunk, [r.params] * len(targets), target_ids, targets, [r.params.prompt_logprobs] * len(targets)
-                )
-                entries.extend(scored or [])
+                entries.extend(token_logprobs(chunk, targets, r.params.prompt_logprobs))
             out[r.seq_id] = (first, entries)
         return out

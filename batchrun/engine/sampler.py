@@ -21,15 +21,12 @@ residual resampling), so its draws are independent of the sampler's and of each 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Optional
 
 import torch
 
 from batchrun.engine.config import SamplingParams
-
-log = logging.getLogger(__name__)
 
 CANDIDATES = 128  # first candidate width for a top-p nucleus; rows it cannot hold retry 8x wider
 _MASK64 = (1 << 64) - 1

@@ -14,7 +14,6 @@ once whether or not the prefix cache is on, and they start decoding one step beh
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,8 +21,6 @@ from typing import Optional
 
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.request import Request, RequestStatus
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import bisect
 import functools
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -38,8 +37,6 @@ import torch
 from batchrun.engine.config import SpeculativeConfig
 from batchrun.engine.request import Request
 from batchrun.engine.sampler import STREAM_ACCEPT, STREAM_RESIDUAL, Sampler, draw_from_probs, sampling_probs_rows
-
-log = logging.getLogger(__name__)
 
 PRIOR_ACCEPTANCE = 0.5  # a new request's assumed per-token acceptance rate
 EMA = 0.3  # weight of the latest step in the running acceptance rate

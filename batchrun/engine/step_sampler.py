@@ -9,7 +9,6 @@ the requests that a stop string or a completed grammar ends.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -19,8 +18,6 @@ from batchrun.engine.runner import RunnerOutput
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import ScheduledBatch, Scheduler
 from batchrun.engine.speculative import DraftProbs, record_acceptance, verify
-
-log = logging.getLogger(__name__)
 
 # seq_id -> (its request, the tokens it produced this step, logprobs of its one plain token or None)
 SampledTokens = dict[int, tuple[Request, list[int], Optional[dict[int, float]]]]
@@ -46,14 +43,14 @@ class StepSampler:
         self.num_spec_accepted = 0  # of those, accepted
 
     def wait_for_grammars(self, batch: ScheduledBatch, out: RunnerOutput) -> list[Request]:
-        """Make the matchers of constrained requests sampling now; finish those whose grammar failed."""
+        """Make the matchers of constrained requests sampling now; return those whose grammar failed
+        to compile, their error set, for the engine to finish."""
         by_seq = {r.seq_id: r for r in batch.requests}
         failed = []
         for seq in out.sample_seq_ids:
             req = by_seq[seq]
             if req.grammar is not None and not req.grammar.ready():
                 req.error = req.grammar.error
-                self.scheduler.finish(req, "error")
                 failed.append(req)
         return failed
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import heapq
 import json
-import logging
 import posixpath
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -51,8 +50,6 @@ from batchrun.job.errors import ShardError
 from batchrun.job.fingerprint import fingerprint_changes
 from batchrun.job.metrics import REQUEST_COUNTERS
 from batchrun.job.store import Attempt, RunStore, checked_name, committed_files
-
-log = logging.getLogger(__name__)
 
 PARTS_DIR = "_parts"
 PART_PROTOCOL = 1

@@ -41,18 +41,6 @@ RESULT_COLUMNS = [
 OPTIONAL_RESULT_COLUMNS = ["sample_index", "cumulative_logprob", "logprobs", "prompt_logprobs", "tool_calls"]
 PlanOrder = Literal["longest_first", "shortest_first", "input"]
 DataFormat = Literal["parquet", "openai_batch"]
-WorkloadName = Literal["summarize", "shared_prefix", "random"]
-BENCHMARK_SYSTEMS = (
-    "batchrun",
-    "batchrun_no_prefix_cache",
-    "batchrun_no_planner",
-    *(f"batchrun_{order}" for order in typing.get_args(PlanOrder)),
-    "batchrun_job",
-    "batchrun_job_sharded",
-    "batchrun_job_sharded_sequential",
-    "hf_fp32",
-    "hf_bf16",
-)
 
 
 @dataclass(frozen=True)
@@ -218,7 +206,7 @@ class PlannerConfig:
 
     enabled: bool = True  # false: rows go to the engine in input order, one at a time
     # Among prompts (and groups of prompts sharing a prefix): longest_first | shortest_first | input.
-    # longest_first is the default: see the planner measurement in the issue 4 closing note.
+    # longest_first is the default: no long prompt starts last and becomes the tail of the run (planner.py).
     order: PlanOrder = "longest_first"
     window: int = 4096  # rows read ahead and ordered together; memory grows with it, not the shard
     # Shards open at once per worker: the next shards' rows are admitted while earlier ones finish,
@@ -233,61 +221,6 @@ class PlannerConfig:
             raise ValueError(f"planner.window must be >= 1, got {self.window}")
         if self.max_open_shards < 1:
             raise ValueError(f"planner.max_open_shards must be >= 1, got {self.max_open_shards}")
-
-
-@dataclass(frozen=True)
-class BenchmarkConfig:
-    """What `job=benchmark` measures (the `benchmark` config group; see conf/job/benchmark.yaml)."""
-
-    workload: WorkloadName = "summarize"
-    num_prompts: int = 32
-    max_tokens: int = 64  # greedy new tokens per prompt (sampling.* is not used: the benchmark is greedy)
-    repeats: int = 3  # rounds; each runs every system once
-    hf_batch_size: int = 16  # HF static batch size (16 was its best setting on the 2-core machine)
-    # null: batchrun, hf_fp32, hf_bf16 (+ batchrun_job for summarize, + no_prefix_cache for shared_prefix)
-    systems: Optional[tuple[str, ...]] = None
-    # batchrun_job_sharded*: the rows split into this many shards (batchrun_job: one shard)
-    job_shards: int = 10
-    shared_prefix_tokens: int = 670  # shared_prefix: tokens every prompt shares (chat template included)
-    random_min_tokens: int = 32  # random: prompt lengths drawn uniformly from [min, max]
-    random_max_tokens: int = 512
-    seed: int = 0  # random prompts
-    write_docs: bool = False  # also replace the workload's section of docs/benchmarks.md (bench/doc.py)
-
-    def __post_init__(self) -> None:
-        if self.workload not in ("summarize", "shared_prefix", "random"):
-            raise ValueError(f"benchmark.workload must be summarize, shared_prefix or random, got {self.workload!r}")
-        for name in (
-            "num_prompts",
-            "max_tokens",
-            "repeats",
-            "hf_batch_size",
-            "shared_prefix_tokens",
-            "random_min_tokens",
-            "random_max_tokens",
-            "job_shards",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"benchmark.{name} must be >= 1, got {getattr(self, name)}")
-        if self.random_min_tokens > self.random_max_tokens:
-            raise ValueError("benchmark.random_min_tokens must be <= benchmark.random_max_tokens")
-        unknown = [s for s in self.systems or () if s not in BENCHMARK_SYSTEMS]
-        if unknown:
-            raise ValueError(f"benchmark.systems: unknown {', '.join(unknown)} (known: {', '.join(BENCHMARK_SYSTEMS)})")
-        if self.systems is not None and not self.systems:
-            raise ValueError("benchmark.systems: empty; use null for the default set")
-        job_systems = [s for s in self.systems or () if s.startswith("batchrun_job")]
-        if job_systems and self.workload != "summarize":
-            raise ValueError(
-                f"benchmark.systems: {job_systems[0]} runs input rows through the job, so it needs "
-                f"benchmark.workload=summarize (got {self.workload})"
-            )
-
-    def system_names(self) -> list[str]:
-        if self.systems is not None:
-            return list(dict.fromkeys(self.systems))
-        extra = {"shared_prefix": ["batchrun_no_prefix_cache"], "summarize": ["batchrun_job"]}.get(self.workload, [])
-        return ["batchrun", *extra, "hf_fp32", "hf_bf16"]
 
 
 @dataclass(frozen=True)
@@ -308,7 +241,6 @@ class RunConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
-    benchmark: BenchmarkConfig = field(default_factory=BenchmarkConfig)  # read by job=benchmark only
     quiet: bool = False  # no progress bar (for log files); per-shard log lines remain
     # Plan instead of run (dry_run.py): read and validate every row, estimate the time; nothing is
     # written to output.uri. dry_run_json: also write the plan there as JSON (outside output.uri).
@@ -336,8 +268,10 @@ _SECTIONS: dict[str, type] = {
     "output": OutputConfig,
     "launcher": LauncherConfig,
     "planner": PlannerConfig,
-    "benchmark": BenchmarkConfig,
 }
+# Groups that only one job composes (its YAML adds them), checked where that job runs, not in
+# RunConfig: group -> the job's name (the cli hands job=benchmark's group to bench/config.py).
+JOB_GROUPS = {"benchmark": "benchmark"}
 _HIDDEN_FIELDS = {"engine": {"model"}}
 _TOP_LEVEL_SCALARS = {"quiet": bool, "dry_run": bool, "dry_run_json": Optional[str]}
 _MOVED_KEYS = {"engine.model": "model.path"}
@@ -355,9 +289,9 @@ def unknown_key(dotted_key: str) -> ConfigError:
         return ConfigError(dotted_key, f"set {_MOVED_KEYS[dotted_key]} instead")
     parts = dotted_key.split(".")
     if len(parts) == 1 and parts[0] in _SECTIONS:  # a group this job's composed config does not have
-        return ConfigError(
-            dotted_key, "not a group of this job" + (" (use job=benchmark)" if dotted_key == "benchmark" else "")
-        )
+        return ConfigError(dotted_key, "not a group of this job")
+    if parts[0] in JOB_GROUPS:
+        return ConfigError(parts[0], f"not a group of this job (use job={JOB_GROUPS[parts[0]]})")
     if parts[0] not in _SECTIONS:
         allowed, prefix, key = [*_SECTIONS, *_TOP_LEVEL_SCALARS], "", parts[0]
     else:
@@ -377,6 +311,9 @@ def unknown_key(dotted_key: str) -> ConfigError:
 
 def build_run_config(raw: Mapping[str, Any]) -> RunConfig:
     """Check a plain nested dict (composed YAML) against the dataclasses and build the RunConfig."""
+    extra_group = next((g for g in raw if g in JOB_GROUPS), None)
+    if extra_group is not None:  # the job that composes it takes it out first (cli.py)
+        raise unknown_key(extra_group)
     _reject_unknown(raw, [*_SECTIONS, *_TOP_LEVEL_SCALARS], prefix="")
     kwargs: dict[str, Any] = {}
     for name, expected in _TOP_LEVEL_SCALARS.items():

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from batchrun.engine import EngineStats
+from batchrun.engine import EngineSettings, EngineStats
 from batchrun.job.results import run_throughput
 from batchrun.job.shards import Shard, Worker
 from batchrun.job.store import RunStore
@@ -98,9 +98,9 @@ class Manifest:
     def url(self) -> str:
         return self._store.url(self.path)
 
-    def set_engine(self, model_path: str, fingerprint: str, settings: dict[str, Any]) -> None:
+    def set_engine(self, model_path: str, fingerprint: str, settings: EngineSettings) -> None:
         self._doc["model"] = {"path": model_path, "fingerprint": fingerprint}
-        self._doc["engine_settings"] = settings
+        self._doc["engine_settings"] = settings.as_dict()
 
     def set_commit_method(self, method: str) -> None:
         self._doc["commit_method"] = method

@@ -275,7 +275,7 @@ class _JobRun:
 
     def _check_model(self, engine: Engine) -> None:
         """The model part of the fingerprint, once the engine is loaded."""
-        self.model_fp = model_fingerprint(engine.model_fingerprint, engine.tokenizer, str(engine.settings.get("dtype")))
+        self.model_fp = model_fingerprint(engine.model_fingerprint, engine.tokenizer, engine.settings.dtype)
         changed = {
             name: differences((m.get("fingerprint") or {}).get("model", {}), self.model_fp)
             for name, m in self.markers.items()

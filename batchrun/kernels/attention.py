@@ -11,7 +11,6 @@ plain-torch reference both are checked against is kernels/attention_torch.py.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -23,8 +22,6 @@ from batchrun.kernels.attention_torch import write_kv_cache_reference
 from batchrun.kernels.backend import triton_fp8_usable, triton_usable
 from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.kernels.quant.kv import QuantizedKVCache
-
-log = logging.getLogger(__name__)
 
 
 def _triton_serves(x: torch.Tensor, k_cache) -> bool:

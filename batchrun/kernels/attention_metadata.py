@@ -9,13 +9,10 @@ first layer that asks, and shared by the rest.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-
-log = logging.getLogger(__name__)
 
 # Decodes that start with the same cached blocks (a shared system prompt or document) attend to
 # that prefix once for all of them (AttentionMetadata.decode_groups, _decode_attend_shared).

@@ -10,7 +10,6 @@ j <= i and, with a sliding window W, j > i - W (the convention of HF transformer
 
 from __future__ import annotations
 
-import logging
 from typing import Optional, Union
 
 import torch
@@ -21,8 +20,6 @@ from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.kv_layout import slots_by_head
 from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.kernels.quant.kv import QuantizedKVCache
-
-log = logging.getLogger(__name__)
 
 
 def gather_blocks(cache, tables: torch.Tensor) -> torch.Tensor:

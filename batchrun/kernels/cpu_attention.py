@@ -21,7 +21,6 @@ quantizes natively, bitwise as quantize_kv.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -31,8 +30,6 @@ from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.attention_torch import attend_decodes, attend_prefills
 from batchrun.kernels.cpu_native import DTYPE_CODES
 from batchrun.kernels.quant.kv import QuantizedKVCache
-
-log = logging.getLogger(__name__)
 
 INT8_KV_CODE = 2  # the kernels' element code for an int8 cache (float32 0, bf16 1: DTYPE_CODES)
 

@@ -14,14 +14,11 @@ batchrun/model/linear.py).
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 
 from batchrun.kernels import cpu_native
-
-log = logging.getLogger(__name__)
 
 # A weight tile (32 output columns x in_features bf16) is reused from L2 by every 12-row block of a
 # large batch; past this width the tile outgrows L2 and oneDNN's K-blocked GEMM is the safer choice.

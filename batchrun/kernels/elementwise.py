@@ -14,7 +14,6 @@ HF transformers.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -22,8 +21,6 @@ import torch.nn.functional as F
 
 from batchrun.kernels import cpu_native
 from batchrun.kernels.backend import triton_usable
-
-log = logging.getLogger(__name__)
 
 
 def _native(*tensors: torch.Tensor) -> bool:

@@ -12,11 +12,7 @@ the trailing dim.
 
 from __future__ import annotations
 
-import logging
-
 import torch
-
-log = logging.getLogger(__name__)
 
 
 def from_head_major(storage: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,6 @@ Triton kernel on CUDA when it is installed.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Optional
@@ -21,8 +20,6 @@ from typing import Optional
 import torch
 
 from batchrun.kernels.backend import triton_usable
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

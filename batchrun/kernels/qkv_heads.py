@@ -5,13 +5,10 @@ all three import it without importing each other."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -22,16 +22,12 @@ tips a rounding. Offsets are int64: rows times strides pass 2**31 on long batche
 
 from __future__ import annotations
 
-import logging
-
 import torch
 import triton
 import triton.language as tl
 
 from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.kernels.triton_kv import kv_cache_args, kv_quantize, kv_scale
-
-log = logging.getLogger(__name__)
 
 
 @triton.jit

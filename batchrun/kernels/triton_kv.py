@@ -13,7 +13,6 @@ a padded row writes nothing).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +21,6 @@ import triton.language as tl
 
 from batchrun.kernels.quant.formats import FP8_E4M3_MAX, INT8_MAX, INV_FP8_E4M3_MAX, INV_INT8_MAX, MIN_SCALE
 from batchrun.kernels.quant.kv import QuantizedKVCache
-
-log = logging.getLogger(__name__)
 
 _INT8_MAX = tl.constexpr(INT8_MAX)
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)

@@ -13,14 +13,11 @@ On a CPU machine the tests run this in Triton's interpreter (TRITON_INTERPRET=1)
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
-
-log = logging.getLogger(__name__)
 
 
 @triton.jit

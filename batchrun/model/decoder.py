@@ -9,7 +9,6 @@ because one wide matmul beats three narrow ones on every backend.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -27,8 +26,6 @@ from batchrun.model.moe import (
     moe_config_fields,
     reset_expert_token_counts,
 )
-
-log = logging.getLogger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe")
 

@@ -12,7 +12,6 @@ permutation is undone here. It moves whole rows, so it applies to quantized rows
 
 from __future__ import annotations
 
-import logging
 import re
 from typing import Any, Optional
 
@@ -21,8 +20,6 @@ import torch
 
 from batchrun.kernels.quant.formats import pack_int4
 from batchrun.model.quant.weights import QuantizedWeight
-
-log = logging.getLogger(__name__)
 
 GGUF_BLOCK_SIZE = 32
 # GGUF tensor name -> module name in our decoder's HF naming, without the "model." prefix.

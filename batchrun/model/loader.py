@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import logging
 import os
 import shutil
 import time
@@ -23,8 +22,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from batchrun.utils.private_dir import check_private, private_dir
-
-log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase

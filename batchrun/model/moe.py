@@ -53,7 +53,6 @@ step's flattened batch; KV cache stays per rank for the attention heads it holds
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -61,8 +60,6 @@ import torch
 from torch import nn
 
 from batchrun.kernels.moe import fused_experts, sort_by_expert
-
-log = logging.getLogger(__name__)
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 

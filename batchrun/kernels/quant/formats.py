@@ -10,12 +10,9 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
-
-log = logging.getLogger(__name__)
 
 INT8_MAX = 127.0
 FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn

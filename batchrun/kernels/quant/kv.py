@@ -3,14 +3,10 @@
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from batchrun.kernels.kv_layout import from_head_major, slots_by_head
 from batchrun.kernels.quant.formats import FP8_E4M3_MAX, INT8_MAX, INV_FP8_E4M3_MAX, INV_INT8_MAX, MIN_SCALE
-
-log = logging.getLogger(__name__)
 
 KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 

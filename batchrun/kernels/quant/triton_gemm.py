@@ -12,14 +12,11 @@ even and odd columns of x meet the two nibble planes in two dots, with no interl
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
-
-log = logging.getLogger(__name__)
 
 
 @triton.jit(do_not_specialize=["M"])  # the step's token count: one compiled variant for all

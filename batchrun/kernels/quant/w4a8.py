@@ -9,7 +9,6 @@ projection the activations already quantized (`w4a8_silu_quant_native`, `GroupQu
 
 from __future__ import annotations
 
-import logging
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -19,9 +18,6 @@ from batchrun.kernels.cpu_linear import pack_tiles, unpack_tiles
 from batchrun.kernels.cpu_native import DTYPE_CODES
 from batchrun.kernels.quant.formats import INT8_MAX, MIN_SCALE, dequantize_int4, pack_int4, unpack_int4
 from batchrun.kernels.quant.w8a8 import native_rows
-
-log = logging.getLogger(__name__)
-
 
 W4A8_GROUP = 32
 

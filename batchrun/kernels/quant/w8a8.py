@@ -9,7 +9,6 @@ torch._int_mm (VNNI on x86 CPUs) and an epilogue; `w8a8_matmul_native` is one na
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -19,8 +18,6 @@ from batchrun.kernels import cpu_native
 from batchrun.kernels.cpu_linear import pack_tiles, unpack_tiles
 from batchrun.kernels.cpu_native import DTYPE_CODES
 from batchrun.kernels.quant.formats import INT8_MAX, MIN_SCALE
-
-log = logging.getLogger(__name__)
 
 
 def quantize_per_token_int8(x: torch.Tensor, skip: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:

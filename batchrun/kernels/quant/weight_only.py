@@ -7,14 +7,11 @@ activations; `fp8_scaled_matmul` is W8A8-FP8 for GPUs with fp8 tensor cores.
 
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
 
 from batchrun.kernels.quant.formats import FP8_E4M3_MAX, MIN_SCALE, dequantize_int4, unpack_int4
-
-log = logging.getLogger(__name__)
 
 
 def int8_weight_matmul(

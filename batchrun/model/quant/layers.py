@@ -4,7 +4,6 @@ reads side copies of its buffers says so in `_refresh`."""
 
 from __future__ import annotations
 
-import logging
 from typing import Optional, Union
 
 import torch
@@ -18,8 +17,6 @@ from batchrun.kernels.cpu_linear import pack_native_weight, silu_pair_order, unp
 from batchrun.kernels.quant import w4a8 as w4
 from batchrun.model.linear import PackedWeightLinear
 from batchrun.model.quant.weights import QuantizedWeight
-
-log = logging.getLogger(__name__)
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's packed int4 CPU kernel takes
 # Up to this many rows torch's packed W8A16 CPU kernel beats dequantizing into a bf16 GEMM; past

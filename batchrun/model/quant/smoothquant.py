@@ -3,15 +3,12 @@ channels that stay in float (see docs/quantization.md for why each step is there
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from batchrun.kernels import quant as qk
-
-log = logging.getLogger(__name__)
 
 PROJECTION_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -14,8 +13,6 @@ from batchrun.kernels.quant import w4a8 as w4
 from batchrun.model.quant.layers import QuantEmbedding, make_linear
 from batchrun.model.quant.smoothquant import smooth_activations, split_outlier_channels
 from batchrun.model.quant.weights import QuantizedWeight, quantize_weight, to_device
-
-log = logging.getLogger(__name__)
 
 QUANT_MODES = ("none", "int8", "int4", "w8a8", "w4a8", "fp8", "gguf")
 # Fused module -> the HF modules it concatenates along the output dim, in order (see DecoderLM).

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from batchrun.kernels import quant as qk
-
-log = logging.getLogger(__name__)
 
 
 @dataclass

@@ -1,0 +1,62 @@
+"""What the engine resolved at start-up: `Engine.settings`, read by run manifests and benchmarks."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Optional
+
+# Keys `as_dict` leaves out while their value is None: they exist only for an engine that has them.
+_PRESENT_ONLY = ("speculative", "draft_model", "warmup")
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Start-up's resolved settings. `as_dict` is the JSON form the manifest records, in this field
+    order; fields that only some engines have (speculation, a draft model, a warm-up) are left out
+    of it while None."""
+
+    model_type: str  # the decoder family (llama, qwen3_moe, ...)
+    device: str  # "cpu" or "cuda[:i]"
+    dtype: str  # the resolved compute dtype, e.g. "bfloat16"
+    num_threads: int  # torch intra-op threads
+    block_size: int  # tokens per KV block
+    num_kv_blocks: int  # KV blocks in the cache
+    kv_cache_bytes: int  # num_kv_blocks x bytes per block (a draft model's entries included)
+    max_model_len: int  # prompt + output tokens a request may reach
+    max_num_seqs: int  # requests running in one step
+    max_num_batched_tokens: int  # token budget of one step
+    # What the start-up profile measured: {"prefill_tok_s": {tokens: tok/s}, "decode_tok_s": {seqs: tok/s}}
+    batch_limits_profile: Mapping[str, Any]
+    # csrc/ kernels (decode and prefill attention, W8A8 quantization) built and on; False: plain torch
+    native_cpu_kernels: bool
+    packed_linears: int  # bf16 CPU linears whose weights were packed at load
+    native_linears: int  # of those, the ones csrc/linear.cpp runs (the others: oneDNN)
+    # Weights and KV format: also what the benchmark table shows.
+    quantization: str  # engine.quantization
+    quant_group_size: int  # engine.quant_group_size
+    w8a8_outlier_channels: Optional[int]  # engine.w8a8_outlier_channels under w8a8, else None
+    quant_formats: Mapping[str, int]  # weight format key -> number of linears in it
+    weight_bytes: int  # bytes of the target model's weights as loaded
+    kv_cache_dtype: str  # engine.kv_cache_dtype
+    speculative: Optional[Mapping[str, Any]] = None  # the drafter's method, k, self_layers, adaptive
+    draft_model: Optional[str] = None  # speculative.method=draft: the draft model's path
+    warmup: Optional[Mapping[str, Any]] = None  # the last warm-up's {"num_steps", "graph_buckets", "seconds"}
+
+    def as_dict(self) -> dict[str, Any]:
+        """A plain dict for JSON (copies: changing it changes nothing here)."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {k: _plain(v) for k, v in fields.items() if not (k in _PRESENT_ONLY and v is None)}
+
+    def with_warmup(self, summary: Mapping[str, Any]) -> EngineSettings:
+        return dataclasses.replace(self, warmup=summary)
+
+
+def _plain(value: Any) -> Any:
+    """Mappings as dicts and lists as lists, all the way down."""
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value

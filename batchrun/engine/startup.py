@@ -1,0 +1,325 @@
+"""Engine start-up as named phases, each a small function that returns a frozen value.
+
+    load_target        EngineConfig -> Target      weights in, linears quantized/packed, draft model
+    plan_kv            Target -> KVPlan            KV blocks from the memory budget, max_model_len
+    build_cache        KVPlan -> Cache             the KV manager and the runner over its blocks
+    pick_batch_limits  Cache -> BatchLimits        max_num_seqs / max_num_batched_tokens (profiled)
+    build_core         all of the above -> Core    scheduler, sampler, grammars, admission, drafter
+    describe           all of the above -> EngineSettings   what the manifest and benchmarks record
+    warm_up            Core -> summary             every kernel variant and graph bucket, once
+
+`start_engine` runs them in this order and hands the `EngineParts` to `Engine`, which only assigns
+them. The order matters where one phase measures what an earlier one left: a draft model is loaded
+before the KV cache is sized (both caches come out of one budget, measured with both models'
+weights in place), and the batch limits are timed on the runner over the real cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from batchrun.engine import profiler
+from batchrun.engine.admission import Admission
+from batchrun.engine.config import EngineConfig
+from batchrun.engine.device import available_memory, resolve_device, resolve_dtype
+from batchrun.engine.drafter import Drafter, build_drafter, load_draft_model
+from batchrun.engine.grammar import GrammarCompiler
+from batchrun.engine.kv_cache import KVCacheManager
+from batchrun.engine.profiler import BatchLimits, default_kv_bytes
+from batchrun.engine.quantization import prepare_linears_for_engine
+from batchrun.engine.runner import ModelRunner, kv_bytes_per_block
+from batchrun.engine.sampler import Sampler
+from batchrun.engine.scheduler import Scheduler, SchedulerConfig
+from batchrun.engine.settings import EngineSettings
+from batchrun.engine.step_sampler import StepSampler
+from batchrun.engine.warmup import warm_up as run_warm_up
+from batchrun.kernels import cpu_native
+from batchrun.model.decoder import DecoderLM, build_decoder
+from batchrun.model.linear import NativeLinear
+from batchrun.model.loader import load_model
+from batchrun.model.prepare import module_weight_bytes
+from batchrun.model.quant import QuantizationSummary
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The model the engine serves, loaded and prepared (phase `load_target`)."""
+
+    device: torch.device  # engine.device resolved
+    dtype: torch.dtype  # engine.dtype resolved: activations' and a float KV cache's dtype
+    model: DecoderLM  # in eval mode, every linear given its backend (quantized, packed or plain)
+    tokenizer: Any  # the model's Hugging Face tokenizer
+    hf_config: Any  # the model's transformers config
+    path: str  # where the weights were read from
+    fingerprint: str  # the weight files' sha256 (the job's model fingerprint)
+    quantization: QuantizationSummary  # what prepare_linears did: formats per kind, packed count
+    num_native_linears: int  # linears csrc/linear.cpp runs (bf16 CPU packing), the others oneDNN
+    draft: Optional[tuple[DecoderLM, str]]  # speculative.method=draft: the draft model and its path
+
+    def eos_token_ids(self) -> set[int]:
+        """The model config's and the tokenizer's end-of-sequence ids."""
+        ids: set[int] = set()
+        for source in (getattr(self.hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif isinstance(source, (list, tuple)):
+                ids.update(int(i) for i in source)
+        return ids
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """The KV cache's size (phase `plan_kv`); a block holds the target's and a draft model's entries."""
+
+    num_blocks: int  # KV blocks of block_size tokens, >= 1
+    block_size: int  # tokens per block (engine.block_size)
+    bytes_per_block: int  # all layers' K and V of one block, the draft model's included
+    max_model_len: int  # prompt + output tokens one request may reach: <= num_blocks * block_size
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+@dataclass(frozen=True)
+class Cache:
+    """The paged KV cache and the runner that computes into it (phase `build_cache`)."""
+
+    kv: KVCacheManager  # block allocation, prefix cache, persistent block tables
+    runner: ModelRunner  # the target's forward over the cache's tensors
+
+
+@dataclass(frozen=True)
+class Core:
+    """What a step runs besides the cache (phase `build_core`)."""
+
+    scheduler: Scheduler  # which requests run how many tokens each step
+    sampler: Sampler  # logits -> tokens, seeded from engine.seed
+    grammars: GrammarCompiler  # structured output's compiled constraints (background thread)
+    admission: Admission  # prompts and params -> queued requests, or error outputs
+    step_sampler: StepSampler  # one step's grammar masks, draft verification and stop checks
+    drafter: Optional[Drafter]  # speculative decoding's proposer; None with method "none"
+    speculative: Optional[dict[str, Any]]  # the drafter's settings (method, k, ...); None without one
+
+
+@dataclass(frozen=True)
+class EngineParts:
+    """Everything start-up produced, in the order it was produced; `Engine` assigns it."""
+
+    config: EngineConfig
+    target: Target
+    kv_plan: KVPlan
+    cache: Cache
+    limits: BatchLimits
+    core: Core
+    settings: EngineSettings
+    startup_s: float  # seconds from the first phase to the end of the warm-up
+
+
+def load_target(config: EngineConfig) -> Target:
+    """Load the weights, give every linear its backend in one pass (quantized per
+    engine.quantization, and on a bf16 CPU the float ones packed once, for the native kernel or
+    oneDNN, instead of reordered on every call), and load the draft model when there is one."""
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    loaded = load_model(
+        config.model,
+        dtype=dtype,
+        cache_dir=config.cache_dir,
+        keep_gguf_quantization=config.quantization in ("gguf", "w4a8"),
+    )
+    tokenizer, hf_config, path, fingerprint = loaded.tokenizer, loaded.config, loaded.path, loaded.fingerprint
+    model = build_decoder(hf_config, loaded.state_dict, dtype, device)
+    quantization = prepare_linears_for_engine(model, config, tokenizer, loaded.quantized_weights, dtype, device)
+    num_native = sum(isinstance(m, NativeLinear) for m in model.modules())
+    del loaded  # the loaded tensors go before the draft model comes and before free memory is measured
+    spec = config.speculative
+    draft = load_draft_model(spec, tokenizer, dtype, device, config.cache_dir) if spec.method == "draft" else None
+    return Target(
+        device=device,
+        dtype=dtype,
+        model=model.eval(),
+        tokenizer=tokenizer,
+        hf_config=hf_config,
+        path=path,
+        fingerprint=fingerprint,
+        quantization=quantization,
+        num_native_linears=num_native,
+        draft=draft,
+    )
+
+
+def plan_kv(config: EngineConfig, target: Target) -> KVPlan:
+    """Size the KV cache from engine.kv_cache_memory (bytes, a fraction of free memory, or the
+    device's default share of it), measured now, with every model's weights in place."""
+    per_block = kv_bytes_per_block(target.model, config.block_size, target.dtype, config.kv_cache_dtype)
+    if target.draft is not None:
+        per_block += kv_bytes_per_block(target.draft[0], config.block_size, target.dtype)
+    kv_bytes = config.kv_cache_memory
+    if kv_bytes is None:
+        kv_bytes = default_kv_bytes(target.device, available_memory(target.device))
+    elif kv_bytes <= 1:
+        kv_bytes = kv_bytes * available_memory(target.device)
+    num_blocks = int(kv_bytes // per_block)
+    if num_blocks < 1:
+        raise ValueError(
+            f"engine.kv_cache_memory={config.kv_cache_memory} leaves no room for one KV block ({per_block} bytes)"
+        )
+    model_limit = config.max_model_len or target.model.spec.max_position_embeddings
+    max_model_len = min(model_limit, num_blocks * config.block_size)
+    if max_model_len < model_limit and config.max_model_len:
+        log.warning(
+            "max_model_len %d capped to %d: the KV cache holds only %d blocks of %d tokens",
+            model_limit,
+            max_model_len,
+            num_blocks,
+            config.block_size,
+        )
+    return KVPlan(num_blocks, config.block_size, per_block, max_model_len)
+
+
+def build_cache(config: EngineConfig, target: Target, kv_plan: KVPlan) -> Cache:
+    """Allocate the cache's blocks; the runner reads the KV manager's persistent block tables."""
+    kv = KVCacheManager(kv_plan.num_blocks, kv_plan.block_size, config.enable_prefix_caching)
+    runner = ModelRunner(
+        target.model,
+        kv_plan.num_blocks,
+        kv_plan.block_size,
+        target.dtype,
+        target.device,
+        config.kv_cache_dtype,
+        block_tables=kv.block_tables,
+    )
+    return Cache(kv, runner)
+
+
+def pick_batch_limits(config: EngineConfig, cache: Cache, kv_plan: KVPlan) -> BatchLimits:
+    """The configured batch limits, the missing ones profiled on this runner (engine/profiler.py);
+    with speculation the decode rates are profiled anyway, for its cost model."""
+    spec = config.speculative
+    return profiler.pick_batch_limits(
+        cache.runner,
+        kv_plan.num_blocks,
+        kv_plan.block_size,
+        kv_plan.max_model_len,
+        config.max_num_seqs,
+        config.max_num_batched_tokens,
+        profile_decode=spec.method != "none",
+        spec_tokens=spec.num_speculative_tokens if spec.method != "none" else 0,
+    )
+
+
+def build_core(config: EngineConfig, target: Target, kv_plan: KVPlan, cache: Cache, limits: BatchLimits) -> Core:
+    """The step's parts around the cache; the drafter prices drafting with the start-up profile."""
+    eos_ids = target.eos_token_ids()
+    scheduler = Scheduler(
+        SchedulerConfig(
+            max_num_seqs=limits.max_num_seqs,
+            max_num_batched_tokens=limits.max_num_batched_tokens,
+            max_model_len=kv_plan.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+            eos_token_ids=frozenset(eos_ids),
+        ),
+        cache.kv,
+    )
+    sampler = Sampler(config.seed)
+    vocab_size = target.model.spec.vocab_size
+    grammars = GrammarCompiler(target.tokenizer, vocab_size, sorted(eos_ids))
+    admission = Admission(target.tokenizer, vocab_size, kv_plan.max_model_len, config.seed, grammars)
+    step_sampler = StepSampler(sampler, scheduler, target.tokenizer)
+    drafter, speculative = None, None
+    if config.speculative.method != "none":
+        drafter, speculative = build_drafter(
+            config.speculative, target.model, cache.runner, sampler, kv_plan.num_blocks, limits.profile, target.draft
+        )
+    return Core(scheduler, sampler, grammars, admission, step_sampler, drafter, speculative)
+
+
+def describe(config: EngineConfig, target: Target, kv_plan: KVPlan, limits: BatchLimits, core: Core) -> EngineSettings:
+    """What start-up resolved, for logs, run manifests and benchmark tables."""
+    device = target.device
+    return EngineSettings(
+        model_type=target.model.spec.model_type,
+        device=str(device),
+        dtype=str(target.dtype).replace("torch.", ""),
+        num_threads=torch.get_num_threads(),
+        block_size=kv_plan.block_size,
+        num_kv_blocks=kv_plan.num_blocks,
+        kv_cache_bytes=kv_plan.kv_cache_bytes,
+        max_model_len=kv_plan.max_model_len,
+        max_num_seqs=limits.max_num_seqs,
+        max_num_batched_tokens=limits.max_num_batched_tokens,
+        batch_limits_profile=limits.profile,
+        native_cpu_kernels=device.type == "cpu" and cpu_native.enabled() and cpu_native.available(),
+        packed_linears=target.quantization.num_packed,
+        native_linears=target.num_native_linears,
+        quantization=config.quantization,
+        quant_group_size=config.quant_group_size,
+        w8a8_outlier_channels=config.w8a8_outlier_channels if config.quantization == "w8a8" else None,
+        quant_formats=dict(target.quantization.formats),
+        weight_bytes=module_weight_bytes(target.model),
+        kv_cache_dtype=config.kv_cache_dtype,
+        speculative=core.speculative,
+        draft_model=target.draft[1] if target.draft is not None else None,
+    )
+
+
+def warm_up(
+    kv: KVCacheManager,
+    runner: ModelRunner,
+    drafter: Optional[Drafter],
+    sampler: Sampler,
+    max_model_len: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+) -> dict[str, Any]:
+    """Run each kind of step once on every runner (engine/warmup.py) with no request in flight:
+    the warm-up writes into free blocks, so none may hold a cached prefix."""
+    kv.reset_prefix_cache()
+    runners = [runner]
+    if drafter is not None and drafter.runner is not runner:
+        runners.append(drafter.runner)  # a draft model: its own shapes, its own kernels and graphs
+    summary = run_warm_up(runners, sampler, kv.num_blocks, max_model_len, max_num_batched_tokens, max_num_seqs)
+    kv.reset_peak()
+    return summary
+
+
+def start_engine(config: EngineConfig) -> EngineParts:
+    """Every phase in order; EngineConfig.warmup None warms up on a GPU only."""
+    t0 = time.perf_counter()
+    target = load_target(config)
+    kv_plan = plan_kv(config, target)
+    cache = build_cache(config, target, kv_plan)
+    limits = pick_batch_limits(config, cache, kv_plan)
+    core = build_core(config, target, kv_plan, cache, limits)
+    settings = describe(config, target, kv_plan, limits, core)
+    target.model.reset_expert_token_counts()  # start-up profiling forwards are not real tokens
+    if config.warmup or (config.warmup is None and target.device.type == "cuda"):
+        sizes = (kv_plan.max_model_len, limits.max_num_batched_tokens, limits.max_num_seqs)
+        settings = settings.with_warmup(warm_up(cache.kv, cache.runner, core.drafter, core.sampler, *sizes))
+    startup_s = time.perf_counter() - t0
+    log.info(
+        "engine ready in %.1fs: %s (%s) on %s/%s, %d KV blocks x %d tokens, max_model_len %d, "
+        "max_num_seqs %d, max_num_batched_tokens %d%s",
+        time.perf_counter() - t0,
+        target.path,
+        settings.model_type,
+        target.device,
+        target.dtype,
+        kv_plan.num_blocks,
+        kv_plan.block_size,
+        kv_plan.max_model_len,
+        limits.max_num_seqs,
+        limits.max_num_batched_tokens,
+        f" (profiled: {limits.profile})" if limits.profile else "",
+    )
+    return EngineParts(config, target, kv_plan, cache, limits, core, settings, startup_s)

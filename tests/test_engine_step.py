@@ -1,0 +1,53 @@
+"""Who does what in a step: the runner scores prompt tokens without the sampler, and a request
+whose grammar failed is reported by the step sampler and finished by the engine."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+
+from batchrun.engine.config import SamplingParams
+from batchrun.engine.grammar import GrammarState
+from batchrun.engine.kv_cache import KVCacheManager
+from batchrun.engine.request import Request
+from batchrun.engine.runner import RunnerOutput, token_logprobs
+from batchrun.engine.sampler import Sampler
+from batchrun.engine.scheduler import Scheduler, SchedulerConfig
+from batchrun.engine.step_sampler import StepSampler
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("top_n", [0, 1, 5, 600])  # 600: more than the vocabulary
+def test_runner_prompt_scores_are_the_samplers_logprobs_bit_for_bit(dtype, top_n):
+    g = torch.Generator().manual_seed(3)
+    logits = (torch.randn(7, 512, generator=g) * 4).to(dtype)  # (rows, vocab_size)
+    tokens = torch.randint(0, 512, (7,), generator=g).tolist()
+    params = [SamplingParams(temperature=0.0, prompt_logprobs=top_n)] * len(tokens)
+    expected = Sampler.logprobs(logits, params, torch.tensor(tokens), tokens, [top_n] * len(tokens))
+    got = token_logprobs(logits, tokens, top_n)
+    assert got == expected  # the same floats, the same keys in the same order
+    assert [list(d) for d in got] == [list(d) for d in expected]
+    assert all(len(d) >= min(top_n, 512) for d in got)
+
+
+def _failed_grammar() -> GrammarState:
+    compiled: Future = Future()
+    compiled.set_exception(RuntimeError("compiler exploded"))
+    return GrammarState(compiled)
+
+
+def test_wait_for_grammars_reports_failed_requests_and_leaves_finishing_to_the_engine():
+    kv = KVCacheManager(16, 16, True)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256), kv)
+    reqs = [Request(i, i, [1, 2, 3], SamplingParams(temperature=0.0), 0.0) for i in range(2)]
+    reqs[0].grammar = _failed_grammar()
+    for r in reqs:
+        scheduler.add(r)
+    batch = scheduler.schedule()
+    out = RunnerOutput(logits=torch.zeros(2, 8), sample_seq_ids=[0, 1], num_rows=[1, 1])
+    failed = StepSampler(Sampler(0), scheduler, tokenizer=None).wait_for_grammars(batch, out)
+    assert failed == [reqs[0]] and reqs[0].error == "compiler exploded"
+    # Not finished here: the scheduler still runs it and its blocks are held until the engine ends it.
+    assert not reqs[0].is_finished and reqs[0] in scheduler.running and reqs[0].block_ids

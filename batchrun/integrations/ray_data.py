@@ -42,10 +42,11 @@ import pyarrow as pa
 
 from batchrun.engine import Engine, EngineRequest, RequestOutput, SamplingParams
 from batchrun.job import RunConfig, build_run_config, load_engine
-from batchrun.job.flow import IN_FLIGHT_PER_SEQ, check_row
+from batchrun.job.flow import IN_FLIGHT_PER_SEQ
 from batchrun.job.logprobs import TokenTexts
 from batchrun.job.prompts import Prompt, PromptBuilder
 from batchrun.job.reader import InputRow
+from batchrun.job.rows import check_row
 from batchrun.job.writer import error_result, logprob_columns, optional_columns, output_result, result_schema
 
 Batch = Union[pa.Table, Mapping[str, Any], Any]  # a pyarrow Table, a dict of columns, or a pandas DataFrame

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Optional, Protocol
 import pyarrow as pa
 
 from batchrun.engine import Engine, RequestOutput, SamplingParams
+from batchrun.job.checkpoints import LineFiles
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import ConfigError, JobError, ShardError
 from batchrun.job.logprobs import TokenTexts
@@ -85,7 +86,7 @@ class ShardFormat(ABC):
     """What a run needs to know of its input format; one instance serves every shard of a run."""
 
     name: ClassVar[str]
-    suffix_files: ClassVar[tuple[str, ...]] = ()  # attempt files it writes besides DEFAULT_FILES
+    extra_files: ClassVar[tuple[str, ...]] = ()  # attempt files it writes besides DEFAULT_FILES
     has_lines: ClassVar[bool] = False  # every input row also gets one line (ShardOutput.put_line)
 
     def __init__(self, config: RunConfig) -> None:
@@ -108,7 +109,7 @@ class ShardFormat(ABC):
     @property
     def files(self) -> tuple[str, ...]:
         """The attempt's files its marker commits (store.PUBLISHED_FILES keys)."""
-        return (*DEFAULT_FILES, *self.suffix_files)
+        return (*DEFAULT_FILES, *self.extra_files)
 
     @property
     def default_samples(self) -> int:
@@ -143,6 +144,10 @@ class ShardFormat(ABC):
 
     def row_line(self, shard: str, entry: RowOutputs, texts: TokenTexts) -> Optional[dict[str, Any]]:
         """The line of a row whose samples are all done (has_lines formats)."""
+        return None
+
+    def line_files(self) -> Optional[LineFiles]:
+        """Where the rows' lines go (has_lines formats)."""
         return None
 
     def check_lines(self, num_lines: int, num_rows: int) -> None:
@@ -188,7 +193,7 @@ class ParquetFormat(ShardFormat):
 
 class OpenAIBatchFormat(ShardFormat):
     name = "openai_batch"
-    suffix_files = ("output.jsonl", "errors.jsonl")
+    extra_files = ("output.jsonl", "errors.jsonl")
     has_lines = True
 
     def __init__(self, config: RunConfig, requests: RequestBuilder) -> None:
@@ -252,9 +257,17 @@ class OpenAIBatchFormat(ShardFormat):
             return response_line(shard, entry.row.index, request, outs, entry.params.logprobs, texts)
         return error_line(shard, entry.row.index, request.custom_id, ENGINE_ERROR, failed.error or "engine error")
 
+    def line_files(self) -> Optional[LineFiles]:
+        """Answers to output.jsonl, error lines (a request or the engine failed) to errors.jsonl."""
+        return LineFiles(self.extra_files, _line_file)
+
     def check_lines(self, num_lines: int, num_rows: int) -> None:
         if num_lines != num_rows:
             raise ShardError(f"{num_lines} batch output lines for {num_rows} requests; not committed")
+
+
+def _line_file(line: dict[str, Any]) -> str:
+    return "errors.jsonl" if line.get("error") is not None else "output.jsonl"
 
 
 FORMATS: dict[str, type[ShardFormat]] = {ParquetFormat.name: ParquetFormat, OpenAIBatchFormat.name: OpenAIBatchFormat}

@@ -25,13 +25,14 @@ from batchrun.job.config import RunConfig
 from batchrun.job.errors import ConfigError, JobError
 from batchrun.job.fence import FingerprintFence
 from batchrun.job.fingerprint import settings_fingerprint
-from batchrun.job.flow import ShardContext, ShardFlow, shard_context
+from batchrun.job.flow import ShardFlow
 from batchrun.job.formats import format_class, select_format
 from batchrun.job.ledger import ShardLedger
 from batchrun.job.manifest import write_merged_manifest
 from batchrun.job.plan import WorkerPlan, is_stealing, model_changes, plan_worker, shared_shards
 from batchrun.job.progress import Progress
 from batchrun.job.results import RunResult, run_throughput
+from batchrun.job.shard_run import ShardContext, shard_context
 from batchrun.job.shards import Worker, discover_shards, open_filesystem, resolve_worker
 from batchrun.job.signals import StopRequest
 from batchrun.job.store import RunStore

@@ -76,7 +76,7 @@ class _JobRun:
         input_format = format_class(config)
         input_format.check_config(config)
         listed = discover_shards(
-            self.data_fs, data_path, data_uri, self.store.root if same_fs else None, config.data.format
+            self.data_fs, data_path, data_uri, self.store.root if same_fs else None, input_format.name
         )
         shared = worker.world_size > 1 and not is_stealing(config, worker)
         all_shards = shared_shards(self.store, listed) if shared else listed

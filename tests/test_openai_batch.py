@@ -610,7 +610,7 @@ def test_a_publication_cut_short_leaves_results_last_so_the_next_run_finishes_it
 
     store = RunStore(str(tmp_path / "run"), {})
     attempt = store.begin("b")
-    for path in (attempt.results_tmp, attempt.metrics_tmp, attempt.output_tmp, attempt.errors_tmp):
+    for path in (attempt.results_tmp, attempt.metrics_tmp, attempt.file("output.jsonl"), attempt.file("errors.jsonl")):
         Path(path).write_bytes(Path(path).name.encode())
     real_move = store._move_if_needed
 
@@ -624,7 +624,7 @@ def test_a_publication_cut_short_leaves_results_last_so_the_next_run_finishes_it
     assert store.commit(attempt, {"shard": "b"}, files)
     # Committed, half published: results/ (what a rerun takes as "published") is not there yet.
     assert (tmp_path / "run" / "outputs" / "b.jsonl").exists() and store.published_shards() == set()
-    assert committed_files(store, "errors")["b"] == attempt.errors_tmp  # readers see it all the same
+    assert committed_files(store, "errors")["b"] == attempt.file("errors.jsonl")  # readers see it all the same
     monkeypatch.setattr(store, "_move_if_needed", real_move)
     assert store.publish("b", store.read_marker("b"))
     for kind, suffix in (("results", "parquet"), ("metrics", "parquet"), ("outputs", "jsonl"), ("errors", "jsonl")):

@@ -42,10 +42,11 @@ import pyarrow as pa
 
 from batchrun.engine import Engine, EngineRequest, RequestOutput, SamplingParams
 from batchrun.job import RunConfig, build_run_config, load_engine
-from batchrun.job.flow import IN_FLIGHT_PER_SEQ, check_row
 from batchrun.job.logprobs import TokenTexts
 from batchrun.job.prompts import Prompt, PromptBuilder
 from batchrun.job.reader import InputRow
+from batchrun.job.rows import check_row
+from batchrun.job.shard_run import IN_FLIGHT_PER_SEQ
 from batchrun.job.writer import error_result, logprob_columns, optional_columns, output_result, result_schema
 
 Batch = Union[pa.Table, Mapping[str, Any], Any]  # a pyarrow Table, a dict of columns, or a pandas DataFrame
@@ -109,7 +110,7 @@ class BatchrunPredictor:
         return pa.Table.from_pylist(results, schema=self._schema(batch))
 
     def _params_for(self, row_id: Any) -> Optional[SamplingParams]:
-        """A seeded sampled row gets the seed a job gives it (flow.ShardRun._params_for): the same
+        """A seeded sampled row gets the seed a job gives it (shard_run.ShardRun._params_for): the same
         row samples the same text here as in a job. None keeps the shared params (greedy)."""
         sampling = self.config.sampling
         if sampling.seed is None or sampling.is_greedy:

@@ -3,7 +3,7 @@ loses the rows since its last part, not the shard.
 
     {output.uri}/_parts/{shard}/{k:06d}.json                    part k's marker (create-if-absent)
     {output.uri}/_parts/{shard}/{k:06d}-{attempt}.parquet       its result rows, in input order
-    {output.uri}/_parts/{shard}/{k:06d}-{attempt}.jsonl         its OpenAI batch lines (data.format=openai_batch)
+    {output.uri}/_parts/{shard}/{k:06d}-{attempt}.jsonl         its lines (formats with lines: openai_batch)
 
 An attempt collects finished rows (ShardOutput). Every `output.checkpoint_rows` result rows or
 `output.checkpoint_s` seconds it writes the input rows that are complete (every sample's result
@@ -40,6 +40,7 @@ import json
 import posixpath
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -258,6 +259,15 @@ class _Chunk:
     rows: RowRuns
 
 
+@dataclass(frozen=True)
+class LineFiles:
+    """An attempt's per-row lines (formats with lines, formats.ShardFormat.has_lines): the attempt
+    files they end in, and which of them takes a line."""
+
+    names: tuple[str, ...]
+    pick: Callable[[dict[str, Any]], str]
+
+
 class ShardOutput:
     """One attempt's result rows (and batch lines): collected per input row in any order, written
     out in input order as committed parts (CheckpointPolicy) or spills, and finally as the
@@ -268,7 +278,7 @@ class ShardOutput:
         store: RunStore,
         attempt: Attempt,
         schema: pa.Schema,
-        with_lines: bool,
+        lines: Optional[LineFiles],
         policy: CheckpointPolicy,
         resume: Resume,
         part_marker: Callable[[], dict[str, Any]],
@@ -277,7 +287,8 @@ class ShardOutput:
         """`part_marker()` gives the fields every part marker carries (fingerprint, counters,
         wall time so far); `before_commit()` runs before each part is committed (the run's
         fingerprint fence: it raises when another launch changed the settings)."""
-        self.store, self.attempt, self.schema, self.with_lines = store, attempt, schema, with_lines
+        self.store, self.attempt, self.schema, self.lines = store, attempt, schema, lines
+        self.with_lines = lines is not None
         self.policy, self.resume = policy, resume
         self._part_marker, self._before_commit = part_marker, before_commit
         self._open: dict[int, _Row] = {}  # input row -> its outputs so far
@@ -475,13 +486,15 @@ class ShardOutput:
                 for line in f:
                     yield next(rows), line
 
+        assert self.lines is not None
         num_lines = 0
-        with (
-            self.store.fs.open(self.attempt.output_tmp, "wb") as output,
-            self.store.fs.open(self.attempt.errors_tmp, "wb") as errors,
-        ):
+        with ExitStack() as stack:
+            files = {
+                name: stack.enter_context(self.store.fs.open(self.attempt.file(name), "wb"))
+                for name in self.lines.names
+            }
             for _, line in heapq.merge(*[from_chunk(c) for c in chunks], from_memory(), key=lambda item: item[0]):
-                (errors if json.loads(line).get("error") is not None else output).write(line)
+                files[self.lines.pick(json.loads(line))].write(line)
                 num_lines += 1
         return num_lines
 

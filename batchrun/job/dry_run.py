@@ -2,8 +2,8 @@
 
 The plan reads every input row as a run would (ShardReader / BatchFileReader: streamed, memory
 bounded by data.batch_size and the planner window), checks and builds each prompt with the same
-code as a run (flow.check_row, flow.with_row_schema, runner.prompt_builders with the real tokenizer
-and template), so the rows it counts as errors, by type, are the rows a run writes as error rows,
+code as a run (the run's ShardFormat from formats.select_format, with the real tokenizer and
+template, and rows.with_row_schema), so the rows it counts as errors, by type, are the rows a run writes as error rows,
 and its prompt tokens are the ones the run's metrics count. It loads the engine for the tokenizer,
 the max_model_len and the measured prefill and decode rates (Engine.throughput_profile); the engine
 runs no request. Nothing is read from or written to output.uri: a plan is the same whatever an
@@ -31,13 +31,12 @@ from typing import Any, Optional
 from batchrun.engine import Engine, SamplingParams, ThroughputProfile
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import ConfigError, ShardError
-from batchrun.job.flow import INVALID_SCHEMA, check_row, with_row_schema
-from batchrun.job.openai_files import BatchFileReader
-from batchrun.job.openai_requests import RequestBuilder
+from batchrun.job.formats import RowReader, ShardFormat, format_class, select_format
 from batchrun.job.pool import num_local_workers
-from batchrun.job.prompts import Prompt, PromptBuilder
-from batchrun.job.reader import InputRow, ShardReader
-from batchrun.job.runner import check_id_column, check_openai_batch_config, load_engine, prompt_builders
+from batchrun.job.prompts import Prompt
+from batchrun.job.reader import InputRow
+from batchrun.job.rows import INVALID_SCHEMA, with_row_schema
+from batchrun.job.runner import load_engine
 from batchrun.job.shards import Shard, discover_shards, open_filesystem, resolve_worker
 
 
@@ -101,23 +100,21 @@ def plan_run(config: RunConfig, engine: Optional[Engine] = None, env: Optional[M
     ConfigError and JobError as a run's start would."""
     env = env if env is not None else os.environ
     assert config.data.uri is not None, "DataConfig requires a uri"
-    is_batch = config.data.format == "openai_batch"
-    if is_batch:
-        check_openai_batch_config(config)
+    input_format = format_class(config)
+    input_format.check_config(config)
     data_fs, data_path = open_filesystem(config.data.uri, config.data.storage_options)
     out_fs, out_path = open_filesystem(config.output.uri, config.output.storage_options)
     same_fs = type(data_fs) is type(out_fs) and data_fs.protocol == out_fs.protocol
     exclude = (out_path.rstrip("/") or out_path) if same_fs else None
     shards = discover_shards(data_fs, data_path, config.data.uri, exclude, config.data.format)
-    check_id_column(config, data_fs, shards[0])
+    input_format.check_first_shard(config, data_fs, shards[0])
     worker = resolve_worker(config.launcher, env)
     local = num_local_workers(config, env) if config.launcher.rank is None else 1
     num_workers = local if local > 1 else worker.world_size
 
     engine = engine or load_engine(config.engine)
     profile = engine.throughput_profile()
-    builder, requests = prompt_builders(config, engine)
-    counter = _Counter(config, builder, requests, engine.config.block_size)
+    counter = _Counter(config, select_format(config, engine), engine.config.block_size)
     plans = [counter.shard(shard, data_fs) for shard in shards]
     return counter.result(config, engine, profile, plans, num_workers)
 
@@ -143,14 +140,10 @@ def write_plan_json(plan: RunPlan, path: str, output_uri: str) -> None:
 class _Counter:
     """Counts rows shard by shard; the planner windows run across shard boundaries, as in a run."""
 
-    def __init__(
-        self, config: RunConfig, builder: PromptBuilder, requests: Optional[RequestBuilder], block_size: int
-    ) -> None:
+    def __init__(self, config: RunConfig, input_format: ShardFormat, block_size: int) -> None:
         self.config = config
-        self.builder = builder
-        self.requests = requests
+        self.format = input_format
         self.block_size = block_size
-        self.columns = [*config.job.input_columns(config.data), *config.output.keep_columns]
         self.lengths: Counter[int] = Counter()  # prompt length -> rows: percentiles in memory bounded by max_model_len
         self.error_examples: dict[str, str] = {}
         self.num_truncated = 0
@@ -163,16 +156,12 @@ class _Counter:
         totals = dict(rows=0, results=0, prompt=0, prefill=0, output=0)
         seen_ids: set[Any] = set()
         failure: Optional[str] = None
-        reader: Optional[ShardReader | BatchFileReader] = None
+        reader: Optional[RowReader] = None
         try:
-            reader = (
-                BatchFileReader(shard, fs)
-                if self.requests is not None
-                else ShardReader(shard, fs, self.config.data, self.columns)
-            )
+            reader = self.format.open_reader(shard, fs)
             for row in reader.rows():
                 prompt, params = self._prompt(row, seen_ids)
-                n = self._samples(prompt, params)
+                n = self.format.num_samples(prompt, params)
                 totals["rows"] += 1
                 totals["results"] += n
                 if prompt.token_ids is None:
@@ -205,24 +194,14 @@ class _Counter:
 
     def _prompt(self, row: InputRow, seen_ids: set[Any]) -> tuple[Prompt, Optional[SamplingParams]]:
         """The row's prompt (or error) and its own params, in the order flow.ShardRun.requests checks."""
-        params: Optional[SamplingParams] = None
-        if self.requests is not None:
-            prompt = self.requests.check_line(row) or check_row(row, seen_ids, self.config.data.id_column)
-            if prompt is None:
-                prompt, params, _ = self.requests.build(row)
-        else:
-            prompt = check_row(row, seen_ids, self.config.data.id_column) or self.builder.build(row)
+        built = self.format.build(row, seen_ids)
+        prompt, params = built.prompt, built.params
         if prompt.token_ids is not None:
             checked, schema_error = with_row_schema(row, params or self.config.sampling, self.config.data.schema_column)
             if schema_error is not None:
                 return Prompt(error_type=INVALID_SCHEMA, error_message=schema_error), None
             params = params if checked is None else checked
         return prompt, params
-
-    def _samples(self, prompt: Prompt, params: Optional[SamplingParams]) -> int:
-        if self.requests is None:
-            return self.config.sampling.n
-        return 1 if prompt.token_ids is None or params is None else params.n
 
     def _shared(self, ids: list[int]) -> int:
         """Tokens of this prompt's leading full blocks that an earlier prompt of its planner window

@@ -6,522 +6,61 @@ shard's rows are admitted, so the batch stays full across many small or uneven s
 results file); rows in flight are bounded by the engine's `max_in_flight` and the planner's
 window, which orders rows across the boundary too.
 
-Each open shard is one attempt (store.py) that commits on its own as soon as every one of its rows
-has its result row, in whatever order shards complete; results are written in input order per
-shard by its own ResultWriter. A shard that fails (unreadable part way, a storage error, a lost
-claim) is dropped alone: its rows still in the engine run to the end and their outputs are
-discarded. A stop signal abandons every open shard (nothing of them is committed); an exception
-from the engine itself fails the shards open at that moment and the flow goes on with the next.
-
-Per-shard metrics with overlapping shards: a shard's wall time runs from its opening (first row
-read) to its last result, so its tok/s is its own tokens over its own lifetime; overlapping shards'
-rates are not additive (the run manifest has the worker's true rate). Request-level counts (cache
-hits, preemptions, speculative proposals) are summed over the shard's own rows; the KV peak is the
-engine's since the oldest shard open at this shard's opening started, and MoE expert counts are
-the engine's over the shard's lifetime (both shared with overlapping shards).
+Each open shard is a ShardRun (shard_run.py), one attempt (store.py) that commits on its own as
+soon as every one of its rows has its result row, in whatever order shards complete. A shard that
+fails (unreadable part way, a storage error, a lost claim) is dropped alone: its rows still in the
+engine run to the end and their outputs are discarded. A stop signal abandons every open shard
+(nothing of them is committed); an exception from the engine itself fails the shards open at
+that moment and the flow goes on with the next. The flow reports each shard to the ShardLedger
+(ledger.py) as it opens and as it ends.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
-import time
 from collections.abc import Callable, Iterator
-from typing import Any, Optional, Protocol, TypeVar
+from typing import Optional, TypeVar
 
-from batchrun.engine import Engine, EngineRequest, EngineStats, RequestMetrics, RequestOutput, SamplingParams
-from batchrun.job.checkpoints import (
-    CheckpointPolicy,
-    PartLost,
-    Resume,
-    ShardOutput,
-    parts_changes,
-    read_parts,
-    remove_parts,
-    resume_from,
-    tally_rows,
-)
-from batchrun.job.claims import ClaimBook, ShardQueue
-from batchrun.job.config import RunConfig
+from batchrun.engine import Engine, EngineRequest, RequestOutput
+from batchrun.job.checkpoints import PartLost
+from batchrun.job.claims import ShardQueue
 from batchrun.job.errors import ConfigError, ShardError
-from batchrun.job.fence import FingerprintConflict
-from batchrun.job.fingerprint import fingerprint_changes, input_fingerprint
-from batchrun.job.logprobs import TokenTexts
-from batchrun.job.manifest import utc_now
-from batchrun.job.metrics import ShardTally, metrics_row
-from batchrun.job.openai_files import BatchFileReader
-from batchrun.job.openai_requests import BatchRequest, RequestBuilder, error_line, response_line, tool_columns
+from batchrun.job.fence import FingerprintFence
+from batchrun.job.formats import ShardFormat
+from batchrun.job.ledger import ShardLedger
 from batchrun.job.planner import plan_requests
 from batchrun.job.progress import Progress
-from batchrun.job.prompts import Prompt, PromptBuilder
-from batchrun.job.reader import InputRow, ShardReader
 from batchrun.job.results import ShardSummary
-from batchrun.job.shards import Shard, Worker, refreshed
+from batchrun.job.shard_run import IN_FLIGHT_PER_SEQ, ShardContext, ShardRun
+from batchrun.job.shards import Shard
 from batchrun.job.signals import StopRequest
-from batchrun.job.store import DEFAULT_FILES, Attempt, RunStore
-from batchrun.job.writer import (
-    ENGINE_ERROR,
-    error_result,
-    logprob_columns,
-    optional_columns,
-    output_result,
-    result_schema,
-    write_metrics,
-)
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-IN_FLIGHT_PER_SEQ = 4  # requests the engine may hold at once, per sequence it runs
-
-DUPLICATE_ID = "duplicate_id"
-NULL_ID = "null_id"
-INVALID_TEXT = "invalid_text"
-INVALID_SCHEMA = "invalid_schema"
-
-
-class ShardHost(Protocol):
-    """What a shard's run needs from the worker's run (runner._JobRun)."""
-
-    config: RunConfig
-    store: RunStore
-    claims: ClaimBook
-    worker: Worker
-    data_fs: Any
-    settings: dict[str, Any]
-    model_fp: dict[str, Any]
-    ttfts: list[float]
-
-    requests: Optional[RequestBuilder]  # data.format=openai_batch: each row is a batch request line
-
-    def record_ids(self, shard: str, id_keys: set[Any]) -> None: ...
-
-    def check_fence(self) -> None: ...  # before every commit: raises FingerprintConflict
-
-    def start_shard(self, shard: Shard) -> str: ...
-
-    def finish_shard(self, shard: Shard, summary: ShardSummary) -> None: ...
-
-
-def id_key(row_id: Any) -> Any:
-    """A hashable key for an id of any Arrow type (lists and structs come back as lists and dicts)."""
-    try:
-        hash(row_id)
-        return (type(row_id).__name__, row_id)
-    except TypeError:
-        return repr(row_id)
-
-
-def check_row(row: InputRow, seen_ids: set[Any], id_column: Optional[str]) -> Optional[Prompt]:
-    """Errors of the row itself, before any prompt is built: its text and its id. `seen_ids` holds
-    the id keys of the shard's earlier rows and gains this row's. The one check of a real run and
-    of a dry run (dry_run.py), so both count the same error rows."""
-    if row.invalid_columns:
-        return Prompt(
-            error_type=INVALID_TEXT,
-            error_message=(
-                f"row {row.index} (id {row.id!r}): column(s) {', '.join(map(repr, row.invalid_columns))} hold text "
-                "that is not valid UTF-8"
-            ),
-        )
-    if row.id is None:
-        return Prompt(error_type=NULL_ID, error_message=f"row {row.index}: column {id_column!r} is null or NaN")
-    key = id_key(row.id)
-    if key in seen_ids:
-        return Prompt(error_type=DUPLICATE_ID, error_message=f"id {row.id!r} already appeared earlier in this shard")
-    seen_ids.add(key)
-    return None
-
-
-def with_row_schema(
-    row: InputRow, params: SamplingParams, schema_column: Optional[str]
-) -> tuple[Optional[SamplingParams], Optional[str]]:
-    """(params, None), or (None, why the row's schema is invalid): a schema in data.schema_column
-    replaces any constraint of the job's for that row. Params unchanged come back as given."""
-    schema = row.values.get(schema_column) if schema_column is not None else None
-    if schema is None:
-        return params, None
-    if not isinstance(schema, str):
-        return None, f"column {schema_column!r} holds {type(schema).__name__}; expected JSON Schema text"
-    try:  # SamplingParams checks the schema: invalid JSON or not compilable
-        return dataclasses.replace(params, json_schema=schema, regex=None, choice=()), None
-    except ValueError as e:
-        return None, f"column {schema_column!r}: {e}"
-
-
-class ShardRun:
-    """One attempt at one shard while it is open: its reader, its results file, its rows in flight.
-
-    Requests carry `(key, row index)` as their id; `key` tells the shards of one flow apart."""
-
-    def __init__(
-        self, host: ShardHost, shard: Shard, key: int, engine: Engine, builder: PromptBuilder, progress: Progress
-    ) -> None:
-        self.host, self.shard, self.key, self.engine, self.builder = host, shard, key, engine, builder
-        self.progress = progress
-        self.config = host.config
-        self.tally = ShardTally()
-        self.batch_requests = host.requests  # None unless data.format=openai_batch
-        self.in_flight: dict[int, RowInFlight] = {}  # row index -> the row while its samples run
-        # Result rows per input row: sampling.n for Parquet rows; a batch request's own n (its body's,
-        # else sampling.n), and 1 for a request that is an error line.
-        self.num_samples = self.config.sampling.n
-        self.num_result_rows = 0  # result rows of the rows read so far: the next row's first index
-        self.optional_columns = optional_columns(self.config.sampling, per_row=self.batch_requests is not None)
-        self.token_texts = TokenTexts(engine.tokenizer)
-        self.seen_ids: set[Any] = set()
-        self.is_read = False  # every row was read and either admitted or written as an error row
-        self.failure: Optional[BaseException] = None  # set when the shard cannot go on
-        # Earlier attempts at it died with their worker: it may be what kills workers (see ShardFlow).
-        self.runs_alone = host.claims.died_before(shard.name) > 0
-        self.started_at = host.start_shard(shard)
-        self.t0 = time.perf_counter()
-        self.engine_before: EngineStats = engine.stats()
-        self.attempt: Attempt = host.store.begin(shard.name)
-        columns = [*self.config.job.input_columns(self.config.data), *self.config.output.keep_columns]
-        try:
-            # The input as it is now, not as listed (or planned) at start: what this attempt reads.
-            try:
-                self.shard = refreshed(shard, host.data_fs)
-            except FileNotFoundError:
-                raise ShardError(f"cannot read {shard.url}: it no longer exists") from None
-            self.fingerprint = {
-                "settings": host.settings,
-                "model": host.model_fp,
-                "input": input_fingerprint(self.shard),
-            }
-            self.reader: ShardReader | BatchFileReader
-            if self.batch_requests is not None:
-                self.reader = BatchFileReader(self.shard, host.data_fs)
-            else:
-                self.reader = ShardReader(self.shard, host.data_fs, self.config.data, columns)
-            try:
-                keep_fields = [self.reader.field(c) for c in self.config.output.keep_columns]
-                schema = result_schema(keep_fields, self.reader.id_type, self.optional_columns)
-                self.resume = self._resume()
-                output = self.config.output
-                self.output = ShardOutput(
-                    host.store,
-                    self.attempt,
-                    schema,
-                    with_lines=self.batch_requests is not None,
-                    policy=CheckpointPolicy(output.checkpoint_rows, output.checkpoint_s),
-                    resume=self.resume,
-                    part_marker=self._part_fields,
-                    before_commit=host.check_fence,
-                )
-            except BaseException:
-                self.reader.close()
-                raise
-        except BaseException:
-            host.store.abandon(self.attempt)
-            raise
-        progress.add_rows(self.reader.num_rows * self._default_samples)
-
-    def _resume(self) -> Resume:
-        """Take over the shard's committed parts (checkpoints.py): their rows are not run again,
-        and they count in this shard's metrics. Parts computed with other settings, model or input
-        are redone (output.on_change=recompute) or stop the run (error)."""
-        store = self.host.store
-        parts = read_parts(store, self.shard.name)
-        if not parts:
-            return Resume()
-        changes = parts_changes(parts, self.fingerprint)
-        if changes and self.config.output.on_change == "error":
-            raise ConfigError(
-                "output.on_change",
-                f"shard {self.shard.name} in {self.config.output.uri} has committed parts computed with other "
-                f"settings, model or input ({'; '.join(changes[:4])}); use a new output.uri, or set "
-                "output.on_change=recompute to redo them",
-            )
-        if changes:
-            log.warning("shard %s: its parts differ (%s); recomputing it", self.shard.name, "; ".join(changes[:4]))
-            remove_parts(store, self.shard.name)
-            return Resume()
-        resume = resume_from(parts)
-        for row in tally_rows(store, parts):
-            self.tally.add(row)
-        for part in parts:
-            self.tally.add_counts(part.request_counts)
-        log.info(
-            "shard %s: resuming after %d committed part(s): %d of %d rows done",
-            self.shard.name,
-            len(parts),
-            len(resume.done),
-            self.reader.num_rows,
-        )
-        return resume
-
-    def _part_fields(self) -> dict[str, Any]:
-        """What every part marker of this attempt carries besides its rows."""
-        return {
-            "input": self.shard.url,
-            "owner": self.host.claims.owner,
-            "worker": self.host.worker.rank,
-            "committed_at": utc_now(),
-            "fingerprint": self.fingerprint,
-            "wall_s": self.resume.wall_s + time.perf_counter() - self.t0,
-        }
-
-    def checkpoint_if_due(self) -> None:
-        if self.failure is None and self.output.is_due():
-            self.output.checkpoint()
-
-    def checkpoint_on_stop(self) -> None:
-        """A stop signal: commit the finished rows as a part before the attempt is abandoned, so
-        a graceful stop (Slurm's preemption SIGTERM) loses only the rows in flight."""
-        if self.failure is None and not self.is_lost and self.output.policy.enabled:
-            self.output.checkpoint()
-
-    @property
-    def is_lost(self) -> bool:
-        """Our claim was taken over (we froze past the lease): another worker runs it now."""
-        return self.host.claims.is_lost(self.shard.name)
-
-    @property
-    def is_complete(self) -> bool:
-        return self.is_read and not self.in_flight and self.failure is None
-
-    def requests(self, stop: StopRequest) -> Iterator[EngineRequest]:
-        """The shard's rows as engine requests, lazily; rows that cannot be prompts are written as
-        error rows here. Ends early, with `is_read` false, on a stop, a lost claim or a read error."""
-        keep_columns = self.config.output.keep_columns
-        try:
-            for row in self.reader.rows():
-                if stop.requested or self.is_lost:
-                    return
-                done = self.resume.done.get(row.index)
-                if done is not None:
-                    self._skip_done(row, done)
-                    continue
-                keep = {c: row.values[c] for c in keep_columns}
-                request: Optional[BatchRequest] = None
-                params = None
-                if self.batch_requests is not None:
-                    prompt = self.batch_requests.check_line(row) or self._check_row(row)
-                    if prompt is None:
-                        prompt, params, request = self.batch_requests.build(row)
-                else:
-                    prompt = self._check_row(row) or self.builder.build(row)
-                if prompt.token_ids is not None:
-                    seeded = request is not None and request.body.get("seed") is not None
-                    params, schema_error = self._with_row_schema(row, self._params_for(row, params, seeded))
-                    if schema_error is not None:
-                        prompt = Prompt(error_type=INVALID_SCHEMA, error_message=schema_error)
-                num_samples = self._samples_of(prompt, params)
-                if num_samples != self._default_samples:
-                    self.progress.add_rows(num_samples - self._default_samples)
-                self.num_result_rows += num_samples
-                self.output.expect(row.index, num_samples)
-                if prompt.token_ids is None:
-                    error = error_result(
-                        row.id, prompt.error_type or "", prompt.error_message, prompt.num_prompt_tokens, keep
-                    )
-                    for sample in range(num_samples):  # one error row per (id, sample)
-                        self._emit_row(row.index, sample, dict(error))
-                    if self.batch_requests is not None:
-                        message = prompt.error_message or prompt.error_type or ""
-                        self.output.put_line(
-                            row.index, error_line(self.shard.name, row.index, row.id, error["error_type"], message)
-                        )
-                    continue
-                self.in_flight[row.index] = RowInFlight(
-                    row, prompt, keep, request, params or self.config.sampling, num_samples
-                )
-                yield EngineRequest(request_id=(self.key, row.index), prompt=prompt.token_ids, params=params)
-            self.is_read = True
-        except Exception as e:
-            # Raising here would unwind through the engine: the flow fails this shard alone.
-            if not isinstance(e, ShardError):
-                log.error("shard %s: unexpected error while reading it", self.shard.name, exc_info=True)
-            self.failure = e
-
-    def on_output(self, out: RequestOutput) -> None:
-        """One sample of a row in flight is done: its result row now, the row's batch output line
-        once every sample is in (one line per request, its n choices in sample order)."""
-        entry = self.in_flight[out.request_id[1]]
-        entry.outputs[out.sample_index] = out
-        if len(entry.outputs) == entry.num_samples:
-            del self.in_flight[entry.row.index]
-        result = output_result(entry.row.id, out, entry.prompt.error_message, entry.keep)
-        result.update(logprob_columns(out, entry.params, self.token_texts))
-        if entry.request is not None:  # a batch chat choice's parsed tool calls
-            result.update(tool_columns(entry.request, out, self.shard.name, entry.row.index))
-        self._emit_row(entry.row.index, out.sample_index, result, out.metrics)
-        self.tally.add_request(out.metrics)
-        if entry.request is not None and len(entry.outputs) == entry.num_samples:
-            self.output.put_line(entry.row.index, self._batch_line(entry))
-
-    def commit(self) -> ShardSummary:
-        """Write the results file (with the committed parts' rows) and commit the attempt (every
-        row has its result row)."""
-        self.reader.close()
-        wall_s = self.resume.wall_s + time.perf_counter() - self.t0
-        num_rows, num_lines = self.output.finish()
-        if num_rows != self.num_result_rows:
-            raise ShardError(
-                f"{num_rows} result rows for {self.reader.num_rows} input rows with {self.num_result_rows} samples; "
-                "not committed"
-            )
-        files = DEFAULT_FILES
-        if self.batch_requests is not None:
-            if num_lines != self.reader.num_rows:
-                raise ShardError(f"{num_lines} batch output lines for {self.reader.num_rows} requests; not committed")
-            files = (*DEFAULT_FILES, "output.jsonl", "errors.jsonl")
-        store = self.host.store
-        metrics = metrics_row(
-            self.shard.name, self.host.worker.rank, self.tally, wall_s, self.engine_before, self.engine.stats()
-        )
-        write_metrics(store.fs, self.attempt.metrics_tmp, metrics)
-        fingerprint = self.fingerprint
-        self.host.check_fence()
-        is_first = store.commit(
-            self.attempt,
-            {
-                "shard": self.shard.name,
-                "input": self.shard.url,
-                "num_rows": num_rows,
-                "started_at": self.started_at,
-                "committed_at": utc_now(),
-                "worker": self.host.worker.rank,
-                "owner": self.host.claims.owner,
-                "model_fingerprint": self.engine.model_fingerprint,
-                "fingerprint": fingerprint,
-                "error_counts": self.tally.error_counts,
-                "metrics": metrics,
-            },
-            files,
-        )
-        if not is_first:
-            winner = store.read_marker(self.shard.name) or {}
-            changes = fingerprint_changes(winner.get("fingerprint") or {}, fingerprint, ("settings", "model"))
-            if changes:  # a concurrent launch with other settings: never adopt its rows as ours
-                raise FingerprintConflict(
-                    "output.on_change",
-                    f"shard {self.shard.name} was committed meanwhile by a launch with other settings or another "
-                    f"model ({'; '.join(changes[:4])}); this worker stops",
-                )
-            log.warning(
-                "shard %s was committed by another worker meanwhile; this attempt is discarded", self.shard.name
-            )
-            return ShardSummary(self.shard.name, "skipped", winner.get("metrics"))
-        try:  # the marker has the rows now; the parts are only working state
-            remove_parts(store, self.shard.name)
-        except Exception:
-            log.warning("shard %s: could not remove its committed parts", self.shard.name, exc_info=True)
-        self.host.ttfts.extend(self.tally.ttfts)
-        self.host.record_ids(self.shard.name, self.seen_ids)
-        return ShardSummary(self.shard.name, "committed", metrics)
-
-    def abandon(self) -> None:
-        """Nothing more of this attempt is committed; its own files are removed (its committed
-        parts stay: the next attempt resumes from them)."""
-        self.output.abort()
-        self.reader.close()
-        self.host.store.abandon(self.attempt)
-
-    def _skip_done(self, row: InputRow, num_results: int) -> None:
-        """A row a committed part holds: counted, and its id seen, but not run again."""
-        if self.batch_requests is None or self.batch_requests.check_line(row) is None:
-            self._check_row(row)  # for the duplicate-id check of the rows after it
-        self.num_result_rows += num_results
-        if num_results != self._default_samples:
-            self.progress.add_rows(num_results - self._default_samples)
-        self.progress.advance(num_results, 0)
-
-    def _check_row(self, row: InputRow) -> Optional[Prompt]:
-        """Errors of the row itself, before any prompt is built: its text and its id."""
-        return check_row(row, self.seen_ids, self.config.data.id_column)
-
-    def _params_for(
-        self, row: InputRow, own: Optional[SamplingParams] = None, seeded: bool = False
-    ) -> Optional[SamplingParams]:
-        """Per-row seed from (sampling.seed, id): the same row samples the same text in any batch,
-        shard split or resumed run (its n samples get seeds from it and their index, in the engine).
-        None keeps the stream's shared params (greedy needs no seed).
-        `own`: the row's params (a batch request's body); `seeded`: its body chose the seed."""
-        sampling = own or self.config.sampling
-        if seeded or sampling.seed is None or sampling.is_greedy:
-            return own
-        digest = hashlib.sha256(f"{sampling.seed}\0{row.id}".encode()).digest()
-        return dataclasses.replace(sampling, seed=int.from_bytes(digest[:8], "little") >> 1)
-
-    def _with_row_schema(
-        self, row: InputRow, params: Optional[SamplingParams]
-    ) -> tuple[Optional[SamplingParams], Optional[str]]:
-        column = self.config.data.schema_column
-        if column is None or row.values.get(column) is None:
-            return params, None  # None stays None: the stream's shared params
-        return with_row_schema(row, params or self.config.sampling, column)
-
-    @property
-    def _default_samples(self) -> int:
-        """Result rows counted per input row when the shard opens: corrected per row as it is read."""
-        return 1 if self.batch_requests is not None else self.num_samples
-
-    def _samples_of(self, prompt: Prompt, params: Optional[SamplingParams]) -> int:
-        if self.batch_requests is None:
-            return self.num_samples
-        if prompt.token_ids is None or params is None:
-            return 1  # an error line answers the request once, whatever n it asked for
-        return params.n
-
-    def _emit_row(
-        self, row: int, sample: int, result: dict[str, Any], metrics: Optional[RequestMetrics] = None
-    ) -> None:
-        """One result row, at its place: rows in input order, a row's samples in sample order."""
-        if "sample_index" in self.optional_columns:
-            result["sample_index"] = sample
-        self.output.put(row, sample, result, metrics)
-        self.tally.add(result)
-        self.progress.advance(1, result["num_output_tokens"] or 0, result)
-
-    def _batch_line(self, entry: RowInFlight) -> dict[str, Any]:
-        """The output line of a request whose samples are all done, or its error line when the
-        engine failed any of them (the first failed sample's message)."""
-        outs = [entry.outputs[i] for i in range(entry.num_samples)]
-        failed = next((o for o in outs if o.finish_reason == "error"), None)
-        index, request = entry.row.index, entry.request
-        assert request is not None
-        if failed is None:
-            return response_line(self.shard.name, index, request, outs, entry.params.logprobs, self.token_texts)
-        return error_line(self.shard.name, index, request.custom_id, ENGINE_ERROR, failed.error or "engine error")
-
-
-@dataclasses.dataclass
-class RowInFlight:
-    """An input row whose samples are in the engine."""
-
-    row: InputRow
-    prompt: Prompt
-    keep: dict[str, Any]  # the kept input columns (output.keep_columns)
-    request: Optional[BatchRequest]  # the batch request when the row is one
-    params: SamplingParams  # its own (a batch request's body, a row seed or schema) or the job's
-    num_samples: int
-    outputs: dict[int, RequestOutput] = dataclasses.field(default_factory=dict)  # sample index -> output
+__all__ = ["IN_FLIGHT_PER_SEQ", "ShardFlow", "ShardRun"]
 
 
 class ShardFlow:
-    """Runs the shards `queue` hands out through one engine stream, a bounded number at a time."""
+    """Runs the shards `queue` hands out through one engine stream, a bounded number at a time,
+    reporting each to `ledger` as it opens and ends."""
 
     def __init__(
         self,
-        host: ShardHost,
+        context: ShardContext,
+        format: ShardFormat,
+        ledger: ShardLedger,
+        fence: FingerprintFence,
         engine: Engine,
-        builder: PromptBuilder,
         progress: Progress,
         stop: StopRequest,
         queue: ShardQueue,
     ) -> None:
-        self.host, self.engine, self.builder, self.progress, self.stop = host, engine, builder, progress, stop
-        self.queue = queue
-        self.config = host.config
+        self.context, self.format, self.ledger, self.fence = context, format, ledger, fence
+        self.engine, self.progress, self.stop, self.queue = engine, progress, stop, queue
+        self.config = context.config
         self.max_open_shards = self.config.planner.max_open_shards
-        # Requests the engine holds at once: enough queued work to refill the batch as sequences
-        # finish, while memory stays bounded for shards of any size.
-        self.max_in_flight = IN_FLIGHT_PER_SEQ * (self.config.engine.max_num_seqs or engine.max_num_seqs)
         self.open: dict[int, ShardRun] = {}  # key -> open shard, in opening order
         self._held_back: Optional[Shard] = None  # claimed, to run alone once the open shards are done
         self._next_key = 0
@@ -536,14 +75,14 @@ class ShardFlow:
             raise
 
     def _run(self) -> None:
-        block_size = self.engine.config.block_size
+        block_size = self.context.block_size
         # Exhausted is rechecked once the engine drains: a claim lost meanwhile (_settle) puts
         # its shard back in the queue, which must be taken again or waited for, not left undone.
         while not (self._is_exhausted and self.queue.is_done) and not self.stop.requested:
             self._is_exhausted = False
             requests = plan_requests(self._requests(), self.config.planner, block_size)
             try:
-                for out in self.engine.stream(requests, self.config.sampling, self.max_in_flight):
+                for out in self.engine.stream(requests, self.context.sampling, self.context.max_in_flight):
                     run = self.open.get(out.request_id[0])
                     if run is not None and run.failure is None:  # else: a dropped shard's row
                         self._deliver(run, out)
@@ -586,7 +125,7 @@ class ShardFlow:
                 yield None
                 continue
             shard = self._held_back or self.queue.next_shard(
-                wait=not self.open, steal=self._rows_in_flight() < self.engine.max_num_seqs
+                wait=not self.open, steal=self._rows_in_flight() < self.context.max_num_seqs
             )
             self._held_back = None
             if shard is None:
@@ -595,7 +134,7 @@ class ShardFlow:
                     return
                 yield None  # own shards held elsewhere, or others' shards, are tried after this step
                 continue
-            if self.host.claims.died_before(shard.name) and self.open:
+            if self.ledger.claims.died_before(shard.name) and self.open:
                 self._held_back = shard  # claimed; opened once the shards open now are done
                 yield None
                 continue
@@ -609,13 +148,26 @@ class ShardFlow:
     def _open(self, shard: Shard) -> Optional[ShardRun]:
         if not self.open:
             self.engine.reset_peak_stats()  # the KV peak of this shard and those opened before it closes
+        if self.ledger.take_over(shard):
+            self.progress.add_shards(1)
+        started_at = self.ledger.start_shard(shard, self.context.fingerprint)
         try:
-            run = ShardRun(self.host, shard, self._next_key, self.engine, self.builder, self.progress)
+            run = ShardRun(
+                self.context,
+                self.format,
+                self.ledger.claims,
+                self.fence,
+                shard,
+                self._next_key,
+                self.engine,
+                self.progress,
+                started_at,
+            )
         except ConfigError:
-            self.host.finish_shard(shard, ShardSummary(shard.name, "interrupted"))
+            self._finish(shard, ShardSummary(shard.name, "interrupted"))
             raise
         except Exception as e:
-            self.host.finish_shard(shard, _failed(shard, e))
+            self._finish(shard, _failed(shard, e))
             return None
         self.open[self._next_key] = run
         self._next_key += 1
@@ -638,7 +190,9 @@ class ShardFlow:
                 summary = self._guarded(run, run.commit)
                 if summary is not None:
                     del self.open[run.key]
-                    self.host.finish_shard(run.shard, summary)
+                    if summary.status == "committed":
+                        self.ledger.record_commit(run.shard.name, run.tally.ttfts, run.seen_ids)
+                    self._finish(run.shard, summary)
             else:
                 self._guarded(run, run.checkpoint_if_due)
 
@@ -664,7 +218,17 @@ class ShardFlow:
             run.abandon()
         except Exception:
             log.warning("shard %s: could not remove its attempt's files", run.shard.name, exc_info=True)
-        self.host.finish_shard(run.shard, summary)
+        self._finish(run.shard, summary)
+
+    def _finish(self, shard: Shard, summary: ShardSummary) -> None:
+        """A shard this flow opened is done with. A lost one (another worker took its claim over)
+        is waited for: it is ours until it commits, and comes back through the queue if it does
+        not; it counts in the progress once, when it ends for good."""
+        if summary.status == "lost":
+            self.queue.wait_for(shard)
+        self.ledger.finish_shard(shard, summary)
+        if summary.status != "lost":
+            self.progress.shard_done()
 
 
 def _failed(shard: Shard, error: BaseException) -> ShardSummary:

@@ -97,7 +97,7 @@ def _gpu_ids(config: RunConfig, env: Mapping[str, str], device_count: Optional[i
 
 
 def open_run(config: RunConfig) -> tuple[RunStore, list[Shard]]:
-    """A launcher's store and shard list: the same listing the workers make (runner._JobRun), as
+    """A launcher's store and shard list: the same listing the workers make (runner._JobRun, plan.py), as
     the merged manifest's shards and the report are named from it."""
     assert config.data.uri is not None
     try:
@@ -155,7 +155,7 @@ def launcher_result(
     """After all workers ended (exit `codes`, negative: died by a signal): merge `_manifest.json`
     and report from the commit markers. Exit 0 when every shard is done, whoever did it; the stop
     signal's code when stopped first; else 1 (2 when a worker refused its configuration)."""
-    if not config.launcher.work_stealing:  # the workers ran the shared plan's shards (runner._shared_plan)
+    if not config.launcher.work_stealing:  # the workers ran the shared plan's shards (plan.shared_shards)
         plan = store.read_json(store.path("_plan.json"))
         if isinstance(plan, dict) and isinstance(plan.get("shards"), list):
             shards = [Shard(**s) for s in plan["shards"]]

@@ -127,8 +127,10 @@ class Attempt:
     directory: str
     results_tmp: str
     metrics_tmp: str
-    output_tmp: str  # OpenAI batch output lines (data.format=openai_batch only)
-    errors_tmp: str  # OpenAI batch error lines (data.format=openai_batch only)
+
+    def file(self, name: str) -> str:
+        """Where the attempt writes its file `name` (a PUBLISHED_FILES key)."""
+        return posixpath.join(self.directory, name)
 
 
 class RunStore:
@@ -295,8 +297,6 @@ class RunStore:
             directory,
             posixpath.join(directory, "results.parquet"),
             posixpath.join(directory, "metrics.parquet"),
-            posixpath.join(directory, "output.jsonl"),
-            posixpath.join(directory, "errors.jsonl"),
         )
 
     def commit(self, attempt: Attempt, marker: Mapping[str, Any], files: Sequence[str] = DEFAULT_FILES) -> bool:

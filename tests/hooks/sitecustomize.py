@@ -150,7 +150,7 @@ if _spec:
                 _outages.append(self.shard.name)
                 _outage.set()
                 deadline = time.monotonic() + 120
-                while not self.host.claims.is_lost(self.shard.name) and time.monotonic() < deadline:
+                while not self.claims.is_lost(self.shard.name) and time.monotonic() < deadline:
                     time.sleep(0.05)
             _on_output_before_outage(self, out)
 

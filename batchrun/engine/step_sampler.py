@@ -62,12 +62,12 @@ class StepSampler:
         """Start filling this step's masks of the constrained requests whose matcher exists, in
         the worker thread, to run while the forward pass does. A matcher only moves in `sample`,
         after the fill was waited for, so the masks are those `sample` would fill itself."""
-        states = [r for r in batch.requests if r.grammar is not None and r.grammar.matcher is not None]
-        if not self.overlap_masks or not states:
+        ready = [(r.seq_id, g) for r in batch.requests if (g := r.grammar) is not None and g.matcher is not None]
+        if not self.overlap_masks or not ready:
             self._pending = ({}, Future())
             return
-        rows = {r.seq_id: i for i, r in enumerate(states)}
-        grammars = [r.grammar for r in states]
+        rows = {seq: i for i, (seq, _) in enumerate(ready)}
+        grammars = [g for _, g in ready]
         self._pending = (rows, self._mask_pool.submit(fill_bitmask, grammars, grammars[0].vocab_size))
 
     def _masks(self, reqs: Sequence[Request]) -> tuple[torch.Tensor, list[bool]]:
@@ -79,7 +79,7 @@ class StepSampler:
         if not rows or any(r.seq_id not in rows for r in reqs):
             if rows:
                 future.result()  # the worker must be done with the matchers before they move
-            states: list[GrammarState] = [r.grammar for r in reqs]  # type: ignore[misc]
+            states: list[GrammarState] = [r.grammar for r in reqs if r.grammar is not None]  # all of them
             return fill_bitmask(states, states[0].vocab_size)
         bitmask, needed = future.result()
         take = [rows[r.seq_id] for r in reqs]

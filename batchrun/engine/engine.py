@@ -221,6 +221,7 @@ class Engine:
             if req.metrics.first_scheduled_s is None:
                 req.metrics.first_scheduled_s = now
         draft_probs = self.drafter.fill(batch, proposals) if batch.num_spec else None
+        self.step_sampler.start_masks(batch)  # grammar masks fill while the forward runs
         out = self.runner.execute(batch)
         by_seq = {r.seq_id: r for r in batch.requests}
         for seq, (first, entries) in out.prompt_logprobs.items():
@@ -268,4 +269,5 @@ class Engine:
             logprobs=req.logprobs,
             sample_index=req.sample_index,
             prompt_logprobs=req.prompt_logprobs,
+            constrained=req.params.is_constrained,
         )

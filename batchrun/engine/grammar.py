@@ -26,6 +26,9 @@ from typing import Any, Optional
 import torch
 
 MAX_CACHED_GRAMMARS = 512  # compiled grammars kept (least recently used dropped first)
+# A string length bound up to this is spelled out as one grammar position per character (fast masks,
+# one vocabulary scan per position at compile time); a longer one keeps xgrammar's repetition.
+MAX_SPELLED_REPETITION = 256
 # Compact JSON with a space after separators: no free whitespace, so a model cannot spin in it.
 JSON_SEPARATORS = (", ", ": ")
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -78,12 +81,62 @@ _JSON_STRING_CHAR = (
 )
 
 
+# A repetition `name{min, max}` in xgrammar's printed EBNF (max -1: unbounded).
+_REPETITION = re.compile(r"\b(\w+)\{(\d+), (-?\d+)\}")
+
+
+def _unroll_bounded(ebnf: str, names: set[str]) -> str:
+    """Each repetition `name{m, n}` of the given rules, spelled out as a chain of rules of the
+    same language: `name_m_n ::= name name_{m-1}_{n-1}` down to m = 0, then
+    `name_0_k ::= "" | name name_0_{k-1}` down to `name_0_0 ::= ""` (unbounded n:
+    `name_0_inf ::= "" | name name_0_inf`).
+
+    xgrammar runs a repetition of a rule (rather than of one character class) through its parser
+    token by token at every step: in a string of the JSON character rule that costs a scan of the
+    whole vocabulary per row per step, far longer than the forward pass. Spelled out, each count
+    still to go is a grammar position of its own, whose token mask xgrammar precomputes at compile
+    time (one vocabulary scan per position, paid once per schema)."""
+    rules: dict[str, str] = {}
+
+    def rule(name: str, low: int, high: int) -> str:
+        """The rule of `name{low, high}` (high -1: unbounded), defined with the chain below it."""
+        tail = "inf" if high < 0 else None
+        chain = [(low - i, tail or str(high - i)) for i in range(low + 1)]  # (min, max) down to min 0
+        last = chain[-1]
+        if tail is None:
+            chain += [(0, str(k)) for k in range(int(last[1]) - 1, -1, -1)]
+        reps = [f"{name}_{lo}_{hi}" for lo, hi in chain]
+        for i, (lo, hi) in enumerate(chain):
+            if reps[i] in rules:
+                break  # the rest of the chain is defined already
+            if lo > 0:
+                rules[reps[i]] = f"({name} {reps[i + 1]})"
+            elif hi == "inf":
+                rules[reps[i]] = f'("" | ({name} {reps[i]}))'
+            elif hi == "0":
+                rules[reps[i]] = '("")'
+            else:
+                rules[reps[i]] = f'("" | ({name} {reps[i + 1]}))'
+        return reps[0]
+
+    def spell(match: re.Match) -> str:
+        name, low, high = match.group(1), int(match.group(2)), int(match.group(3))
+        if name not in names or max(low, high) > MAX_SPELLED_REPETITION:
+            return match.group(0)  # past the cap: xgrammar's own repetition, slow to mask but compiled fast
+        return rule(name, low, high)
+
+    body = _REPETITION.sub(spell, ebnf)
+    return body + "\n" + "".join(f"{rep} ::= {text}\n" for rep, text in rules.items())
+
+
 def _json_schema_grammar(xgr: Any, text: str) -> Any:
     grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, separators=JSON_SEPARATORS)
     ebnf = str(grammar)
     if _BOUNDED_STRING_CHAR not in ebnf:
         return grammar
-    return xgr.Grammar.from_ebnf(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
+    names = set(re.findall(rf"^(\w+) ::= {re.escape(_BOUNDED_STRING_CHAR)}$", ebnf, re.MULTILINE))
+    ebnf = _unroll_bounded(ebnf.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR), names)
+    return xgr.Grammar.from_ebnf(ebnf)
 
 
 def build_grammar(kind: str, text: str) -> Any:
@@ -151,14 +204,15 @@ class GrammarCompiler:
         return self._compiler.compile_grammar(build_grammar(kind, text))
 
     def new_state(self, key: tuple[str, str]) -> GrammarState:
-        return GrammarState(self.submit(key))
+        return GrammarState(self.submit(key), self.vocab_size)
 
 
 class GrammarState:
     """One request's matcher, made once its grammar is compiled."""
 
-    def __init__(self, compiled: Future) -> None:
+    def __init__(self, compiled: Future, vocab_size: int) -> None:
         self._compiled = compiled
+        self.vocab_size = vocab_size
         self.matcher: Any = None
         self.error: Optional[str] = None
 
@@ -179,12 +233,15 @@ class GrammarState:
         return self.matcher is not None and self.matcher.is_terminated()
 
 
-def fill_bitmask(states: Sequence[GrammarState], vocab_size: int) -> torch.Tensor:
-    """The allowed next tokens of each state, one bit per token: (len(states), ceil(vocab / 32)) int32."""
+def fill_bitmask(states: Sequence[GrammarState], vocab_size: int) -> tuple[torch.Tensor, list[bool]]:
+    """The allowed next tokens of each state, one bit per token: (len(states), ceil(vocab / 32))
+    int32 on the host, and per state whether its row blocks any token (False: the state admits
+    every token, so masking that row is a no-op and is skipped). Reads the matchers, never
+    advances them; xgrammar releases the GIL while it fills, so this may run in a worker thread
+    while the forward pass runs."""
     xgr = _xgrammar()
     bitmask = xgr.allocate_token_bitmask(len(states), vocab_size)  # (n, ceil(V / 32)) int32, on the host
-    xgr.BatchGrammarMatcher(max_threads=1).batch_fill_next_token_bitmask([s.matcher for s in states], bitmask)
-    return bitmask
+    return bitmask, [bool(s.matcher.fill_next_token_bitmask(bitmask, i)) for i, s in enumerate(states)]
 
 
 def apply_bitmask(logits: torch.Tensor, rows: Sequence[int], bitmask: torch.Tensor) -> torch.Tensor:

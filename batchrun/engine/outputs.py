@@ -40,6 +40,9 @@ class RequestOutput:
     # Per prompt token after the first: {token_id: logprob} of it and the top-N, given the tokens
     # before it, when SamplingParams.prompt_logprobs is set.
     prompt_logprobs: Optional[list[dict[int, float]]] = None
+    # Its params had a json_schema, regex or choice: with finish_reason "length" the output is cut
+    # inside its grammar, so it does not satisfy the constraint.
+    constrained: bool = False
 
 
 @dataclass

@@ -5,14 +5,22 @@ real token and one row per draft it carried. Requests with drafts go through ver
 may produce several tokens); the rest are sampled together in one batched sampler call, with the
 bitmask of constrained rows applied first. After the scheduler appended the tokens, `stops` finds
 the requests that a stop string or a completed grammar ends.
+
+Grammar masks are off the critical path: `start_masks`, called before the forward pass, fills the
+bitmask rows of the batch's constrained requests in a worker thread (the mask of step t + 1 needs
+only the token accepted at step t, never the forward's logits), and `sample` waits for them only
+where it applies them. Rows whose state admits every token are not masked.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
-from batchrun.engine.grammar import apply_bitmask, fill_bitmask
+import torch
+
+from batchrun.engine.grammar import GrammarState, apply_bitmask, fill_bitmask
 from batchrun.engine.request import Request
 from batchrun.engine.runner import RunnerOutput
 from batchrun.engine.sampler import Sampler
@@ -41,6 +49,40 @@ class StepSampler:
         self.tokenizer = tokenizer
         self.num_spec_proposed = 0  # draft tokens verified, over the engine's life
         self.num_spec_accepted = 0  # of those, accepted
+        # False: masks are filled in `sample`, after the forward (the same masks, later).
+        self.overlap_masks = True
+        self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
+        # seq_id -> its row in the bitmask being filled for this step, and the fill's future
+        self._pending: tuple[dict[int, int], Future] = ({}, Future())
+
+    def start_masks(self, batch: ScheduledBatch) -> None:
+        """Start filling this step's masks of the constrained requests whose matcher exists, in
+        the worker thread, to run while the forward pass does. A matcher only moves in `sample`,
+        after the fill was waited for, so the masks are those `sample` would fill itself."""
+        ready = [(r.seq_id, g) for r in batch.requests if (g := r.grammar) is not None and g.matcher is not None]
+        if not self.overlap_masks or not ready:
+            self._pending = ({}, Future())
+            return
+        rows = {seq: i for i, (seq, _) in enumerate(ready)}
+        grammars = [g for _, g in ready]
+        self._pending = (rows, self._mask_pool.submit(fill_bitmask, grammars, grammars[0].vocab_size))
+
+    def _masks(self, reqs: Sequence[Request]) -> tuple[torch.Tensor, list[bool]]:
+        """(bitmask (len(reqs), ceil(V / 32)) int32, per row whether it blocks any token) of these
+        constrained requests: the rows `start_masks` filled, the others (a grammar compiled since)
+        filled now."""
+        rows, future = self._pending
+        self._pending = ({}, Future())
+        if not rows or any(r.seq_id not in rows for r in reqs):
+            if rows:
+                future.result()  # the worker must be done with the matchers before they move
+            states: list[GrammarState] = [r.grammar for r in reqs if r.grammar is not None]  # all of them
+            return fill_bitmask(states, states[0].vocab_size)
+        bitmask, needed = future.result()
+        take = [rows[r.seq_id] for r in reqs]
+        if take != list(range(len(needed))):
+            bitmask, needed = bitmask[take], [needed[i] for i in take]
+        return bitmask, needed
 
     def wait_for_grammars(self, batch: ScheduledBatch, out: RunnerOutput) -> list[Request]:
         """Make the matchers of constrained requests sampling now; return those whose grammar failed
@@ -70,8 +112,12 @@ class StepSampler:
             logits = out.logits if len(plain_rows) == out.logits.shape[0] else out.logits[plain_rows]
             constrained = [i for i, r in enumerate(plain_reqs) if r.grammar is not None]
             if constrained:  # never drafted (drafter.is_eligible), so every one is a plain row
-                bitmask = fill_bitmask([plain_reqs[i].grammar for i in constrained], logits.shape[-1])
-                logits = apply_bitmask(logits, constrained, bitmask)
+                bitmask, needed = self._masks([plain_reqs[i] for i in constrained])
+                if all(needed):
+                    logits = apply_bitmask(logits, constrained, bitmask)
+                elif any(needed):
+                    keep = [j for j, n in enumerate(needed) if n]
+                    logits = apply_bitmask(logits, [constrained[j] for j in keep], bitmask[keep])
             tokens, logprobs = self.sampler.sample(
                 logits,
                 [r.params for r in plain_reqs],

@@ -50,6 +50,7 @@ from batchrun.job.tool_calls import (
     template_messages,
     tool_spec,
 )
+from batchrun.job.writer import TRUNCATED_STRUCTURED_OUTPUT, is_truncated_structured
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -456,7 +457,8 @@ def response_line(
     texts: Optional[TokenTexts] = None,
 ) -> dict[str, Any]:
     """The output-file line of a request the engine answered: one choice per sample, in sample
-    order (each finished with stop or length, or tool_calls when a chat choice holds calls); usage
+    order (each finished with stop or length, or tool_calls when a chat choice holds calls; a
+    constrained choice cut by max_tokens also carries `error_type: truncated_structured_output`); usage
     counts the prompt once and every choice's tokens, as OpenAI's API does for n > 1.
     `top_logprobs`: the request asked for logprobs with that many alternatives per token (`texts`
     decodes the tokens)."""
@@ -474,6 +476,8 @@ def response_line(
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
         else:
             choices.append({"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason})
+        if is_truncated_structured(out):  # cut inside its constraint: typed, as its Parquet row is
+            choices[-1]["error_type"] = TRUNCATED_STRUCTURED_OUTPUT
     if request.is_chat:
         body: dict[str, Any] = {"id": f"chatcmpl-{suffix}", "object": "chat.completion"}
     else:

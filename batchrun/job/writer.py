@@ -83,6 +83,14 @@ ROWS_PER_ROW_GROUP = 1024
 
 
 ENGINE_ERROR = "engine_error"
+# A constrained output (json_schema, regex, choice) that max_tokens cut before its grammar completed:
+# the row keeps the text, typed so that nobody parses it as a complete, valid output.
+TRUNCATED_STRUCTURED_OUTPUT = "truncated_structured_output"
+TRUNCATED_MESSAGE = "max_tokens cut the output before its constraint (json_schema, regex or choice) was complete"
+
+
+def is_truncated_structured(out: RequestOutput) -> bool:
+    return out.constrained and out.finish_reason == "length"
 
 
 def error_result(
@@ -135,15 +143,17 @@ def logprob_columns(out: RequestOutput, sampling: SamplingParams, texts: TokenTe
 
 
 def output_result(row_id: Any, out: RequestOutput, note: Optional[str], keep: dict[str, Any]) -> dict[str, Any]:
-    """The result row of an engine output; an engine-side failure becomes a typed engine_error."""
+    """The result row of an engine output; an engine-side failure becomes a typed engine_error, a
+    constrained output cut by max_tokens a typed truncated_structured_output (its text kept)."""
     failed = out.finish_reason == "error"
+    truncated = is_truncated_structured(out)
     m = out.metrics
     return {
         "id": row_id,
         "output": None if failed else out.text,
         "finish_reason": out.finish_reason,
-        "error_type": ENGINE_ERROR if failed else None,
-        "error_message": (out.error or "engine error") if failed else note,
+        "error_type": ENGINE_ERROR if failed else TRUNCATED_STRUCTURED_OUTPUT if truncated else None,
+        "error_message": (out.error or "engine error") if failed else TRUNCATED_MESSAGE if truncated else note,
         "num_prompt_tokens": len(out.prompt_token_ids),
         "num_output_tokens": len(out.token_ids),
         "num_cached_tokens": m.num_cached_tokens,

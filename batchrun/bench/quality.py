@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -96,7 +96,7 @@ def make_engine(
     """An engine for one mode. `quantization` may carry a setting after "@": "int4@64" is int4 in
     groups of 64, "w8a8@0" is W8A8 with no input channels kept in float."""
     quantization, _, setting = quantization.partition("@")
-    extra = {}
+    extra: dict[str, Any] = {}
     if setting and quantization == "w8a8":
         extra["w8a8_outlier_channels"] = int(setting)
     elif setting:

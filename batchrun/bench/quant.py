@@ -23,7 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -51,7 +51,7 @@ def decode_tokens_per_s(engine: Engine, batch_size: int, prompt_tokens: int = 64
     texts = sample_texts()
     prompts = [engine.tokenizer.encode(texts[i % len(texts)])[:prompt_tokens] for i in range(batch_size)]
     outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-    itl = statistics.mean(o.metrics.itl_s for o in outs)
+    itl = statistics.mean(o.metrics.itl_s for o in outs if o.metrics.itl_s is not None)
     return batch_size / itl
 
 
@@ -71,7 +71,9 @@ def run_quality(modes: list[str], dtype: str, cache_dir: Optional[str], threads:
     base = make_engine("none", dtype, cache_dir=cache_dir, threads=threads)
     seqs = quality_sequences(base.tokenizer)
     ref = engine_teacher_forced(base, seqs)
-    rows = {"none": {"ppl": ref.perplexity, "agree": 1.0, "weight_bytes": base.settings.weight_bytes}}
+    rows: dict[str, dict[str, Any]] = {
+        "none": {"ppl": ref.perplexity, "agree": 1.0, "weight_bytes": base.settings.weight_bytes}
+    }
     outputs = {"none": greedy(base)}
     del base
     for mode in modes:
@@ -141,7 +143,7 @@ def run_speed(
         f"threads={torch.get_num_threads()}"
     )
     print(f"{'mode':<10} {'weight MB':>9} " + " ".join(f"{k:>20}" for k in keys))
-    table = {}
+    table: dict[str, dict[str, Any]] = {}
     for mode, res in results.items():
         cells = []
         for k in keys:

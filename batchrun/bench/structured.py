@@ -109,7 +109,7 @@ def run_engine(
     free = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     free_texts = [o.text for o in engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))]
     free_valid = sum(is_valid(t, SCHEMA) for t in free_texts) / len(prompts)
-    systems = {"free": free, "json_schema": constrained}
+    systems: dict[str, Union[SamplingParams, list[SamplingParams]]] = {"free": free, "json_schema": constrained}
     print(
         f"engine: {len(prompts)} prompts, greedy, {statistics.mean(lengths):.0f} tokens per output on average, "
         f"threads={torch.get_num_threads()}"

@@ -41,7 +41,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, get_args
 
 import torch
 
@@ -53,7 +53,7 @@ from batchrun.bench.report import BenchmarkResult, build_result, markdown_benchm
 from batchrun.bench.timing import TimedRun, matmul_peak, round_order
 from batchrun.bench.workloads import BenchmarkWorkload, build_workload
 from batchrun.engine import Engine, EngineRequest, RequestOutput, SamplingParams
-from batchrun.job.config import PlannerConfig
+from batchrun.job.config import PlannerConfig, PlanOrder
 from batchrun.job.errors import JobError
 from batchrun.job.planner import plan_requests
 from batchrun.job.runner import load_engine
@@ -135,6 +135,7 @@ def run_benchmark(config: RunConfig, bench: BenchmarkConfig, engine: Optional[En
 # ---- systems --------------------------------------------------------------------------------------
 
 RunFn = Callable[[list[list[int]], SamplingParams], TimedRun]
+_PLAN_ORDERS: dict[str, PlanOrder] = {order: order for order in get_args(PlanOrder)}
 
 
 def _build_systems(
@@ -158,24 +159,12 @@ def _build_systems(
     block_size = engine.config.block_size
     for name in names:
         if name in HF_DTYPES:
-            model = hf_models[name]
-            systems[name] = lambda prompts, params, model=model: hf_generate(
-                model,
-                prompts,
-                params.max_tokens,
-                bench.hf_batch_size,
-                pad_token_id,
-                eos_token_ids,
-                ignore_eos=params.ignore_eos,
-            )
+            systems[name] = _hf_system(hf_models[name], bench.hf_batch_size, pad_token_id, eos_token_ids)
             continue
         if name.startswith("batchrun_job"):
             job_path = _job_path(config, workload, 1 if name == "batchrun_job" else bench.job_shards)
             job_paths.append(job_path)
-            max_open = 1 if name.endswith("_sequential") else None
-            systems[name] = lambda prompts, params, job_path=job_path, max_open=max_open: job_path(
-                engine, params, max_open, len(prompts)
-            )
+            systems[name] = _job_system(job_path, engine, 1 if name.endswith("_sequential") else None)
             continue
         planner = config.planner
         target = engine
@@ -192,11 +181,32 @@ def _build_systems(
         elif name == "batchrun_no_planner":
             planner = dataclasses.replace(planner, enabled=False)
         elif name != "batchrun":
-            planner = dataclasses.replace(planner, enabled=True, order=name.removeprefix("batchrun_"))
-        systems[name] = lambda prompts, params, target=target, planner=planner: batchrun_generate(
-            target, prompts, params, planner, block_size
-        )
+            planner = dataclasses.replace(planner, enabled=True, order=_PLAN_ORDERS[name.removeprefix("batchrun_")])
+        systems[name] = _engine_system(target, planner, block_size)
     return systems, job_paths
+
+
+def _hf_system(model: Any, batch_size: int, pad_token_id: int, eos_token_ids: list[int]) -> RunFn:
+    def run(prompts: list[list[int]], params: SamplingParams) -> TimedRun:
+        return hf_generate(
+            model, prompts, params.max_tokens, batch_size, pad_token_id, eos_token_ids, ignore_eos=params.ignore_eos
+        )
+
+    return run
+
+
+def _job_system(job_path: JobPath, engine: Engine, max_open: Optional[int]) -> RunFn:
+    def run(prompts: list[list[int]], params: SamplingParams) -> TimedRun:
+        return job_path(engine, params, max_open, len(prompts))
+
+    return run
+
+
+def _engine_system(engine: Engine, planner: PlannerConfig, block_size: int) -> RunFn:
+    def run(prompts: list[list[int]], params: SamplingParams) -> TimedRun:
+        return batchrun_generate(engine, prompts, params, planner, block_size)
+
+    return run
 
 
 def _job_path(config: RunConfig, workload: BenchmarkWorkload, num_shards: int) -> JobPath:

@@ -119,10 +119,10 @@ def _unroll_bounded(ebnf: str, names: set[str]) -> str:
                 rules[reps[i]] = f'("" | ({name} {reps[i + 1]}))'
         return reps[0]
 
-    def spell(match: re.Match) -> str:
+    def spell(match: re.Match[str]) -> str:
         name, low, high = match.group(1), int(match.group(2)), int(match.group(3))
         if name not in names or max(low, high) > MAX_SPELLED_REPETITION:
-            return match.group(0)  # past the cap: xgrammar's own repetition, slow to mask but compiled fast
+            return str(match.group(0))  # past the cap: xgrammar's own repetition, slow to mask but compiled fast
         return rule(name, low, high)
 
     body = _REPETITION.sub(spell, ebnf)
@@ -178,9 +178,9 @@ class GrammarCompiler:
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler: Any = None  # built by the first compile, in the thread: the vocabulary scan takes a while
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar")
-        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
 
-    def submit(self, key: tuple[str, str]) -> Future:
+    def submit(self, key: tuple[str, str]) -> Future[Any]:
         """A future of the compiled grammar of a `constraint_key`; the same future for every request
         with this constraint."""
         future = self._cache.get(key)
@@ -210,7 +210,7 @@ class GrammarCompiler:
 class GrammarState:
     """One request's matcher, made once its grammar is compiled."""
 
-    def __init__(self, compiled: Future, vocab_size: int) -> None:
+    def __init__(self, compiled: Future[Any], vocab_size: int) -> None:
         self._compiled = compiled
         self.vocab_size = vocab_size
         self.matcher: Any = None

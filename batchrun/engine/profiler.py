@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ _CPU_KV_CAP = 1 << 30  # enough for ~45k tokens of SmolLM2 in bf16; zeroing more
 class BatchLimits:
     max_num_seqs: int
     max_num_batched_tokens: int
-    profile: dict  # what was measured: {"prefill": {tokens: tok/s}, "decode": {seqs: tok/s}}
+    profile: dict[str, Any]  # what was measured: {"prefill": {tokens: tok/s}, "decode": {seqs: tok/s}}
 
 
 def default_kv_bytes(device: torch.device, available: int) -> int:
@@ -79,7 +80,7 @@ def pick_batch_limits(
     decoding's cost model needs them), at the widths a speculative step has too: B * (1 +
     spec_tokens) tokens for B = 1 and B = max_num_seqs. Without those points the cost model would
     extrapolate from width 1 as if compute-bound, and never speculate at small batches."""
-    profile: dict = {}
+    profile: dict[str, Any] = {}
     capacity = num_blocks * block_size
     warm = min(32, capacity)
     # warm-up: the first calls pay for one-off setup
@@ -125,7 +126,7 @@ def pick_batch_limits(
 
 def measure_rates(
     runner: ModelRunner, num_blocks: int, block_size: int, max_model_len: int, chunk_tokens: int, num_seqs: int
-) -> dict:
+) -> dict[str, Any]:
     """The prefill rate of one chunk of `chunk_tokens` and the decode rate of `num_seqs` sequences
     (DECODE_CONTEXT tokens of context each), timed as the start-up profile times them, in its
     shape: {"prefill_tok_s": {tokens: tok/s}, "decode_tok_s": {seqs: tok/s}}. The steps write into
@@ -134,7 +135,7 @@ def measure_rates(
     chunk = max(1, min(chunk_tokens, capacity, max_model_len))
     prefill = ScheduledBatch([_fake_request(0, chunk, 0, list(range(-(-chunk // block_size))))], [chunk])
     runner.execute(prefill)  # the first call of a shape pays for one-off setup
-    profile: dict = {"prefill_tok_s": {chunk: round(_rate(runner, prefill)[0], 1)}}
+    profile: dict[str, Any] = {"prefill_tok_s": {chunk: round(_rate(runner, prefill)[0], 1)}}
     context = min(DECODE_CONTEXT, max_model_len - 1)
     blocks = list(range(-(-(context + 1) // block_size)))
     seqs = max(1, min(num_seqs, capacity // int(1.5 * (context + 1)) or 1))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -74,6 +74,7 @@ class ModelRunner:
         self.dtype = dtype  # activations' and a float cache's dtype
         s = model.spec
         shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
+        self.kv_caches: list[tuple[Union[torch.Tensor, QuantizedKVCache], ...]]  # one (K, V) pair per layer
         if kv_cache_dtype != "auto":
             kv_dtype = KV_CACHE_DTYPES[kv_cache_dtype]
             self.kv_caches = [
@@ -222,6 +223,6 @@ class ModelRunner:
                 hi = min(lo + PROMPT_LOGITS_ROWS, end)
                 chunk = self.model.compute_logits(hidden[offset + lo : offset + hi])  # (hi - lo, vocab_size)
                 targets = r.prompt_token_ids[lo + 1 : hi + 1]
-                entries.extend(token_logprobs(chunk, targets, r.params.prompt_logprobs))
+                entries.extend(token_logprobs(chunk, targets, r.params.prompt_logprobs or 0))
             out[r.seq_id] = (first, entries)
         return out

@@ -53,7 +53,7 @@ class StepSampler:
         self.overlap_masks = True
         self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         # seq_id -> its row in the bitmask being filled for this step, and the fill's future
-        self._pending: tuple[dict[int, int], Future] = ({}, Future())
+        self._pending: tuple[dict[int, int], Future[Any]] = ({}, Future())
 
     def start_masks(self, batch: ScheduledBatch) -> None:
         """Start filling this step's masks of the constrained requests whose matcher exists, in
@@ -125,7 +125,9 @@ class StepSampler:
                 [len(r.token_ids) for r in plain_reqs],  # the position of the token each row samples
             )
             for i in constrained:
-                accepted = plain_reqs[i].grammar.accept(tokens[i])
+                grammar = plain_reqs[i].grammar
+                assert grammar is not None  # constrained rows are those with a grammar
+                accepted = grammar.accept(tokens[i])
                 assert accepted, f"the grammar rejected token {tokens[i]} that its own mask allowed"
             for i, req in enumerate(plain_reqs):
                 result[req.seq_id] = (req, [tokens[i]], logprobs[i] if logprobs is not None else None)

@@ -18,13 +18,14 @@ from batchrun.job.checkpoints import remove_parts
 from batchrun.job.claims import FAILED, QUARANTINED, RELEASED, ClaimBook
 from batchrun.job.config import RunConfig
 from batchrun.job.fingerprint import fingerprint_changes, input_fingerprint
-from batchrun.job.manifest import Manifest, redact, utc_now
+from batchrun.job.manifest import Manifest, utc_now
 from batchrun.job.metrics import percentile
 from batchrun.job.plan import WorkerPlan
 from batchrun.job.results import RunResult, ShardSummary
 from batchrun.job.shards import Shard
 from batchrun.job.signals import StopRequest
 from batchrun.job.store import RunStore
+from batchrun.utils.redact import redact
 
 log = logging.getLogger(__name__)
 

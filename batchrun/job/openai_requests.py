@@ -279,7 +279,7 @@ def _requested_logprobs(request: BatchRequest, body: dict[str, Any]) -> Union[in
             INVALID_REQUEST,
             f"body.logprobs must be an integer in [0, {_MAX_LOGPROBS_COMPLETIONS}], got {_short(value)}",
         )
-    return value
+    return int(value)
 
 
 def chat_messages(request: BatchRequest) -> Union[list[dict[str, Any]], RequestError]:

@@ -55,7 +55,7 @@ def shared_shards(store: RunStore, listed: Sequence[Shard]) -> list[Shard]:
     list: the first worker to start writes `_plan.json` (create-if-absent) and every worker,
     now and on reruns, uses it. Inputs that appear later are not part of this run."""
     path = store.path("_plan.json")
-    doc = {"created_at": utc_now(), "shards": [dataclasses.asdict(s) for s in listed]}
+    doc: dict[str, Any] = {"created_at": utc_now(), "shards": [dataclasses.asdict(s) for s in listed]}
     if not store.create_json(path, doc):
         existing = store.read_json(path)
         if not isinstance(existing, dict) or not isinstance(existing.get("shards"), list):
@@ -65,7 +65,7 @@ def shared_shards(store: RunStore, listed: Sequence[Shard]) -> list[Shard]:
     # plan on disk is redacted (store._encode), and sizes and versions must be the files' own
     # now, so that a rewritten input is seen as changed (the markers' input fingerprints).
     here = {s.name: s for s in listed}
-    planned = [here.get(s.name, s) for s in (Shard(**s) for s in doc["shards"])]
+    planned = [here.get(s.name, s) for s in (Shard(**entry) for entry in doc["shards"])]
     extra = {s.name for s in listed} - {s.name for s in planned}
     if extra:
         log.warning(

@@ -22,6 +22,7 @@ tips a rounding. Offsets are int64: rows times strides pass 2**31 on long batche
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -75,8 +76,10 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + d, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@functools.cache
 def _inverse(n: int) -> float:
-    """fl32(1 / n) as a Python float (exact in float32): the factor torch's CUDA mean multiplies by."""
+    """fl32(1 / n) as a Python float (exact in float32): the factor torch's CUDA mean multiplies by.
+    Cached: launched per layer and step, and each computation is a few host-side torch ops."""
     return float(torch.tensor(1.0, dtype=torch.float32) / n)
 
 

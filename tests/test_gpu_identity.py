@@ -54,7 +54,7 @@ def _engine_greedy(model_dir: str, prompts: list[str], device: str, max_new_toke
             max_num_batched_tokens=512,
         )
     )
-    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)  # stops at EOS, as HF does
     return [o.token_ids for o in engine.generate(prompts, params)]
 
 

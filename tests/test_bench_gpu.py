@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from batchrun.bench import compile_counts
-from batchrun.bench.decode_step import capture_buckets, count_launches
+from batchrun.bench.decode_step import capture_buckets, count_launches, top_kernels
 from batchrun.bench.gpu_report import Budget, Report, json_safe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -247,4 +247,24 @@ def test_a_profiled_step_runs_the_step_once_and_counts_its_launches():
         warnings.simplefilter("ignore")  # without CUDA the profiler says it profiles the CPU only
         counts = _profiled_step(engine, lambda: calls.append(torch.ones(4) @ torch.ones(4)), graphed=False)
     assert len(calls) == 1
-    assert counts == {"gpu_kernels": 0, "gpu_copies": 0, "host_kernel_launches": 0, "host_graph_launches": 0}
+    assert counts == {
+        "gpu_kernels": 0,
+        "gpu_copies": 0,
+        "host_kernel_launches": 0,
+        "host_graph_launches": 0,
+        "top_kernels": [],
+    }
+
+
+def test_top_kernels_sums_device_time_per_kernel_and_leaves_out_copies_and_host_calls():
+    events = [
+        ("_decode_kernel", True, 30.0),
+        ("gemm", True, 10.0),
+        ("_decode_kernel", True, 25.0),
+        ("gemm", True, 12.0),
+        ("_rms_norm_kernel", True, 2.0),
+        ("Memcpy HtoD (Pinned -> Device)", True, 99.0),
+        ("cudaLaunchKernel", False, 500.0),
+    ]
+    assert top_kernels(events) == [("_decode_kernel", 2, 55.0), ("gemm", 2, 22.0), ("_rms_norm_kernel", 1, 2.0)]
+    assert top_kernels(events, limit=1) == [("_decode_kernel", 2, 55.0)]

@@ -76,6 +76,8 @@ def test_the_cases_cover_the_variants_a_run_uses(sm90):
         assert {_first_pointer_dtype(v) for v in sm90.of(name)} >= {"bf16", "fp32"}, name
     assert "fp16" in {_first_pointer_dtype(v) for v in sm90.of("_prefill_kernel")}
     assert len(sm90.of("_merge_splits_kernel")) >= 2
+    # the decoder's rotary: cos/sin tables read at each token's position
+    assert {v.constexprs["HAS_POSITIONS"] for v in sm90.of("_qkv_kernel")} == {True}
     # the H200's tile sizes, not the interpreter's
     assert {v.constexprs["BLOCK_N"] for v in decode} == {64, 128}  # decode_tiles() on sm_90: 64 for wide K rows
     assert {v.constexprs["GROUP_PAD"] for v in decode} == {16}

@@ -121,6 +121,37 @@ def _qkv_case(spec: dict[str, Any], device: str, num_tokens: int) -> None:
         return _check_quantized_write(spec["kv"], layout, qkv, cos, sin, slots, (num_blocks, bs, kv_heads, dim), k, v)
     torch.testing.assert_close(got_k, want_k, rtol=rtol, atol=atol)
     torch.testing.assert_close(got_v, want_v, rtol=0, atol=0)
+    _check_tables(layout, qkv, cos, sin, slots, got_k, got_v, (q, k, v), gen)
+
+
+def _check_tables(layout, qkv, cos, sin, slots, got_k, got_v, outputs, gen) -> None:
+    """cos/sin given as per-position tables and the tokens' positions (how the decoder passes them
+    on a GPU) give bitwise what the kernel gives for the same rows given per token, and so does the
+    reference."""
+    from batchrun.kernels.attention_torch import qkv_norm_rope_write_reference
+    from batchrun.kernels.triton_elementwise import qkv_norm_rope_write
+
+    num_tokens, dim = cos.shape
+    num_positions = 3 * num_tokens
+    positions = torch.randperm(num_positions, generator=gen)[:num_tokens].to(cos.device)
+    cos_table = torch.randn(num_positions, dim, generator=gen).to(cos.device, cos.dtype)  # rows no token reads
+    sin_table = torch.randn(num_positions, dim, generator=gen).to(cos.device, cos.dtype)
+    cos_table[positions], sin_table[positions] = cos, sin
+    k_cache, v_cache = got_k.clone(), got_v.clone()  # the kernel's rows zeroed: it must write them again
+    keep = slots >= 0
+    assert k_cache.stride() == got_k.stride()
+    k_cache.flatten(0, 1)[slots[keep]] = 0
+    v_cache.flatten(0, 1)[slots[keep]] = 0
+    got = qkv_norm_rope_write(qkv, layout, cos_table, sin_table, k_cache, v_cache, slots, positions)
+    for a, b in zip(got, outputs):
+        assert torch.equal(a, b)
+    assert torch.equal(k_cache, got_k) and torch.equal(v_cache, got_v)
+    ref = qkv_norm_rope_write_reference(
+        qkv, layout, cos_table, sin_table, k_cache.clone(), v_cache.clone(), slots.clamp(0), positions
+    )
+    want = qkv_norm_rope_write_reference(qkv, layout, cos, sin, k_cache.clone(), v_cache.clone(), slots.clamp(0))
+    for a, b in zip(ref, want):
+        assert torch.equal(a, b)
 
 
 def _check_quantized_write(kv: str, layout, qkv, cos, sin, slots, shape, k, v) -> None:

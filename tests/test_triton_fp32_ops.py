@@ -43,6 +43,7 @@ def _float32_variants():
             caches = [new_kv_cache(4, 16, kv_heads, dim, torch.float32, "cpu") for _ in range(2)]
             layout = QKVHeads(heads, kv_heads, dim, w, w, 1e-6, gemma)
             qkv_norm_rope_write(qkv, layout, cos, sin, *caches, torch.arange(n))
+            qkv_norm_rope_write(qkv, layout, cos, sin, *caches, torch.arange(n), torch.arange(n))  # tables
             rms_norm(torch.randn(n, 48), torch.randn(48), 1e-6, gemma)
         add_rms_norm(torch.randn(n, 48), torch.randn(n, 48), torch.randn(48), 1e-6)
     return log
@@ -56,3 +57,24 @@ def test_float32_elementwise_kernels_round_each_op_as_torch_does():
         assert v.ptx is not None
         found = sorted(set(_INEXACT.findall(v.ptx)))
         assert not found, f"{v.name} {v.constexprs}: {found}"
+
+
+def test_float32_attention_dots_are_ieee_not_tf32():
+    """A float32 tl.dot defaults to TF32 on sm_80+ (10-bit mantissa operands); HF's float32 attention
+    does not. Every float32 attention variant (decode with one split and several, with a window,
+    soft-capped, and prefill) must multiply in full float32: no tf32 operand in its PTX."""
+    from batchrun.bench.cases import attention_case
+    from batchrun.kernels import attention
+
+    with triton_aot.compile_only(90) as log:
+        for window, softcap in ((None, None), (16, None), (None, 30.0)):
+            for batch in ([(5, 1), (0, 9), (600, 1), (6, 70)], [(3, 1), (40, 1)]):
+                c = attention_case(batch, 4, 1, 32, 16, torch.float32)
+                attention.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, 32**-0.5, window, softcap)
+    names = {v.name for v in log.variants}
+    assert {"_decode_kernel", "_prefill_kernel"} <= names, names
+    for v in log.variants:
+        assert v.ok, v.error
+        if v.name in ("_decode_kernel", "_prefill_kernel"):
+            assert v.constexprs["IEEE"], v.constexprs
+            assert "tf32" not in v.ptx, f"{v.name} {v.constexprs}: a tf32 dot"

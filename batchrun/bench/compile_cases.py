@@ -115,11 +115,12 @@ def _qkv_write(
     def run() -> None:
         s = shape
         qkv = torch.randn(5, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim).to(dtype)
-        cos = torch.randn(5, s.head_dim).to(dtype)  # (num_tokens, head_dim)
+        cos = torch.randn(64, s.head_dim).to(dtype)  # (num_positions, head_dim): the decoder's tables
         norm = torch.ones(s.head_dim, dtype=dtype) if has_norm else None
         heads = QKVHeads(s.num_heads, s.num_kv_heads, s.head_dim, norm, norm, 1e-6, is_gemma)
         k_cache, v_cache = _cache(shape, dtype, kv), _cache(shape, dtype, kv)
-        attention.qkv_norm_rope_write(qkv, heads, cos, cos.clone(), k_cache, v_cache, torch.tensor([0, 1, 17, -1, 40]))
+        slots, positions = torch.tensor([0, 1, 17, -1, 40]), torch.tensor([3, 9, 0, 63, 12])
+        attention.qkv_norm_rope_write(qkv, heads, cos, cos.clone(), k_cache, v_cache, slots, positions)
 
     return run
 

@@ -12,7 +12,8 @@ step (every prompt computed, nothing waiting), then spends the following steps o
   timed     a device sync before each part, so each part's host time is its own; the forward's
             device time from CUDA events around it (first to last kernel, so idle gaps while the
             host still launches count: that is what the step costs the device)
-  profiled  one step under torch.profiler: kernels run on the device, launch calls made by the host
+  profiled  one step under torch.profiler: kernels run on the device, launch calls made by the host,
+            and the kernels that took the most device time
   wall      steps back to back as the engine runs them, the real cost of a step
 
 each graphed (the engine's path for a pure decode step) and eager (graphs set aside), alternating,
@@ -206,9 +207,23 @@ def count_launches(events: Sequence[tuple[str, bool]]) -> dict[str, int]:
     }
 
 
+def top_kernels(events: Sequence[tuple[str, bool, float]], limit: int = 12) -> list[tuple[str, int, float]]:
+    """From profiler events as (name, is_device, microseconds): the device kernels (copies and fills
+    left out) that took the most device time, as (name, launches, total microseconds), most first."""
+    totals: dict[str, list[float]] = {}
+    for name, is_device, us in events:
+        if is_device and not name.startswith(("Memcpy", "Memset")):
+            entry = totals.setdefault(name, [0, 0.0])
+            entry[0] += 1
+            entry[1] += us
+    rows = [(name, int(n), us) for name, (n, us) in totals.items()]
+    return sorted(rows, key=lambda r: (-r[2], r[0]))[:limit]
+
+
 def _profiled_step(engine: Engine, step: Callable[[], Any], graphed: bool) -> dict[str, Any]:
-    """Launch counts of one step, or {"error": ...}: a profiler that fails (CUPTI can be unavailable)
-    costs this count only, and the step still runs, so the rest of the plan goes on."""
+    """Launch counts of one step and its top kernels by device time (`top_kernels`), or {"error": ...}:
+    a profiler that fails (CUPTI can be unavailable) costs this count only, and the step still runs,
+    so the rest of the plan goes on."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -225,7 +240,12 @@ def _profiled_step(engine: Engine, step: Callable[[], Any], graphed: bool) -> di
         finally:
             prof.__exit__(None, None, None)
     try:
-        return count_launches([(e.name, e.device_type == DeviceType.CUDA) for e in prof.events()])
+        events = prof.events()
+        counts: dict[str, Any] = count_launches([(e.name, e.device_type == DeviceType.CUDA) for e in events])
+        counts["top_kernels"] = top_kernels(
+            [(e.name, e.device_type == DeviceType.CUDA, e.time_range.elapsed_us()) for e in events]
+        )
+        return counts
     except Exception as exc:  # noqa: BLE001 - see the docstring
         return {"error": repr(exc)}
 

@@ -20,7 +20,9 @@ step, CUDA graphs, memory and throughput; a table last and a JSON document with 
    sizing (weights, KV bytes and blocks, peak allocated, free after construction); every CUDA-graph
    bucket captured, a failed capture named; then bench.decode_step on 256 decoding sequences:
    graph replay against eager logits at every bucket, one decode step's device time against its
-   host time (schedule / pack / launch / sample / update), and kernels per step, eager and graphed.
+   host time (schedule / pack / launch / sample / update), kernels per step, eager and graphed, and
+   the top kernels of one step by GPU time. In --smoke, bench.gpu_launches' count of what one decode
+   step launches on the GPU dispatch path (Triton in the interpreter), per layer and per step.
 4. Throughput (`--only throughput`): nano-vllm's workload (256 sequences, prompt and output lengths
    uniform in 100-1024, ignore_eos) on the Qwen3-0.6B-shaped model greedy and at temperature 0.6
    (nano-vllm's setting; the sampler's own cost is bench.sampling's measurement), and greedy on a
@@ -479,6 +481,30 @@ GPU_ESTIMATES_S = {
 SMOKE_ESTIMATE_S = 10  # per phase in --smoke
 
 
+LAUNCHES = "decode step launches (CPU count)"
+
+
+def check_launches(report: Report) -> None:
+    """--smoke only: bench.gpu_launches' count of what one bf16 decode step of a Qwen3-shaped model
+    launches on the GPU dispatch path, per layer and per step, for 28 layers (Qwen3-0.6B's depth):
+    the Triton kernels run in the interpreter, sized for a simulated sm_90. On a GPU the profiled
+    decode step (the engine phase) counts the real kernels."""
+    from batchrun.bench.gpu_launches import format_figures, launch_figures
+
+    figures = launch_figures("qwen3", 28, torch.bfloat16)
+    print(format_figures(figures, "qwen3 bf16, simulated sm_90"), flush=True)
+    per_layer, per_step = sum(figures.per_layer.values()), sum(figures.per_step.values())
+    report.data["decode_launches"] = {
+        "per_layer": dict(figures.per_layer),
+        "per_step": dict(figures.per_step),
+        "total_28_layers": figures.total,
+    }
+    report.add(
+        "decode step kernels, bf16, 28 layers (CPU count, sampling apart)",
+        f"{figures.total} = {per_step} per step + 28 x {per_layer} per layer",
+    )
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", action="append", choices=("kernels", "bandwidth", "engine", "throughput"))
@@ -515,6 +541,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "throughput" not in selected:  # engine checks alone: the Qwen3 engine only
         per_model[SMOLLM2] = []
     names = [p for p in ("kernels", "bandwidth") if p in selected] + [p for ps in per_model.values() for p in ps]
+    if args.smoke and "engine" in selected:  # the interpreter is on: count what a decode step launches
+        names.append(LAUNCHES)
     budget = Budget(args.budget_s, {n: SMOKE_ESTIMATE_S if args.smoke else GPU_ESTIMATES_S[n] for n in names}, t_start)
 
     report = Report(json_path=args.json or default_json_path())
@@ -538,6 +566,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     for label, shape in models:
         if per_model[label]:
             check_model(label, shape, device, args.smoke, budget, report, per_model[label])
+    if LAUNCHES in names:
+        budget.run(LAUNCHES, functools.partial(check_launches, report), report)
 
     total_s = time.perf_counter() - t_start
     print(f"\n== summary ({total_s:.0f}s of {args.budget_s:.0f}s) ==")

@@ -268,6 +268,12 @@ class ModelCheck:
                     f"{kernels['gpu_kernels']} kernels + {kernels['gpu_copies']} copies on the device, "
                     f"{kernels['host_kernel_launches']} kernel + {kernels['host_graph_launches']} graph launches"
                 )
+            top = (kernels or {}).get("top_kernels") or []
+            if top:
+                total_us = sum(us for _, _, us in top)
+                print(f"top kernels of one {path} decode step by GPU time (us, share of these, launches):")
+                for name, n, us in top:
+                    print(f"  {us:9.1f} {100 * us / total_us:5.1f}%  x{n:<4} {name[:100]}")
             path_name = path if self.cuda else f"{path}{' (stand-in)' if path == 'graphed' else ''}"
             self.report.add(
                 f"{self.label}: decode step {path_name}, {where}",

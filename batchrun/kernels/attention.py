@@ -58,20 +58,24 @@ def write_kv_cache(
 def qkv_norm_rope_write(
     qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim): q, k, v heads
     heads: QKVHeads,
-    cos: torch.Tensor,  # (num_tokens, head_dim) in qkv's dtype
-    sin: torch.Tensor,  # (num_tokens, head_dim)
+    cos: torch.Tensor,  # (num_tokens, head_dim) in qkv's dtype; with positions (num_positions, head_dim)
+    sin: torch.Tensor,  # as cos
     k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim), or a QuantizedKVCache
     v_cache,
     slot_mapping: torch.Tensor,  # (num_tokens,)
+    positions: Optional[torch.Tensor] = None,  # (num_tokens,): cos/sin are tables, row p for position p
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """From the fused qkv projection: (q, k, v) per head, q and k normed and rotated, K and V stored
     at their cache slots. One Triton launch where Triton serves the cache (instead of the norms',
-    rotary's and the write's separate kernels); elsewhere those ops one by one, each on its own
-    fastest path. Both equal `attention_torch.qkv_norm_rope_write_reference`."""
+    rotary's and the write's separate kernels; it reads each token's cos/sin row from the tables
+    itself); elsewhere those ops one by one, each on its own fastest path. Both equal
+    `attention_torch.qkv_norm_rope_write_reference`."""
     if _triton_serves(qkv, k_cache) and qkv.stride(-1) == 1 and cos.stride(-1) == 1 and sin.stride() == cos.stride():
         from batchrun.kernels.triton_elementwise import qkv_norm_rope_write as fused
 
-        return fused(qkv, heads, cos, sin, k_cache, v_cache, slot_mapping)
+        return fused(qkv, heads, cos, sin, k_cache, v_cache, slot_mapping, positions)
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]  # (num_tokens, head_dim)
     q, k, v = heads.split(qkv)
     if heads.q_norm is not None:
         eps, gemma = heads.eps, heads.is_gemma

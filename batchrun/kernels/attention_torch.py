@@ -230,14 +230,17 @@ def attend_prefills(
 def qkv_norm_rope_write_reference(
     qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim): q, k, v heads
     heads: QKVHeads,
-    cos: torch.Tensor,  # (num_tokens, head_dim) in qkv's dtype
-    sin: torch.Tensor,  # (num_tokens, head_dim)
+    cos: torch.Tensor,  # (num_tokens, head_dim) in qkv's dtype; with positions (num_positions, head_dim)
+    sin: torch.Tensor,  # as cos
     k_cache: torch.Tensor,  # (num_blocks, block_size, num_kv_heads, head_dim)
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # (num_tokens,) int, every slot >= 0
+    positions: Optional[torch.Tensor] = None,  # (num_tokens,): cos/sin are tables, row p for position p
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) with q and k normed (Qwen3, Gemma 3) and rotated, and K and V written to the cache:
     what triton_elementwise.qkv_norm_rope_write is checked against."""
+    if positions is not None:
+        cos, sin = cos[positions], sin[positions]  # (num_tokens, head_dim)
     q, k, v = heads.split(qkv)
     if heads.q_norm is not None:
         eps, gemma = heads.eps, heads.is_gemma

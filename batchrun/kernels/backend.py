@@ -2,9 +2,10 @@
 sized for.
 
 Launchers size their tiles, padding and split counts for the GPU they launch on (`gpu_target`).
-While `simulated_gpu` is active (kernels/triton_aot.py's compile-only checks, on a machine without
-one), CPU tensors take the Triton paths and the launchers size for the simulated GPU, so a check
-compiles exactly the variants a run on that GPU would.
+While `simulated_gpu` is active (on a machine without one: kernels/triton_aot.py's compile-only
+checks, and bench/gpu_launches.py's count of a decode step's kernels in Triton's interpreter), CPU
+tensors take the Triton paths and the launchers size for the simulated GPU, so a check compiles,
+or counts, exactly the variants a run on that GPU would launch.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ _simulated: Optional[GpuTarget] = None
 @contextlib.contextmanager
 def simulated_gpu(target: GpuTarget) -> Iterator[GpuTarget]:
     """Inside, every tensor counts as living on `target`: the dispatches take the Triton paths and
-    the launchers size for it. Only for compile-only checks: nothing here makes a launch run."""
+    the launchers size for it. Only for checks without the GPU: compile-only ones (whose launches
+    compile, never run) and counts in Triton's interpreter (whose launches run there)."""
     global _simulated
     before = _simulated
     _simulated = target

@@ -3,7 +3,8 @@
 - `rms_norm` / `add_rms_norm`: (the residual add and) RMSNorm, one program per row.
 - `silu_mul`: silu(gate) * up over the fused gate/up projection's output.
 - `qkv_norm_rope_write`: from the fused qkv projection's output, q/k-norm (Qwen3, Gemma 3), rotary
-  on q and k, and the K/V write into the paged cache, in one launch: one program per (token, head),
+  on q and k (each token's cos/sin row read from per-position tables by its position, or given per
+  token), and the K/V write into the paged cache, in one launch: one program per (token, head),
   the KV heads' programs also storing K and V at the token's slot (a negative slot writes nothing,
   the CUDA-graph padding convention); into an int8/fp8 cache quantized on the way, each program
   holding its whole head for the scale (kernels/triton_kv.py's quantization).
@@ -21,6 +22,9 @@ tips a rounding. Offsets are int64: rows times strides pass 2**31 on long batche
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Optional
 
 import torch
 import triton
@@ -71,8 +75,10 @@ def _rms_norm_kernel(
     tl.store(out_ptr + row * stride_o + d, out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@functools.cache
 def _inverse(n: int) -> float:
-    """fl32(1 / n) as a Python float (exact in float32): the factor torch's CUDA mean multiplies by."""
+    """fl32(1 / n) as a Python float (exact in float32): the factor torch's CUDA mean multiplies by.
+    Cached: launched per layer and step, and each computation is a few host-side torch ops."""
     return float(torch.tensor(1.0, dtype=torch.float32) / n)
 
 
@@ -191,6 +197,7 @@ def _qkv_kernel(
     k_scale_ptr,
     v_scale_ptr,
     slot_ptr,
+    pos_ptr,
     inv_dim,
     eps,
     block_size,
@@ -212,8 +219,13 @@ def _qkv_kernel(
     IS_GEMMA: tl.constexpr,
     IS_QUANT: tl.constexpr,
     IS_INT8: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    if HAS_POSITIONS:
+        rope_row = tl.load(pos_ptr + t).to(tl.int64)  # cos/sin are tables: the token's position's row
+    else:
+        rope_row = t
     head = tl.program_id(1).to(tl.int64)  # query heads first, then KV heads
     half = HEAD_DIM // 2
     d = tl.arange(0, HALF_PAD)
@@ -239,10 +251,10 @@ def _qkv_kernel(
         else:
             a = (w1.to(tl.float32) * (a * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
             b = (w2.to(tl.float32) * (b * inv).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
-    c1 = tl.load(cos_ptr + t * stride_cs + d, mask=ok, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_cs + half + d, mask=ok, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_cs + d, mask=ok, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_cs + half + d, mask=ok, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_ptr + rope_row * stride_cs + d, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + rope_row * stride_cs + half + d, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + rope_row * stride_cs + d, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + rope_row * stride_cs + half + d, mask=ok, other=0.0).to(tl.float32)
     # x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1), each product and the sum rounded;
     # p + (-x2 * s) written p - x2 * s, the same IEEE result (signed zeros included) without a
     # negation, which Triton may compile as 0 - x (-(+0.0) = +0.0)
@@ -284,11 +296,12 @@ def _qkv_kernel(
 def qkv_norm_rope_write(
     qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim): q, k, v heads
     heads: QKVHeads,
-    cos: torch.Tensor,  # (num_tokens, head_dim) in qkv's dtype
-    sin: torch.Tensor,  # (num_tokens, head_dim)
+    cos: torch.Tensor,  # (num_tokens, head_dim) in qkv's dtype; with positions (num_positions, head_dim)
+    sin: torch.Tensor,  # as cos
     k_cache,  # (num_blocks, block_size, num_kv_heads, head_dim) tensor, or a QuantizedKVCache
     v_cache,  # the same kind and layout as k_cache
     slot_mapping: torch.Tensor,  # (num_tokens,) int; negative = write nothing
+    positions: Optional[torch.Tensor] = None,  # (num_tokens,) int, each < num_positions: cos/sin are tables
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) as (num_tokens, heads, head_dim) with q and k normed and rotated, K and V written
     to the cache (quantized into an int8/fp8 one, bitwise as `QuantizedKVCache.write`):
@@ -317,6 +330,7 @@ def qkv_norm_rope_write(
         c.k_scale,
         c.v_scale,
         slot_mapping,
+        positions if positions is not None else slot_mapping,
         _inverse(head_dim),
         float(heads.eps),
         c.k.shape[1],
@@ -333,6 +347,7 @@ def qkv_norm_rope_write(
         IS_GEMMA=heads.is_gemma,
         IS_QUANT=c.is_quant,
         IS_INT8=c.is_int8,
+        HAS_POSITIONS=positions is not None,
         enable_fp_fusion=False,
     )
     return q, k, v

@@ -18,6 +18,7 @@ from torch import nn
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention import paged_attention, qkv_norm_rope_write
 from batchrun.kernels.attention_metadata import AttentionMetadata
+from batchrun.kernels.backend import triton_usable
 from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.model.moe import (
     SparseMoeBlock,
@@ -156,13 +157,52 @@ class RotaryTables:
                 inv, factor = fn(config, None, **kwargs)
                 self.inv_freq[key], self.scaling[key] = inv.float(), float(factor)
 
+        self.num_positions = spec.max_position_embeddings
+        self._tables: dict[tuple[torch.dtype, torch.device], dict[str, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def tables(self, dtype: torch.dtype, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Per rope variant (cos, sin), each (num_positions, head_dim) in `dtype`: row p is position p's.
+        Computed once per dtype and device (build_decoder does it at load, so no step computes
+        them, and a CUDA graph never captures their computation). Each element is the one a
+        computation over only this step's positions gives (the ops are elementwise), which is HF's."""
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # one key for "cuda" and "cuda:N"
+            device = torch.device("cuda", torch.cuda.current_device())
+        key = (dtype, device)
+        if key not in self._tables:
+            positions = torch.arange(self.num_positions, device=device)
+            out = {}
+            for name, inv in self.inv_freq.items():
+                freqs = positions[:, None].float() * inv[None, :].to(device)  # (num_positions, head_dim / 2)
+                emb = torch.cat((freqs, freqs), dim=-1)  # (num_positions, head_dim)
+                scaling = self.scaling[name]
+                out[name] = ((emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype))
+            self._tables[key] = out
+        return self._tables[key]
+
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        out = {}
-        for key, inv in self.inv_freq.items():
-            freqs = positions[:, None].float() * inv[None, :].to(positions.device)  # (num_tokens, head_dim / 2)
-            emb = torch.cat((freqs, freqs), dim=-1)  # (num_tokens, head_dim)
-            out[key] = ((emb.cos() * self.scaling[key]).to(dtype), (emb.sin() * self.scaling[key]).to(dtype))
-        return out
+        """Per rope variant (cos, sin) rows of `positions`, each (num_tokens, head_dim)."""
+        tables = self.tables(dtype, positions.device)
+        return {name: (cos[positions], sin[positions]) for name, (cos, sin) in tables.items()}
+
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, Rope]:
+        """What each layer's qkv_norm_rope_write takes this step. Where the fused Triton kernel runs,
+        the tables and the positions (it reads each token's row itself: no gather kernels per step);
+        elsewhere the rows, gathered once per step rather than once per layer."""
+        if triton_usable(positions):
+            tables = self.tables(dtype, positions.device)
+            return {name: Rope(cos, sin, positions) for name, (cos, sin) in tables.items()}
+        return {name: Rope(cos, sin, None) for name, (cos, sin) in self.cos_sin(positions, dtype).items()}
+
+
+@dataclass(frozen=True)
+class Rope:
+    """Rotary inputs of one step: per-token rows (num_tokens, head_dim) with `positions` None, or
+    per-position tables (num_positions, head_dim) and the tokens' positions (num_tokens,)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    positions: Optional[torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -188,10 +228,12 @@ class Attention(nn.Module):
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         s = self.spec
         qkv = self.qkv_proj(x)  # (num_tokens, q_size + 2 * kv_size)
-        cos, sin = cos_sin[self.rope_key]
+        rope = cos_sin[self.rope_key]
         k_cache, v_cache = kv_cache
         # q/k-norm, rotary and the KV write: one fused kernel on the GPU, the separate ops elsewhere
-        q, k, v = qkv_norm_rope_write(qkv, self._heads(), cos, sin, k_cache, v_cache, meta.slot_mapping)
+        q, k, v = qkv_norm_rope_write(
+            qkv, self._heads(), rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, rope.positions
+        )
         o = paged_attention(q, k_cache, v_cache, meta, s.attn_scale, self.window, s.attn_logit_softcap, k, v)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -260,6 +302,7 @@ def build_decoder(config: Any, state_dict: dict[str, torch.Tensor], dtype: torch
         model.lm_head.weight = model.embed_tokens.weight  # to_empty gave each its own storage
     with torch.device(device):
         model.rope = RotaryTables(config, model.spec)  # computed on meta above: no values
+        model.rope.tables(dtype, torch.device(device))  # at load, not in a step (or a graph capture)
     model.load_hf_state_dict(state_dict, consume=True)
     return model
 
@@ -290,7 +333,7 @@ class DecoderLM(nn.Module):
         x = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
         if self.spec.gemma_norms:
             x = x * torch.tensor(self.spec.hidden_size**0.5, dtype=x.dtype)
-        cos_sin = self.rope.cos_sin(positions, x.dtype)
+        cos_sin = self.rope.for_step(positions, x.dtype)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         residual: Optional[torch.Tensor] = None
         for layer, kv in zip(layers, kv_caches):

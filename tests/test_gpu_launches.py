@@ -1,0 +1,71 @@
+"""What one bf16 decode step launches on the GPU dispatch path, counted on the CPU.
+
+An interpreted child (TRITON_INTERPRET=1) runs the engine's graphed decode step inside a simulated
+sm_90 GPU (kernels/backend.py: CPU tensors take the CUDA tensors' dispatch, launchers size for an
+H100/H200), counting each Triton launch and each torch op that issues a CUDA kernel
+(batchrun.bench.gpu_launches). The counts are pinned by kernel, per layer and per step, so a kernel
+added to the step fails here; the 28-layer figure (Qwen3-0.6B's depth) must stay within the limit.
+Sampling is not part of the step counted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from triton_child import run_interpreted
+
+pytest.importorskip("triton")
+
+# Qwen3 (q/k-norm, GQA, silu MLP), bf16, one decode split.
+PER_LAYER = {
+    "aten:linear": 4,  # qkv, o, gate_up, down projections
+    "triton:_rms_norm_kernel": 2,  # residual add + norm before attention and before the MLP
+    "triton:_qkv_kernel": 1,  # q/k-norm, rotary and the KV write
+    "triton:_decode_kernel": 1,
+    "triton:_silu_mul_kernel": 1,
+}
+PER_STEP = {
+    "aten:copy_": 5,  # the graph path's four unpacks of the uploaded rows, the hidden state's copy out
+    "aten:add": 1,  # seq_lens = positions + 1
+    "aten:embedding": 1,
+    "triton:_rms_norm_kernel": 1,  # the final norm (layer 0's norm has no residual to add: per layer)
+    "aten:linear": 1,  # LM head
+    "aten:to": 1,  # LM head's float32 cast
+}  # rotary's cos/sin: read from tables made at load by the qkv kernel, nothing per step
+LIMIT_28_LAYERS = 262
+
+
+def test_decode_step_kernel_count_interpreted():
+    proc = run_interpreted(__file__, timeout=600)
+    assert proc.returncode == 0, f"child exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["per_layer"] == PER_LAYER, result
+    assert result["per_step"] == PER_STEP, result
+    # the extrapolation is what a deeper model launches: checked directly at 4 layers
+    assert result["four_layers"] == sum(PER_STEP.values()) + 4 * sum(PER_LAYER.values()), result
+    assert result["copies"] == 1 and result["syncs"] == 0, result  # one upload, nothing read back
+    assert result["total_28"] <= LIMIT_28_LAYERS, result
+
+
+def _child() -> dict:
+    import torch
+
+    from batchrun.bench.gpu_launches import decode_step_launches, format_figures, launch_figures, tiny_decoder
+
+    figures = launch_figures("qwen3", 28, torch.bfloat16)
+    print(format_figures(figures, "qwen3 bf16"), file=sys.stderr)
+    four = decode_step_launches(tiny_decoder("qwen3", 4, torch.bfloat16))
+    return {
+        "per_layer": dict(figures.per_layer),
+        "per_step": dict(figures.per_step),
+        "total_28": figures.total,
+        "four_layers": four.total,
+        "copies": four.copies,
+        "syncs": four.syncs,
+    }
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child()), flush=True)

@@ -35,7 +35,7 @@ def test_runner_prompt_scores_are_the_samplers_logprobs_bit_for_bit(dtype, top_n
 def _failed_grammar() -> GrammarState:
     compiled: Future = Future()
     compiled.set_exception(RuntimeError("compiler exploded"))
-    return GrammarState(compiled)
+    return GrammarState(compiled, vocab_size=32)
 
 
 def test_wait_for_grammars_reports_failed_requests_and_leaves_finishing_to_the_engine():

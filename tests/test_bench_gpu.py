@@ -19,6 +19,7 @@ import pytest
 
 from batchrun.bench import compile_counts
 from batchrun.bench.decode_step import capture_buckets, count_launches, top_kernels
+from batchrun.bench.gpu import LAUNCHES
 from batchrun.bench.gpu_report import Budget, Report, json_safe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -111,8 +112,10 @@ def test_smoke_run_writes_every_section(tmp_path):
 def test_phases_that_do_not_fit_the_budget_are_skipped_and_said(tmp_path):
     proc, data = _run_gpu_check(tmp_path, "--only", "kernels", "--only", "engine", "--budget-s", "1")
     phases = data["budget"]["phases"]
-    assert [p["name"] for p in phases] == ["kernels", f"{QWEN3}: build", f"{QWEN3}: decode step"]
+    # --smoke with the engine selected adds the CPU launch count, itself out of time at a 1 s budget
+    assert [p["name"] for p in phases] == ["kernels", f"{QWEN3}: build", f"{QWEN3}: decode step", LAUNCHES]
     assert {p["status"] for p in phases} == {"skipped", "planned"}  # the build skipped: nothing after it
+    assert phases[-1]["status"] == "skipped"
     assert phases[0]["status"] == "skipped" and "out of time" in phases[0]["note"]
     assert "does NOT fit" in proc.stdout
     assert any(name == "kernels" and value.startswith("skipped (out of time") for name, value in data["table"])

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from batchrun.engine.config import SamplingParams
-from batchrun.engine.sampler import CANDIDATES, Sampler, apply_top_k_top_p, sampling_probs, uniform
+from batchrun.engine.sampler import CANDIDATES, STREAM_SAMPLE, Sampler, apply_top_k_top_p, sampling_probs, uniform
 
 V = 1000
 
@@ -206,3 +206,26 @@ def test_logprobs_report_chosen_and_top_n():
     toks, lps = Sampler().sample(logits, [SamplingParams(temperature=1.0, top_k=1, logprobs=0)] * 2, [1, 2], [0, 0])
     assert toks == [0, 1] and list(lps[1]) == [1]
     assert Sampler().sample(logits, [SamplingParams(temperature=0.0)] * 2, [None, None], [0, 0])[1] is None
+
+
+def test_unseeded_uniforms_are_the_generators_draws_in_row_order():
+    """Unseeded rows take the generator's draws in row order, whatever their number and however the
+    seeded rows sit between them: the same values as one scalar draw per row, so a run's unseeded
+    samples do not change with how the sampler fetches them."""
+    seeds = [None, 7, None, None, 3, None]
+    positions = [5, 9, 2, 0, 1, 4]
+    sampler = Sampler(seed=11)
+    got = [sampler.uniforms(seeds, positions, STREAM_SAMPLE, torch.device("cpu")).tolist() for _ in range(3)]
+    generator = torch.Generator().manual_seed(11)
+    for step in got:
+        want = [
+            uniform(seed, position)
+            if seed is not None
+            else float(torch.rand((), generator=generator, dtype=torch.float64))
+            for seed, position in zip(seeds, positions)
+        ]
+        assert step == want
+    assert Sampler(seed=11).uniforms([1, 2], [0, 0], STREAM_SAMPLE, torch.device("cpu")).tolist() == [
+        uniform(1, 0),
+        uniform(2, 0),
+    ]

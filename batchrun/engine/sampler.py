@@ -127,8 +127,18 @@ def _draw_full(s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return draw_from_probs(torch.softmax(s, dim=-1), u)
 
 
+def upload(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Per-row host values as a (len(values),) tensor on `device`. On CUDA through pinned memory
+    and a non-blocking copy: the copy queues behind the forward still running instead of making the
+    host wait for it (a pageable copy synchronizes), so the sampler's host work overlaps the GPU."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def _scaled(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+    temperature = upload([p.temperature for p in params], torch.float32, logits.device)
     return logits.float() / temperature[:, None]
 
 
@@ -140,9 +150,9 @@ def _truncate_rows(
     top_k = [k if 0 < k < vocab else 0 for k in top_k]
     return _truncate(
         s,
-        torch.tensor(top_k, dtype=torch.int64, device=s.device),
+        upload(top_k, torch.int64, s.device),
         # off is above any mass a rounded cumulative sum can reach
-        torch.tensor([p if p < 1.0 else 2.0 for p in top_p], dtype=torch.float64, device=s.device),
+        upload([p if p < 1.0 else 2.0 for p in top_p], torch.float64, s.device),
         u,
         max(CANDIDATES, *top_k),
         not all(top_k),
@@ -213,13 +223,18 @@ class Sampler:
     ) -> torch.Tensor:
         """(len(seeds),) float64 on `device`: a seeded row's uniform is `uniform(seed, position,
         stream)`; an unseeded row's comes from this sampler's generator, in row order."""
+        # The unseeded rows' uniforms in one generator call: the CPU generator fills a tensor
+        # serially, so row i gets exactly the i-th scalar draw (a per-row loop cost ~3 us a row of
+        # host time that a GPU step waits on at hundreds of rows).
+        num_unseeded = sum(seed is None for seed in seeds)
+        drawn = iter(
+            torch.rand(num_unseeded, generator=self._generator, dtype=torch.float64).tolist() if num_unseeded else ()
+        )
         u = [
-            uniform(seed, position, stream)
-            if seed is not None
-            else float(torch.rand((), generator=self._generator, dtype=torch.float64))
+            uniform(seed, position, stream) if seed is not None else next(drawn)
             for seed, position in zip(seeds, positions)
         ]
-        return torch.tensor(u, dtype=torch.float64, device=device)
+        return upload(u, torch.float64, device)
 
     @torch.inference_mode()
     def draw(
@@ -240,14 +255,14 @@ class Sampler:
             tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
             greedy = [i for i, p in enumerate(params) if p.is_greedy]
             if greedy:
-                rows = torch.tensor(greedy, device=device)
+                rows = upload(greedy, torch.int64, device)
                 tokens[rows] = logits[rows].argmax(dim=-1)
             for group in (
                 [i for i in sampled if _is_truncated(params[i], vocab)],
                 [i for i in sampled if not _is_truncated(params[i], vocab)],
             ):
                 if group:
-                    tokens[torch.tensor(group, device=device)] = self._draw(logits, group, params, seeds, positions)
+                    tokens[upload(group, torch.int64, device)] = self._draw(logits, group, params, seeds, positions)
         return tokens
 
     def _draw(
@@ -261,7 +276,7 @@ class Sampler:
         """Tokens (len(group),) for sampled rows that are all truncated or all untruncated."""
         device = logits.device
         sub = [params[i] for i in group]
-        rows = logits if len(group) == logits.shape[0] else logits[torch.tensor(group, device=device)]
+        rows = logits if len(group) == logits.shape[0] else logits[upload(group, torch.int64, device)]
         s = _scaled(rows, sub)
         u = self.uniforms([seeds[i] for i in group], [positions[i] for i in group], STREAM_SAMPLE, device)
         if not _is_truncated(sub[0], s.shape[-1]):

@@ -147,6 +147,7 @@ def local_ray_cluster(
     num_gpus: int = 0,
     pythonpath: Sequence[str] = (),
     client: bool = False,
+    worker_niceness: Optional[int] = 0,
     start_timeout_s: float = 120.0,
 ) -> Iterator[LocalRayCluster]:
     """A real Ray cluster on this machine (`ray start --head --block` as a subprocess) until the
@@ -154,7 +155,9 @@ def local_ray_cluster(
     GPUs Ray hands out (setting each actor's CUDA_VISIBLE_DEVICES) whether or not any exist: a GPU
     host simulated on a CPU machine. Authentication is off for it (a throwaway cluster of this
     machine), in this process's environment too, so the drivers it starts can connect. `client`:
-    also a Ray Client server (ray://), which needs `ray[client]`."""
+    also a Ray Client server (ray://), which needs `ray[client]`. `worker_niceness`: the nice value
+    of its worker processes (Ray's default, None, is 15: on a machine busy with other work its
+    actors would get a small share of the cores, and tests and benchmarks would time that)."""
     import shutil
     import signal
     import socket
@@ -179,6 +182,8 @@ def local_ray_cluster(
     os.environ["RAY_AUTH_MODE"] = "disabled"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*pythonpath, os.environ.get("PYTHONPATH", "")])}
     env.pop("BATCHRUN_TEST_HOOKS", None)
+    if worker_niceness is not None:
+        env["RAY_worker_niceness"] = str(worker_niceness)
     # Short: Ray's unix sockets live under it, and their paths must stay under 108 bytes.
     temp = tempfile.mkdtemp(prefix="br-ray-", dir="/tmp")
     log_path = os.path.join(temp, "ray-start.log")

@@ -28,7 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -217,7 +217,7 @@ def _run(name: str, base: list[str], num_workers: int, out: Path, kill_after_s: 
     )
 
 
-def _read_json(path: Path) -> Optional[dict]:
+def _read_json(path: Path) -> Optional[dict[str, Any]]:
     try:
         doc = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -237,8 +237,9 @@ def test_sigterm_to_the_driver_stops_every_actor_and_a_rerun_completes(
     _, stderr = driver.communicate(timeout=600)
     assert driver.returncode == 143, stderr[-3000:]
     out = tmp_path / "out"
-    for p in out.glob("_manifest.rank*.json"):
-        assert json.loads(p.read_text())["status"] == "interrupted", p.name
+    # A worker whose last shard ended before the stop reached it completed; none was killed.
+    statuses = [json.loads(p.read_text())["status"] for p in sorted(out.glob("_manifest.rank*.json"))]
+    assert len(statuses) == 2 and "interrupted" in statuses and set(statuses) <= {"interrupted", "completed"}
     # What was committed is whole: every results file holds its shard's rows, and nothing else.
     shard_ids = {f"part-{s:02d}": {f"part{s}-row{r}" for r in range(3)} for s in range(4)}
     committed = _rows(out)

@@ -6,10 +6,13 @@ same models. The tokenizer is a small byte-level BPE trained on CPython's own do
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -126,3 +129,99 @@ def make_tiny_model(out_dir: str | os.PathLike, family: str = "llama", seed: int
     tokenizer.save_pretrained(out)
     (out / "batchrun_family.json").write_text(json.dumps({"family": family}))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalRayCluster:
+    address: str  # host:port of its GCS: what launcher.ray_address and RAY_ADDRESS take
+    client_address: Optional[str]  # ray://host:port of its Ray Client server (needs ray[client]), or None
+    temp_dir: str
+
+
+@contextlib.contextmanager
+def local_ray_cluster(
+    num_cpus: int = 2,
+    num_gpus: int = 0,
+    pythonpath: Sequence[str] = (),
+    client: bool = False,
+    worker_niceness: Optional[int] = 0,
+    start_timeout_s: float = 120.0,
+) -> Iterator[LocalRayCluster]:
+    """A real Ray cluster on this machine (`ray start --head --block` as a subprocess) until the
+    block ends; its processes run with `pythonpath` ahead of the current one. `num_gpus` declares
+    GPUs Ray hands out (setting each actor's CUDA_VISIBLE_DEVICES) whether or not any exist: a GPU
+    host simulated on a CPU machine. Authentication is off for it (a throwaway cluster of this
+    machine), in this process's environment too, so the drivers it starts can connect. `client`:
+    also a Ray Client server (ray://), which needs `ray[client]`. `worker_niceness`: the nice value
+    of its worker processes (Ray's default, None, is 15: on a machine busy with other work its
+    actors would get a small share of the cores, and tests and benchmarks would time that)."""
+    import shutil
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    import ray
+
+    ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+    if ray_cli is None:
+        raise RuntimeError("the ray command is not on PATH")
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
+    port, client_port = free_port(), (free_port() if client else None)
+    previous_auth = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([*pythonpath, os.environ.get("PYTHONPATH", "")])}
+    env.pop("BATCHRUN_TEST_HOOKS", None)
+    if worker_niceness is not None:
+        env["RAY_worker_niceness"] = str(worker_niceness)
+    # Short: Ray's unix sockets live under it, and their paths must stay under 108 bytes.
+    temp = tempfile.mkdtemp(prefix="br-ray-", dir="/tmp")
+    log_path = os.path.join(temp, "ray-start.log")
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen(
+            [ray_cli, "start", "--head", "--block", "--port", str(port), "--num-cpus", str(num_cpus)]
+            + ["--num-gpus", str(num_gpus)]
+            + (["--ray-client-server-port", str(client_port)] if client_port else [])
+            + ["--disable-usage-stats", "--include-dashboard=false", "--temp-dir", temp],
+            env=env,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: stopped as one at the end
+        )
+    address = f"127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout_s  # a hang guard
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"ray start exited ({proc.returncode}): {Path(log_path).read_text()[-2000:]}")
+            try:
+                ray.init(address=address, log_to_driver=False)
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        ray.shutdown()
+        yield LocalRayCluster(address, f"ray://127.0.0.1:{client_port}" if client_port else None, temp)
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)  # `ray start --block` stops the processes it started
+            proc.wait(timeout=60)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
+        if previous_auth is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = previous_auth

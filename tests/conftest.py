@@ -222,72 +222,16 @@ def hooked_env():
 
 
 @pytest.fixture(scope="session")
-def ray_cluster() -> str:
-    """`ray start --head --num-cpus 2` as a real subprocess, for the session; its address. Its
-    worker processes see this checkout and tests/hooks (inert unless BATCHRUN_TEST_HOOKS is set,
-    which the Ray launcher passes on to its actors). Skipped without Ray."""
-    import shutil
-    import signal
-    import subprocess
-    import sys
-    import tempfile
-    import time
-
-    ray = pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
+def ray_cluster():
+    """`ray start --head` with 2 CPUs and 2 simulated GPUs (Ray hands out CUDA_VISIBLE_DEVICES; the
+    engines still run on the CPU) as a real subprocess, for the session (batchrun.testing.
+    local_ray_cluster). Its worker processes see this checkout and tests/hooks (inert unless
+    BATCHRUN_TEST_HOOKS is set, which the Ray launcher passes on to its actors). Skipped without Ray."""
+    pytest.importorskip("ray", reason="Ray is not installed (pip install -e '.[ray]')")
     pytest.importorskip("ray.data", reason="Ray Data is not installed (pip install -e '.[ray]')")
-    ray_cli = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
-    if ray_cli is None:
-        pytest.skip("the ray command is not on PATH")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from batchrun.testing import local_ray_cluster
+
     repo = str(Path(__file__).resolve().parents[1])
     hooks = str(Path(__file__).parent / "hooks")
-    # A throwaway cluster of this machine: no token to hand to every driver and actor (the tests'
-    # subprocesses inherit this process's environment).
-    previous_auth = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([hooks, repo, os.environ.get("PYTHONPATH", "")])}
-    env.pop("BATCHRUN_TEST_HOOKS", None)
-    # Short: Ray's unix sockets live under it, and their paths must stay under 108 bytes.
-    temp = tempfile.mkdtemp(prefix="br-ray-", dir="/tmp")
-    log_path = os.path.join(temp, "ray-start.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            [ray_cli, "start", "--head", "--block", "--num-cpus", "2", "--port", str(port)]
-            + ["--disable-usage-stats", "--include-dashboard=false", "--temp-dir", temp],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: stopped as one at the end
-        )
-    address = f"127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60  # a hang guard
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"ray start exited ({proc.returncode}): {Path(log_path).read_text()[-2000:]}")
-            try:
-                ray.init(address=address, log_to_driver=False)
-                break
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
-        ray.shutdown()
-        yield address
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)  # `ray start --block` stops the processes it started
-            proc.wait(timeout=60)
-        except ProcessLookupError:
-            pass
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        shutil.rmtree(temp, ignore_errors=True)
-        if previous_auth is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = previous_auth
+    with local_ray_cluster(num_cpus=2, num_gpus=2, pythonpath=[hooks, repo]) as cluster:
+        yield cluster

@@ -184,6 +184,8 @@ def test_assignment_partitions_the_shards_deterministically(world_size):
         # Both explicit: the environment is not read at all.
         (LauncherConfig(rank=0, world_size=1), {"JOB_COMPLETION_INDEX": "7"}, (0, 1, "config")),
         (LauncherConfig(world_size=3), {}, (0, 3, "config+default")),
+        # A rank from the config, the world size from the environment.
+        (LauncherConfig(rank=1), {"BATCHRUN_WORLD_SIZE": "2"}, (1, 2, "launcher.rank + BATCHRUN_WORLD_SIZE")),
     ],
 )
 def test_one_resolution_for_every_scheduler(config, env, expected):
@@ -218,6 +220,18 @@ def test_one_resolution_for_every_scheduler(config, env, expected):
             "launcher.world_size=2 contradicts SLURM_ARRAY_TASK_COUNT/SLURM_NTASKS=3",
         ),
         (LauncherConfig(), {"JOB_COMPLETION_INDEX": "x", "BATCHRUN_WORLD_SIZE": "2"}, "not an integer"),
+        # A world size with nothing naming this worker's rank (a Job not in Indexed mode): every pod
+        # would otherwise run as 0 of 1.
+        (
+            LauncherConfig(),
+            {"BATCHRUN_WORLD_SIZE": "4"},
+            "launcher.rank: BATCHRUN_WORLD_SIZE=4 is set but nothing gives this worker's rank",
+        ),
+        (
+            LauncherConfig(rank=1, world_size=None),
+            {"BATCHRUN_WORLD_SIZE": "x"},
+            "environment variable BATCHRUN_WORLD_SIZE='x' is not an integer",
+        ),
     ],
 )
 def test_contradictions_are_refused_in_one_line_naming_the_keys(config, env, message):

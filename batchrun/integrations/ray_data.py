@@ -10,7 +10,8 @@ template, data.on_too_long), and each batch comes back as batchrun's result colu
 id, output, finish_reason, error_type, error_message, token counts, timings, the optional sample
 and logprob columns, then output.keep_columns). A row that cannot be a prompt is a typed error row
 (null_prompt, prompt_too_long, template_error, null_id, ...); a batch never fails for one bad row.
-Greedy outputs are those of the job for the same rows and settings.
+Greedy outputs are those of the job for the same rows and settings (an error message's "row N" is
+the row's place in its batch here, in its shard in a job).
 
 Ray's semantics apply here, not batchrun's: which rows are done, retries of failed tasks and any
 checkpointing are Ray Data's (at-least-once where it retries), there is no commit marker, manifest,

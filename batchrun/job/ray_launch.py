@@ -151,6 +151,8 @@ def _run_actors(
                 bar.n = totals["rows"]
                 bar.set_postfix_str(f"{totals['output_tokens']} output tokens, {totals['restarts']} restart(s)")
                 bar.refresh()
+        for rank, counts in sorted(ray.get(board.by_rank.remote()).items()):
+            log.info("ray worker %d reported %d rows, %d output tokens", rank, counts["rows"], counts["output_tokens"])
     finally:
         if bar is not None:
             bar.close()
@@ -175,6 +177,15 @@ class ProgressBoard:
 
     def stop(self, signum: int) -> None:
         self.signum = signum
+
+    def by_rank(self) -> dict[int, dict[str, int]]:
+        """Rows and tokens each rank reported, its incarnations together."""
+        out: dict[int, dict[str, int]] = {}
+        for (rank, _), c in self.posts.items():
+            mine = out.setdefault(rank, {"rows": 0, "output_tokens": 0})
+            mine["rows"] += int(c.get("batchrun_rows_done_total", 0))
+            mine["output_tokens"] += int(c.get("batchrun_output_tokens_total", 0))
+        return out
 
     def totals(self) -> dict[str, int]:
         """Rows and tokens of every incarnation of every worker (a restarted actor counts from 0)."""
@@ -243,6 +254,9 @@ class _Reporter(threading.Thread):
     def run(self) -> None:
         import ray
 
+        # At once, then every REPORT_S: an incarnation is on the board (a restart counted) from
+        # its start, before its engine loads, even if it dies before its first row.
+        self._post(ray)
         while not self._done.wait(REPORT_S):
             self._post(ray)
 

@@ -208,6 +208,7 @@ def _is_hidden(rel_path: str) -> bool:
 #                         SLURM_ARRAY_TASK_STEP of SLURM_ARRAY_TASK_COUNT, times SLURM_PROCID of SLURM_NTASKS
 #   Kubernetes Indexed Job  JOB_COMPLETION_INDEX, world size from launcher.world_size or
 #                         BATCHRUN_WORLD_SIZE (Kubernetes does not tell a pod the Job's completions)
+#   BATCHRUN_WORLD_SIZE alone  the world size for a launcher.rank; without one it is refused
 K8S_INDEX = "JOB_COMPLETION_INDEX"
 
 
@@ -222,7 +223,7 @@ def resolve_worker(config: LauncherConfig, env: Mapping[str, str]) -> Worker:
     device = env.get("CUDA_VISIBLE_DEVICES") or None
     if config.rank is not None and config.world_size is not None:
         return _checked(Worker(config.rank, config.world_size, "config", device))
-    found = _worker_from_env(env, config.world_size)
+    found = _worker_from_env(env, config.world_size, config.rank)
     if found is None:
         rank = config.rank if config.rank is not None else 0
         world = config.world_size if config.world_size is not None else 1
@@ -253,7 +254,7 @@ def _checked(worker: Worker) -> Worker:
 
 
 def _worker_from_env(
-    env: Mapping[str, str], config_world: Optional[int]
+    env: Mapping[str, str], config_world: Optional[int], config_rank: Optional[int] = None
 ) -> Optional[tuple[int, int, str, tuple[str, str]]]:
     """(rank, world size, source, (the rank's variable, the world size's)) of the innermost
     scheduler whose variables are set, or None."""
@@ -312,6 +313,17 @@ def _worker_from_env(
             )
         where = "launcher.world_size" if config_world is not None else "BATCHRUN_WORLD_SIZE"
         return num(K8S_INDEX), k8s_world, f"Kubernetes {K8S_INDEX} + {where}", (K8S_INDEX, where)
+    if env.get("BATCHRUN_WORLD_SIZE"):
+        # A world size alone (a Job not in Indexed mode, a variable left exported): each process
+        # would run as 0 of 1, so the rank must come from the config or it is refused.
+        world = num("BATCHRUN_WORLD_SIZE")
+        if config_rank is None:
+            raise ConfigError(
+                "launcher.rank",
+                f"BATCHRUN_WORLD_SIZE={world} is set but nothing gives this worker's rank (BATCHRUN_RANK, "
+                f"{K8S_INDEX} of an Indexed Job, launcher.rank); set one or unset BATCHRUN_WORLD_SIZE",
+            )
+        return config_rank, world, "launcher.rank + BATCHRUN_WORLD_SIZE", ("launcher.rank", "BATCHRUN_WORLD_SIZE")
     return None
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from batchrun.kernels import cpu_native
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels import quant as qk
-from batchrun.kernels.backend import triton_usable
+from batchrun.kernels.backend import triton_fp8_usable, triton_usable
 from batchrun.kernels.cpu_linear import pack_native_weight, silu_pair_order, unpack_native_weight
 from batchrun.kernels.quant import w4a8 as w4
 from batchrun.model.linear import PackedWeightLinear
@@ -103,6 +103,7 @@ class W8A8Linear(QuantLinear):
         num_float = 0 if outliers is None else outliers.index.numel()
         self.is_native = (
             weight.qweight.device.type == "cpu"
+            and not triton_usable(weight.qweight)  # a simulated GPU: the weight stays as the GPU takes it
             and compute_dtype == torch.bfloat16
             and qk.w8a8_native_supported(weight.out_features, weight.in_features, num_float)
         )
@@ -156,6 +157,21 @@ class W8A8Linear(QuantLinear):
                     x, self.packed_qweight, self._scales_f32, self._bias_f32, self.outliers, self.packed_outlier_weight
                 )
             return self._reference(x)  # kernels switched off since load, or an odd input
+        if triton_usable(x):  # quantize, torch._int_mm, epilogue: 3 kernels (kernels/quant/triton_act.py)
+            from batchrun.kernels.quant.triton_act import w8a8_linear
+
+            shape = x.shape
+            o = self.outliers
+            y = w8a8_linear(
+                x.reshape(-1, shape[-1]),
+                self.qweight,
+                self.scales.reshape(-1),
+                self.bias,
+                None if o is None else o.index,
+                None if o is None else o.skip,
+                None if o is None else o.weight_t,
+            )
+            return y.reshape(*shape[:-1], y.shape[-1])
         return qk.w8a8_matmul(x, self.qweight, self.scales, self.bias, self.outliers)
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -187,6 +203,7 @@ class Int4Linear(QuantLinear):
         self.format_key = f"int4/g{self.group_size}"
         self.is_cpu_packed = (
             weight.qweight.device.type == "cpu"
+            and not triton_usable(weight.qweight)  # a simulated GPU: the weight stays as the GPU takes it
             and compute_dtype == torch.bfloat16
             and self.group_size in INT4_GROUP_SIZES
         )
@@ -333,7 +350,8 @@ class W4A8SiluMulLinear(W4A8Linear):
 
 class Fp8Linear(QuantLinear):
     """e4m3 weights per channel: W8A8-FP8 through torch._scaled_mm on GPUs with fp8 tensor cores
-    (compute capability 8.9+), a dequantizing reference elsewhere."""
+    (compute capability 8.9+), its activations quantized per token by one Triton kernel (2 kernels
+    per linear: kernels/quant/triton_act.py: fp8_linear); a dequantizing reference elsewhere."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -350,6 +368,13 @@ class Fp8Linear(QuantLinear):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_usable(x) and triton_fp8_usable(x.device) and x.dtype in (torch.bfloat16, torch.float16):
+            from batchrun.kernels.quant.triton_act import fp8_linear
+
+            shape = x.shape
+            # (N, 1) -> (1, N): a view, already contiguous
+            y = fp8_linear(x.reshape(-1, shape[-1]), self.qweight, self.scales.t(), self.bias)
+            return y.reshape(*shape[:-1], y.shape[-1])
         if self.use_scaled_mm:
             return qk.fp8_scaled_matmul(x, self.qweight, self.scales, self.bias)
         return qk.fp8_weight_matmul(x, self.qweight, self.scales, self.bias)

@@ -27,8 +27,9 @@ def test_kernels_per_linear_interpreted():
     proc = run_interpreted(__file__, "counts", timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     counts = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert set(counts) == set(LIMITS)
-    for mode, by_bias in counts.items():
+    assert set(counts) == set(LIMITS) | {"split_k", "dense"}
+    for mode in LIMITS:
+        by_bias = counts[mode]
         for row in by_bias:
             assert row["total"] <= LIMITS[mode], (mode, row)
             assert row["copies"] == 0 and row["syncs"] == 0, (mode, row)
@@ -39,6 +40,14 @@ def test_kernels_per_linear_interpreted():
         "triton:_w8a8_epilogue_kernel": 1,
     }
     assert counts["int4"][1]["kernels"] == {"triton:_w4a16_kernel": 1}  # the bias in the GEMM's epilogue
+    assert counts["split_k"] > 1  # the weight-only counts include split-K's reduction, in the same launch
+    # GPU_DENSE_MIN_ROWS set: from that many rows cuBLAS over the copy dequantized at load, below it the fused GEMM
+    assert counts["dense"] == {
+        "int8 16 rows": {"aten:linear": 1},
+        "int8 4 rows": {"triton:_w8a16_kernel": 1},
+        "int4 16 rows": {"aten:linear": 1},
+        "int4 4 rows": {"triton:_w4a16_kernel": 1},
+    }
 
 
 def test_activation_kernels_match_reference_interpreted():
@@ -146,9 +155,10 @@ def _run_case(spec) -> None:
 
 
 def _counts() -> dict:
-    from batchrun.bench.gpu_launches import LINEAR_MODES, launches_per_linear
+    from batchrun.bench.gpu_launches import LINEAR_MODES, SM90, launches_per_linear
+    from batchrun.kernels.quant.triton_gemm import default_config
 
-    out = {}
+    out: dict = {"split_k": default_config(4, 64, 512, 32, SM90.num_sms).split_k}
     for mode in LINEAR_MODES:
         out[mode] = []
         for bias in (False, True):
@@ -161,6 +171,14 @@ def _counts() -> dict:
                     "syncs": launches.syncs,
                 }
             )
+    from batchrun.model.quant import layers
+
+    layers.GPU_DENSE_MIN_ROWS = 8
+    out["dense"] = {
+        f"{mode} {rows} rows": dict(launches_per_linear(mode, num_tokens=rows).kernels)
+        for mode in ("int8", "int4")
+        for rows in (16, 4)
+    }
     return out
 
 

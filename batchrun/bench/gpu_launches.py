@@ -249,15 +249,17 @@ LINEAR_MODES = ("none", "int8", "int4", "fp8", "w8a8", "w8a8/float")
 def launches_per_linear(
     mode: str,
     num_tokens: int = 4,
-    in_features: int = 128,
-    out_features: int = 96,
+    in_features: int = 512,
+    out_features: int = 64,
     dtype: torch.dtype = torch.bfloat16,
     bias: bool = False,
     target: GpuTarget = SM90,
 ) -> StepLaunches:
     """What one quantized projection of `mode` (LINEAR_MODES) launches on `target`, its layer built as
     the engine builds it (model/quant/layers.py: make_linear, int8/int4 in groups of 32, W8A8 with 8
-    float channels for "w8a8/float") and called once uncounted, then once counted."""
+    float channels for "w8a8/float") and called once uncounted, then once counted. The default
+    shape has a single column tile of the weight-only GEMMs, which split K on an sm_90 (split-K is
+    part of the one launch)."""
     from batchrun.model.quant.layers import make_linear
     from batchrun.model.quant.smoothquant import split_outlier_channels
     from batchrun.model.quant.weights import quantize_weight

@@ -22,6 +22,24 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's packed int4 CPU
 # Up to this many rows torch's packed W8A16 CPU kernel beats dequantizing into a bf16 GEMM; past
 # it the GEMM amortizes the dequantization (see docs/quantization.md).
 CPU_INT8PACK_MAX_ROWS = 4
+# On a GPU, from this many rows (a prefill chunk) the int8/int4 weight-only linears run cuBLAS over a
+# copy of the weight dequantized once at load, instead of the fused Triton GEMM. None: always the
+# fused GEMM, and no copy (which costs the model dtype's bytes per weight beside the quantized
+# ones). The one setting; set it where `python -m batchrun.bench.gpu --only gemm` shows the fused
+# kernel losing to cuBLAS (docs/quantization.md).
+GPU_DENSE_MIN_ROWS: Optional[int] = None
+
+
+def _dense_copy(weight: QuantizedWeight, compute_dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+    """The weight dequantized into compute_dtype for GPU_DENSE_MIN_ROWS, where that is set and the
+    weight lives on a GPU (or a simulated one); else None."""
+    if GPU_DENSE_MIN_ROWS is None or compute_dtype is None or not triton_usable(weight.qweight):
+        return None
+    return weight.dequantize(compute_dtype)  # (N, K)
+
+
+def _use_dense(dense: Optional[torch.Tensor], x2: torch.Tensor) -> bool:
+    return dense is not None and GPU_DENSE_MIN_ROWS is not None and x2.shape[0] >= GPU_DENSE_MIN_ROWS
 
 
 class QuantLinear(PackedWeightLinear):
@@ -42,10 +60,14 @@ class Int8Linear(QuantLinear):
 
     qweight: torch.Tensor
     scales: torch.Tensor
+    dense: Optional[torch.Tensor]
 
-    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> None:
+    def __init__(
+        self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None, compute_dtype: Optional[torch.dtype] = None
+    ) -> None:
         assert weight.format == "int8"
         super().__init__(weight.in_features, weight.out_features, bias)
+        self.register_buffer("dense", _dense_copy(weight, compute_dtype), persistent=False)  # (N, K) or None
         self.register_buffer("qweight", weight.qweight)  # (N, K) int8
         self.register_buffer("scales", weight.scales)  # (N, num_groups) float32
         self.is_per_channel = weight.scales.shape[1] == 1
@@ -56,7 +78,9 @@ class Int8Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if triton_usable(x2):
+        if _use_dense(self.dense, x2):  # a prefill chunk: cuBLAS over the dequantized copy
+            y = torch.nn.functional.linear(x2, self.dense, self.bias)
+        elif triton_usable(x2):
             from batchrun.kernels.quant.triton_gemm import w8a16_matmul
 
             y = w8a16_matmul(x2, self.qweight, self.scales, self.bias)
@@ -193,6 +217,7 @@ class Int4Linear(QuantLinear):
     qweight: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor
+    dense: Optional[torch.Tensor]
 
     def __init__(
         self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None, compute_dtype: torch.dtype = torch.float32
@@ -207,6 +232,7 @@ class Int4Linear(QuantLinear):
             and compute_dtype == torch.bfloat16
             and self.group_size in INT4_GROUP_SIZES
         )
+        self.register_buffer("dense", _dense_copy(weight, compute_dtype), persistent=False)  # (N, K) or None
         if self.is_cpu_packed:
             packed, scales_zeros = qk.int4_pack_for_cpu(weight.qweight, weight.scales, weight.mins)
             self.register_buffer("packed", packed)
@@ -219,7 +245,9 @@ class Int4Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.is_cpu_packed:
+        if _use_dense(self.dense, x2):  # a prefill chunk: cuBLAS over the dequantized copy
+            y = torch.nn.functional.linear(x2, self.dense, self.bias)
+        elif self.is_cpu_packed:
             y = qk.int4_matmul_cpu(x2.to(torch.bfloat16), self.packed, self.group_size, self.scales_zeros).to(x.dtype)
             if self.bias is not None:
                 y = y + self.bias
@@ -418,4 +446,4 @@ def make_linear(
         return Fp8Linear(weight, bias)
     if mode == "w8a8" and weight.scales.shape[1] == 1:
         return W8A8Linear(weight, bias, outliers, compute_dtype)
-    return Int8Linear(weight, bias)
+    return Int8Linear(weight, bias, compute_dtype)

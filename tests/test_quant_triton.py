@@ -114,6 +114,38 @@ def test_w8a8_and_fp8_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
+def test_fused_activation_paths_and_torch_int4_on_gpu():
+    """The GPU's 2- and 3-kernel fp8/W8A8 linears equal the torch references (bitwise where the
+    interpreter test is: the quantization, W8A8 without float channels); torch's int4 kernel over
+    our int4 weight (the GEMM benchmark's side-by-side) equals our reference."""
+    from batchrun.bench.gpu_gemm import TorchInt4
+    from batchrun.kernels.quant import triton_act as ta
+
+    x = torch.randn(33, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(128, 256, device="cuda") * 0.05
+    q, s = qk.quantize_int8(w)
+    xq, sx = ta.quantize_rows(x, torch.int8)
+    want_q, want_s = qk.quantize_per_token_int8(x.cpu())
+    assert torch.equal(xq.cpu(), want_q) and torch.equal(sx.cpu(), want_s)
+    y = ta.w8a8_linear(x, q, s.reshape(-1))
+    assert torch.equal(y.cpu(), qk.w8a8_matmul(x.cpu(), q.cpu(), s.cpu()))
+    if torch.cuda.get_device_capability() >= (8, 9):
+        q8, s8 = qk.quantize_fp8(w)
+        xq8, sx8 = ta.quantize_rows(x, torch.float8_e4m3fn)
+        want_q8, want_s8 = qk.quantize_per_token_fp8(x.cpu())
+        assert torch.equal(xq8.cpu().view(torch.uint8), want_q8.view(torch.uint8)) and torch.equal(sx8.cpu(), want_s8)
+        got = ta.fp8_linear(x, q8, s8.t()).float()
+        want = qk.fp8_scaled_matmul(x, q8, s8).float()
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
+    wb = w.to(torch.bfloat16)
+    q4, s4, z4 = qk.quantize_int4(wb, 32)
+    got = TorchInt4(wb)(x).float()
+    want = qk.int4_weight_matmul(x.float(), q4, s4, z4)
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["int8", "int4", "w8a8", "fp8"])
 def test_quantized_engine_on_gpu(mode, smollm2_cache_dir):
     from batchrun.engine import Engine, EngineConfig, SamplingParams

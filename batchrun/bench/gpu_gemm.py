@@ -15,8 +15,11 @@ few rows a GEMM is bound by the weight's bytes, which is where a 4- or 8-bit wei
 Shapes: Llama-3-8B's projections (qkv 6144x4096, o 4096x4096, gate/up 28672x4096, down 4096x14336,
 as (N, K)) and Qwen3-0.6B's, at M = 1, 16, 64 and 256 rows. In --smoke the same code runs on the
 CPU at tiny shapes inside a simulated sm_90 (kernels/backend.py: the dispatches take the GPU paths,
-the Triton kernels run in the interpreter), checks each mode's output against the float product,
-and times nothing.
+the Triton kernels run in the interpreter) and times nothing. Every call's output is checked
+against the float product (relative error at most MAX_REL_ERR), on the GPU too.
+
+On a GPU torch's own int4 kernel (tinygemm, `TorchInt4`) is measured beside ours on the same int4
+weights, so docs/quantization.md's choice of kernel rests on a side-by-side figure.
 
 A library module (`python -m batchrun.bench.gpu --only gemm` runs it).
 """
@@ -48,9 +51,10 @@ SMOKE_SHAPES: list[tuple[str, str, int, int]] = [("tiny", "qkv", 96, 64), ("tiny
 ROWS = (1, 16, 64, 256)
 SMOKE_ROWS = (1, 20)
 MODES = ("int8", "int4", "fp8", "w8a8")
-# A mode's output against the float product in --smoke: far above each format's rounding error,
-# far below what a wrong kernel gives.
-SMOKE_REL_ERR = 0.2
+GPU_ONLY_MODES = ("torch-int4",)  # torch's tinygemm int4 kernel beside ours (TorchInt4)
+# A mode's output against the float product: far above each format's rounding error (int4 in
+# groups of 32 on random weights: ~0.1), far below what a wrong kernel or layout gives.
+MAX_REL_ERR = 0.2
 
 
 def _layer(mode: str, w: torch.Tensor) -> torch.nn.Module:
@@ -61,6 +65,28 @@ def _layer(mode: str, w: torch.Tensor) -> torch.nn.Module:
     fmt = {"int8": "int8", "int4": "int4", "fp8": "fp8", "w8a8": "int8"}[mode]
     qw = quantize_weight(w, fmt, 32 if mode in ("int8", "int4") else None)
     return make_linear(qw, mode, None, w.dtype)
+
+
+class TorchInt4(torch.nn.Module):
+    """torch's own W4A16 CUDA kernel (tinygemm: torch._weight_int4pack_mm) over the int4 weight of
+    `int4` mode, measured beside ours (GPU only). Its zero point: w = (q - 8) * scale + zero, so
+    zero = min + 8 * scale; its packed input holds even k in the high nibble."""
+
+    def __init__(self, w: torch.Tensor, group_size: int = 32) -> None:
+        from batchrun.kernels.quant import quantize_int4, unpack_int4
+
+        super().__init__()
+        packed, scales, mins = quantize_int4(w, group_size)
+        q = unpack_int4(packed)  # (N, K) uint8 in [0, 15]
+        high_even = (q[:, 0::2] << 4 | q[:, 1::2]).to(torch.uint8).contiguous()  # (N, K // 2)
+        self.register_buffer("packed", torch._convert_weight_to_int4pack(high_even, 8))
+        zeros = mins.float() + 8.0 * scales.float()
+        scales_zeros = torch.stack((scales.float().t(), zeros.t()), dim=-1)  # (K // group_size, N, 2)
+        self.register_buffer("scales_zeros", scales_zeros.to(w.dtype).contiguous())
+        self.group_size = group_size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm(x, self.packed, self.group_size, self.scales_zeros)
 
 
 def _weight_bytes(layer: torch.nn.Module) -> int:
@@ -112,10 +138,15 @@ def check_gemms(device: torch.device, smoke: bool, report: Report, deadline_s: O
                 continue
             w = (torch.randn(n, k, generator=gen) * 0.02).to(device, dtype)  # (N, K)
             x_all = torch.randn(max(rows), k, generator=gen).to(device, dtype)
-            layers = {"bf16": None, **{mode: _layer(mode, w) for mode in MODES}}
+            layers: dict[str, Optional[torch.nn.Module]] = {"bf16": None, **{mode: _layer(mode, w) for mode in MODES}}
+            if not smoke:
+                try:
+                    layers["torch-int4"] = TorchInt4(w)
+                except Exception as exc:  # noqa: BLE001 - a torch build without it: said, not fatal
+                    section.setdefault("errors", []).append(f"torch-int4 {model} {proj}: {exc!r}")
             for m in rows:
                 x = x_all[:m]
-                want = torch.nn.functional.linear(x.float(), w.float()) if smoke else None
+                want = torch.nn.functional.linear(x.float(), w.float())
                 io_bytes = (m * k + m * n) * 2
                 base_us = None
                 for mode, layer in layers.items():
@@ -127,13 +158,11 @@ def check_gemms(device: torch.device, smoke: bool, report: Report, deadline_s: O
                     nbytes = (n * k * 2 if layer is None else _weight_bytes(layer)) + io_bytes
                     row: dict[str, Any] = {"model": model, "proj": proj, "n": n, "k": k, "m": m, "mode": mode}
                     row["bytes"] = nbytes
-                    if smoke:
-                        assert want is not None
-                        rel = float((y.float() - want).norm() / want.norm())
-                        row["rel_err_vs_float"] = rel
-                        if not rel <= SMOKE_REL_ERR:
-                            bad.append(f"{mode} {model} {proj} M={m}: rel err {rel:.3g}")
-                    else:
+                    rel = float((y.float() - want).norm() / want.norm())
+                    row["rel_err_vs_float"] = rel
+                    if not rel <= MAX_REL_ERR:
+                        bad.append(f"{mode} {model} {proj} M={m}: rel err {rel:.3g}")
+                    if not smoke:
                         assert bandwidth is not None
                         us = _time_us(call)
                         floor_us = 1e6 * nbytes / bandwidth
@@ -151,17 +180,18 @@ def check_gemms(device: torch.device, smoke: bool, report: Report, deadline_s: O
 
 def _summarize(section: dict[str, Any], smoke: bool, report: Report, bad: list[str], cut: int) -> None:
     rows = section["rows"]
+    worst = max((r["rel_err_vs_float"] for r in rows), default=math.nan)
+    where = " (interpreter, tiny shapes)" if smoke else ""
+    report.add(
+        f"GEMM modes vs the float product{where}",
+        f"{len(rows)} calls, worst rel err {worst:.3g}" + (f"; {'; '.join(bad[:4])}" if bad else ""),
+        ok=not bad,
+    )
     if smoke:
-        worst = max((r["rel_err_vs_float"] for r in rows), default=math.nan)
-        report.add(
-            "GEMM modes vs the float product (interpreter, tiny shapes)",
-            f"{len(rows)} calls, worst rel err {worst:.3g}" + (f"; {'; '.join(bad)}" if bad else ""),
-            ok=not bad,
-        )
         report.add("GEMM microbenchmark vs cuBLAS bf16", NO_CUDA)
         return
     for model in dict.fromkeys(r["model"] for r in rows):
-        for mode in MODES:
+        for mode in MODES + GPU_ONLY_MODES:
             mine = [r for r in rows if r["model"] == model and r["mode"] == mode]
             small = [r["speedup_vs_bf16"] for r in mine if r["m"] <= 16]
             large = [r["speedup_vs_bf16"] for r in mine if r["m"] == 256]

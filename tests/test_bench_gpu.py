@@ -19,7 +19,7 @@ import pytest
 
 from batchrun.bench import compile_counts
 from batchrun.bench.decode_step import capture_buckets, count_launches, top_kernels
-from batchrun.bench.gpu import LAUNCHES
+from batchrun.bench.gpu_launches import LAUNCHES
 from batchrun.bench.gpu_report import Budget, Report, json_safe
 
 ROOT = Path(__file__).resolve().parent.parent

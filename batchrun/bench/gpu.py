@@ -62,6 +62,7 @@ from batchrun.bench.cases import attention_case, far_blocks_case, quantized_copy
 from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.bench.gpu_engine import QWEN3, QWEN3_0_6B, SMOLLM2, SMOLLM2_135M, check_model, model_phases
 from batchrun.bench.gpu_gemm import check_gemms
+from batchrun.bench.gpu_launches import LAUNCHES
 from batchrun.bench.gpu_report import NO_CUDA, Budget, Report, default_json_path, versions
 from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
 from batchrun.kernels.backend import triton_fp8_usable
@@ -486,9 +487,6 @@ GPU_ESTIMATES_S = {
     f"{SMOLLM2}: vs HF generate": 30,
 }
 SMOKE_ESTIMATE_S = 10  # per phase in --smoke
-
-
-LAUNCHES = "decode step launches (CPU count)"
 
 
 def check_launches(report: Report) -> None:

@@ -34,6 +34,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchrun.kernels.backend import MAX_SHARED_PER_BLOCK, GpuTarget, simulated_gpu
 
+# bench.gpu's phase that prints these counts in --smoke (a library constant: tests import it from here).
+LAUNCHES = "decode step launches (CPU count)"
+
 # An H100/H200 (sm_90, 132 SMs): the tiles and split counts the measurements ran with.
 SM90 = GpuTarget((9, 0), 132, MAX_SHARED_PER_BLOCK[(9, 0)])
 

@@ -5,7 +5,7 @@ W8A8: quantize + torch._int_mm + epilogue).
 `quantize_rows` is `quantize_per_token_int8` (int8) or `quantize_per_token_fp8` (float8_e4m3fn) of
 kernels/quant, bitwise: one program per row loads it once, takes its amax, the scale
 `activation_scale` (formats.py: max(amax / qmax, MIN_SCALE), a correctly rounded division as the
-CPU torch code does it) and x / scale rounded as the torch cast does (kernels/triton_kv.py's
+CPU torch code does it) and x / scale rounded as the torch cast does (kernels/quant/triton_codes.py:
 kv_quantize, shared with the KV cache's writes). W8A8's outlier channels count as 0 there.
 
 `w8a8_epilogue` turns the int32 product into the output: acc * w_scale * x_scale (the order
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from batchrun.kernels.quant.formats import FP8_E4M3_MAX, INT8_MAX, MIN_SCALE
-from batchrun.kernels.triton_kv import kv_quantize
+from batchrun.kernels.quant.triton_codes import kv_quantize
 
 _INT8_MAX = tl.constexpr(INT8_MAX)
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)

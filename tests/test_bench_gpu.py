@@ -19,7 +19,7 @@ import pytest
 
 from batchrun.bench import compile_counts
 from batchrun.bench.decode_step import capture_buckets, count_launches, top_kernels
-from batchrun.bench.gpu import LAUNCHES
+from batchrun.bench.gpu_launches import LAUNCHES
 from batchrun.bench.gpu_report import Budget, Report, json_safe
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -71,6 +71,15 @@ def test_smoke_run_writes_every_section(tmp_path):
     bandwidth = data["bandwidth"]
     assert bandwidth["copy_bytes_per_s"] is None and bandwidth["note"] == "n/a (no CUDA)"
     assert bandwidth["decode"] and all("bytes_per_s" not in p for p in bandwidth["decode"])
+
+    gemm = data["gemm"]  # every mode's linear on the GPU dispatch path, in the interpreter
+    assert gemm["note"] == "n/a (no CUDA)" and gemm["copy_bytes_per_s"] is None and gemm["cut_shapes"] == 0
+    assert {r["mode"] for r in gemm["rows"]} == {"bf16", "int8", "int4", "fp8", "w8a8"}
+    assert {r["m"] for r in gemm["rows"]} == {1, 20} and len(gemm["rows"]) == 2 * 2 * 5
+    assert all(r["rel_err_vs_float"] <= 0.2 and r["bytes"] > 0 and "us" not in r for r in gemm["rows"])
+    int4 = next(r for r in gemm["rows"] if r["mode"] == "int4")
+    bf16 = next(r for r in gemm["rows"] if r["mode"] == "bf16")
+    assert int4["bytes"] < bf16["bytes"]  # the floor counts the weight as stored
 
     assert set(data["models"]) == {QWEN3, SMOLLM2}
     qwen = data["models"][QWEN3]

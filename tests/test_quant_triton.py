@@ -18,8 +18,14 @@ from batchrun.kernels import quant as qk  # noqa: E402
 
 _ON_GPU = torch.cuda.is_available()
 # (rows, in_features, out_features, int8 group size or None for per channel, int4 group size):
-# rows below and above one tile, K and N not multiples of the tiles.
-_CASES = [(1, 64, 40, None, 32), (21, 96, 72, 32, 32), (5, 160, 48, None, 32), (3, 128, 64, 64, 64)]
+# rows below and above one tile, K and N not multiples of the tiles, a group size no power of two.
+_CASES = [
+    (1, 64, 40, None, 32),
+    (21, 96, 72, 32, 32),
+    (5, 160, 48, None, 32),
+    (3, 128, 64, 64, 64),
+    (4, 96, 40, 48, 48),
+]
 
 
 def _check_all(device: str, dtype: torch.dtype, rtol: float, atol: float, **tiles) -> None:
@@ -42,6 +48,43 @@ def test_triton_quant_gemms_match_reference_interpreted():
     proc = run_interpreted(__file__)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "ok"
+
+
+def test_the_tile_table_splits_k_only_where_few_tiles_would_leave_sms_idle():
+    from batchrun.kernels.quant import triton_gemm as tg
+
+    sms = 132  # an H100/H200
+    # Qwen3-0.6B's o_proj at decode: 16 column tiles, K split 8 ways -> 128 programs
+    assert tg.default_config(1, 1024, 2048, 32, sms).split_k == 8
+    # Llama-3-8B's down projection: 64 tiles, 2 splits; gate/up: 448 tiles, no split
+    assert tg.default_config(16, 4096, 14336, 32, sms).split_k == 2
+    assert tg.default_config(16, 28672, 4096, 32, sms).split_k == 1
+    # prefill-sized M, or no GPU to size for: never split
+    assert tg.default_config(256, 1024, 2048, 32, sms).split_k == 1
+    assert tg.default_config(1, 1024, 2048, 32, None).split_k == 1
+    assert {tg.m_bucket(m) for m in (1, 16)} == {16} and tg.m_bucket(17) == 32 and tg.m_bucket(4000) == 256
+    # every tuning candidate keeps the table's split (timing never changes a run's sums)
+    base = tg.default_config(1, 1024, 2048, 32, sms)
+    assert {c.split_k for c in tg.candidates(base)} == {8}
+    for group in (32, 64, 128, 256):
+        for c in tg.candidates(base):
+            bk = tg._fit(c, 1, 1024, 2048, group).block_k
+            assert bk % group == 0 or group % bk == 0, (c, group)
+
+
+def test_fastest_takes_the_quickest_config_that_runs():
+    from batchrun.kernels.quant.triton_gemm import GemmConfig, fastest
+
+    a, b, c = GemmConfig(16, 64, 128), GemmConfig(16, 32, 128), GemmConfig(16, 128, 256)
+    times = {a: 3.0, b: 1.0}
+
+    def time_ms(cfg):
+        if cfg not in times:
+            raise RuntimeError("out of shared memory")
+        return times[cfg]
+
+    assert fastest([a, b, c], time_ms) == b
+    assert fastest([c], time_ms) == c  # nothing runs: the table's choice stays
 
 
 @pytest.mark.gpu
@@ -71,6 +114,38 @@ def test_w8a8_and_fp8_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
+def test_fused_activation_paths_and_torch_int4_on_gpu():
+    """The GPU's 2- and 3-kernel fp8/W8A8 linears equal the torch references (bitwise where the
+    interpreter test is: the quantization, W8A8 without float channels); torch's int4 kernel over
+    our int4 weight (the GEMM benchmark's side-by-side) equals our reference."""
+    from batchrun.bench.gpu_gemm import TorchInt4
+    from batchrun.kernels.quant import triton_act as ta
+
+    x = torch.randn(33, 256, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(128, 256, device="cuda") * 0.05
+    q, s = qk.quantize_int8(w)
+    xq, sx = ta.quantize_rows(x, torch.int8)
+    want_q, want_s = qk.quantize_per_token_int8(x.cpu())
+    assert torch.equal(xq.cpu(), want_q) and torch.equal(sx.cpu(), want_s)
+    y = ta.w8a8_linear(x, q, s.reshape(-1))
+    assert torch.equal(y.cpu(), qk.w8a8_matmul(x.cpu(), q.cpu(), s.cpu()))
+    if torch.cuda.get_device_capability() >= (8, 9):
+        q8, s8 = qk.quantize_fp8(w)
+        xq8, sx8 = ta.quantize_rows(x, torch.float8_e4m3fn)
+        want_q8, want_s8 = qk.quantize_per_token_fp8(x.cpu())
+        assert torch.equal(xq8.cpu().view(torch.uint8), want_q8.view(torch.uint8)) and torch.equal(sx8.cpu(), want_s8)
+        got = ta.fp8_linear(x, q8, s8.t()).float()
+        want = qk.fp8_scaled_matmul(x, q8, s8).float()
+        assert ((got - want).norm() / want.norm()).item() < 1e-2
+    wb = w.to(torch.bfloat16)
+    q4, s4, z4 = qk.quantize_int4(wb, 32)
+    got = TorchInt4(wb)(x).float()
+    want = qk.int4_weight_matmul(x.float(), q4, s4, z4)
+    assert ((got - want).norm() / want.norm()).item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["int8", "int4", "w8a8", "fp8"])
 def test_quantized_engine_on_gpu(mode, smollm2_cache_dir):
     from batchrun.engine import Engine, EngineConfig, SamplingParams
@@ -91,6 +166,34 @@ def test_quantized_engine_on_gpu(mode, smollm2_cache_dir):
     assert out.finish_reason in ("stop", "length") and out.token_ids
 
 
+def _check_split_k() -> None:
+    """Split-K in one launch: the same sums as one split up to float32 order, the counters it takes
+    tickets from left at zero (the next launch, or a graph replay, starts clean), and the same bits
+    on a second run."""
+    from batchrun.kernels.quant import triton_gemm as tg
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(19, 256, generator=gen)  # two row tiles of 16
+    w = torch.randn(40, 256, generator=gen) * 0.1
+    q, s = qk.quantize_int8(w, 32)
+    q4, s4, z4 = qk.quantize_int4(w, 64)
+    one = tg.GemmConfig(16, 32, 64)
+    for split in (2, 3):
+        cfg = tg.GemmConfig(16, 32, 64, split_k=split)
+        got = tg.w8a16_matmul(x, q, s, None, cfg)
+        torch.testing.assert_close(got, tg.w8a16_matmul(x, q, s, None, one), rtol=1e-5, atol=1e-5)
+        assert torch.equal(got, tg.w8a16_matmul(x, q, s, None, cfg))
+        got4 = tg.w4a16_matmul(x, q4, s4, z4, None, cfg)
+        torch.testing.assert_close(got4, qk.int4_weight_matmul(x, q4, s4, z4), rtol=1e-5, atol=1e-5)
+        assert not tg._LOCKS[x.device].any(), "split-K counters not reset"
+
+
 if __name__ == "__main__":  # the interpreted check (TRITON_INTERPRET=1, see above)
-    _check_all("cpu", torch.float32, rtol=1e-5, atol=1e-5, block_n=32, block_k=32)
+    from batchrun.kernels.quant.triton_gemm import GemmConfig
+
+    # the table's choice (no split off a GPU); steps of one group, of several (scales broadcast over
+    # each group), and split K ranges
+    for config in (None, GemmConfig(16, 32, 64, split_k=2)):
+        _check_all("cpu", torch.float32, rtol=1e-5, atol=1e-5, config=config)
+    _check_split_k()
     print("ok")

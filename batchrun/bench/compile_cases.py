@@ -160,6 +160,25 @@ def _w4a16(m: int, dtype: torch.dtype, group: int) -> Callable[[], None]:
     return run
 
 
+def _act_quant(dtype: torch.dtype, k: int, float_channels: int) -> Callable[[], None]:
+    """The fp8 and W8A8 linears' Triton kernels: per-token e4m3 and int8 quantization, W8A8's epilogue."""
+
+    def run() -> None:
+        from batchrun.kernels.quant.triton_act import fp8_linear, w8a8_linear
+
+        m, n = 5, 256
+        x = torch.randn(m, k).to(dtype)
+        qw, scales = quantize_int8(torch.randn(n, k))  # (N, K) int8, (N, 1)
+        index = torch.arange(float_channels, dtype=torch.int64) if float_channels else None
+        skip = torch.zeros(k, dtype=torch.bool) if float_channels else None
+        weight_t = torch.randn(float_channels, n).to(dtype) if float_channels else None
+        w8a8_linear(x, qw, scales.reshape(-1), torch.zeros(n, dtype=dtype), index, skip, weight_t)
+        if dtype != FP32:
+            fp8_linear(x, torch.randn(n, k).to(FP8), torch.ones(1, n))
+
+    return run
+
+
 def _moe(dtype: torch.dtype, num_experts: int = 8, top_k: int = 2) -> Callable[[], None]:
     def run() -> None:
         hidden, inter, num_tokens = 256, 512, 7
@@ -249,6 +268,13 @@ def _gemm_cases() -> Iterator[LaunchCase]:
                 is_fast = (dtype, m, group) in ((BF16, 20, 32), (FP16, 256, 128), (FP32, 1, 32))
                 yield LaunchCase(f"W4A16 group {group} {_dtype_name(dtype)} M={m}", _w4a16(m, dtype, group), is_fast)
     for dtype in (BF16, FP16, FP32):
+        for k, float_channels in ((1024, 0), (4096, 64), (14336, 0)):
+            is_fast = dtype is BF16 and k != 14336 or (dtype is FP32 and k == 1024)
+            yield LaunchCase(
+                f"fp8/W8A8 activation quant + epilogue {_dtype_name(dtype)} K={k} float channels {float_channels}",
+                _act_quant(dtype, k, float_channels),
+                is_fast,
+            )
         yield LaunchCase(f"MoE grouped GEMM {_dtype_name(dtype)} 8 experts", _moe(dtype), dtype is BF16)
     yield LaunchCase("MoE grouped GEMM bf16 64 experts top 8", _moe(BF16, 64, 8), False)
 

@@ -2,7 +2,7 @@
 step, CUDA graphs, memory and throughput; a table last and a JSON document with every measurement.
 
     python -m batchrun.bench.gpu                   # on a GPU: planned to fit 8 minutes on one H200
-    python -m batchrun.bench.gpu --only kernels    # kernels | bandwidth | engine | throughput (repeatable)
+    python -m batchrun.bench.gpu --only kernels    # kernels | bandwidth | gemm | engine | throughput (repeatable)
     python -m batchrun.bench.gpu --smoke           # CPU: tiny shapes, kernels in Triton's interpreter
     python -m batchrun.bench.gpu --json PATH       # default: $OUT/bench-gpu.json, else ./bench-gpu.json
 
@@ -16,14 +16,18 @@ step, CUDA graphs, memory and throughput; a table last and a JSON document with 
 2. Bandwidth: a device copy (the HBM ceiling), then the decode attention kernel at the workload's
    shape as achieved KV bytes/s and its fraction of that ceiling (target >= 70%), a small sweep of
    its tile settings, and the same decode over int8 and fp8 caches (default tile and 64).
-3. Engine (`--only engine`), on the Qwen3-0.6B-shaped model: memory at the engine's default KV
+3. GEMMs (`--only gemm`, bench.gpu_gemm): each weight mode's linear (int8, int4, fp8, W8A8, as the
+   engine builds them) against cuBLAS bf16 at M = 1, 16, 64, 256 on Llama-3-8B's and Qwen3-0.6B's
+   projection shapes: time, speed-up and % of the bytes-moved floor. In --smoke tiny shapes in the
+   interpreter on a simulated sm_90, each mode's output checked against the float product.
+4. Engine (`--only engine`), on the Qwen3-0.6B-shaped model: memory at the engine's default KV
    sizing (weights, KV bytes and blocks, peak allocated, free after construction); every CUDA-graph
    bucket captured, a failed capture named; then bench.decode_step on 256 decoding sequences:
    graph replay against eager logits at every bucket, one decode step's device time against its
    host time (schedule / pack / launch / sample / update), kernels per step, eager and graphed, and
    the top kernels of one step by GPU time. In --smoke, bench.gpu_launches' count of what one decode
    step launches on the GPU dispatch path (Triton in the interpreter), per layer and per step.
-4. Throughput (`--only throughput`): nano-vllm's workload (256 sequences, prompt and output lengths
+5. Throughput (`--only throughput`): nano-vllm's workload (256 sequences, prompt and output lengths
    uniform in 100-1024, ignore_eos) on the Qwen3-0.6B-shaped model greedy and at temperature 0.6
    (nano-vllm's setting; the sampler's own cost is bench.sampling's measurement), and greedy on a
    SmolLM2-135M-shaped one. Random weights built here from transformers configs (nothing can be
@@ -57,6 +61,8 @@ import torch
 from batchrun.bench.cases import attention_case, far_blocks_case, quantized_copy, rel_error
 from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.bench.gpu_engine import QWEN3, QWEN3_0_6B, SMOLLM2, SMOLLM2_135M, check_model, model_phases
+from batchrun.bench.gpu_gemm import check_gemms
+from batchrun.bench.gpu_launches import LAUNCHES
 from batchrun.bench.gpu_report import NO_CUDA, Budget, Report, default_json_path, versions
 from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
 from batchrun.kernels.backend import triton_fp8_usable
@@ -462,26 +468,25 @@ def check_bandwidth(device: torch.device, smoke: bool, report: Report) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. and 4. the engine (bench.gpu_engine), its phases planned against the budget
+# 3. GEMMs (bench.gpu_gemm); 4. and 5. the engine (bench.gpu_engine), its phases planned against the budget
 
 # Rough seconds per phase on one H200 with a cold Triton cache (compiling dominates the first
-# phases); the JSON records each phase's real time beside its estimate.
+# phases); the JSON records each phase's real time beside its estimate (the first H200 run took
+# well under half of each).
 GPU_ESTIMATES_S = {
-    "kernels": 90,
+    "kernels": 60,
     "bandwidth": 40,
-    f"{QWEN3}: build": 60,
+    "gemm": 90,
+    f"{QWEN3}: build": 40,
     f"{QWEN3}: decode step": 20,
-    f"{QWEN3}: greedy": 45,
-    f"{QWEN3}: temperature 0.6": 45,
+    f"{QWEN3}: greedy": 30,
+    f"{QWEN3}: temperature 0.6": 30,
     f"{QWEN3}: vs HF generate": 40,
     f"{SMOLLM2}: build": 30,
     f"{SMOLLM2}: greedy": 30,
     f"{SMOLLM2}: vs HF generate": 30,
 }
 SMOKE_ESTIMATE_S = 10  # per phase in --smoke
-
-
-LAUNCHES = "decode step launches (CPU count)"
 
 
 def check_launches(report: Report) -> None:
@@ -507,7 +512,7 @@ def check_launches(report: Report) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", action="append", choices=("kernels", "bandwidth", "engine", "throughput"))
+    parser.add_argument("--only", action="append", choices=("kernels", "bandwidth", "gemm", "engine", "throughput"))
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, kernels in Triton's interpreter")
     parser.add_argument(
         "--budget-s",
@@ -532,7 +537,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("no CUDA device: run with --smoke for the CPU check", file=sys.stderr)
             return 2
         device = torch.device("cuda")
-    selected = args.only or ["kernels", "bandwidth", "engine", "throughput"]
+    selected = args.only or ["kernels", "bandwidth", "gemm", "engine", "throughput"]
     models = [(QWEN3, QWEN3_0_6B), (SMOLLM2, SMOLLM2_135M)]
     per_model = {
         label: model_phases(label, "engine" in selected, "throughput" in selected, not args.no_baseline)
@@ -540,7 +545,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     }
     if "throughput" not in selected:  # engine checks alone: the Qwen3 engine only
         per_model[SMOLLM2] = []
-    names = [p for p in ("kernels", "bandwidth") if p in selected] + [p for ps in per_model.values() for p in ps]
+    if "engine" not in selected and "throughput" not in selected:  # no engine to build
+        per_model = {label: [] for label in per_model}
+    names = [p for p in ("kernels", "bandwidth", "gemm") if p in selected]
+    names += [p for ps in per_model.values() for p in ps]
     if args.smoke and "engine" in selected:  # the interpreter is on: count what a decode step launches
         names.append(LAUNCHES)
     budget = Budget(args.budget_s, {n: SMOKE_ESTIMATE_S if args.smoke else GPU_ESTIMATES_S[n] for n in names}, t_start)
@@ -563,6 +571,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         budget.run("kernels", functools.partial(check_kernels, device, args.smoke, report), report)
     if "bandwidth" in selected:
         budget.run("bandwidth", functools.partial(check_bandwidth, device, args.smoke, report), report)
+    if "gemm" in selected:
+        # the phase stops starting shapes at its own estimate, so it never eats the later phases' time
+        gemm = functools.partial(check_gemms, device, args.smoke, report, budget.phases["gemm"].estimate_s)
+        budget.run("gemm", gemm, report)
     for label, shape in models:
         if per_model[label]:
             check_model(label, shape, device, args.smoke, budget, report, per_model[label])

@@ -34,6 +34,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchrun.kernels.backend import MAX_SHARED_PER_BLOCK, GpuTarget, simulated_gpu
 
+# bench.gpu's phase that prints these counts in --smoke (a library constant: tests import it from here).
+LAUNCHES = "decode step launches (CPU count)"
+
 # An H100/H200 (sm_90, 132 SMs): the tiles and split counts the issue's measurements ran with.
 SM90 = GpuTarget((9, 0), 132, MAX_SHARED_PER_BLOCK[(9, 0)])
 
@@ -239,3 +242,50 @@ def format_figures(figures: LaunchFigures, label: str) -> str:
     for name, s, layer, total in figures.rows():
         lines.append(f"  {name:<{width}}  {s:>8}  {layer:>9}  {total:>10}")
     return "\n".join(lines)
+
+
+# Weight modes whose linear `launches_per_linear` counts: engine.quantization's modes on the GPU, and
+# W8A8 with float (outlier) channels, which the engine's default calibration keeps.
+LINEAR_MODES = ("none", "int8", "int4", "fp8", "w8a8", "w8a8/float")
+
+
+def launches_per_linear(
+    mode: str,
+    num_tokens: int = 4,
+    in_features: int = 512,
+    out_features: int = 64,
+    dtype: torch.dtype = torch.bfloat16,
+    bias: bool = False,
+    target: GpuTarget = SM90,
+) -> StepLaunches:
+    """What one quantized projection of `mode` (LINEAR_MODES) launches on `target`, its layer built as
+    the engine builds it (model/quant/layers.py: make_linear, int8/int4 in groups of 32, W8A8 with 8
+    float channels for "w8a8/float") and called once uncounted, then once counted. The default
+    shape has a single column tile of the weight-only GEMMs, which split K on an sm_90 (split-K is
+    part of the one launch)."""
+    from batchrun.model.quant.layers import make_linear
+    from batchrun.model.quant.smoothquant import split_outlier_channels
+    from batchrun.model.quant.weights import quantize_weight
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(out_features, in_features, generator=gen) * 0.05
+    b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
+    x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
+    with simulated_gpu(target), torch.inference_mode():
+        if mode == "none":
+            layer: Any = torch.nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
+        else:
+            base = mode.split("/")[0]
+            outliers = None
+            if mode == "w8a8/float":
+                absmax = torch.rand(in_features, generator=gen)
+                w, outliers = split_outlier_channels(w, absmax, 8)
+                outliers.weight_t = outliers.weight_t.to(dtype)
+            fmt = {"int8": "int8", "int4": "int4", "fp8": "fp8", "w8a8": "int8"}[base]
+            qw = quantize_weight(w, fmt, 32 if base in ("int8", "int4") else None)
+            layer = make_linear(qw, base, b, dtype, outliers)
+        y = layer(x)  # warm-up (a graph capture's)
+        with count_launches() as launches:
+            y = layer(x)
+    assert y.shape == (num_tokens, out_features) and y.dtype == dtype
+    return launches

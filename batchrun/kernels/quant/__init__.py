@@ -5,7 +5,8 @@
 - w8a8: per-token int8 activations, the int32 GEMM and its native kernel;
 - w4a8: int8 activations in groups of 32 times int4 weights, and its native kernels;
 - kv: the int8/fp8 KV cache;
-- triton_gemm: the Triton dequantize-GEMMs for the GPU (imported only where Triton runs).
+- triton_gemm: the Triton dequantize-GEMMs for the GPU (imported only where Triton runs);
+- triton_act: the GPU's per-token activation quantization and W8A8 epilogue kernels (likewise).
 
 The names of the first five are re-exported here, so `from batchrun.kernels import quant as qk` reaches them.
 """
@@ -14,6 +15,7 @@ from batchrun.kernels.quant.formats import (
     FP8_E4M3_MAX,
     INT8_MAX,
     MIN_SCALE,
+    activation_scale,
     dequantize_fp8,
     dequantize_int4,
     dequantize_int8,
@@ -60,12 +62,14 @@ from batchrun.kernels.quant.weight_only import (
     int4_weight_matmul,
     int8_weight_matmul,
     int8_weight_matmul_cpu,
+    quantize_per_token_fp8,
 )
 
 __all__ = [
     "FP8_E4M3_MAX",
     "INT8_MAX",
     "MIN_SCALE",
+    "activation_scale",
     "dequantize_fp8",
     "dequantize_int4",
     "dequantize_int8",
@@ -104,4 +108,5 @@ __all__ = [
     "int4_weight_matmul",
     "int8_weight_matmul",
     "int8_weight_matmul_cpu",
+    "quantize_per_token_fp8",
 ]

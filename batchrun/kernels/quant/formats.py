@@ -26,6 +26,13 @@ INV_INT8_MAX = float(torch.tensor(1.0 / INT8_MAX, dtype=torch.float32))
 INV_FP8_E4M3_MAX = float(torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32))
 
 
+def activation_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """The per-token activation scale of W8A8 and fp8 linears: max(amax / qmax, MIN_SCALE) from a float32
+    amax, a true division (in place). The Triton quantization (kernels/quant/triton_act.py:
+    activation_scale) divides the same way (div_rn), and the native CPU pass too, so all are bitwise."""
+    return amax.div_(qmax).clamp_(min=MIN_SCALE)
+
+
 def quantize_int8(w: torch.Tensor, group_size: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric round-to-nearest int8, one scale per `group_size` inputs (None: per output channel)."""
     n, k = w.shape

@@ -17,7 +17,7 @@ import torch
 from batchrun.kernels import cpu_native
 from batchrun.kernels.cpu_linear import pack_tiles, unpack_tiles
 from batchrun.kernels.cpu_native import DTYPE_CODES
-from batchrun.kernels.quant.formats import INT8_MAX, MIN_SCALE
+from batchrun.kernels.quant.formats import INT8_MAX, activation_scale
 
 
 def quantize_per_token_int8(x: torch.Tensor, skip: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +36,7 @@ def quantize_per_token_int8(x: torch.Tensor, skip: Optional[torch.Tensor] = None
     xf = x.float()
     if skip is not None:
         xf = xf.masked_fill(skip, 0.0)
-    scale = xf.abs().amax(dim=-1, keepdim=True).div_(INT8_MAX).clamp_(min=MIN_SCALE)  # (M, 1)
+    scale = activation_scale(xf.abs().amax(dim=-1, keepdim=True), INT8_MAX)  # (M, 1)
     # |x / scale| <= 127 by construction, so no clamp is needed before the cast; divide in place
     # when x.float() made a copy.
     xs = xf.div_(scale) if xf.data_ptr() != x.data_ptr() else xf / scale

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from batchrun.kernels.quant.formats import FP8_E4M3_MAX, MIN_SCALE, dequantize_int4, unpack_int4
+from batchrun.kernels.quant.formats import FP8_E4M3_MAX, activation_scale, dequantize_int4, unpack_int4
 
 
 def int8_weight_matmul(
@@ -76,15 +76,21 @@ def fp8_weight_matmul(
     return y if bias is None else y + bias
 
 
+def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_q float8_e4m3fn (M, K), scale float32 (M, 1)) with x ~= x_q * scale row by row: fp8's
+    activations (the torch reference of kernels/quant/triton_act.py: quantize_rows)."""
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True).float()
+    sx = activation_scale(amax, FP8_E4M3_MAX)  # (M, 1)
+    return (x.float() / sx).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), sx
+
+
 def fp8_scaled_matmul(
     x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
     """W8A8-FP8 for Hopper-class GPUs: per-token e4m3 activations, torch._scaled_mm (row-wise scales)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    amax = torch.linalg.vector_norm(x2, float("inf"), dim=-1, keepdim=True).float()
-    sx = (amax / FP8_E4M3_MAX).clamp_(min=MIN_SCALE)  # (M, 1)
-    xq = (x2.float() / sx).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    xq, sx = quantize_per_token_fp8(x2)
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     y = torch._scaled_mm(xq, qweight.t(), scale_a=sx, scale_b=scales.t().contiguous(), out_dtype=out_dtype).to(x.dtype)
     if bias is not None:

@@ -12,7 +12,7 @@ from torch import nn
 from batchrun.kernels import cpu_native
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels import quant as qk
-from batchrun.kernels.backend import triton_usable
+from batchrun.kernels.backend import triton_fp8_usable, triton_usable
 from batchrun.kernels.cpu_linear import pack_native_weight, silu_pair_order, unpack_native_weight
 from batchrun.kernels.quant import w4a8 as w4
 from batchrun.model.linear import PackedWeightLinear
@@ -22,6 +22,24 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)  # the group sizes torch's packed int4 CPU
 # Up to this many rows torch's packed W8A16 CPU kernel beats dequantizing into a bf16 GEMM; past
 # it the GEMM amortizes the dequantization (see docs/quantization.md).
 CPU_INT8PACK_MAX_ROWS = 4
+# On a GPU, from this many rows (a prefill chunk) the int8/int4 weight-only linears run cuBLAS over a
+# copy of the weight dequantized once at load, instead of the fused Triton GEMM. None: always the
+# fused GEMM, and no copy (which costs the model dtype's bytes per weight beside the quantized
+# ones). The one setting; set it where `python -m batchrun.bench.gpu --only gemm` shows the fused
+# kernel losing to cuBLAS (docs/quantization.md).
+GPU_DENSE_MIN_ROWS: Optional[int] = None
+
+
+def _dense_copy(weight: QuantizedWeight, compute_dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
+    """The weight dequantized into compute_dtype for GPU_DENSE_MIN_ROWS, where that is set and the
+    weight lives on a GPU (or a simulated one); else None."""
+    if GPU_DENSE_MIN_ROWS is None or compute_dtype is None or not triton_usable(weight.qweight):
+        return None
+    return weight.dequantize(compute_dtype)  # (N, K)
+
+
+def _use_dense(dense: Optional[torch.Tensor], x2: torch.Tensor) -> bool:
+    return dense is not None and GPU_DENSE_MIN_ROWS is not None and x2.shape[0] >= GPU_DENSE_MIN_ROWS
 
 
 class QuantLinear(PackedWeightLinear):
@@ -42,10 +60,14 @@ class Int8Linear(QuantLinear):
 
     qweight: torch.Tensor
     scales: torch.Tensor
+    dense: Optional[torch.Tensor]
 
-    def __init__(self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None) -> None:
+    def __init__(
+        self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None, compute_dtype: Optional[torch.dtype] = None
+    ) -> None:
         assert weight.format == "int8"
         super().__init__(weight.in_features, weight.out_features, bias)
+        self.register_buffer("dense", _dense_copy(weight, compute_dtype), persistent=False)  # (N, K) or None
         self.register_buffer("qweight", weight.qweight)  # (N, K) int8
         self.register_buffer("scales", weight.scales)  # (N, num_groups) float32
         self.is_per_channel = weight.scales.shape[1] == 1
@@ -56,7 +78,9 @@ class Int8Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if triton_usable(x2):
+        if _use_dense(self.dense, x2):  # a prefill chunk: cuBLAS over the dequantized copy
+            y = torch.nn.functional.linear(x2, self.dense, self.bias)
+        elif triton_usable(x2):
             from batchrun.kernels.quant.triton_gemm import w8a16_matmul
 
             y = w8a16_matmul(x2, self.qweight, self.scales, self.bias)
@@ -103,6 +127,7 @@ class W8A8Linear(QuantLinear):
         num_float = 0 if outliers is None else outliers.index.numel()
         self.is_native = (
             weight.qweight.device.type == "cpu"
+            and not triton_usable(weight.qweight)  # a simulated GPU: the weight stays as the GPU takes it
             and compute_dtype == torch.bfloat16
             and qk.w8a8_native_supported(weight.out_features, weight.in_features, num_float)
         )
@@ -156,6 +181,21 @@ class W8A8Linear(QuantLinear):
                     x, self.packed_qweight, self._scales_f32, self._bias_f32, self.outliers, self.packed_outlier_weight
                 )
             return self._reference(x)  # kernels switched off since load, or an odd input
+        if triton_usable(x):  # quantize, torch._int_mm, epilogue: 3 kernels (kernels/quant/triton_act.py)
+            from batchrun.kernels.quant.triton_act import w8a8_linear
+
+            shape = x.shape
+            o = self.outliers
+            y = w8a8_linear(
+                x.reshape(-1, shape[-1]),
+                self.qweight,
+                self.scales.reshape(-1),
+                self.bias,
+                None if o is None else o.index,
+                None if o is None else o.skip,
+                None if o is None else o.weight_t,
+            )
+            return y.reshape(*shape[:-1], y.shape[-1])
         return qk.w8a8_matmul(x, self.qweight, self.scales, self.bias, self.outliers)
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,6 +217,7 @@ class Int4Linear(QuantLinear):
     qweight: torch.Tensor
     scales: torch.Tensor
     mins: torch.Tensor
+    dense: Optional[torch.Tensor]
 
     def __init__(
         self, weight: QuantizedWeight, bias: Optional[torch.Tensor] = None, compute_dtype: torch.dtype = torch.float32
@@ -187,9 +228,11 @@ class Int4Linear(QuantLinear):
         self.format_key = f"int4/g{self.group_size}"
         self.is_cpu_packed = (
             weight.qweight.device.type == "cpu"
+            and not triton_usable(weight.qweight)  # a simulated GPU: the weight stays as the GPU takes it
             and compute_dtype == torch.bfloat16
             and self.group_size in INT4_GROUP_SIZES
         )
+        self.register_buffer("dense", _dense_copy(weight, compute_dtype), persistent=False)  # (N, K) or None
         if self.is_cpu_packed:
             packed, scales_zeros = qk.int4_pack_for_cpu(weight.qweight, weight.scales, weight.mins)
             self.register_buffer("packed", packed)
@@ -202,7 +245,9 @@ class Int4Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.is_cpu_packed:
+        if _use_dense(self.dense, x2):  # a prefill chunk: cuBLAS over the dequantized copy
+            y = torch.nn.functional.linear(x2, self.dense, self.bias)
+        elif self.is_cpu_packed:
             y = qk.int4_matmul_cpu(x2.to(torch.bfloat16), self.packed, self.group_size, self.scales_zeros).to(x.dtype)
             if self.bias is not None:
                 y = y + self.bias
@@ -333,7 +378,8 @@ class W4A8SiluMulLinear(W4A8Linear):
 
 class Fp8Linear(QuantLinear):
     """e4m3 weights per channel: W8A8-FP8 through torch._scaled_mm on GPUs with fp8 tensor cores
-    (compute capability 8.9+), a dequantizing reference elsewhere."""
+    (compute capability 8.9+), its activations quantized per token by one Triton kernel (2 kernels
+    per linear: kernels/quant/triton_act.py: fp8_linear); a dequantizing reference elsewhere."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -350,6 +396,13 @@ class Fp8Linear(QuantLinear):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_usable(x) and triton_fp8_usable(x.device) and x.dtype in (torch.bfloat16, torch.float16):
+            from batchrun.kernels.quant.triton_act import fp8_linear
+
+            shape = x.shape
+            # (N, 1) -> (1, N): a view, already contiguous
+            y = fp8_linear(x.reshape(-1, shape[-1]), self.qweight, self.scales.t(), self.bias)
+            return y.reshape(*shape[:-1], y.shape[-1])
         if self.use_scaled_mm:
             return qk.fp8_scaled_matmul(x, self.qweight, self.scales, self.bias)
         return qk.fp8_weight_matmul(x, self.qweight, self.scales, self.bias)
@@ -393,4 +446,4 @@ def make_linear(
         return Fp8Linear(weight, bias)
     if mode == "w8a8" and weight.scales.shape[1] == 1:
         return W8A8Linear(weight, bias, outliers, compute_dtype)
-    return Int8Linear(weight, bias)
+    return Int8Linear(weight, bias, compute_dtype)

@@ -38,6 +38,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from batchrun.bench.timing import patched
 from batchrun.engine import Engine, EngineRequest, SamplingParams
 from batchrun.engine.cuda_graphs import DecodeGraphs, EagerReplay, pack_decode_inputs, pick_bucket
 from batchrun.engine.scheduler import ScheduledBatch
@@ -53,27 +54,12 @@ class _Done(Exception):
 
 
 @contextlib.contextmanager
-def _patched(obj: Any, name: str, value: Any) -> Iterator[None]:
-    """obj.name = value for the block (an instance attribute shadowing the method), then as before."""
-    had = name in vars(obj)
-    old = vars(obj).get(name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if had:
-            setattr(obj, name, old)
-        else:
-            delattr(obj, name)
-
-
-@contextlib.contextmanager
 def _eager(runner: Any, is_eager: bool) -> Iterator[None]:
     """The runner without its graphs for the block, when is_eager."""
     if not is_eager or runner.graphs is None:
         yield
         return
-    with _patched(runner, "graphs", None):
+    with patched(runner, "graphs", None):
         yield
 
 
@@ -115,6 +101,8 @@ def _pack(runner: Any, batch: ScheduledBatch, graphed: bool) -> None:
     if graphed:
         graphs = runner.graphs
         bucket = pick_bucket(graphs.buckets, len(batch.requests))
+        if bucket is None:
+            raise ValueError(f"a decode of {len(batch.requests)} requests is above the largest graph bucket")
         width = max(len(r.block_ids) for r in batch.requests)
         host = np.empty((bucket, _PACKED_FIXED_COLUMNS + width), dtype=np.int64)  # as DecodeGraphs packs
         pack_decode_inputs(batch.requests, runner.block_size, host, graphs.host_tables)
@@ -153,10 +141,10 @@ def _timed_step(engine: Engine, step: Callable[[], Any], graphed: bool) -> dict[
 
     with (
         _eager(runner, not graphed),
-        _patched(scheduler, "schedule", timed("schedule", scheduler.schedule)),
-        _patched(scheduler, "update", timed("update", scheduler.update)),
-        _patched(runner, "execute", run),
-        _patched(sampler, "sample", timed("sample", sampler.sample)),
+        patched(scheduler, "schedule", timed("schedule", scheduler.schedule)),
+        patched(scheduler, "update", timed("update", scheduler.update)),
+        patched(runner, "execute", run),
+        patched(sampler, "sample", timed("sample", sampler.sample)),
     ):
         _sync(device)
         t = time.perf_counter()
@@ -164,7 +152,7 @@ def _timed_step(engine: Engine, step: Callable[[], Any], graphed: bool) -> dict[
         _sync(device)
         step_s = time.perf_counter() - t - pack_s  # the isolated pack is not part of a real step
     ex = spans["execute"]
-    parts = {
+    parts: dict[str, float] = {
         "schedule_ms": spans["schedule"].total_s * 1e3,
         "pack_ms": pack_s * 1e3,
         "launch_ms": max(0.0, ex.issued_s - pack_s) * 1e3,  # host time issuing the forward, less packing
@@ -179,10 +167,8 @@ def _timed_step(engine: Engine, step: Callable[[], Any], graphed: bool) -> dict[
     parts["host_ms"] += max(0.0, parts["other_ms"])
     parts["step_ms"] = step_s * 1e3
     forward_gpu, sample_gpu = ex.device_ms(), spans["sample"].device_ms()
-    parts["gpu_forward_ms"] = forward_gpu
-    parts["gpu_sample_ms"] = sample_gpu
-    parts["gpu_ms"] = None if forward_gpu is None or sample_gpu is None else forward_gpu + sample_gpu
-    return parts
+    gpu = None if forward_gpu is None or sample_gpu is None else forward_gpu + sample_gpu
+    return {**parts, "gpu_forward_ms": forward_gpu, "gpu_sample_ms": sample_gpu, "gpu_ms": gpu}
 
 
 def count_launches(events: Sequence[tuple[str, bool]]) -> dict[str, int]:
@@ -306,6 +292,7 @@ def capture_buckets(graphs: DecodeGraphs, max_batch: int) -> dict[str, Any]:
     """Capture every bucket up to max_batch (largest first, as `capture_all` does). A failed capture
     is recorded and the smaller buckets are still tried, so every failing bucket is named."""
     limit = pick_bucket(graphs.buckets, min(max_batch, graphs.max_batch))
+    assert limit is not None, "the buckets end at graphs.max_batch"
     wanted = [b for b in graphs.buckets if b <= limit]
     failures: dict[int, str] = {}
     t = time.perf_counter()
@@ -353,7 +340,7 @@ def stand_in_graphs(engine: Engine, max_batch: int) -> DecodeGraphs:
 def _median(rows: list[dict[str, Optional[float]]]) -> dict[str, Optional[float]]:
     out: dict[str, Optional[float]] = {}
     for key in rows[0]:
-        values = [r[key] for r in rows if r[key] is not None]
+        values = [v for v in (r[key] for r in rows) if v is not None]
         out[key] = statistics.median(values) if values else None
     return out
 
@@ -386,7 +373,7 @@ def probe_decode_steps(
     assert n <= engine.max_num_seqs, "all prompts must run in one step"
     runner = engine.runner
     if stand_in and runner.graphs is None:
-        with _patched(runner, "graphs", stand_in_graphs(engine, n)):
+        with patched(runner, "graphs", stand_in_graphs(engine, n)):
             return probe_decode_steps(engine, prompts, rel_tol, num_timed, num_wall)
     scheduler = engine.scheduler
     cuda = engine.device.type == "cuda"
@@ -430,7 +417,7 @@ def probe_decode_steps(
             raise _Done
         return []
 
-    with _patched(engine, "step", step):
+    with patched(engine, "step", step):
         try:
             for out in engine.stream(requests, max_in_flight=n):
                 raise RuntimeError(

@@ -54,7 +54,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 import torch
 
@@ -354,6 +354,13 @@ def check_kernels(device: torch.device, smoke: bool, report: Report) -> None:
 # 2. bandwidth
 
 
+class _DecodeTile(TypedDict, total=False):
+    """A `decode_attention` launch setting; the keys left out take its defaults."""
+
+    block_n: int
+    num_warps: int
+
+
 def _time_ms(fn: Callable[[], Any]) -> float:
     if not torch.cuda.is_available():  # --smoke: one call, only to run the code
         t = time.perf_counter()
@@ -388,9 +395,8 @@ def check_bandwidth(device: torch.device, smoke: bool, report: Report) -> None:
         c = attention_case(seqs, heads, kv_heads, dim, bs, torch.bfloat16, device, seed=7)
         m = c.meta
         kv_bytes = sum(s for s in m.seq_lens) * kv_heads * dim * 2 * c.k_cache.element_size()
-        configs = [dict()] + [dict(block_n=bn, num_warps=w) for bn in (32, 64, 128) for w in (4, 8)][
-            : None if not smoke else 1
-        ]
+        tuned: list[_DecodeTile] = [{"block_n": bn, "num_warps": w} for bn in (32, 64, 128) for w in (4, 8)]
+        configs: list[_DecodeTile] = [{}, *tuned[: None if not smoke else 1]]
         best = None
         for cfg in configs:
 
@@ -437,9 +443,11 @@ def check_bandwidth(device: torch.device, smoke: bool, report: Report) -> None:
             qc = attention_case(seqs, heads, kv_heads, dim, bs, torch.bfloat16, device, seed=7, kv_cache_dtype=kv_dtype)
             m = qc.meta
             q_bytes = sum(m.seq_lens) * kv_heads * (dim + 4) * 2
-            for cfg in (dict(), dict(block_n=64))[: None if not smoke else 1]:
+            kv_configs: list[_DecodeTile] = [{}, {"block_n": 64}]
+            for cfg in kv_configs[: None if not smoke else 1]:
                 ms = _time_ms(
-                    lambda qc=qc, m=m, cfg=cfg: ta.decode_attention(
+                    functools.partial(
+                        ta.decode_attention,
                         qc.q,
                         qc.k_cache,
                         qc.v_cache,

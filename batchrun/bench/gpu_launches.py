@@ -190,7 +190,10 @@ def decode_step_launches(
         assert graphs.can_run(batch)
         graphs.execute(batch)  # the warm-up run a capture makes
         with count_launches((graphs.host,)) as launches:
-            logits, _ = graphs.execute(batch)
+            out = graphs.execute(batch)
+    if out is None:
+        raise RuntimeError("the graphed decode step fell back to eager (a capture failed; see the log)")
+    logits, _ = out
     assert logits.shape == (num_seqs, spec.vocab_size) and bool(torch.isfinite(logits).all())
     return launches
 

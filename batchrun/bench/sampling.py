@@ -26,18 +26,27 @@ import statistics
 import time
 from collections.abc import Callable
 from functools import partial
-from typing import Optional
+from typing import Any, Optional, TypedDict
 
 import torch
 
 from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.bench.quality import make_engine
-from batchrun.bench.timing import median_ratio, round_order
+from batchrun.bench.timing import median_ratio, patched, round_order
 from batchrun.bench.workloads import summarize_prompts
 from batchrun.engine import Engine, SamplingParams
 from batchrun.engine.sampler import Sampler
 
-CONFIGS = {
+
+class _Knobs(TypedDict, total=False):
+    """The SamplingParams fields a configuration sets."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+
+
+CONFIGS: dict[str, _Knobs] = {
     "greedy": dict(temperature=0.0),
     "temp0.7": dict(temperature=0.7),
     "temp0.7+top_p0.9": dict(temperature=0.7, top_p=0.9),
@@ -45,10 +54,8 @@ CONFIGS = {
 }
 
 
-def _time_sampler(engine: Engine) -> list[float]:
-    """Wrap the engine's sampler so the seconds spent in it add up in the returned cell."""
-    spent = [0.0]
-    inner = engine.sampler.sample
+def _timed(inner: Callable[..., Any], spent: list[float]) -> Callable[..., Any]:
+    """`inner`, adding the seconds spent in it up in the cell `spent`."""
 
     def timed(*args, **kwargs):
         t = time.perf_counter()
@@ -57,8 +64,7 @@ def _time_sampler(engine: Engine) -> list[float]:
         finally:
             spent[0] += time.perf_counter() - t
 
-    engine.sampler.sample = timed
-    return spent
+    return timed
 
 
 def _measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, spent: list[float]) -> dict:
@@ -74,22 +80,23 @@ def _measure(engine: Engine, prompts: list[list[int]], params: SamplingParams, s
 
 def run_engine(rounds: int, max_tokens: int, cache_dir: Optional[str], threads: Optional[int]) -> dict:
     engine = make_engine("none", "bfloat16", cache_dir=cache_dir, threads=threads)
-    spent = _time_sampler(engine)
+    spent = [0.0]  # seconds in the sampler, summed
     prompts = summarize_prompts(engine.tokenizer)
     params = {name: SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kw) for name, kw in CONFIGS.items()}
-    engine.generate(prompts[:2], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=4))  # warm-up
-    print(f"engine: {len(prompts)} prompts, {max_tokens} tokens, threads={torch.get_num_threads()}")
     results: dict[str, list[dict]] = {name: [] for name in params}
-    for r in range(rounds):
-        for name, p in params.items():
-            results[name].append(_measure(engine, prompts, p, spent))
-        print(
-            f"  round {r + 1}/{rounds} (wall tok/s / CPU tok/s / sampler share): "
-            + ", ".join(
-                f"{n} {v[-1]['wall']:.1f} / {v[-1]['cpu']:.1f} / {v[-1]['sampler']:.1%}" for n, v in results.items()
-            ),
-            flush=True,
-        )
+    with patched(engine.sampler, "sample", _timed(engine.sampler.sample, spent)):
+        engine.generate(prompts[:2], SamplingParams(temperature=0.7, top_p=0.9, max_tokens=4))  # warm-up
+        print(f"engine: {len(prompts)} prompts, {max_tokens} tokens, threads={torch.get_num_threads()}")
+        for r in range(rounds):
+            for name, p in params.items():
+                results[name].append(_measure(engine, prompts, p, spent))
+            print(
+                f"  round {r + 1}/{rounds} (wall tok/s / CPU tok/s / sampler share): "
+                + ", ".join(
+                    f"{n} {v[-1]['wall']:.1f} / {v[-1]['cpu']:.1f} / {v[-1]['sampler']:.1%}" for n, v in results.items()
+                ),
+                flush=True,
+            )
     print(f"  median of {rounds} rounds; x: median per-round ratio to greedy")
     table = {}
     for name, vals in results.items():
@@ -133,7 +140,7 @@ def run_samples(rounds: int, max_tokens: int, n: int, cache_dir: Optional[str], 
             + ", ".join(f"n={k} {v[-1]['wall']:.1f}s wall / {v[-1]['cpu']:.1f}s CPU" for k, v in times.items()),
             flush=True,
         )
-    table = {
+    table: dict[str, Any] = {
         clock: {
             "n1_s": statistics.median(v[clock] for v in times[1]),
             "n_s": statistics.median(v[clock] for v in times[n]),

@@ -26,8 +26,8 @@ from __future__ import annotations
 import bisect
 import logging
 import os
-from collections.abc import Callable
-from typing import Any, Optional
+from collections.abc import Callable, Sequence
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -36,6 +36,7 @@ from batchrun.engine.block_table import NO_ROW, BlockTables, tables_from_lists
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.kernels.attention_metadata import AttentionMetadata
+from batchrun.kernels.quant.kv import QuantizedKVCache
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +112,7 @@ class DecodeGraphs:
     def __init__(
         self,
         model: Any,
-        kv_caches: list,
+        kv_caches: Sequence[tuple[Union[torch.Tensor, QuantizedKVCache], ...]],  # one (K, V) pair per layer
         block_size: int,
         max_blocks_per_seq: int,
         device: torch.device,
@@ -179,7 +180,7 @@ class DecodeGraphs:
         n = bucket * (_NUM_FIXED + width)
         self.staged[:n].copy_(self.host[:n], non_blocking=True)
         if self.device.type == "cuda":
-            self.copied = torch.cuda.Event()
+            self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event.__new__ unannotated
             self.copied.record()
         rows = self.staged[:n].view(bucket, _NUM_FIXED + width)
         self.input_ids[:bucket].copy_(rows[:, 0])
@@ -233,6 +234,7 @@ class DecodeGraphs:
         assert self.device.type == "cuda", "capture_all relies on the Triton KV writes skipping slot -1"
         self._fill_dummy_rows()
         limit = pick_bucket(self.buckets, min(max_batch or self.max_batch, self.max_batch))
+        assert limit is not None, "the buckets end at self.max_batch"
         for bucket in reversed([b for b in self.buckets if b <= limit]):  # largest first: the rest fit in its pool
             self._graph(bucket)
         torch.cuda.synchronize()

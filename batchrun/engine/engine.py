@@ -161,7 +161,7 @@ class Engine:
             num_threads=torch.get_num_threads(),
         )
 
-    def _spec_stats(self) -> dict:
+    def _spec_stats(self) -> dict[str, int]:
         if self.drafter is None:
             return {}
         policy = self.drafter.policy
@@ -220,7 +220,10 @@ class Engine:
         for req in batch.requests:
             if req.metrics.first_scheduled_s is None:
                 req.metrics.first_scheduled_s = now
-        draft_probs = self.drafter.fill(batch, proposals) if batch.num_spec else None
+        draft_probs = None
+        if batch.num_spec:
+            assert self.drafter is not None, "speculative tokens are scheduled from a drafter's plan only"
+            draft_probs = self.drafter.fill(batch, proposals)
         self.step_sampler.start_masks(batch)  # grammar masks fill while the forward runs
         out = self.runner.execute(batch)
         by_seq = {r.seq_id: r for r in batch.requests}

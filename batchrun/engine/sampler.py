@@ -108,6 +108,7 @@ def _truncate(
             sub_threshold, sub_token = _truncate(s[spill], top_k[spill], top_p[spill], sub_u, width * 8, any_without_k)
             threshold = threshold.index_copy(0, spill, sub_threshold)
             if token is not None:
+                assert sub_token is not None, "the rows redone draw too: u was given"
                 token = token.index_copy(0, spill, sub_token)
     return threshold, token
 
@@ -281,7 +282,9 @@ class Sampler:
         u = self.uniforms([seeds[i] for i in group], [positions[i] for i in group], STREAM_SAMPLE, device)
         if not _is_truncated(sub[0], s.shape[-1]):
             return _draw_full(s, u)
-        return _truncate_rows(s, [p.top_k for p in sub], [p.top_p for p in sub], u)[1]
+        _, token = _truncate_rows(s, [p.top_k for p in sub], [p.top_p for p in sub], u)
+        assert token is not None, "a token is drawn whenever u is given"
+        return token
 
     @staticmethod
     def logprobs(
@@ -300,8 +303,8 @@ class Sampler:
         rows = torch.tensor(want, device=logits.device)
         lp = torch.log_softmax(logits[rows].float(), dim=-1)
         chosen = lp.gather(1, tokens[rows][:, None]).squeeze(1).tolist()
-        top_vals, top_idx = torch.topk(lp, min(max(n for n in top_n if n is not None), lp.shape[-1]), dim=-1)
-        top_vals, top_idx = top_vals.tolist(), top_idx.tolist()
+        top = torch.topk(lp, min(max(n for n in top_n if n is not None), lp.shape[-1]), dim=-1)
+        top_vals, top_idx = top.values.tolist(), top.indices.tolist()
         out: list[dict[int, float]] = [{} for _ in params]
         for j, i in enumerate(want):
             n = top_n[i]

@@ -77,9 +77,9 @@ def qkv_norm_rope_write(
     if positions is not None:
         cos, sin = cos[positions], sin[positions]  # (num_tokens, head_dim)
     q, k, v = heads.split(qkv)
-    if heads.q_norm is not None:
-        eps, gemma = heads.eps, heads.is_gemma
-        q, k = ew.rms_norm(q, heads.q_norm, eps, gemma), ew.rms_norm(k, heads.k_norm, eps, gemma)
+    if heads.norms is not None:
+        (q_norm, k_norm), eps, gemma = heads.norms, heads.eps, heads.is_gemma
+        q, k = ew.rms_norm(q, q_norm, eps, gemma), ew.rms_norm(k, k_norm, eps, gemma)
     q, k = ew.apply_rotary(q, cos, sin), ew.apply_rotary(k, cos, sin)
     write_kv_cache(k_cache, v_cache, k, v, slot_mapping)
     return q, k, v

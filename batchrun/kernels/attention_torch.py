@@ -216,7 +216,7 @@ def attend_prefills(
     for i in prefill_ids:
         start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
         slots, mask = meta.prefill_inputs(i, sliding_window)
-        if slots is None and k_new is not None:
+        if slots is None and k_new is not None and v_new is not None:  # given together or not at all
             k, v = k_new[start:end].transpose(0, 1), v_new[start:end].transpose(0, 1)  # a fresh prompt: all new
         else:
             if slots is None:
@@ -242,9 +242,9 @@ def qkv_norm_rope_write_reference(
     if positions is not None:
         cos, sin = cos[positions], sin[positions]  # (num_tokens, head_dim)
     q, k, v = heads.split(qkv)
-    if heads.q_norm is not None:
-        eps, gemma = heads.eps, heads.is_gemma
-        q, k = ew.rms_norm_reference(q, heads.q_norm, eps, gemma), ew.rms_norm_reference(k, heads.k_norm, eps, gemma)
+    if heads.norms is not None:
+        (q_norm, k_norm), eps, gemma = heads.norms, heads.eps, heads.is_gemma
+        q, k = ew.rms_norm_reference(q, q_norm, eps, gemma), ew.rms_norm_reference(k, k_norm, eps, gemma)
     q, k = ew.apply_rotary_reference(q, cos, sin), ew.apply_rotary_reference(k, cos, sin)
     write_kv_cache_reference(k_cache, v_cache, k, v, slot_mapping)
     return q, k, v

@@ -35,6 +35,7 @@ def new_kv_cache(
 
 def as_kv_cache_layout(cache: torch.Tensor) -> torch.Tensor:
     """A copy of a (num_blocks, block_size, num_kv_heads, head_dim) cache in the engine's layout."""
-    out = new_kv_cache(*cache.shape, dtype=cache.dtype, device=cache.device)
+    num_blocks, block_size, num_kv_heads, head_dim = cache.shape
+    out = new_kv_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype=cache.dtype, device=cache.device)
     out.copy_(cache)
     return out

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Protocol
 
 import torch
 
@@ -75,6 +75,15 @@ def grouped_gemm_reference(
     return out
 
 
+class _GroupedGemm(Protocol):
+    """`grouped_gemm_reference`'s signature, which the Triton `grouped_gemm` takes too (its tile
+    sizes have defaults)."""
+
+    def __call__(
+        self, a: torch.Tensor, b: torch.Tensor, expert_offsets: torch.Tensor, row_ids: Optional[torch.Tensor] = None
+    ) -> torch.Tensor: ...
+
+
 def fused_experts(
     x: torch.Tensor,  # (num_tokens, hidden_size)
     gate_up_proj: torch.Tensor,  # (num_experts, 2 * intermediate_size, hidden_size): [gate; up] per expert
@@ -93,10 +102,11 @@ def fused_experts(
     d = dispatch if dispatch is not None else sort_by_expert(topk_ids, num_experts)
     if use_triton is None:
         use_triton = triton_usable(x)
+    grouped_gemm: _GroupedGemm = grouped_gemm_reference
     if use_triton:
-        from batchrun.kernels.triton_moe import grouped_gemm
-    else:
-        grouped_gemm = grouped_gemm_reference
+        from batchrun.kernels.triton_moe import grouped_gemm as triton_grouped_gemm
+
+        grouped_gemm = triton_grouped_gemm
     h = grouped_gemm(x, gate_up_proj, d.expert_offsets, d.sorted_token_ids)  # (num_pairs, 2 * intermediate)
     gate, up = h.chunk(2, dim=-1)
     h = activation(gate) * up  # (num_pairs, intermediate)

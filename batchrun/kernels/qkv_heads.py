@@ -26,6 +26,13 @@ class QKVHeads:
     def __post_init__(self) -> None:
         assert (self.q_norm is None) == (self.k_norm is None), "q/k-norm comes as a pair"
 
+    @property
+    def norms(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(q_norm, k_norm), or None without q/k-norm: the pair as one value, so a caller checks once."""
+        if self.q_norm is None or self.k_norm is None:
+            return None
+        return self.q_norm, self.k_norm
+
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views (num_tokens, heads, head_dim) of q, k and v in qkv (num_tokens, (num_heads + 2 *
         num_kv_heads) * head_dim)."""

@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, TypeVar
 
 import torch
 import triton
@@ -531,14 +532,19 @@ def shared_bytes(
     return total + _SHARED_SLACK
 
 
-def _fitting(target: Optional[GpuTarget], candidates: list[tuple[int, ...]], estimate) -> tuple[int, ...]:
-    """The first candidate whose `estimate` fits the GPU's shared memory per block; the first one
-    off a GPU (the interpreter has no limit); the last (smallest) when none fits, so the compiler
-    reports the overflow."""
+_Tile = TypeVar("_Tile", bound=tuple[int, ...])  # a launch setting: (BLOCK_N, stages) or (BLOCK_M, BLOCK_N, stages)
+
+
+def _fitting(
+    target: Optional[GpuTarget], candidates: Sequence[_Tile], estimate: Callable[[GpuTarget, _Tile], int]
+) -> _Tile:
+    """The first candidate whose `estimate` (its shared memory per block on the GPU) fits the GPU's;
+    the first one off a GPU (the interpreter has no limit); the last (smallest) when none fits, so
+    the compiler reports the overflow."""
     if target is None:
         return candidates[0]
     for c in candidates:
-        if estimate(*c) <= target.max_shared:
+        if estimate(target, c) <= target.max_shared:
             return c
     log.warning(
         "no attention tile fits %d B of shared memory per block; launching %s", target.max_shared, candidates[-1]
@@ -602,7 +608,9 @@ def decode_attention(
     block_n, num_stages = _fitting(
         target,
         candidates,
-        lambda n, st: shared_bytes(target, group_pad, n, head_dim_pad, st, q.element_size(), c.is_quant, False),
+        lambda gpu, tile: shared_bytes(
+            gpu, group_pad, tile[0], head_dim_pad, tile[1], q.element_size(), c.is_quant, False
+        ),
     )
     is_split = num_splits > 1
     if is_split:
@@ -707,7 +715,9 @@ def prefill_attention(
     block_m, block_n, num_stages = _fitting(
         target,
         candidates,
-        lambda m, n, st: shared_bytes(target, m, n, head_dim_pad, st, q.element_size(), c.is_quant, True),
+        lambda gpu, tile: shared_bytes(
+            gpu, tile[0], tile[1], head_dim_pad, tile[2], q.element_size(), c.is_quant, True
+        ),
     )
     if num_warps is None:
         num_warps = 8 if head_dim_pad >= 128 else 4
@@ -755,21 +765,22 @@ def prefill_attention(
 
 @dataclass
 class _StepTensors:
-    """Device copies of the step's host-side lists, made once per step and shared by every layer."""
+    """Device copies of a step's host-side lists, made once per step and shared by every layer."""
 
-    decode_rows: Optional[torch.Tensor]  # (num_decode,) query rows; None when every sequence decodes
-    query_start_loc: Optional[torch.Tensor]  # (num_seqs + 1,)
-    seq_lens: Optional[torch.Tensor]  # (num_seqs,)
-    prefill_seq_ids: Optional[torch.Tensor]  # (num_prefill,)
+    decode_rows: torch.Tensor  # (num_decode,) query rows
+    query_start_loc: torch.Tensor  # (num_seqs + 1,)
+    seq_lens: torch.Tensor  # (num_seqs,)
+    prefill_seq_ids: torch.Tensor  # (num_prefill,)
     max_prefill_len: int
 
 
-def _step_tensors(meta: AttentionMetadata, device: torch.device) -> _StepTensors:
+def _step_tensors(meta: AttentionMetadata, device: torch.device) -> Optional[_StepTensors]:
+    """None for a pure decode step (what CUDA graphs replay): sequence i is query row i, nothing to
+    copy. Otherwise the step prefills some sequence."""
     key = ("triton",)
     if key not in meta._memo:
         if not meta.prefill_seq_ids:
-            # A pure decode step (what CUDA graphs replay): sequence i is query row i, nothing to copy.
-            meta._memo[key] = _StepTensors(None, None, None, None, 0)
+            meta._memo[key] = None
         else:
             starts = meta.query_start_loc
             decode_ids = meta.decode_seq_ids.tolist()
@@ -809,10 +820,10 @@ def paged_attention(
             scale,
             sliding_window,
             softcap,
-            q_rows=t.decode_rows,
+            q_rows=None if t is None else t.decode_rows,
             out=out,
         )
-    if meta.prefill_seq_ids:
+    if t is not None:  # some sequence prefills
         prefill_attention(
             q,
             k_cache,

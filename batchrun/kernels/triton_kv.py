@@ -54,12 +54,13 @@ class KVCacheArgs:
 def kv_cache_args(k_cache, v_cache) -> KVCacheArgs:
     """The kernels' view of a float cache pair or a QuantizedKVCache pair (K and V laid out alike)."""
     if isinstance(k_cache, QuantizedKVCache):
+        block_stride, offset_stride, head_stride = k_cache.scale.stride()  # (num_blocks, block_size, num_kv_heads)
         args = KVCacheArgs(
             k_cache.data,
             v_cache.data,
             k_cache.scale,
             v_cache.scale,
-            k_cache.scale.stride(),
+            (block_stride, offset_stride, head_stride),
             True,
             k_cache.data.dtype == torch.int8,
         )

@@ -89,6 +89,8 @@ class DecoderSpec:
         )
         rope_keys = tuple(t if per_type_rope else "default" for t in layer_types)
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu")
+        if not isinstance(act, str):
+            raise ValueError(f"activation {act!r} is not supported")
         return DecoderSpec(
             model_type=mt,
             vocab_size=config.vocab_size,
@@ -222,8 +224,8 @@ class Attention(nn.Module):
     def _heads(self) -> QKVHeads:
         # Made per call: the norms' weights are replaced when the model gets its storage.
         s = self.spec
-        norms = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
-        return QKVHeads(s.num_heads, s.num_kv_heads, s.head_dim, *norms, s.rms_norm_eps, s.gemma_norms)
+        q_norm, k_norm = (self.q_norm.weight, self.k_norm.weight) if s.qk_norm else (None, None)
+        return QKVHeads(s.num_heads, s.num_kv_heads, s.head_dim, q_norm, k_norm, s.rms_norm_eps, s.gemma_norms)
 
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         s = self.spec

@@ -72,6 +72,9 @@ class TorchInt4(torch.nn.Module):
     `int4` mode, measured beside ours (GPU only). Its zero point: w = (q - 8) * scale + zero, so
     zero = min + 8 * scale; its packed input holds even k in the high nibble."""
 
+    packed: torch.Tensor
+    scales_zeros: torch.Tensor
+
     def __init__(self, w: torch.Tensor, group_size: int = 32) -> None:
         from batchrun.kernels.quant import quantize_int4, unpack_int4
 

@@ -188,7 +188,8 @@ def w8a8_epilogue(
     y = torch.empty((m, n), dtype=dtype, device=acc.device)
     if m == 0:
         return y
-    has_float = index is not None and index.numel() > 0
+    num_float = index.numel() if index is not None else 0
+    has_float = num_float > 0
     if has_float:
         assert x is not None and weight_t is not None and x.stride(1) == 1 and weight_t.stride(1) == 1
     block_m = 16 if m <= 16 else 32
@@ -204,10 +205,10 @@ def w8a8_epilogue(
         y,
         m,
         n,
-        index.numel() if has_float else 0,
+        num_float,
         acc.stride(0),
-        x.stride(0) if has_float else 0,
-        weight_t.stride(0) if has_float else 0,
+        x.stride(0) if x is not None and has_float else 0,
+        weight_t.stride(0) if weight_t is not None and has_float else 0,
         y.stride(0),
         HAS_BIAS=bias is not None,
         HAS_FLOAT=has_float,

@@ -38,8 +38,11 @@ def _dense_copy(weight: QuantizedWeight, compute_dtype: Optional[torch.dtype]) -
     return weight.dequantize(compute_dtype)  # (N, K)
 
 
-def _use_dense(dense: Optional[torch.Tensor], x2: torch.Tensor) -> bool:
-    return dense is not None and GPU_DENSE_MIN_ROWS is not None and x2.shape[0] >= GPU_DENSE_MIN_ROWS
+def _use_dense(dense: Optional[torch.Tensor], x2: torch.Tensor) -> Optional[torch.Tensor]:
+    """The dequantized copy when x2 has enough rows for cuBLAS over it to win, else None."""
+    if dense is not None and GPU_DENSE_MIN_ROWS is not None and x2.shape[0] >= GPU_DENSE_MIN_ROWS:
+        return dense
+    return None
 
 
 class QuantLinear(PackedWeightLinear):
@@ -78,8 +81,8 @@ class Int8Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if _use_dense(self.dense, x2):  # a prefill chunk: cuBLAS over the dequantized copy
-            y = torch.nn.functional.linear(x2, self.dense, self.bias)
+        if (dense := _use_dense(self.dense, x2)) is not None:  # a prefill chunk: cuBLAS over the copy
+            y = torch.nn.functional.linear(x2, dense, self.bias)
         elif triton_usable(x2):
             from batchrun.kernels.quant.triton_gemm import w8a16_matmul
 
@@ -245,8 +248,8 @@ class Int4Linear(QuantLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if _use_dense(self.dense, x2):  # a prefill chunk: cuBLAS over the dequantized copy
-            y = torch.nn.functional.linear(x2, self.dense, self.bias)
+        if (dense := _use_dense(self.dense, x2)) is not None:  # a prefill chunk: cuBLAS over the copy
+            y = torch.nn.functional.linear(x2, dense, self.bias)
         elif self.is_cpu_packed:
             y = qk.int4_matmul_cpu(x2.to(torch.bfloat16), self.packed, self.group_size, self.scales_zeros).to(x.dtype)
             if self.bias is not None:

@@ -31,9 +31,9 @@ def _engine(model: str, **kw) -> Engine:
     return Engine(EngineConfig(model=model, dtype="bfloat16", device="cpu", **{**settings, **kw}))
 
 
-def _rows(engine: Engine, prompts: list[str], logprobs: bool = True) -> list[tuple]:
+def _rows(engine: Engine, prompts: list[str], logprobs: bool = True, max_tokens: int = MAX_TOKENS) -> list[tuple]:
     """Per prompt: (greedy tokens, their logprobs) — logprobs None where not asked."""
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=0 if logprobs else None)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0 if logprobs else None)
     outs = engine.generate(prompts, params)
     return [(o.token_ids, [lp[t] for t, lp in zip(o.token_ids, o.logprobs)] if logprobs else None) for o in outs]
 
@@ -77,3 +77,20 @@ def test_greedy_tokens_identical_with_ngram_speculation(family, reference, one_t
         speculated = _engine(model, max_num_batched_tokens=budget, speculative=ngram)
         assert _tokens(_rows(speculated, prompts, logprobs=False)) == _tokens(want)
         assert speculated.stats().num_spec_accepted  # it did speculate, and drafts were accepted
+
+
+@pytest.mark.slow
+def test_smollm2_rows_identical_chunked_and_speculated(smollm2_cache_dir):
+    """The real SmolLM2 in bf16: all rows at once with whole prompts, against the same rows with
+    prompts chunked under a 64-token budget and n-gram speculation on."""
+    texts = sample_texts()
+    prompts = [f"Summarize this documentation:\n{texts[5 + i][:600]}" for i in range(6)]
+
+    def engine(**kw) -> Engine:
+        return _engine("smollm2-135m", cache_dir=smollm2_cache_dir, max_num_seqs=8, kv_cache_memory=256 << 20, **kw)
+
+    want = _rows(engine(), prompts, max_tokens=32)
+    ngram = SpeculativeConfig("ngram", adaptive=False)
+    chunked = engine(max_num_batched_tokens=64, speculative=ngram)
+    assert _tokens(_rows(chunked, prompts, logprobs=False, max_tokens=32)) == _tokens(want)
+    assert chunked.stats().num_spec_accepted

@@ -13,7 +13,8 @@ GPU (`-m gpu`). Without the flag the same comparisons fail: a decode row takes t
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

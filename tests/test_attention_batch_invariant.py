@@ -83,7 +83,7 @@ def check_invariance(spec: dict[str, Any], attend: Callable[..., torch.Tensor], 
 def _cpu_cases() -> dict[str, dict[str, Any]]:
     cases = {}
     for head_dim in (16, 24, 32):
-        for window in (None, 11):
+        for window in (None, 50):  # 50: single rows' windows start off the chunks' 16-key grid
             for dtype in ("bfloat16", "float32"):
                 cases[f"d{head_dim}-win{window}-{dtype}"] = dict(
                     heads=4, kv_heads=2, head_dim=head_dim, block_size=16, window=window, dtype=dtype
@@ -109,6 +109,22 @@ def test_without_the_flag_decode_rows_differ_from_the_prefill():
     spec = dict(CPU_CASES["d16-winNone-bfloat16"], invariant=False)
     with pytest.raises(AssertionError, match="chunked prefill differs"):
         check_invariance(spec, paged_attention_cpu)
+
+
+def test_without_the_fixed_key_grid_windowed_rows_differ():
+    """The native prefill kernel's fixed key grid is what keeps windowed rows invariant: with key
+    steps starting at each chunk's first visible key (16-aligned) a lone row differs."""
+    from batchrun.kernels.cpu_attention import paged_prefill_attention
+
+    def attend(q, k_cache, v_cache, meta, scale, window, softcap):
+        out = torch.empty_like(q)
+        args = meta.prefill_native_inputs()
+        paged_prefill_attention(q, k_cache, v_cache, *args, out, scale, window, softcap, fixed_key_grid=False)
+        return out
+
+    check_invariance(CPU_CASES["d16-winNone-bfloat16"], attend)  # no window: the grid starts at 0 anyway
+    with pytest.raises(AssertionError, match="differs"):
+        check_invariance(CPU_CASES["d16-win50-bfloat16"], attend)
 
 
 # Triton: block size 4 and 16, a window that cuts across key tiles, float32 and bf16 (in the

@@ -94,3 +94,22 @@ def test_smollm2_rows_identical_chunked_and_speculated(smollm2_cache_dir):
     chunked = engine(max_num_batched_tokens=64, speculative=ngram)
     assert _tokens(_rows(chunked, prompts, logprobs=False, max_tokens=32)) == _tokens(want)
     assert chunked.stats().num_spec_accepted
+
+
+def test_native_linear_rows_do_not_depend_on_the_row_count():
+    """What the option relies on for linear layers on the CPU: the native bf16 kernel (every
+    projection of the tiny models and SmolLM2) sums each row over k in one fixed order, so a row's
+    output is bitwise the same in a product of 1 row or 300 (oneDNN's is not, at wide shapes)."""
+    import torch
+
+    from batchrun.kernels import cpu_linear as ck
+
+    if not ck.native_supported(1536, 576):
+        pytest.skip("the native bf16 linear kernel is not built here (needs AVX512-BF16)")
+    gen = torch.Generator().manual_seed(0)
+    for n, k in ((1536, 576), (576, 1536), (64, 96)):
+        w = ck.pack_native_weight(torch.randn(n, k, generator=gen).bfloat16())
+        x = torch.randn(300, k, generator=gen).bfloat16()
+        whole = ck.native_linear(x, w, None)
+        for m in (1, 7, 12, 13, 32, 97):
+            assert torch.equal(ck.native_linear(x[-m:].contiguous(), w, None), whole[-m:]), (n, k, m)

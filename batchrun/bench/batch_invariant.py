@@ -34,6 +34,7 @@ def _engine(batch_invariant: bool, args, max_num_batched_tokens: int = 512) -> E
             max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_memory=512 << 20,
             batch_invariant=batch_invariant,
+            num_threads=args.num_threads,
         )
     )
 
@@ -54,6 +55,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--cache-dir", default=None)
+    ap.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--no-chunked-check", action="store_true", help="skip the 64-token-budget agreement runs")
     ap.add_argument("--write-docs", action="store_true", help=WRITE_DOCS_HELP)
     args = ap.parse_args(argv)
@@ -86,7 +88,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.write_docs:
         notes = (
             f"SmolLM2-135M, bf16, {len(prompts)} summarize prompts, greedy, {args.max_tokens} tokens each "
-            f"(ignore_eos), max_num_seqs {args.max_num_seqs}, budget 512, {args.rounds} alternating rounds."
+            f"(ignore_eos), max_num_seqs {args.max_num_seqs}, budget 512, {args.rounds} alternating rounds"
+            + (f", {args.num_threads} torch thread(s)." if args.num_threads else ".")
         )
         command = script_command("batchrun.bench.batch_invariant", argv)
         write_section(

@@ -49,6 +49,8 @@ CONFIGS = {
     "no_prefix_cache": dict(PINNED, enable_prefix_caching=False),
     "one_seq_at_a_time": dict(PINNED, max_num_seqs=1),
     "block_size_4": dict(PINNED, block_size=4),
+    # every row through the prefill kernels, prompts chunked
+    "batch_invariant": dict(PINNED, batch_invariant=True, max_num_batched_tokens=37),
 }
 
 

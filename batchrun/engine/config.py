@@ -72,6 +72,10 @@ class EngineConfig:
     # Run each kind of step once at start-up (Engine.warmup: compiles every Triton kernel variant and
     # captures every CUDA-graph bucket) so none of it lands in timed steps; None: on a GPU only.
     warmup: Optional[bool] = None
+    # A row's greedy tokens the same alone or in any batch, with its prompt chunked or not, its
+    # prefix cached or not, speculated or not: every row's attention runs the prefill kernels,
+    # whose per-row reduction order is fixed (kernels/attention.py). Cost: docs/configuration.md.
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):  # accepted from plain configs
@@ -107,6 +111,8 @@ class EngineConfig:
                 raise ValueError(f"engine.{name} must be positive, got {value!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"engine.kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"engine.batch_invariant must be true or false, got {self.batch_invariant!r}")
         if self.warmup is not None and not isinstance(self.warmup, bool):
             raise ValueError(f"engine.warmup must be true, false or null, got {self.warmup!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -66,8 +66,11 @@ class ModelRunner:
         device: torch.device,
         kv_cache_dtype: str = "auto",
         block_tables: Optional[BlockTables] = None,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
+        # engine.batch_invariant: attention metadata lists every sequence as a prefill (prepare)
+        self.batch_invariant = batch_invariant
         self.block_tables = block_tables
         self.block_size = block_size
         self.device = device
@@ -86,9 +89,10 @@ class ModelRunner:
                 (new_kv_cache(*shape, dtype=dtype, device=device), new_kv_cache(*shape, dtype=dtype, device=device))
                 for _ in range(s.num_layers)
             ]
-        # GPU only: pure decode steps replay CUDA graphs (engine/cuda_graphs.py); None on CPU.
+        # GPU only: pure decode steps replay CUDA graphs (engine/cuda_graphs.py); None on CPU. Not
+        # when batch-invariant: the graphs replay the decode kernel, whose splits follow the batch.
         self.graphs: Optional[DecodeGraphs] = None
-        if cuda_graphs_enabled(device):
+        if cuda_graphs_enabled(device) and not batch_invariant:
             max_blocks = min(num_blocks, -(-s.max_position_embeddings // block_size))
             self.graphs = DecodeGraphs(model, self.kv_caches, block_size, max_blocks, device, dtype)
             self.graphs.host_tables = block_tables
@@ -123,7 +127,9 @@ class ModelRunner:
             input_ids = self._chunk_token_ids(batch, start_list, ends.tolist(), num_tokens)
         block_tables = self._block_tables(reqs)  # (num_seqs, widest table), 0-padded
         slot_mapping = block_tables[seq_of_token, positions // bs] * bs + positions % bs
-        is_decode = lens == 1
+        # Batch-invariant: every sequence takes the prefill kernels, whose per-row result does not
+        # depend on its query length (a decode, a verification block or a prompt chunk alike).
+        is_decode = (lens == 1) & (not self.batch_invariant)
         decode_ids = np.nonzero(is_decode)[0]
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(slot_mapping).to(self.device),
@@ -134,6 +140,7 @@ class ModelRunner:
             decode_seq_ids=torch.from_numpy(decode_ids).to(self.device),
             decode_seq_lens=torch.from_numpy(ends[decode_ids]).to(self.device),
             prefill_seq_ids=np.nonzero(~is_decode)[0].tolist(),
+            batch_invariant=self.batch_invariant,
         )
         # Rows to sample: requests whose real tokens are all computed after this step; from the row
         # of the last real token to the end of the request's rows (its drafts).

@@ -198,6 +198,7 @@ def build_cache(config: EngineConfig, target: Target, kv_plan: KVPlan) -> Cache:
         target.device,
         config.kv_cache_dtype,
         block_tables=kv.block_tables,
+        batch_invariant=config.batch_invariant,
     )
     return Cache(kv, runner)
 

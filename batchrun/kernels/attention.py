@@ -100,6 +100,10 @@ def paged_attention(
 
     A key at position j is visible to the query at position i when j <= i and, with a sliding
     window W, j > i - W (the convention of HF transformers' masks).
+
+    meta.batch_invariant (engine.batch_invariant): every sequence is a prefill and each backend
+    computes a row's attention in an order fixed by the row alone (its position, window and the
+    kernel's tile size), never by the number of rows, the query length or where the chunk began.
     """
     if _triton_serves(q, k_cache):
         from batchrun.kernels.triton_attention import paged_attention as paged_attention_triton

@@ -30,6 +30,10 @@ class AttentionMetadata:
     decode_seq_ids: torch.Tensor  # (num_decode,) indices of sequences with exactly one query token
     decode_seq_lens: torch.Tensor  # (num_decode,) int64 context lengths of those sequences
     prefill_seq_ids: list[int]  # sequences with more than one query token, attended one by one
+    # engine.batch_invariant: every sequence is listed in prefill_seq_ids (none in decode_seq_ids)
+    # and the kernels take a path whose per-row result does not depend on the other rows, the
+    # query length or the chunking (see kernels/attention.py: paged_attention).
+    batch_invariant: bool = False
     # Built lazily by the first layer that needs them and shared by the rest of the step.
     _memo: dict = field(default_factory=dict, repr=False)
 

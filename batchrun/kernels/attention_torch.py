@@ -227,6 +227,51 @@ def attend_prefills(
         out[start:end] = o[0].transpose(0, 1)
 
 
+def attend_rows_invariant(
+    out: torch.Tensor,
+    q: torch.Tensor,  # (num_tokens, num_heads, head_dim)
+    k_cache,
+    v_cache,
+    meta: AttentionMetadata,
+    seq_ids: list[int],
+    scale: float,
+    sliding_window: Optional[int],
+    softcap: Optional[float],
+) -> None:
+    """The query rows of each listed sequence (any query length, a decode included), each row's
+    result independent of how many rows run with it (engine.batch_invariant's torch path).
+
+    Scores and the probability-weighted sum run in float64 over the row's keys read from the cache:
+    a product of two bf16 (or float32) values is exact in float64 and a head_dim-long sum of them
+    as good as exact, so the matmuls' blocking (which follows the number of query rows) cannot
+    reach the float32 result; the softmax's float64 rounding is ~2^-29 of a float32 step. Slow
+    (float64, one sequence at a time): for shapes the native kernels do not serve."""
+    num_heads = q.shape[1]
+    for i in seq_ids:
+        start, end = meta.query_start_loc[i], meta.query_start_loc[i + 1]
+        seq_len, q_len = meta.seq_lens[i], end - start
+        num_blocks = -(-seq_len // meta.block_size)
+        device = meta.block_tables.device
+        table = meta.block_tables[i, :num_blocks]
+        offsets = torch.arange(meta.block_size, device=device)
+        slots = (table[:, None] * meta.block_size + offsets[None, :]).flatten()[:seq_len]
+        k = gather_slots(k_cache, slots).double()  # (num_kv_heads, seq_len, head_dim)
+        v = gather_slots(v_cache, slots).double()
+        group = num_heads // k.shape[0]
+        k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)  # (num_heads, seq_len, head_dim)
+        qh = q[start:end].transpose(0, 1).double()  # (num_heads, q_len, head_dim)
+        s = torch.matmul(qh, k.transpose(1, 2)) * scale  # (num_heads, q_len, seq_len)
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=device)
+        key_pos = torch.arange(seq_len, device=device)
+        visible = key_pos[None, :] <= q_pos[:, None]  # (q_len, seq_len)
+        if sliding_window is not None:
+            visible &= key_pos[None, :] > (q_pos[:, None] - sliding_window)
+        p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)
+        out[start:end] = torch.matmul(p, v).transpose(0, 1).to(out.dtype)
+
+
 def qkv_norm_rope_write_reference(
     qkv: torch.Tensor,  # (num_tokens, (num_heads + 2 * num_kv_heads) * head_dim): q, k, v heads
     heads: QKVHeads,

@@ -27,7 +27,7 @@ import torch
 
 from batchrun.kernels import cpu_native
 from batchrun.kernels.attention_metadata import AttentionMetadata
-from batchrun.kernels.attention_torch import attend_decodes, attend_prefills
+from batchrun.kernels.attention_torch import attend_decodes, attend_prefills, attend_rows_invariant
 from batchrun.kernels.cpu_native import DTYPE_CODES
 from batchrun.kernels.quant.kv import QuantizedKVCache
 
@@ -221,8 +221,11 @@ def paged_prefill_attention(
     scale: float,
     sliding_window: Optional[int] = None,
     softcap: Optional[float] = None,
+    fixed_key_grid: bool = False,
 ) -> None:
-    """Causal attention of each prefilling sequence's query rows over its cached context, into `out`."""
+    """Causal attention of each prefilling sequence's query rows over its cached context, into `out`.
+    `fixed_key_grid`: keys in steps on a grid from position 0, so that under a sliding window too a
+    row's result does not depend on the other query rows of its sequence (engine.batch_invariant)."""
     lib = cpu_native.library()
     assert lib is not None, "paged_prefill_attention needs the native kernels (check supports_prefill() first)"
     assert q.is_contiguous() and out.is_contiguous() and out.shape == q.shape and out.dtype == q.dtype
@@ -246,6 +249,7 @@ def paged_prefill_attention(
         float(scale),
         float(softcap or 0.0),
         int(sliding_window or 0),
+        int(fixed_key_grid),
         out.data_ptr(),
         torch.get_num_threads(),
     )
@@ -271,8 +275,19 @@ def paged_attention_cpu(
 ) -> torch.Tensor:
     """attention.paged_attention on the CPU (same arguments; the cache may be a QuantizedKVCache):
     decodes and prefills run the native kernels where they are built and serve the cache's dtype and
-    shape (`supports`, `supports_prefill`), the rest the torch path."""
+    shape (`supports`, `supports_prefill`), the rest the torch path.
+
+    meta.batch_invariant (every sequence then counts as a prefill): the prefill kernel on its fixed
+    key grid, whose per-row result depends only on the row's query and keys, or where it does not
+    serve, the torch path's float64 `attend_rows_invariant`."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (num_tokens, num_heads, head_dim)
+    if meta.batch_invariant:
+        if supports_prefill(q, k_cache):
+            args = meta.prefill_native_inputs()
+            paged_prefill_attention(q.contiguous(), k_cache, v_cache, *args, out, scale, sliding_window, softcap, True)
+        else:
+            attend_rows_invariant(out, q, k_cache, v_cache, meta, meta.prefill_seq_ids, scale, sliding_window, softcap)
+        return out
     if isinstance(k_cache, QuantizedKVCache):
         # A prefix served from the cache is read quantized; a fresh prompt must see its own keys the
         # same way (not this step's float K/V), or prefix caching would change its outputs.

@@ -57,7 +57,7 @@ _SIGNATURES = {
     "batchrun_prefill_attention_supported": "i64 i32 i64 i64 i32",
     "batchrun_paged_prefill_attention": (
         "ptr i32 i64 i64 i64 ptr ptr i32 i64 i64 i64 i64 ptr ptr "
-        "i64 i64 i64 i64 ptr i64 ptr ptr ptr f32 f32 i64 ptr i32"
+        "i64 i64 i64 i64 ptr i64 ptr ptr ptr f32 f32 i64 i32 ptr i32"
     ),
     "batchrun_quantize_per_token_int8": "ptr i32 i64 i64 i64 ptr ptr ptr ptr i64 ptr i32",
     "batchrun_w8a8_epilogue": "ptr i64 i64 ptr ptr ptr ptr i32 i32",

@@ -366,6 +366,7 @@ def _prefill_kernel(
     DOT_F32: tl.constexpr,
     IEEE: tl.constexpr,
     IS_QUANT: tl.constexpr,
+    FIXED_KV_GRID: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     seq = tl.load(seq_ids_ptr + tl.program_id(1))
@@ -389,6 +390,10 @@ def _prefill_kernel(
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(num_cached + tile * BLOCK_M - window + 1, 0)
+        if FIXED_KV_GRID:
+            # Key tiles on a grid from position 0: a row's tiles (and so its online-softmax order)
+            # do not depend on the query tile it came in (engine.batch_invariant).
+            lo = lo // BLOCK_N * BLOCK_N
     hi = tl.where(tile * BLOCK_M < q_len, hi, lo)  # a tile past this sequence's queries does nothing
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l = tl.zeros((BLOCK_M,), tl.float32)
@@ -691,8 +696,14 @@ def prefill_attention(
     block_n: Optional[int] = None,  # 2 stages, else 1, that the GPU's shared memory holds
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    fixed_kv_grid: bool = False,
 ) -> torch.Tensor:
-    """Causal attention of each listed sequence's query tokens over its cached prefix and themselves."""
+    """Causal attention of each listed sequence's query tokens over its cached prefix and themselves.
+
+    Each row's keys go in BLOCK_N tiles from its first visible one, in order, float32 online softmax;
+    the tiles depend on the GPU only (`_fitting`), not on the batch. `fixed_kv_grid` puts the tiles
+    on a grid from position 0 under a sliding window too, so a row's result is the same whatever
+    query tile, chunk or verification block it is computed in (engine.batch_invariant)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
@@ -753,6 +764,7 @@ def prefill_attention(
         DOT_F32=_dot_f32(q.dtype),
         IEEE=on_gpu and q.dtype == torch.float32,
         IS_QUANT=c.is_quant,
+        FIXED_KV_GRID=fixed_kv_grid,
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -806,7 +818,8 @@ def paged_attention(
     v_new: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """`batchrun.kernels.attention.paged_attention` on Triton kernels (CUDA tensors; float, int8 or
-    fp8 caches)."""
+    fp8 caches). meta.batch_invariant lists every sequence as a prefill: the split-K decode kernel,
+    whose splits follow the batch size, is not used, and the prefill kernel keeps a fixed key grid."""
     out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
     t = _step_tensors(meta, q.device)
     if meta.decode_seq_ids.shape[0] > 0:
@@ -837,5 +850,6 @@ def paged_attention(
             sliding_window,
             softcap,
             out=out,
+            fixed_kv_grid=meta.batch_invariant,
         )
     return out

@@ -44,6 +44,10 @@ struct Shape {
     int64_t num_heads, num_kv_heads, block_size, stride_block, stride_offset, stride_head;
     float scale, softcap;
     int64_t window;
+    // Key steps start on multiples of 16 * KT from position 0 (a fixed grid) instead of at the
+    // item's first visible key: under a sliding window a row's steps (and so its online-softmax
+    // order) then do not depend on which chunk of query positions it came in with.
+    bool fixed_key_grid;
     // An int8 cache's float32 scales, element (block, offset, kv_head) at block * scale_block +
     // offset * scale_offset + kv_head * scale_head; null for a float cache.
     const float* k_scale;
@@ -346,10 +350,11 @@ void prefill_item(const void* q, int64_t q_row0, int64_t pos0, int64_t nq, int64
     }
     const int64_t last = pos0 + nq - 1;
     const int64_t first_key = s.window > 0 ? std::max<int64_t>(0, pos0 - s.window + 1) : 0;
+    const int64_t key_align = s.fixed_key_grid ? 16 * KT : 16;
     const int64_t head_offset = h * s.stride_head;
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
 
-    for (int64_t k0 = first_key & ~int64_t(15); k0 <= last; k0 += 16 * KT) {
+    for (int64_t k0 = first_key / key_align * key_align; k0 <= last; k0 += 16 * KT) {
         const int valid = static_cast<int>(std::min<int64_t>(16 * KT, last + 1 - k0));
         for (int t = 0; 16 * t < valid; ++t) {
             const int64_t k = k0 + 16 * t, blk = k / s.block_size;
@@ -429,14 +434,16 @@ int batchrun_prefill_attention_supported(int64_t head_dim, int bf16, int64_t blo
 //   or 2 int8 with k_scale, v_scale: float32 element (block, offset, kv_head) at
 //   block * scale_stride_block + offset * scale_stride_offset + kv_head * scale_stride_head.
 // block_tables: (num_seqs, table_stride) int64. window > 0: only keys j > i - window; softcap > 0:
-//   tanh soft-capping. Returns 0, -1 for a bad head count, -2 for a shape this build does not serve.
+//   tanh soft-capping. fixed_key_grid != 0: key steps on a grid from position 0 (Shape), so each
+//   row's result is the same however the sequence's queries are chunked. Returns 0, -1 for a bad head count, -2 for a shape this build does not serve.
 int batchrun_paged_prefill_attention(const void* q, int bf16, int64_t num_seqs, int64_t num_heads, int64_t head_dim,
                                      const void* k_cache, const void* v_cache, int kv_dtype, int64_t num_kv_heads,
                                      int64_t stride_block, int64_t stride_offset, int64_t stride_head,
                                      const float* k_scale, const float* v_scale, int64_t scale_stride_block,
                                      int64_t scale_stride_offset, int64_t scale_stride_head, int64_t block_size, const int64_t* block_tables, int64_t table_stride,
                                      const int64_t* q_starts, const int64_t* q_lens, const int64_t* seq_lens,
-                                     float scale, float softcap, int64_t window, void* out, int num_threads) {
+                                     float scale, float softcap, int64_t window, int fixed_key_grid, void* out,
+                                     int num_threads) {
     if (num_kv_heads <= 0 || num_heads % num_kv_heads != 0) return -1;
     if (!supported(head_dim, bf16, block_size, stride_offset, kv_dtype)) return -2;
     if (kv_dtype == 2 && (k_scale == nullptr || v_scale == nullptr)) return -2;
@@ -450,7 +457,7 @@ int batchrun_paged_prefill_attention(const void* q, int bf16, int64_t num_seqs, 
     });
     const bool int8 = kv_dtype == 2;
     const Shape s{num_heads, num_kv_heads, block_size, stride_block, stride_offset, stride_head, scale, softcap, window,
-                  int8 ? k_scale : nullptr, int8 ? v_scale : nullptr, scale_stride_block, scale_stride_offset,
+                  fixed_key_grid != 0, int8 ? k_scale : nullptr, int8 ? v_scale : nullptr, scale_stride_block, scale_stride_offset,
                   scale_stride_head};
     const int64_t items = static_cast<int64_t>(chunks.size()) * num_kv_heads;
 #pragma omp parallel num_threads(num_threads)

@@ -144,3 +144,16 @@ def test_model_changes_name_current_shards_committed_with_another_model(out):
     with pytest.raises(ConfigError) as info:
         model_changes(_config(out), plan, MODEL)
     assert info.value.key == "output.on_change" and "another model" in str(info.value)
+
+
+def test_batch_invariant_is_part_of_the_settings_fingerprint(tmp_path):
+    """In bf16 the option changes which reduction order a row's tokens come from, so a rerun that
+    flips it would mix rows computed both ways: the fingerprint names it (speed-only keys such as
+    the batch limits stay out)."""
+    from batchrun.job.fingerprint import differences
+
+    off = settings_fingerprint(_config(str(tmp_path)))
+    on = settings_fingerprint(_config(str(tmp_path), "engine.batch_invariant=true"))
+    assert differences(off, on) == ["engine.batch_invariant: false -> true"]
+    budget = settings_fingerprint(_config(str(tmp_path), "engine.max_num_batched_tokens=64"))
+    assert differences(off, budget) == []

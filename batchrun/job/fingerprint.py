@@ -6,7 +6,7 @@ result row, in three parts:
 - settings (known before the model loads): the job's prompt template, system prompt and chat
   template mode, all sampling parameters, the data keys that pick columns (and the input format), output.keep_columns,
   and the engine settings that change numbers (dtype, quantization and its knobs, kv_cache_dtype,
-  max_model_len, seed, speculative method, and every speculative setting when seeded rows
+  max_model_len, seed, batch_invariant, speculative method, and every speculative setting when seeded rows
   speculate);
 - model (known once the engine is loaded): the model file's sha256, the tokenizer's and chat
   template's hash, the dtype `auto` resolved to;
@@ -40,6 +40,9 @@ _ENGINE_KEYS = (
     "kv_cache_dtype",
     "max_model_len",
     "seed",
+    # bf16 rows computed with and without it may differ by a near-tied token; a run that turns it on
+    # promises every row the same reduction order, so rows of both kinds must not mix
+    "batch_invariant",
 )
 
 

@@ -14,6 +14,7 @@ import pytest
 from batchrun import cli
 from batchrun.job import ConfigError, run_job
 from batchrun.job.dry_run import plan_run, write_plan_json
+from batchrun.job.runner import load_engine
 
 
 def _write(path: Path, columns: dict) -> None:
@@ -146,10 +147,11 @@ def test_plan_of_the_bundled_sample_counts_what_the_run_does(tmp_path, smollm2_c
         "quiet=true",
     ]
     config = cli.load_config(overrides)
-    plan = plan_run(config)
+    engine = load_engine(config.engine)  # one load and start-up profile for the plan and the run
+    plan = plan_run(config, engine=engine)
     assert not out.exists()
     assert plan.num_shards == 4 and plan.num_rows == 32
-    result = run_job(config)
+    result = run_job(config, engine=engine)
     assert result.exit_code == 0, result.message
     markers = _committed(out)
     assert sum(m["num_rows"] for m in markers.values()) == plan.num_result_rows

@@ -435,6 +435,46 @@ def test_greedy_output_identical_with_speculation(family, method, adaptive, tiny
     assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
 
 
+@pytest.mark.parametrize("spec_price", [1.0, 40.0])
+def test_the_engine_prices_speculation_by_the_steps_it_timed(spec_price, tiny_model_factory, greedy_baseline):
+    """The cost model's inputs faked: a GPU-like profile (a step's time flat in its width, so the
+    profile alone would speculate) and the engine's step clock, on which every step takes the
+    profile's time for its width and a verification step `spec_price` times that. The prior keeps
+    speculation off until the first probe; from the measured probe on, the policy speculates when
+    verification is as cheap as the profile says and stands aside when it is dear. Greedy output
+    is the same either way."""
+    engine = Engine(
+        EngineConfig(
+            model=tiny_model_factory("llama"),
+            dtype="float32",
+            max_num_seqs=8,
+            speculative=dict(method="ngram", num_speculative_tokens=3),
+        )
+    )
+    policy = engine.drafter.policy
+    policy.cost = cost = StepCostModel({1: 100.0, 8: 800.0, 64: 6400.0})
+    now = [0.0]
+    engine.step_clock = lambda: now[0]
+    execute = engine.runner.execute
+
+    def timed_execute(batch, **kw):
+        now[0] += cost(batch.num_tokens) * (spec_price if batch.num_spec else 1.0)
+        return execute(batch, **kw)
+
+    engine.runner.execute = timed_execute
+    outs = engine.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=24))
+    assert [o.token_ids for o in outs] == greedy_baseline("llama")
+    stats = engine.stats()
+    assert stats.num_spec_probes == policy.num_probes == 1  # one probe in the run's steps
+    measured = {k: v / cost(int(k.split("/")[1])) for k, v in stats.spec_step_s.items()}
+    assert any(k.startswith("spec/") for k in measured)
+    assert all(m == pytest.approx(spec_price if k.startswith("spec/") else 1.0) for k, m in measured.items())
+    if spec_price > 1:
+        assert stats.num_spec_steps == 1  # the probe alone
+    else:
+        assert stats.num_spec_steps > policy.num_probes  # on by its own choice once measured
+
+
 def test_speculation_under_preemption_keeps_output(tiny_llama_dir, greedy_baseline):
     from transformers import AutoConfig
 

@@ -18,6 +18,7 @@ from batchrun.engine.request import Request
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Scheduler, SchedulerConfig
 from batchrun.engine.speculative import (
+    PROBE_GAP,
     DraftProbs,
     SpeculationPolicy,
     StepCostModel,
@@ -64,7 +65,9 @@ def test_policy_speculates_when_the_step_is_cheap_and_stands_aside_when_compute_
     bound = SpeculationPolicy(cfg, StepCostModel({1: 100.0, 8: 100.0, 64: 100.0}), 0.0)
     assert bound.choose([(_req(i), 4) for i in range(32)], num_decodes=32) == {}
     assert bound.num_steps_off == 1
-    # a request whose drafts keep failing rests, then is probed again
+    # a request whose drafts keep failing rests, then is probed again (the device measured a
+    # 5-token speculative step at the profile's price, so the prior's margin does not apply)
+    assert cheap.observe(5, 1, 4, 0.01)
     r = _req(1)
     r.spec_acceptance = 0.0
     picks = [bool(cheap.choose([(r, 4)], num_decodes=1)) for _ in range(16)]
@@ -98,6 +101,108 @@ def test_at_batch_1_a_memory_bound_profile_speculates_and_width_1_alone_would_no
     assert measured.choose([(_req(0), 4)], num_decodes=1) == {0: 4}
     width_1_only = SpeculationPolicy(cfg, StepCostModel({1: 100.0}), 0.0)  # the old profile at max_num_seqs=1
     assert width_1_only.choose([(_req(0), 4)], num_decodes=1) == {}
+
+
+# ---- the cost model learns the step costs of the device it runs on ------------------------------
+
+# A GPU-like profile: plain decode steps (CUDA-graphed) cost about the same up to hundreds of rows.
+GPU_PROFILE = {1: 250.0, 8: 2000.0, 64: 16000.0, 256: 50000.0, 1280: 100000.0}
+
+
+def _drive(policy, candidates, num_decodes, step_s, steps):
+    """Run `steps` steps of a fixed batch: choose, then report the step as the engine would, its
+    seconds from step_s(kind, width). Returns how many steps speculated."""
+    on = 0
+    for _ in range(steps):
+        chosen = policy.choose(candidates, num_decodes)
+        num_drafts = sum(chosen.values())
+        width = num_decodes + num_drafts
+        policy.observe(width, num_decodes, num_drafts, step_s("spec" if chosen else "plain", width))
+        on += bool(chosen)
+    return on
+
+
+def test_measured_speculative_steps_that_cost_far_more_than_the_profile_says_stop_speculation():
+    """256 seqs, k=4: the profile prices the 1280-token verification step at 2.5x a plain step and
+    acceptance is high enough that the profile alone would speculate; the device's verification
+    step (eager, wide) costs 8x. After a few measured steps the policy stands aside."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    cost = StepCostModel(GPU_PROFILE)
+    policy = SpeculationPolicy(cfg, cost, 0.0)
+    reqs = [_req(i) for i in range(256)]
+    for r in reqs:
+        r.spec_acceptance = 0.9
+    candidates = [(r, 4) for r in reqs]
+    assert policy._pick([(expected_accepted(0.9, 4), r, 4) for r in reqs], 256, measured=False)  # profile: yes
+    plain_s = cost(256)
+
+    def step_s(kind, width):
+        return plain_s if kind == "plain" else 8 * plain_s
+
+    _drive(policy, candidates, 256, step_s, 20)
+    assert policy.choose(candidates, 256) == {}
+    tail = _drive(policy, candidates, 256, step_s, 400)
+    assert tail <= 400 / PROBE_GAP  # only probes speculate, and they back off
+    assert cost.spec(1280) == pytest.approx(8 * plain_s / cost(1280) * cost(1280), rel=1e-6)
+    assert "spec/1024" in cost.learned() and "plain/256" in cost.learned()
+
+
+@pytest.mark.parametrize("batch", [1, 4, 8])
+def test_a_copy_heavy_small_batch_keeps_speculating_when_measured_steps_cost_barely_more(batch):
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    cost = StepCostModel(GPU_PROFILE)
+    policy = SpeculationPolicy(cfg, cost, 0.0)
+    reqs = [_req(i) for i in range(batch)]
+    for r in reqs:
+        r.spec_acceptance = 0.95
+    plain_s = cost(batch)
+
+    def step_s(kind, width):
+        return plain_s * (1.1 if kind == "spec" else 1.0)
+
+    assert _drive(policy, [(r, 4) for r in reqs], batch, step_s, 50) == 50
+    assert policy.num_probes == 0 and policy.num_steps_off == 0
+
+
+def test_an_unmeasured_speculative_step_is_probed_on_a_bounded_share_of_steps():
+    """The prior prices speculation out at this batch, the profile alone would not: the policy
+    probes, and measured probes that pay turn it on; probes that lose back off."""
+    cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4)
+    cost = StepCostModel({1: 100.0, 16: 1600.0, 80: 3200.0})  # width 80 costs 2.5x width 16
+    reqs = [_req(i) for i in range(16)]
+    for r in reqs:
+        r.spec_acceptance = 0.8  # E = 2.36 of 4: 3.36 tokens per row for 2.5x: pays, but not by 1.5x more
+    candidates = [(r, 4) for r in reqs]
+    losing = SpeculationPolicy(cfg, cost, 0.0)
+    on = _drive(losing, candidates, 16, lambda kind, w: 10.0 if kind == "spec" else 1.0, 2000)
+    assert 1 <= losing.num_probes == on <= 2000 / PROBE_GAP
+    assert losing.num_probes <= 12  # the gap doubled: 16 + 32 + ... + 512 x 3 covers 2000 steps
+    paying = SpeculationPolicy(cfg, StepCostModel({1: 100.0, 16: 1600.0, 80: 3200.0}), 0.0)
+    on = _drive(paying, candidates, 16, lambda kind, w: 0.01 * 1.2 if kind == "spec" else 0.01, 100)
+    # the prior (1.5 x 2.5 is too dear) keeps it off until the first probe; measured, it stays on
+    assert paying.num_probes == 1 and paying.num_steps_off == PROBE_GAP - 1 and on == 100 - (PROBE_GAP - 1)
+
+
+def test_steps_with_prefill_chunks_do_not_price_decoding():
+    cost = StepCostModel(GPU_PROFILE)
+    policy = SpeculationPolicy(SpeculativeConfig(method="ngram"), cost, 0.0)
+    assert not policy.observe(300, 8, 0, 5.0)  # 8 requests, 300 tokens: prefill chunks in the step
+    assert not policy.observe(300, 8, 12, 5.0)
+    assert cost.learned() == {} and cost.plain(8) == cost(8)
+    assert policy.observe(20, 8, 12, 0.5) and policy.observe(8, 8, 0, 0.1)
+    assert cost.spec(20) == pytest.approx(0.5) and cost.plain(8) == pytest.approx(0.1)
+
+
+def test_draft_passes_are_priced_by_their_measured_time():
+    cfg = SpeculativeConfig(method="self", num_speculative_tokens=2)
+    cost = StepCostModel({1: 100.0, 8: 800.0})
+    policy = SpeculationPolicy(cfg, cost, 0.25)
+    assert cost.draft(1, 0.25) == pytest.approx(0.0025)
+    policy.observe_draft(1, 2, 0.2)  # two passes of 0.1 s: 10x a whole target step
+    assert cost.draft(1, 0.25) == pytest.approx(0.1)
+    r = _req(0)
+    r.spec_acceptance = 0.9
+    assert policy.choose([(r, 2)], 1) == {}
 
 
 # ---- verification ------------------------------------------------------------------------------
@@ -328,6 +433,46 @@ def test_greedy_output_identical_with_speculation(family, method, adaptive, tiny
         assert sum(o.metrics.num_spec_proposed for o in outs) == stats.num_spec_proposed
         assert sum(o.metrics.num_spec_accepted for o in outs) == stats.num_spec_accepted
     assert engine.kv.pool.num_free_blocks == engine.kv.num_blocks
+
+
+@pytest.mark.parametrize("spec_price", [1.0, 40.0])
+def test_the_engine_prices_speculation_by_the_steps_it_timed(spec_price, tiny_model_factory, greedy_baseline):
+    """The cost model's inputs faked: a GPU-like profile (a step's time flat in its width, so the
+    profile alone would speculate) and the engine's step clock, on which every step takes the
+    profile's time for its width and a verification step `spec_price` times that. The prior keeps
+    speculation off until the first probe; from the measured probe on, the policy speculates when
+    verification is as cheap as the profile says and stands aside when it is dear. Greedy output
+    is the same either way."""
+    engine = Engine(
+        EngineConfig(
+            model=tiny_model_factory("llama"),
+            dtype="float32",
+            max_num_seqs=8,
+            speculative=dict(method="ngram", num_speculative_tokens=3),
+        )
+    )
+    policy = engine.drafter.policy
+    policy.cost = cost = StepCostModel({1: 100.0, 8: 800.0, 64: 6400.0})
+    now = [0.0]
+    engine.step_clock = lambda: now[0]
+    execute = engine.runner.execute
+
+    def timed_execute(batch, **kw):
+        now[0] += cost(batch.num_tokens) * (spec_price if batch.num_spec else 1.0)
+        return execute(batch, **kw)
+
+    engine.runner.execute = timed_execute
+    outs = engine.generate(_prompts(), SamplingParams(temperature=0.0, max_tokens=24))
+    assert [o.token_ids for o in outs] == greedy_baseline("llama")
+    stats = engine.stats()
+    assert stats.num_spec_probes == policy.num_probes == 1  # one probe in the run's steps
+    measured = {k: v / cost(int(k.split("/")[1])) for k, v in stats.spec_step_s.items()}
+    assert any(k.startswith("spec/") for k in measured)
+    assert all(m == pytest.approx(spec_price if k.startswith("spec/") else 1.0) for k, m in measured.items())
+    if spec_price > 1:
+        assert stats.num_spec_steps == 1  # the probe alone
+    else:
+        assert stats.num_spec_steps > policy.num_probes  # on by its own choice once measured
 
 
 def test_speculation_under_preemption_keeps_output(tiny_llama_dir, greedy_baseline):

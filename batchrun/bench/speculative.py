@@ -78,6 +78,8 @@ def _run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[flo
             "acceptance": accepted / proposed if proposed else None,
             "steps_on": after.num_spec_steps,
             "switches": after.num_spec_switches,
+            "probes": after.num_spec_probes,
+            "step_s": after.spec_step_s,  # what the adaptive policy measured: "kind/width" -> s
         }
     return statistics.mean(decode), sum(len(o.token_ids) for o in outs) / wall, [o.token_ids for o in outs], spec
 
@@ -154,7 +156,7 @@ def _batch_one(args) -> list[list[str]]:
         print(f"  {method} / off decode tok/s at batch 1: {statistics.mean(vals):.2f}x")
         acceptance = res[method][3].get("acceptance")
         accepted = "" if acceptance is None else f", {100 * acceptance:.0f}% of drafts accepted (last round)"
-        rows.append([f"{name} / off, decode tok/s at batch 1", f"{statistics.mean(vals):.2f}x{accepted}"])
+        rows.append([f"{method} / off, decode tok/s at batch 1", f"{statistics.mean(vals):.2f}x{accepted}"])
     return rows
 
 

@@ -120,6 +120,14 @@ class Drafter:
         batch.spec_token_ids = drafts
         return DraftProbs(torch.cat(probs), prob_rows) if probs else None
 
+    def observe(self, batch: ScheduledBatch, step_s: float, draft_s: float) -> None:
+        """Tell the policy what a step cost on this device: the target's step (`step_s`) and, where
+        draft passes ran, their time (`draft_s`)."""
+        num_drafts = sum(batch.num_spec.values())
+        self.policy.observe(batch.num_tokens, len(batch.requests), num_drafts, step_s)
+        if batch.num_spec and self.config.method != "ngram":
+            self.policy.observe_draft(len(batch.num_spec), max(batch.num_spec.values()), draft_s)
+
     def sync(self, batch: ScheduledBatch) -> None:
         """Draft model only: compute its KV for every token the target computed this step."""
         if self.config.method == "draft":

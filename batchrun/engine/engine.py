@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -55,6 +55,8 @@ class Engine:
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_steps = 0
+        # Times the decode steps the speculation policy prices (a test may put a fake clock here).
+        self.step_clock: Callable[[], float] = time.perf_counter
 
     # ---- public API ---------------------------------------------------------------------------
 
@@ -170,6 +172,8 @@ class Engine:
             num_spec_accepted=self.step_sampler.num_spec_accepted,
             num_spec_steps=policy.num_steps_on,
             num_spec_switches=policy.num_switches,
+            num_spec_probes=policy.num_probes,
+            spec_step_s=policy.cost.learned(),
         )
 
     def warmup(self) -> dict[str, Any]:
@@ -220,10 +224,12 @@ class Engine:
         for req in batch.requests:
             if req.metrics.first_scheduled_s is None:
                 req.metrics.first_scheduled_s = now
+        drafted_s = self.step_clock()
         draft_probs = None
         if batch.num_spec:
             assert self.drafter is not None, "speculative tokens are scheduled from a drafter's plan only"
             draft_probs = self.drafter.fill(batch, proposals)
+        started_s = self.step_clock()
         self.step_sampler.start_masks(batch)  # grammar masks fill while the forward runs
         out = self.runner.execute(batch)
         by_seq = {r.seq_id: r for r in batch.requests}
@@ -236,7 +242,9 @@ class Engine:
         failed = self.step_sampler.wait_for_grammars(batch, out)
         for req in failed:  # a grammar that failed to compile: the request ends as an error
             self.scheduler.finish(req, "error")
-        sampled = self.step_sampler.sample(batch, out, draft_probs)
+        sampled = self.step_sampler.sample(batch, out, draft_probs)  # ends with the tokens on the host
+        if self.drafter is not None:
+            self.drafter.observe(batch, self.step_clock() - started_s, started_s - drafted_s)
         finished = failed + self.scheduler.update(batch, {seq: toks for seq, (_, toks, _) in sampled.items()})
         now = time.perf_counter()
         for req, tokens, logprob in sampled.values():

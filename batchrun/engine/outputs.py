@@ -73,6 +73,10 @@ class EngineStats:
     expert_token_counts: Optional[list[list[int]]] = None
     num_spec_steps: Optional[int] = None  # steps in which the policy let requests speculate
     num_spec_switches: Optional[int] = None  # times the policy turned speculation on or off
+    num_spec_probes: Optional[int] = None  # steps speculated only to measure a speculative step
+    # What the adaptive policy measured on this device: "kind/width" -> seconds of one step of that
+    # kind (plain decode, spec = verification, draft = one draft pass) at that width (a power of two)
+    spec_step_s: Optional[dict[str, float]] = None
 
 
 @dataclass(frozen=True)

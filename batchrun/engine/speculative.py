@@ -16,11 +16,22 @@ decides per request (drafter.is_eligible).
 
 Policy (adaptive): speculation costs a wider forward; it pays when the expected accepted tokens
 outweigh the cost of the extra rows. Each request keeps a running per-token acceptance rate a; with
-k drafts it expects E = a(1 - a^k)/(1 - a) extra tokens. The step's cost comes from the decode
-profile measured at start-up (tokens/s by batch width). The policy adds requests in order of E
-while (B + sum E) / t(B + sum k) beats B / t(B), so at full batch on a compute-bound machine it
-stands aside, and at small batches it speculates. Requests below a floor rate rest and are probed
-again every few steps so a rate can recover.
+k drafts it expects E = a(1 - a^k)/(1 - a) extra tokens. The policy adds requests in order of E
+while (B + sum E) / (t_spec(B + sum k) + drafting) beats B / t_plain(B), so at full batch on a
+compute-bound machine it stands aside, and at small batches it speculates. Requests below a floor
+rate rest and are probed again every few steps so a rate can recover.
+
+Step costs (StepCostModel) are learned on the device the engine runs on: the engine times every
+pure decode step (wall time, host clock; the step ends with the host sync that brings its tokens
+back) and reports its width and kind, plain or speculative, and the drafting time apart. A
+speculative step is a differently shaped forward from the plain decode steps the start-up profile
+timed (on a GPU those are CUDA-graphed, verification may not be), so the profile alone can price
+it far too low. The model keeps, per (kind, width bucket), the median of the recent observed /
+profiled ratios and prices a width as profile(width) x ratio; an unmeasured speculative width takes
+the nearest measured bucket's ratio, else the plain one's times a conservative prior. When the
+priced choice is to stand aside but the profile alone would speculate, the policy probes
+speculation on a bounded share of steps (the gap doubles after each probe that did not pay), so it
+learns that speculation pays, or stops paying, from steps it actually ran.
 """
 
 from __future__ import annotations
@@ -66,15 +77,34 @@ def expected_accepted(rate: float, k: int) -> float:
     return rate * (1 - rate**k) / (1 - rate)
 
 
-class StepCostModel:
-    """Seconds per step as a function of its token width, from the start-up decode profile."""
+SPEC_PRIOR = 1.5  # an unmeasured speculative step: this many times a plain step of its width
+COST_WINDOW = 5  # observations per (kind, width bucket) whose median prices it
+PROBE_GAP = 16  # at least this many steps between two probes ...
+PROBE_GAP_MAX = 512  # ... and at most this many once probes keep losing
 
-    def __init__(self, decode_tok_s: dict[int, float]) -> None:
+PLAIN, SPEC, DRAFT = "plain", "spec", "draft"  # step kinds: plain decode, verification, one draft pass
+
+
+def width_bucket(width: int) -> int:
+    """Widths bucketed by powers of two: 1, 2-3, 4-7, ... -> the bucket's smallest width."""
+    return 1 << (max(1, width).bit_length() - 1)
+
+
+class StepCostModel:
+    """Seconds per step by kind and token width: the start-up decode profile's interpolated time
+    (tokens/s by width), scaled by what the engine measured for that kind near that width."""
+
+    def __init__(self, decode_tok_s: dict[int, float], spec_prior: float = SPEC_PRIOR) -> None:
         pts = sorted((int(b), b / r) for b, r in decode_tok_s.items() if r > 0)
         self.widths = [w for w, _ in pts] or [1]
         self.seconds = [t for _, t in pts] or [1.0]
+        self.spec_prior = spec_prior
+        # (kind, bucket) -> recent observed seconds / profile(width), newest last
+        self._ratios: dict[tuple[str, int], list[float]] = {}
+        self._median: dict[tuple[str, int], float] = {}  # ... and their median
 
     def __call__(self, width: int) -> float:
+        """The profile's seconds for a plain decode step of `width` tokens."""
         w, t = self.widths, self.seconds
         if width <= w[0]:
             return t[0]
@@ -83,6 +113,45 @@ class StepCostModel:
         i = bisect.bisect_left(w, width)
         frac = (width - w[i - 1]) / (w[i] - w[i - 1])
         return t[i - 1] + frac * (t[i] - t[i - 1])
+
+    def observe(self, kind: str, width: int, seconds: float) -> None:
+        if width < 1 or seconds <= 0:
+            return
+        recent = self._ratios.setdefault((kind, width_bucket(width)), [])
+        recent.append(seconds / self(width))
+        del recent[:-COST_WINDOW]
+        self._median[(kind, width_bucket(width))] = float(np.median(recent))
+
+    def _ratio(self, kind: str, width: int) -> Optional[float]:
+        """The median measured ratio of `kind` in the bucket of `width`, else in the nearest
+        measured bucket of that kind; None when that kind was never measured."""
+        exact = self._median.get((kind, width_bucket(width)))
+        if exact is not None:
+            return exact
+        buckets = [b for k, b in self._median if k == kind]
+        if not buckets:
+            return None
+        target = width_bucket(width).bit_length()
+        return self._median[(kind, min(buckets, key=lambda b: (abs(b.bit_length() - target), -b)))]
+
+    def plain(self, width: int) -> float:
+        return self(width) * (self._ratio(PLAIN, width) or 1.0)
+
+    def spec(self, width: int, measured: bool = True) -> float:
+        """A verification step of `width` tokens; measured=False: as the profile alone prices it."""
+        ratio = self._ratio(SPEC, width) if measured else None
+        if ratio is None:
+            plain_ratio = (self._ratio(PLAIN, width) or 1.0) if measured else 1.0
+            ratio = plain_ratio * (self.spec_prior if measured else 1.0)
+        return self(width) * ratio
+
+    def draft(self, width: int, fraction: float) -> float:
+        """One draft pass over `width` requests; unmeasured, `fraction` of a plain step's time."""
+        return self(width) * (self._ratio(DRAFT, width) or fraction)
+
+    def learned(self) -> dict[str, float]:
+        """'kind/bucket' -> measured seconds of a step at the bucket's smallest width."""
+        return {f"{k}/{b}": round(self(b) * ratio, 6) for (k, b), ratio in sorted(self._median.items())}
 
 
 class SpeculationPolicy:
@@ -93,11 +162,16 @@ class SpeculationPolicy:
         self.num_steps_on = 0
         self.num_steps_off = 0
         self.num_switches = 0
+        self.num_probes = 0  # steps that speculated only to measure a speculative step
         self._was_on: Optional[bool] = None
+        self._probe_gap = PROBE_GAP
+        self._since_probe = 0
+        self._probe_pending = False
 
     def choose(self, candidates: list[tuple[Request, int]], num_decodes: int) -> dict[int, int]:
         """candidates: (request, drafts available) -> {seq_id: drafts to schedule}."""
         chosen: dict[int, int] = {}
+        self._since_probe += 1
         if candidates and not self.config.adaptive:
             chosen = {r.seq_id: n for r, n in candidates}
         elif candidates:
@@ -109,14 +183,16 @@ class SpeculationPolicy:
                 if not resting:
                     scored.append((expected_accepted(max(rate, FLOOR), n), r, n))
             scored.sort(key=lambda x: -x[0])
-            base = num_decodes / self.cost(num_decodes)
-            gain, width = 0.0, num_decodes
-            for e, r, n in scored:
-                new_width = width + n
-                draft = self.draft_cost_fraction * n * self.cost(max(1, len(chosen) + 1))
-                if (num_decodes + gain + e) / (self.cost(new_width) + draft) > base:
-                    chosen[r.seq_id] = n
-                    gain, width = gain + e, new_width
+            chosen = self._pick(scored, num_decodes, measured=True)
+            if self._probe_pending:  # the last probe's step is measured now: did it pay?
+                self._probe_pending = False
+                self._probe_gap = PROBE_GAP if chosen else min(2 * self._probe_gap, PROBE_GAP_MAX)
+            if not chosen and self._since_probe >= self._probe_gap:
+                chosen = self._pick(scored, num_decodes, measured=False)
+                if chosen:
+                    self.num_probes += 1
+                    self._since_probe = 0
+                    self._probe_pending = True
         is_on = bool(chosen)
         if self._was_on is not None and is_on != self._was_on:
             self.num_switches += 1
@@ -126,6 +202,51 @@ class SpeculationPolicy:
         else:
             self.num_steps_off += 1
         return chosen
+
+    def _pick(self, scored: list[tuple[float, Request, int]], num_decodes: int, measured: bool) -> dict[int, int]:
+        """The prefix of `scored` (best expected gain first) whose step makes the most tokens per
+        second, if that beats not speculating. Prefixes are tried at about 2 log2(n) sizes, so a
+        step of hundreds of requests prices a few dozen widths. measured=False prices as the
+        profile alone does (the probes' choice)."""
+        cost = self.cost
+        base = num_decodes / (cost.plain(num_decodes) if measured else cost(num_decodes))
+        gains = np.cumsum([e for e, _, _ in scored])
+        widths = num_decodes + np.cumsum([n for _, _, n in scored])
+        passes = np.maximum.accumulate([n for _, _, n in scored])  # draft passes: the most drafts of any
+        best, best_m = base, 0
+        for m in _prefix_sizes(len(scored)):
+            draft = 0.0  # passes over the m requests (n-gram drafting: free)
+            if self.draft_cost_fraction:
+                f = self.draft_cost_fraction
+                draft = int(passes[m - 1]) * (cost.draft(m, f) if measured else f * cost(m))
+            rate = (num_decodes + gains[m - 1]) / (cost.spec(int(widths[m - 1]), measured) + draft)
+            if rate > best:
+                best, best_m = rate, m
+        return {r.seq_id: n for _, r, n in scored[:best_m]}
+
+    def observe(self, num_tokens: int, num_requests: int, num_drafts: int, seconds: float) -> bool:
+        """One step the engine ran: `num_tokens` computed for `num_requests` requests, `num_drafts`
+        of them drafts. Only pure decode steps (one pending token per request plus its drafts)
+        price decoding; a step with prefill chunks is ignored. Returns whether it was counted."""
+        if num_tokens != num_requests + num_drafts:
+            return False
+        self.cost.observe(SPEC if num_drafts else PLAIN, num_tokens, seconds)
+        return True
+
+    def observe_draft(self, num_requests: int, num_passes: int, seconds: float) -> None:
+        """The draft passes of one step (self or draft model): `num_passes` of up to `num_requests` rows."""
+        if num_passes > 0 and self.draft_cost_fraction:
+            self.cost.observe(DRAFT, num_requests, seconds / num_passes)
+
+
+def _prefix_sizes(n: int) -> list[int]:
+    """1, 2, 3, 4, 6, 8, 11, 16, ... up to n, and n."""
+    sizes = {n} if n else set()
+    i = 0
+    while (size := round(2 ** (i / 2))) < n:
+        sizes.add(size)
+        i += 1
+    return sorted(sizes)
 
 
 def record_acceptance(req: Request, num_proposed: int, num_accepted: int) -> None:

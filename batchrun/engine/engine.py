@@ -163,7 +163,7 @@ class Engine:
             num_threads=torch.get_num_threads(),
         )
 
-    def _spec_stats(self) -> dict[str, int]:
+    def _spec_stats(self) -> dict[str, Any]:
         if self.drafter is None:
             return {}
         policy = self.drafter.policy

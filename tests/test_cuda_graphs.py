@@ -50,8 +50,8 @@ def test_packed_rows_match_what_the_runner_prepares(block_size):
     reqs = [_request(i, n, n - 1, block_size, rng) for i, n in enumerate((5, 17, 1, 40, 33))]
     reqs.append(_request(5, 30, 11, block_size, rng))  # mid-prompt chunk of one token: samples nothing
     batch = ScheduledBatch(reqs, [1] * len(reqs))
-    runner = ModelRunner.__new__(ModelRunner)  # prepare() needs only these two
-    runner.block_size, runner.device = block_size, torch.device("cpu")
+    runner = ModelRunner.__new__(ModelRunner)  # prepare() needs only these three
+    runner.block_size, runner.device, runner.batch_invariant = block_size, torch.device("cpu"), False
     input_ids, positions, meta, logits_rows, sample_seq_ids, _ = runner.prepare(batch)
 
     width = max(len(r.block_ids) for r in reqs)

@@ -56,6 +56,8 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[
 class ModelRunner:
     # The KV manager's persistent block tables (engine/block_table.py); None: rebuilt every step.
     block_tables: Optional[BlockTables] = None
+    # engine.batch_invariant: attention metadata lists every sequence as a prefill (prepare)
+    batch_invariant: bool = False
 
     def __init__(
         self,
@@ -69,7 +71,6 @@ class ModelRunner:
         batch_invariant: bool = False,
     ) -> None:
         self.model = model
-        # engine.batch_invariant: attention metadata lists every sequence as a prefill (prepare)
         self.batch_invariant = batch_invariant
         self.block_tables = block_tables
         self.block_size = block_size

@@ -188,4 +188,7 @@ def test_a_draft_model_is_warmed_up_too_and_greedy_output_is_unchanged(tiny_mode
     assert [o.token_ids for o in warmed.generate(_prompts(), greedy)] == [
         o.token_ids for o in plain.generate(_prompts(), greedy)
     ]
-    assert warmed.stats() == plain.stats()
+    # the measured step costs are wall times: the same kinds and widths measured, not the same seconds
+    timed_w, timed_p = warmed.stats().spec_step_s, plain.stats().spec_step_s
+    assert timed_w is not None and timed_p is not None and timed_w.keys() == timed_p.keys()
+    assert dataclasses.replace(warmed.stats(), spec_step_s=None) == dataclasses.replace(plain.stats(), spec_step_s=None)

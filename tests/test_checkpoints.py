@@ -4,8 +4,8 @@ row twice. Real worker processes, real SIGKILLs at random points of the run and 
 protocol, real Parquet; the store is never mocked.
 
 BATCHRUN_CHECKPOINT_KILLS sets the number of kills (default 8, what CI's time allows; a soak run
-sets more); BATCHRUN_CHECKPOINT_REPORT names
-a file to which each kill appends one JSON line (what was killed where, rows recomputed).
+sets more); BATCHRUN_CHECKPOINT_REPORT names a file to which each kill appends one JSON line (what
+was killed where, rows recomputed).
 """
 
 from __future__ import annotations

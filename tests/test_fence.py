@@ -82,7 +82,7 @@ def test_a_recompute_launch_stops_the_running_one_at_its_next_commit(tmp_path, m
     slow = subprocess.Popen(
         [sys.executable, "-m", "batchrun", *job_overrides(tmp_path / "in", out), "planner.max_open_shards=1"],
         # 1.5 s a row: the slow launch still has shards to commit when the recompute launch, which
-        # starts a whole process and engine first, replaces the fingerprint (0.5 s lost that race)
+        # starts a whole process and engine first, replaces the fingerprint
         env=hooked_env({"delay_s": 1.5}),
         stderr=subprocess.PIPE,
         text=True,

@@ -225,8 +225,8 @@ class Sampler:
         """(len(seeds),) float64 on `device`: a seeded row's uniform is `uniform(seed, position,
         stream)`; an unseeded row's comes from this sampler's generator, in row order."""
         # The unseeded rows' uniforms in one generator call: the CPU generator fills a tensor
-        # serially, so row i gets exactly the i-th scalar draw (a per-row loop cost ~3 us a row of
-        # host time that a GPU step waits on at hundreds of rows).
+        # serially, so row i gets exactly the i-th scalar draw, without a host loop per row that a
+        # GPU step would wait on.
         num_unseeded = sum(seed is None for seed in seeds)
         drawn = iter(
             torch.rand(num_unseeded, generator=self._generator, dtype=torch.float64).tolist() if num_unseeded else ()

@@ -70,20 +70,35 @@ def test_fp32_greedy_matches_hf_on_gpu(family, tiny_model_factory):
         assert g == w, f"prompt {i}: engine {g} != hf {w}"
 
 
-# The interpreter is slow: fewer prompts and tokens, still past the windows.
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "gemma3_text"])
-def test_fp32_greedy_on_the_gpu_path_matches_hf_interpreted(family, tiny_model_factory):
+# The interpreter is slow: fewer prompts and tokens, still past the windows; one child for every
+# family (each child pays torch's, transformers' and Triton's imports again).
+INTERPRETED = ["llama", "mistral", "qwen3", "gemma3_text"]
+
+
+@pytest.fixture(scope="module")
+def interpreted_results(tiny_model_factory) -> dict[str, dict]:
     from triton_child import run_interpreted
 
     pytest.importorskip("triton")
-    proc = run_interpreted(__file__, tiny_model_factory(family), timeout=900)
+    dirs = [f"{family}={tiny_model_factory(family)}" for family in INTERPRETED]
+    proc = run_interpreted(__file__, *dirs, timeout=1200)
     assert proc.returncode == 0, f"child exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    results = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("{"):
+            row = json.loads(line)
+            results[row["family"]] = row
+    return results
+
+
+@pytest.mark.parametrize("family", INTERPRETED)
+def test_fp32_greedy_on_the_gpu_path_matches_hf_interpreted(family, interpreted_results):
+    result = interpreted_results[family]
     assert result["calls"]["_decode_kernel"] > 0 and result["calls"]["_qkv_kernel"] > 0, result
     assert result["got"] == result["want"], result
 
 
-def _child(model_dir: str) -> dict:
+def _child(family: str, model_dir: str) -> dict:
     from batchrun.bench.gpu_launches import SM90, count_launches
     from batchrun.kernels.backend import simulated_gpu
 
@@ -92,8 +107,10 @@ def _child(model_dir: str) -> dict:
     with simulated_gpu(SM90), count_launches() as launches:
         got = _engine_greedy(model_dir, prompts, "cpu", tokens)
     calls = {k.split(":", 1)[1]: v for k, v in launches.kernels.items() if k.startswith("triton:")}
-    return {"got": got, "want": want, "calls": calls}
+    return {"family": family, "got": got, "want": want, "calls": calls}
 
 
 if __name__ == "__main__":
-    print(json.dumps(_child(sys.argv[1])), flush=True)
+    for arg in sys.argv[1:]:
+        name, _, path = arg.partition("=")
+        print(json.dumps(_child(name, path)), flush=True)

@@ -3,7 +3,7 @@ last committed part, a rerun sends only the remaining rows to the engine, and re
 row twice. Real worker processes, real SIGKILLs at random points of the run and of the commit
 protocol, real Parquet; the store is never mocked.
 
-BATCHRUN_CHECKPOINT_KILLS sets the number of kills (default 8, what CI's time allows; a soak run
+BATCHRUN_CHECKPOINT_KILLS sets the number of kills (default 6, what CI's time allows; a soak run
 sets more); BATCHRUN_CHECKPOINT_REPORT names a file to which each kill appends one JSON line (what
 was killed where, rows recomputed).
 """
@@ -99,7 +99,7 @@ def test_sigkill_at_random_points_loses_at_most_one_interval(tmp_path, short_tex
     assert done.returncode == 0, done.stderr[-3000:]
     expected = _results(reference).select(["id", "output", "finish_reason", "num_output_tokens"])
 
-    kills = int(os.environ.get("BATCHRUN_CHECKPOINT_KILLS", "8"))
+    kills = int(os.environ.get("BATCHRUN_CHECKPOINT_KILLS", "6"))
     report = os.environ.get("BATCHRUN_CHECKPOINT_REPORT")
     rng = random.Random(int(os.environ.get("BATCHRUN_CHAOS_SEED", "1234")))
     trial, killed = 0, 0

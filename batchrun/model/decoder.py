@@ -9,6 +9,7 @@ because one wide matmul beats three narrow ones on every backend.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -140,7 +141,7 @@ class RMSNorm(nn.Module):
         (`add_forward`; without a residual norm(h) and h). Where `linear` takes its input quantized
         per token (fp8 / W8A8 on a GPU say so by `input_quant`), the rows come with their codes
         from this same pass (QuantizedRows), and the linear skips its own quantization kernel."""
-        input_quant = getattr(linear, "input_quant", None)
+        input_quant: Optional[Callable[[torch.Tensor], Any]] = getattr(linear, "input_quant", None)
         fusable = (
             input_quant is not None
             and h.dim() == 2

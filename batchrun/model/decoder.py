@@ -142,13 +142,14 @@ class RMSNorm(nn.Module):
         per token (fp8 / W8A8 on a GPU say so by `input_quant`), the rows come with their codes
         from this same pass (QuantizedRows), and the linear skips its own quantization kernel."""
         input_quant: Optional[Callable[[torch.Tensor], Any]] = getattr(linear, "input_quant", None)
-        fusable = (
+        quant = None
+        if (
             input_quant is not None
             and h.dim() == 2
             and h.stride(1) == 1
             and (residual is None or (residual.stride(1) == 1 and residual.shape == h.shape))
-        )
-        quant = input_quant(h) if fusable else None
+        ):
+            quant = input_quant(h)
         if quant is not None:
             return ew.rms_norm_quant(h, residual, self.weight, self.eps, quant)
         if residual is None:

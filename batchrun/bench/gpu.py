@@ -3,6 +3,7 @@ step, CUDA graphs, memory and throughput; a table last and a JSON document with 
 
     python -m batchrun.bench.gpu                   # on a GPU: planned to fit 8 minutes on one H200
     python -m batchrun.bench.gpu --only kernels    # kernels | bandwidth | gemm | engine | throughput (repeatable)
+    python -m batchrun.bench.gpu --only decode8b   # the 8B decode phase (not in the default run)
     python -m batchrun.bench.gpu --smoke           # CPU: tiny shapes, kernels in Triton's interpreter
     python -m batchrun.bench.gpu --json PATH       # default: $OUT/bench-gpu.json, else ./bench-gpu.json
 
@@ -20,6 +21,11 @@ step, CUDA graphs, memory and throughput; a table last and a JSON document with 
    engine builds them) against cuBLAS bf16 at M = 1, 16, 64, 256 on Llama-3-8B's and Qwen3-0.6B's
    projection shapes: time, speed-up and % of the bytes-moved floor. In --smoke tiny shapes in the
    interpreter on a simulated sm_90, each mode's output checked against the float product.
+3b. 8B decode (`--only decode8b`, bench.gpu_decode; not in the default run: its ~5 minutes do not
+   fit the 8-minute plan beside the rest): the engine's decode output tok/s on a Llama-3-8B-shaped
+   random model at batch 1, 16 and 64 per weight mode (bf16, int8, int4, fp8, W8A8), with the ratio
+   to bf16 from the same run; skipped, saying why, without the GPU memory for the bf16 model. In
+   --smoke a tiny shape on the CPU through the same code, untimed.
 4. Engine (`--only engine`), on the Qwen3-0.6B-shaped model: memory at the engine's default KV
    sizing (weights, KV bytes and blocks, peak allocated, free after construction); every CUDA-graph
    bucket captured, a failed capture named; then bench.decode_step on 256 decoding sequences:
@@ -60,6 +66,7 @@ import torch
 
 from batchrun.bench.cases import attention_case, far_blocks_case, quantized_copy, rel_error
 from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
+from batchrun.bench.gpu_decode import DECODE_8B, check_decode_8b
 from batchrun.bench.gpu_engine import QWEN3, QWEN3_0_6B, SMOLLM2, SMOLLM2_135M, check_model, model_phases
 from batchrun.bench.gpu_gemm import check_gemms
 from batchrun.bench.gpu_launches import LAUNCHES
@@ -485,6 +492,7 @@ GPU_ESTIMATES_S = {
     "kernels": 60,
     "bandwidth": 40,
     "gemm": 90,
+    DECODE_8B: 300,  # 5 engines (random weights, quantization, graph capture, warm-up) x 3 batch sizes
     f"{QWEN3}: build": 40,
     f"{QWEN3}: decode step": 20,
     f"{QWEN3}: greedy": 30,
@@ -520,7 +528,9 @@ def check_launches(report: Report) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", action="append", choices=("kernels", "bandwidth", "gemm", "engine", "throughput"))
+    parser.add_argument(
+        "--only", action="append", choices=("kernels", "bandwidth", "gemm", "decode8b", "engine", "throughput")
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, kernels in Triton's interpreter")
     parser.add_argument(
         "--budget-s",
@@ -556,6 +566,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "engine" not in selected and "throughput" not in selected:  # no engine to build
         per_model = {label: [] for label in per_model}
     names = [p for p in ("kernels", "bandwidth", "gemm") if p in selected]
+    if "decode8b" in selected:
+        names.append(DECODE_8B)
     names += [p for ps in per_model.values() for p in ps]
     if args.smoke and "engine" in selected:  # the interpreter is on: count what a decode step launches
         names.append(LAUNCHES)
@@ -583,6 +595,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         # the phase stops starting shapes at its own estimate, so it never eats the later phases' time
         gemm = functools.partial(check_gemms, device, args.smoke, report, budget.phases["gemm"].estimate_s)
         budget.run("gemm", gemm, report)
+    if "decode8b" in selected:
+        # like gemm, it stops starting modes at its own estimate; its engines are freed before the next phase
+        decode = functools.partial(check_decode_8b, device, args.smoke, report, budget.phases[DECODE_8B].estimate_s)
+        budget.run(DECODE_8B, decode, report)
     for label, shape in models:
         if per_model[label]:
             check_model(label, shape, device, args.smoke, budget, report, per_model[label])

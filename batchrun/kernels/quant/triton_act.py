@@ -6,7 +6,11 @@ W8A8: quantize + torch._int_mm + epilogue).
 kernels/quant, bitwise: one program per row loads it once, takes its amax, the scale
 `activation_scale` (formats.py: max(amax / qmax, MIN_SCALE), a correctly rounded division as the
 CPU torch code does it) and x / scale rounded as the torch cast does (kernels/quant/triton_codes.py:
-kv_quantize, shared with the KV cache's writes). W8A8's outlier channels count as 0 there.
+kv_quantize, shared with the KV cache's writes). W8A8's outlier channels count as 0 there. The
+row's quantization is one Triton function, `quantize_row`, which the RMSNorm before qkv and gate/up
+also calls (kernels/triton_elementwise.py: rms_norm_quant): those linears then take their input as
+QuantizedRows (kernels/quant/act.py) and skip the quantization launch (fp8: torch._scaled_mm alone;
+W8A8: torch._int_mm + epilogue).
 
 `w8a8_epilogue` turns the int32 product into the output: acc * w_scale * x_scale (the order
 `w8a8.py: _w8a8_epilogue` multiplies in, so without float channels it is bitwise that), plus W8A8's

@@ -406,7 +406,8 @@ class W4A8SiluMulLinear(W4A8Linear):
 class Fp8Linear(QuantLinear):
     """e4m3 weights per channel: W8A8-FP8 through torch._scaled_mm on GPUs with fp8 tensor cores
     (compute capability 8.9+), its activations quantized per token by one Triton kernel (2 kernels
-    per linear: kernels/quant/triton_act.py: fp8_linear); a dequantizing reference elsewhere."""
+    per linear: kernels/quant/triton_act.py: fp8_linear), or by the RMSNorm before it (`input_quant`:
+    _scaled_mm alone); a dequantizing reference elsewhere."""
 
     qweight: torch.Tensor
     scales: torch.Tensor

@@ -189,6 +189,35 @@ def _kernel_checks(
 
         return run
 
+    def norm_quant(qdtype):
+        def run():
+            from batchrun.kernels import triton_elementwise as tew
+            from batchrun.kernels.quant.act import INT_MM_MIN_ROWS, ActQuant
+            from batchrun.kernels.quant.triton_act import quantize_rows
+
+            if qdtype == fp8 and not triton_fp8_usable(device):
+                raise SkipCheck("no float8 e4m3 in Triton below compute capability 8.9")
+            m, n = (5, 64) if smoke else (48, 4096)
+            gen = torch.Generator().manual_seed(8)
+            h = torch.randn(m, n, generator=gen).to(device, bf16)
+            res = torch.randn(m, n, generator=gen).to(device, bf16)
+            w = (torch.rand(n, generator=gen) + 0.5).to(device, bf16)
+            skip = None
+            if qdtype == int8:
+                skip = torch.zeros(n, dtype=torch.bool, device=device)
+                skip[::37] = True  # W8A8's float channels
+            quant = ActQuant(qdtype, skip, INT_MM_MIN_ROWS if qdtype == int8 else 0)
+            got, got_res = tew.rms_norm_quant(h.clone(), res.clone(), w, 1e-6, quant)
+            want_x, want_res = tew.add_rms_norm(h.clone(), res.clone(), w, 1e-6)
+            want_q, want_s = quantize_rows(want_x, qdtype, skip, quant.min_rows)
+
+            def flat(x, res, q, s):
+                return torch.cat([t.contiguous().view(torch.uint8).flatten().double() for t in (x, res, q, s)])
+
+            return flat(got.x, got_res, got.q, got.scale), flat(want_x, want_res, want_q, want_s)
+
+        return run
+
     def w8a16(group: Optional[int]):
         def run():
             from batchrun.kernels.quant import int8_weight_matmul, quantize_int8
@@ -268,6 +297,8 @@ def _kernel_checks(
         ("kv write fp32 -> fp8", 0.0, kv_write_quantized(f32, fp8)),
         ("qkv norm+rope+write bf16 -> int8", 0.0, qkv_write_quantized(bf16, int8)),
         ("qkv norm+rope+write bf16 -> fp8", 0.0, qkv_write_quantized(bf16, fp8)),
+        ("add+RMSNorm quantizing int8 (W8A8) vs unfused", 0.0, norm_quant(int8)),
+        ("add+RMSNorm quantizing fp8 vs unfused", 0.0, norm_quant(fp8)),
         ("W8A16 per-channel", bf16_tol, w8a16(None)),
         ("W8A16 group 32", bf16_tol, w8a16(32)),
         ("W4A16 group 32", bf16_tol, w4a16),

@@ -132,6 +132,9 @@ def test_smoke_decode_8b_runs_every_mode_through_the_engine(tmp_path):
         (mode, batch) for mode in ("none", "int8", "int4", "fp8", "w8a8") for batch in (1, 4)
     ]
     assert all(r["output_tok_s"] is None and r["ratio_vs_bf16"] is None and r["decode_tokens"] == 2 for r in rows)
+    formats = {mode: engine["quant_formats"] for mode, engine in section["engines"].items()}
+    assert formats["none"] == {} and all(k.startswith("linear:int4") for k in formats["int4"]), formats
+    assert any(k.startswith("linear:w8a8") for k in formats["w8a8"]) and set(formats["fp8"]) == {"linear:fp8"}
     weights = {r["mode"]: r["weight_bytes"] for r in rows}
     assert weights["int4"] < weights["int8"] < weights["none"] and weights["fp8"] < weights["none"]  # quantized
     table = dict(data["table"])

@@ -231,6 +231,13 @@ def check_decode_8b(device: torch.device, smoke: bool, report: Report, estimate_
         t_mode = time.perf_counter()
         engine = random_engine(hf_config, mode, device, dtype, smoke, tokenizer)
         build_s = time.perf_counter() - t_mode
+        settings = engine.settings
+        section.setdefault("engines", {})[mode] = {
+            "build_s": build_s,
+            "weight_bytes": settings.weight_bytes,
+            "quant_formats": dict(settings.quant_formats),
+            "warmup": dict(settings.warmup) if settings.warmup else None,  # steps, graph buckets, seconds
+        }
         try:
             for batch in batches:
                 row = decode_rate(engine, batch, tokens, shape["vocab_size"], device, repeats=0 if smoke else 2)

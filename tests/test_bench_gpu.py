@@ -126,6 +126,7 @@ def test_smoke_decode_8b_runs_every_mode_through_the_engine(tmp_path):
     assert [p["status"] for p in data["budget"]["phases"]] == ["ran"]
     section = data["decode_8b"]
     assert section["skipped"] is None and section["not_run"] == [] and section["note"] == "n/a (no CUDA)"
+    assert "errors" not in section
     assert section["shape"]["model_type"] == "llama" and section["shape"]["hidden_size"] == 64  # smoke_shape
     rows = section["rows"]
     assert [(r["mode"], r["batch"]) for r in rows] == [

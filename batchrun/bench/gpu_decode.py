@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gc
 import time
+import traceback
 from typing import Any, Optional
 
 import torch
@@ -205,6 +206,7 @@ def check_decode_8b(device: torch.device, smoke: bool, report: Report, estimate_
         "rows": [],
         "not_run": [],
         "skipped": None,
+        "engines": {},  # per mode: build seconds, weight bytes, quantized formats, warm-up
     }
     report.data["decode_8b"] = section
     kw = dict(shape)
@@ -229,34 +231,53 @@ def check_decode_8b(device: torch.device, smoke: bool, report: Report, estimate_
             section["not_run"].append(mode)
             continue
         t_mode = time.perf_counter()
-        engine = random_engine(hf_config, mode, device, dtype, smoke, tokenizer)
-        build_s = time.perf_counter() - t_mode
-        settings = engine.settings
-        section.setdefault("engines", {})[mode] = {
-            "build_s": build_s,
-            "weight_bytes": settings.weight_bytes,
-            "quant_formats": dict(settings.quant_formats),
-            "warmup": dict(settings.warmup) if settings.warmup else None,  # steps, graph buckets, seconds
-        }
         try:
-            for batch in batches:
-                row = decode_rate(engine, batch, tokens, shape["vocab_size"], device, repeats=0 if smoke else 2)
-                row.update(mode=mode, build_s=build_s, weight_bytes=engine.settings.weight_bytes)
-                if smoke:  # interpreter-free CPU timings of a tiny model say nothing about a GPU
-                    row.update(output_tok_s=None, decode_s=None, prefill_and_first_s=None, whole_s=None)
-                section["rows"].append(row)
-                print(
-                    f"  {mode:<5} batch {batch:>2}: "
-                    + (NO_CUDA if smoke else f"{row['output_tok_s']:,.0f} output tok/s")
-                    + f" (engine built in {build_s:.0f}s)",
-                    flush=True,
-                )
+            _measure_mode(section, hf_config, mode, device, dtype, smoke, tokenizer, batches, tokens)
+        except Exception as exc:  # noqa: BLE001 - one mode failing (a kernel, memory) must not hide the others
+            traceback.print_exc()
+            section.setdefault("errors", {})[mode] = repr(exc)
+            report.add(f"{DECODE_8B} {mode}", f"FAILED: {exc!r}", ok=False)
         finally:
-            del engine
-            _free_memory(device)
+            _free_memory(device)  # the engine's cycles and cached blocks, before the next mode's weights
+        if device.type == "cuda":  # what the freed engine left behind (should be ~0)
+            section["engines"].setdefault(mode, {})["allocated_after_close_bytes"] = torch.cuda.memory_allocated()
         per_mode_s.append(time.perf_counter() - t_mode)
         report.write_json()
     _ratios(section, report)
+
+
+def _measure_mode(
+    section: dict[str, Any],
+    hf_config: Any,
+    mode: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    smoke: bool,
+    tokenizer: Any,
+    batches: tuple[int, ...],
+    tokens: int,
+) -> None:
+    """One mode's engine built, its decode rate at each batch size into section["rows"]."""
+    t = time.perf_counter()
+    engine = random_engine(hf_config, mode, device, dtype, smoke, tokenizer)
+    build_s = time.perf_counter() - t
+    settings = engine.settings
+    section["engines"][mode] = {
+        "build_s": build_s,
+        "weight_bytes": settings.weight_bytes,
+        "quant_formats": dict(settings.quant_formats),
+        "warmup": dict(settings.warmup) if settings.warmup else None,  # steps, graph buckets, seconds
+    }
+    for batch in batches:
+        row = decode_rate(engine, batch, tokens, hf_config.vocab_size, device, repeats=0 if smoke else 2)
+        row.update(mode=mode, build_s=build_s, weight_bytes=settings.weight_bytes)
+        if smoke:  # CPU timings of a tiny model say nothing about a GPU
+            row.update(output_tok_s=None, decode_s=None, prefill_and_first_s=None, whole_s=None)
+        section["rows"].append(row)
+        rate = NO_CUDA if smoke else f"{row['output_tok_s']:,.0f} output tok/s"
+        print(f"  {mode:<5} batch {batch:>2}: {rate} (engine built in {build_s:.0f}s)", flush=True)
+    if engine.runner.graphs is not None:
+        section["engines"][mode]["graphs_broken"] = engine.runner.graphs.is_broken
 
 
 def _ratios(section: dict[str, Any], report: Report) -> None:

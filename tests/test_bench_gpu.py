@@ -19,6 +19,7 @@ import pytest
 
 from batchrun.bench import compile_counts
 from batchrun.bench.decode_step import capture_buckets, count_launches, top_kernels
+from batchrun.bench.gpu_decode import DECODE_8B
 from batchrun.bench.gpu_launches import LAUNCHES
 from batchrun.bench.gpu_report import Budget, Report, json_safe
 
@@ -118,11 +119,46 @@ def test_smoke_run_writes_every_section(tmp_path):
     assert all(isinstance(name, str) and isinstance(value, str) for name, value in data["table"])
 
 
+def test_smoke_decode_8b_runs_every_mode_through_the_engine(tmp_path):
+    """The 8B decode phase at a tiny shape on the CPU: each weight mode's engine built over random
+    weights (quantized by the engine's own pass) decodes at every batch size; nothing timed."""
+    _, data = _run_gpu_check(tmp_path, "--only", "decode8b")
+    assert [p["status"] for p in data["budget"]["phases"]] == ["ran"]
+    section = data["decode_8b"]
+    assert section["skipped"] is None and section["not_run"] == [] and section["note"] == "n/a (no CUDA)"
+    assert "errors" not in section
+    assert section["shape"]["model_type"] == "llama" and section["shape"]["hidden_size"] == 64  # smoke_shape
+    rows = section["rows"]
+    assert [(r["mode"], r["batch"]) for r in rows] == [
+        (mode, batch) for mode in ("none", "int8", "int4", "fp8", "w8a8") for batch in (1, 4)
+    ]
+    assert all(r["output_tok_s"] is None and r["ratio_vs_bf16"] is None and r["decode_tokens"] == 2 for r in rows)
+    formats = {mode: engine["quant_formats"] for mode, engine in section["engines"].items()}
+    assert formats["none"] == {} and all(k.startswith("linear:int4") for k in formats["int4"]), formats
+    assert any(k.startswith("linear:w8a8") for k in formats["w8a8"]) and set(formats["fp8"]) == {"linear:fp8"}
+    weights = {r["mode"]: r["weight_bytes"] for r in rows}
+    assert weights["int4"] < weights["int8"] < weights["none"] and weights["fp8"] < weights["none"]  # quantized
+    table = dict(data["table"])
+    assert table[f"{DECODE_8B} w8a8"].startswith("n/a (no CUDA)")
+
+
+def test_the_8b_decode_phase_says_why_it_skips_for_memory():
+    from batchrun.bench.gpu_decode import memory_shortfall
+
+    assert memory_shortfall(10 << 30, 40 << 30) is None
+    assert (
+        memory_shortfall(30 << 30, 20 << 30)
+        == "needs ~30.0 GiB of GPU memory (bf16 weights, KV cache, headroom), 20.0 GiB free"
+    )
+
+
 def test_phases_that_do_not_fit_the_budget_are_skipped_and_said(tmp_path):
-    proc, data = _run_gpu_check(tmp_path, "--only", "kernels", "--only", "engine", "--budget-s", "1")
+    proc, data = _run_gpu_check(
+        tmp_path, "--only", "kernels", "--only", "decode8b", "--only", "engine", "--budget-s", "1"
+    )
     phases = data["budget"]["phases"]
     # --smoke with the engine selected adds the CPU launch count, itself out of time at a 1 s budget
-    assert [p["name"] for p in phases] == ["kernels", f"{QWEN3}: build", f"{QWEN3}: decode step", LAUNCHES]
+    assert [p["name"] for p in phases] == ["kernels", DECODE_8B, f"{QWEN3}: build", f"{QWEN3}: decode step", LAUNCHES]
     assert {p["status"] for p in phases} == {"skipped", "planned"}  # the build skipped: nothing after it
     assert phases[-1]["status"] == "skipped"
     assert phases[0]["status"] == "skipped" and "out of time" in phases[0]["note"]

@@ -59,10 +59,64 @@ def test_activation_kernels_match_reference_interpreted():
     assert len(rows) == len(_cases()), rows
 
 
+PER_LAYER_GEMMS = {"fp8": {"aten:_scaled_mm": 4}, "w8a8/float": {"aten:_int_mm": 4, "triton:_w8a8_epilogue_kernel": 4}}
+
+
+@pytest.mark.parametrize("mode", sorted(PER_LAYER_GEMMS))
+def test_the_norm_before_qkv_and_gate_up_quantizes_for_them_interpreted(mode):
+    """fp8 and W8A8 (with float channels) decoders on the GPU dispatch path: the RMSNorms before
+    qkv and gate/up write the quantized rows, so per layer only o_proj and down launch the
+    quantization kernel (fp8: qkv and gate/up are torch._scaled_mm alone, W8A8: _int_mm and the
+    epilogue), no launch is added for it, and the decode step's logits are bitwise those of the
+    unfused path (each linear quantizing its own input)."""
+    proc = run_interpreted(__file__, "layers", mode, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    num_layers = 2
+    fused, unfused = result["fused"], result["unfused"]
+    assert result["same_logits"]
+    assert fused["triton:_quantize_rows_kernel"] == 2 * num_layers, fused  # o_proj and down
+    assert unfused["triton:_quantize_rows_kernel"] == 4 * num_layers, unfused
+    for name, per_layer in PER_LAYER_GEMMS[mode].items():
+        assert fused[name] == unfused[name] == per_layer * num_layers, (name, fused)
+    # the fused step is the unfused one less the qkv and gate/up quantization kernels: the norms
+    # launch as often as before
+    less = {k: unfused.get(k, 0) - fused.get(k, 0) for k in set(fused) | set(unfused)}
+    assert {k: v for k, v in less.items() if v} == {"triton:_quantize_rows_kernel": 2 * num_layers}, less
+    assert fused["triton:_rms_norm_kernel"] == 2 * num_layers + 1  # and the final norm
+
+
+def _layers(mode: str) -> dict:
+    import torch
+
+    from batchrun.bench.gpu_launches import decode_step_launches, tiny_decoder
+    from batchrun.model.quant import layers
+
+    model = tiny_decoder("llama", 2, torch.bfloat16, quantization=mode)
+    fused = decode_step_launches(model, num_seqs=2, context=5)
+    cls = layers.Fp8Linear if mode == "fp8" else layers.W8A8Linear
+    input_quant = cls.input_quant
+    cls.input_quant = lambda self, x: None  # type: ignore[method-assign]  # each linear quantizes
+    try:
+        unfused = decode_step_launches(model, num_seqs=2, context=5)
+    finally:
+        cls.input_quant = input_quant  # type: ignore[method-assign]
+    return {
+        "fused": dict(fused.kernels),
+        "unfused": dict(unfused.kernels),
+        "same_logits": torch.equal(fused.logits, unfused.logits),
+    }
+
+
 def _cases() -> dict:
     import torch
 
     cases = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        name = str(dtype).split(".")[-1]
+        for residual in (False, True):
+            cases[f"norm + quantize int8 {name} residual={residual}"] = ("norm", torch.int8, dtype, residual)
+            cases[f"norm + quantize fp8 {name} residual={residual}"] = ("norm", torch.float8_e4m3fn, dtype, residual)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         name = str(dtype).split(".")[-1]
         cases[f"quantize int8 {name}"] = ("q", torch.int8, dtype, False)
@@ -98,6 +152,9 @@ def _run_case(spec) -> None:
     from batchrun.kernels.quant.formats import MIN_SCALE
 
     kind, qdtype, dtype, flag = spec
+    if kind == "norm":
+        _check_norm_quant(qdtype, dtype, flag)
+        return
     if kind == "q":
         x = _rows(dtype)
         skip = None
@@ -154,6 +211,42 @@ def _run_case(spec) -> None:
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
+def _check_norm_quant(qdtype, dtype, has_residual: bool) -> None:
+    """rms_norm_quant against the unfused kernels (add_rms_norm / rms_norm, then quantize_rows of
+    the normed rows): normed rows, residual, codes and scales bitwise; int8 with float channels
+    skipped and int_mm's zero padding rows, as W8A8 asks, fp8 without."""
+    import torch
+
+    from batchrun.kernels import triton_elementwise as tew
+    from batchrun.kernels.quant import triton_act as ta
+    from batchrun.kernels.quant.act import ActQuant
+
+    h = _rows(dtype, m=7, k=80, seed=3)  # zero, tiny and outlier rows: a zero row normalizes to 0
+    residual = (_rows(dtype, m=7, k=80, seed=4) * 0.5) if has_residual else None
+    if residual is not None:
+        residual[1] = -h[1]  # residual + h == 0: MIN_SCALE
+    weight = (torch.rand(80, generator=torch.Generator().manual_seed(5)) + 0.5).to(dtype)
+    skip = None
+    if qdtype == torch.int8:
+        skip = torch.zeros(80, dtype=torch.bool)
+        skip[[0, 5, 17, 79]] = True
+    quant = ActQuant(qdtype, skip, ta.INT_MM_MIN_ROWS if qdtype == torch.int8 else 0)
+    if residual is not None:
+        want_out, want_res = tew.add_rms_norm(h.clone(), residual.clone(), weight, 1e-6)
+        got, got_res = tew.rms_norm_quant(h.clone(), residual.clone(), weight, 1e-6, quant)
+        assert torch.equal(got_res, want_res), "residual differs"
+    else:
+        want_out = tew.rms_norm(h, weight, 1e-6)
+        got, got_res = tew.rms_norm_quant(h, None, weight, 1e-6, quant)
+        assert got_res is h
+    want_q, want_s = ta.quantize_rows(want_out, qdtype, skip, quant.min_rows)
+    assert torch.equal(got.x, want_out), "normed rows differ"
+    assert got.q.shape == want_q.shape and got.scale.shape == want_s.shape == (7, 1)
+    assert torch.equal(got.scale, want_s), (got.scale - want_s).abs().max()
+    assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8)), "codes differ"
+    assert got.q.shape[0] == max(7, quant.min_rows) and not got.q[7:].view(torch.uint8).any()
+
+
 def _counts() -> dict:
     from batchrun.bench.gpu_launches import LINEAR_MODES, SM90, launches_per_linear
     from batchrun.kernels.quant.triton_gemm import default_config
@@ -187,5 +280,7 @@ if __name__ == "__main__":
 
     if sys.argv[1] == "counts":
         print(json.dumps(_counts()), flush=True)
+    elif sys.argv[1] == "layers":
+        print(json.dumps(_layers(sys.argv[2])), flush=True)
     else:
         report_cases(_cases(), _run_case)

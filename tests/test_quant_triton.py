@@ -146,6 +146,39 @@ def test_fused_activation_paths_and_torch_int4_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
+def test_norm_that_quantizes_equals_norm_then_quantize_on_gpu():
+    """Compiled, the RMSNorm's QUANT variant writes the unfused norm's rows and residual and
+    quantize_rows' codes and scales of them, bitwise (the interpreter checks the same on the CPU:
+    tests/test_quant_launches.py)."""
+    from batchrun.kernels import triton_elementwise as tew
+    from batchrun.kernels.quant import triton_act as ta
+    from batchrun.kernels.quant.act import ActQuant
+
+    h = torch.randn(5, 4096, device="cuda", dtype=torch.bfloat16) * 3
+    res = torch.randn(5, 4096, device="cuda", dtype=torch.bfloat16)
+    res[1] = -h[1]  # a zero row: MIN_SCALE
+    w = (torch.rand(4096, device="cuda") + 0.5).to(torch.bfloat16)
+    skip = torch.zeros(4096, dtype=torch.bool, device="cuda")
+    skip[::97] = True
+    quants = [ActQuant(torch.int8, skip, ta.INT_MM_MIN_ROWS), ActQuant(torch.int8)]
+    if torch.cuda.get_device_capability() >= (8, 9):
+        quants.append(ActQuant(torch.float8_e4m3fn))
+    for quant in quants:
+        for residual in (res, None):
+            r = None if residual is None else residual.clone()
+            got, got_res = tew.rms_norm_quant(h.clone(), r, w, 1e-6, quant)
+            if residual is None:
+                want_x, want_res = tew.rms_norm(h, w, 1e-6), h
+            else:
+                want_x, want_res = tew.add_rms_norm(h.clone(), residual.clone(), w, 1e-6)
+            want_q, want_s = ta.quantize_rows(want_x, quant.dtype, quant.skip, quant.min_rows)
+            assert torch.equal(got.x, want_x) and torch.equal(got_res, want_res)
+            assert torch.equal(got.q.view(torch.uint8), want_q.view(torch.uint8)), quant
+            assert torch.equal(got.scale, want_s), quant
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["int8", "int4", "w8a8", "fp8"])
 def test_quantized_engine_on_gpu(mode, smollm2_cache_dir):
     from batchrun.engine import Engine, EngineConfig, SamplingParams

@@ -78,6 +78,15 @@ def test_the_cases_cover_the_variants_a_run_uses(sm90):
     assert len(sm90.of("_merge_splits_kernel")) >= 2
     # the decoder's rotary: cos/sin tables read at each token's position
     assert {v.constexprs["HAS_POSITIONS"] for v in sm90.of("_qkv_kernel")} == {True}
+    # the norms that quantize for the fp8 / W8A8 linears: both codes, with and without a residual
+    norm_quant = {
+        (v.signature["q_ptr"], v.constexprs["HAS_RESIDUAL"], v.constexprs["HAS_SKIP"])
+        for v in sm90.of("_rms_norm_kernel")
+        if v.constexprs["QUANT"] and _first_pointer_dtype(v) == "bf16"
+    }
+    assert {("*i8", True, True), ("*i8", False, False), ("*fp8e4nv", True, False), ("*fp8e4nv", False, False)} <= (
+        norm_quant
+    ), norm_quant
     # the H200's tile sizes, not the interpreter's
     assert {v.constexprs["BLOCK_N"] for v in decode} == {64, 128}  # decode_tiles() on sm_90: 64 for wide K rows
     assert {v.constexprs["GROUP_PAD"] for v in decode} == {16}

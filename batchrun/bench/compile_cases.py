@@ -32,6 +32,7 @@ from batchrun.kernels.kv_layout import new_kv_cache
 from batchrun.kernels.moe import fused_experts
 from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.kernels.quant import quantize_int4, quantize_int8
+from batchrun.kernels.quant.act import INT_MM_MIN_ROWS, ActQuant
 from batchrun.kernels.quant.kv import QuantizedKVCache
 from batchrun.kernels.triton_aot import CompileLog, compile_only
 
@@ -133,6 +134,14 @@ def _norms(hidden: int, dtype: torch.dtype) -> Callable[[], None]:
         ew.rms_norm(x, w, 1e-6, is_gemma=True)
         ew.add_rms_norm(x, x.clone(), w, 1e-6)
         ew.act_mul(torch.randn(3, 2 * hidden).to(dtype), "silu")
+        # the norm quantizing for the fp8 / W8A8 linear after it (as RMSNorm.into asks: with and
+        # without a residual, W8A8's float channels skipped and its padding rows)
+        skip = torch.zeros(hidden, dtype=torch.bool)
+        ew.rms_norm_quant(x, x.clone(), w, 1e-6, ActQuant(INT8, skip, INT_MM_MIN_ROWS))
+        ew.rms_norm_quant(x, None, w, 1e-6, ActQuant(INT8, None, INT_MM_MIN_ROWS))
+        if dtype != FP32:
+            ew.rms_norm_quant(x, x.clone(), w, 1e-6, ActQuant(FP8))
+            ew.rms_norm_quant(x, None, w, 1e-6, ActQuant(FP8))
 
     return run
 

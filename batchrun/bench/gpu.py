@@ -3,6 +3,7 @@ step, CUDA graphs, memory and throughput; a table last and a JSON document with 
 
     python -m batchrun.bench.gpu                   # on a GPU: planned to fit 8 minutes on one H200
     python -m batchrun.bench.gpu --only kernels    # kernels | bandwidth | gemm | engine | throughput (repeatable)
+    python -m batchrun.bench.gpu --only decode8b   # the 8B decode phase (not in the default run)
     python -m batchrun.bench.gpu --smoke           # CPU: tiny shapes, kernels in Triton's interpreter
     python -m batchrun.bench.gpu --json PATH       # default: $OUT/bench-gpu.json, else ./bench-gpu.json
 
@@ -20,6 +21,11 @@ step, CUDA graphs, memory and throughput; a table last and a JSON document with 
    engine builds them) against cuBLAS bf16 at M = 1, 16, 64, 256 on Llama-3-8B's and Qwen3-0.6B's
    projection shapes: time, speed-up and % of the bytes-moved floor. In --smoke tiny shapes in the
    interpreter on a simulated sm_90, each mode's output checked against the float product.
+3b. 8B decode (`--only decode8b`, bench.gpu_decode; not in the default run: its ~5 minutes do not
+   fit the 8-minute plan beside the rest): the engine's decode output tok/s on a Llama-3-8B-shaped
+   random model at batch 1, 16 and 64 per weight mode (bf16, int8, int4, fp8, W8A8), with the ratio
+   to bf16 from the same run; skipped, saying why, without the GPU memory for the bf16 model. In
+   --smoke a tiny shape on the CPU through the same code, untimed.
 4. Engine (`--only engine`), on the Qwen3-0.6B-shaped model: memory at the engine's default KV
    sizing (weights, KV bytes and blocks, peak allocated, free after construction); every CUDA-graph
    bucket captured, a failed capture named; then bench.decode_step on 256 decoding sequences:
@@ -60,6 +66,7 @@ import torch
 
 from batchrun.bench.cases import attention_case, far_blocks_case, quantized_copy, rel_error
 from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
+from batchrun.bench.gpu_decode import DECODE_8B, check_decode_8b
 from batchrun.bench.gpu_engine import QWEN3, QWEN3_0_6B, SMOLLM2, SMOLLM2_135M, check_model, model_phases
 from batchrun.bench.gpu_gemm import check_gemms
 from batchrun.bench.gpu_launches import LAUNCHES
@@ -182,6 +189,35 @@ def _kernel_checks(
 
         return run
 
+    def norm_quant(qdtype):
+        def run():
+            from batchrun.kernels import triton_elementwise as tew
+            from batchrun.kernels.quant.act import INT_MM_MIN_ROWS, ActQuant
+            from batchrun.kernels.quant.triton_act import quantize_rows
+
+            if qdtype == fp8 and not triton_fp8_usable(device):
+                raise SkipCheck("no float8 e4m3 in Triton below compute capability 8.9")
+            m, n = (5, 64) if smoke else (48, 4096)
+            gen = torch.Generator().manual_seed(8)
+            h = torch.randn(m, n, generator=gen).to(device, bf16)
+            res = torch.randn(m, n, generator=gen).to(device, bf16)
+            w = (torch.rand(n, generator=gen) + 0.5).to(device, bf16)
+            skip = None
+            if qdtype == int8:
+                skip = torch.zeros(n, dtype=torch.bool, device=device)
+                skip[::37] = True  # W8A8's float channels
+            quant = ActQuant(qdtype, skip, INT_MM_MIN_ROWS if qdtype == int8 else 0)
+            got, got_res = tew.rms_norm_quant(h.clone(), res.clone(), w, 1e-6, quant)
+            want_x, want_res = tew.add_rms_norm(h.clone(), res.clone(), w, 1e-6)
+            want_q, want_s = quantize_rows(want_x, qdtype, skip, quant.min_rows)
+
+            def flat(x, res, q, s):
+                return torch.cat([t.contiguous().view(torch.uint8).flatten().double() for t in (x, res, q, s)])
+
+            return flat(got.x, got_res, got.q, got.scale), flat(want_x, want_res, want_q, want_s)
+
+        return run
+
     def w8a16(group: Optional[int]):
         def run():
             from batchrun.kernels.quant import int8_weight_matmul, quantize_int8
@@ -261,6 +297,8 @@ def _kernel_checks(
         ("kv write fp32 -> fp8", 0.0, kv_write_quantized(f32, fp8)),
         ("qkv norm+rope+write bf16 -> int8", 0.0, qkv_write_quantized(bf16, int8)),
         ("qkv norm+rope+write bf16 -> fp8", 0.0, qkv_write_quantized(bf16, fp8)),
+        ("add+RMSNorm quantizing int8 (W8A8) vs unfused", 0.0, norm_quant(int8)),
+        ("add+RMSNorm quantizing fp8 vs unfused", 0.0, norm_quant(fp8)),
         ("W8A16 per-channel", bf16_tol, w8a16(None)),
         ("W8A16 group 32", bf16_tol, w8a16(32)),
         ("W4A16 group 32", bf16_tol, w4a16),
@@ -485,6 +523,7 @@ GPU_ESTIMATES_S = {
     "kernels": 60,
     "bandwidth": 40,
     "gemm": 90,
+    DECODE_8B: 300,  # 5 engines (random weights, quantization, graph capture, warm-up) x 3 batch sizes
     f"{QWEN3}: build": 40,
     f"{QWEN3}: decode step": 20,
     f"{QWEN3}: greedy": 30,
@@ -520,7 +559,9 @@ def check_launches(report: Report) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", action="append", choices=("kernels", "bandwidth", "gemm", "engine", "throughput"))
+    parser.add_argument(
+        "--only", action="append", choices=("kernels", "bandwidth", "gemm", "decode8b", "engine", "throughput")
+    )
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, kernels in Triton's interpreter")
     parser.add_argument(
         "--budget-s",
@@ -556,6 +597,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "engine" not in selected and "throughput" not in selected:  # no engine to build
         per_model = {label: [] for label in per_model}
     names = [p for p in ("kernels", "bandwidth", "gemm") if p in selected]
+    if "decode8b" in selected:
+        names.append(DECODE_8B)
     names += [p for ps in per_model.values() for p in ps]
     if args.smoke and "engine" in selected:  # the interpreter is on: count what a decode step launches
         names.append(LAUNCHES)
@@ -583,6 +626,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         # the phase stops starting shapes at its own estimate, so it never eats the later phases' time
         gemm = functools.partial(check_gemms, device, args.smoke, report, budget.phases["gemm"].estimate_s)
         budget.run("gemm", gemm, report)
+    if "decode8b" in selected:
+        # like gemm, it stops starting modes at its own estimate; its engines are freed before the next phase
+        decode = functools.partial(check_decode_8b, device, args.smoke, report, budget.phases[DECODE_8B].estimate_s)
+        budget.run(DECODE_8B, decode, report)
     for label, shape in models:
         if per_model[label]:
             check_model(label, shape, device, args.smoke, budget, report, per_model[label])

@@ -27,7 +27,7 @@ import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -73,6 +73,7 @@ class StepLaunches:
     kernels: Counter = field(default_factory=Counter)
     copies: int = 0
     syncs: int = 0
+    logits: Optional[torch.Tensor] = None  # a counted decode step's (num_seqs, vocab) output
 
     @property
     def total(self) -> int:
@@ -136,9 +137,13 @@ def count_launches(host_buffers: tuple[torch.Tensor, ...] = ()) -> Iterator[Step
         InterpretedFunction.run = run
 
 
-def tiny_decoder(family: str, num_layers: int, dtype: torch.dtype, seed: int = 0) -> Any:
+def tiny_decoder(
+    family: str, num_layers: int, dtype: torch.dtype, seed: int = 0, quantization: str = "none", target=SM90
+) -> Any:
     """A random-weight DecoderLM of `family` (batchrun.testing's tiny shapes) with `num_layers`
-    layers, on the CPU in `dtype`, its projections plain nn.Linear as on a GPU."""
+    layers, on the CPU in `dtype`, its projections plain nn.Linear as on a GPU, or quantized as
+    the engine quantizes them for `target` (`quantization`: a weight mode, or "w8a8/float": W8A8
+    after SmoothQuant over random input ranges, with 4 float channels per projection)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from batchrun.model.decoder import build_decoder
@@ -152,7 +157,19 @@ def tiny_decoder(family: str, num_layers: int, dtype: torch.dtype, seed: int = 0
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    return build_decoder(config, state, dtype, torch.device("cpu")).eval()
+    model = build_decoder(config, state, dtype, torch.device("cpu")).eval()
+    if quantization != "none":
+        from batchrun.model.prepare import prepare_linears
+        from batchrun.model.quant.smoothquant import projections
+
+        mode = quantization.split("/")[0]
+        gen = torch.Generator().manual_seed(seed)
+        absmax = None
+        if quantization == "w8a8/float":
+            absmax = {name: torch.rand(m.in_features, generator=gen) + 0.1 for name, m in projections(model)}
+        with simulated_gpu(target):  # the layers hold their weights as on the GPU (no CPU packing)
+            prepare_linears(model, mode, None, dtype, input_absmax=absmax, outlier_channels=4 if absmax else 0)
+    return model
 
 
 def decode_step_launches(
@@ -195,6 +212,7 @@ def decode_step_launches(
         raise RuntimeError("the graphed decode step fell back to eager (a capture failed; see the log)")
     logits, _ = out
     assert logits.shape == (num_seqs, spec.vocab_size) and bool(torch.isfinite(logits).all())
+    launches.logits = logits
     return launches
 
 
@@ -221,13 +239,17 @@ class LaunchFigures:
 
 
 def launch_figures(
-    family: str = "qwen3", num_layers: int = 28, dtype: torch.dtype = torch.bfloat16, **step: Any
+    family: str = "qwen3",
+    num_layers: int = 28,
+    dtype: torch.dtype = torch.bfloat16,
+    quantization: str = "none",
+    **step: Any,
 ) -> LaunchFigures:
     """Kernels of one decode step split into what every layer adds and what the step adds once, from
     models of 2 and 3 layers (layer 0 and the last differ from the rest only in which kernel their
-    norm takes, never in how many), extrapolated to `num_layers`."""
-    two = decode_step_launches(tiny_decoder(family, 2, dtype), **step).kernels
-    three = decode_step_launches(tiny_decoder(family, 3, dtype), **step).kernels
+    norm takes, never in how many), extrapolated to `num_layers`; `quantization`: see tiny_decoder."""
+    two = decode_step_launches(tiny_decoder(family, 2, dtype, quantization=quantization), **step).kernels
+    three = decode_step_launches(tiny_decoder(family, 3, dtype, quantization=quantization), **step).kernels
     per_layer = Counter({n: three[n] - two[n] for n in set(two) | set(three) if three[n] != two[n]})
     assert all(v > 0 for v in per_layer.values()), f"a layer removed kernels: {per_layer}"
     per_step = Counter({n: two[n] - 2 * per_layer[n] for n in two if two[n] - 2 * per_layer[n]})

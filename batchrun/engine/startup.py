@@ -294,10 +294,12 @@ def warm_up(
     return summary
 
 
-def start_engine(config: EngineConfig) -> EngineParts:
-    """Every phase in order; EngineConfig.warmup None warms up on a GPU only."""
+def start_engine(config: EngineConfig, target: Optional[Target] = None) -> EngineParts:
+    """Every phase in order; EngineConfig.warmup None warms up on a GPU only. `target`: a model
+    already loaded and prepared (a benchmark's random weights built on the device) instead of
+    `load_target(config)`."""
     t0 = time.perf_counter()
-    target = load_target(config)
+    target = target if target is not None else load_target(config)
     kv_plan = plan_kv(config, target)
     cache = build_cache(config, target, kv_plan)
     limits = pick_batch_limits(config, cache, kv_plan)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from batchrun.kernels import cpu_native
 from batchrun.kernels.backend import triton_usable
+from batchrun.kernels.quant.act import ActQuant, QuantizedRows
 
 
 def _native(*tensors: torch.Tensor) -> bool:
@@ -72,6 +73,18 @@ def add_rms_norm(
     ):
         return _rms_norm_native(h, weight, eps, False, residual=residual), residual
     return add_rms_norm_reference(h, residual, weight, eps)
+
+
+def rms_norm_quant(
+    x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, quant: ActQuant
+) -> tuple[QuantizedRows, torch.Tensor]:
+    """add_rms_norm (rms_norm without a residual) whose normed rows also come quantized per token as
+    `quant` asks, in the same pass: the GPU's fp8 / W8A8 linears ask for it (their `input_quant`)
+    and then skip their own quantization kernel. The Triton kernel only: x 2-D with unit last
+    stride on a GPU (triton_usable), `residual` updated in place."""
+    from batchrun.kernels.triton_elementwise import rms_norm_quant as rms_norm_quant_triton
+
+    return rms_norm_quant_triton(x, residual, weight, eps, quant)
 
 
 def add_rms_norm_reference(

@@ -1,6 +1,9 @@
 """Triton kernels for the small ops between a decoder layer's GEMMs, fused so each is one pass.
 
 - `rms_norm` / `add_rms_norm`: (the residual add and) RMSNorm, one program per row.
+- `rms_norm_quant`: the same, and the normed row quantized per token (int8 or fp8 e4m3 codes and a
+  float32 scale) for the fp8 / W8A8 linear it feeds, which then skips its own quantization kernel
+  (the constexpr QUANT variant of the same kernel; the quantization is triton_act's quantize_row).
 - `silu_mul`: silu(gate) * up over the fused gate/up projection's output.
 - `qkv_norm_rope_write`: from the fused qkv projection's output, q/k-norm (Qwen3, Gemma 3), rotary
   on q and k (each token's cos/sin row read from per-position tables by its position, or given per
@@ -31,6 +34,8 @@ import triton
 import triton.language as tl
 
 from batchrun.kernels.qkv_heads import QKVHeads
+from batchrun.kernels.quant.act import ActQuant, QuantizedRows
+from batchrun.kernels.quant.triton_act import quantize_row
 from batchrun.kernels.triton_kv import kv_cache_args, kv_quantize, kv_scale
 
 
@@ -46,33 +51,52 @@ def _norm(x, w, inv_n, eps, IS_GEMMA: tl.constexpr):
     return (w.to(tl.float32) * normed.to(w.dtype).to(tl.float32)).to(w.dtype).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _rms_norm_kernel(
     x_ptr,
     res_ptr,
     w_ptr,
     out_ptr,
+    q_ptr,
+    s_ptr,
+    skip_ptr,
+    M,
     n,
     inv_n,
     eps,
     stride_x,
     stride_r,
     stride_o,
+    stride_q,
     HAS_RESIDUAL: tl.constexpr,
     IS_GEMMA: tl.constexpr,
+    QUANT: tl.constexpr,
+    IS_INT8: tl.constexpr,
+    HAS_SKIP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    """One program per row. With QUANT the normed row (as stored, in out's dtype) is also quantized
+    per token into q / s by kernels/quant/triton_act.py's quantize_row, the unfused kernel's own
+    code; the grid then covers max(M, min_rows) rows, and the rows past M (zero input) write only
+    their zero codes (torch._int_mm's padding) and scale."""
     row = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK)
     ok = d < n
-    x = tl.load(x_ptr + row * stride_x + d, mask=ok, other=0.0)
+    live = ok
+    if QUANT:
+        live = ok & ((tl.zeros_like(d) + row) < M)  # a vector: the interpreter takes no scalar in a mask
+    x = tl.load(x_ptr + row * stride_x + d, mask=live, other=0.0)
     if HAS_RESIDUAL:
         # residual + h rounded to the dtype first, as the reference's add is; stored as the new residual
-        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + d, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
-        tl.store(res_ptr + row * stride_r + d, x, mask=ok)
+        x = (x.to(tl.float32) + tl.load(res_ptr + row * stride_r + d, mask=live, other=0.0).to(tl.float32)).to(x.dtype)
+        tl.store(res_ptr + row * stride_r + d, x, mask=live)
     w = tl.load(w_ptr + d, mask=ok, other=0.0)
-    out = _norm(x.to(tl.float32), w, inv_n, eps, IS_GEMMA)
-    tl.store(out_ptr + row * stride_o + d, out.to(out_ptr.dtype.element_ty), mask=ok)
+    out = _norm(x.to(tl.float32), w, inv_n, eps, IS_GEMMA).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + d, out, mask=live)
+    if QUANT:
+        q, scale = quantize_row(out.to(tl.float32), skip_ptr, d, ok, IS_INT8, HAS_SKIP)
+        tl.store(q_ptr + row * stride_q + d, q.to(q_ptr.dtype.element_ty), mask=ok)
+        tl.store(s_ptr + row, scale)
 
 
 @functools.cache
@@ -100,14 +124,22 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool =
         x2,
         weight,
         out,
+        out,
+        out,
+        out,
+        x2.shape[0],
         n,
         _inverse(n),
         float(eps),
         x2.stride(0),
         x2.stride(0),
         out.stride(0),
+        0,
         HAS_RESIDUAL=False,
         IS_GEMMA=is_gemma,
+        QUANT=False,
+        IS_INT8=False,
+        HAS_SKIP=False,
         BLOCK=triton.next_power_of_2(n),
         enable_fp_fusion=False,
     )
@@ -131,18 +163,74 @@ def add_rms_norm(
         residual,
         weight,
         out,
+        out,
+        out,
+        out,
+        h.shape[0],
         n,
         _inverse(n),
         float(eps),
         h.stride(0),
         residual.stride(0),
         out.stride(0),
+        0,
         HAS_RESIDUAL=True,
         IS_GEMMA=False,
+        QUANT=False,
+        IS_INT8=False,
+        HAS_SKIP=False,
         BLOCK=triton.next_power_of_2(n),
         enable_fp_fusion=False,
     )
     return out, residual
+
+
+def rms_norm_quant(
+    x: torch.Tensor,  # (num_tokens, n)
+    residual: Optional[torch.Tensor],  # (num_tokens, n), updated in place to residual + x; or None
+    weight: torch.Tensor,  # (n,)
+    eps: float,
+    quant: ActQuant,
+) -> tuple[QuantizedRows, torch.Tensor]:
+    """(rows, residual + x) where rows holds rms_norm(residual + x) (`add_rms_norm`; without a
+    residual `rms_norm(x)` and x) and its per-token codes and scales as `quant` asks, bitwise
+    `quantize_rows(rows.x, quant.dtype, quant.skip, quant.min_rows)`: one launch for what the norm
+    and the linear's quantization kernel did in two."""
+    assert x.dim() == 2 and x.stride(1) == 1
+    if residual is not None:
+        assert residual.stride(1) == 1 and residual.shape == x.shape
+    assert quant.dtype in (torch.int8, torch.float8_e4m3fn)
+    m, n = x.shape
+    rows = max(m, quant.min_rows)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # (num_tokens, n)
+    q = torch.empty((rows, n), dtype=quant.dtype, device=x.device)  # (rows, n), zero past num_tokens
+    scale = torch.empty((rows, 1), dtype=torch.float32, device=x.device)
+    if rows > 0:
+        _rms_norm_kernel[(rows,)](
+            x,
+            residual if residual is not None else x,
+            weight,
+            out,
+            q,
+            scale,
+            quant.skip if quant.skip is not None else x,
+            m,
+            n,
+            _inverse(n),
+            float(eps),
+            x.stride(0),
+            residual.stride(0) if residual is not None else x.stride(0),
+            out.stride(0),
+            q.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            IS_GEMMA=False,
+            QUANT=True,
+            IS_INT8=quant.dtype == torch.int8,
+            HAS_SKIP=quant.skip is not None,
+            BLOCK=triton.next_power_of_2(n),
+            enable_fp_fusion=False,
+        )
+    return QuantizedRows(out, q, scale[:m]), residual if residual is not None else x
 
 
 @triton.jit

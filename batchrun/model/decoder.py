@@ -9,6 +9,7 @@ because one wide matmul beats three narrow ones on every backend.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -134,6 +135,26 @@ class RMSNorm(nn.Module):
         """(norm(residual + h), residual + h), one pass; `residual` may be updated in place."""
         assert not self.is_gemma, "Gemma adds its sublayer outputs after their own norms"
         return ew.add_rms_norm(h, residual, self.weight, self.eps)
+
+    def into(self, linear: Optional[nn.Module], h: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[Any, Any]:
+        """(norm(residual + h), residual + h) as the input of `linear`, the one layer it feeds
+        (`add_forward`; without a residual norm(h) and h). Where `linear` takes its input quantized
+        per token (fp8 / W8A8 on a GPU say so by `input_quant`), the rows come with their codes
+        from this same pass (QuantizedRows), and the linear skips its own quantization kernel."""
+        input_quant: Optional[Callable[[torch.Tensor], Any]] = getattr(linear, "input_quant", None)
+        quant = None
+        if (
+            input_quant is not None
+            and h.dim() == 2
+            and h.stride(1) == 1
+            and (residual is None or (residual.stride(1) == 1 and residual.shape == h.shape))
+        ):
+            quant = input_quant(h)
+        if quant is not None:
+            return ew.rms_norm_quant(h, residual, self.weight, self.eps, quant)
+        if residual is None:
+            return self(h), h
+        return self.add_forward(h, residual)
 
 
 class RotaryTables:
@@ -280,12 +301,9 @@ class DecoderLayer(nn.Module):
                 x = x + residual
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), None
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.input_layernorm.into(self.self_attn.qkv_proj, x, residual)
         h = self.self_attn(h, cos_sin, kv_cache, meta)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        h, residual = self.post_attention_layernorm.into(getattr(self.mlp, "gate_up_proj", None), h, residual)
         return self.mlp(h), residual
 
 

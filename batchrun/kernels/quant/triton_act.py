@@ -6,7 +6,11 @@ W8A8: quantize + torch._int_mm + epilogue).
 kernels/quant, bitwise: one program per row loads it once, takes its amax, the scale
 `activation_scale` (formats.py: max(amax / qmax, MIN_SCALE), a correctly rounded division as the
 CPU torch code does it) and x / scale rounded as the torch cast does (kernels/quant/triton_codes.py:
-kv_quantize, shared with the KV cache's writes). W8A8's outlier channels count as 0 there.
+kv_quantize, shared with the KV cache's writes). W8A8's outlier channels count as 0 there. The
+row's quantization is one Triton function, `quantize_row`, which the RMSNorm before qkv and gate/up
+also calls (kernels/triton_elementwise.py: rms_norm_quant): those linears then take their input as
+QuantizedRows (kernels/quant/act.py) and skip the quantization launch (fp8: torch._scaled_mm alone;
+W8A8: torch._int_mm + epilogue).
 
 `w8a8_epilogue` turns the int32 product into the output: acc * w_scale * x_scale (the order
 `w8a8.py: _w8a8_epilogue` multiplies in, so without float channels it is bitwise that), plus W8A8's
@@ -16,21 +20,21 @@ GEMM), one rounding to the output dtype, then the bias in that dtype as torch ad
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import triton
 import triton.language as tl
 
+from batchrun.kernels.quant.act import INT_MM_MIN_ROWS, QuantizedRows
 from batchrun.kernels.quant.formats import FP8_E4M3_MAX, INT8_MAX, MIN_SCALE
 from batchrun.kernels.quant.triton_codes import kv_quantize
 
 _INT8_MAX = tl.constexpr(INT8_MAX)
 _FP8_MAX = tl.constexpr(FP8_E4M3_MAX)
 _MIN_SCALE = tl.constexpr(MIN_SCALE)
-# cuBLAS's int8 GEMM (torch._int_mm) takes more than this many rows: fewer are padded with zero rows,
-# written by the quantization kernel itself rather than by a separate pad.
-INT_MM_MIN_ROWS = 17
+
+__all__ = ["INT_MM_MIN_ROWS", "fp8_linear", "quantize_row", "quantize_rows", "w8a8_epilogue", "w8a8_linear"]
 
 
 @triton.jit
@@ -39,6 +43,20 @@ def activation_scale(amax, IS_INT8: tl.constexpr):
     correctly rounded (div_rn) as CPU torch divides a tensor by a Python float."""
     qmax = _INT8_MAX if IS_INT8 else _FP8_MAX
     return tl.maximum(tl.math.div_rn(amax, qmax), _MIN_SCALE)
+
+
+@triton.jit
+def quantize_row(x, skip_ptr, offs, k_ok, IS_INT8: tl.constexpr, HAS_SKIP: tl.constexpr):
+    """(codes, scale) of one row: x (BLOCK,) float32, zero past the row's end (k_ok false); with
+    HAS_SKIP the columns whose skip_ptr entry is set count as 0 (and their codes are 0). The codes
+    are float32 values exact in int8 / float8_e4m3fn. The one quantization of an activation row:
+    `_quantize_rows_kernel` and the RMSNorm that quantizes its output
+    (kernels/triton_elementwise.py) both call it, so their codes and scales are bitwise equal."""
+    if HAS_SKIP:
+        skip = tl.load(skip_ptr + offs, mask=k_ok, other=0).to(tl.int32)
+        x = tl.where(skip != 0, 0.0, x)
+    scale = activation_scale(tl.max(tl.abs(x), axis=0), IS_INT8)
+    return kv_quantize(x, scale, IS_INT8), scale
 
 
 @triton.jit
@@ -79,12 +97,7 @@ def _quantize_rows_kernel(
     k_ok = offs < K
     row_ok = (tl.zeros_like(offs) + row) < M  # as a vector: the interpreter takes no scalar in a mask
     x = tl.load(x_ptr + row.to(tl.int64) * stride_xm + offs, mask=k_ok & row_ok, other=0.0).to(tl.float32)
-    if HAS_SKIP:  # outlier channels: left out of the scale, stored as 0
-        skip = tl.load(skip_ptr + offs, mask=k_ok, other=0).to(tl.int32)
-        x = tl.where(skip != 0, 0.0, x)
-    amax = tl.max(tl.abs(x), axis=0)
-    scale = activation_scale(amax, IS_INT8)
-    q = kv_quantize(x, scale, IS_INT8)  # float32, exact in q's dtype
+    q, scale = quantize_row(x, skip_ptr, offs, k_ok, IS_INT8, HAS_SKIP)  # outlier channels: 0
     tl.store(q_ptr + row.to(tl.int64) * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=k_ok)
     tl.store(s_ptr + row, scale)  # a padding row's too (MIN_SCALE): s has M_pad entries
 
@@ -221,7 +234,7 @@ def w8a8_epilogue(
 
 
 def w8a8_linear(
-    x: torch.Tensor,
+    x: Union[torch.Tensor, QuantizedRows],
     qweight: torch.Tensor,
     w_scales: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
@@ -231,20 +244,32 @@ def w8a8_linear(
 ) -> torch.Tensor:
     """`w8a8.w8a8_matmul` in 3 kernels: x (M, K) quantized per token (outlier columns `skip` left
     out), torch._int_mm against qweight (N, K) int8, the epilogue (w_scales (N,) float32, the float
-    channels `index`/`weight_t`, bias). Without float channels bitwise w8a8_matmul's torch path."""
+    channels `index`/`weight_t`, bias). Without float channels bitwise w8a8_matmul's torch path.
+    x given as QuantizedRows (int8, `skip` left out, INT_MM_MIN_ROWS rows at least: what the norm
+    before the linear wrote) skips the quantization: 2 kernels."""
+    if isinstance(x, QuantizedRows):
+        xq, sx, x = x.q, x.scale, x.x
+    else:
+        xq, sx = quantize_rows(x, torch.int8, skip, min_rows=INT_MM_MIN_ROWS)
     m = x.shape[0]
-    xq, sx = quantize_rows(x, torch.int8, skip, min_rows=INT_MM_MIN_ROWS)
     acc = torch._int_mm(xq, qweight.t())[:m]  # (M, N) int32
     return w8a8_epilogue(acc, w_scales, sx, bias, x.dtype, x if x.stride(1) == 1 else x.contiguous(), index, weight_t)
 
 
 def fp8_linear(
-    x: torch.Tensor, qweight: torch.Tensor, scale_b: torch.Tensor, bias: Optional[torch.Tensor] = None
+    x: Union[torch.Tensor, QuantizedRows],
+    qweight: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """`weight_only.fp8_scaled_matmul` in 2 kernels for a bf16/fp16 x (M, K): the per-token e4m3
     quantization, torch._scaled_mm with row-wise scales (scale_b: (1, N) float32) and the bias
-    (its epilogue takes a bias in the output dtype)."""
-    xq, sx = quantize_rows(x, torch.float8_e4m3fn)
+    (its epilogue takes a bias in the output dtype). x given as QuantizedRows (e4m3 codes, from the
+    norm before the linear): torch._scaled_mm alone."""
+    if isinstance(x, QuantizedRows):
+        xq, sx, x = x.q, x.scale, x.x
+    else:
+        xq, sx = quantize_rows(x, torch.float8_e4m3fn)
     out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     fused_bias = bias if bias is not None and bias.dtype == out_dtype == torch.bfloat16 else None
     y = torch._scaled_mm(xq, qweight.t(), scale_a=sx, scale_b=scale_b, bias=fused_bias, out_dtype=out_dtype)

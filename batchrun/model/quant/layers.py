@@ -15,6 +15,7 @@ from batchrun.kernels import quant as qk
 from batchrun.kernels.backend import triton_fp8_usable, triton_usable
 from batchrun.kernels.cpu_linear import pack_native_weight, silu_pair_order, unpack_native_weight
 from batchrun.kernels.quant import w4a8 as w4
+from batchrun.kernels.quant.act import INT_MM_MIN_ROWS, ActQuant, QuantizedRows
 from batchrun.model.linear import PackedWeightLinear
 from batchrun.model.quant.weights import QuantizedWeight
 
@@ -28,6 +29,7 @@ CPU_INT8PACK_MAX_ROWS = 4
 # ones). The one setting; set it where `python -m batchrun.bench.gpu --only gemm` shows the fused
 # kernel losing to cuBLAS (docs/quantization.md).
 GPU_DENSE_MIN_ROWS: Optional[int] = None
+_FP8_ROWS = ActQuant(torch.float8_e4m3fn)  # Fp8Linear's input: e4m3 codes per token, no padding rows
 
 
 def _dense_copy(weight: QuantizedWeight, compute_dtype: Optional[torch.dtype]) -> Optional[torch.Tensor]:
@@ -171,7 +173,29 @@ class W8A8Linear(QuantLinear):
                 and (out is None or (out.dtype == torch.bfloat16 and out.device.type == "cpu"))
             )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def input_quant(self, x: torch.Tensor) -> Optional[ActQuant]:
+        """How this layer's GPU path quantizes x, for the RMSNorm before it to do in its own pass
+        (model/decoder.py: RMSNorm.into); None where another path runs."""
+        if self.is_native or not triton_usable(x):
+            return None
+        o = self.outliers
+        return ActQuant(torch.int8, None if o is None else o.skip, INT_MM_MIN_ROWS)
+
+    def forward(self, x: Union[torch.Tensor, QuantizedRows]) -> torch.Tensor:
+        """x, or x already quantized as input_quant says (QuantizedRows: 2 kernels instead of 3)."""
+        if isinstance(x, QuantizedRows):
+            from batchrun.kernels.quant.triton_act import w8a8_linear
+
+            o = self.outliers
+            return w8a8_linear(
+                x,
+                self.qweight,
+                self.scales.reshape(-1),
+                self.bias,
+                None if o is None else o.index,
+                None if o is None else o.skip,
+                None if o is None else o.weight_t,
+            )
         if self.is_native:
             if (
                 x.dtype == torch.bfloat16
@@ -382,7 +406,8 @@ class W4A8SiluMulLinear(W4A8Linear):
 class Fp8Linear(QuantLinear):
     """e4m3 weights per channel: W8A8-FP8 through torch._scaled_mm on GPUs with fp8 tensor cores
     (compute capability 8.9+), its activations quantized per token by one Triton kernel (2 kernels
-    per linear: kernels/quant/triton_act.py: fp8_linear); a dequantizing reference elsewhere."""
+    per linear: kernels/quant/triton_act.py: fp8_linear), or by the RMSNorm before it (`input_quant`:
+    _scaled_mm alone); a dequantizing reference elsewhere."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
@@ -398,8 +423,21 @@ class Fp8Linear(QuantLinear):
             9,
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if triton_usable(x) and triton_fp8_usable(x.device) and x.dtype in (torch.bfloat16, torch.float16):
+    def input_quant(self, x: torch.Tensor) -> Optional[ActQuant]:
+        """How this layer's GPU path quantizes x, for the RMSNorm before it to do in its own pass
+        (model/decoder.py: RMSNorm.into); None where another path runs."""
+        return _FP8_ROWS if self._scaled_mm_path(x) else None
+
+    def _scaled_mm_path(self, x: torch.Tensor) -> bool:
+        return triton_usable(x) and triton_fp8_usable(x.device) and x.dtype in (torch.bfloat16, torch.float16)
+
+    def forward(self, x: Union[torch.Tensor, QuantizedRows]) -> torch.Tensor:
+        """x, or x already quantized as input_quant says (QuantizedRows: torch._scaled_mm alone)."""
+        if isinstance(x, QuantizedRows):
+            from batchrun.kernels.quant.triton_act import fp8_linear
+
+            return fp8_linear(x, self.qweight, self.scales.t(), self.bias)
+        if self._scaled_mm_path(x):
             from batchrun.kernels.quant.triton_act import fp8_linear
 
             shape = x.shape

@@ -17,6 +17,13 @@ the position of the token being sampled) and inverts the CDF of its masked distr
 therefore depends on nothing else in the batch, nor on how many steps the request was split over.
 Speculative decoding draws from the same hash with a stream id (draft proposals, acceptance tests,
 residual resampling), so its draws are independent of the sampler's and of each other's.
+
+On a GPU a sampled row draws by the Gumbel-max race instead (kernels/sampling.py: argmax of
+s - log E over the kept tokens, one exponential variate per token hashed from (seed, position,
+token id)): one fused kernel pass per row, no sort or prefix sum over the vocabulary, the per-row
+settings in one pinned upload and no per-row host work. Same distribution, same independence from
+the batch; a seeded request reproduces on the same kind of device, and its tokens differ between a
+CPU run and a GPU run (they did before too: the logits differ in their last bits).
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from typing import Optional
 import torch
 
 from batchrun.engine.config import SamplingParams
+from batchrun.kernels.backend import triton_usable
+from batchrun.kernels.sampling import gumbel_sample, pack_rows
 
 CANDIDATES = 128  # first candidate width for a top-p nucleus; rows it cannot hold retry 8x wider
 _MASK64 = (1 << 64) - 1
@@ -252,6 +261,8 @@ class Sampler:
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if not sampled:
             tokens = logits.argmax(dim=-1)
+        elif triton_usable(logits):
+            tokens = self._race(logits, params, seeds, positions)
         else:
             tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
             greedy = [i for i, p in enumerate(params) if p.is_greedy]
@@ -265,6 +276,40 @@ class Sampler:
                 if group:
                     tokens[upload(group, torch.int64, device)] = self._draw(logits, group, params, seeds, positions)
         return tokens
+
+    def _race(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[Optional[int]],
+        positions: Sequence[int],
+    ) -> torch.Tensor:
+        """The GPU's draw (module doc): every row in one Gumbel-race launch, greedy rows inside it
+        exact argmaxes, after the top-k/top-p thresholds of the rows that ask for them."""
+        vocab = logits.shape[-1]
+        host = torch.from_numpy(pack_rows(self.row_seeds(params, seeds), positions, [p.temperature for p in params]))
+        rows = host.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else host  # (3, B)
+        truncated = [i for i, p in enumerate(params) if not p.is_greedy and _is_truncated(p, vocab)]
+        threshold = None
+        if truncated:
+            # (B,) float32: the smallest scaled logit each truncated row keeps, -inf elsewhere; the
+            # rows scaled by the very temperature bits the race divides by.
+            idx = upload(truncated, torch.int64, logits.device)
+            temperature = rows[2].to(torch.int32).view(torch.float32)
+            s = logits.index_select(0, idx).float() / temperature.index_select(0, idx)[:, None]
+            sub, _ = _truncate_rows(s, [params[i].top_k for i in truncated], [params[i].top_p for i in truncated], None)
+            threshold = torch.full((logits.shape[0],), float("-inf"), dtype=torch.float32, device=logits.device)
+            threshold = threshold.index_copy(0, idx, sub.float())
+        return gumbel_sample(logits, rows, threshold)
+
+    def row_seeds(self, params: Sequence[SamplingParams], seeds: Sequence[Optional[int]]) -> list[int]:
+        """Each row's seed for the race: its request's, or for an unseeded sampled row one drawn
+        from this sampler's generator (in row order, one generator call per step); 0 for greedy rows."""
+        unseeded = sum(1 for p, seed in zip(params, seeds) if seed is None and not p.is_greedy)
+        fresh = iter(
+            torch.randint(-(2**63), 2**63 - 1, (unseeded,), generator=self._generator).tolist() if unseeded else ()
+        )
+        return [(0 if p.is_greedy else next(fresh)) if seed is None else seed for p, seed in zip(params, seeds)]
 
     def _draw(
         self,

@@ -1,0 +1,114 @@
+"""The Gumbel-max sampler as one Triton kernel: one program per row, one pass over its logits.
+
+Each program derives its row's key from the packed (seed, position, temperature bits), then walks
+the vocabulary in blocks, keeping the running maximum of the race key (s - log E, or the raw logit
+for a greedy row) and its first index, and the first NaN. Hash, constants and float32 rounding are
+those of `batchrun.kernels.sampling` (the module doc there); the launch turns multiply-add fusion
+off, and the division by temperature is div_rn, so every value rounds as the torch reference's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from batchrun.kernels.race_hash import C_POS, C_SEED, C_TOKEN, MIX_A, MIX_B, SMALL_U, THIRD
+
+_BLOCK = 2048  # logits per iteration: 8 KiB of float32 in flight per program
+# The shared constants, as compile-time constants of the kernel.
+_MIX_A = tl.constexpr(MIX_A)
+_MIX_B = tl.constexpr(MIX_B)
+_C_SEED = tl.constexpr(C_SEED)
+_C_POS = tl.constexpr(C_POS)
+_C_TOKEN = tl.constexpr(C_TOKEN)
+_SMALL_U = tl.constexpr(SMALL_U)
+_THIRD = tl.constexpr(THIRD)
+
+
+@triton.jit
+def _mix(x):
+    """sampling.mix32 on uint32 words (the multiplies wrap mod 2**32, the shifts are logical)."""
+    x = x ^ (x >> 16)
+    x = x * _MIX_A
+    x = x ^ (x >> 15)
+    x = x * _MIX_B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _gumbel_sample_kernel(
+    logits_ptr,
+    stride_row,
+    rows_ptr,  # (3, B) int64: seed, position, temperature float32 bits
+    threshold_ptr,  # (B,) float32, read only when HAS_THRESHOLD
+    out_ptr,  # (B,) int64
+    num_rows,
+    vocab,
+    HAS_THRESHOLD: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    seed = tl.load(rows_ptr + row)
+    position = tl.load(rows_ptr + num_rows + row)
+    temperature = tl.load(rows_ptr + 2 * num_rows + row).to(tl.int32).to(tl.float32, bitcast=True)
+    lo = seed.to(tl.uint32)
+    hi = (seed >> 32).to(tl.uint32)
+    key = _mix(_mix(hi ^ _C_SEED) ^ lo)
+    key = _mix(key ^ _mix(position.to(tl.uint32) ^ _C_POS))
+    greedy = temperature == 0.0
+    divisor = tl.where(greedy, 1.0, temperature)
+    threshold = float("-inf")
+    if HAS_THRESHOLD:
+        threshold = tl.load(threshold_ptr + row)
+    base = logits_ptr + row.to(tl.int64) * stride_row
+    best = float("-inf")
+    best_idx = 0
+    nan_idx = vocab
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        live = cols < vocab
+        x = tl.load(base + cols, mask=live, other=float("-inf")).to(tl.float32)
+        s = tl.math.div_rn(x, divisor)
+        h = _mix(key ^ _mix(cols.to(tl.uint32) ^ _C_TOKEN))
+        u = ((h >> 1).to(tl.float32) + 0.5) * 4.656612873077393e-10  # 2**-31
+        e = tl.where(u < _SMALL_U, u * (1.0 + u * (0.5 + u * _THIRD)), -tl.log(1.0 - u))
+        k = s - tl.log(e)
+        k = tl.where(s >= threshold, k, float("-inf"))
+        k = tl.where(greedy, x, k)
+        k = tl.where(live, k, float("-inf"))
+        nan_idx = tl.minimum(nan_idx, tl.min(tl.where(x != x, cols, vocab), 0))
+        m = tl.max(tl.where(x != x, float("-inf"), k), 0)
+        first = tl.min(tl.where(k == m, cols, vocab), 0)
+        better = m > best
+        best_idx = tl.where(better, first, best_idx)
+        best = tl.where(better, m, best)
+    token = tl.where(nan_idx < vocab, nan_idx, best_idx)
+    tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def gumbel_sample(logits: torch.Tensor, rows: torch.Tensor, threshold: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """sampling.gumbel_sample on the GPU (or in Triton's interpreter): one launch."""
+    assert logits.dim() == 2 and logits.stride(-1) == 1, "rows of contiguous logits"
+    num_rows, vocab = logits.shape
+    assert rows.shape == (3, num_rows) and rows.dtype == torch.int64 and rows.is_contiguous()
+    out = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows == 0:
+        return out
+    block = min(_BLOCK, triton.next_power_of_2(vocab))
+    _gumbel_sample_kernel[(num_rows,)](
+        logits,
+        logits.stride(0),
+        rows,
+        threshold if threshold is not None else out,
+        out,
+        num_rows,
+        vocab,
+        HAS_THRESHOLD=threshold is not None,
+        BLOCK=block,
+        num_warps=8 if block >= 1024 else 4,
+        enable_fp_fusion=False,
+    )
+    return out

@@ -260,6 +260,24 @@ def _kernel_checks(
             grouped_gemm_reference(x, b, d.expert_offsets, d.sorted_token_ids),
         )
 
+    def sampling_race() -> tuple[torch.Tensor, torch.Tensor]:
+        """The engine's GPU sampler (one Gumbel-race launch) against its torch reference: mixed
+        greedy and sampled rows, half of them under a top-k threshold. Equal tokens, but where two
+        rows' race keys tie to the last bit of `log` (none expected at these sizes)."""
+        from batchrun.kernels.sampling import gumbel_sample_reference, pack_rows
+        from batchrun.kernels.triton_sampling import gumbel_sample
+
+        rows, vocab = (12, 3000) if smoke else (256, 151936)
+        gen = torch.Generator().manual_seed(7)
+        logits = (torch.randn(rows, vocab, generator=gen) * 3).to(device, bf16)
+        temps = [0.0 if i % 4 == 0 else 0.6 for i in range(rows)]
+        packed = torch.from_numpy(pack_rows(list(range(1, rows + 1)), [100 + i for i in range(rows)], temps)).to(device)
+        s = logits.float() / torch.tensor(temps, device=device).clamp_min(1e-9)[:, None]
+        kth = s.topk(50, dim=-1).values[:, -1]
+        threshold = torch.where(torch.arange(rows, device=device) % 2 == 1, kth, float("-inf"))
+        got = gumbel_sample(logits, packed, threshold)
+        return got.double(), gumbel_sample_reference(logits, packed, threshold).double()
+
     f32, int8, fp8 = torch.float32, torch.int8, torch.float8_e4m3fn
     bf16_tol, f32_tol = 2e-2, 1e-4
     return [
@@ -303,6 +321,7 @@ def _kernel_checks(
         ("W8A16 group 32", bf16_tol, w8a16(32)),
         ("W4A16 group 32", bf16_tol, w4a16),
         ("MoE grouped GEMM", bf16_tol, moe),
+        ("sampling race (temperature, top-k) vs reference", 0.0, sampling_race),
     ]
 
 

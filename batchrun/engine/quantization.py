@@ -12,7 +12,7 @@ from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner
 from batchrun.engine.scheduler import ScheduledBatch
-from batchrun.kernels.backend import triton_usable
+from batchrun.kernels.backend import triton_installed, triton_usable
 from batchrun.model.decoder import DecoderLM
 from batchrun.model.invariant import use_invariant_linears
 from batchrun.model.prepare import prepare_linears
@@ -47,6 +47,11 @@ def prepare_linears_for_engine(
     With engine.batch_invariant where the Triton kernels serve the device (a GPU), every linear runs
     the batch-invariant Triton matmul instead (model/invariant.py); the quantized GEMMs there pick
     tiles and split-K by row count, so that combination is refused."""
+    if config.batch_invariant and torch.device(device).type == "cuda" and not triton_installed():
+        raise ValueError(
+            "engine.batch_invariant=true needs triton on a GPU (its linears run a Triton matmul, cuBLAS's "
+            "rows depend on the batch); install triton or turn engine.batch_invariant off"
+        )
     if config.batch_invariant and triton_usable(torch.empty(0, device=device)):
         if config.quantization != "none":
             raise ValueError(

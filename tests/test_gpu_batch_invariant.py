@@ -164,7 +164,7 @@ def _child(models: list[str]) -> None:
     torch.set_num_threads(1)
     for model in models:
         with simulated_gpu(SM90), count_launches() as launches:
-            same = compare(model, "cpu", num_prompts=3, max_chars=60, max_tokens=5, chunk_budget=8)
+            same = compare(model, "cpu", num_prompts=3, max_chars=44, max_tokens=4, chunk_budget=8)
         calls = {k.split(":", 1)[1]: v for k, v in launches.kernels.items() if k.startswith("triton:")}
         print(json.dumps({"same": same, "calls": calls}), flush=True)
 

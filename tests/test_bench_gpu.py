@@ -75,8 +75,8 @@ def test_smoke_run_writes_every_section(tmp_path):
 
     gemm = data["gemm"]  # every mode's linear on the GPU dispatch path, in the interpreter
     assert gemm["note"] == "n/a (no CUDA)" and gemm["copy_bytes_per_s"] is None and gemm["cut_shapes"] == 0
-    assert {r["mode"] for r in gemm["rows"]} == {"bf16", "int8", "int4", "fp8", "w8a8"}
-    assert {r["m"] for r in gemm["rows"]} == {1, 20} and len(gemm["rows"]) == 2 * 2 * 5
+    assert {r["mode"] for r in gemm["rows"]} == {"bf16", "int8", "int4", "fp8", "w8a8", "batch-invariant"}
+    assert {r["m"] for r in gemm["rows"]} == {1, 20} and len(gemm["rows"]) == 2 * 2 * 6
     assert all(r["rel_err_vs_float"] <= 0.2 and r["bytes"] > 0 and "us" not in r for r in gemm["rows"])
     int4 = next(r for r in gemm["rows"] if r["mode"] == "int4")
     bf16 = next(r for r in gemm["rows"] if r["mode"] == "bf16")

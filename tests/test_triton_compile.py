@@ -76,6 +76,13 @@ def test_the_cases_cover_the_variants_a_run_uses(sm90):
         assert {_first_pointer_dtype(v) for v in sm90.of(name)} >= {"bf16", "fp32"}, name
     assert "fp16" in {_first_pointer_dtype(v) for v in sm90.of("_prefill_kernel")}
     assert len(sm90.of("_merge_splits_kernel")) >= 2
+    # engine.batch_invariant's matmul: every dtype and column-tile width, one variant per weight shape
+    # whatever the row count (M = 1, 16 and 37 launch each)
+    invariant = sm90.of("_invariant_matmul_kernel")
+    assert {_first_pointer_dtype(v) for v in invariant} == {"bf16", "fp16", "fp32"}
+    assert {v.constexprs["BLOCK_N"] for v in invariant if _first_pointer_dtype(v) == "bf16"} == {32, 64, 128}
+    launches = [(v.label, v.launches) for v in invariant]
+    assert all(v.launches % 3 == 0 and "M" not in v.constexprs for v in invariant), launches
     # the decoder's rotary: cos/sin tables read at each token's position
     assert {v.constexprs["HAS_POSITIONS"] for v in sm90.of("_qkv_kernel")} == {True}
     # the norms that quantize for the fp8 / W8A8 linears: both codes, with and without a residual

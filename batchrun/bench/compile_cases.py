@@ -200,6 +200,20 @@ def _moe(dtype: torch.dtype, num_experts: int = 8, top_k: int = 2) -> Callable[[
     return run
 
 
+def _invariant(n: int, k: int, dtype: torch.dtype, has_bias: bool) -> Callable[[], None]:
+    """engine.batch_invariant's dense matmul: one variant per (N, K, dtype) tile config, whatever M."""
+
+    def run() -> None:
+        from batchrun.kernels.triton_invariant import invariant_matmul
+
+        w = torch.empty(n, k, dtype=dtype)  # (N, K); compiled, never run: the values do not matter
+        bias = torch.zeros(n, dtype=dtype) if has_bias else None
+        for m in (1, 16, 37):  # one variant: M is not specialized on
+            invariant_matmul(torch.empty(m, k, dtype=dtype), w, bias)
+
+    return run
+
+
 def _kv_name(kv: Optional[torch.dtype]) -> str:
     return {None: "float", INT8: "int8", FP8: "fp8"}[kv]
 
@@ -286,6 +300,14 @@ def _gemm_cases() -> Iterator[LaunchCase]:
             )
         yield LaunchCase(f"MoE grouped GEMM {_dtype_name(dtype)} 8 experts", _moe(dtype), dtype is BF16)
     yield LaunchCase("MoE grouped GEMM bf16 64 experts top 8", _moe(BF16, 64, 8), False)
+    # batch-invariant linears: each column-tile width (a narrow projection, a wide one, an LM head's
+    # over 8192 columns), each dtype
+    for n, k in ((576 + 2 * 192, 576), (4096, 2048), (16384, 1024)):
+        for dtype in (BF16, FP16, FP32):
+            is_fast = dtype is BF16 or (dtype is FP32 and n <= 4096) or (dtype is FP16 and n == 4096)
+            yield LaunchCase(
+                f"batch-invariant matmul {_dtype_name(dtype)} {n}x{k}", _invariant(n, k, dtype, n < 1000), is_fast
+            )
 
 
 def launch_cases(full: bool = False) -> list[LaunchCase]:

@@ -5,7 +5,8 @@ Each mode's projection is the engine's layer (model/quant/layers.py: make_linear
 groups of 32 as engine.quantization builds them), so what is timed is the GPU dispatch path: the
 fused Triton dequantize-GEMMs for int8/int4 (tiles tuned at their first call, before timing), the
 per-token quantization kernel + torch._scaled_mm for fp8, quantization + torch._int_mm + epilogue
-for W8A8. The baseline is torch.nn.functional.linear over the bf16 weight (cuBLAS), timed in the
+for W8A8, and engine.batch_invariant's float linear (the batch-invariant Triton matmul over the
+bf16 weight). The baseline is torch.nn.functional.linear over the bf16 weight (cuBLAS), timed in the
 same run on the same shapes.
 
 The floor: the bytes a call must move (the weight as stored, scales and mins included, x and y in
@@ -50,7 +51,7 @@ SHAPES: list[tuple[str, str, int, int]] = [
 SMOKE_SHAPES: list[tuple[str, str, int, int]] = [("tiny", "qkv", 96, 64), ("tiny", "down", 64, 128)]
 ROWS = (1, 16, 64, 256)
 SMOKE_ROWS = (1, 20)
-MODES = ("int8", "int4", "fp8", "w8a8")
+MODES = ("int8", "int4", "fp8", "w8a8", "batch-invariant")
 GPU_ONLY_MODES = ("torch-int4",)  # torch's tinygemm int4 kernel beside ours (TorchInt4)
 # A mode's output against the float product: far above each format's rounding error (int4 in
 # groups of 32 on random weights: ~0.1), far below what a wrong kernel or layout gives.
@@ -60,6 +61,13 @@ MAX_REL_ERR = 0.2
 def _layer(mode: str, w: torch.Tensor) -> torch.nn.Module:
     """The engine's projection for `mode` over the float weight w (N, K)."""
     from batchrun.model.quant.layers import make_linear
+
+    if mode == "batch-invariant":  # engine.batch_invariant's float linear (kernels/triton_invariant.py)
+        from batchrun.model.invariant import InvariantLinear
+
+        linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
+        linear.weight.data = w
+        return InvariantLinear(linear)
     from batchrun.model.quant.weights import quantize_weight
 
     fmt = {"int8": "int8", "int4": "int4", "fp8": "fp8", "w8a8": "int8"}[mode]
@@ -93,7 +101,7 @@ class TorchInt4(torch.nn.Module):
 
 
 def _weight_bytes(layer: torch.nn.Module) -> int:
-    return sum(b.numel() * b.element_size() for b in layer.buffers())
+    return sum(b.numel() * b.element_size() for b in (*layer.buffers(), *layer.parameters()))
 
 
 def _copy_bandwidth(device: torch.device) -> float:

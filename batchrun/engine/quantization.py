@@ -12,7 +12,9 @@ from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner
 from batchrun.engine.scheduler import ScheduledBatch
+from batchrun.kernels.backend import triton_installed, triton_usable
 from batchrun.model.decoder import DecoderLM
+from batchrun.model.invariant import use_invariant_linears
 from batchrun.model.prepare import prepare_linears
 from batchrun.model.quant import QuantizationSummary, QuantizedWeight, calibration_token_ids, collect_input_absmax
 
@@ -41,7 +43,24 @@ def prepare_linears_for_engine(
     device: torch.device,
 ) -> QuantizationSummary:
     """prepare_linears with the engine's settings. W8A8 first measures each projection's input range
-    on 1k tokens of built-in text, with the float model, so SmoothQuant can even out the activations."""
+    on 1k tokens of built-in text, with the float model, so SmoothQuant can even out the activations.
+    With engine.batch_invariant where the Triton kernels serve the device (a GPU), every linear runs
+    the batch-invariant Triton matmul instead (model/invariant.py); the quantized GEMMs there pick
+    tiles and split-K by row count, so that combination is refused."""
+    if config.batch_invariant and torch.device(device).type == "cuda" and not triton_installed():
+        raise ValueError(
+            "engine.batch_invariant=true needs triton on a GPU (its linears run a Triton matmul, cuBLAS's "
+            "rows depend on the batch); install triton or turn engine.batch_invariant off"
+        )
+    if config.batch_invariant and triton_usable(torch.empty(0, device=device)):
+        if config.quantization != "none":
+            raise ValueError(
+                f"engine.batch_invariant=true is not supported with engine.quantization={config.quantization} on a "
+                "GPU (its GEMMs pick tiles and split-K by row count); set engine.quantization=none or turn it off"
+            )
+        summary = prepare_linears(model, "none", None, dtype)  # the float layers stay nn.Linear: swapped below
+        use_invariant_linears(model)
+        return summary
     input_absmax = None
     if config.quantization == "w8a8":
         run = prefill_forward(model, config.block_size, dtype, device)

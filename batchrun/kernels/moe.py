@@ -93,8 +93,11 @@ def fused_experts(
     activation: Callable[[torch.Tensor], torch.Tensor],
     dispatch: Optional[ExpertDispatch] = None,
     use_triton: Optional[bool] = None,
+    fixed_order_sum: bool = False,
 ) -> torch.Tensor:
-    """sum_k w[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, k], for every token t."""
+    """sum_k w[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, k], for every token t.
+    `fixed_order_sum`: the sum over k adds left to right in float32 (`sum_over_k`), so a token's
+    result does not depend on the batch a reduction kernel is sized for (engine.batch_invariant)."""
     num_tokens, top_k = topk_ids.shape
     num_experts = gate_up_proj.shape[0]
     if num_tokens == 0:
@@ -116,4 +119,16 @@ def fused_experts(
     y = (y * w[:, None]).to(x.dtype)
     unsorted = torch.empty_like(y)
     unsorted[d.sorted_pair_ids] = y  # back to (token, k) order
-    return unsorted.view(num_tokens, top_k, -1).sum(dim=1)  # (num_tokens, hidden_size)
+    per_k = unsorted.view(num_tokens, top_k, -1)  # (num_tokens, top_k, hidden_size)
+    if fixed_order_sum:
+        return sum_over_k(per_k.float()).to(per_k.dtype)
+    return per_k.sum(dim=1)  # (num_tokens, hidden_size)
+
+
+def sum_over_k(x: torch.Tensor) -> torch.Tensor:
+    """x (num_tokens, top_k, ...) summed over dim 1 as x[:, 0] + x[:, 1] + ..., in that order: elementwise
+    adds, whose result per element depends on nothing else in the batch -> (num_tokens, ...)."""
+    total = x[:, 0]
+    for k in range(1, x.shape[1]):
+        total = total + x[:, k]
+    return total

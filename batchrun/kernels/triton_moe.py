@@ -8,11 +8,16 @@ needs no host read of the counts (and can be captured in a CUDA graph). Tiles pa
 one are fully masked. The optional `row_ids` gather is fused into the A loads, so the sorted copy
 of the hidden states is never materialized.
 
+The tile sizes are fixed (never picked by the row count) and each program walks K in order with no
+split, so a row's result does not depend on the other rows of the launch: what
+engine.batch_invariant relies on.
+
 On a CPU machine the tests run this in Triton's interpreter (TRITON_INTERPRET=1) at small sizes.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -41,6 +46,7 @@ def _grouped_gemm_kernel(
     stride_on,
     HAS_ROW_IDS: tl.constexpr,
     IEEE_FP32: tl.constexpr,
+    DOT_F32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -76,7 +82,10 @@ def _grouped_gemm_kernel(
             mask=col_mask[None, :] & k_mask[:, None],
             other=0.0,
         )  # (BLOCK_K, BLOCK_N)
-        if IEEE_FP32:
+        if DOT_F32:  # the interpreter only: exact upcasts (see grouped_gemm)
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE_FP32 or DOT_F32:
             acc += tl.dot(a, b, input_precision="ieee")
         else:
             acc += tl.dot(a, b)
@@ -128,6 +137,9 @@ def grouped_gemm(
         out.stride(1),
         HAS_ROW_IDS=row_ids is not None,
         IEEE_FP32=a.dtype == torch.float32,
+        # Triton's interpreter multiplies bf16 tiles as raw 16-bit integers (numpy has no bf16);
+        # compiled kernels feed bf16 to the tensor cores.
+        DOT_F32=a.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

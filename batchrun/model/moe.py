@@ -59,7 +59,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from batchrun.kernels.moe import fused_experts, sort_by_expert
+from batchrun.kernels.moe import fused_experts, sort_by_expert, sum_over_k
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -96,12 +96,16 @@ def route(
     top_k: int,
     renormalize: bool,
     weights_fp32: bool,
+    fixed_order_sum: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(topk_weights, topk_ids), each (num_tokens, top_k): softmax in float32, top-k, optional renorm."""
+    """(topk_weights, topk_ids), each (num_tokens, top_k): softmax in float32, top-k, optional renorm.
+    `fixed_order_sum`: the renormalizing sum adds the k weights left to right (engine.batch_invariant)
+    instead of in the order a reduction kernel sized for the whole batch picks."""
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # (num_tokens, num_experts)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
-        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        total = sum_over_k(topk_weights) if fixed_order_sum else topk_weights.sum(dim=-1)  # (num_tokens,)
+        topk_weights = topk_weights / total[:, None]
     if not weights_fp32:
         topk_weights = topk_weights.to(router_logits.dtype)
     return topk_weights, topk_ids
@@ -134,6 +138,8 @@ class SparseMoeBlock(nn.Module):
     """Replaces the MLP in MoE layers; parameter names follow transformers 5 (`gate`, `experts.*`)."""
 
     token_counts: torch.Tensor  # (num_experts,) int64, cumulative tokens routed to each expert
+    # engine.batch_invariant (model/invariant.py sets it): sums over a token's k experts in a fixed order
+    batch_invariant: bool = False
 
     def __init__(self, spec: Any, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
         super().__init__()
@@ -153,13 +159,20 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.gate(x)  # (num_tokens, num_experts)
-        topk_weights, topk_ids = route(logits, self.top_k, self.renormalize, self.weights_fp32)
+        topk_weights, topk_ids = route(logits, self.top_k, self.renormalize, self.weights_fp32, self.batch_invariant)
         dispatch = sort_by_expert(topk_ids, self.num_experts)
         # Every row of the flattened batch is a real token (the runner does not pad); a runner that
         # pads for CUDA graphs must route padding rows elsewhere or subtract them here.
         self.token_counts += dispatch.tokens_per_expert
         out = fused_experts(
-            x, self.experts.gate_up_proj, self.experts.down_proj, topk_weights, topk_ids, self.act, dispatch=dispatch
+            x,
+            self.experts.gate_up_proj,
+            self.experts.down_proj,
+            topk_weights,
+            topk_ids,
+            self.act,
+            dispatch=dispatch,
+            fixed_order_sum=self.batch_invariant,
         )
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -146,6 +146,17 @@ def _norms(hidden: int, dtype: torch.dtype) -> Callable[[], None]:
     return run
 
 
+def _sampling(vocab: int, dtype: torch.dtype, threshold: bool) -> Callable[[], None]:
+    def run() -> None:
+        from batchrun.kernels.sampling import gumbel_sample, pack_rows
+
+        logits = torch.randn(4, vocab).to(dtype)  # (rows, vocab): the LM head's output
+        rows = torch.from_numpy(pack_rows([1, 2, 3, 4], [0, 5, 9, 2], [0.0, 0.6, 1.0, 0.7]))
+        gumbel_sample(logits, rows, torch.full((4,), -1.0) if threshold else None)
+
+    return run
+
+
 def _w8a16(m: int, dtype: torch.dtype, group: Optional[int], has_bias: bool) -> Callable[[], None]:
     def run() -> None:
         from batchrun.kernels.quant.triton_gemm import w8a16_matmul
@@ -277,6 +288,12 @@ def _elementwise_cases() -> Iterator[LaunchCase]:
         for dtype in (BF16, FP16, FP32):
             is_fast = (hidden, dtype) in ((1024, BF16), (4096, FP32))
             yield LaunchCase(f"norms + silu_mul {_dtype_name(dtype)} hidden {hidden}", _norms(hidden, dtype), is_fast)
+    for vocab in (49152, 151936):  # SmolLM2's and Qwen3's vocabularies
+        for dtype in (BF16, FP32):
+            for threshold in (False, True):
+                is_fast = vocab == 151936 and (dtype is FP32 or threshold)
+                label = f"sampling race {_dtype_name(dtype)} vocab {vocab}" + (" top-k/top-p" if threshold else "")
+                yield LaunchCase(label, _sampling(vocab, dtype, threshold), is_fast)
 
 
 def _gemm_cases() -> Iterator[LaunchCase]:

@@ -369,10 +369,12 @@ def _convert_gguf(directory: str, gguf_file: str, entry: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    # Each transformers loader given only the file parses the whole GGUF again (its tokenizer fields
+    # dominate: seconds each); the config parsed once is handed to the other two.
     config = AutoConfig.from_pretrained(directory, gguf_file=gguf_file, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=gguf_file, config=config, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=gguf_file, dtype=torch.float32, local_files_only=True
+        directory, gguf_file=gguf_file, config=config, dtype=torch.float32, local_files_only=True
     )
     raw = model.state_dict()
     if (

@@ -1,6 +1,6 @@
 """The fused Triton GEMMs and the embedding + norm kernel equal the unfused launches they replace.
 
-- `gemm_silu_mul` against `silu_mul(F.linear(x, w))`;
+- `gemm_silu_mul` against `silu_mul(F.linear(x, w))`, `gemm_logits` against `F.linear(x, w).float()`;
 - `gemm_qkv_norm_rope_write` against `qkv_norm_rope_write(F.linear(x, w, b), ...)` (the Triton qkv
   kernel): q, k, v and the cache contents, with and without q/k-norm (plain and Gemma's (1 + w)),
   bias, cos/sin per token or as tables read by position, one slot -1 (nothing written: the
@@ -32,6 +32,7 @@ def _cases() -> dict[str, dict[str, Any]]:
     for dtype in ("float32", "bfloat16", "float16"):
         cases[f"silu_mul-{dtype}"] = dict(op="silu_mul", dtype=dtype, k=96, n=40)
         cases[f"embed_norm-{dtype}"] = dict(op="embed_norm", dtype=dtype, n=48)
+        cases[f"logits-{dtype}"] = dict(op="logits", dtype=dtype, k=64, n=300)  # ragged column tiles
     cases["silu_mul-wide-bfloat16"] = dict(op="silu_mul", dtype="bfloat16", k=200, n=130)  # ragged tiles
     qkv = dict(op="qkv", heads=4, kv_heads=2, dim=16, bias=False, tables=False)
     for dtype in ("float32", "bfloat16"):
@@ -129,6 +130,15 @@ def run_case(spec: dict[str, Any], device: str = "cpu", num_tokens: int = 7) -> 
         got = gemm_silu_mul(x, weight)
         assert got.shape == want.shape == (num_tokens, spec["n"])
         _close(got, want, dtype, "silu(gate) * up")
+    elif spec["op"] == "logits":
+        from batchrun.kernels.triton_fused_gemm import gemm_logits
+
+        x, weight = randn(num_tokens, spec["k"]), randn(spec["n"], spec["k"], scale=spec["k"] ** -0.5)
+        want = F.linear(x, weight).float()
+        got = gemm_logits(x, weight)
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        _close(got, want, dtype, "logits")
+        assert torch.equal(got.to(dtype).float(), got), "each logit is a value of the dtype"
     elif spec["op"] == "embed_norm":
         from batchrun.kernels.triton_embed_norm import embed_rms_norm
 
@@ -158,6 +168,26 @@ def test_fused_kernels_match_the_unfused_launches_interpreted(interpreted, case_
 def test_fused_kernels_match_the_unfused_launches_on_gpu(case_id):
     """Compiled, at a decode batch's size (several row tiles, the tuned tiles of the first call)."""
     run_case(CASES[case_id], "cuda", num_tokens=300)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
+def test_fused_or_unfused_is_measured_per_bucket_on_gpu():
+    """On a GPU the dispatch times the fused GEMM against cuBLAS + the elementwise kernel at a
+    bucket's first call, keeps the choice for the bucket, and either gives the unfused result."""
+    from torch import nn
+
+    from batchrun.kernels import elementwise as ew
+    from batchrun.kernels import fused_projections as fp
+
+    fp._CHOICE.clear()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    proj = nn.Linear(1024, 2 * 3072, bias=False, dtype=torch.bfloat16, device="cuda")
+    for m in (1, 256):
+        x = torch.randn(m, 1024, generator=gen, device="cuda").to(torch.bfloat16)
+        got = fp.gate_up_act(x, proj, "silu")
+        _close(got, ew.act_mul(proj(x), "silu"), torch.bfloat16, f"M={m}")
+    assert sorted(k[2] for k in fp._CHOICE if k[0] == "silu_mul") == [16, 256], fp._CHOICE
 
 
 if __name__ == "__main__":

@@ -14,7 +14,9 @@ The step counted is the engine's graphed decode step (engine/cuda_graphs.py, wha
 decode step replays on a GPU): the unpacking of the uploaded rows, the captured forward, and the
 LM head over the sampled rows (`compute_logits`). Sampling is not counted. The model is built as
 the engine builds it for a GPU (plain nn.Linear projections: one cuBLAS GEMM each, counted as one;
-cuBLAS may add a split-K reduction kernel at some shapes, which only the profiler sees).
+cuBLAS may add a split-K reduction kernel at some shapes, which only the profiler sees), and the
+step takes the fused projections (kernels/fused_projections.py) unless `FUSE` is off there: on a GPU
+those run where they measured faster at warm-up.
 
 A library module: `python -m batchrun.bench.gpu --smoke` prints the figures (`format_figures`), and
 tests/test_gpu_launches.py pins them.
@@ -27,7 +29,7 @@ import os
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -73,6 +75,7 @@ class StepLaunches:
     kernels: Counter = field(default_factory=Counter)
     copies: int = 0
     syncs: int = 0
+    logits: Optional[torch.Tensor] = None  # the step's (num_seqs, vocab) float32 logits, where a step was run
 
     @property
     def total(self) -> int:
@@ -195,6 +198,7 @@ def decode_step_launches(
         raise RuntimeError("the graphed decode step fell back to eager (a capture failed; see the log)")
     logits, _ = out
     assert logits.shape == (num_seqs, spec.vocab_size) and bool(torch.isfinite(logits).all())
+    launches.logits = logits
     return launches
 
 

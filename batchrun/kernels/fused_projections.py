@@ -4,6 +4,7 @@ token embedding fused with layer 0's norm: fewer launches per decode step.
 - `qkv_project`: the qkv projection, then q/k-norm + rotary + KV write
   (kernels/triton_fused_gemm.py: `gemm_qkv_norm_rope_write`, one launch for the two).
 - `gate_up_act`: the gate/up projection, then silu(gate) * up (`gemm_silu_mul`).
+- `lm_head_logits`: the LM head, then the float32 cast of the logits (`gemm_logits`).
 - `embed_norm`: the embedding gather and RMSNorm of its rows (`triton_embed_norm`), bitwise the
   two separate kernels.
 
@@ -40,7 +41,8 @@ log = logging.getLogger(__name__)
 FUSE = True  # the fused paths at all (tests and benchmarks set it False for the unfused pair)
 MEASURE_ON_GPU = True  # on a real GPU, fused vs unfused timed per bucket (False: fused wherever it serves)
 _HALF = (torch.bfloat16, torch.float16)
-# (kind, device index, row bucket, N, K, dtype) -> whether the fused path was the faster
+# (kind, device index, row bucket, N, K, dtype) -> whether the fused path was the faster; row buckets
+# are the tile table's (16, 32, 64, 128, 256) and powers of two above
 _CHOICE: dict[tuple, bool] = {}
 
 
@@ -66,9 +68,12 @@ def _choose(
     chosen path's values written last by the call itself)."""
     if not (x.is_cuda and MEASURE_ON_GPU):
         return True
-    from batchrun.kernels.quant.triton_gemm import m_bucket
+    from batchrun.kernels.quant.triton_gemm import M_BUCKETS, m_bucket
 
-    key = (kind, x.device.index, m_bucket(x.shape[0]), *weight.shape, x.dtype)
+    m = x.shape[0]
+    # decode sizes by the tile table's buckets; prefill sizes apart (where cuBLAS may win instead)
+    bucket = m_bucket(m) if m <= M_BUCKETS[-1] else 1 << (m - 1).bit_length()
+    key = (kind, x.device.index, bucket, *weight.shape, x.dtype)
     hit = _CHOICE.get(key)
     if hit is not None:
         return hit
@@ -133,6 +138,21 @@ def qkv_project(
         if _choose("qkv", x, weight, fused, unfused):
             return fused()
     return qkv_norm_rope_write(qkv_proj(x), heads, cos, sin, k_cache, v_cache, slot_mapping, positions)
+
+
+def lm_head_logits(hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    """`lm_head(hidden).float()`: (num_rows, vocab_size) float32 logits of hidden (num_rows, hidden)."""
+    if _fusable(hidden, lm_head) and lm_head.bias is None:
+        from batchrun.kernels.triton_fused_gemm import gemm_logits
+
+        weight = lm_head.weight
+
+        def fused() -> torch.Tensor:
+            return gemm_logits(hidden, weight)
+
+        if _choose("logits", hidden, weight, fused, lambda: lm_head(hidden).float()):
+            return fused()
+    return lm_head(hidden).float()
 
 
 def embed_norm(

@@ -5,6 +5,8 @@ step launches one kernel where it launched two.
   a (BLOCK_M, BLOCK_N) tile of the gate columns and the matching tile of the up columns (two dots
   per K step over two weight tiles), rounds each to the dtype as the projection's output is
   rounded, and stores silu(g) * up rounded as `triton_elementwise.silu_mul` rounds it.
+- `gemm_logits`: the LM head with the float32 cast of its output in its epilogue (each logit rounded
+  to the dtype first, as the projection's output is, then widened).
 - `gemm_qkv_norm_rope_write`: the qkv projection with q/k-norm, rotary and the KV write in its
   epilogue. One program computes a (BLOCK_M, head_dim) tile: one head of BLOCK_M tokens, its two
   halves as two dots (rotary pairs column d with d + head_dim / 2, so each half is a tile of its
@@ -126,6 +128,73 @@ def gemm_silu_mul(x: torch.Tensor, weight: torch.Tensor, config: Optional[GemmCo
         )
 
     run(_no_split(config or select_config("silu_mul", x, n, k, 0, lambda c: run(_no_split(c)))))
+    return y
+
+
+@triton.jit(do_not_specialize=["M"])
+def _gemm_logits_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w = w_ptr + offs_n[None, :] * stride_wn
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs_k
+        k_ok = k < K
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = _dot(x, tl.load(w + k[:, None], mask=n_ok[None, :] & k_ok[:, None], other=0.0), acc, DOT_F32)
+    logits = acc.to(x_ptr.dtype.element_ty).to(tl.float32)  # the projection's output in x's dtype, then float32
+    tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], logits, mask=m_ok[:, None] & n_ok[None, :])
+
+
+def gemm_logits(x: torch.Tensor, weight: torch.Tensor, config: Optional[GemmConfig] = None) -> torch.Tensor:
+    """`F.linear(x, weight).float()` of x (M, K) and weight (N, K) in one launch: (M, N) float32, each
+    value the projection's output rounded to x's dtype (the LM head's logits, cast as the unfused
+    path casts them)."""
+    assert x.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1
+    m, k = x.shape
+    n = weight.shape[0]
+    y = torch.empty((m, n), dtype=torch.float32, device=x.device)  # (M, N)
+    if m == 0:
+        return y
+
+    def run(c: GemmConfig) -> None:
+        grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n))
+        _gemm_logits_kernel[grid](
+            x,
+            weight,
+            y,
+            m,
+            n,
+            k,
+            x.stride(0),
+            weight.stride(0),
+            y.stride(0),
+            BLOCK_M=c.block_m,
+            BLOCK_N=c.block_n,
+            BLOCK_K=c.block_k,
+            DOT_F32=_dot_f32(x.dtype),
+            num_warps=c.num_warps,
+            num_stages=c.num_stages,
+        )
+
+    run(_no_split(config or select_config("logits", x, n, k, 0, lambda c: run(_no_split(c)))))
     return y
 
 

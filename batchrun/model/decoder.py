@@ -19,7 +19,7 @@ from batchrun.kernels import elementwise as ew
 from batchrun.kernels.attention import paged_attention
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.backend import triton_usable
-from batchrun.kernels.fused_projections import embed_norm, gate_up_act, qkv_project
+from batchrun.kernels.fused_projections import embed_norm, gate_up_act, lm_head_logits, qkv_project
 from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.model.moe import (
     SparseMoeBlock,
@@ -358,7 +358,7 @@ class DecoderLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()  # (num_rows, vocab_size)
+        logits = lm_head_logits(hidden, self.lm_head)  # (num_rows, vocab_size) float32
         cap = self.spec.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from batchrun.kernels.backend import gpu_target
 from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.kernels.quant.triton_gemm import GemmConfig, select_config
 from batchrun.kernels.triton_attention import _dot_f32
@@ -107,6 +108,7 @@ def gemm_silu_mul(x: torch.Tensor, weight: torch.Tensor, config: Optional[GemmCo
         return y
 
     def run(c: GemmConfig) -> None:
+        c = _fit(c, x, 2 * c.block_n)
         grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n))
         _gemm_silu_mul_kernel[grid](
             x,
@@ -127,7 +129,7 @@ def gemm_silu_mul(x: torch.Tensor, weight: torch.Tensor, config: Optional[GemmCo
             enable_fp_fusion=False,
         )
 
-    run(_no_split(config or select_config("silu_mul", x, n, k, 0, lambda c: run(_no_split(c)))))
+    run(config or select_config("silu_mul", x, n, k, 0, run))
     return y
 
 
@@ -175,6 +177,7 @@ def gemm_logits(x: torch.Tensor, weight: torch.Tensor, config: Optional[GemmConf
         return y
 
     def run(c: GemmConfig) -> None:
+        c = _fit(c, x, c.block_n)
         grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n))
         _gemm_logits_kernel[grid](
             x,
@@ -194,12 +197,23 @@ def gemm_logits(x: torch.Tensor, weight: torch.Tensor, config: Optional[GemmConf
             num_stages=c.num_stages,
         )
 
-    run(_no_split(config or select_config("logits", x, n, k, 0, lambda c: run(_no_split(c)))))
+    run(config or select_config("logits", x, n, k, 0, run))
     return y
 
 
-def _no_split(c: GemmConfig) -> GemmConfig:
-    return replace(c, split_k=1) if c.split_k != 1 else c
+def _fit(c: GemmConfig, x: torch.Tensor, weight_cols: int) -> GemmConfig:
+    """`c` without split-K and with as many pipeline stages as the GPU's shared memory per block
+    holds: each stage keeps an x tile (block_m, block_k) and weight tiles of `weight_cols` columns
+    (block_k, weight_cols) in x's dtype. The table's stages are sized for the single-weight-tile
+    quantized GEMMs; two bf16 weight tiles at 4 stages pass an sm_89's 99 KB."""
+    target = gpu_target(x.device)
+    stages = c.num_stages
+    if target is not None:
+        stage_bytes = (c.block_m + weight_cols) * c.block_k * x.element_size()
+        stages = max(1, min(stages, target.max_shared // stage_bytes))
+    if c.split_k == 1 and stages == c.num_stages:
+        return c
+    return replace(c, split_k=1, num_stages=stages)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -353,7 +367,10 @@ def gemm_qkv_norm_rope_write(
     if m == 0:
         return q, k_out, v
 
+    half_pad = max(16, triton.next_power_of_2(head_dim // 2))  # tl.dot's smallest width
+
     def run(c: GemmConfig) -> None:
+        c = _fit(c, x, 2 * half_pad)
         grid = (triton.cdiv(m, c.block_m), num_heads + 2 * num_kv_heads)
         _gemm_qkv_kernel[grid](
             x,
@@ -385,7 +402,7 @@ def gemm_qkv_norm_rope_write(
             NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim,
-            HALF_PAD=max(16, triton.next_power_of_2(head_dim // 2)),  # tl.dot's smallest width
+            HALF_PAD=half_pad,
             HAS_BIAS=bias is not None,
             HAS_NORM=heads.q_norm is not None,
             IS_GEMMA=heads.is_gemma,
@@ -399,5 +416,5 @@ def gemm_qkv_norm_rope_write(
         )
 
     n = weight.shape[0]
-    run(_no_split(config or select_config("qkv_rope", x, n, k, 0, lambda c: run(_no_split(c)))))
+    run(config or select_config("qkv_rope", x, n, k, 0, run))
     return q, k_out, v

@@ -44,6 +44,7 @@ _HALF = (torch.bfloat16, torch.float16)
 # (kind, device index, row bucket, N, K, dtype) -> whether the fused path was the faster; row buckets
 # are the tile table's (16, 32, 64, 128, 256) and powers of two above
 _CHOICE: dict[tuple, bool] = {}
+_TIMES: dict[tuple, tuple[float, float]] = {}  # the same keys -> (fused ms, unfused ms) as measured
 
 
 def _fusable(x: torch.Tensor, proj: Any) -> bool:
@@ -89,8 +90,26 @@ def _choose(
         return False
     unfused_ms = float(triton.testing.do_bench(unfused, warmup=5, rep=20))
     _CHOICE[key] = fused_ms <= unfused_ms
+    _TIMES[key] = (fused_ms, unfused_ms)
     log.debug("%s %s: fused %.4f ms, unfused %.4f ms", kind, key[2:], fused_ms, unfused_ms)
     return _CHOICE[key]
+
+
+def measured_choices() -> list[dict[str, Any]]:
+    """Every choice made by measurement in this process, for bench.gpu's report: kind, row bucket,
+    weight shape, dtype, whether fused won, and both times in ms."""
+    return [
+        {
+            "kind": k[0],
+            "rows": k[2],
+            "weight": [k[3], k[4]],
+            "dtype": str(k[5]).removeprefix("torch."),
+            "fused": fused,
+            "fused_ms": _TIMES.get(k, (None, None))[0],
+            "unfused_ms": _TIMES.get(k, (None, None))[1],
+        }
+        for k, fused in _CHOICE.items()
+    ]
 
 
 def gate_up_act(x: torch.Tensor, gate_up_proj: nn.Module, activation: str) -> torch.Tensor:

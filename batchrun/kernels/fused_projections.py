@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any, Optional
+from typing import Any, Optional, TypeGuard
 
 import torch
 from torch import nn
@@ -47,9 +47,10 @@ _CHOICE: dict[tuple, bool] = {}
 _TIMES: dict[tuple, tuple[float, float]] = {}  # the same keys -> (fused ms, unfused ms) as measured
 
 
-def _fusable(x: torch.Tensor, proj: Any) -> bool:
+def _fusable(proj: Any, x: torch.Tensor) -> TypeGuard[nn.Linear]:
     return (
         FUSE
+        and isinstance(proj, nn.Linear)
         and type(proj) is nn.Linear
         and x.dtype in _HALF
         and x.dim() == 2
@@ -115,7 +116,7 @@ def measured_choices() -> list[dict[str, Any]]:
 def gate_up_act(x: torch.Tensor, gate_up_proj: nn.Module, activation: str) -> torch.Tensor:
     """act(gate) * up of the gate/up projection (gate rows, then up rows) of x (num_tokens, hidden):
     (num_tokens, intermediate)."""
-    if activation in ("silu", "swish") and _fusable(x, gate_up_proj) and gate_up_proj.bias is None:
+    if activation in ("silu", "swish") and _fusable(gate_up_proj, x) and gate_up_proj.bias is None:
         from batchrun.kernels.triton_fused_gemm import gemm_silu_mul
 
         weight = gate_up_proj.weight
@@ -142,7 +143,7 @@ def qkv_project(
     """`qkv_norm_rope_write(qkv_proj(x), ...)`: (q, k, v) per head, q and k normed and rotated, K
     and V stored at their slots."""
     if (
-        _fusable(x, qkv_proj)
+        _fusable(qkv_proj, x)
         and isinstance(k_cache, torch.Tensor)
         and isinstance(v_cache, torch.Tensor)
         and k_cache.stride() == v_cache.stride()
@@ -166,7 +167,7 @@ def qkv_project(
 
 def lm_head_logits(hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
     """`lm_head(hidden).float()`: (num_rows, vocab_size) float32 logits of hidden (num_rows, hidden)."""
-    if _fusable(hidden, lm_head) and lm_head.bias is None:
+    if _fusable(lm_head, hidden) and lm_head.bias is None:
         from batchrun.kernels.triton_fused_gemm import gemm_logits
 
         weight = lm_head.weight

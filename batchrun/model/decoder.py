@@ -337,10 +337,16 @@ class DecoderLM(nn.Module):
         num_layers: Optional[int] = None,  # run only the first layers (self-speculative drafts)
     ) -> torch.Tensor:
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        # Layer 0's norm with the embedding gather in one kernel where Triton runs (not Gemma's: its
-        # embedding is scaled in between): (normed, x), each (num_tokens, hidden_size)
+        # Layer 0's norm with the embedding gather in one kernel where Triton runs: (normed, x), each
+        # (num_tokens, hidden_size). Not Gemma's (its embedding is scaled in between), and only for a
+        # plain norm feeding a float qkv projection (a quantized one may take its input otherwise).
         fused = None
-        if not self.spec.gemma_norms and len(layers) > 0:
+        if (
+            not self.spec.gemma_norms
+            and len(layers) > 0
+            and type(layers[0].input_layernorm) is RMSNorm
+            and type(getattr(layers[0].self_attn, "qkv_proj", None)) is nn.Linear
+        ):
             norm = layers[0].input_layernorm
             fused = embed_norm(input_ids, self.embed_tokens, norm.weight, norm.eps)
         if fused is not None:

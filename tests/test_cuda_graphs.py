@@ -14,7 +14,15 @@ import torch
 
 from batchrun.engine import Engine, EngineConfig, SamplingParams
 from batchrun.engine.config import SamplingParams as Params
-from batchrun.engine.cuda_graphs import DecodeGraphs, EagerReplay, bucket_sizes, pack_decode_inputs, pick_bucket
+from batchrun.engine.cuda_graphs import (
+    NUM_FIXED,
+    DecodeGraphs,
+    EagerReplay,
+    bucket_sizes,
+    pack_decode_inputs,
+    packed_views,
+    pick_bucket,
+)
 from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner
 from batchrun.engine.scheduler import ScheduledBatch
@@ -55,14 +63,17 @@ def test_packed_rows_match_what_the_runner_prepares(block_size):
     input_ids, positions, meta, logits_rows, sample_seq_ids, _ = runner.prepare(batch)
 
     width = max(len(r.block_ids) for r in reqs)
-    host = np.full((8, 3 + width), -7, dtype=np.int64)  # stale values must all be overwritten
-    sample = pack_decode_inputs(reqs, block_size, host)
+    host = np.full(8 * (NUM_FIXED + width) + 5, -7, dtype=np.int64)  # stale values must all be overwritten
+    fixed, tables = packed_views(host, 8, width)
+    sample = pack_decode_inputs(reqs, block_size, fixed, tables)
     n = len(reqs)
-    assert host[:n, 0].tolist() == input_ids.tolist()
-    assert host[:n, 1].tolist() == positions.tolist()
-    assert host[:n, 2].tolist() == meta.slot_mapping.tolist()
-    assert (host[:n, 3:] == meta.block_tables.numpy()[:, :width]).all()
-    assert (host[n:] == host[n - 1]).all()
+    assert fixed[0, :n].tolist() == input_ids.tolist()
+    assert fixed[1, :n].tolist() == positions.tolist()
+    assert fixed[2, :n].tolist() == meta.slot_mapping.tolist()
+    assert fixed[3, :n].tolist() == meta.decode_seq_lens.tolist()  # what the graphs read, uncomputed
+    assert (tables[:n] == meta.block_tables.numpy()[:, :width]).all()
+    assert (fixed[:, n:] == fixed[:, n - 1 : n]).all() and (tables[n:] == tables[n - 1]).all()
+    assert (host[: 8 * (NUM_FIXED + width)] != -7).all() and (host[8 * (NUM_FIXED + width) :] == -7).all()
     assert sample == logits_rows == [0, 1, 2, 3, 4]
     assert [reqs[i].seq_id for i in sample] == sample_seq_ids
 
@@ -138,13 +149,13 @@ def test_capture_all_dummy_rows_leave_a_quantized_cache_alone(tiny_engine_factor
     engine.generate(_prompts()[:3], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     graphs = _attach_graphs(engine)
     before = [(c.data.view(torch.uint8).clone(), c.scale.clone()) for layer in engine.runner.kv_caches for c in layer]
-    graphs._fill_dummy_rows()
     for bucket in (8, 1):
+        graphs._fill_dummy_rows(bucket)
         graphs._graph(bucket).replay()
     after = [(c.data.view(torch.uint8), c.scale) for layer in engine.runner.kv_caches for c in layer]
     for (data0, scale0), (data1, scale1) in zip(before, after):
         assert torch.equal(data0, data1) and torch.equal(scale0, scale1)
-    assert torch.isfinite(graphs.hidden[:8]).all()
+    assert torch.isfinite(graphs.outputs[8]).all() and graphs.outputs[8].shape[0] == 8
 
 
 def test_failed_capture_falls_back_to_eager_steps(tiny_engine_factory):

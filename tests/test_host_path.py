@@ -9,7 +9,7 @@ import torch
 
 from batchrun.engine.block_table import NO_ROW, BlockTables, tables_from_lists
 from batchrun.engine.config import SamplingParams
-from batchrun.engine.cuda_graphs import pack_decode_inputs
+from batchrun.engine.cuda_graphs import NUM_FIXED, pack_decode_inputs, packed_views
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.request import Request
 from batchrun.engine.runner import ModelRunner
@@ -113,10 +113,12 @@ def test_persistent_block_tables_equal_rebuilt_ones_through_scheduler_traffic():
         if all(n == 1 for n in batch.num_new_tokens):
             seen["decode_steps"] += 1
             width = max(len(r.block_ids) for r in batch.requests)
-            host = np.full((len(batch.requests) + 1, 3 + width), -7, dtype=np.int64)
+            bucket = len(batch.requests) + 1
+            host = np.full(bucket * (NUM_FIXED + width), -7, dtype=np.int64)
             host2 = host.copy()
-            sample = pack_decode_inputs(batch.requests, 4, host, kv.block_tables)
-            assert sample == pack_decode_inputs(batch.requests, 4, host2) == list(range(len(batch.requests)))
+            sample = pack_decode_inputs(batch.requests, 4, *packed_views(host, bucket, width), kv.block_tables)
+            from_lists = pack_decode_inputs(batch.requests, 4, *packed_views(host2, bucket, width))
+            assert sample == from_lists == list(range(len(batch.requests)))
             assert np.array_equal(host, host2)
 
     sched = _simulate(kv, 0, on_step)

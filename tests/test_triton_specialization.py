@@ -22,6 +22,11 @@ PER_STEP_INTS = {
         "_prefill_kernel": {"stride_bt"},
         "_merge_splits_kernel": {"num_splits"},  # depends on the batch size and context length
     },
+    "batchrun.kernels.triton_fused_gemm": {  # the step's token count
+        "_gemm_silu_mul_kernel": {"M"},
+        "_gemm_qkv_kernel": {"M"},
+        "_gemm_logits_kernel": {"M"},
+    },
     "batchrun.kernels.quant.triton_gemm": {
         "_w8a16_kernel": {"M"},  # the step's token count
         "_w4a16_kernel": {"M"},

@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from batchrun.bench.cases import attention_case
-from batchrun.kernels import attention
+from batchrun.kernels import attention, fused_projections
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.kv_layout import new_kv_cache
 from batchrun.kernels.moe import fused_experts
@@ -153,6 +153,31 @@ def _sampling(vocab: int, dtype: torch.dtype, threshold: bool) -> Callable[[], N
         logits = torch.randn(4, vocab).to(dtype)  # (rows, vocab): the LM head's output
         rows = torch.from_numpy(pack_rows([1, 2, 3, 4], [0, 5, 9, 2], [0.0, 0.6, 1.0, 0.7]))
         gumbel_sample(logits, rows, torch.full((4,), -1.0) if threshold else None)
+
+    return run
+
+
+def _fused(shape: AttentionShape, m: int, dtype: torch.dtype, bias: bool, hidden: int = 1024) -> Callable[[], None]:
+    """The fused projections (kernels/fused_projections.py) of a model of `shape` at `m` tokens: the
+    qkv GEMM with q/k-norm + rotary + KV write, the gate/up GEMM with silu * up, the embedding with
+    the first norm, the LM head with its float32 cast."""
+
+    def run() -> None:
+        s = shape
+        x = torch.randn(m, hidden).to(dtype)  # (num_tokens, hidden)
+        qkv = torch.nn.Linear(hidden, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, bias=bias, dtype=dtype)
+        cos = torch.randn(64, s.head_dim).to(dtype)  # (num_positions, head_dim): the decoder's tables
+        norm = torch.ones(s.head_dim, dtype=dtype)
+        heads = QKVHeads(s.num_heads, s.num_kv_heads, s.head_dim, norm, norm, 1e-6, s is GEMMA3)
+        slots = torch.arange(m) % (8 * BLOCK_SIZE)
+        positions = torch.arange(m) % 64
+        k_cache, v_cache = _cache(shape, dtype, None), _cache(shape, dtype, None)
+        fused_projections.qkv_project(x, qkv, heads, cos, cos.clone(), k_cache, v_cache, slots, positions)
+        gate_up = torch.nn.Linear(hidden, 2 * 3 * hidden, bias=False, dtype=dtype)
+        fused_projections.gate_up_act(x, gate_up, "silu")
+        embedding = torch.nn.Embedding(512, hidden, dtype=dtype)
+        fused_projections.embed_norm(torch.arange(m) % 512, embedding, torch.ones(hidden, dtype=dtype), 1e-6)
+        fused_projections.lm_head_logits(x, torch.nn.Linear(hidden, 1000, bias=False, dtype=dtype))
 
     return run
 
@@ -327,9 +352,20 @@ def _gemm_cases() -> Iterator[LaunchCase]:
             )
 
 
+def _fused_cases() -> Iterator[LaunchCase]:
+    # token counts in each of the table's BLOCK_M buckets (16, 32, 64 and up); the dispatch fuses
+    # bf16 and fp16 models only
+    for shape, bias in ((QWEN3, False), (SMOLLM2, True), (GEMMA3, False)):
+        for m in (1, 20, 256):
+            for dtype in (BF16, FP16):
+                is_fast = shape is QWEN3 and (dtype, m) in ((BF16, 1), (BF16, 256), (FP16, 20))
+                name = f"fused qkv/gate_up GEMMs, embed + norm {_dtype_name(dtype)} {shape.label()} M={m}"
+                yield LaunchCase(name + (" bias" if bias else ""), _fused(shape, m, dtype, bias), is_fast)
+
+
 def launch_cases(full: bool = False) -> list[LaunchCase]:
     """The cases to compile: the test's set, or with `full` every one."""
-    cases = [*_attention_cases(), *_write_cases(), *_elementwise_cases(), *_gemm_cases()]
+    cases = [*_attention_cases(), *_write_cases(), *_elementwise_cases(), *_gemm_cases(), *_fused_cases()]
     return cases if full else [c for c in cases if c.is_fast]
 
 

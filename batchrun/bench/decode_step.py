@@ -40,10 +40,16 @@ import torch
 
 from batchrun.bench.timing import patched
 from batchrun.engine import Engine, EngineRequest, SamplingParams
-from batchrun.engine.cuda_graphs import DecodeGraphs, EagerReplay, pack_decode_inputs, pick_bucket
+from batchrun.engine.cuda_graphs import (
+    NUM_FIXED,
+    DecodeGraphs,
+    EagerReplay,
+    pack_decode_inputs,
+    packed_views,
+    pick_bucket,
+)
 from batchrun.engine.scheduler import ScheduledBatch
 
-_PACKED_FIXED_COLUMNS = 3  # pack_decode_inputs' columns before the block table: token id, position, slot
 _LAUNCH_CALL = re.compile(r"^(cuda|cu)(LaunchKernel|LaunchKernelEx|LaunchKernelExC|LaunchCooperativeKernel)(_v\d+)?$")
 _GRAPH_LAUNCH_CALL = re.compile(r"^(cuda|cu)GraphLaunch(_v\d+)?$")
 
@@ -104,8 +110,8 @@ def _pack(runner: Any, batch: ScheduledBatch, graphed: bool) -> None:
         if bucket is None:
             raise ValueError(f"a decode of {len(batch.requests)} requests is above the largest graph bucket")
         width = max(len(r.block_ids) for r in batch.requests)
-        host = np.empty((bucket, _PACKED_FIXED_COLUMNS + width), dtype=np.int64)  # as DecodeGraphs packs
-        pack_decode_inputs(batch.requests, runner.block_size, host, graphs.host_tables)
+        host = np.empty(bucket * (NUM_FIXED + width), dtype=np.int64)  # as DecodeGraphs packs
+        pack_decode_inputs(batch.requests, runner.block_size, *packed_views(host, bucket, width), graphs.host_tables)
     else:
         runner.prepare(batch)
 

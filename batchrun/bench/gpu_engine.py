@@ -459,4 +459,8 @@ def check_model(
                 budget.run(f"{label}: vs HF generate", check.hf_ratio, report)
         finally:
             check.close()
+            from batchrun.kernels.fused_projections import measured_choices
+
+            # which fused GEMMs won their warm-up timing against cuBLAS + the separate kernel
+            report.data.setdefault("fused_gemm_choices", {})[label] = measured_choices()
             report.write_json()

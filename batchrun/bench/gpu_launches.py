@@ -14,7 +14,9 @@ The step counted is the engine's graphed decode step (engine/cuda_graphs.py, wha
 decode step replays on a GPU): the unpacking of the uploaded rows, the captured forward, and the
 LM head over the sampled rows (`compute_logits`). Sampling is not counted. The model is built as
 the engine builds it for a GPU (plain nn.Linear projections: one cuBLAS GEMM each, counted as one;
-cuBLAS may add a split-K reduction kernel at some shapes, which only the profiler sees).
+cuBLAS may add a split-K reduction kernel at some shapes, which only the profiler sees), and the
+step takes the fused projections (kernels/fused_projections.py) unless `FUSE` is off there: on a GPU
+those run where they measured faster at warm-up.
 
 A library module: `python -m batchrun.bench.gpu --smoke` prints the figures (`format_figures`), and
 tests/test_gpu_launches.py pins them.
@@ -73,7 +75,7 @@ class StepLaunches:
     kernels: Counter = field(default_factory=Counter)
     copies: int = 0
     syncs: int = 0
-    logits: Optional[torch.Tensor] = None  # a counted decode step's (num_seqs, vocab) output
+    logits: Optional[torch.Tensor] = None  # the step's (num_seqs, vocab) float32 logits, where a step was run
 
     @property
     def total(self) -> int:

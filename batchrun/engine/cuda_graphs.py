@@ -4,9 +4,15 @@ A decode step of a small model is dozens of tiny kernels per layer; launching th
 Python costs more than running them. So a pure decode step (every request computes one token, no
 drafts) is padded up to a bucket size and replayed from a graph captured once for that bucket.
 
-Inputs live in static device buffers the graphs were captured on. The host packs one row per request
-into a pinned buffer, [token id, position, slot, block table...], and the step starts with one
-host-to-device copy of exactly those bytes, unpacked on the device by four small copies.
+Inputs live in a static device buffer the graphs were captured on. For a bucket of B rows the host
+packs into a pinned buffer B token ids, B positions, B cache slots and B sequence lengths (each
+position + 1), then the block tables (B, width), width the step's widest; the step starts with one
+host-to-device copy of exactly those bytes. The first four are read in place: a bucket's graph was
+captured on views of the device buffer at those offsets, so no kernel unpacks them. Only the
+tables, whose row stride (width) changes from step to step, are copied on the device into the
+(max_batch, max_blocks_per_seq) table the graphs read: one kernel per step. The step's output
+(the final norm's hidden states) stays where the graph wrote it: the tensor the capture returned,
+held per bucket, which keeps its block in the graphs' pool from being reused.
 Padding rows repeat the last real row: they recompute the same K/V into the same slot and their
 outputs are dropped, so padding needs no special case in any kernel or in the torch reference.
 
@@ -41,7 +47,7 @@ from batchrun.kernels.quant.kv import QuantizedKVCache
 log = logging.getLogger(__name__)
 
 MAX_GRAPH_BATCH = 512  # decode batches above this run eagerly (nano-vllm's limit too)
-_NUM_FIXED = 3  # packed columns before the block table: token id, position, slot
+NUM_FIXED = 4  # packed arrays before the block tables: token ids, positions, slots, sequence lengths
 
 Capture = Callable[[Callable[[], None], Any], Any]  # (step, pool) -> object with .replay()
 
@@ -57,27 +63,40 @@ def pick_bucket(buckets: list[int], num_seqs: int) -> Optional[int]:
     return buckets[i] if i < len(buckets) else None
 
 
+def packed_views(flat: np.ndarray, bucket: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(fixed (NUM_FIXED, bucket), tables (bucket, width)): the packed layout of one step's inputs
+    in the first bucket * (NUM_FIXED + width) entries of `flat`."""
+    split = NUM_FIXED * bucket
+    return flat[:split].reshape(NUM_FIXED, bucket), flat[split : split + bucket * width].reshape(bucket, width)
+
+
 def pack_decode_inputs(
-    requests: list[Request], block_size: int, host: np.ndarray, block_tables: Optional[BlockTables] = None
+    requests: list[Request],
+    block_size: int,
+    fixed: np.ndarray,
+    tables: np.ndarray,
+    block_tables: Optional[BlockTables] = None,
 ) -> list[int]:
-    """Fill host (bucket, 3 + width) with one packed row per request, padded by repeating the last
-    row; width is the widest block table. Block ids come from the KV manager's persistent rows when
-    every request holds one, else from the requests' lists. Returns the batch indices of the
-    requests that sample."""
+    """Fill fixed (NUM_FIXED, bucket) with the requests' token ids, positions, slots and sequence
+    lengths (position + 1), and tables (bucket, width) with their block tables, width the widest;
+    padded to the bucket by repeating the last request. Block ids come from the KV manager's
+    persistent rows when every request holds one, else from the requests' lists. Returns the batch
+    indices of the requests that sample."""
     n = len(requests)
-    bucket = host.shape[0]
-    assert 0 < n <= bucket
+    bucket = fixed.shape[1]
+    assert 0 < n <= bucket and tables.shape[0] == bucket
     positions = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=n)
-    host[:n, 0] = np.fromiter((r.token_ids[r.num_computed_tokens] for r in requests), dtype=np.int64, count=n)
-    host[:n, 1] = positions
+    fixed[0, :n] = np.fromiter((r.token_ids[r.num_computed_tokens] for r in requests), dtype=np.int64, count=n)
+    fixed[1, :n] = positions
     rows = np.fromiter((r.table_row for r in requests), dtype=np.int64, count=n)
     if block_tables is not None and rows.min() != NO_ROW:
-        tables = block_tables.gather(rows)  # (n, widest), 0-padded as the runner pads them
+        tables[:n] = block_tables.gather(rows)  # (n, widest), 0-padded as the runner pads them
     else:
-        tables = tables_from_lists([r.block_ids for r in requests])
-    host[:n, _NUM_FIXED:] = tables
-    host[:n, 2] = host[np.arange(n), _NUM_FIXED + positions // block_size] * block_size + positions % block_size
-    host[n:] = host[n - 1]
+        tables[:n] = tables_from_lists([r.block_ids for r in requests])
+    fixed[2, :n] = tables[np.arange(n), positions // block_size] * block_size + positions % block_size
+    fixed[3, :n] = positions + 1
+    fixed[:, n:] = fixed[:, n - 1 : n]
+    tables[n:] = tables[n - 1]
     # A one-token chunk of a prompt is a decode-shaped step too, but samples nothing yet.
     return [i for i, r in enumerate(requests) if r.num_computed_tokens + 1 >= r.num_tokens]
 
@@ -128,19 +147,16 @@ class DecodeGraphs:
         self.max_batch = max_batch
         self.capture = capture or capture_cuda_graph
         pin = device.type == "cuda"
-        # Packed rows of one step, [token id, position, slot, block table...], flat so one copy moves
-        # exactly the bytes used: (max_batch * (3 + max_blocks_per_seq),)
-        self.host = torch.zeros(max_batch * (_NUM_FIXED + max_blocks_per_seq), dtype=torch.int64, pin_memory=pin)
+        # One step's packed inputs (`packed_views`), flat so one copy moves exactly the bytes used:
+        # (max_batch * (NUM_FIXED + max_blocks_per_seq),), pinned on the host, and where they land.
+        self.host = torch.zeros(max_batch * (NUM_FIXED + max_blocks_per_seq), dtype=torch.int64, pin_memory=pin)
         self.host_np = self.host.numpy()
         self.staged = torch.zeros_like(self.host, device=device)
-        # The static inputs the graphs read.
-        self.input_ids = torch.zeros(max_batch, dtype=torch.int64, device=device)  # (max_batch,)
-        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.zeros(max_batch, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(max_batch, dtype=torch.int64, device=device)
+        # The static block tables the graphs read, and the sequence index of each row.
         self.seq_ids = torch.arange(max_batch, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros((max_batch, max_blocks_per_seq), dtype=torch.int64, device=device)
-        self.hidden = torch.zeros((max_batch, model.spec.hidden_size), dtype=dtype, device=device)
+        # Per bucket: the step's output (bucket, hidden_size), where its graph writes it.
+        self.outputs: dict[int, torch.Tensor] = {}
         self.graphs: dict[int, Any] = {}
         self.pool: Any = None
         self.copied: Optional[torch.cuda.Event] = None
@@ -155,38 +171,39 @@ class DecodeGraphs:
             and max(len(r.block_ids) for r in batch.requests) <= self.block_tables.shape[1]
         )
 
+    def _inputs(self, bucket: int) -> torch.Tensor:
+        """(NUM_FIXED, bucket): a bucket's token ids, positions, slots and sequence lengths, read in
+        place from the upload."""
+        return self.staged[: NUM_FIXED * bucket].view(NUM_FIXED, bucket)
+
     def _step_fn(self, bucket: int) -> Callable[[], None]:
+        input_ids, positions, slot_mapping, seq_lens = self._inputs(bucket)
         meta = AttentionMetadata(
-            slot_mapping=self.slot_mapping[:bucket],
+            slot_mapping=slot_mapping,
             query_start_loc=list(range(bucket + 1)),
             seq_lens=[1] * bucket,  # read only by prefill code, which a decode step never reaches
             block_tables=self.block_tables[:bucket],
             block_size=self.block_size,
             decode_seq_ids=self.seq_ids[:bucket],
-            decode_seq_lens=self.seq_lens[:bucket],
+            decode_seq_lens=seq_lens,
             prefill_seq_ids=[],
         )
 
         def step() -> None:
             meta._memo.clear()  # the torch path memoizes masks from values; a replay has new values
-            torch.add(self.positions[:bucket], 1, out=self.seq_lens[:bucket])
-            hidden = self.model(self.input_ids[:bucket], self.positions[:bucket], self.kv_caches, meta)
-            self.hidden[:bucket].copy_(hidden)
+            # On a GPU the last call is the capture's: its output is where every replay writes.
+            self.outputs[bucket] = self.model(input_ids, positions, self.kv_caches, meta)
 
         return step
 
     def _upload(self, bucket: int, width: int) -> None:
-        """One host-to-device copy of the packed rows, then unpack them into the static inputs."""
-        n = bucket * (_NUM_FIXED + width)
+        """One host-to-device copy of the packed inputs, then the block tables into the static table."""
+        n = bucket * (NUM_FIXED + width)
         self.staged[:n].copy_(self.host[:n], non_blocking=True)
         if self.device.type == "cuda":
             self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event.__new__ unannotated
             self.copied.record()
-        rows = self.staged[:n].view(bucket, _NUM_FIXED + width)
-        self.input_ids[:bucket].copy_(rows[:, 0])
-        self.positions[:bucket].copy_(rows[:, 1])
-        self.slot_mapping[:bucket].copy_(rows[:, 2])
-        self.block_tables[:bucket, :width].copy_(rows[:, _NUM_FIXED:])
+        self.block_tables[:bucket, :width].copy_(self.staged[NUM_FIXED * bucket : n].view(bucket, width))
 
     def _graph(self, bucket: int) -> Any:
         if bucket not in self.graphs:
@@ -205,8 +222,8 @@ class DecodeGraphs:
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's upload has left the pinned buffer
         width = max(len(r.block_ids) for r in requests)
-        host = self.host_np[: bucket * (_NUM_FIXED + width)].reshape(bucket, _NUM_FIXED + width)
-        sample = pack_decode_inputs(requests, self.block_size, host, self.host_tables)
+        fixed, tables = packed_views(self.host_np, bucket, width)
+        sample = pack_decode_inputs(requests, self.block_size, fixed, tables, self.host_tables)
         self._upload(bucket, width)
         try:
             graph = self._graph(bucket)
@@ -216,15 +233,18 @@ class DecodeGraphs:
             return None
         graph.replay()
         n = len(requests)
-        hidden = self.hidden[:n] if len(sample) == n else self.hidden[torch.tensor(sample, device=self.device)]
+        out = self.outputs[bucket]  # (bucket, hidden_size)
+        hidden = out[:n] if len(sample) == n else out[torch.tensor(sample, device=self.device)]
         logits = self.model.compute_logits(hidden)
         return logits, [requests[i].seq_id for i in sample]
 
-    def _fill_dummy_rows(self) -> None:
-        """Inputs for capturing without a real step: token 0 at position 0 of block 0, slot -1."""
-        self.input_ids.zero_()
-        self.positions.zero_()
-        self.slot_mapping.fill_(-1)
+    def _fill_dummy_rows(self, bucket: int) -> None:
+        """Inputs for capturing a bucket without a real step: token 0 at position 0 of block 0, slot -1."""
+        input_ids, positions, slot_mapping, seq_lens = self._inputs(bucket)
+        input_ids.zero_()
+        positions.zero_()
+        slot_mapping.fill_(-1)
+        seq_lens.fill_(1)
         self.block_tables[:, 0] = 0
 
     @torch.inference_mode()
@@ -232,9 +252,10 @@ class DecodeGraphs:
         """Capture every bucket up to max_batch now (GPU only): dummy rows write nothing (slot -1)
         and read block 0."""
         assert self.device.type == "cuda", "capture_all relies on the Triton KV writes skipping slot -1"
-        self._fill_dummy_rows()
         limit = pick_bucket(self.buckets, min(max_batch or self.max_batch, self.max_batch))
         assert limit is not None, "the buckets end at self.max_batch"
         for bucket in reversed([b for b in self.buckets if b <= limit]):  # largest first: the rest fit in its pool
-            self._graph(bucket)
+            if bucket not in self.graphs:
+                self._fill_dummy_rows(bucket)
+                self._graph(bucket)
         torch.cuda.synchronize()

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 
 from batchrun.kernels import elementwise as ew
-from batchrun.kernels.attention import paged_attention, qkv_norm_rope_write
+from batchrun.kernels.attention import paged_attention
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.backend import triton_usable
+from batchrun.kernels.fused_projections import embed_norm, gate_up_act, lm_head_logits, qkv_project
 from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.model.moe import (
     SparseMoeBlock,
@@ -250,12 +251,12 @@ class Attention(nn.Module):
 
     def forward(self, x, cos_sin, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
         s = self.spec
-        qkv = self.qkv_proj(x)  # (num_tokens, q_size + 2 * kv_size)
         rope = cos_sin[self.rope_key]
         k_cache, v_cache = kv_cache
-        # q/k-norm, rotary and the KV write: one fused kernel on the GPU, the separate ops elsewhere
-        q, k, v = qkv_norm_rope_write(
-            qkv, self._heads(), rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, rope.positions
+        # The projection, then q/k-norm, rotary and the KV write: on the GPU one fused kernel for the
+        # latter three, or one for all four (kernels/fused_projections.py); the separate ops elsewhere
+        q, k, v = qkv_project(
+            x, self.qkv_proj, self._heads(), rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, rope.positions
         )
         o = paged_attention(q, k_cache, v_cache, meta, s.attn_scale, self.window, s.attn_logit_softcap, k, v)
         return self.o_proj(o.reshape(-1, self.q_size))
@@ -276,7 +277,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_act:
             return self.down_proj(self.gate_up_proj(x))
-        return self.down_proj(ew.act_mul(self.gate_up_proj(x), self.activation))
+        return self.down_proj(gate_up_act(x, self.gate_up_proj, self.activation))
 
 
 class DecoderLayer(nn.Module):
@@ -293,15 +294,21 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g)
             self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g)
 
-    def forward(self, x, residual, cos_sin, kv_cache, meta) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def forward(
+        self, x, residual, cos_sin, kv_cache, meta, normed: Optional[torch.Tensor] = None
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(x, residual) -> (x', residual'): the hidden state is x + residual, or x where residual is
-        None. The add of each sublayer's output is left to the next norm, which fuses it."""
+        None. The add of each sublayer's output is left to the next norm, which fuses it. `normed`:
+        input_layernorm(x), already computed (with the embedding, for layer 0), residual None."""
         if self.spec.gemma_norms:
             if residual is not None:
                 x = x + residual
             x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos_sin, kv_cache, meta))
             return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), None
-        h, residual = self.input_layernorm.into(self.self_attn.qkv_proj, x, residual)
+        if residual is None and normed is not None:  # layer 0's norm, fused with the embedding
+            h, residual = normed, x
+        else:
+            h, residual = self.input_layernorm.into(self.self_attn.qkv_proj, x, residual)
         h = self.self_attn(h, cos_sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm.into(getattr(self.mlp, "gate_up_proj", None), h, residual)
         return self.mlp(h), residual
@@ -350,19 +357,35 @@ class DecoderLM(nn.Module):
         meta: AttentionMetadata,
         num_layers: Optional[int] = None,  # run only the first layers (self-speculative drafts)
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        # Layer 0's norm with the embedding gather in one kernel where Triton runs: (normed, x), each
+        # (num_tokens, hidden_size). Not Gemma's (its embedding is scaled in between), and only for a
+        # plain norm feeding a float qkv projection (a quantized one may take its input otherwise).
+        fused = None
+        if (
+            not self.spec.gemma_norms
+            and len(layers) > 0
+            and type(layers[0].input_layernorm) is RMSNorm
+            and type(getattr(layers[0].self_attn, "qkv_proj", None)) is nn.Linear
+        ):
+            norm = layers[0].input_layernorm
+            fused = embed_norm(input_ids, self.embed_tokens, norm.weight, norm.eps)
+        if fused is not None:
+            normed, x = fused
+        else:
+            normed, x = None, self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
         if self.spec.gemma_norms:
             x = x * torch.tensor(self.spec.hidden_size**0.5, dtype=x.dtype)
         cos_sin = self.rope.for_step(positions, x.dtype)
-        layers = self.layers if num_layers is None else self.layers[:num_layers]
         residual: Optional[torch.Tensor] = None
         for layer, kv in zip(layers, kv_caches):
-            x, residual = layer(x, residual, cos_sin, kv, meta)
+            x, residual = layer(x, residual, cos_sin, kv, meta, normed)
+            normed = None
         return self.norm(x) if residual is None else self.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()  # (num_rows, vocab_size)
+        logits = lm_head_logits(hidden, self.lm_head)  # (num_rows, vocab_size) float32
         cap = self.spec.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -121,7 +121,16 @@ def _check_engine() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(tmp, "llama"))
-        config = EngineConfig(model=model, dtype="float32", device="cpu", kv_cache_memory=4 << 20, max_num_seqs=4)
+        # Batch limits given (no start-up profile) and no warm-up: each would interpret whole steps.
+        config = EngineConfig(
+            model=model,
+            dtype="float32",
+            device="cpu",
+            kv_cache_memory=4 << 20,
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            warmup=False,
+        )
         prompts = ["The quick brown fox", "Lists are mutable", "A tuple is", "Sets hold"]
         params = [
             SamplingParams(temperature=0.9, max_tokens=6, seed=7),

@@ -81,6 +81,8 @@ def pick_batch_limits(
     spec_tokens) tokens for B = 1 and B = max_num_seqs. Without those points the cost model would
     extrapolate from width 1 as if compute-bound, and never speculate at small batches."""
     profile: dict[str, Any] = {}
+    if max_num_seqs is not None and max_num_batched_tokens is not None and not profile_decode:
+        return BatchLimits(max_num_seqs, max_num_batched_tokens, profile)  # nothing to measure
     capacity = num_blocks * block_size
     warm = min(32, capacity)
     # warm-up: the first calls pay for one-off setup

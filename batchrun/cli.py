@@ -17,6 +17,7 @@ where the results are. Expected failures end as one line on stderr, never a trac
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import sys
@@ -149,12 +150,23 @@ def _run_benchmark(config: RunConfig, values: dict[str, Any]) -> None:
     print(format_benchmark(run_benchmark(config, benchmark_config(values))), flush=True)
 
 
+def _leave(code: int) -> NoReturn:
+    """Exit `status` without the interpreter's teardown. `status` only reads and prints; its process
+    has been seen to abort (SIGABRT, "terminate called without an active exception") after printing,
+    in a native library's teardown at interpreter exit, which turns a correct answer into exit code
+    134 for the scripts that poll it. Nothing it opened needs closing."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(argv: Sequence[str] | None = None) -> NoReturn:
     """Entry point of `python -m batchrun` and the `batchrun` script; exits with the codes above."""
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     if sys.argv[1:2] == ["status"]:
-        sys.exit(status_main(sys.argv[2:]))
+        _leave(status_main(sys.argv[2:]))
     if sys.argv[1:2] == ["report"]:  # a subcommand, not a Hydra override: dispatched before Hydra sees argv
         sys.exit(report_main(sys.argv[2:]))
     _exit_codes.clear()

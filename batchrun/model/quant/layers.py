@@ -184,18 +184,7 @@ class W8A8Linear(QuantLinear):
     def forward(self, x: Union[torch.Tensor, QuantizedRows]) -> torch.Tensor:
         """x, or x already quantized as input_quant says (QuantizedRows: 2 kernels instead of 3)."""
         if isinstance(x, QuantizedRows):
-            from batchrun.kernels.quant.triton_act import w8a8_linear
-
-            o = self.outliers
-            return w8a8_linear(
-                x,
-                self.qweight,
-                self.scales.reshape(-1),
-                self.bias,
-                None if o is None else o.index,
-                None if o is None else o.skip,
-                None if o is None else o.weight_t,
-            )
+            return self._triton(x)
         if self.is_native:
             if (
                 x.dtype == torch.bfloat16
@@ -209,21 +198,25 @@ class W8A8Linear(QuantLinear):
                 )
             return self._reference(x)  # kernels switched off since load, or an odd input
         if triton_usable(x):  # quantize, torch._int_mm, epilogue: 3 kernels (kernels/quant/triton_act.py)
-            from batchrun.kernels.quant.triton_act import w8a8_linear
-
             shape = x.shape
-            o = self.outliers
-            y = w8a8_linear(
-                x.reshape(-1, shape[-1]),
-                self.qweight,
-                self.scales.reshape(-1),
-                self.bias,
-                None if o is None else o.index,
-                None if o is None else o.skip,
-                None if o is None else o.weight_t,
-            )
+            y = self._triton(x.reshape(-1, shape[-1]))
             return y.reshape(*shape[:-1], y.shape[-1])
         return qk.w8a8_matmul(x, self.qweight, self.scales, self.bias, self.outliers)
+
+    def _triton(self, x: Union[torch.Tensor, QuantizedRows]) -> torch.Tensor:
+        """The GPU path on rows (num_rows, in_features), or on rows already quantized (QuantizedRows)."""
+        from batchrun.kernels.quant.triton_act import w8a8_linear
+
+        o = self.outliers
+        return w8a8_linear(
+            x,
+            self.qweight,
+            self.scales.reshape(-1),
+            self.bias,
+            None if o is None else o.index,
+            None if o is None else o.skip,
+            None if o is None else o.weight_t,
+        )
 
     def _reference(self, x: torch.Tensor) -> torch.Tensor:
         """w8a8_matmul over the unpacked weights (slow; only when the native kernel cannot run)."""

@@ -103,12 +103,16 @@ def test_smoke_run_writes_every_section(tmp_path):
         assert timed["gpu_ms"] is None and timed["gpu_forward_ms"] is None
         assert step[path]["kernels"] is None  # torch.profiler's kernel count needs CUDA
         assert _is_ms(step[path]["wall_ms"])
+    ahead = step["async"]  # steps back to back with engine.async_scheduling on the stand-in graphs
+    assert _is_ms(ahead["wall_ms"]) and ahead["num_ahead"] >= 8
 
-    runs = {run["temperature"]: run for run in qwen["throughput"]}
-    assert set(runs) == {0.0, 0.6}
+    runs = {(run["temperature"], run["async_scheduling"]): run for run in qwen["throughput"]}
+    assert set(runs) == {(0.0, False), (0.0, True), (0.6, False)}
     for run in runs.values():
         assert run["num_finished"] == 8 and run["is_cut"] is False
         assert run["num_output_tokens"] == qwen["workload"]["num_output_tokens"] and run["output_tok_s"] > 0
+    # engine.async_scheduling on the stand-in graphs: steps ran ahead (the row fails otherwise)
+    assert runs[0.0, True]["num_async_steps"] > 0 and runs[0.0, False]["num_async_steps"] is None
     assert qwen["compile_counts"]["note"].startswith("n/a (interpreter")
     assert qwen["hf_baseline"]["ratio"] > 0 and qwen["hf_baseline"]["num_seqs"] == 4
 

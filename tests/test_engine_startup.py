@@ -97,6 +97,7 @@ def test_engine_settings_are_frozen_and_serialise_in_the_manifests_key_order(tin
         "quant_formats": {"linear:w8a8/float8": 9, "linear:w8a8/float16": 3},
         "weight_bytes": 437888,
         "kv_cache_dtype": "fp8",
+        "async_scheduling": False,
     }
     expected.update(_machine(engine))
     assert json.dumps(engine.settings.as_dict()) == json.dumps(expected)  # same keys, order and values
@@ -174,6 +175,7 @@ def test_the_job_manifest_and_fingerprint_record_the_settings_as_before(
         "quant_formats": {"linear:int8/g32": 12},
         "weight_bytes": 388352,
         "kv_cache_dtype": "int8",
+        "async_scheduling": False,
     }
     expected.update(_machine(engine))
     # The manifest is written with indent=2: its engine_settings block is the dict's text at that indent.

@@ -17,7 +17,10 @@ step (every prompt computed, nothing waiting), then spends the following steps o
   wall      steps back to back as the engine runs them, the real cost of a step
 
 each graphed (the engine's path for a pure decode step) and eager (graphs set aside), alternating,
-so a drift in the machine's speed hits both. The requests are aborted afterwards.
+so a drift in the machine's speed hits both. Last, with graphs: `async`, as many steps back to back
+with engine.async_scheduling on and no sync between them (engine/async_steps.py), whose wall time
+per step against the graphed step's device time is the host time left unhidden. The requests are
+aborted afterwards.
 
 A decode sub-batch run by `compare` writes K/V for its requests' current tokens into the same slots
 the real step writes before it reads them, so the probe leaves no trace in later steps.
@@ -40,6 +43,7 @@ import torch
 
 from batchrun.bench.timing import patched
 from batchrun.engine import Engine, EngineRequest, SamplingParams
+from batchrun.engine.async_steps import AsyncSteps
 from batchrun.engine.cuda_graphs import (
     NUM_FIXED,
     DecodeGraphs,
@@ -242,6 +246,23 @@ def _profiled_step(engine: Engine, step: Callable[[], Any], graphed: bool) -> di
         return {"error": repr(exc)}
 
 
+def _async_wall(engine: Engine, step: Callable[[], Any], num_steps: int) -> dict[str, Any]:
+    """Graphed steps back to back with engine.async_scheduling on (each launched before the last
+    one's tokens are read), no device sync between them: the wall time of a step when the host's
+    work hides behind the device's. The first step only starts the pipeline and is not timed. The
+    option stays on until the probe's requests are aborted (which drops the step in flight)."""
+    engine.async_steps = AsyncSteps(
+        engine.scheduler, engine.runner, engine.sampler, engine.max_num_seqs, engine.max_num_batched_tokens
+    )
+    step()
+    _sync(engine.device)
+    t = time.perf_counter()
+    for _ in range(num_steps):
+        step()
+    _sync(engine.device)
+    return {"wall_ms": (time.perf_counter() - t) * 1e3 / num_steps, "num_ahead": engine.async_steps.num_ahead}
+
+
 def _wall_step(engine: Engine, step: Callable[[], Any], graphed: bool) -> float:
     with _eager(engine.runner, not graphed):
         t = time.perf_counter()
@@ -359,6 +380,8 @@ def _plan(has_graphs: bool, cuda: bool, num_timed: int, num_wall: int) -> list[t
     if cuda:
         plan += [("profiled", g) for g in modes]
     plan += [("wall", g) for _ in range(num_wall) for g in modes]
+    if has_graphs:
+        plan.append(("async", True))  # num_wall + 1 steps back to back with engine.async_scheduling
     return plan
 
 
@@ -372,9 +395,9 @@ def probe_decode_steps(
 ) -> dict[str, Any]:
     """Run `prompts` (greedy) until all decode in one step, then measure the plan of steps (module
     docstring). Returns {"num_seqs", "mean_context", "max_context", "graph_vs_eager": rows or None,
-    "graphed": {...} or None, "eager": {...}}, each path with "timed" (median ms per part), "kernels"
-    (one profiled step; None without CUDA) and "wall_ms" (median). With `stand_in`, a runner without
-    graphs gets `stand_in_graphs` for the probe."""
+    "graphed": {...} or None, "eager": {...}, "async": {"wall_ms", "num_ahead"} or None}, each path
+    with "timed" (median ms per part), "kernels" (one profiled step; None without CUDA) and "wall_ms"
+    (median). With `stand_in`, a runner without graphs gets `stand_in_graphs` for the probe."""
     n = len(prompts)
     assert n <= engine.max_num_seqs, "all prompts must run in one step"
     runner = engine.runner
@@ -385,7 +408,7 @@ def probe_decode_steps(
     cuda = engine.device.type == "cuda"
     plan = _plan(runner.graphs is not None, cuda, num_timed, num_wall)
     # long enough that nobody finishes before the plan is spent: prefill takes a few steps, then the plan
-    params = SamplingParams(temperature=0.0, max_tokens=len(plan) + 64 + n, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=len(plan) + num_wall + 64 + n, ignore_eos=True)
     requests = [EngineRequest(i, p, params) for i, p in enumerate(prompts)]
     inner_step = engine.step
     result: dict[str, Any] = {"num_seqs": n, "graph_vs_eager": None}
@@ -417,12 +440,15 @@ def probe_decode_steps(
             timed[graphed].append(_timed_step(engine, inner_step, graphed))
         elif kind == "profiled":
             kernels[graphed] = _profiled_step(engine, inner_step, graphed)
+        elif kind == "async":
+            result["async"] = _async_wall(engine, inner_step, num_wall)
         else:
             walls[graphed].append(_wall_step(engine, inner_step, graphed))
         if not plan:
             raise _Done
         return []
 
+    async_steps = engine.async_steps
     with patched(engine, "step", step):
         try:
             for out in engine.stream(requests, max_in_flight=n):
@@ -432,6 +458,9 @@ def probe_decode_steps(
                 )
         except _Done:
             pass
+        finally:
+            engine.async_steps = async_steps  # the engine is idle again: as it was
+    result.setdefault("async", None)
     for graphed, name in ((True, "graphed"), (False, "eager")):
         if not timed[graphed]:
             result[name] = None

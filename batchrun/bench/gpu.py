@@ -34,8 +34,9 @@ step, CUDA graphs, memory and throughput; a table last and a JSON document with 
    the top kernels of one step by GPU time. In --smoke, bench.gpu_launches' count of what one decode
    step launches on the GPU dispatch path (Triton in the interpreter), per layer and per step.
 5. Throughput (`--only throughput`): nano-vllm's workload (256 sequences, prompt and output lengths
-   uniform in 100-1024, ignore_eos) on the Qwen3-0.6B-shaped model greedy and at temperature 0.6
-   (nano-vllm's setting; the sampler's own cost is bench.sampling's measurement), and greedy on a
+   uniform in 100-1024, ignore_eos) on the Qwen3-0.6B-shaped model greedy, greedy again with
+   engine.async_scheduling (the ratio to the run before), and at temperature 0.6 (nano-vllm's
+   setting; the sampler's own cost is bench.sampling's measurement), and greedy on a
    SmolLM2-135M-shaped one. Random weights built here from transformers configs (nothing can be
    downloaded there; the SmolLM2 GGUF is too big to carry); prompts are token ids (the bundled
    512-token tokenizer only decodes). Triton compile counts per kernel after warm-up and after the
@@ -546,6 +547,7 @@ GPU_ESTIMATES_S = {
     f"{QWEN3}: build": 40,
     f"{QWEN3}: decode step": 20,
     f"{QWEN3}: greedy": 30,
+    f"{QWEN3}: greedy async": 25,
     f"{QWEN3}: temperature 0.6": 30,
     f"{QWEN3}: vs HF generate": 40,
     f"{SMOLLM2}: build": 30,

@@ -20,9 +20,10 @@ from typing import Any, Optional
 import torch
 
 from batchrun.bench import compile_counts
-from batchrun.bench.decode_step import capture_buckets, probe_decode_steps
+from batchrun.bench.decode_step import capture_buckets, probe_decode_steps, stand_in_graphs
 from batchrun.bench.gpu_report import NO_CUDA, Budget, Report
 from batchrun.bench.hf_baseline import hf_generate, load_hf_model
+from batchrun.bench.timing import patched
 from batchrun.bench.workloads import nano_vllm_workload
 
 GRAPH_REL_TOL = 2e-2  # graph replay against eager logits in bf16 (a padded bucket may tile differently)
@@ -253,6 +254,16 @@ class ModelCheck:
                 ok=not bad,
             )
         where = f"{result['num_seqs']} seqs, mean context {result['mean_context']:.0f}"
+        ahead, graphed = result.get("async"), result.get("graphed")
+        if ahead is not None and graphed is not None:
+            gpu_ms = graphed["timed"]["gpu_ms"]
+            over = f"; wall - GPU {ahead['wall_ms'] - gpu_ms:.2f} ms (target <= 0.3)" if gpu_ms is not None else ""
+            self.report.add(
+                f"{self.label}: decode step graphed, async scheduling, {where}",
+                f"wall {ahead['wall_ms']:.2f} ms per step back to back, {ahead['num_ahead']} ran ahead; "
+                f"synchronous {graphed['wall_ms']:.2f} ms{over}",
+                ok=ahead["num_ahead"] > 0,
+            )
         for path in ("graphed", "eager"):
             measured = result.get(path)
             if measured is None:
@@ -285,10 +296,15 @@ class ModelCheck:
 
     # ---- timed workloads ---------------------------------------------------------------------
 
-    def timed_run(self, temperature: float, cut_at: float) -> None:
+    def timed_run(self, temperature: float, cut_at: float, async_scheduling: bool = False) -> None:
         from batchrun.engine import EngineRequest, SamplingParams
 
         engine = self.engine
+        if async_scheduling and not self.cuda and engine.runner.graphs is None:
+            # --smoke: steps run ahead only on graphs; the tests' stand-in replays them eagerly
+            with patched(engine.runner, "graphs", stand_in_graphs(engine, self.num_seqs)):
+                return self.timed_run(temperature, cut_at, async_scheduling)
+        engine.set_async_scheduling(async_scheduling)
         if self.compiles_before is None:
             self.compiles_before = self._compile_snapshot()
         engine.reset_prefix_cache()  # cold: the prompts ran before (warm-up, the probe, the other run)
@@ -311,6 +327,7 @@ class ModelCheck:
         _sync(self.device)
         wall = time.perf_counter() - t
         stats = engine.stats()
+        engine.set_async_scheduling(False)
         num_out = stats.num_generated_tokens - before.num_generated_tokens
         num_in = stats.num_prompt_tokens - before.num_prompt_tokens
         run = {
@@ -326,15 +343,29 @@ class ModelCheck:
             "num_steps": stats.num_steps - before.num_steps,
             "num_preemptions": stats.num_preemptions - before.num_preemptions,
             "peak_allocated_bytes": torch.cuda.max_memory_allocated() if self.cuda else None,
+            "async_scheduling": async_scheduling,
+            # steps launched before the previous step's tokens were read (engine.async_scheduling)
+            "num_async_steps": stats.num_async_steps if async_scheduling else None,
+            "ms_per_step": 1e3 * wall / max(stats.num_steps - before.num_steps, 1),
         }
-        self.section.setdefault("throughput", []).append(run)
+        runs = self.section.setdefault("throughput", [])
+        # the synchronous run of the same temperature, same engine, measured just before
+        base = next((r for r in runs if r["temperature"] == temperature and not r["async_scheduling"]), None)
+        runs.append(run)
         cut = "" if not run["is_cut"] else f" CUT at the deadline after {num_done}/{self.num_seqs} finished;"
+        what = "greedy" if temperature == 0 else f"temperature {temperature}"
+        extra = ""
+        if async_scheduling:
+            what += " async"
+            extra = f", {run['num_async_steps']} ran ahead"
+            if base is not None and not base["is_cut"] and not run["is_cut"]:
+                extra += f"; {run['output_tok_s'] / base['output_tok_s']:.3f}x the synchronous run"
         self.report.add(
-            f"{self.label} {'greedy' if temperature == 0 else f'temperature {temperature}'}: {self.num_seqs} seqs, "
-            f"{num_in} prompt + {num_out} output tokens",
+            f"{self.label} {what}: {self.num_seqs} seqs, {num_in} prompt + {num_out} output tokens",
             f"{run['output_tok_s']:,.0f} output tok/s, {run['total_tok_s']:,.0f} total tok/s, {wall:.1f}s,{cut} "
-            f"{run['num_steps']} steps, {run['num_preemptions']} preemptions"
-            + (" (target >= 20,000 output tok/s)" if "qwen3" in self.label.lower() else ""),
+            f"{run['num_steps']} steps ({run['ms_per_step']:.2f} ms each{extra}), {run['num_preemptions']} preemptions"
+            + (" (target >= 28,000 output tok/s)" if "qwen3" in self.label.lower() and temperature == 0 else ""),
+            ok=not async_scheduling or bool(run["num_async_steps"]),  # the option must have run steps ahead
         )
 
     def _compile_snapshot(self) -> Optional[compile_counts.Snapshot]:
@@ -431,6 +462,7 @@ def model_phases(label: str, engine_checks: bool, throughput: bool, baseline: bo
     if throughput:
         phases.append(f"{label}: greedy")
         if label == QWEN3:
+            phases.append(f"{label}: greedy async")  # engine.async_scheduling against the run before
             phases.append(f"{label}: temperature 0.6")
         if baseline:
             phases.append(f"{label}: vs HF generate")
@@ -448,11 +480,16 @@ def check_model(
                 return
             if f"{label}: decode step" in phases:
                 budget.run(f"{label}: decode step", check.decode_step, report)
-            for temperature, phase in ((0.0, f"{label}: greedy"), (0.6, f"{label}: temperature 0.6")):
+            for temperature, async_scheduling, phase in (
+                (0.0, False, f"{label}: greedy"),
+                (0.0, True, f"{label}: greedy async"),
+                (0.6, False, f"{label}: temperature 0.6"),
+            ):
                 if phase in phases and check.engine is not None:
                     # a slow engine must not eat the later phases' time: cut at twice the estimate
                     cut_at = min(budget.deadline, time.perf_counter() + 2 * budget.phases[phase].estimate_s)
-                    budget.run(phase, functools.partial(check.timed_run, temperature, cut_at), report)
+                    run = functools.partial(check.timed_run, temperature, cut_at, async_scheduling)
+                    budget.run(phase, run, report)
             if check.section.get("throughput"):
                 check.compiles()
             if f"{label}: vs HF generate" in phases and check.engine is not None:

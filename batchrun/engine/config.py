@@ -76,6 +76,11 @@ class EngineConfig:
     # prefix cached or not, speculated or not: every row's attention runs the prefill kernels,
     # whose per-row reduction order is fixed (kernels/attention.py). Cost: docs/configuration.md.
     batch_invariant: bool = False
+    # Launch a decode step before the previous step's tokens reach the host (its input ids gathered
+    # on the device), so the host's scheduling, packing and bookkeeping of one step run while the
+    # GPU computes the next. Only CUDA-graph decode steps of plain requests (no grammar, logprobs
+    # or speculation) run ahead; outputs are the same tokens (engine/async_steps.py).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):  # accepted from plain configs
@@ -113,6 +118,8 @@ class EngineConfig:
             raise ValueError(f"engine.kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"engine.batch_invariant must be true or false, got {self.batch_invariant!r}")
+        if not isinstance(self.async_scheduling, bool):
+            raise ValueError(f"engine.async_scheduling must be true or false, got {self.async_scheduling!r}")
         if self.warmup is not None and not isinstance(self.warmup, bool):
             raise ValueError(f"engine.warmup must be true, false or null, got {self.warmup!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:

@@ -76,17 +76,23 @@ def pack_decode_inputs(
     fixed: np.ndarray,
     tables: np.ndarray,
     block_tables: Optional[BlockTables] = None,
+    token_rows: Optional[Sequence[int]] = None,
 ) -> list[int]:
     """Fill fixed (NUM_FIXED, bucket) with the requests' token ids, positions, slots and sequence
     lengths (position + 1), and tables (bucket, width) with their block tables, width the widest;
     padded to the bucket by repeating the last request. Block ids come from the KV manager's
-    persistent rows when every request holds one, else from the requests' lists. Returns the batch
-    indices of the requests that sample."""
+    persistent rows when every request holds one, else from the requests' lists. `token_rows`: the
+    input ids are still on the device (a step launched ahead): the ids' row holds, per request, the
+    row of the device tensor its id is gathered from instead. Returns the batch indices of the
+    requests that sample."""
     n = len(requests)
     bucket = fixed.shape[1]
     assert 0 < n <= bucket and tables.shape[0] == bucket
     positions = np.fromiter((r.num_computed_tokens for r in requests), dtype=np.int64, count=n)
-    fixed[0, :n] = np.fromiter((r.token_ids[r.num_computed_tokens] for r in requests), dtype=np.int64, count=n)
+    if token_rows is not None:
+        fixed[0, :n] = token_rows
+    else:
+        fixed[0, :n] = np.fromiter((r.token_ids[r.num_computed_tokens] for r in requests), dtype=np.int64, count=n)
     fixed[1, :n] = positions
     rows = np.fromiter((r.table_row for r in requests), dtype=np.int64, count=n)
     if block_tables is not None and rows.min() != NO_ROW:
@@ -213,9 +219,13 @@ class DecodeGraphs:
             self.graphs[bucket] = graph
         return self.graphs[bucket]
 
-    def execute(self, batch: ScheduledBatch) -> Optional[tuple[torch.Tensor, list[int]]]:
+    def execute(
+        self, batch: ScheduledBatch, token_source: Optional[tuple[torch.Tensor, Sequence[int]]] = None
+    ) -> Optional[tuple[torch.Tensor, list[int]]]:
         """(logits (num_sampled, vocab) float32 on the device, seq_ids of the sampled requests), or
-        None when the step must run eagerly instead."""
+        None when the step must run eagerly instead. `token_source` = (tokens (m,) int64 on the
+        device, per request its row there): the input ids are taken from those rows on the device
+        (the previous step's tokens, not yet read by the host; engine/async_steps.py)."""
         requests = batch.requests
         bucket = pick_bucket(self.buckets, len(requests))
         assert bucket is not None
@@ -223,8 +233,14 @@ class DecodeGraphs:
             self.copied.synchronize()  # the previous step's upload has left the pinned buffer
         width = max(len(r.block_ids) for r in requests)
         fixed, tables = packed_views(self.host_np, bucket, width)
-        sample = pack_decode_inputs(requests, self.block_size, fixed, tables, self.host_tables)
+        rows = token_source[1] if token_source is not None else None
+        sample = pack_decode_inputs(requests, self.block_size, fixed, tables, self.host_tables, rows)
         self._upload(bucket, width)
+        if token_source is not None:
+            # The uploaded ids' row holds source rows (padding repeats the last): gather in place,
+            # so padding rows get the last row's id as in a host-packed step. Two small kernels.
+            ids = self.staged[:bucket]
+            ids.copy_(token_source[0].index_select(0, ids))
         try:
             graph = self._graph(bucket)
         except Exception as exc:  # noqa: BLE001 - any failed capture means: this model cannot be graphed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -9,6 +10,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from batchrun.engine.async_steps import AsyncSteps, InFlightStep
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput, ThroughputProfile
 from batchrun.engine.profiler import measure_rates
@@ -16,7 +18,9 @@ from batchrun.engine.request import Request
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.engine.settings import EngineSettings
 from batchrun.engine.startup import EngineParts, start_engine, warm_up
-from batchrun.engine.step_sampler import cut_at_stop_string
+from batchrun.engine.step_sampler import SampledTokens, cut_at_stop_string
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -55,6 +59,14 @@ class Engine:
         self._num_prompt_tokens = 0
         self._num_generated_tokens = 0
         self._num_steps = 0
+        # engine.async_scheduling (engine/async_steps.py): steps launched ahead, and the one whose
+        # tokens are still on their way to the host between two calls of `step`.
+        self.async_steps: Optional[AsyncSteps] = None
+        self._in_flight: Optional[InFlightStep] = None
+        if config.async_scheduling and not self.set_async_scheduling(True):
+            log.warning(
+                "engine.async_scheduling is off with speculative decoding: each step needs the last one's tokens"
+            )
         # Times the decode steps the speculation policy prices (a test may put a fake clock here).
         self.step_clock: Callable[[], float] = time.perf_counter
 
@@ -132,6 +144,7 @@ class Engine:
             num_generated_tokens=self._num_generated_tokens,
             num_steps=self._num_steps,
             expert_token_counts=self.model.expert_token_counts(),  # one device read, not one per step
+            num_async_steps=self.async_steps.num_ahead if self.async_steps is not None else None,
             **self._spec_stats(),
         )
 
@@ -190,6 +203,16 @@ class Engine:
         self.settings = self.settings.with_warmup(summary)
         return summary
 
+    def set_async_scheduling(self, on: bool) -> bool:
+        """Turn engine.async_scheduling on or off on an idle engine (benchmarks compare both on one
+        engine); return whether it is on: never with a drafter. Its step count starts again at 0."""
+        assert not self.scheduler.has_unfinished() and self._in_flight is None, "switch an idle engine only"
+        self.async_steps = None
+        if on and self.drafter is None:
+            limits = (self.max_num_seqs, self.max_num_batched_tokens)
+            self.async_steps = AsyncSteps(self.scheduler, self.runner, self.sampler, *limits)
+        return self.async_steps is not None
+
     def reset_peak_stats(self) -> None:
         self.kv.reset_peak()
 
@@ -200,8 +223,16 @@ class Engine:
 
     def abort_all(self) -> None:
         """Drop every unfinished request and free its blocks (used when a stream is abandoned)."""
+        self._drop_in_flight()
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.finish(req, "abort")
+
+    def _drop_in_flight(self) -> None:
+        """Forget a step launched ahead (its requests ended or were aborted): wait for its token
+        copy, so its pinned buffer is free before a later step writes there."""
+        if self._in_flight is not None:
+            self._in_flight.wait()
+            self._in_flight = None
 
     # ---- internals ----------------------------------------------------------------------------
 
@@ -215,7 +246,38 @@ class Engine:
         return []
 
     def step(self) -> list[Request]:
-        """One engine iteration; returns the requests that finished in it."""
+        """One engine iteration; returns the requests that finished in it.
+
+        With engine.async_scheduling a step may be launched here before the current one's tokens
+        are read (engine/async_steps.py); the next call starts from it instead of scheduling."""
+        cur, self._in_flight = self._in_flight, None
+        if cur is None:
+            cur_or_finished = self._step_sync()
+            if not isinstance(cur_or_finished, InFlightStep):
+                return cur_or_finished
+            cur = cur_or_finished
+        assert self.async_steps is not None
+        if self.async_steps.can_run_ahead(cur):
+            self._in_flight = self.async_steps.run_ahead(cur)
+            self._num_steps += 1
+        finished = self._finish_in_flight(cur)
+        if self._in_flight is not None and all(r.is_finished for r in self._in_flight.batch.requests):
+            self._drop_in_flight()  # every request of the step ahead ended with cur's tokens
+        return finished
+
+    def _finish_in_flight(self, cur: InFlightStep) -> list[Request]:
+        """Read cur's tokens and do the bookkeeping a synchronous step does after sampling."""
+        tokens = cur.wait()
+        sampled: SampledTokens = {
+            r.seq_id: (r, [token], None) for r, token in zip(cur.batch.requests, tokens) if not r.is_finished
+        }
+        finished = self.scheduler.update(cur.batch, {seq: t for seq, (_, t, _) in sampled.items()}, held=cur.held)
+        self._record_tokens(sampled)
+        return finished + self.step_sampler.stops(sampled)
+
+    def _step_sync(self) -> Union[list[Request], InFlightStep]:
+        """A step scheduled now: the requests that finished in it, or, with async scheduling, a
+        graphed decode step of plain requests whose tokens are on their way to the host."""
         spec_plan, proposals = self.drafter.plan(self.scheduler.running) if self.drafter else ({}, {})
         batch: ScheduledBatch = self.scheduler.schedule(spec_plan)
         assert not batch.is_empty(), "scheduler produced an empty batch with requests pending"
@@ -232,6 +294,8 @@ class Engine:
         started_s = self.step_clock()
         self.step_sampler.start_masks(batch)  # grammar masks fill while the forward runs
         out = self.runner.execute(batch)
+        if self.async_steps is not None and self.async_steps.can_read_back(batch, out):
+            return self.async_steps.read_back(batch, out.logits)
         by_seq = {r.seq_id: r for r in batch.requests}
         for seq, (first, entries) in out.prompt_logprobs.items():
             scored = by_seq[seq].prompt_logprobs
@@ -246,6 +310,10 @@ class Engine:
         if self.drafter is not None:
             self.drafter.observe(batch, self.step_clock() - started_s, started_s - drafted_s)
         finished = failed + self.scheduler.update(batch, {seq: toks for seq, (_, toks, _) in sampled.items()})
+        self._record_tokens(sampled)
+        return finished + self.step_sampler.stops(sampled)
+
+    def _record_tokens(self, sampled: SampledTokens) -> None:
         now = time.perf_counter()
         for req, tokens, logprob in sampled.values():
             self._num_generated_tokens += len(tokens)
@@ -254,7 +322,6 @@ class Engine:
             req.metrics.finished_s = now  # last token time until it finishes
             if logprob is not None and req.logprobs is not None:
                 req.logprobs.append(logprob)
-        return finished + self.step_sampler.stops(sampled)
 
     def _to_output(self, req: Request) -> RequestOutput:
         m = req.metrics

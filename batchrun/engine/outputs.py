@@ -77,6 +77,9 @@ class EngineStats:
     # What the adaptive policy measured on this device: "kind/width" -> seconds of one step of that
     # kind (plain decode, spec = verification, draft = one draft pass) at that width (a power of two)
     spec_step_s: Optional[dict[str, float]] = None
+    # engine.async_scheduling (None: off): decode steps launched before the previous step's
+    # tokens were read (the rest ran synchronously: prefills, admissions, grammar/logprob rows)
+    num_async_steps: Optional[int] = None
 
 
 @dataclass(frozen=True)

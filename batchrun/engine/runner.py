@@ -31,6 +31,7 @@ class RunnerOutput:
     # Requests scoring their prompt (SamplingParams.prompt_logprobs): seq_id -> (index of the first
     # prompt token scored this step minus one, per scored token {token_id: logprob} of it and the top-N)
     prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    graphed: bool = False  # replayed from a CUDA graph (engine/cuda_graphs.py)
 
 
 def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -196,6 +197,7 @@ class ModelRunner:
                     logits=logits,
                     sample_seq_ids=sample_seq_ids,
                     num_rows=[1] * len(sample_seq_ids),
+                    graphed=True,
                 )
         input_ids, positions, meta, logits_rows, sample_seq_ids, num_rows = self.prepare(batch, num_computed)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers)  # (num_tokens, hidden_size)
@@ -210,6 +212,18 @@ class ModelRunner:
             num_rows=num_rows,
             prompt_logprobs=self._prompt_logprobs(batch, hidden, meta.query_start_loc) if is_full_step else {},
         )
+
+    @torch.inference_mode()
+    def execute_ahead(self, batch: ScheduledBatch, tokens: torch.Tensor, rows: list[int]) -> Optional[RunnerOutput]:
+        """A decode step whose input ids are still on the device: request i's id is tokens[rows[i]]
+        (the previous step's sampled tokens). Graph replay only; None when the graphs cannot take
+        the step (a failed capture), and then the caller must put the ids on the host and `execute`."""
+        assert self.graphs is not None and self.graphs.can_run(batch)
+        graphed = self.graphs.execute(batch, token_source=(tokens, rows))
+        if graphed is None:
+            return None
+        logits, sample_seq_ids = graphed
+        return RunnerOutput(logits=logits, sample_seq_ids=sample_seq_ids, num_rows=[1] * len(rows), graphed=True)
 
     def _prompt_logprobs(
         self, batch: ScheduledBatch, hidden: torch.Tensor, query_start_loc: list[int]

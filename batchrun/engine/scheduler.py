@@ -22,6 +22,9 @@ from typing import Optional
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.request import Request, RequestStatus
 
+# The token id a held place (Scheduler.hold_places) has until its token is read from the device.
+PENDING_TOKEN = -1
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -172,16 +175,37 @@ class Scheduler:
         )
         return max(0, min(wanted, room))
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, list[int]]) -> list[Request]:
+    def hold_places(self, requests: Sequence[Request]) -> None:
+        """A decode step of these requests is still on the device (engine/async_steps.py): count its
+        one token per request computed now and hold the place of the token it samples with
+        PENDING_TOKEN, so the next step can be scheduled; `update(..., held=True)` fills the places.
+
+        Nothing reads a held place as a token: the prefix cache publishes only computed positions
+        (the held one is not), and the next step's input id for it is gathered on the device."""
+        for req in requests:
+            assert req.num_computed_tokens == req.num_tokens - 1, "only a decode's place is held"
+            req.num_computed_tokens += 1
+            req.token_ids.append(PENDING_TOKEN)
+
+    def update(self, batch: ScheduledBatch, sampled: dict[int, list[int]], held: bool = False) -> list[Request]:
         """Advance computed counts and append sampled tokens; return requests that finished.
 
         `sampled` maps seq_id to the tokens accepted this step for requests whose computation
         reached the end of their token list (others were mid-prefill and sampled nothing).
+        `held`: this is a decode step whose places `hold_places` took (its computed counts are
+        advanced already): each request's one token fills its place. Requests that finished while
+        the step ran (a step launched before the previous one's tokens were read) are skipped.
         """
         finished = []
         for req, num_new in zip(batch.requests, batch.num_new_tokens):
-            req.num_computed_tokens += num_new
+            if req.is_finished:
+                continue
             tokens = sampled.get(req.seq_id, ())
+            if held:
+                assert len(tokens) == 1 and req.token_ids[-1] in (PENDING_TOKEN, tokens[0]), "one held place"
+                req.token_ids.pop()
+            else:
+                req.num_computed_tokens += num_new
             for token in tokens:
                 req.token_ids.append(token)
                 reason = self._stop_reason(req, token)
@@ -193,7 +217,7 @@ class Scheduler:
                 # Rejected drafts leave KV past the accepted tokens: it is simply not counted as
                 # computed, and the slots are overwritten by the next tokens at those positions.
                 req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)
-            if req.status is not RequestStatus.FINISHED:
+            if not req.is_finished:  # (finish() above may have ended it)
                 self.kv.commit_computed(req)
                 if req.followers and req.num_computed_tokens >= req.num_prompt_tokens:
                     self._release_followers(req)

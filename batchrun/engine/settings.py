@@ -40,6 +40,7 @@ class EngineSettings:
     quant_formats: Mapping[str, int]  # weight format key -> number of linears in it
     weight_bytes: int  # bytes of the target model's weights as loaded
     kv_cache_dtype: str  # engine.kv_cache_dtype
+    async_scheduling: bool  # engine.async_scheduling
     speculative: Optional[Mapping[str, Any]] = None  # the drafter's method, k, self_layers, adaptive
     draft_model: Optional[str] = None  # speculative.method=draft: the draft model's path
     warmup: Optional[Mapping[str, Any]] = None  # the last warm-up's {"num_steps", "graph_buckets", "seconds"}

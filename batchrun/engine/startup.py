@@ -269,6 +269,7 @@ def describe(config: EngineConfig, target: Target, kv_plan: KVPlan, limits: Batc
         quant_formats=dict(target.quantization.formats),
         weight_bytes=module_weight_bytes(target.model),
         kv_cache_dtype=config.kv_cache_dtype,
+        async_scheduling=config.async_scheduling,
         speculative=core.speculative,
         draft_model=target.draft[1] if target.draft is not None else None,
     )

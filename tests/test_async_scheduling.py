@@ -152,14 +152,48 @@ def test_admission_and_preemption_steps_are_synchronous(tiny_llama_dir):
     assert sync_stats.num_preemptions > 0 and stats.num_preemptions > 0, "the pool must be small enough to preempt"
 
 
-def test_grammar_and_logprob_rows_keep_steps_synchronous(engines):
-    """A request with logprobs needs its tokens on the host every step: while it runs no step goes
-    ahead, and its logprobs and everyone's tokens are the synchronous engine's."""
+def test_shared_prefixes_samples_and_a_trickling_stream(engines):
+    """Hostile mixes, each against the synchronous engine: prompts sharing a 48-token prefix (the
+    prefix cache serves later ones from blocks of requests that ended while a step ran ahead of
+    them), n=2 seeded samples per prompt (siblings share the prompt's blocks), and a stream that
+    keeps only 3 requests in flight (admission between steps while one is in flight)."""
     sync, ahead = engines
-    prompts = _prompts(3, seed=3)
+    rng = np.random.default_rng(8)
+    prefix = rng.integers(3, 500, 48).tolist()
+    prompts = [prefix + rng.integers(3, 500, int(k)).tolist() for k in (1, 7, 16, 3, 20, 9)]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (5, 17, 2, 11, 8, 14)]
+    for engine in engines:
+        engine.reset_prefix_cache()
+    want, _, _ = _run(sync, prompts, params)
+    hits = ahead.kv.num_hit_tokens
+    got, _, num_async = _run(ahead, prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want] and num_async > 0
+    assert ahead.kv.num_hit_tokens > hits
+
+    samples = SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=9)
+    want, _, _ = _run(sync, prompts[:3], samples)
+    got, _, num_async = _run(ahead, prompts[:3], samples)
+    assert [(o.token_ids, o.sample_index) for o in got] == [(o.token_ids, o.sample_index) for o in want]
+    assert num_async > 0
+
+    trickle = [EngineRequest(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    outs = {}
+    for engine in engines:
+        outs[engine is ahead] = {o.request_id: o.token_ids for o in engine.stream(trickle, max_in_flight=3)}
+        assert engine._in_flight is None and engine.kv.pool.num_used_blocks == 0
+    assert outs[True] == outs[False] and len(outs[True]) == len(prompts)
+
+
+def test_grammar_and_logprob_rows_keep_steps_synchronous(engines):
+    """Requests with logprobs or a grammar need their tokens on the host every step (a grammar's
+    next mask follows its last token): while one runs no step goes ahead, and logprobs, the
+    constrained text and everyone's tokens are the synchronous engine's."""
+    sync, ahead = engines
+    prompts = _prompts(4, seed=3)
     params = [
         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2),
         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=8, regex="[a-c]{2,5}"),
         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
     ]
     want, _, _ = _run(sync, prompts, params)
@@ -167,6 +201,24 @@ def test_grammar_and_logprob_rows_keep_steps_synchronous(engines):
     assert num_async == 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert got[0].logprobs == want[0].logprobs
+    assert got[2].text == want[2].text and got[2].finish_reason == "stop"
+
+    grammar_only = [params[2], *params[1:2] * 3]  # steps go ahead once the grammar's request ended
+    runs_ahead = ahead.async_steps.run_ahead
+    batches = []
+
+    def run_ahead(cur):
+        batches.append([r.grammar is None for r in ahead.scheduler.running])
+        return runs_ahead(cur)
+
+    want, _, _ = _run(sync, prompts, grammar_only)
+    ahead.async_steps.run_ahead = run_ahead
+    try:
+        got, _, num_async = _run(ahead, prompts, grammar_only)
+    finally:
+        del ahead.async_steps.run_ahead
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert batches and all(all(plain) for plain in batches) and len(batches) == num_async
 
 
 def test_stop_strings_end_requests_found_out_a_step_late(engines):

@@ -31,6 +31,8 @@ CASES: dict[str, dict[str, Any]] = {
     "one-token": dict(dtype="float32", vocab=1),
     "sampler-ops": dict(op="ops"),
     "engine-seeded": dict(op="engine"),
+    "gather-in-place": dict(op="gather"),
+    "engine-async": dict(op="engine-async"),
 }
 
 
@@ -146,11 +148,77 @@ def _check_engine() -> None:
         assert launches.kernels["triton:_gumbel_sample_kernel"] >= 6, launches.kernels
 
 
+def _check_gather(device: str) -> None:
+    """engine.async_scheduling's id gather: ids[i] = src[ids[i]] in place, rows repeated (padding),
+    row counts across the kernel's block (1, 7, 128, 300), the same as index_select."""
+    from batchrun.kernels.triton_sampling import gather_in_place
+
+    g = torch.Generator().manual_seed(5)
+    for n, m in ((1, 1), (7, 3), (128, 200), (300, 512)):
+        src = torch.randint(0, 2**40, (m,), generator=g).to(device)
+        rows = torch.randint(0, m, (n,), generator=g)
+        rows[n // 2 :] = rows[n // 2]  # padding repeats one row
+        ids = rows.to(device).clone()
+        gather_in_place(ids, src)
+        assert ids.tolist() == src.cpu()[rows].tolist(), n
+
+
+def _check_engine_async() -> None:
+    """engine.async_scheduling on the GPU dispatch path (simulated sm_90, stand-in graphs): the
+    steps run ahead gather their ids with the one Triton launch, and greedy and seeded tokens are
+    the synchronous engine's."""
+    import tempfile
+
+    from batchrun import Engine, EngineConfig, SamplingParams
+    from batchrun.bench.decode_step import stand_in_graphs
+    from batchrun.bench.gpu_launches import SM90, count_launches
+    from batchrun.kernels.backend import simulated_gpu
+    from batchrun.testing import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(make_tiny_model(tmp, "llama"))
+        prompts = ["The quick brown fox", "Lists are mutable", "A tuple is"]
+        params = [
+            SamplingParams(temperature=0.9, max_tokens=7, seed=7, ignore_eos=True),
+            SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+            SamplingParams(temperature=1.2, top_p=0.8, top_k=20, max_tokens=6, seed=3, ignore_eos=True),
+        ]
+        outs = {}
+        for on in (False, True):
+            config = EngineConfig(
+                model=model,
+                dtype="float32",
+                device="cpu",
+                kv_cache_memory=4 << 20,
+                max_num_seqs=4,
+                max_num_batched_tokens=256,
+                warmup=False,
+                async_scheduling=on,
+            )
+            with simulated_gpu(SM90), count_launches() as launches:
+                engine = Engine(config)
+                engine.runner.graphs = stand_in_graphs(engine, 4)
+                outs[on] = [o.token_ids for o in engine.generate(prompts, params)]
+            if on:
+                num_ahead = engine.stats().num_async_steps
+                assert num_ahead >= 4 and launches.kernels["triton:_gather_in_place_kernel"] == num_ahead, (
+                    num_ahead,
+                    launches.kernels,
+                )
+            else:
+                assert "triton:_gather_in_place_kernel" not in launches.kernels
+        assert outs[True] == outs[False], outs
+
+
 def run_case(spec: dict[str, Any], device: str = "cpu") -> None:
     if spec.get("op") == "ops":
         return _check_ops()
     if spec.get("op") == "engine":
         return _check_engine()
+    if spec.get("op") == "gather":
+        return _check_gather(device)
+    if spec.get("op") == "engine-async":
+        return _check_engine_async()
     _check_kernel(spec, device)
 
 
@@ -226,7 +294,7 @@ def test_race_frequencies_follow_the_masked_softmax(params):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case_id", [c for c in CASES if not CASES[c].get("op")])
+@pytest.mark.parametrize("case_id", [c for c in CASES if CASES[c].get("op") in (None, "gather")])
 def test_triton_sampling_on_gpu(case_id):
     """Compiled, log may differ from torch's in its last bit: greedy rows exact, and the sampled
     rows the reference's but where two race keys are that close (none in these cases)."""

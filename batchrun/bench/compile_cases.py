@@ -157,6 +157,15 @@ def _sampling(vocab: int, dtype: torch.dtype, threshold: bool) -> Callable[[], N
     return run
 
 
+def _gather() -> Callable[[], None]:
+    def run() -> None:
+        from batchrun.kernels.triton_sampling import gather_in_place
+
+        gather_in_place(torch.zeros(300, dtype=torch.int64), torch.arange(512))  # engine.async_scheduling's ids
+
+    return run
+
+
 def _fused(shape: AttentionShape, m: int, dtype: torch.dtype, bias: bool, hidden: int = 1024) -> Callable[[], None]:
     """The fused projections (kernels/fused_projections.py) of a model of `shape` at `m` tokens: the
     qkv GEMM with q/k-norm + rotary + KV write, the gate/up GEMM with silu * up, the embedding with
@@ -319,6 +328,7 @@ def _elementwise_cases() -> Iterator[LaunchCase]:
                 is_fast = vocab == 151936 and (dtype is FP32 or threshold)
                 label = f"sampling race {_dtype_name(dtype)} vocab {vocab}" + (" top-k/top-p" if threshold else "")
                 yield LaunchCase(label, _sampling(vocab, dtype, threshold), is_fast)
+    yield LaunchCase("gather ids in place", _gather(), True)
 
 
 def _gemm_cases() -> Iterator[LaunchCase]:

@@ -43,6 +43,7 @@ from batchrun.engine.request import Request
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.quant.kv import QuantizedKVCache
+from batchrun.kernels.sampling import gather_in_place
 
 log = logging.getLogger(__name__)
 
@@ -237,10 +238,9 @@ class DecodeGraphs:
         sample = pack_decode_inputs(requests, self.block_size, fixed, tables, self.host_tables, rows)
         self._upload(bucket, width)
         if token_source is not None:
-            # The uploaded ids' row holds source rows (padding repeats the last): gather in place,
-            # so padding rows get the last row's id as in a host-packed step. Two small kernels.
-            ids = self.staged[:bucket]
-            ids.copy_(token_source[0].index_select(0, ids))
+            # The uploaded ids' row holds source rows (padding repeats the last): gathered in
+            # place, padding rows get the last row's id as in a host-packed step.
+            gather_in_place(self.staged[:bucket], token_source[0])
         try:
             graph = self._graph(bucket)
         except Exception as exc:  # noqa: BLE001 - any failed capture means: this model cannot be graphed
@@ -274,4 +274,6 @@ class DecodeGraphs:
             if bucket not in self.graphs:
                 self._fill_dummy_rows(bucket)
                 self._graph(bucket)
+        # engine.async_scheduling's id gather (one variant): compiled now, not in a timed step
+        gather_in_place(self.staged[:1].zero_(), self.seq_ids)
         torch.cuda.synchronize()

@@ -146,3 +146,15 @@ def gumbel_sample_reference(
         k = k.masked_fill(s[i : i + _ROW_CHUNK] == float("-inf"), float("-inf"))  # masked: out of the race
         tokens[idx[i : i + _ROW_CHUNK]] = k.argmax(dim=-1)
     return tokens
+
+
+def gather_in_place(ids: torch.Tensor, src: torch.Tensor) -> None:
+    """ids[i] = src[ids[i]] for (n,) int64 `ids` holding row indices into (m,) int64 `src`: a
+    step launched before the previous step's tokens are read takes its input ids from them
+    (engine/async_steps.py). One Triton launch on a GPU; index_select and a copy elsewhere."""
+    if triton_usable(ids):
+        from batchrun.kernels.triton_sampling import gather_in_place as gather_in_place_triton
+
+        gather_in_place_triton(ids, src)
+        return
+    ids.copy_(src.index_select(0, ids))

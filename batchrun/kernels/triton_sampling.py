@@ -112,3 +112,26 @@ def gumbel_sample(logits: torch.Tensor, rows: torch.Tensor, threshold: Optional[
         enable_fp_fusion=False,
     )
     return out
+
+
+_GATHER_BLOCK = 128
+
+
+@triton.jit(do_not_specialize=["n"])
+def _gather_in_place_kernel(ids_ptr, src_ptr, n, BLOCK: tl.constexpr):
+    # Element i is read and written by the same thread (the same offset), and src is another
+    # tensor: no program or thread can see a row already overwritten.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < n
+    rows = tl.load(ids_ptr + offs, mask=ok, other=0)
+    tl.store(ids_ptr + offs, tl.load(src_ptr + rows, mask=ok, other=0), mask=ok)
+
+
+def gather_in_place(ids: torch.Tensor, src: torch.Tensor) -> None:
+    """sampling.gather_in_place on the GPU (or in Triton's interpreter): one launch, one variant
+    whatever the row count."""
+    assert ids.dim() == 1 and ids.is_contiguous() and ids.dtype == torch.int64
+    assert src.dim() == 1 and src.is_contiguous() and src.dtype == torch.int64
+    n = ids.shape[0]
+    if n:
+        _gather_in_place_kernel[(triton.cdiv(n, _GATHER_BLOCK),)](ids, src, n, BLOCK=_GATHER_BLOCK)

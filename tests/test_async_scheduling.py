@@ -184,6 +184,34 @@ def test_shared_prefixes_samples_and_a_trickling_stream(engines):
     assert outs[True] == outs[False] and len(outs[True]) == len(prompts)
 
 
+def test_admission_in_batches_keeps_tokens_and_lets_steps_run_ahead(tiny_llama_dir, engines):
+    """engine.admission_min_slots: 14 requests through 4 slots. Admitting only once 3 slots are
+    free gives the same tokens as admitting at every end, fewer steps with a prefill in them, and
+    (with async scheduling) more steps run ahead, since a step that would admit runs synchronously."""
+    sync, _ = engines
+    prompts = _prompts(14, seed=9)
+    lengths = np.random.default_rng(9).integers(2, 30, len(prompts)).tolist()
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths]
+    want, _, _ = _run(sync, prompts, params)
+    seen = {}
+    for slots in (1, 3):
+        engine = Engine(_config(tiny_llama_dir, max_num_seqs=4, async_scheduling=True, admission_min_slots=slots))
+        _with_graphs(engine)
+        mixed: list[bool] = []
+
+        def execute(batch, *args, _real=engine.runner.execute, _mixed=mixed, **kwargs):
+            _mixed.append(any(n > 1 for n in batch.num_new_tokens))
+            return _real(batch, *args, **kwargs)
+
+        engine.runner.execute = execute
+        got, steps, num_async = _run(engine, prompts, params)
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], slots
+        assert engine.settings.admission_min_slots == slots
+        seen[slots] = (sum(mixed), num_async)
+    assert seen[3][0] < seen[1][0], seen  # fewer steps with a prefill chunk
+    assert seen[3][1] > seen[1][1], seen  # more steps ran ahead
+
+
 def test_grammar_and_logprob_rows_keep_steps_synchronous(engines):
     """Requests with logprobs or a grammar need their tokens on the host every step (a grammar's
     next mask follows its last token): while one runs no step goes ahead, and logprobs, the
@@ -285,9 +313,12 @@ def test_failed_capture_of_a_step_ahead_falls_back_to_host_ids(tiny_llama_dir):
     assert graphs.is_broken and failed_ahead == [True]
 
 
-def test_config_and_settings():
+def test_config_errors_name_the_key():
     with pytest.raises(ValueError, match="engine.async_scheduling"):
         EngineConfig(async_scheduling="yes")
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="engine.admission_min_slots"):
+            EngineConfig(admission_min_slots=bad)
 
 
 @pytest.mark.gpu

@@ -113,6 +113,16 @@ def test_smoke_run_writes_every_section(tmp_path):
         assert run["num_output_tokens"] == qwen["workload"]["num_output_tokens"] and run["output_tok_s"] > 0
     # engine.async_scheduling on the stand-in graphs: steps ran ahead (the row fails otherwise)
     assert runs[0.0, True]["num_async_steps"] > 0 and runs[0.0, False]["num_async_steps"] is None
+    # the turnover workload: 3 x 8 requests through 8 slots, admitting at every end, in batches, and
+    # in batches with async scheduling; batches take fewer steps with a prefill (so fewer steps)
+    turnover = qwen["turnover"]
+    assert [(r["admission_min_slots"], r["async_scheduling"]) for r in turnover] == [
+        (1, False),
+        (16, False),
+        (16, True),
+    ]
+    assert all(r["num_finished"] == 24 and not r["is_cut"] for r in turnover)
+    assert len({r["num_output_tokens"] for r in turnover}) == 1 and turnover[2]["num_async_steps"] > 0
     assert qwen["compile_counts"]["note"].startswith("n/a (interpreter")
     assert qwen["hf_baseline"]["ratio"] > 0 and qwen["hf_baseline"]["num_seqs"] == 4
 

@@ -98,6 +98,7 @@ def test_engine_settings_are_frozen_and_serialise_in_the_manifests_key_order(tin
         "weight_bytes": 437888,
         "kv_cache_dtype": "fp8",
         "async_scheduling": False,
+        "admission_min_slots": 1,
     }
     expected.update(_machine(engine))
     assert json.dumps(engine.settings.as_dict()) == json.dumps(expected)  # same keys, order and values
@@ -176,6 +177,7 @@ def test_the_job_manifest_and_fingerprint_record_the_settings_as_before(
         "weight_bytes": 388352,
         "kv_cache_dtype": "int8",
         "async_scheduling": False,
+        "admission_min_slots": 1,
     }
     expected.update(_machine(engine))
     # The manifest is written with indent=2: its engine_settings block is the dict's text at that indent.

@@ -145,3 +145,67 @@ def test_sibling_samples_wait_for_the_prompt_then_share_its_blocks():
         assert [s.metrics.num_cached_tokens for s in samples] == [0, 16, 16]
         assert all(s.num_output_tokens == 3 for s in samples)
         assert kv.pool.num_used_blocks == 0 and sched.num_unfinished == 0
+
+
+def test_admission_min_slots_admits_in_batches_beside_decodes():
+    """engine.admission_min_slots=3 with 4 slots: while every running request decodes, waiting
+    requests start only once 3 slots are free (or all the waiting fit); a step with a prefill chunk
+    in it admits at once; the tokens are those of admitting at every end (the fake model's next
+    token depends only on the sequence)."""
+    lengths = [3, 5, 2, 4, 6, 3, 2, 5, 4]
+    max_tokens = [2, 9, 4, 12, 3, 7, 5, 2, 6]
+
+    def requests():
+        out = reqs(lengths, seed=4)
+        for r, m in zip(out, max_tokens):
+            r.params = SamplingParams(temperature=0, max_tokens=m)
+        return out
+
+    every_end, _ = make(max_num_seqs=4, budget=64)
+    baseline = requests()
+    base_steps = run(every_end, baseline)
+
+    sched, _ = make(max_num_seqs=4, budget=64)
+    sched.config = SchedulerConfig(4, 64, 256, True, frozenset({EOS}), admission_min_slots=3)
+    batched = requests()
+    steps = run(sched, batched)
+    assert [r.token_ids for r in batched] == [r.token_ids for r in baseline]
+
+    def admissions(trace):
+        seen, out = set(), []
+        for i, step in enumerate(trace):
+            new = [seq for seq, _ in step if seq not in seen]
+            seen.update(new)
+            if new and i:
+                out.append((i, new, all(n == 1 for seq, n in step if seq not in new)))
+        return out
+
+    later = admissions(steps)
+    # after the first step, each admission brings 3 requests, or the last ones (all that waited)
+    assert [len(new) for _, new, _ in later] == [3, 2], later
+    assert len(admissions(base_steps)) > len(later)  # admitting at every end: more mixed steps
+    # never admitted into a step whose running requests all decoded with fewer than 3 free
+    for i, new, decodes_only in later:
+        running_before = len([seq for seq, _ in steps[i] if seq not in new])
+        assert not decodes_only or 4 - running_before >= min(3, len(new)), (i, new)
+
+
+def test_admission_min_slots_lets_a_released_sibling_start_at_once():
+    """4 slots, admission_min_slots 4: the first step fills them; then one request ends at its first
+    token and the prompt's sibling sample is released holding the prompt's blocks. One slot is
+    free and two requests wait, yet the sibling starts at once; the other waiting request does not."""
+    sched, _ = make(max_num_seqs=4, budget=64)
+    sched.config = SchedulerConfig(4, 64, 256, True, frozenset({EOS}), admission_min_slots=4)
+    parent, short, *others = reqs([6, 3, 3, 4, 5], max_tokens=6)
+    short.params = SamplingParams(temperature=0, max_tokens=1)
+    sibling = Request(9, 9, list(parent.prompt_token_ids), SamplingParams(temperature=0, max_tokens=6), 0.0)
+    sched.add(parent, [sibling])
+    for r in (short, *others):
+        sched.add(r)
+    first = sched.schedule()
+    assert len(first.requests) == 4  # nothing was running: admitted at once
+    sched.update(first, {r.seq_id: [fake_next_token(r.token_ids)] for r in first.requests})
+    assert short.is_finished and sched.waiting[0] is sibling and sibling.block_ids
+    assert len(sched.waiting) == 2
+    second = sched.schedule()
+    assert sibling in second.requests and others[-1] not in second.requests

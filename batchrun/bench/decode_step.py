@@ -251,9 +251,7 @@ def _async_wall(engine: Engine, step: Callable[[], Any], num_steps: int) -> dict
     one's tokens are read), no device sync between them: the wall time of a step when the host's
     work hides behind the device's. The first step only starts the pipeline and is not timed. The
     option stays on until the probe's requests are aborted (which drops the step in flight)."""
-    engine.async_steps = AsyncSteps(
-        engine.scheduler, engine.runner, engine.sampler, engine.max_num_seqs, engine.max_num_batched_tokens
-    )
+    engine.async_steps = AsyncSteps(engine.scheduler, engine.runner, engine.sampler)
     step()
     _sync(engine.device)
     t = time.perf_counter()

@@ -36,7 +36,10 @@ step, CUDA graphs, memory and throughput; a table last and a JSON document with 
 5. Throughput (`--only throughput`): nano-vllm's workload (256 sequences, prompt and output lengths
    uniform in 100-1024, ignore_eos) on the Qwen3-0.6B-shaped model greedy, greedy again with
    engine.async_scheduling (the ratio to the run before), and at temperature 0.6 (nano-vllm's
-   setting; the sampler's own cost is bench.sampling's measurement), and greedy on a
+   setting; the sampler's own cost is bench.sampling's measurement); then a turnover workload (3 x 256
+   shorter requests streamed through the 256 slots, so requests end and are admitted every step or
+   two) admitting at every end, admitting in batches (engine.admission_min_slots 16), and batched with
+   engine.async_scheduling, each with its ratio to the first; and greedy on a
    SmolLM2-135M-shaped one. Random weights built here from transformers configs (nothing can be
    downloaded there; the SmolLM2 GGUF is too big to carry); prompts are token ids (the bundled
    512-token tokenizer only decodes). Triton compile counts per kernel after warm-up and after the
@@ -68,7 +71,15 @@ import torch
 from batchrun.bench.cases import attention_case, far_blocks_case, quantized_copy, rel_error
 from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.bench.gpu_decode import DECODE_8B, check_decode_8b
-from batchrun.bench.gpu_engine import QWEN3, QWEN3_0_6B, SMOLLM2, SMOLLM2_135M, check_model, model_phases
+from batchrun.bench.gpu_engine import (
+    QWEN3,
+    QWEN3_0_6B,
+    SMOLLM2,
+    SMOLLM2_135M,
+    TURNOVER_RUNS,
+    check_model,
+    model_phases,
+)
 from batchrun.bench.gpu_gemm import check_gemms
 from batchrun.bench.gpu_launches import LAUNCHES
 from batchrun.bench.gpu_report import NO_CUDA, Budget, Report, default_json_path, versions
@@ -549,6 +560,7 @@ GPU_ESTIMATES_S = {
     f"{QWEN3}: greedy": 30,
     f"{QWEN3}: greedy async": 25,
     f"{QWEN3}: temperature 0.6": 30,
+    **{f"{QWEN3}: turnover {name}": 15 for name, _, _ in TURNOVER_RUNS},
     f"{QWEN3}: vs HF generate": 40,
     f"{SMOLLM2}: build": 30,
     f"{SMOLLM2}: greedy": 30,

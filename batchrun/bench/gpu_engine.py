@@ -9,6 +9,7 @@ A library module (no `__main__`); bench.gpu runs it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import math
@@ -26,6 +27,8 @@ from batchrun.bench.hf_baseline import hf_generate, load_hf_model
 from batchrun.bench.timing import patched
 from batchrun.bench.workloads import nano_vllm_workload
 
+# The turnover workload streams this many times the engine's slots (max_num_seqs) through it.
+TURNOVER_SEQS = 3
 GRAPH_REL_TOL = 2e-2  # graph replay against eager logits in bf16 (a padded bucket may tile differently)
 
 
@@ -121,6 +124,9 @@ class ModelCheck:
         self.dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         self.num_seqs, lo, hi = (8, 10, 40) if smoke else (256, 100, 1024)
         self.prompts, self.max_tokens = nano_vllm_workload(self.num_seqs, lo, hi, self.shape["vocab_size"])
+        # the turnover workload: TURNOVER_SEQS x the slots, shorter (requests end every step or two)
+        t_lo, t_hi = (4, 16) if smoke else (32, 384)
+        self.turnover = nano_vllm_workload(TURNOVER_SEQS * self.num_seqs, t_lo, t_hi, self.shape["vocab_size"], seed=1)
         self.section = report.model(label)
         self.section["workload"] = {
             "num_seqs": self.num_seqs,
@@ -296,45 +302,59 @@ class ModelCheck:
 
     # ---- timed workloads ---------------------------------------------------------------------
 
-    def timed_run(self, temperature: float, cut_at: float, async_scheduling: bool = False) -> None:
+    def timed_run(
+        self, temperature: float, cut_at: float, async_scheduling: bool = False, admission_min_slots: int = 0
+    ) -> None:
+        """One timed run of nano-vllm's workload (all sequences admitted at once), or with
+        `admission_min_slots` >= 1 of the turnover workload (TURNOVER_SEQS requests streamed through
+        the engine's slots, so requests end and are admitted every few steps) at that setting."""
         from batchrun.engine import EngineRequest, SamplingParams
 
         engine = self.engine
         if async_scheduling and not self.cuda and engine.runner.graphs is None:
             # --smoke: steps run ahead only on graphs; the tests' stand-in replays them eagerly
             with patched(engine.runner, "graphs", stand_in_graphs(engine, self.num_seqs)):
-                return self.timed_run(temperature, cut_at, async_scheduling)
+                return self.timed_run(temperature, cut_at, async_scheduling, admission_min_slots)
+        turnover = admission_min_slots >= 1
+        prompts, max_tokens = self.turnover if turnover else (self.prompts, self.max_tokens)
+        scheduler = engine.scheduler
+        default_config = scheduler.config
+        if turnover:  # a scheduler setting, switched on the idle engine for this run only
+            scheduler.config = dataclasses.replace(default_config, admission_min_slots=admission_min_slots)
         engine.set_async_scheduling(async_scheduling)
         if self.compiles_before is None:
             self.compiles_before = self._compile_snapshot()
         engine.reset_prefix_cache()  # cold: the prompts ran before (warm-up, the probe, the other run)
         requests = [
             EngineRequest(i, p, SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True))
-            for i, (p, m) in enumerate(zip(self.prompts, self.max_tokens))
+            for i, (p, m) in enumerate(zip(prompts, max_tokens))
         ]
         before = engine.stats()
         t = time.perf_counter()
         num_done = 0
-        # Streamed so a slow engine is cut off (the rest aborted) and still reports the rate it
-        # reached, instead of running the call past its limit.
-        for out in engine.stream(requests, max_in_flight=self.num_seqs):
-            num_done += 1
-            assert out.error is None and len(out.token_ids) == self.max_tokens[out.request_id], (
-                "ignore_eos runs to max_tokens"
-            )
-            if time.perf_counter() > cut_at:
-                break
-        _sync(self.device)
-        wall = time.perf_counter() - t
-        stats = engine.stats()
-        engine.set_async_scheduling(False)
+        try:
+            # Streamed so a slow engine is cut off (the rest aborted) and still reports the rate it
+            # reached, instead of running the call past its limit.
+            for out in engine.stream(requests, max_in_flight=None if turnover else self.num_seqs):
+                num_done += 1
+                assert out.error is None and len(out.token_ids) == max_tokens[out.request_id], (
+                    "ignore_eos runs to max_tokens"
+                )
+                if time.perf_counter() > cut_at:
+                    break
+            _sync(self.device)
+            wall = time.perf_counter() - t
+            stats = engine.stats()
+        finally:
+            engine.set_async_scheduling(False)
+            scheduler.config = default_config
         num_out = stats.num_generated_tokens - before.num_generated_tokens
         num_in = stats.num_prompt_tokens - before.num_prompt_tokens
         run = {
             "temperature": temperature,
-            "num_seqs": self.num_seqs,
+            "num_seqs": len(requests),
             "num_finished": num_done,
-            "is_cut": num_done < self.num_seqs,
+            "is_cut": num_done < len(requests),
             "num_prompt_tokens": num_in,
             "num_output_tokens": num_out,
             "wall_s": wall,
@@ -348,23 +368,29 @@ class ModelCheck:
             "num_async_steps": stats.num_async_steps if async_scheduling else None,
             "ms_per_step": 1e3 * wall / max(stats.num_steps - before.num_steps, 1),
         }
-        runs = self.section.setdefault("throughput", [])
-        # the synchronous run of the same temperature, same engine, measured just before
-        base = next((r for r in runs if r["temperature"] == temperature and not r["async_scheduling"]), None)
+        if turnover:
+            run["admission_min_slots"] = admission_min_slots
+        runs = self.section.setdefault("turnover" if turnover else "throughput", [])
+        # the first run of the list at this temperature (nano: the synchronous one; turnover: the
+        # engine's defaults), same engine, measured just before
+        base = next((r for r in runs if r["temperature"] == temperature), None)
         runs.append(run)
-        cut = "" if not run["is_cut"] else f" CUT at the deadline after {num_done}/{self.num_seqs} finished;"
+        cut = "" if not run["is_cut"] else f" CUT at the deadline after {num_done}/{len(requests)} finished;"
         what = "greedy" if temperature == 0 else f"temperature {temperature}"
         extra = ""
+        if turnover:
+            what = f"turnover {what}, admission_min_slots {admission_min_slots}"
         if async_scheduling:
             what += " async"
             extra = f", {run['num_async_steps']} ran ahead"
-            if base is not None and not base["is_cut"] and not run["is_cut"]:
-                extra += f"; {run['output_tok_s'] / base['output_tok_s']:.3f}x the synchronous run"
+        if base is not None and not base["is_cut"] and not run["is_cut"]:
+            extra += f"; {run['output_tok_s'] / base['output_tok_s']:.3f}x the first run"
+        slots = f"{len(requests)} seqs" + (f" through {self.num_seqs} slots" if turnover else "")
         self.report.add(
-            f"{self.label} {what}: {self.num_seqs} seqs, {num_in} prompt + {num_out} output tokens",
+            f"{self.label} {what}: {slots}, {num_in} prompt + {num_out} output tokens",
             f"{run['output_tok_s']:,.0f} output tok/s, {run['total_tok_s']:,.0f} total tok/s, {wall:.1f}s,{cut} "
             f"{run['num_steps']} steps ({run['ms_per_step']:.2f} ms each{extra}), {run['num_preemptions']} preemptions"
-            + (" (target >= 28,000 output tok/s)" if "qwen3" in self.label.lower() and temperature == 0 else ""),
+            + (" (target >= 28,000 output tok/s)" if self.label == QWEN3 and temperature == 0 and not turnover else ""),
             ok=not async_scheduling or bool(run["num_async_steps"]),  # the option must have run steps ahead
         )
 
@@ -454,6 +480,12 @@ QWEN3 = "Qwen3-0.6B-shaped"
 SMOLLM2 = "SmolLM2-135M-shaped"
 
 
+# The turnover workload's runs: (phase name, engine.admission_min_slots, engine.async_scheduling).
+# Admitting at every end turns a graphed decode step into an eager mixed step at nearly every step;
+# admitting in batches of max_num_seqs / 16 keeps most steps graphed (and lets them run ahead).
+TURNOVER_RUNS = (("every end", 1, False), ("batched", 16, False), ("batched async", 16, True))
+
+
 def model_phases(label: str, engine_checks: bool, throughput: bool, baseline: bool) -> list[str]:
     """The budgeted phases of one model, in the order they run."""
     phases = [f"{label}: build"]
@@ -464,6 +496,7 @@ def model_phases(label: str, engine_checks: bool, throughput: bool, baseline: bo
         if label == QWEN3:
             phases.append(f"{label}: greedy async")  # engine.async_scheduling against the run before
             phases.append(f"{label}: temperature 0.6")
+            phases += [f"{label}: turnover {name}" for name, _, _ in TURNOVER_RUNS]
         if baseline:
             phases.append(f"{label}: vs HF generate")
     return phases
@@ -489,6 +522,12 @@ def check_model(
                     # a slow engine must not eat the later phases' time: cut at twice the estimate
                     cut_at = min(budget.deadline, time.perf_counter() + 2 * budget.phases[phase].estimate_s)
                     run = functools.partial(check.timed_run, temperature, cut_at, async_scheduling)
+                    budget.run(phase, run, report)
+            for name, slots, async_scheduling in TURNOVER_RUNS:
+                phase = f"{label}: turnover {name}"
+                if phase in phases and check.engine is not None:
+                    cut_at = min(budget.deadline, time.perf_counter() + 2 * budget.phases[phase].estimate_s)
+                    run = functools.partial(check.timed_run, 0.0, cut_at, async_scheduling, slots)
                     budget.run(phase, run, report)
             if check.section.get("throughput"):
                 check.compiles()

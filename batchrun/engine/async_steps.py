@@ -10,8 +10,9 @@ which were copied into pinned memory behind it, and do its bookkeeping while the
 
 What runs ahead: a CUDA-graph decode step of plain requests (no grammar, logprobs, prompt
 logprobs or speculation: each of those needs the previous token on the host first), when every
-running request took part in the previous step, none can be admitted (nothing waits, or the batch
-is full: admitting comes first, in a synchronous step), the step's budget holds them all, and the
+running request took part in the previous step, none would be admitted (nothing waits, the batch is
+full, or engine.admission_min_slots holds them back: admitting comes first, in a synchronous
+step), the step's budget holds them all, and the
 free blocks cover every request's next slot, so scheduling it preempts nobody.
 
 Outputs are the same tokens. A request that ends at a step (a stop token, max_tokens, a stop
@@ -60,19 +61,10 @@ def is_plain(req: Request) -> bool:
 
 
 class AsyncSteps:
-    def __init__(
-        self,
-        scheduler: Scheduler,
-        runner: ModelRunner,
-        sampler: Sampler,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-    ) -> None:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, sampler: Sampler) -> None:
         self.scheduler = scheduler
         self.runner = runner
         self.sampler = sampler  # the engine's (tests wrap it)
-        self.max_num_seqs = max_num_seqs
-        self.max_num_batched_tokens = max_num_batched_tokens
         self.num_ahead = 0  # steps launched before the previous step's tokens were read
         # Two buffers, used in turn: a step's tokens land in one while the step before it is read
         # from the other. Sized to the largest graph bucket when the first step needs them.
@@ -120,10 +112,16 @@ class AsyncSteps:
         graphs = self.runner.graphs
         running = self.scheduler.running
         n = len(running)
-        if graphs is None or graphs.is_broken or n == 0 or n > graphs.max_batch or n > self.max_num_batched_tokens:
+        if (
+            graphs is None
+            or graphs.is_broken
+            or n == 0
+            or n > graphs.max_batch
+            or n > self.scheduler.config.max_num_batched_tokens
+        ):
             return False
-        if self.scheduler.waiting and n < self.max_num_seqs:
-            return False  # a request can be admitted: that step runs synchronously
+        if self.scheduler.admits_beside_decodes():
+            return False  # a request would be admitted: that step runs synchronously
         kv = self.scheduler.kv
         need = width = 0
         for req in running:

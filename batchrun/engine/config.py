@@ -81,6 +81,11 @@ class EngineConfig:
     # GPU computes the next. Only CUDA-graph decode steps of plain requests (no grammar, logprobs
     # or speculation) run ahead; outputs are the same tokens (engine/async_steps.py).
     async_scheduling: bool = False
+    # While every running request decodes, admit waiting requests only once this many slots are
+    # free (or all waiting fit): an admission turns a CUDA-graph decode step into a mixed prefill
+    # step, which runs eagerly, so on a GPU admitting in batches leaves fewer such steps. 1: admit
+    # at every end (the default; the CPU has no graphs to keep). docs/configuration.md.
+    admission_min_slots: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):  # accepted from plain configs
@@ -118,6 +123,14 @@ class EngineConfig:
             raise ValueError(f"engine.kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"engine.batch_invariant must be true or false, got {self.batch_invariant!r}")
+        if (
+            isinstance(self.admission_min_slots, bool)
+            or not isinstance(self.admission_min_slots, int)
+            or (self.admission_min_slots < 1)
+        ):
+            raise ValueError(
+                f"engine.admission_min_slots must be a whole number >= 1, got {self.admission_min_slots!r}"
+            )
         if not isinstance(self.async_scheduling, bool):
             raise ValueError(f"engine.async_scheduling must be true or false, got {self.async_scheduling!r}")
         if self.warmup is not None and not isinstance(self.warmup, bool):

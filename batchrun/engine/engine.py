@@ -209,8 +209,7 @@ class Engine:
         assert not self.scheduler.has_unfinished() and self._in_flight is None, "switch an idle engine only"
         self.async_steps = None
         if on and self.drafter is None:
-            limits = (self.max_num_seqs, self.max_num_batched_tokens)
-            self.async_steps = AsyncSteps(self.scheduler, self.runner, self.sampler, *limits)
+            self.async_steps = AsyncSteps(self.scheduler, self.runner, self.sampler)
         return self.async_steps is not None
 
     def reset_peak_stats(self) -> None:

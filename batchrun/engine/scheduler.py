@@ -33,6 +33,10 @@ class SchedulerConfig:
     max_model_len: int
     enable_chunked_prefill: bool = True
     eos_token_ids: frozenset[int] = frozenset()  # end a request unless its params say ignore_eos
+    # engine.admission_min_slots: while every running request decodes, waiting requests are admitted
+    # only once this many slots are free (or all of the waiting fit), so a graphable decode step is
+    # turned into a mixed prefill step once per batch of ends rather than at every end.
+    admission_min_slots: int = 1
 
 
 @dataclass
@@ -130,6 +134,8 @@ class Scheduler:
             break  # req itself was preempted: everything after it is gone too
 
         # Then new requests, unless memory was short this step.
+        if not self._admission_open(batch):
+            return batch
         while self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             # A released sibling sample holds its shared prompt blocks already.
@@ -154,6 +160,23 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         return batch
+
+    def _admission_open(self, batch: ScheduledBatch) -> bool:
+        """Whether waiting requests may be admitted into this step: always where it is not a pure
+        decode step anyway (a prefill chunk in it, or nothing running), else as
+        `admits_beside_decodes` says."""
+        return not batch.requests or any(n > 1 for n in batch.num_new_tokens) or self.admits_beside_decodes()
+
+    def admits_beside_decodes(self) -> bool:
+        """Whether a step of the running decodes alone would admit a waiting request: a slot is free
+        and SchedulerConfig.admission_min_slots allows it (enough slots free for min(that, waiting)
+        requests, or the first waiting is a released sibling sample, which holds its prompt's
+        blocks and starts at once)."""
+        max_seqs = self.config.max_num_seqs
+        if not self.waiting or len(self.running) >= max_seqs:
+            return False
+        want = min(self.config.admission_min_slots, max_seqs, len(self.waiting))
+        return want <= 1 or bool(self.waiting[0].block_ids) or max_seqs - len(self.running) >= want
 
     def _drop_waiting_blocks(self) -> bool:
         """Memory is short: released sibling samples give their shared prompt blocks back before any

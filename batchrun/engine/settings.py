@@ -41,6 +41,7 @@ class EngineSettings:
     weight_bytes: int  # bytes of the target model's weights as loaded
     kv_cache_dtype: str  # engine.kv_cache_dtype
     async_scheduling: bool  # engine.async_scheduling
+    admission_min_slots: int  # engine.admission_min_slots
     speculative: Optional[Mapping[str, Any]] = None  # the drafter's method, k, self_layers, adaptive
     draft_model: Optional[str] = None  # speculative.method=draft: the draft model's path
     warmup: Optional[Mapping[str, Any]] = None  # the last warm-up's {"num_steps", "graph_buckets", "seconds"}

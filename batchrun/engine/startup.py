@@ -229,6 +229,7 @@ def build_core(config: EngineConfig, target: Target, kv_plan: KVPlan, cache: Cac
             max_model_len=kv_plan.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             eos_token_ids=frozenset(eos_ids),
+            admission_min_slots=config.admission_min_slots,
         ),
         cache.kv,
     )
@@ -270,6 +271,7 @@ def describe(config: EngineConfig, target: Target, kv_plan: KVPlan, limits: Batc
         weight_bytes=module_weight_bytes(target.model),
         kv_cache_dtype=config.kv_cache_dtype,
         async_scheduling=config.async_scheduling,
+        admission_min_slots=config.admission_min_slots,
         speculative=core.speculative,
         draft_model=target.draft[1] if target.draft is not None else None,
     )

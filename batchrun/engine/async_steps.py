@@ -15,13 +15,14 @@ full, or engine.admission_min_slots holds them back: admitting comes first, in a
 step), the step's budget holds them all, and the
 free blocks cover every request's next slot, so scheduling it preempts nobody.
 
-Outputs are the same tokens. A request that ends at a step (a stop token, max_tokens, a stop
-string) is found out only after the step ahead of it was launched: that step computes one more
-token for it, into a KV slot of a block only it holds (never a published prefix block: those cover
-computed positions only), and the token is dropped. Seeded sampling keys its draws on (seed,
-position), so the extra row changes no other row; an unseeded row's draw (hand-made requests only:
-the engine seeds every sampled request) comes from the engine generator, which the extra rows
-advance, as any change of batch composition does.
+A request that ends at a step (a stop token, max_tokens, a stop string) is found out only after
+the step ahead of it was launched: that step computes one more token for it, into a KV slot of a
+block only it holds (never a published prefix block: those cover computed positions only), and the
+token is dropped. So every request gets the synchronous engine's tokens wherever a row's result
+does not depend on the rest of its batch (float32; in bf16 the extra row is a change of batch
+composition, as any scheduling setting makes). Seeded sampling keys its draws on (seed, position),
+so the extra row changes no other row's draw; an unseeded row's draw (hand-made requests only: the
+engine seeds every sampled request) comes from the engine generator, which the extra rows advance.
 """
 
 from __future__ import annotations

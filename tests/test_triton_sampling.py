@@ -110,29 +110,36 @@ def _check_ops() -> None:
     assert truncated.kernels["triton:_gumbel_sample_kernel"] == 1 and truncated.total <= 40, truncated
 
 
+def _interpreted_engine_config(model: str, **overrides: Any) -> Any:
+    from batchrun import EngineConfig
+
+    # Batch limits given (no start-up profile) and no warm-up: each would interpret whole steps.
+    base = dict(
+        model=model,
+        dtype="float32",
+        device="cpu",
+        kv_cache_memory=4 << 20,
+        max_num_seqs=4,
+        max_num_batched_tokens=256,
+        warmup=False,
+    )
+    return EngineConfig(**{**base, **overrides})
+
+
 def _check_engine() -> None:
     """The engine on the GPU dispatch path (simulated sm_90): a seeded sampled request gives the
     same tokens alone and in a batch with other seeded, unseeded and greedy requests, and every
     sampled step went through the race kernel."""
     import tempfile
 
-    from batchrun import Engine, EngineConfig, SamplingParams
+    from batchrun import Engine, SamplingParams
     from batchrun.bench.gpu_launches import SM90, count_launches
     from batchrun.kernels.backend import simulated_gpu
     from batchrun.testing import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(tmp, "llama"))
-        # Batch limits given (no start-up profile) and no warm-up: each would interpret whole steps.
-        config = EngineConfig(
-            model=model,
-            dtype="float32",
-            device="cpu",
-            kv_cache_memory=4 << 20,
-            max_num_seqs=4,
-            max_num_batched_tokens=256,
-            warmup=False,
-        )
+        config = _interpreted_engine_config(model)
         prompts = ["The quick brown fox", "Lists are mutable", "A tuple is", "Sets hold"]
         params = [
             SamplingParams(temperature=0.9, max_tokens=6, seed=7),
@@ -169,7 +176,7 @@ def _check_engine_async() -> None:
     the synchronous engine's."""
     import tempfile
 
-    from batchrun import Engine, EngineConfig, SamplingParams
+    from batchrun import Engine, SamplingParams
     from batchrun.bench.decode_step import stand_in_graphs
     from batchrun.bench.gpu_launches import SM90, count_launches
     from batchrun.kernels.backend import simulated_gpu
@@ -185,16 +192,7 @@ def _check_engine_async() -> None:
         ]
         outs = {}
         for on in (False, True):
-            config = EngineConfig(
-                model=model,
-                dtype="float32",
-                device="cpu",
-                kv_cache_memory=4 << 20,
-                max_num_seqs=4,
-                max_num_batched_tokens=256,
-                warmup=False,
-                async_scheduling=on,
-            )
+            config = _interpreted_engine_config(model, async_scheduling=on)
             with simulated_gpu(SM90), count_launches() as launches:
                 engine = Engine(config)
                 engine.runner.graphs = stand_in_graphs(engine, 4)

@@ -165,6 +165,8 @@ class Scheduler:
         """Whether waiting requests may be admitted into this step: always where it is not a pure
         decode step anyway (a prefill chunk in it, or nothing running), else as
         `admits_beside_decodes` says."""
+        if self.config.admission_min_slots <= 1 or not self.waiting:
+            return True  # (the default: no per-step scan)
         return not batch.requests or any(n > 1 for n in batch.num_new_tokens) or self.admits_beside_decodes()
 
     def admits_beside_decodes(self) -> bool:

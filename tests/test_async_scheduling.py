@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from batchrun.bench.decode_step import stand_in_graphs
 from batchrun.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 from batchrun.engine.cuda_graphs import DecodeGraphs, EagerReplay
 from batchrun.engine.scheduler import PENDING_TOKEN
@@ -33,19 +34,8 @@ def _config(model: str, **kw) -> EngineConfig:
 
 
 def _with_graphs(engine: Engine, capture=None) -> DecodeGraphs:
-    runner = engine.runner
-    runner.graphs = DecodeGraphs(
-        runner.model,
-        runner.kv_caches,
-        runner.block_size,
-        -(-engine.max_model_len // runner.block_size),
-        engine.device,
-        engine.dtype,
-        max_batch=16,
-        capture=capture or (lambda step, pool: EagerReplay(step, pool)),
-    )
-    runner.graphs.host_tables = runner.block_tables
-    return runner.graphs
+    engine.runner.graphs = stand_in_graphs(engine, 16, capture)
+    return engine.runner.graphs
 
 
 def _prompts(n: int = 7, seed: int = 0) -> list[list[int]]:

@@ -46,6 +46,7 @@ from batchrun.engine import Engine, EngineRequest, SamplingParams
 from batchrun.engine.async_steps import AsyncSteps
 from batchrun.engine.cuda_graphs import (
     NUM_FIXED,
+    Capture,
     DecodeGraphs,
     EagerReplay,
     pack_decode_inputs,
@@ -341,10 +342,10 @@ def capture_buckets(graphs: DecodeGraphs, max_batch: int) -> dict[str, Any]:
     }
 
 
-def stand_in_graphs(engine: Engine, max_batch: int) -> DecodeGraphs:
-    """CPU: the runner's graphs as the tests build them, `EagerReplay` standing in for capture, so
-    the graph path (packing, one upload, padding, slicing) runs where CUDA cannot. Only the harness
-    is exercised: a stand-in "replay" is the eager step again."""
+def stand_in_graphs(engine: Engine, max_batch: int, capture: Optional[Capture] = None) -> DecodeGraphs:
+    """CPU: the runner's graphs as the tests build them, `EagerReplay` standing in for capture (or
+    `capture`: a test's failing one), so the graph path (packing, one upload, padding, slicing) runs
+    where CUDA cannot. Only the harness is exercised: a stand-in "replay" is the eager step again."""
     runner = engine.runner
     spec = engine.model.spec
     max_blocks = min(engine.kv.num_blocks, -(-spec.max_position_embeddings // runner.block_size))
@@ -356,7 +357,7 @@ def stand_in_graphs(engine: Engine, max_batch: int) -> DecodeGraphs:
         engine.device,
         engine.dtype,
         max_batch=max_batch,
-        capture=EagerReplay,
+        capture=capture or EagerReplay,
     )
     graphs.host_tables = runner.block_tables
     return graphs

@@ -260,7 +260,9 @@ class Engine:
             self._in_flight = self.async_steps.run_ahead(cur)
             self._num_steps += 1
         finished = self._finish_in_flight(cur)
-        if self._in_flight is not None and all(r.is_finished for r in self._in_flight.batch.requests):
+        # The step ahead holds only requests running at its launch: all of them can have ended only
+        # in this call, so the scan runs only on steps that finished some.
+        if finished and self._in_flight is not None and all(r.is_finished for r in self._in_flight.batch.requests):
             self._drop_in_flight()  # every request of the step ahead ended with cur's tokens
         return finished
 

@@ -28,14 +28,13 @@ CPU run and a GPU run (they did before too: the logits differ in their last bits
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Optional
 
 import torch
 
 from batchrun.engine.config import SamplingParams
-from batchrun.kernels.backend import triton_usable
-from batchrun.kernels.sampling import gumbel_sample, pack_rows
+from batchrun.kernels.sampling import pack_rows
 
 CANDIDATES = 128  # first candidate width for a top-p nucleus; rows it cannot hold retry 8x wider
 _MASK64 = (1 << 64) - 1
@@ -211,9 +210,13 @@ def sampling_probs_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) 
 
 
 class Sampler:
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, race: Optional[Callable[..., torch.Tensor]] = None) -> None:
         # Rows sampled without a seed draw their uniforms from here, in row order.
         self._generator = torch.Generator().manual_seed(seed)
+        # The Gumbel race (KernelSet.sample: (logits, rows, threshold) -> tokens) the sampled rows
+        # take, bound at start-up where the kernel set races on the device (the GPU's); None: the
+        # inverse-CDF draws.
+        self.race = race
 
     @torch.inference_mode()
     def sample(
@@ -261,8 +264,8 @@ class Sampler:
         sampled = [i for i, p in enumerate(params) if not p.is_greedy]
         if not sampled:
             tokens = logits.argmax(dim=-1)
-        elif triton_usable(logits):
-            tokens = self._race(logits, params, seeds, positions)
+        elif self.race is not None:
+            tokens = self._race(logits, params, seeds, positions, self.race)
         else:
             tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
             greedy = [i for i, p in enumerate(params) if p.is_greedy]
@@ -283,6 +286,7 @@ class Sampler:
         params: Sequence[SamplingParams],
         seeds: Sequence[Optional[int]],
         positions: Sequence[int],
+        race: Callable[..., torch.Tensor],
     ) -> torch.Tensor:
         """The GPU's draw (module doc): every row in one Gumbel-race launch, greedy rows inside it
         exact argmaxes, after the top-k/top-p thresholds of the rows that ask for them."""
@@ -300,7 +304,7 @@ class Sampler:
             sub, _ = _truncate_rows(s, [params[i].top_k for i in truncated], [params[i].top_p for i in truncated], None)
             threshold = torch.full((logits.shape[0],), float("-inf"), dtype=torch.float32, device=logits.device)
             threshold = threshold.index_copy(0, idx, sub.float())
-        return gumbel_sample(logits, rows, threshold)
+        return race(logits, rows, threshold)
 
     def row_seeds(self, params: Sequence[SamplingParams], seeds: Sequence[Optional[int]]) -> list[int]:
         """Each row's seed for the race: its request's, or for an unseeded sampled row one drawn

@@ -43,7 +43,6 @@ from typing import Optional
 import numpy as np
 import torch
 
-from batchrun.kernels.backend import triton_usable
 from batchrun.kernels.race_hash import C_POS, C_SEED, C_TOKEN, M32, MIX_A, MIX_B, SMALL_U, THIRD
 
 _ROW_CHUNK = 8  # rows the reference hashes at once: its (chunk, V) temporaries stay in cache
@@ -108,18 +107,6 @@ def race_keys(s: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return _race(s, keys.to(torch.int32)[:, None] ^ _token_words(s.shape[-1], s.device)[None, :])
 
 
-def gumbel_sample(logits: torch.Tensor, rows: torch.Tensor, threshold: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """(B,) int64 tokens. logits (B, V) any float dtype; rows (3, B) int64 (`pack_rows`) on the
-    logits' device; threshold (B,) float32, the smallest scaled logit a row keeps (-inf: all), or
-    None for no mask. The Triton kernel on a GPU; elsewhere the reference (the engine's CPU path
-    samples by inverse CDF instead: engine/sampler.py)."""
-    if triton_usable(logits):
-        from batchrun.kernels.triton_sampling import gumbel_sample as gumbel_sample_triton
-
-        return gumbel_sample_triton(logits, rows, threshold)
-    return gumbel_sample_reference(logits, rows, threshold)
-
-
 def _scaled_rows(
     logits: torch.Tensor, rows: torch.Tensor, threshold: Optional[torch.Tensor]
 ) -> tuple[torch.Tensor, list[int], torch.Tensor, torch.Tensor]:
@@ -139,7 +126,10 @@ def _scaled_rows(
 def gumbel_sample_reference(
     logits: torch.Tensor, rows: torch.Tensor, threshold: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """`gumbel_sample` in plain torch ops: every token's race key, a few rows at a time."""
+    """(B,) int64 tokens. logits (B, V) any float dtype; rows (3, B) int64 (`pack_rows`) on the
+    logits' device; threshold (B,) float32, the smallest scaled logit a row keeps (-inf: all), or
+    None for no mask. In plain torch ops: every token's race key, a few rows at a time. A kernel
+    set binds it, or on Triton targets kernels/triton_sampling.py: gumbel_sample (one launch)."""
     tokens, idx, s, keys = _scaled_rows(logits, rows, threshold)
     for i in range(0, len(idx), _ROW_CHUNK):
         k = race_keys(s[i : i + _ROW_CHUNK], keys[i : i + _ROW_CHUNK])
@@ -148,13 +138,9 @@ def gumbel_sample_reference(
     return tokens
 
 
-def gather_in_place(ids: torch.Tensor, src: torch.Tensor) -> None:
+def gather_in_place_reference(ids: torch.Tensor, src: torch.Tensor) -> None:
     """ids[i] = src[ids[i]] for (n,) int64 `ids` holding row indices into (m,) int64 `src`: a
     step launched before the previous step's tokens are read takes its input ids from them
-    (engine/async_steps.py). One Triton launch on a GPU; index_select and a copy elsewhere."""
-    if triton_usable(ids):
-        from batchrun.kernels.triton_sampling import gather_in_place as gather_in_place_triton
-
-        gather_in_place_triton(ids, src)
-        return
+    (engine/async_steps.py). index_select and a copy; a Triton kernel set binds
+    kernels/triton_sampling.py: gather_in_place (one launch) instead."""
     ids.copy_(src.index_select(0, ids))

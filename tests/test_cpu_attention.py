@@ -33,6 +33,7 @@ def paged_attention_cpu(*args, **kwargs):
     """The CPU attention as a kernel set with the native kernels on binds it."""
     return _paged_attention_cpu(*args, **kwargs, native=True)
 
+
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C++ compiler: the native kernel is not built")
 
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from batchrun.kernels import quant as qk
+from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.binding import bind_kernels
 from batchrun.kernels.target import find_target
-from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.model import quant as mq
 from batchrun.model.gguf import blocks_to_weight, read_gguf_weights, unpermute_rows
 from batchrun.model.prepare import module_weight_bytes, quantize_model

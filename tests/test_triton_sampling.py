@@ -80,11 +80,15 @@ def _check_kernel(spec: dict[str, Any], device: str) -> None:
 
 
 def _check_ops() -> None:
-    """Sampler.sample on CPU tensors taking the GPU path (simulated sm_90, kernels interpreted)."""
+    """Sampler.sample on CPU tensors taking the GPU path (the race a simulated sm_90's kernel set
+    binds, kernels interpreted)."""
     from batchrun.bench.gpu_launches import SM90, count_launches
     from batchrun.engine.config import SamplingParams
     from batchrun.engine.sampler import Sampler
-    from batchrun.kernels.backend import simulated_gpu
+    from batchrun.kernels.binding import bind_kernels
+    from batchrun.kernels.target import find_target
+
+    race = bind_kernels(find_target("cpu", simulate=SM90), torch.float32).sample
 
     rows, vocab = 16, 1000
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
@@ -95,8 +99,8 @@ def _check_ops() -> None:
         ("temp0.6", SamplingParams(temperature=0.6)),
         ("truncated", SamplingParams(temperature=0.6, top_p=0.9, top_k=50)),
     ):
-        with simulated_gpu(SM90), count_launches() as launches:
-            Sampler(seed=1).sample(logits, [params] * rows, seeds, list(range(rows)))
+        with count_launches() as launches:
+            Sampler(seed=1, race=race).sample(logits, [params] * rows, seeds, list(range(rows)))
         counts[name] = launches
     print("OPS", {k: (dict(v.kernels), v.syncs) for k, v in counts.items()}, flush=True)
     # Greedy: one argmax, the tokens' copy back.
@@ -127,14 +131,14 @@ def _interpreted_engine_config(model: str, **overrides: Any) -> Any:
 
 
 def _check_engine() -> None:
-    """The engine on the GPU dispatch path (simulated sm_90): a seeded sampled request gives the
+    """The engine on the GPU path (a simulated sm_90's kernel set): a seeded sampled request gives the
     same tokens alone and in a batch with other seeded, unseeded and greedy requests, and every
     sampled step went through the race kernel."""
     import tempfile
 
     from batchrun import Engine, SamplingParams
     from batchrun.bench.gpu_launches import SM90, count_launches
-    from batchrun.kernels.backend import simulated_gpu
+    from batchrun.engine.startup import start_engine
     from batchrun.testing import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,8 +151,8 @@ def _check_engine() -> None:
             SamplingParams(temperature=0.0, max_tokens=6),
             SamplingParams(temperature=1.2, top_p=0.8, top_k=20, max_tokens=6, seed=3),
         ]
-        with simulated_gpu(SM90), count_launches() as launches:
-            engine = Engine(config)
+        with count_launches() as launches:
+            engine = Engine(config, start_engine(config, simulate=SM90))
             batched = [o.token_ids for o in engine.generate(prompts, params)]
             alone = [engine.generate([prompts[i]], params[i])[0].token_ids for i in (0, 3)]
         assert alone == [batched[0], batched[3]], (alone, batched)
@@ -171,7 +175,7 @@ def _check_gather(device: str) -> None:
 
 
 def _check_engine_async() -> None:
-    """engine.async_scheduling on the GPU dispatch path (simulated sm_90, stand-in graphs): the
+    """engine.async_scheduling on the GPU path (a simulated sm_90's kernel set, stand-in graphs): the
     steps run ahead gather their ids with the one Triton launch, and greedy and seeded tokens are
     the synchronous engine's."""
     import tempfile
@@ -179,7 +183,7 @@ def _check_engine_async() -> None:
     from batchrun import Engine, SamplingParams
     from batchrun.bench.decode_step import stand_in_graphs
     from batchrun.bench.gpu_launches import SM90, count_launches
-    from batchrun.kernels.backend import simulated_gpu
+    from batchrun.engine.startup import start_engine
     from batchrun.testing import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -193,8 +197,8 @@ def _check_engine_async() -> None:
         outs = {}
         for on in (False, True):
             config = _interpreted_engine_config(model, async_scheduling=on)
-            with simulated_gpu(SM90), count_launches() as launches:
-                engine = Engine(config)
+            with count_launches() as launches:
+                engine = Engine(config, start_engine(config, simulate=SM90))
                 engine.runner.graphs = stand_in_graphs(engine, 4)
                 outs[on] = [o.token_ids for o in engine.generate(prompts, params)]
             if on:

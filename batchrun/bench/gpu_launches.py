@@ -290,12 +290,14 @@ def launches_per_linear(
     dtype: torch.dtype = torch.bfloat16,
     bias: bool = False,
     target: GpuTarget = SM90,
+    dense_min_rows: Optional[int] = None,
 ) -> StepLaunches:
     """What one quantized projection of `mode` (LINEAR_MODES) launches on `target`, its layer built as
     the engine builds it (model/quant/layers.py: make_linear, int8/int4 in groups of 32, W8A8 with 8
     float channels for "w8a8/float") and called once uncounted, then once counted. The default
     shape has a single column tile of the weight-only GEMMs, which split K on an sm_90 (split-K is
-    part of the one launch)."""
+    part of the one launch). `dense_min_rows`: the kernel set's option (kernels/kernel_set.py:
+    BindOptions) of cuBLAS over a dequantized copy from that many rows."""
     from batchrun.model.quant.layers import make_linear
     from batchrun.model.quant.smoothquant import split_outlier_channels
     from batchrun.model.quant.weights import quantize_weight
@@ -304,7 +306,7 @@ def launches_per_linear(
     w = torch.randn(out_features, in_features, generator=gen) * 0.05
     b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
     x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
-    kernels = bind_kernels(find_target("cpu", simulate=target), dtype)
+    kernels = bind_kernels(find_target("cpu", simulate=target), dtype, dense_min_rows=dense_min_rows)
     with torch.inference_mode():
         if mode == "none":
             layer: Any = torch.nn.Linear(in_features, out_features, bias=bias, dtype=dtype)

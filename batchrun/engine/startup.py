@@ -45,7 +45,7 @@ from batchrun.engine.step_sampler import StepSampler
 from batchrun.engine.warmup import warm_up as run_warm_up
 from batchrun.kernels.binding import bind_kernels, with_tuning
 from batchrun.kernels.kernel_set import KernelSet
-from batchrun.kernels.target import find_target
+from batchrun.kernels.target import GpuTarget, find_target
 from batchrun.kernels.tuning import measured_tuning, table_tuning
 from batchrun.kernels.tuning_cases import tuning_cases
 from batchrun.model.decoder import DecoderLM, build_decoder
@@ -134,10 +134,11 @@ class EngineParts:
     startup_s: float  # seconds from the first phase to the end of the warm-up
 
 
-def bind(config: EngineConfig) -> KernelSet:
+def bind(config: EngineConfig, simulate: Optional[GpuTarget] = None) -> KernelSet:
     """Find the device target (engine.device; the CPU's native kernels switched on or not) and bind
-    its kernel set for the resolved dtype and engine.kv_cache_dtype, with the static tables' choices."""
-    target = find_target(resolve_device(config.device))
+    its kernel set for the resolved dtype and engine.kv_cache_dtype, with the static tables' choices.
+    `simulate`: a GPU the CPU engine's kernel set is sized for instead (checks, launch counts)."""
+    target = find_target(resolve_device(config.device), simulate=simulate)
     return bind_kernels(target, resolve_dtype(config.dtype, target), kv_cache_dtype=config.kv_cache_dtype)
 
 
@@ -343,15 +344,19 @@ def warm_up(
 
 
 def start_engine(
-    config: EngineConfig, target: Optional[Target] = None, kernels: Optional[KernelSet] = None
+    config: EngineConfig,
+    target: Optional[Target] = None,
+    kernels: Optional[KernelSet] = None,
+    simulate: Optional[GpuTarget] = None,
 ) -> EngineParts:
     """Every phase in order; EngineConfig.warmup None warms up on a GPU only. `target`: a model
     already loaded and prepared over its kernel set (a benchmark's random weights built on the
-    device) instead of `load_target`; `kernels`: a kernel set bound by the caller (a simulated GPU's,
-    Triton's interpreter on the CPU: checks and launch counts) instead of `bind(config)`."""
+    device) instead of `load_target`; `kernels`: a kernel set bound by the caller (Triton's on the
+    CPU: the interpreter's tiles) instead of `bind(config)`; `simulate`: a GPU the CPU engine's
+    kernel set is sized for (`bind`). The last two are for checks and launch counts."""
     t0 = time.perf_counter()
     if target is None:
-        target = load_target(config, kernels)
+        target = load_target(config, kernels if kernels is not None else bind(config, simulate))
     kernels = tune(config, target)
     kv_plan = plan_kv(config, target)
     cache = build_cache(config, target, kv_plan)

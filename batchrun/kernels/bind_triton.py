@@ -75,7 +75,8 @@ def bind_triton(target: DeviceTarget, dtype: torch.dtype, tuning: Tuning, option
     lm_head_logits: Callable[..., Any] = fused_projections.lm_head_logits_separate
     embed_norm: Optional[Callable[..., Any]] = None
     if options.fuse:
-        qkv_project = partial(fused_projections.qkv_project_fused, separate=qkv_separate, tuning=tuning, gpu=gpu)
+        if options.kv_cache_dtype == "auto":  # the fused qkv GEMM writes a float cache only
+            qkv_project = partial(fused_projections.qkv_project_fused, separate=qkv_separate, tuning=tuning, gpu=gpu)
         gate_up_act = partial(fused_projections.gate_up_act_fused, separate=gate_up_separate, tuning=tuning, gpu=gpu)
         lm_head_logits = partial(fused_projections.lm_head_logits_fused, tuning=tuning, gpu=gpu)
         embed_norm = fused_projections.embed_norm_triton

@@ -25,17 +25,22 @@ def bind_kernels(
     kv_cache_dtype: str = "auto",
     fuse: bool = True,
     dense_min_rows: Optional[int] = None,
+    binder: Optional[str] = None,
 ) -> KernelSet:
     """The kernel set for `target` and the model's compute `dtype`. `tuning`: start-up's choices
     (None: the static tables'); `kv_cache_dtype`: engine.kv_cache_dtype (an fp8 cache needs a GPU
     with e4m3 for the Triton kernels); `fuse`: the fused projection GEMMs at all (False: the
-    unfused pairs, for checks and benchmarks); `dense_min_rows`: see BindOptions."""
+    unfused pairs, for checks and benchmarks); `dense_min_rows`: see BindOptions. `binder`: "triton"
+    or "cpu" instead of the target's own (the Triton set on a CPU target runs in Triton's
+    interpreter, with its tiles: the decoder tests)."""
     options = BindOptions(kv_cache_dtype=kv_cache_dtype, fuse=fuse, dense_min_rows=dense_min_rows)
-    return _bind(target, dtype, tuning or Tuning(), options)
+    return _bind(target, dtype, tuning or Tuning(), options, binder)
 
 
-def _bind(target: DeviceTarget, dtype: torch.dtype, tuning: Tuning, options: BindOptions) -> KernelSet:
-    if target.runs_triton:
+def _bind(
+    target: DeviceTarget, dtype: torch.dtype, tuning: Tuning, options: BindOptions, binder: Optional[str] = None
+) -> KernelSet:
+    if binder == "triton" or (binder is None and target.runs_triton):
         from batchrun.kernels.bind_triton import bind_triton
 
         return bind_triton(target, dtype, tuning, options)
@@ -57,13 +62,7 @@ def rebind(kernels: KernelSet, *, kv_cache_dtype: str) -> KernelSet:
 
 def _bind_as(kernels: KernelSet, dtype: torch.dtype, tuning: Tuning, options: BindOptions) -> KernelSet:
     """Bound by `kernels`' own binder (a Triton set on a CPU target stays a Triton set)."""
-    if kernels.binder == "triton":
-        from batchrun.kernels.bind_triton import bind_triton
-
-        return bind_triton(kernels.target, dtype, tuning, options)
-    from batchrun.kernels.bind_cpu import bind_cpu
-
-    return bind_cpu(kernels.target, dtype, tuning, options)
+    return _bind(kernels.target, dtype, tuning, options, kernels.binder)
 
 
 def default_kernels(device: Union[torch.device, str], dtype: torch.dtype) -> KernelSet:

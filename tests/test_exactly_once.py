@@ -449,9 +449,9 @@ def test_case8_an_unexpected_error_fails_one_shard_not_the_worker(
 
 
 def test_transient_storage_errors_are_retried(monkeypatch):
-    from batchrun.job.commit.store import with_retries
+    from batchrun.job.commit.directory import with_retries
 
-    monkeypatch.setattr("batchrun.job.commit.store.time.sleep", lambda s: None)
+    monkeypatch.setattr("batchrun.job.commit.directory.time.sleep", lambda s: None)
     attempts = []
 
     def flaky():

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 from s3_fault_proxy import FaultProxy, Rule
 
-from batchrun.job.commit import store as store_module
+from batchrun.job.commit import directory as store_module
 from batchrun.job.commit.store import CommitUnclear, RunStore, committed_files
 from batchrun.job.errors import ConfigError
 

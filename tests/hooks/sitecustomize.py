@@ -13,7 +13,7 @@ BATCHRUN_TEST_HOOKS holds a JSON object:
                shard's outputs wait until the heartbeat has found its claim lost
     s3fs_without_create_mode   s3fs behaves as before 2024.12: pipe_file takes no `mode` and passes
                it on as a keyword that botocore drops, so a "create" silently overwrites
-    retry_base_delay_s         the store's first retry backoff (batchrun.job.commit.store.RETRY_BASE_DELAY_S)
+    retry_base_delay_s         the store's first retry backoff (batchrun.job.commit.directory.RETRY_BASE_DELAY_S)
     metrics_interval_s         the least time between metrics textfile rewrites
                (batchrun.job.operate.textfile.INTERVAL_S)
 Each shard this process starts writes {dir}/started-{rank}-{shard}-{pid} at its first output
@@ -157,9 +157,9 @@ if _spec:
 
         _flow.ShardRun.on_output = _on_output_with_outage
     if "retry_base_delay_s" in _cfg:
-        from batchrun.job.commit import store as _store
+        from batchrun.job.commit import directory as _directory
 
-        _store.RETRY_BASE_DELAY_S = float(_cfg["retry_base_delay_s"])
+        _directory.RETRY_BASE_DELAY_S = float(_cfg["retry_base_delay_s"])
     if "metrics_interval_s" in _cfg:
         from batchrun.job.operate import textfile as _textfile
 

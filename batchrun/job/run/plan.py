@@ -62,7 +62,7 @@ def shared_shards(store: RunStore, listed: Sequence[Shard]) -> list[Shard]:
             raise JobError(f"output.uri: {store.url(path)} is unreadable; delete it if no worker is running")
         doc = existing
     # The plan fixes names and order. Everything else comes from this worker's own listing: the
-    # plan on disk is redacted (store._encode), and sizes and versions must be the files' own
+    # plan on disk is redacted (directory._encode), and sizes and versions must be the files' own
     # now, so that a rewritten input is seen as changed (the markers' input fingerprints).
     here = {s.name: s for s in listed}
     planned = [here.get(s.name, s) for s in (Shard(**entry) for entry in doc["shards"])]

@@ -1,6 +1,6 @@
 """Command line: `python -m batchrun job=summarize [group=option ...] [key=value ...]`, and
-`python -m batchrun status OUTPUT_URI [--json] [--watch [SECONDS]] [--data URI]` (job/operate/status.py:
-reads a run's state from its store, before Hydra sees the arguments).
+`python -m batchrun status OUTPUT_URI [--json] [--watch [SECONDS]] [--data URI]`
+(job/operate/status.py: reads a run's state from its store, before Hydra sees the arguments).
 
 The only module that imports Hydra or OmegaConf. It composes conf/, turns the result into the
 plain frozen dataclasses of batchrun.job (which check every key and type), runs the job and prints

@@ -40,7 +40,7 @@ from batchrun.utils.private_dir import private_dir
 from batchrun.utils.redact import redact_text
 
 if TYPE_CHECKING:
-    from batchrun.bench.config import BenchmarkConfig
+    from batchrun.benchmark.config import BenchmarkConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 # In the source tree (and editable installs) batchrun/conf is a symlink to the repository's conf/;
@@ -76,7 +76,7 @@ OmegaConf.register_new_resolver("batchrun_submitit_dir", submitit_dir, replace=T
 
 def _split_config(cfg: DictConfig) -> tuple[RunConfig, dict[str, Any]]:
     """The RunConfig, and the group that only this job composes ({} when none): job=benchmark's
-    `benchmark` group, which the benchmark checks itself (bench/config.py)."""
+    `benchmark` group, which the benchmark checks itself (benchmark/config.py)."""
     raw = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     assert isinstance(raw, dict)
     raw.pop("hydra", None)
@@ -100,7 +100,7 @@ def load_config(overrides: Sequence[str] = ()) -> RunConfig:
 
 def load_benchmark_config(overrides: Sequence[str] = ()) -> tuple[RunConfig, BenchmarkConfig]:
     """Compose conf/ for job=benchmark: the RunConfig and the checked `benchmark` group."""
-    from batchrun.bench.config import benchmark_config
+    from batchrun.benchmark.config import benchmark_config
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         config, values = _split_config(compose(config_name="config", overrides=list(overrides)))
@@ -143,9 +143,9 @@ def _run(cfg: DictConfig) -> None:
 
 def _run_benchmark(config: RunConfig, values: dict[str, Any]) -> None:
     """The benchmark and its HF baselines are imported here only: every other job starts without them."""
-    from batchrun.bench.config import benchmark_config
-    from batchrun.bench.report import format_benchmark
-    from batchrun.bench.throughput import run_benchmark
+    from batchrun.benchmark.config import benchmark_config
+    from batchrun.benchmark.report import format_benchmark
+    from batchrun.benchmark.throughput import run_benchmark
 
     print(format_benchmark(run_benchmark(config, benchmark_config(values))), flush=True)
 

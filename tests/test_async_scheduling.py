@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from batchrun.bench.decode_step import stand_in_graphs
 from batchrun.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 from batchrun.engine.cuda_graphs import DecodeGraphs, EagerReplay
 from batchrun.engine.scheduler import PENDING_TOKEN
+from benchmarks.decode_step import stand_in_graphs
 
 _ON_GPU = torch.cuda.is_available()
 

@@ -270,7 +270,7 @@ _SECTIONS: dict[str, type] = {
     "planner": PlannerConfig,
 }
 # Groups that only one job composes (its YAML adds them), checked where that job runs, not in
-# RunConfig: group -> the job's name (the cli hands job=benchmark's group to bench/config.py).
+# RunConfig: group -> the job's name (the cli hands job=benchmark's group to benchmark/config.py).
 JOB_GROUPS = {"benchmark": "benchmark"}
 _HIDDEN_FIELDS = {"engine": {"model"}}
 _TOP_LEVEL_SCALARS = {"quiet": bool, "dry_run": bool, "dry_run_json": Optional[str]}

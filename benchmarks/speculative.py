@@ -1,6 +1,6 @@
 """Speculative decoding benchmark on the bundled summarization workload (greedy, real model).
 
-    python -m batchrun.bench.speculative --prompts 8 --rounds 2
+    python -m benchmarks.speculative --prompts 8 --rounds 2
 
 Batch 1 (max_num_seqs=1): decode tokens/s (output tokens / time after the first token) with
 speculation off, n-gram (always on, and adaptive) and self, and their acceptance rates.
@@ -24,10 +24,10 @@ import statistics
 import time
 from typing import Optional
 
-from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
-from batchrun.bench.timing import round_order
-from batchrun.bench.workloads import copy_prompts, summarize_prompts
+from batchrun.benchmark.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
+from batchrun.benchmark.timing import round_order
 from batchrun.engine import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from benchmarks.workloads import copy_prompts, summarize_prompts
 
 
 def _engine(
@@ -119,7 +119,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             f"rounds; batch 1 on the first {args.prompts} prompts. Ratios are the mean of per-round ratios to "
             "speculation off."
         )
-        command = script_command("batchrun.bench.speculative", argv)
+        command = script_command("benchmarks.speculative", argv)
         name = "speculative" if args.workload == "summarize" else f"speculative-{args.workload}"
         write_section(name, command, stamp(), table, notes, f"Speculative decoding ({args.workload})")
 

@@ -90,7 +90,7 @@ def variant_keys(fn: Any) -> set[str]:
     cache = getattr(fn, "cache", None)  # older Triton: device -> {key: compiled kernel}
     if isinstance(cache, dict):
         return {f"{device}:{key}" for device, per_device in cache.items() for key in per_device}
-    raise TypeError(f"this Triton keeps no compile cache where bench.compile_counts looks ({type(fn).__name__})")
+    raise TypeError(f"this Triton keeps no compile cache where benchmarks.compile_counts looks ({type(fn).__name__})")
 
 
 def snapshot() -> Optional[Snapshot]:

@@ -1,4 +1,4 @@
-"""The GPU check's 8B decode phase (bench.gpu, `--only decode8b`): output tokens per second of the
+"""The GPU check's 8B decode phase (benchmarks.gpu, `--only decode8b`): output tokens per second of the
 engine's decode steps on a Llama-3-8B-shaped model (hidden 4096, 32 layers, 32 query / 8 KV heads
 of 128, intermediate 14336, vocab 128256: ~16 GB in bf16) at batch 1, 16 and 64, for each weight
 mode (none = bf16, int8, int4, fp8, w8a8), with each mode's ratio to bf16 measured in the same run.
@@ -15,10 +15,10 @@ sequences, so prefill, admission and the first token cancel out: tok/s = B * T /
 
 The phase skips, saying why, where the GPU has too little free memory for the bf16 model and its
 KV cache, and stops starting modes at its time estimate (the modes not run are named). In --smoke
-the same code runs on the CPU at a tiny shape (bench.gpu_engine.smoke_shape, float32, batch 1 and
+the same code runs on the CPU at a tiny shape (benchmarks.gpu_engine.smoke_shape, float32, batch 1 and
 4, 2 tokens): the engine, the quantization and the bookkeeping, with no timing reported.
 
-A library module (no `__main__`); bench.gpu runs it.
+A library module (no `__main__`); benchmarks.gpu runs it.
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ from typing import Any, Optional
 
 import torch
 
-from batchrun.bench.gpu_engine import smoke_shape
-from batchrun.bench.gpu_report import NO_CUDA, Report
+from benchmarks.gpu_engine import smoke_shape
+from benchmarks.gpu_report import NO_CUDA, Report
 
-DECODE_8B = "Llama-3-8B-shaped decode"  # bench.gpu's phase
+DECODE_8B = "Llama-3-8B-shaped decode"  # benchmarks.gpu's phase
 LLAMA3_8B = dict(
     model_type="llama",
     hidden_size=4096,

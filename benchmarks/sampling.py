@@ -1,8 +1,8 @@
 """Sampling benchmark: what temperature, top-p and top-k cost against greedy decoding, one process.
 
-    python -m batchrun.bench.sampling                  # engine workload, then the sampler alone
-    python -m batchrun.bench.sampling --only engine --rounds 3
-    python -m batchrun.bench.sampling --only samples   # n=4 samples per prompt against n=1
+    python -m benchmarks.sampling                  # engine workload, then the sampler alone
+    python -m benchmarks.sampling --only engine --rounds 3
+    python -m benchmarks.sampling --only samples   # n=4 samples per prompt against n=1
 
 Engine: the bundled summarization workload (32 CPython doc topics through the summarize prompt,
 64 tokens each, ignore_eos so every configuration produces the same number of tokens) on one
@@ -30,12 +30,12 @@ from typing import Any, Optional, TypedDict
 
 import torch
 
-from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
-from batchrun.bench.quality import make_engine
-from batchrun.bench.timing import median_ratio, patched, round_order
-from batchrun.bench.workloads import summarize_prompts
+from batchrun.benchmark.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
+from batchrun.benchmark.timing import median_ratio, patched, round_order
 from batchrun.engine import Engine, SamplingParams
 from batchrun.engine.sampler import Sampler
+from benchmarks.quality import make_engine
+from benchmarks.workloads import summarize_prompts
 
 
 class _Knobs(TypedDict, total=False):
@@ -236,7 +236,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                 f"Summarize workload, temperature 0.8, {args.max_tokens} tokens with ignore_eos, bf16; "
                 f"{args.rounds} alternating rounds, median of per-round ratios in the same process."
             )
-            command = script_command("batchrun.bench.sampling", argv)
+            command = script_command("benchmarks.sampling", argv)
             table_md = markdown_table(["measurement", "result"], rows)
             write_section("sampling_n", command, stamp(), table_md, notes, "Several samples per prompt")
         return
@@ -262,7 +262,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             f"Summarize workload, {args.max_tokens} tokens with ignore_eos, bf16; {args.rounds} alternating rounds, "
             "median of per-round ratios to greedy in the same process."
         )
-        command = script_command("batchrun.bench.sampling", argv)
+        command = script_command("benchmarks.sampling", argv)
         write_section("sampling", command, stamp(), markdown_table(["measurement", "result"], rows), notes, "Sampling")
 
 

@@ -45,13 +45,13 @@ from typing import TYPE_CHECKING, Any, Optional, get_args
 
 import torch
 
-from batchrun.bench.config import BENCHMARK_SYSTEMS, BenchmarkConfig
-from batchrun.bench.doc import command_line, stamp, write_section
-from batchrun.bench.hf_baseline import cast_model, count_parameters, hf_generate, load_hf_model
-from batchrun.bench.jobpath import JobPath
-from batchrun.bench.report import BenchmarkResult, build_result, markdown_benchmark, write_result
-from batchrun.bench.timing import TimedRun, matmul_peak, round_order
-from batchrun.bench.workloads import BenchmarkWorkload, build_workload
+from batchrun.benchmark.config import BENCHMARK_SYSTEMS, BenchmarkConfig
+from batchrun.benchmark.doc import command_line, stamp, write_section
+from batchrun.benchmark.hf_baseline import cast_model, count_parameters, hf_generate, load_hf_model
+from batchrun.benchmark.jobpath import JobPath
+from batchrun.benchmark.report import BenchmarkResult, build_result, markdown_benchmark, write_result
+from batchrun.benchmark.timing import TimedRun, matmul_peak, round_order
+from batchrun.benchmark.workloads import BenchmarkWorkload, build_workload
 from batchrun.engine import Engine, EngineRequest, RequestOutput, SamplingParams
 from batchrun.job.config import PlannerConfig, PlanOrder
 from batchrun.job.errors import JobError

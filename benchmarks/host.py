@@ -1,7 +1,7 @@
 """Host time per engine step: what the engine spends outside the model on a decode step.
 
-    python -m batchrun.bench.host                 # 64 and 256 sequences x 512 and 4096-token contexts
-    python -m batchrun.bench.host --rounds 5 --write-docs
+    python -m benchmarks.host                 # 64 and 256 sequences x 512 and 4096-token contexts
+    python -m benchmarks.host --rounds 5 --write-docs
 
 The real engine (scheduler, KV cache manager with the prefix cache on, runner packing, sampler)
 runs a real tiny model whose forward and LM head are replaced by stand-ins that cost nothing: the
@@ -28,8 +28,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
-from batchrun.bench.timing import round_order
+from batchrun.benchmark.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
+from batchrun.benchmark.timing import round_order
 from batchrun.engine import Engine, EngineConfig, SamplingParams
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.testing import make_tiny_model
@@ -194,7 +194,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             "(torch runs one thread here). On a shared machine single rounds move a lot: compare the "
             "medians, and points within one run."
         )
-        command = script_command("batchrun.bench.host", argv)
+        command = script_command("benchmarks.host", argv)
         write_section(
             "host",
             command,

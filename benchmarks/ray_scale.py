@@ -2,7 +2,7 @@
 kill-and-replace trial (2 workers, one actor's process SIGKILLed mid-run), each as the real command
 (`python -m batchrun ... launcher=ray`) against one cluster this script starts and stops.
 
-    python -m batchrun.bench.ray_scale [--model smollm2-135m|tiny] [--rows 64] [--shards 8]
+    python -m benchmarks.ray_scale [--model smollm2-135m|tiny] [--rows 64] [--shards 8]
         [--max-tokens 32] [--kill-at 0.5] [--rounds 1] [--write-docs]
 
 The cluster has the machine's CPUs (`ray start --head --num-cpus N`); engine.num_threads is left
@@ -33,8 +33,8 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
-from batchrun.bench.timing import round_order
+from batchrun.benchmark.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
+from batchrun.benchmark.timing import round_order
 from batchrun.testing import local_ray_cluster, make_tiny_model, sample_texts
 
 RUNS = ("1 worker", "2 workers", "2 workers, one killed")
@@ -152,7 +152,7 @@ def main() -> None:
     print(notes)
     if args.write_docs:
         title = "Ray launcher: 1 worker against 2, and a worker actor killed and replaced"
-        command = script_command("batchrun.bench.ray_scale", None)
+        command = script_command("benchmarks.ray_scale", None)
         print(write_section("ray_scale", command, stamp(args.machine), table, notes, title))
     bad = [t for runs in trials.values() for t in runs if t.exit_code != 0 or t.num_rows != len(ids)]
     if bad:

@@ -1,7 +1,7 @@
 """Structured-output benchmark: what a JSON Schema constraint costs against free decoding, one process.
 
-    python -m batchrun.bench.structured                 # engine workload, then the grammar libraries
-    python -m batchrun.bench.structured --rounds 3 --write-docs
+    python -m benchmarks.structured                 # engine workload, then the grammar libraries
+    python -m benchmarks.structured --rounds 3 --write-docs
 
 Engine: 16 of the bundled sample's 32 CPython doc topics (--num-prompts), each asked to be
 described as JSON, greedy, on one engine (SmolLM2-135M, bf16 on CPU), all in one batch: output
@@ -29,11 +29,11 @@ from typing import Any, Optional, Union
 
 import torch
 
-from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
-from batchrun.bench.quality import make_engine
-from batchrun.bench.timing import median_ratio, round_order
-from batchrun.bench.workloads import bundled_texts, chat_ids
+from batchrun.benchmark.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
+from batchrun.benchmark.timing import median_ratio, round_order
 from batchrun.engine import Engine, SamplingParams
+from benchmarks.quality import make_engine
+from benchmarks.workloads import bundled_texts, chat_ids
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
@@ -255,7 +255,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             f"{args.rounds} alternating rounds, median of per-round ratios in the same process. Library "
             "figures: SmolLM2's vocabulary, one thread, median step of a walk through a valid document."
         )
-        command = script_command("batchrun.bench.structured", argv)
+        command = script_command("benchmarks.structured", argv)
         write_section(
             "structured", command, stamp(), markdown_table(["measurement", "result"], rows), notes, "Structured output"
         )

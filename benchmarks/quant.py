@@ -1,8 +1,8 @@
 """Quantization benchmark: quality against the unquantized model, weight bytes and speed, one process.
 
-    python -m batchrun.bench.quant                    # everything (several minutes on 2 cores)
-    python -m batchrun.bench.quant --only quality     # teacher-forced agreement and perplexity
-    python -m batchrun.bench.quant --only speed --threads 1 --rounds 3
+    python -m benchmarks.quant                    # everything (several minutes on 2 cores)
+    python -m benchmarks.quant --only quality     # teacher-forced agreement and perplexity
+    python -m benchmarks.quant --only speed --threads 1 --rounds 3
 
 Quality is teacher-forced over real text (CPython's pydoc topics): every position's top-1 next
 token and the log-probability of the actual next token, through the engine's own model and paged
@@ -27,12 +27,12 @@ from typing import Any, Optional
 
 import torch
 
-from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
-from batchrun.bench.quality import agreement, engine_teacher_forced, make_engine, quality_sequences
-from batchrun.bench.timing import median_ratio
-from batchrun.bench.workloads import chat_ids, summarize_prompts, summarize_tokens_per_s
+from batchrun.benchmark.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
+from batchrun.benchmark.timing import median_ratio
 from batchrun.engine import Engine, SamplingParams
 from batchrun.testing import sample_texts
+from benchmarks.quality import agreement, engine_teacher_forced, make_engine, quality_sequences
+from benchmarks.workloads import chat_ids, summarize_prompts, summarize_tokens_per_s
 
 GREEDY_PROMPTS = (
     "The capital of France is",
@@ -196,7 +196,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             json.dump(out, f, indent=1, default=str)
     if args.write_docs:
         tables, notes = _markdown(out, args)
-        write_section("quant", script_command("batchrun.bench.quant", argv), stamp(), tables, notes, "Quantization")
+        write_section("quant", script_command("benchmarks.quant", argv), stamp(), tables, notes, "Quantization")
 
 
 def _markdown(out: dict, args: argparse.Namespace) -> tuple[str, str]:

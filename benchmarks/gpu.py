@@ -1,49 +1,49 @@
 """The one-call GPU check: versions, kernels against their references, bandwidth, the engine's decode
 step, CUDA graphs, memory and throughput; a table last and a JSON document with every measurement.
 
-    python -m batchrun.bench.gpu                   # on a GPU: planned to fit 8 minutes on one H200
-    python -m batchrun.bench.gpu --only kernels    # kernels | bandwidth | gemm | engine | throughput (repeatable)
-    python -m batchrun.bench.gpu --only decode8b   # the 8B decode phase (not in the default run)
-    python -m batchrun.bench.gpu --smoke           # CPU: tiny shapes, kernels in Triton's interpreter
-    python -m batchrun.bench.gpu --json PATH       # default: $OUT/bench-gpu.json, else ./bench-gpu.json
+    python -m benchmarks.gpu                   # on a GPU: planned to fit 8 minutes on one H200
+    python -m benchmarks.gpu --only kernels    # kernels | bandwidth | gemm | engine | throughput (repeatable)
+    python -m benchmarks.gpu --only decode8b   # the 8B decode phase (not in the default run)
+    python -m benchmarks.gpu --smoke           # CPU: tiny shapes, kernels in Triton's interpreter
+    python -m benchmarks.gpu --json PATH       # default: $OUT/bench-gpu.json, else ./bench-gpu.json
 
 1. Kernels: each Triton kernel (paged attention decode and prefill over float, int8 and fp8 caches,
    the KV write and the fused q/k-norm + rotary + KV write into int8/fp8 caches, W8A16/W4A16 GEMMs,
    MoE grouped GEMM) against its torch reference on the device, random inputs, max |error| and
    relative error ||got - want|| / ||want|| (writes into quantized caches: bitwise). Then attention
    and the KV write on a cache whose last KV head starts past 2**31 elements
-   (bench.cases.far_blocks_case), where an int32 offset wraps: 2 x 6 GiB on the GPU; in --smoke
+   (benchmarks.cases.far_blocks_case), where an int32 offset wraps: 2 x 6 GiB on the GPU; in --smoke
    virtual memory on the CPU, skipped where it cannot be mapped.
 2. Bandwidth: a device copy (the HBM ceiling), then the decode attention kernel at the workload's
    shape as achieved KV bytes/s and its fraction of that ceiling (target >= 70%), a small sweep of
    its tile settings, and the same decode over int8 and fp8 caches (default tile and 64).
-3. GEMMs (`--only gemm`, bench.gpu_gemm): each weight mode's linear (int8, int4, fp8, W8A8, as the
+3. GEMMs (`--only gemm`, benchmarks.gpu_gemm): each weight mode's linear (int8, int4, fp8, W8A8, as the
    engine builds them) against cuBLAS bf16 at M = 1, 16, 64, 256 on Llama-3-8B's and Qwen3-0.6B's
    projection shapes: time, speed-up and % of the bytes-moved floor. In --smoke tiny shapes in the
    interpreter on a simulated sm_90, each mode's output checked against the float product.
-3b. 8B decode (`--only decode8b`, bench.gpu_decode; not in the default run: its ~5 minutes do not
+3b. 8B decode (`--only decode8b`, benchmarks.gpu_decode; not in the default run: its ~5 minutes do not
    fit the 8-minute plan beside the rest): the engine's decode output tok/s on a Llama-3-8B-shaped
    random model at batch 1, 16 and 64 per weight mode (bf16, int8, int4, fp8, W8A8), with the ratio
    to bf16 from the same run; skipped, saying why, without the GPU memory for the bf16 model. In
    --smoke a tiny shape on the CPU through the same code, untimed.
 4. Engine (`--only engine`), on the Qwen3-0.6B-shaped model: memory at the engine's default KV
    sizing (weights, KV bytes and blocks, peak allocated, free after construction); every CUDA-graph
-   bucket captured, a failed capture named; then bench.decode_step on 256 decoding sequences:
+   bucket captured, a failed capture named; then benchmarks.decode_step on 256 decoding sequences:
    graph replay against eager logits at every bucket, one decode step's device time against its
    host time (schedule / pack / launch / sample / update), kernels per step, eager and graphed, and
-   the top kernels of one step by GPU time. In --smoke, bench.gpu_launches' count of what one decode
+   the top kernels of one step by GPU time. In --smoke, benchmarks.gpu_launches' count of what one decode
    step launches on the GPU dispatch path (Triton in the interpreter), per layer and per step.
 5. Throughput (`--only throughput`): nano-vllm's workload (256 sequences, prompt and output lengths
    uniform in 100-1024, ignore_eos) on the Qwen3-0.6B-shaped model greedy, greedy again with
    engine.async_scheduling (the ratio to the run before), and at temperature 0.6 (nano-vllm's
-   setting; the sampler's own cost is bench.sampling's measurement); then a turnover workload (3 x 256
+   setting; the sampler's own cost is benchmarks.sampling's measurement); then a turnover workload (3 x 256
    shorter requests streamed through the 256 slots, so requests end and are admitted every step or
    two) admitting at every end, admitting in batches (engine.admission_min_slots 16), and batched with
    engine.async_scheduling, each with its ratio to the first; and greedy on a
    SmolLM2-135M-shaped one. Random weights built here from transformers configs (nothing can be
    downloaded there; the SmolLM2 GGUF is too big to carry); prompts are token ids (the bundled
    512-token tokenizer only decodes). Triton compile counts per kernel after warm-up and after the
-   timed runs (bench.compile_counts): a variant compiled during the timed runs is a failure. Then
+   timed runs (benchmarks.compile_counts): a variant compiled during the timed runs is a failure. Then
    the engine and HF transformers' `generate` on the same first prompts, each cold (the engine's
    prefix cache reset), for the ratio.
 
@@ -68,10 +68,12 @@ from typing import Any, Optional, TypedDict
 
 import torch
 
-from batchrun.bench.cases import attention_case, far_blocks_case, quantized_copy, rel_error
-from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
-from batchrun.bench.gpu_decode import DECODE_8B, check_decode_8b
-from batchrun.bench.gpu_engine import (
+from batchrun.benchmark.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
+from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
+from batchrun.kernels.backend import triton_fp8_usable
+from benchmarks.cases import attention_case, far_blocks_case, quantized_copy, rel_error
+from benchmarks.gpu_decode import DECODE_8B, check_decode_8b
+from benchmarks.gpu_engine import (
     QWEN3,
     QWEN3_0_6B,
     SMOLLM2,
@@ -80,11 +82,9 @@ from batchrun.bench.gpu_engine import (
     check_model,
     model_phases,
 )
-from batchrun.bench.gpu_gemm import check_gemms
-from batchrun.bench.gpu_launches import LAUNCHES
-from batchrun.bench.gpu_report import NO_CUDA, Budget, Report, default_json_path, versions
-from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
-from batchrun.kernels.backend import triton_fp8_usable
+from benchmarks.gpu_gemm import check_gemms
+from benchmarks.gpu_launches import LAUNCHES
+from benchmarks.gpu_report import NO_CUDA, Budget, Report, default_json_path, versions
 
 BF16_TOL = 2e-2  # relative error allowed a bf16 kernel against its reference (_kernel_checks: bf16_tol)
 
@@ -341,7 +341,7 @@ def _offset_checks(
     device: torch.device, smoke: bool
 ) -> tuple[list[tuple[str, float, Callable[[], tuple[torch.Tensor, torch.Tensor]]]], str]:
     """(checks, what they ran on): attention and the KV write on a cache past int32 offsets
-    (bench.cases.far_blocks_case); the same batch on a small cache is the expected result."""
+    (benchmarks.cases.far_blocks_case); the same batch on a small cache is the expected result."""
     from batchrun.kernels import triton_attention as ta
     from batchrun.kernels import triton_kv as tk
 
@@ -545,7 +545,7 @@ def check_bandwidth(device: torch.device, smoke: bool, report: Report) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. GEMMs (bench.gpu_gemm); 4. and 5. the engine (bench.gpu_engine), its phases planned against the budget
+# 3. GEMMs (benchmarks.gpu_gemm); 4. and 5. the engine (benchmarks.gpu_engine), its phases planned against the budget
 
 # Rough seconds per phase on one H200 with a cold Triton cache (compiling dominates the first
 # phases); the JSON records each phase's real time beside its estimate (the first H200 run took
@@ -570,11 +570,11 @@ SMOKE_ESTIMATE_S = 10  # per phase in --smoke
 
 
 def check_launches(report: Report) -> None:
-    """--smoke only: bench.gpu_launches' count of what one bf16 decode step of a Qwen3-shaped model
+    """--smoke only: benchmarks.gpu_launches' count of what one bf16 decode step of a Qwen3-shaped model
     launches on the GPU dispatch path, per layer and per step, for 28 layers (Qwen3-0.6B's depth):
     the Triton kernels run in the interpreter, sized for a simulated sm_90. On a GPU the profiled
     decode step (the engine phase) counts the real kernels."""
-    from batchrun.bench.gpu_launches import format_figures, launch_figures
+    from benchmarks.gpu_launches import format_figures, launch_figures
 
     figures = launch_figures("qwen3", 28, torch.bfloat16)
     print(format_figures(figures, "qwen3 bf16, simulated sm_90"), flush=True)
@@ -639,7 +639,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     report = Report(json_path=args.json or default_json_path())
     report.data.update(
-        command=script_command("batchrun.bench.gpu", argv),
+        command=script_command("benchmarks.gpu", argv),
         stamp=stamp(torch.cuda.get_device_name() if device.type == "cuda" else None),
         smoke=args.smoke,
         versions=versions(device),
@@ -693,7 +693,7 @@ def _write_docs(report: Report, device: torch.device, argv: Optional[list[str]])
                 [[n, f"{a:.3e}", f"{r:.3e}", "yes" if ok else "NO"] for n, a, r, ok in report.kernel_rows],
             )
         )
-    command = script_command("batchrun.bench.gpu", argv)
+    command = script_command("benchmarks.gpu", argv)
     v = report.data["versions"]
     notes = f"torch {v['torch']}, triton {v['triton']}, CUDA {v['cuda']}, driver {v['driver']}."
     write_section("gpu", command, stamp(machine), "\n\n".join(tables), notes, "GPU check")

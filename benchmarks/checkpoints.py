@@ -2,7 +2,7 @@
 checkpoints off, at the default interval (output.checkpoint_rows / checkpoint_s), and at a short
 one, in alternating rounds in one process, with greedy outputs checked identical across them.
 
-    python -m batchrun.bench.checkpoints [--model smollm2-135m] [--rows 256] [--max-tokens 32]
+    python -m benchmarks.checkpoints [--model smollm2-135m] [--rows 256] [--max-tokens 32]
         [--rounds 3] [--short-rows 16] [--write-docs]
 
 At the default interval a shard that finishes within 60 s and 10000 rows writes no part at all, so
@@ -18,13 +18,13 @@ import dataclasses
 import logging
 import statistics
 
-from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
-from batchrun.bench.jobpath import JobPath
-from batchrun.bench.timing import TimedRun, round_order
-from batchrun.bench.workloads import SUMMARIZE_SYSTEM, SUMMARIZE_TEMPLATE
+from batchrun.benchmark.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
+from batchrun.benchmark.jobpath import JobPath
+from batchrun.benchmark.timing import TimedRun, round_order
 from batchrun.engine import Engine, EngineConfig, SamplingParams
 from batchrun.job.config import DataConfig, JobConfig, OutputConfig, RunConfig
 from batchrun.testing import sample_texts
+from benchmarks.workloads import SUMMARIZE_SYSTEM, SUMMARIZE_TEMPLATE
 
 
 def main() -> None:
@@ -112,7 +112,7 @@ def main() -> None:
         raise SystemExit("greedy outputs differ between checkpoint settings")
     if args.write_docs:
         title = "Checkpoints inside a shard (job path, checkpoints off against on)"
-        command = script_command("batchrun.bench.checkpoints", None)
+        command = script_command("benchmarks.checkpoints", None)
         print(write_section("checkpoints", command, stamp(), table, notes, title))
 
 

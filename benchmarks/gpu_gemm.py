@@ -1,4 +1,4 @@
-"""bench.gpu's GEMM phase: each weight mode's linear against cuBLAS bf16, per projection shape and
+"""benchmarks.gpu's GEMM phase: each weight mode's linear against cuBLAS bf16, per projection shape and
 token count, as time and as a fraction of the bytes-moved floor.
 
 Each mode's projection is the engine's layer (model/quant/layers.py: make_linear, int8 and int4 in
@@ -22,7 +22,7 @@ against the float product (relative error at most MAX_REL_ERR), on the GPU too.
 On a GPU torch's own int4 kernel (tinygemm, `TorchInt4`) is measured beside ours on the same int4
 weights, so docs/quantization.md's choice of kernel rests on a side-by-side figure.
 
-A library module (`python -m batchrun.bench.gpu --only gemm` runs it).
+A library module (`python -m benchmarks.gpu --only gemm` runs it).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import torch
 
-from batchrun.bench.gpu_report import NO_CUDA, Report
+from benchmarks.gpu_report import NO_CUDA, Report
 
 # (model, projection, N, K): the weight (N, K) of y = x @ W.T
 SHAPES: list[tuple[str, str, int, int]] = [
@@ -127,8 +127,8 @@ def _geomean(values: list[float]) -> float:
 def check_gemms(device: torch.device, smoke: bool, report: Report, deadline_s: Optional[float] = None) -> None:
     """Fill report.data["gemm"] and the summary rows. `deadline_s`: seconds this phase may take; shapes
     not started by then are left out (and said so)."""
-    from batchrun.bench.gpu_launches import SM90
     from batchrun.kernels.backend import simulated_gpu
+    from benchmarks.gpu_launches import SM90
 
     start = time.perf_counter()
     shapes, rows = (SMOKE_SHAPES, SMOKE_ROWS) if smoke else (SHAPES, ROWS)

@@ -2,7 +2,7 @@
 job as one shard, the job as many small shards flowing into each other, and those shards one after
 another (planner.max_open_shards=1), in alternating rounds in one process.
 
-    python -m batchrun.bench.shard_flow [--rows 80] [--shards 10] [--repeats 3] [--write-docs]
+    python -m benchmarks.shard_flow [--rows 80] [--shards 10] [--repeats 3] [--write-docs]
 
 The rows are CPython's pydoc topics (real English text, cut to --max-chars), through the summarize
 job's prompt on the default model, 64 greedy tokens each. It is `job=benchmark` with the systems
@@ -20,14 +20,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.bench.config import BenchmarkConfig
-from batchrun.bench.doc import WRITE_DOCS_HELP, script_command, stamp, write_section
-from batchrun.bench.report import format_benchmark, markdown_benchmark
-from batchrun.bench.throughput import run_benchmark
-from batchrun.bench.workloads import SUMMARIZE_SYSTEM, SUMMARIZE_TEMPLATE
+from batchrun.benchmark.config import BenchmarkConfig
+from batchrun.benchmark.doc import WRITE_DOCS_HELP, script_command, stamp, write_section
+from batchrun.benchmark.report import format_benchmark, markdown_benchmark
+from batchrun.benchmark.throughput import run_benchmark
 from batchrun.engine import EngineConfig
 from batchrun.job.config import DataConfig, JobConfig, OutputConfig, RunConfig
 from batchrun.testing import sample_texts
+from benchmarks.workloads import SUMMARIZE_SYSTEM, SUMMARIZE_TEMPLATE
 
 SYSTEMS = ("batchrun", "batchrun_job", "batchrun_job_sharded", "batchrun_job_sharded_sequential")
 
@@ -83,9 +83,7 @@ def main() -> None:
             "(both per round, median over rounds)."
         )
         title = "Shard boundaries and the job layer (job path against the engine's stream)"
-        print(
-            write_section("shard-flow", script_command("batchrun.bench.shard_flow", None), stamp(), table, notes, title)
-        )
+        print(write_section("shard-flow", script_command("benchmarks.shard_flow", None), stamp(), table, notes, title))
 
 
 if __name__ == "__main__":

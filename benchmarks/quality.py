@@ -1,7 +1,7 @@
 """Teacher-forced quality of a model against another (top-1 agreement, perplexity), and an engine
 per quantization mode: shared by the quantization benchmark and the quality tests.
 
-A library module (no `__main__`): the tests import from here, never from bench.quant.
+A library module (no `__main__`): the tests import from here, never from benchmarks.quant.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from batchrun.bench.timing import TimedRun
+from batchrun.benchmark.timing import TimedRun
 
 
 def load_hf_model(model_path: str, dtype: torch.dtype = torch.float32, device: Any = None) -> Any:

@@ -1,7 +1,7 @@
 """MoE expert dispatch on the CPU: grouped (tokens sorted by expert, one matmul per expert) against
 a per-token loop and against running every expert on every token, in float32.
 
-    python -m batchrun.bench.moe [--tokens 256] [--hidden 256] [--inter 512] [--experts 8] [--top-k 2]
+    python -m benchmarks.moe [--tokens 256] [--hidden 256] [--inter 512] [--experts 8] [--top-k 2]
 
 Prints the best of --repeats timings of each, and the largest difference from the per-token loop.
 """
@@ -16,10 +16,10 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from batchrun.bench.cases import moe_per_token
-from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
+from batchrun.benchmark.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.kernels.moe import fused_experts
 from batchrun.model.moe import route
+from benchmarks.cases import moe_per_token
 
 
 def every_expert(x, gate_up, down, weights, ids):
@@ -87,7 +87,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.write_docs:
         table = markdown_table(["dispatch", "ms (best)", "x grouped's time", "max |diff| from the loop"], rows)
         title = "MoE expert dispatch (CPU)"
-        write_section("moe", script_command("batchrun.bench.moe", argv), stamp(), table, setting + ".", title)
+        write_section("moe", script_command("benchmarks.moe", argv), stamp(), table, setting + ".", title)
 
 
 if __name__ == "__main__":

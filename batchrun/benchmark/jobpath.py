@@ -16,7 +16,7 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.bench.timing import TimedRun
+from batchrun.benchmark.timing import TimedRun
 from batchrun.engine import Engine, RequestOutput, SamplingParams
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import JobError

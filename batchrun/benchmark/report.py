@@ -25,12 +25,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.bench.doc import markdown_table
-from batchrun.bench.timing import TimedRun, median_ratio
+from batchrun.benchmark.doc import markdown_table
+from batchrun.benchmark.timing import TimedRun, median_ratio
 from batchrun.job.shards import open_filesystem
 
 if TYPE_CHECKING:
-    from batchrun.bench.config import BenchmarkConfig
+    from batchrun.benchmark.config import BenchmarkConfig
 
 REFERENCES = {
     "ratio_vs_hf_fp32": "hf_fp32",

@@ -1,8 +1,8 @@
 """Compile every Triton kernel variant a run uses for a CUDA GPU, on any machine (no GPU needed).
 
-    python -m batchrun.bench.triton_compile [--arch 90] [--arch 80] [--fast] [--only SUBSTRING]
+    python -m benchmarks.triton_compile [--arch 90] [--arch 80] [--fast] [--only SUBSTRING]
 
-Drives every launcher through the cases of bench/compile_cases.py (all of them; --fast: the test's
+Drives every launcher through the cases of benchmarks/compile_cases.py (all of them; --fast: the test's
 set) inside kernels/triton_aot.py's `compile_only(arch)`, and prints one row per compiled variant:
 the kernel, the case that first launched it and its boolean constexprs that are on, whether it
 compiled and loads within the GPU's limits, registers per thread, local memory per thread (spills
@@ -20,8 +20,8 @@ import sys
 import time
 from typing import Optional
 
-from batchrun.bench.compile_cases import compile_cases, launch_cases
 from batchrun.kernels.triton_aot import ARCHS, CompiledVariant, triton_supported
+from benchmarks.compile_cases import compile_cases, launch_cases
 
 
 def _flags(v: CompiledVariant) -> str:

@@ -1,7 +1,7 @@
 """What the GPU check records: the printed table, the JSON document beside it, the versions of what
 ran it, and the time budget its phases are planned against.
 
-A library module (no `__main__`): bench.gpu writes through it. The JSON file is rewritten after
+A library module (no `__main__`): benchmarks.gpu writes through it. The JSON file is rewritten after
 every phase, so a run stopped by a time limit still leaves everything it measured so far.
 """
 

@@ -2,7 +2,7 @@
 `benchmark.write_docs=true`) replaces its own marked section with what it just measured,
 
     <!-- bench:NAME -->
-    2026-12-03, commit cb59fff, 2 CPU cores: `python -m batchrun.bench.quant`
+    2026-12-03, commit cb59fff, 2 CPU cores: `python -m benchmarks.quant`
 
     | mode | ... |
     <!-- /bench:NAME -->

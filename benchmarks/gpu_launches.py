@@ -18,7 +18,7 @@ cuBLAS may add a split-K reduction kernel at some shapes, which only the profile
 step takes the fused projections (kernels/fused_projections.py) unless `FUSE` is off there: on a GPU
 those run where they measured faster at warm-up.
 
-A library module: `python -m batchrun.bench.gpu --smoke` prints the figures (`format_figures`), and
+A library module: `python -m benchmarks.gpu --smoke` prints the figures (`format_figures`), and
 tests/test_gpu_launches.py pins them.
 """
 
@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from batchrun.kernels.backend import MAX_SHARED_PER_BLOCK, GpuTarget, simulated_gpu
 
-# bench.gpu's phase that prints these counts in --smoke (a library constant: tests import it from here).
+# benchmarks.gpu's phase that prints these counts in --smoke (a library constant: tests import it from here).
 LAUNCHES = "decode step launches (CPU count)"
 
 # An H100/H200 (sm_90, 132 SMs): the tiles and split counts the issue's measurements ran with.

@@ -12,7 +12,7 @@ count).
 `launch_cases(full=False)` is the set the test compiles (every kernel; bf16, fp16 and fp32; float,
 int8 and fp8 caches; head_dim 64 and 128; GQA; decode with one and several splits, the merge,
 prefill, mixed batches); `full=True` adds the rest of the product (more model shapes, head_dim 256,
-windows and softcaps on every cache, every elementwise width) for `python -m batchrun.bench.triton_compile`.
+windows and softcaps on every cache, every elementwise width) for `python -m benchmarks.triton_compile`.
 
 A library module (no `__main__`).
 """
@@ -25,7 +25,6 @@ from typing import Optional
 
 import torch
 
-from batchrun.bench.cases import attention_case
 from batchrun.kernels import attention, fused_projections
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.kv_layout import new_kv_cache
@@ -35,6 +34,7 @@ from batchrun.kernels.quant import quantize_int4, quantize_int8
 from batchrun.kernels.quant.act import INT_MM_MIN_ROWS, ActQuant
 from batchrun.kernels.quant.kv import QuantizedKVCache
 from batchrun.kernels.triton_aot import CompileLog, compile_only
+from benchmarks.cases import attention_case
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 INT8, FP8 = torch.int8, torch.float8_e4m3fn

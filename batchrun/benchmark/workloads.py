@@ -1,20 +1,14 @@
-"""The workloads the benchmarks run, in one place: the benchmark job's (summarize over data.uri,
-shared_prefix, random), the bundled summarize prompts of the quantization and speculative
-benchmarks, and nano-vllm's random workload of the GPU check.
-
-A library module (no `__main__`): the scripts and the tests import from here.
+"""The benchmark job's workloads: summarize over data.uri, shared_prefix and random. The benchmark
+scripts' own workloads (the bundled summarize prompts, nano-vllm's) are benchmarks/workloads.py.
 """
 
 from __future__ import annotations
 
-import glob
-import os
 import random
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-from batchrun.bench.config import BenchmarkConfig
+from batchrun.benchmark.config import BenchmarkConfig
 from batchrun.engine import Engine, SamplingParams
 from batchrun.job.config import DataConfig, JobConfig
 from batchrun.job.errors import JobError
@@ -24,11 +18,6 @@ from batchrun.job.shards import discover_shards, open_filesystem
 
 if TYPE_CHECKING:
     from batchrun.job.config import RunConfig
-
-# The summarize job's prompt (conf/job/summarize.yaml), for summarize_prompts.
-SUMMARIZE_SYSTEM = "You are a concise technical writer."
-SUMMARIZE_TEMPLATE = "Summarize the following documentation in two sentences.\n\n{text}"
-COPY_TEMPLATE = "Repeat the following text exactly, word for word, and nothing else.\n\n{text}"
 
 SHARED_INSTRUCTION = (
     "You answer questions about the documentation below. Answer in one or two sentences, "
@@ -153,71 +142,3 @@ def _random_prompts(bench: BenchmarkConfig, engine: Engine, max_prompt_tokens: i
     high = min(bench.random_max_tokens, max_prompt_tokens)
     low = min(bench.random_min_tokens, high)
     return [[rng.choice(token_pool) for _ in range(rng.randint(low, high))] for _ in range(bench.num_prompts)]
-
-
-# ---- the bundled summarize prompts (bench.quant, bench.speculative) ----------------------------
-
-
-def chat_ids(tokenizer, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of `messages` through the tokenizer's chat template, ready for the assistant's turn."""
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
-
-
-def bundled_texts() -> list[str]:
-    """The bundled sample shards' texts (32 CPython doc topics), in shard order."""
-    import pyarrow.parquet as pq
-
-    root = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "sample")
-    return [
-        t
-        for f in sorted(glob.glob(os.path.join(root, "*.parquet")))
-        for t in pq.read_table(f).column("text").to_pylist()
-    ]
-
-
-def summarize_prompts(tokenizer) -> list[list[int]]:
-    """The bundled sample through the summarize job's prompt, chat template applied: the
-    quantization and speculative benchmarks' workload."""
-    return [
-        chat_ids(
-            tokenizer,
-            [
-                {"role": "system", "content": SUMMARIZE_SYSTEM},
-                {"role": "user", "content": SUMMARIZE_TEMPLATE.format(text=t)},
-            ],
-        )
-        for t in bundled_texts()
-    ]
-
-
-def copy_prompts(tokenizer) -> list[list[int]]:
-    """The bundled sample's texts with a request to repeat them word for word: a copy-heavy
-    workload, where prompt-lookup (n-gram) speculation finds its drafts."""
-    return [
-        chat_ids(tokenizer, [{"role": "user", "content": COPY_TEMPLATE.format(text=t[:1200])}]) for t in bundled_texts()
-    ]
-
-
-def summarize_tokens_per_s(engine: Engine, prompts: list[list[int]]) -> float:
-    """Output tokens per wall second over the whole workload (prefill included, as a job sees it),
-    from an empty prefix cache: what an earlier round left there would skip prefill, and more of it
-    survives in a mode with more KV blocks (an int8 cache), which once read as a 3.3x speed-up."""
-    engine.reset_prefix_cache()
-    t = time.perf_counter()
-    outs = engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64))
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t)
-
-
-# ---- nano-vllm's workload (bench.gpu) ---------------------------------------------------------
-
-
-def nano_vllm_workload(
-    num_seqs: int, lo: int, hi: int, vocab_size: int = 10001, seed: int = 0
-) -> tuple[list[list[int]], list[int]]:
-    """nano-vllm's bench.py: prompt ids uniform in [0, 10000], lengths uniform in [lo, hi]."""
-    rng = random.Random(seed)
-    top = min(10000, vocab_size - 1)
-    prompts = [[rng.randint(0, top) for _ in range(rng.randint(lo, hi))] for _ in range(num_seqs)]
-    max_tokens = [rng.randint(lo, hi) for _ in range(num_seqs)]
-    return prompts, max_tokens

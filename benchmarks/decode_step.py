@@ -25,7 +25,7 @@ aborted afterwards.
 A decode sub-batch run by `compare` writes K/V for its requests' current tokens into the same slots
 the real step writes before it reads them, so the probe leaves no trace in later steps.
 
-A library module (no `__main__`): bench.gpu calls it on the GPU, and with the CPU stand-in for
+A library module (no `__main__`): benchmarks.gpu calls it on the GPU, and with the CPU stand-in for
 graphs (`stand_in_graphs`) in --smoke, where only the harness itself is exercised.
 """
 
@@ -41,7 +41,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from batchrun.bench.timing import patched
+from batchrun.benchmark.timing import patched
 from batchrun.engine import Engine, EngineRequest, SamplingParams
 from batchrun.engine.async_steps import AsyncSteps
 from batchrun.engine.cuda_graphs import (

@@ -1,6 +1,6 @@
 """What engine.batch_invariant costs: output tokens/s with it on against off, in one process.
 
-    python -m batchrun.bench.batch_invariant --prompts 32 --max-tokens 64 --rounds 3
+    python -m benchmarks.batch_invariant --prompts 32 --max-tokens 64 --rounds 3
 
 The bundled summarization workload on the real SmolLM2 in bf16, greedy, every output run to
 max_tokens (ignore_eos) so both engines produce the same number of tokens. Both engines are built
@@ -18,10 +18,10 @@ import statistics
 import time
 from typing import Optional
 
-from batchrun.bench.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
-from batchrun.bench.timing import round_order
-from batchrun.bench.workloads import summarize_prompts
+from batchrun.benchmark.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
+from batchrun.benchmark.timing import round_order
 from batchrun.engine import Engine, EngineConfig, SamplingParams
+from benchmarks.workloads import summarize_prompts
 
 
 def _engine(batch_invariant: bool, args, max_num_batched_tokens: int = 512) -> Engine:
@@ -104,7 +104,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             f"(ignore_eos), max_num_seqs {args.max_num_seqs}, budget 512, {args.rounds} alternating rounds"
             + (f", {args.num_threads} torch thread(s)." if args.num_threads else ".")
         )
-        command = script_command("batchrun.bench.batch_invariant", argv)
+        command = script_command("benchmarks.batch_invariant", argv)
         write_section(
             "batch-invariant",
             command,

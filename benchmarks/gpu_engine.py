@@ -1,10 +1,10 @@
-"""The GPU check's engine phases (bench.gpu, parts 3 and 4): per model shape one engine with random
+"""The GPU check's engine phases (benchmarks.gpu, parts 3 and 4): per model shape one engine with random
 weights, built once at the engine's default KV sizing (its memory recorded, every CUDA-graph bucket
 captured, warmed up), then measured by budgeted phases: one decode step taken apart
-(bench.decode_step), nano-vllm's workload timed greedy and at temperature 0.6, Triton compile
-counts across the timed runs (bench.compile_counts), and HF `generate` on the same first prompts.
+(benchmarks.decode_step), nano-vllm's workload timed greedy and at temperature 0.6, Triton compile
+counts across the timed runs (benchmarks.compile_counts), and HF `generate` on the same first prompts.
 
-A library module (no `__main__`); bench.gpu runs it.
+A library module (no `__main__`); benchmarks.gpu runs it.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from typing import Any, Optional
 
 import torch
 
-from batchrun.bench import compile_counts
-from batchrun.bench.decode_step import capture_buckets, probe_decode_steps, stand_in_graphs
-from batchrun.bench.gpu_report import NO_CUDA, Budget, Report
-from batchrun.bench.hf_baseline import hf_generate, load_hf_model
-from batchrun.bench.timing import patched
-from batchrun.bench.workloads import nano_vllm_workload
+from batchrun.benchmark.hf_baseline import hf_generate, load_hf_model
+from batchrun.benchmark.timing import patched
+from benchmarks import compile_counts
+from benchmarks.decode_step import capture_buckets, probe_decode_steps, stand_in_graphs
+from benchmarks.gpu_report import NO_CUDA, Budget, Report
+from benchmarks.workloads import nano_vllm_workload
 
 # The turnover workload streams this many times the engine's slots (max_num_seqs) through it.
 TURNOVER_SEQS = 3

@@ -1,6 +1,6 @@
 """Command line: `python -m batchrun job=summarize [group=option ...] [key=value ...]`, and
-`python -m batchrun status OUTPUT_URI [--json] [--watch [SECONDS]] [--data URI]` (job/status.py:
-reads a run's state from its store, before Hydra sees the arguments).
+`python -m batchrun status OUTPUT_URI [--json] [--watch [SECONDS]] [--data URI]`
+(job/operate/status.py: reads a run's state from its store, before Hydra sees the arguments).
 
 The only module that imports Hydra or OmegaConf. It composes conf/, turns the result into the
 plain frozen dataclasses of batchrun.job (which check every key and type), runs the job and prints
@@ -11,7 +11,7 @@ where the results are. Expected failures end as one line on stderr, never a trac
     exit 2  configuration error (unknown key, wrong type, bad override)
     exit 130 / 143  stopped by SIGINT / SIGTERM; rerun the same command to resume
 
-`python -m batchrun report OUTPUT_URI [--out PATH]` writes a run's report page (job/report.py).
+`python -m batchrun report OUTPUT_URI [--out PATH]` writes a run's report page (job/operate/report.py).
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from batchrun.job import ConfigError, JobError, RunConfig, build_run_config, format_summary, run_job
 from batchrun.job.config import JOB_GROUPS, unknown_key
-from batchrun.job.dry_run import format_plan, plan_run, write_plan_json
-from batchrun.job.report import write_report
-from batchrun.job.status import main as status_main
+from batchrun.job.launch.dry_run import format_plan, plan_run, write_plan_json
+from batchrun.job.operate.report import write_report
+from batchrun.job.operate.status import main as status_main
 from batchrun.utils.private_dir import private_dir
 from batchrun.utils.redact import redact_text
 

@@ -18,7 +18,7 @@ from batchrun.benchmark.throughput import batchrun_generate, run_benchmark
 from batchrun.benchmark.workloads import build_workload
 from batchrun.engine import SamplingParams
 from batchrun.job.config import PlannerConfig
-from batchrun.job.runner import load_engine
+from batchrun.job.run.runner import load_engine
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_torch_thread")]
 

@@ -20,7 +20,7 @@ from batchrun.benchmark.timing import TimedRun
 from batchrun.engine import Engine, RequestOutput, SamplingParams
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import JobError
-from batchrun.job.runner import run_worker
+from batchrun.job.run.runner import run_worker
 
 
 class _RecordingEngine:

@@ -55,8 +55,8 @@ from batchrun.benchmark.workloads import BenchmarkWorkload, build_workload
 from batchrun.engine import Engine, EngineRequest, RequestOutput, SamplingParams
 from batchrun.job.config import PlannerConfig, PlanOrder
 from batchrun.job.errors import JobError
-from batchrun.job.planner import plan_requests
-from batchrun.job.runner import load_engine
+from batchrun.job.run.planner import plan_requests
+from batchrun.job.run.runner import load_engine
 
 if TYPE_CHECKING:
     from batchrun.job.config import RunConfig

@@ -12,8 +12,8 @@ from batchrun.benchmark.config import BenchmarkConfig
 from batchrun.engine import Engine, SamplingParams
 from batchrun.job.config import DataConfig, JobConfig
 from batchrun.job.errors import JobError
-from batchrun.job.prompts import PromptBuilder
-from batchrun.job.reader import InputRow, ShardReader
+from batchrun.job.formats.prompts import PromptBuilder
+from batchrun.job.formats.reader import InputRow, ShardReader
 from batchrun.job.shards import discover_shards, open_filesystem
 
 if TYPE_CHECKING:

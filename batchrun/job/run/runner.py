@@ -1,7 +1,7 @@
 """One worker's run: its start-up checks, its plan, then its shards through one engine stream.
 
 The parts, in the order a run uses them:
-- formats.py: the input format's start-up checks, and later what turns its rows into requests;
+- shard_format.py: the input format's start-up checks, and later what turns its rows into requests;
 - plan.py: which shards are this worker's, which are committed, stale or to publish (reads only);
 - ledger.py: the manifest, each shard's summary and its claim, as shards open and end;
 - flow.py: rows of consecutive shards flow through one engine stream, each shard committed only
@@ -20,23 +20,23 @@ from collections.abc import Mapping
 from typing import Optional
 
 from batchrun.engine import Engine, EngineConfig
-from batchrun.job.claims import ShardQueue
+from batchrun.job.commit.claims import ShardQueue
+from batchrun.job.commit.fence import FingerprintFence
+from batchrun.job.commit.fingerprint import settings_fingerprint
+from batchrun.job.commit.manifest import write_merged_manifest
+from batchrun.job.commit.store import RunStore
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import ConfigError, JobError
-from batchrun.job.fence import FingerprintFence
-from batchrun.job.fingerprint import settings_fingerprint
-from batchrun.job.flow import ShardFlow
-from batchrun.job.formats import format_class, select_format
-from batchrun.job.ledger import ShardLedger
-from batchrun.job.manifest import write_merged_manifest
-from batchrun.job.plan import WorkerPlan, is_stealing, model_changes, plan_worker, shared_shards
-from batchrun.job.progress import Progress
+from batchrun.job.formats.shard_format import format_class, select_format
+from batchrun.job.operate.progress import Progress
+from batchrun.job.operate.textfile import MetricsTextfile, textfile_path
 from batchrun.job.results import RunResult, run_throughput
-from batchrun.job.shard_run import ShardContext, shard_context
+from batchrun.job.run.flow import ShardFlow
+from batchrun.job.run.ledger import ShardLedger
+from batchrun.job.run.plan import WorkerPlan, is_stealing, model_changes, plan_worker, shared_shards
+from batchrun.job.run.shard_run import ShardContext, shard_context
+from batchrun.job.run.signals import StopRequest
 from batchrun.job.shards import Worker, discover_shards, open_filesystem, resolve_worker
-from batchrun.job.signals import StopRequest
-from batchrun.job.store import RunStore
-from batchrun.job.textfile import MetricsTextfile, textfile_path
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ import pyarrow.parquet as pq
 
 from batchrun.engine import RequestOutput, SamplingParams
 from batchrun.job.config import OPTIONAL_RESULT_COLUMNS, RESULT_COLUMNS
-from batchrun.job.logprobs import LOGPROBS_TYPE, TokenTexts, cumulative_logprob, logprob_entries
-from batchrun.job.tool_calls import TOOL_CALLS_TYPE
+from batchrun.job.formats.logprobs import LOGPROBS_TYPE, TokenTexts, cumulative_logprob, logprob_entries
+from batchrun.job.formats.tool_calls import TOOL_CALLS_TYPE
 
 RESULT_FIELDS: list[pa.Field] = [
     # The input row's id, in the id column's own type (result_schema), or "<shard>-<row index>"

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 from batchrun.job.config import DataConfig, JobConfig
 from batchrun.job.errors import JobError
-from batchrun.job.reader import InputRow
+from batchrun.job.formats.reader import InputRow
 
 # The typed errors a row can end with (the `error_type` column); engine_error comes from the engine.
 NULL_PROMPT = "null_prompt"

@@ -8,9 +8,7 @@ from typing import Any, Optional
 import numpy as np
 
 from batchrun.engine import EngineStats, RequestMetrics
-
-# The engine's per-request counters (RequestMetrics fields) a shard's metrics sum over its rows.
-REQUEST_COUNTERS = ("num_preemptions", "num_spec_proposed", "num_spec_accepted")
+from batchrun.job.commit.checkpoints import REQUEST_COUNTERS
 
 
 @dataclass

@@ -7,8 +7,8 @@ import dataclasses
 from typing import Any, Optional
 
 from batchrun.engine import SamplingParams
-from batchrun.job.prompts import Prompt
-from batchrun.job.reader import InputRow
+from batchrun.job.formats.prompts import Prompt
+from batchrun.job.formats.reader import InputRow
 
 DUPLICATE_ID = "duplicate_id"
 NULL_ID = "null_id"

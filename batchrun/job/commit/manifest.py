@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from batchrun.engine import EngineSettings, EngineStats
+from batchrun.job.commit.store import RunStore
 from batchrun.job.results import run_throughput
 from batchrun.job.shards import Shard, Worker
-from batchrun.job.store import RunStore
 from batchrun.utils.redact import REDACTED, redact  # noqa: F401 - manifest.redact, manifest.REDACTED
 
 PACKAGES = ("batchrun", "torch", "transformers", "pyarrow", "fsspec", "s3fs", "tokenizers")

@@ -3,7 +3,7 @@
 A ShardRun is one attempt (store.py) that commits on its own as soon as every one of its rows has
 its result row; results are written in input order by its ShardOutput (checkpoints.py), which
 also commits parts as it goes. What a row is, and what it writes besides its result rows, is its
-ShardFormat's (formats.py); what every shard of the run reads is its ShardContext.
+ShardFormat's (shard_format.py); what every shard of the run reads is its ShardContext.
 
 Per-shard metrics with overlapping shards: a shard's wall time runs from its opening (first row
 read) to its last result, so its tok/s is its own tokens over its own lifetime; overlapping shards'
@@ -32,7 +32,7 @@ from batchrun.engine import (
     RequestOutput,
     SamplingParams,
 )
-from batchrun.job.checkpoints import (
+from batchrun.job.commit.checkpoints import (
     CheckpointPolicy,
     Resume,
     ShardOutput,
@@ -42,25 +42,25 @@ from batchrun.job.checkpoints import (
     resume_from,
     tally_rows,
 )
-from batchrun.job.claims import ClaimBook
+from batchrun.job.commit.claims import ClaimBook
+from batchrun.job.commit.fence import FingerprintConflict, FingerprintFence
+from batchrun.job.commit.fingerprint import fingerprint_changes, input_fingerprint, model_fingerprint
+from batchrun.job.commit.manifest import utc_now
+from batchrun.job.commit.store import Attempt, RunStore
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import ConfigError, ShardError
-from batchrun.job.fence import FingerprintConflict, FingerprintFence
-from batchrun.job.fingerprint import fingerprint_changes, input_fingerprint, model_fingerprint
-from batchrun.job.formats import RowOutputs, RowPrompt, ShardFormat
-from batchrun.job.logprobs import TokenTexts
-from batchrun.job.manifest import utc_now
-from batchrun.job.metrics import ShardTally, metrics_row
-from batchrun.job.plan import WorkerPlan
-from batchrun.job.progress import Progress
-from batchrun.job.prompts import Prompt
-from batchrun.job.reader import InputRow
+from batchrun.job.formats.logprobs import TokenTexts
+from batchrun.job.formats.prompts import Prompt
+from batchrun.job.formats.reader import InputRow
+from batchrun.job.formats.rows import INVALID_SCHEMA, with_row_schema
+from batchrun.job.formats.shard_format import RowOutputs, RowPrompt, ShardFormat
+from batchrun.job.formats.writer import error_result, logprob_columns, output_result, result_schema, write_metrics
+from batchrun.job.operate.metrics import ShardTally, metrics_row
+from batchrun.job.operate.progress import Progress
 from batchrun.job.results import ShardSummary
-from batchrun.job.rows import INVALID_SCHEMA, with_row_schema
+from batchrun.job.run.plan import WorkerPlan
+from batchrun.job.run.signals import StopRequest
 from batchrun.job.shards import Shard, refreshed
-from batchrun.job.signals import StopRequest
-from batchrun.job.store import Attempt, RunStore
-from batchrun.job.writer import error_result, logprob_columns, output_result, result_schema, write_metrics
 
 log = logging.getLogger(__name__)
 

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from batchrun.engine import RequestOutput, SamplingParams
-from batchrun.job.logprobs import TokenTexts, logprob_entries
-from batchrun.job.prompts import Prompt
-from batchrun.job.reader import InputRow
-from batchrun.job.tool_calls import (
+from batchrun.job.formats.logprobs import TokenTexts, logprob_entries
+from batchrun.job.formats.prompts import Prompt
+from batchrun.job.formats.reader import InputRow
+from batchrun.job.formats.tool_calls import (
     ToolsError,
     ToolSpec,
     chat_choice,
@@ -50,7 +50,7 @@ from batchrun.job.tool_calls import (
     template_messages,
     tool_spec,
 )
-from batchrun.job.writer import TRUNCATED_STRUCTURED_OUTPUT, is_truncated_structured
+from batchrun.job.formats.writer import TRUNCATED_STRUCTURED_OUTPUT, is_truncated_structured
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"

@@ -22,10 +22,10 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Optional
 
+from batchrun.job.commit.fingerprint import differences, fingerprint_changes
+from batchrun.job.commit.manifest import utc_now
+from batchrun.job.commit.store import RunStore
 from batchrun.job.errors import ConfigError
-from batchrun.job.fingerprint import differences, fingerprint_changes
-from batchrun.job.manifest import utc_now
-from batchrun.job.store import RunStore
 
 log = logging.getLogger(__name__)
 

@@ -49,12 +49,12 @@ from typing import Any, Optional, Union
 
 import pyarrow.parquet as pq
 
-from batchrun.job.checkpoints import Part, committed_parts
-from batchrun.job.claims import FAILED, QUARANTINED, RUNNING, process_identity, process_start_time, store_mtime
-from batchrun.job.fence import FENCE_FILE
-from batchrun.job.manifest import STATUS_RANK, read_worker_manifests
+from batchrun.job.commit.checkpoints import Part, committed_parts
+from batchrun.job.commit.claims import FAILED, QUARANTINED, RUNNING, process_identity, process_start_time, store_mtime
+from batchrun.job.commit.fence import FENCE_FILE
+from batchrun.job.commit.manifest import STATUS_RANK, read_worker_manifests
+from batchrun.job.commit.store import RunStore
 from batchrun.job.shards import discover_shards, is_safe_name, open_filesystem
-from batchrun.job.store import RunStore
 from batchrun.utils.redact import redact_text
 
 # A shard's state in a status report.
@@ -440,8 +440,8 @@ def _iso(seconds: float) -> str:
 
 
 def status_schema() -> dict[str, Any]:
-    """The JSON schema `--json` output follows (batchrun/job/status.schema.json)."""
-    schema: dict[str, Any] = json.loads(resources.files("batchrun.job").joinpath(SCHEMA_FILE).read_text())
+    """The JSON schema `--json` output follows (batchrun/job/operate/status.schema.json)."""
+    schema: dict[str, Any] = json.loads(resources.files("batchrun.job.operate").joinpath(SCHEMA_FILE).read_text())
     return schema
 
 

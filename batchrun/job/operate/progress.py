@@ -15,7 +15,7 @@ from typing import Any, Optional
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from batchrun.job.textfile import MetricsTextfile
+from batchrun.job.operate.textfile import MetricsTextfile
 
 
 class Progress:

@@ -23,19 +23,19 @@ from typing import Any, ClassVar, Optional, Protocol
 import pyarrow as pa
 
 from batchrun.engine import Engine, RequestOutput, SamplingParams
-from batchrun.job.checkpoints import LineFiles
+from batchrun.job.commit.checkpoints import LineFiles
+from batchrun.job.commit.store import DEFAULT_FILES
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import ConfigError, JobError, ShardError
-from batchrun.job.logprobs import TokenTexts
-from batchrun.job.openai_files import BatchFileReader
-from batchrun.job.openai_requests import BatchRequest, RequestBuilder, error_line, response_line, tool_columns
-from batchrun.job.prompts import Prompt, PromptBuilder
-from batchrun.job.reader import InputRow, ShardReader
-from batchrun.job.rows import check_row
+from batchrun.job.formats.logprobs import TokenTexts
+from batchrun.job.formats.openai_files import BatchFileReader
+from batchrun.job.formats.openai_requests import BatchRequest, RequestBuilder, error_line, response_line, tool_columns
+from batchrun.job.formats.prompts import Prompt, PromptBuilder
+from batchrun.job.formats.reader import InputRow, ShardReader
+from batchrun.job.formats.rows import check_row
+from batchrun.job.formats.tool_calls import resolve_template
+from batchrun.job.formats.writer import ENGINE_ERROR, optional_columns
 from batchrun.job.shards import Shard
-from batchrun.job.store import DEFAULT_FILES
-from batchrun.job.tool_calls import resolve_template
-from batchrun.job.writer import ENGINE_ERROR, optional_columns
 
 
 class RowReader(Protocol):

@@ -50,8 +50,8 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
+from batchrun.job.commit.store import RunStore, checked_name
 from batchrun.job.shards import Shard
-from batchrun.job.store import RunStore, checked_name
 
 log = logging.getLogger(__name__)
 

@@ -14,17 +14,17 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from batchrun.job.checkpoints import remove_parts
-from batchrun.job.claims import FAILED, QUARANTINED, RELEASED, ClaimBook
+from batchrun.job.commit.checkpoints import remove_parts
+from batchrun.job.commit.claims import FAILED, QUARANTINED, RELEASED, ClaimBook
+from batchrun.job.commit.fingerprint import fingerprint_changes, input_fingerprint
+from batchrun.job.commit.manifest import Manifest, utc_now
+from batchrun.job.commit.store import RunStore
 from batchrun.job.config import RunConfig
-from batchrun.job.fingerprint import fingerprint_changes, input_fingerprint
-from batchrun.job.manifest import Manifest, utc_now
-from batchrun.job.metrics import percentile
-from batchrun.job.plan import WorkerPlan
+from batchrun.job.operate.metrics import percentile
 from batchrun.job.results import RunResult, ShardSummary
+from batchrun.job.run.plan import WorkerPlan
+from batchrun.job.run.signals import StopRequest
 from batchrun.job.shards import Shard
-from batchrun.job.signals import StopRequest
-from batchrun.job.store import RunStore
 from batchrun.utils.redact import redact
 
 log = logging.getLogger(__name__)

@@ -20,8 +20,8 @@ import fsspec
 import pyarrow as pa
 
 from batchrun.job.errors import ShardError
-from batchrun.job.openai_requests import custom_id_of, parse_line
-from batchrun.job.reader import InputRow
+from batchrun.job.formats.openai_requests import custom_id_of, parse_line
+from batchrun.job.formats.reader import InputRow
 from batchrun.job.shards import Shard
 
 

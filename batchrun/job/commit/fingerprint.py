@@ -62,7 +62,7 @@ def settings_fingerprint(config: RunConfig) -> dict[str, Any]:
     if spec.method != "none" and not spec.adaptive:
         seeded_drafts = {k: v for k, v in dataclasses.asdict(spec).items() if k != "adaptive"}
     out["engine.speculative.seeded_drafts"] = seeded_drafts
-    # Markers hold it redacted (store._encode): compare like with like.
+    # Markers hold it redacted (directory._encode): compare like with like.
     redacted: dict[str, Any] = redact(out)
     return redacted
 

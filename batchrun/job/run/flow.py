@@ -22,18 +22,18 @@ from collections.abc import Callable, Iterator
 from typing import Optional, TypeVar
 
 from batchrun.engine import Engine, EngineRequest, RequestOutput
-from batchrun.job.checkpoints import PartLost
-from batchrun.job.claims import ShardQueue
+from batchrun.job.commit.checkpoints import PartLost
+from batchrun.job.commit.claims import ShardQueue
+from batchrun.job.commit.fence import FingerprintFence
 from batchrun.job.errors import ConfigError, ShardError
-from batchrun.job.fence import FingerprintFence
-from batchrun.job.formats import ShardFormat
-from batchrun.job.ledger import ShardLedger
-from batchrun.job.planner import plan_requests
-from batchrun.job.progress import Progress
+from batchrun.job.formats.shard_format import ShardFormat
+from batchrun.job.operate.progress import Progress
 from batchrun.job.results import ShardSummary
-from batchrun.job.shard_run import IN_FLIGHT_PER_SEQ, ShardContext, ShardRun
+from batchrun.job.run.ledger import ShardLedger
+from batchrun.job.run.planner import plan_requests
+from batchrun.job.run.shard_run import IN_FLIGHT_PER_SEQ, ShardContext, ShardRun
+from batchrun.job.run.signals import StopRequest
 from batchrun.job.shards import Shard
-from batchrun.job.signals import StopRequest
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """launcher.num_workers=N: N worker processes on this machine, one engine each, then one report.
 
-Each worker is a real subprocess (`python -m batchrun.job.pool CONFIG.json`) running run_job as
+Each worker is a real subprocess (`python -m batchrun.job.launch.pool CONFIG.json`) running run_job as
 rank r of N: its own shards first (round-robin), then, with launcher.work_stealing, other workers'
 unstarted shards and those of workers that died (claims.py). On a GPU machine each worker sees one
 GPU (CUDA_VISIBLE_DEVICES); on CPU the cores are split between them (engine.num_threads).
@@ -24,14 +24,14 @@ import time
 from collections.abc import Mapping
 from typing import Optional
 
+from batchrun.job.commit.manifest import utc_now, write_merged_manifest
+from batchrun.job.commit.store import RunStore
 from batchrun.job.config import RunConfig, build_run_config
 from batchrun.job.errors import ConfigError, JobError
-from batchrun.job.manifest import utc_now, write_merged_manifest
 from batchrun.job.results import DONE_STATUSES, RunResult, ShardSummary
-from batchrun.job.runner import run_worker
+from batchrun.job.run.runner import run_worker
+from batchrun.job.run.signals import StopRequest
 from batchrun.job.shards import Shard, discover_shards, open_filesystem, resolve_worker
-from batchrun.job.signals import StopRequest
-from batchrun.job.store import RunStore
 from batchrun.utils.logs import StderrHandler
 from batchrun.utils.redact import redact_text
 
@@ -127,7 +127,7 @@ def run_local_workers(config: RunConfig, env: Mapping[str, str]) -> RunResult:
             # (a second signal would end a worker at once instead of gracefully).
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, "-m", "batchrun.job.pool", path], env=worker_env, start_new_session=True
+                    [sys.executable, "-m", "batchrun.job.launch.pool", path], env=worker_env, start_new_session=True
                 )
             )
         forwarded = False

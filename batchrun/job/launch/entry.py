@@ -12,11 +12,11 @@ from typing import Optional
 
 from batchrun.engine import Engine
 from batchrun.job.config import RunConfig
-from batchrun.job.pool import num_local_workers, run_local_workers
-from batchrun.job.ray_launch import run_ray_workers
-from batchrun.job.report import write_report_at_end
+from batchrun.job.launch.pool import num_local_workers, run_local_workers
+from batchrun.job.launch.ray_launch import run_ray_workers
+from batchrun.job.operate.report import write_report_at_end
 from batchrun.job.results import RunResult
-from batchrun.job.runner import run_worker
+from batchrun.job.run.runner import run_worker
 from batchrun.job.shards import resolve_worker
 
 

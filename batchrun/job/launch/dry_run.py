@@ -2,7 +2,7 @@
 
 The plan reads every input row as a run would (ShardReader / BatchFileReader: streamed, memory
 bounded by data.batch_size and the planner window), checks and builds each prompt with the same
-code as a run (the run's ShardFormat from formats.select_format, with the real tokenizer and
+code as a run (the run's ShardFormat from shard_format.select_format, with the real tokenizer and
 template, and rows.with_row_schema), so the rows it counts as errors, by type, are the rows a run writes as error rows,
 and its prompt tokens are the ones the run's metrics count. It loads the engine for the tokenizer,
 the max_model_len and the measured prefill and decode rates (Engine.throughput_profile); the engine
@@ -31,12 +31,12 @@ from typing import Any, Optional
 from batchrun.engine import Engine, SamplingParams, ThroughputProfile
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import ConfigError, ShardError
-from batchrun.job.formats import RowReader, ShardFormat, format_class, select_format
-from batchrun.job.pool import num_local_workers
-from batchrun.job.prompts import Prompt
-from batchrun.job.reader import InputRow
-from batchrun.job.rows import INVALID_SCHEMA, with_row_schema
-from batchrun.job.runner import load_engine
+from batchrun.job.formats.prompts import Prompt
+from batchrun.job.formats.reader import InputRow
+from batchrun.job.formats.rows import INVALID_SCHEMA, with_row_schema
+from batchrun.job.formats.shard_format import RowReader, ShardFormat, format_class, select_format
+from batchrun.job.launch.pool import num_local_workers
+from batchrun.job.run.runner import load_engine
 from batchrun.job.shards import Shard, discover_shards, open_filesystem, resolve_worker
 
 

@@ -18,14 +18,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from batchrun.job.affinity import partition_by_group, shard_groups
-from batchrun.job.claims import steal_order
+from batchrun.job.commit.claims import steal_order
+from batchrun.job.commit.fingerprint import differences, input_fingerprint, settings_fingerprint
+from batchrun.job.commit.manifest import utc_now
+from batchrun.job.commit.store import RunStore
 from batchrun.job.config import RunConfig
 from batchrun.job.errors import ConfigError, JobError
-from batchrun.job.fingerprint import differences, input_fingerprint, settings_fingerprint
-from batchrun.job.manifest import utc_now
+from batchrun.job.run.affinity import partition_by_group, shard_groups
 from batchrun.job.shards import Shard, Worker, assign_shards
-from batchrun.job.store import RunStore
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ def shared_shards(store: RunStore, listed: Sequence[Shard]) -> list[Shard]:
             raise JobError(f"output.uri: {store.url(path)} is unreadable; delete it if no worker is running")
         doc = existing
     # The plan fixes names and order. Everything else comes from this worker's own listing: the
-    # plan on disk is redacted (store._encode), and sizes and versions must be the files' own
+    # plan on disk is redacted (directory._encode), and sizes and versions must be the files' own
     # now, so that a rewritten input is seen as changed (the markers' input fingerprints).
     here = {s.name: s for s in listed}
     planned = [here.get(s.name, s) for s in (Shard(**entry) for entry in doc["shards"])]

@@ -29,10 +29,10 @@ import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from batchrun.job.commit.manifest import read_worker_manifests
+from batchrun.job.commit.store import RunStore, committed_files
 from batchrun.job.errors import JobError
-from batchrun.job.manifest import read_worker_manifests
-from batchrun.job.store import RunStore, committed_files
-from batchrun.job.writer import read_metrics
+from batchrun.job.formats.writer import read_metrics
 from batchrun.utils.redact import redact_text
 
 log = logging.getLogger(__name__)

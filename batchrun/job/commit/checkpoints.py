@@ -47,10 +47,9 @@ from typing import Any, Optional
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from batchrun.job.commit.fingerprint import fingerprint_changes
+from batchrun.job.commit.store import Attempt, RunStore, checked_name, committed_files
 from batchrun.job.errors import ShardError
-from batchrun.job.fingerprint import fingerprint_changes
-from batchrun.job.metrics import REQUEST_COUNTERS
-from batchrun.job.store import Attempt, RunStore, checked_name, committed_files
 
 PARTS_DIR = "_parts"
 PART_PROTOCOL = 1
@@ -59,6 +58,9 @@ SPILL_ROWS = 16384  # result rows held in memory before an uncommitted spill (ch
 # The result columns a resumed attempt reads back from its committed parts to count them in the
 # shard's metrics (metrics.ShardTally.add).
 TALLY_COLUMNS = ("error_type", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "ttft_s", "itl_s")
+# The engine's per-request counters (RequestMetrics fields) a part's marker sums over its rows, and
+# a shard's metrics over all of its rows (metrics.ShardTally): the rows themselves do not hold them.
+REQUEST_COUNTERS = ("num_preemptions", "num_spec_proposed", "num_spec_accepted")
 
 RowRuns = list[tuple[int, int, int]]  # [(first input row, end input row, result rows per row)], sorted
 
@@ -261,7 +263,7 @@ class _Chunk:
 
 @dataclass(frozen=True)
 class LineFiles:
-    """An attempt's per-row lines (formats with lines, formats.ShardFormat.has_lines): the attempt
+    """An attempt's per-row lines (formats with lines, shard_format.ShardFormat.has_lines): the attempt
     files they end in, and which of them takes a line."""
 
     names: tuple[str, ...]

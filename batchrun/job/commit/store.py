@@ -24,10 +24,9 @@ names. So:
 - `results/*.parquet` only ever holds files of committed attempts, one per shard; during the short
   gap between marker and publication a committed shard's file may be missing there, never extra.
   `read_committed` (and so the notebook) reads through the markers and sees no such gap.
-- Create-if-absent is a hard link of a complete temp file on local filesystems (atomic, and a
-  reader never sees a half-written marker), `If-None-Match: *` on S3 (s3fs `mode="create"`), and a
-  lock within the process for memory://. Other stores get check-then-put, which two racing
-  committers can both pass: `commit_method` says which one a run used, and the manifest records it.
+- The marker's create-if-absent is the output directory's (directory.py: a hard link locally,
+  `If-None-Match: *` on S3, a lock for memory://, else check-then-put, which two racing committers
+  can both pass): `commit_method` says which one a run used, and the manifest records it.
 
 Every path is built from shard names (shards.py makes them safe) and checked to stay inside
 `output.uri`: a hostile name cannot address anything outside its own files.
@@ -35,31 +34,21 @@ Every path is built from shard names (shards.py makes them safe) and checked to 
 
 from __future__ import annotations
 
-import errno
-import inspect
 import json
 import logging
 import os
 import posixpath
-import random
-import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional
 
-import fsspec
-from fsspec.implementations.local import LocalFileSystem
-from fsspec.implementations.memory import MemoryFileSystem
-
-from batchrun.job.errors import ConfigError, JobError, ShardError
-from batchrun.job.shards import is_safe_name, open_filesystem
-from batchrun.utils.redact import redact
+from batchrun.job.commit.directory import OutputDirectory, describe_error, fsync_dir, fsync_file, with_retries
+from batchrun.job.errors import ShardError
+from batchrun.job.shards import is_safe_name
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 # An attempt's file name -> (published directory, suffix): {output.uri}/{directory}/{shard}{suffix}.
 PUBLISHED_FILES: dict[str, tuple[str, str]] = {
@@ -74,48 +63,12 @@ DEFAULT_FILES = ("results.parquet", "metrics.parquet")
 _KIND_FILES = {directory: name for name, (directory, _) in PUBLISHED_FILES.items()}
 
 MARKER_PROTOCOL = 2  # markers of this layout carry "protocol": 2 and name their attempt
-_MEMORY_LOCK = threading.Lock()  # memory:// lives in one process: a lock makes create exclusive
-
-# Errors that say something about the request, not about the store's health: never retried.
-_PERMANENT = (
-    FileNotFoundError,
-    FileExistsError,
-    IsADirectoryError,
-    NotADirectoryError,
-    PermissionError,
-    ValueError,
-    TypeError,
-    KeyError,
-)
-
-
-RETRY_BASE_DELAY_S = 0.5  # with_retries' first backoff (tests shorten it)
 
 
 class CommitUnclear(ShardError):
     """The marker's create failed in a way that leaves open whether it landed, and reading it back
     failed too. Nothing is deleted: the attempt stays, and whoever next finds a marker naming it
     (a rerun, a reader) publishes it; without such a marker the attempt is an unread leftover."""
-
-
-def with_retries(action: Callable[[], T], what: str, attempts: int = 4, base_delay_s: Optional[float] = None) -> T:
-    """Run `action`, retrying transient storage errors (timeouts, connection resets, 5xx, and 409
-    ConditionalRequestConflict: a concurrent conditional write is in flight; any OSError but the
-    permanent ones and a failed precondition) with jittered exponential backoff; the last error is
-    raised."""
-    base_delay_s = RETRY_BASE_DELAY_S if base_delay_s is None else base_delay_s
-    for attempt in range(attempts):
-        try:
-            return action()
-        except _PERMANENT:
-            raise
-        except (OSError, TimeoutError, ConnectionError) as e:
-            if attempt == attempts - 1 or _is_precondition_failure(e):
-                raise
-            delay = base_delay_s * (2**attempt) * (0.5 + random.random())
-            log.warning("%s failed (%s: %s); retrying in %.1f s", what, type(e).__name__, e, delay)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -133,33 +86,15 @@ class Attempt:
         return posixpath.join(self.directory, name)
 
 
-class RunStore:
+class RunStore(OutputDirectory):
+    """The output directory of a run (its files and create-if-absent: OutputDirectory) and the
+    commit protocol on it: where each shard's files go, its attempts, markers and publication."""
+
     def __init__(self, uri: str, storage_options: Mapping[str, Any]) -> None:
-        self.fs: fsspec.AbstractFileSystem
-        self.fs, root = open_filesystem(uri, storage_options)
-        self.root = root.rstrip("/") or root
-        self.uri = uri
-        self.is_local = isinstance(self.fs, LocalFileSystem)
-        self.is_memory = isinstance(self.fs, MemoryFileSystem)
-        # Object stores have no directories; a local filesystem needs them before a file goes in.
-        self._needs_dirs = self.is_local
-        self._conditional_put = _supports_conditional_put(self.fs)  # False too once a probe disproves it
+        super().__init__(uri, storage_options)
         self._kept: set[str] = set()  # attempt directories an unclear commit may have named: never removed
 
-    # ---- paths ------------------------------------------------------------------------------
-
-    def path(self, *parts: str) -> str:
-        """A path inside the output directory. Every part must be one plain path component: a
-        shard name that slipped through unsanitized cannot climb out of (or wipe) the root."""
-        for part in parts:
-            if not part or part in (".", "..") or "/" in part or "\\" in part or "\0" in part:
-                raise ValueError(f"refusing output path component {part!r} (under {self.uri})")
-        out = posixpath.normpath(posixpath.join(self.root, *parts)) if parts else self.root
-        assert out == self.root or out.startswith(self.root.rstrip("/") + "/"), (out, self.root)
-        return out
-
-    def url(self, path: str) -> str:
-        return str(self.fs.unstrip_protocol(path))
+    # ---- a shard's paths ----------------------------------------------------------------------
 
     def results_path(self, shard: str) -> str:
         return self.path("results", f"{_checked(shard)}.parquet")
@@ -177,69 +112,6 @@ class RunStore:
 
     def manifest_path(self, rank: int, world_size: int) -> str:
         return self.path("_manifest.json" if world_size == 1 else f"_manifest.rank{rank}.json")
-
-    @property
-    def commit_method(self) -> str:
-        """How the marker is created: the guarantee it gives is in the module docstring."""
-        if self.is_local:
-            return "link (exclusive)"
-        if self.is_memory:
-            return "in-process lock (exclusive)"
-        if _supports_conditional_put(self.fs):
-            return "if-none-match (exclusive)"
-        return "check-then-put (NOT exclusive: two racing committers may both publish)"
-
-    def verify_exclusive(self, allow_non_exclusive: bool) -> str:
-        """Prove, once at run start, that this store's create-if-absent is exclusive, and return the
-        commit method text for the log and the manifest. An object store is probed: one object
-        created twice under `_probe/`, the second create must be refused. Without that (an s3fs
-        or botocore that drops `mode="create"` silently, a store that ignores If-None-Match, a store
-        with no conditional create at all) the run is refused with a ConfigError naming
-        output.allow_non_exclusive, unless it is set: then creates fall back to check-then-put and
-        the returned text says NOT exclusive."""
-        if self.is_local or self.is_memory:
-            return self.commit_method
-        try:
-            problem = self._exclusive_create_problem()
-        except Exception as e:
-            raise JobError(f"output.uri: cannot write to {self.uri}: {_describe(e)}") from None
-        if problem is None:
-            return self.commit_method
-        if not allow_non_exclusive:
-            raise ConfigError(
-                "output.allow_non_exclusive",
-                f"{self.uri} has no exclusive create ({problem}): two racing committers could both publish; "
-                "set output.allow_non_exclusive=true to run anyway",
-            )
-        self._conditional_put = False  # a create that does not exclude: at least look first
-        log.warning("output %s: commits are NOT exclusive (%s); output.allow_non_exclusive=true", self.uri, problem)
-        return f"check-then-put (NOT exclusive: {problem}; two racing committers may both publish)"
-
-    def _exclusive_create_problem(self) -> Optional[str]:
-        """None when a second conditional create of one object is refused, else why it is not."""
-        if not self._conditional_put:
-            if type(self.fs).__module__.split(".")[0] == "s3fs":
-                return "this s3fs has no pipe_file(mode='create'): it needs s3fs>=2024.12 and botocore>1.35.20"
-            return f"{type(self.fs).__name__} has no conditional create"
-        path = self.path("_probe", f"{uuid.uuid4().hex}.json")
-        create = self.fs.pipe_file
-        try:
-            try:
-                with_retries(lambda: create(path, b"{}", mode="create"), f"probing {self.url(path)}")
-            except TypeError:
-                return "this filesystem's pipe_file takes no mode='create'"
-            try:
-                with_retries(lambda: create(path, b"{}", mode="create"), f"probing {self.url(path)}")
-            except (FileExistsError, OSError) as e:
-                if _is_precondition_failure(e):
-                    return None
-                raise
-            return "a second create of one object was accepted: the store or botocore ignores If-None-Match"
-        finally:
-            try:
-                self.fs.rm(path)
-            except Exception:
-                log.warning("could not remove the probe %s", self.url(path), exc_info=True)
 
     # ---- commit markers -----------------------------------------------------------------------
 
@@ -333,8 +205,8 @@ class RunStore:
             self.abandon(attempt)
             return False
         if self.is_local:  # the marker's name, and _commits/ itself when it was just made
-            _fsync_dir(posixpath.dirname(marker_path))
-            _fsync_dir(self.root)
+            fsync_dir(posixpath.dirname(marker_path))
+            fsync_dir(self.root)
         try:
             self.publish(attempt.shard, doc)
         except Exception:  # committed all the same: whoever looks next finishes the publication
@@ -415,7 +287,7 @@ class RunStore:
             if keep is not None:
                 self._kept.add(keep)
             raise CommitUnclear(
-                f"creating {url} failed ({_describe(error or e)}) and it cannot be read back ({_describe(e)})"
+                f"creating {url} failed ({describe_error(error or e)}) and it cannot be read back ({describe_error(e)})"
                 + (f"; the attempt is kept at {self.url(keep)}" if keep else "")
             ) from (error or e)
         if raw is not None:
@@ -425,14 +297,14 @@ class RunStore:
                 existing = None
             ours = isinstance(existing, dict) and existing.get(key) == value
             if ours and error is not None:
-                log.warning("%s: the create said %s, yet it is ours", url, _describe(error))
+                log.warning("%s: the create said %s, yet it is ours", url, describe_error(error))
             return ours
         if error is None:  # it existed a moment ago and was removed since (recompute): never ours
             return False
         if keep is not None:
             self._kept.add(keep)
         raise CommitUnclear(
-            f"creating {url} failed ({_describe(error)}) and nothing is there yet"
+            f"creating {url} failed ({describe_error(error)}) and nothing is there yet"
             + (f"; the attempt is kept at {self.url(keep)}" if keep else "")
         ) from error
 
@@ -441,12 +313,12 @@ class RunStore:
         them (attempt, shard, _attempts, root): a power loss must not leave a marker naming a short
         or missing file."""
         for name in files:
-            _fsync_file(posixpath.join(attempt.directory, name))
+            fsync_file(posixpath.join(attempt.directory, name))
         directory = attempt.directory
         while directory != self.root and directory.startswith(self.root):
-            _fsync_dir(directory)
+            fsync_dir(directory)
             directory = posixpath.dirname(directory)
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def abandon(self, attempt: Attempt) -> None:
         """Remove this attempt's own files; they were never visible. Not those of an attempt whose
@@ -456,87 +328,7 @@ class RunStore:
             return
         self._remove_tree(attempt.directory)
 
-    # ---- files --------------------------------------------------------------------------------
-
-    def create_json(self, path: str, obj: Any) -> bool:
-        """Create `path` holding `obj` if and only if it does not exist; True when we created it.
-        The file appears complete or not at all (see commit_method for what 'only if' rests on)."""
-        data = _encode(obj)
-        if self.is_local:
-            os.makedirs(posixpath.dirname(path), exist_ok=True)
-            tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            try:
-                try:
-                    os.link(tmp, path)  # fails if `path` exists, whoever made it
-                except FileExistsError:
-                    # NFSv3 retransmits a LINK whose reply was lost, and the retry answers EEXIST
-                    # although the first one linked: our private temp file then has a second name.
-                    return os.stat(tmp).st_nlink >= 2
-                return True
-            finally:
-                try:
-                    os.unlink(tmp)
-                except OSError:  # the link (or its refusal) stands; a leftover temp name is harmless
-                    log.warning("could not remove %s", tmp, exc_info=True)
-        if self.is_memory:
-            with _MEMORY_LOCK:
-                if self.fs.exists(path):
-                    return False
-                self.fs.pipe_file(path, data)
-                return True
-        if self._conditional_put:
-            try:
-                with_retries(lambda: self.fs.pipe_file(path, data, mode="create"), f"creating {self.url(path)}")
-                return True
-            except (FileExistsError, OSError) as e:
-                if not _is_precondition_failure(e):
-                    raise
-                # A retried PUT whose first try did land answers 412 too: the bytes tell whose it is.
-                try:
-                    return bool(with_retries(lambda: self.fs.cat_file(path), f"reading {self.url(path)}") == data)
-                except FileNotFoundError:
-                    return False
-        self.fs.invalidate_cache(posixpath.dirname(path))
-        if self.fs.exists(path):
-            return False
-        with_retries(lambda: self.fs.pipe_file(path, data), f"writing {self.url(path)}")
-        return True
-
-    def sync_files(self, paths: Sequence[str]) -> None:
-        """Make written files durable before a marker names them: on local disks fsync each file
-        and then each directory holding them; an object store's PUT is durable once it returns."""
-        if not self.is_local:
-            return
-        for path in paths:
-            _fsync_file(path)
-        for directory in dict.fromkeys(posixpath.dirname(p) for p in paths):
-            _fsync_dir(directory)
-
-    def write_json(self, path: str, obj: Any) -> None:
-        """Replace `path` whole: a reader sees the old or the new content, never a mix."""
-        self.write_bytes(path, _encode(obj))
-
-    def write_bytes(self, path: str, data: bytes) -> None:
-        """Replace `path` whole with `data` (write_json's atomic replace, for files that are not JSON)."""
-        if not self._needs_dirs:
-            # an object store publishes a PUT only once it is complete
-            with_retries(lambda: self.fs.pipe_file(path, data), f"writing {self.url(path)}")
-            return
-        self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-        self.fs.pipe_file(tmp, data)
-        self.fs.mv(tmp, path)
-
-    def read_json(self, path: str) -> Optional[Any]:
-        self.fs.invalidate_cache(posixpath.dirname(path))
-        try:
-            return json.loads(with_retries(lambda: self.fs.cat_file(path), f"reading {self.url(path)}"))
-        except (FileNotFoundError, ValueError):
-            return None
+    # ---- working directories ------------------------------------------------------------------
 
     def cleanup(self) -> None:
         """Drop the working directories once they are empty (other workers may still use them)."""
@@ -583,85 +375,6 @@ def _checked(shard: str) -> str:
     if not is_safe_name(shard):
         raise ValueError(f"unsafe shard name {shard!r}")
     return shard
-
-
-def _encode(obj: Any) -> bytes:
-    """Every JSON document the store writes (markers, plan, manifests, claims) passes here, so none
-    can carry a credential from a URL or a storage option (utils/redact.py). create_json's read-back
-    compares bytes from this same function."""
-    plain = json.loads(json.dumps(obj, default=str))  # what default=str makes of odd values gets redacted too
-    return json.dumps(redact(plain), indent=2, sort_keys=False).encode()
-
-
-def _supports_conditional_put(fs: fsspec.AbstractFileSystem) -> bool:
-    """s3fs from 2024.12 sends If-None-Match for pipe_file(mode="create") (an older one passes `mode`
-    on as an unknown keyword that botocore drops); fsspec's generic pipe_file only checks, then
-    writes, which is no exclusion at all. Whether the store honours the header is only known by
-    trying (RunStore.verify_exclusive)."""
-    if type(fs).__module__.split(".")[0] != "s3fs":
-        return False
-    try:
-        return "mode" in inspect.signature(type(fs)._pipe_file).parameters
-    except (AttributeError, TypeError, ValueError):
-        return False
-
-
-def _is_precondition_failure(error: BaseException) -> bool:
-    """The store refused a conditional request because its condition did not hold: HTTP 412, by
-    the error's code anywhere on the exception chain, never by its text (a key or request id may
-    hold "412"). A 409 ConditionalRequestConflict is not one: the write it raced is still in flight,
-    so it is retried and the outcome read back."""
-    for e in _exception_chain(error):
-        if isinstance(e, FileExistsError):
-            return True
-        response = getattr(e, "response", None)  # botocore's ClientError
-        if isinstance(response, dict):
-            code = (response.get("Error") or {}).get("Code")
-            status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
-            if code == "PreconditionFailed" or status == 412:
-                return True
-    return False
-
-
-def _exception_chain(error: BaseException) -> list[BaseException]:
-    """`error` and its causes and contexts, each once."""
-    seen: list[BaseException] = []
-    todo: list[BaseException] = [error]
-    while todo and len(seen) < 32:
-        e = todo.pop()
-        if any(e is s for s in seen):
-            continue
-        seen.append(e)
-        todo.extend(c for c in (e.__cause__, e.__context__) if c is not None)
-    return seen
-
-
-def _describe(error: Optional[BaseException]) -> str:
-    return "exists" if error is None else f"{type(error).__name__}: {' '.join(str(error).split())}"
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    """Make the names in directory `path` durable; a filesystem that cannot sync a directory
-    (EINVAL, ENOTSUP) orders its metadata by other means."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
-            raise
-    finally:
-        os.close(fd)
 
 
 def committed_files(store: RunStore, kind: str = "results") -> dict[str, str]:

@@ -39,14 +39,14 @@ from typing import Any, Optional
 
 from tqdm import tqdm
 
+from batchrun.job.commit.manifest import utc_now
 from batchrun.job.config import RunConfig, build_run_config
 from batchrun.job.errors import ConfigError, JobError
-from batchrun.job.manifest import utc_now
-from batchrun.job.pool import launcher_result, open_run
+from batchrun.job.launch.pool import launcher_result, open_run
+from batchrun.job.operate.textfile import textfile_path
 from batchrun.job.results import RunResult
-from batchrun.job.runner import run_worker
-from batchrun.job.signals import StopRequest
-from batchrun.job.textfile import textfile_path
+from batchrun.job.run.runner import run_worker
+from batchrun.job.run.signals import StopRequest
 from batchrun.utils.logs import StderrHandler
 from batchrun.utils.redact import redact_text
 
@@ -205,7 +205,7 @@ class RayWorker:
         self.raw_config, self.rank, self.world_size, self.board = raw_config, rank, world_size, board
 
     def run(self) -> dict[str, Any]:
-        from batchrun.job import textfile
+        from batchrun.job.operate import textfile
 
         # The file is this worker's progress as the driver sees it: rewritten every REPORT_S.
         textfile.INTERVAL_S = min(textfile.INTERVAL_S, REPORT_S)

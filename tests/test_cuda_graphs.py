@@ -14,7 +14,9 @@ import torch
 
 from batchrun.engine import Engine, EngineConfig, SamplingParams
 from batchrun.engine.config import SamplingParams as Params
-from batchrun.engine.cuda_graphs import (
+from batchrun.engine.request import Request
+from batchrun.engine.runners import GpuRunner, ModelRunner
+from batchrun.engine.runners.cuda_graphs import (
     NUM_FIXED,
     DecodeGraphs,
     EagerReplay,
@@ -23,8 +25,6 @@ from batchrun.engine.cuda_graphs import (
     packed_views,
     pick_bucket,
 )
-from batchrun.engine.request import Request
-from batchrun.engine.runner import ModelRunner
 from batchrun.engine.scheduler import ScheduledBatch
 
 _ON_GPU = torch.cuda.is_available()
@@ -97,19 +97,12 @@ def tiny_engine_factory(tiny_llama_dir):
 
 
 def _attach_graphs(engine: Engine, capture=None, max_batch: int = 16) -> DecodeGraphs:
-    runner = engine.runner
-    max_blocks = -(-engine.max_model_len // runner.block_size)
-    runner.graphs = DecodeGraphs(
-        runner.model,
-        runner.kv_caches,
-        runner.block_size,
-        max_blocks,
-        engine.device,
-        engine.dtype,
-        max_batch=max_batch,
-        capture=capture or (lambda step, pool: EagerReplay(step, pool)),
-    )
-    return runner.graphs
+    """The engine's runner replaced by the GPU runner's stand-in over the same cache: its graphs'
+    block tables are max_model_len wide, and `capture` (default EagerReplay) makes each graph."""
+    engine.runner = GpuRunner.stand_in(engine.runner, max_batch, capture or EagerReplay)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.block_tables.shape[1] == -(-engine.max_model_len // engine.runner.block_size)
+    return graphs
 
 
 def _prompts() -> list[list[int]]:

@@ -22,7 +22,7 @@ import torch
 from batchrun.bench.quality import agreement, quality_sequences, teacher_forced
 from batchrun.engine import Engine, EngineConfig
 from batchrun.engine.quantization import prepare_linears_for_engine
-from batchrun.engine.runner import ModelRunner
+from batchrun.engine.runners import ModelRunner
 
 pytestmark = pytest.mark.slow
 

@@ -56,3 +56,26 @@ def test_a_failed_grammar_is_reported_by_the_runner_and_ended_by_the_stop_rule()
     assert (reqs[0].finish_reason, reqs[0].error, reqs[0].output_token_ids) == ("error", "compiler exploded", [])
     assert not reqs[0].block_ids and reqs[0] not in scheduler.running
     assert not reqs[1].is_finished and reqs[1].output_token_ids == result.tokens[1]
+
+
+def test_only_an_abort_ends_a_request_outside_the_scheduler():
+    """Every other end is the stop rule's, called from Scheduler.update (engine/stop.py): no engine
+    module but the scheduler calls its `finish`, except Engine.abort_all."""
+    import ast
+    from pathlib import Path
+
+    import batchrun.engine
+
+    root = Path(batchrun.engine.__file__).parent
+    callers = []
+    for path in sorted(root.rglob("*.py")):
+        if path.name == "scheduler.py":
+            continue
+        tree = ast.parse(path.read_text())
+        for func in ast.walk(tree):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(func):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "finish":
+                    callers.append((path.relative_to(root).as_posix(), func.name, ast.unparse(node.func.value)))
+    assert callers == [("engine.py", "abort_all", "self.scheduler")]

@@ -136,7 +136,7 @@ def test_the_text_tail_finds_stop_strings_where_a_full_decode_does_with_smollm2(
     (converted,) = (Path(smollm2_cache_dir) / "converted").iterdir()
     tokenizer = AutoTokenizer.from_pretrained(converted, local_files_only=True)
 
-    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(st.data())
     def check(data):
         check_text_tail(tokenizer, data)

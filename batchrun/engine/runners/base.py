@@ -55,6 +55,8 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[
 
 
 class ModelRunner:
+    """The common base of the runners: the KV cache tensors, a batch's forward and its sampled step."""
+
     # The KV manager's persistent block tables (engine/block_table.py); None: rebuilt every step.
     block_tables: Optional[BlockTables] = None
     # engine.batch_invariant: attention metadata lists every sequence as a prefill (prepare)
@@ -111,8 +113,8 @@ class ModelRunner:
         return self.step_sampler.sampler
 
     def for_draft(self, model: DecoderLM) -> ModelRunner:
-        """A runner of the same kind for a draft model: its own float cache under the same block ids
-        (one block table serves both caches), the same sampler."""
+        """A runner of the same kind for a draft model, which only runs forwards: its own float
+        cache under the same block ids (one block table serves both caches)."""
         return type(self)(
             model,
             self.num_blocks,
@@ -120,7 +122,6 @@ class ModelRunner:
             self.dtype,
             self.device,
             block_tables=self.block_tables,
-            sampler=self.sampler if self.step_sampler is not None else None,
             max_model_len=self.max_model_len,
         )
 

@@ -105,6 +105,25 @@ def _attach_graphs(engine: Engine, capture=None, max_batch: int = 16) -> DecodeG
     return graphs
 
 
+def test_graph_tables_are_as_wide_as_max_model_len(tiny_llama_dir):
+    """The graphs' block tables (whose width sets a graphed decode's split count on a GPU) span the
+    engine's max_model_len, which start-up hands the runner, not the model's max_position_embeddings."""
+    engine = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="float32",
+            device="cpu",
+            kv_cache_memory=16 << 20,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            max_model_len=96,
+        )
+    )
+    graphs = GpuRunner.stand_in(engine.runner, 4).graphs
+    assert engine.model.spec.max_position_embeddings == 512 and engine.runner.max_model_len == 96
+    assert graphs is not None and graphs.block_tables.shape == (4, 96 // 16)
+
+
 def _prompts() -> list[list[int]]:
     rng = np.random.default_rng(0)
     return [rng.integers(3, 500, n).tolist() for n in (5, 23, 9, 40, 2, 17, 31)]

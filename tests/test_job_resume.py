@@ -15,8 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchrun import cli
-from batchrun.job import flow, run_job
-from batchrun.job.signals import StopRequest
+from batchrun.job import run_job
+from batchrun.job.run import flow
+from batchrun.job.run.signals import StopRequest
 
 # Runs the real CLI with the shard flow wrapped so that it pauses at a known point: it touches
 # READY, then waits for GO (or forever), so the test can signal it there. TEST_PAUSE says where:
@@ -24,7 +25,7 @@ from batchrun.job.signals import StopRequest
 #   overlap      the first output after a shard committed while two or more shards are open
 WORKER = r"""
 import os, pathlib, sys, time
-from batchrun.job import flow
+from batchrun.job.run import flow
 ready, go = pathlib.Path(os.environ["TEST_READY"]), pathlib.Path(os.environ["TEST_GO"])
 mode = os.environ["TEST_PAUSE"]
 flows, commits, outputs = [], [], {}

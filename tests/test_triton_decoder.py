@@ -14,7 +14,7 @@ quantize on write and dequantize tiles on read, the CPU path quantizes the same 
 what it gathers, so the tokens agree (quantized against quantized: quantization itself may change
 tokens against a float cache; with a float cache the same GPU path is checked against HF itself, in
 tests/test_gpu_identity.py). In these runs the Triton engine's decode steps go through the CUDA-graph
-path (engine/cuda_graphs.py: static buffers, bucket padding), with EagerReplay standing in for the
+path (engine/runners/cuda_graphs.py: static buffers, bucket padding), with EagerReplay standing in for the
 capture, as on a GPU where every decode step replays a graph.
 """
 

@@ -18,7 +18,7 @@ step (every prompt computed, nothing waiting), then spends the following steps o
 
 each graphed (the engine's path for a pure decode step) and eager (graphs set aside), alternating,
 so a drift in the machine's speed hits both. Last, with graphs: `async`, as many steps back to back
-with engine.async_scheduling on and no sync between them (engine/async_steps.py), whose wall time
+with engine.async_scheduling on and no sync between them (engine/runners/gpu.py), whose wall time
 per step against the graphed step's device time is the host time left unhidden. The requests are
 aborted afterwards.
 
@@ -26,7 +26,7 @@ A decode sub-batch run by `compare` writes K/V for its requests' current tokens 
 the real step writes before it reads them, so the probe leaves no trace in later steps.
 
 A library module (no `__main__`): benchmarks.gpu calls it on the GPU, and with the CPU stand-in for
-graphs (`stand_in_graphs`) in --smoke, where only the harness itself is exercised.
+the GPU runner (`GpuRunner.stand_in`) in --smoke, where only the harness itself is exercised.
 """
 
 from __future__ import annotations
@@ -43,16 +43,8 @@ import torch
 
 from batchrun.benchmark.timing import patched
 from batchrun.engine import Engine, EngineRequest, SamplingParams
-from batchrun.engine.async_steps import AsyncSteps
-from batchrun.engine.cuda_graphs import (
-    NUM_FIXED,
-    Capture,
-    DecodeGraphs,
-    EagerReplay,
-    pack_decode_inputs,
-    packed_views,
-    pick_bucket,
-)
+from batchrun.engine.runners import GpuRunner
+from batchrun.engine.runners.cuda_graphs import NUM_FIXED, DecodeGraphs, pack_decode_inputs, packed_views, pick_bucket
 from batchrun.engine.scheduler import ScheduledBatch
 
 _LAUNCH_CALL = re.compile(r"^(cuda|cu)(LaunchKernel|LaunchKernelEx|LaunchKernelExC|LaunchCooperativeKernel)(_v\d+)?$")
@@ -139,7 +131,7 @@ def _timed_step(engine: Engine, step: Callable[[], Any], graphed: bool) -> dict[
 
         return wrapper
 
-    execute = timed("execute", runner.execute)
+    execute = timed("execute", runner.forward)  # the step's forward; its sampling is timed apart
 
     def run(batch: ScheduledBatch, *args: Any, **kwargs: Any) -> Any:
         nonlocal pack_s
@@ -154,7 +146,7 @@ def _timed_step(engine: Engine, step: Callable[[], Any], graphed: bool) -> dict[
         _eager(runner, not graphed),
         patched(scheduler, "schedule", timed("schedule", scheduler.schedule)),
         patched(scheduler, "update", timed("update", scheduler.update)),
-        patched(runner, "execute", run),
+        patched(runner, "forward", run),
         patched(sampler, "sample", timed("sample", sampler.sample)),
     ):
         _sync(device)
@@ -252,14 +244,16 @@ def _async_wall(engine: Engine, step: Callable[[], Any], num_steps: int) -> dict
     one's tokens are read), no device sync between them: the wall time of a step when the host's
     work hides behind the device's. The first step only starts the pipeline and is not timed. The
     option stays on until the probe's requests are aborted (which drops the step in flight)."""
-    engine.async_steps = AsyncSteps(engine.scheduler, engine.runner, engine.sampler)
+    engine.runner.run_ahead = True
     step()
     _sync(engine.device)
+    before = engine.stats().num_async_steps or 0
     t = time.perf_counter()
     for _ in range(num_steps):
         step()
     _sync(engine.device)
-    return {"wall_ms": (time.perf_counter() - t) * 1e3 / num_steps, "num_ahead": engine.async_steps.num_ahead}
+    wall_ms = (time.perf_counter() - t) * 1e3 / num_steps
+    return {"wall_ms": wall_ms, "num_ahead": (engine.stats().num_async_steps or 0) - before}
 
 
 def _wall_step(engine: Engine, step: Callable[[], Any], graphed: bool) -> float:
@@ -301,7 +295,7 @@ def compare_graph_buckets(engine: Engine, requests: list[Any], rel_tol: float) -
             continue
         got, seq_ids = graphed
         with _eager(runner, True):
-            want = runner.execute(batch)
+            want = runner.forward(batch)
         if seq_ids != want.sample_seq_ids:
             row["error"] = "graphed and eager steps sample different requests"
             continue
@@ -342,27 +336,6 @@ def capture_buckets(graphs: DecodeGraphs, max_batch: int) -> dict[str, Any]:
     }
 
 
-def stand_in_graphs(engine: Engine, max_batch: int, capture: Optional[Capture] = None) -> DecodeGraphs:
-    """CPU: the runner's graphs as the tests build them, `EagerReplay` standing in for capture (or
-    `capture`: a test's failing one), so the graph path (packing, one upload, padding, slicing) runs
-    where CUDA cannot. Only the harness is exercised: a stand-in "replay" is the eager step again."""
-    runner = engine.runner
-    spec = engine.model.spec
-    max_blocks = min(engine.kv.num_blocks, -(-spec.max_position_embeddings // runner.block_size))
-    graphs = DecodeGraphs(
-        engine.model,
-        runner.kv_caches,
-        runner.block_size,
-        max_blocks,
-        engine.device,
-        engine.dtype,
-        max_batch=max_batch,
-        capture=capture or EagerReplay,
-    )
-    graphs.host_tables = runner.block_tables
-    return graphs
-
-
 def _median(rows: list[dict[str, Optional[float]]]) -> dict[str, Optional[float]]:
     out: dict[str, Optional[float]] = {}
     for key in rows[0]:
@@ -396,12 +369,12 @@ def probe_decode_steps(
     docstring). Returns {"num_seqs", "mean_context", "max_context", "graph_vs_eager": rows or None,
     "graphed": {...} or None, "eager": {...}, "async": {"wall_ms", "num_ahead"} or None}, each path
     with "timed" (median ms per part), "kernels" (one profiled step; None without CUDA) and "wall_ms"
-    (median). With `stand_in`, a runner without graphs gets `stand_in_graphs` for the probe."""
+    (median). With `stand_in`, a runner without graphs is stood in for by `GpuRunner.stand_in`."""
     n = len(prompts)
     assert n <= engine.max_num_seqs, "all prompts must run in one step"
     runner = engine.runner
     if stand_in and runner.graphs is None:
-        with patched(runner, "graphs", stand_in_graphs(engine, n)):
+        with patched(engine, "runner", GpuRunner.stand_in(runner, n)):
             return probe_decode_steps(engine, prompts, rel_tol, num_timed, num_wall)
     scheduler = engine.scheduler
     cuda = engine.device.type == "cuda"
@@ -447,7 +420,7 @@ def probe_decode_steps(
             raise _Done
         return []
 
-    async_steps = engine.async_steps
+    run_ahead = engine.runner.run_ahead
     with patched(engine, "step", step):
         try:
             for out in engine.stream(requests, max_in_flight=n):
@@ -458,7 +431,7 @@ def probe_decode_steps(
         except _Done:
             pass
         finally:
-            engine.async_steps = async_steps  # the engine is idle again: as it was
+            engine.runner.run_ahead = run_ahead  # the engine is idle again: as it was
     result.setdefault("async", None)
     for graphed, name in ((True, "graphed"), (False, "eager")):
         if not timed[graphed]:

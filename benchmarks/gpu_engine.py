@@ -23,7 +23,7 @@ import torch
 from batchrun.benchmark.hf_baseline import hf_generate, load_hf_model
 from batchrun.benchmark.timing import patched
 from benchmarks import compile_counts
-from benchmarks.decode_step import capture_buckets, probe_decode_steps, stand_in_graphs
+from benchmarks.decode_step import capture_buckets, probe_decode_steps
 from benchmarks.gpu_report import NO_CUDA, Budget, Report
 from benchmarks.workloads import nano_vllm_workload
 
@@ -309,11 +309,12 @@ class ModelCheck:
         `admission_min_slots` >= 1 of the turnover workload (TURNOVER_SEQS requests streamed through
         the engine's slots, so requests end and are admitted every few steps) at that setting."""
         from batchrun.engine import EngineRequest, SamplingParams
+        from batchrun.engine.runners import GpuRunner
 
         engine = self.engine
         if async_scheduling and not self.cuda and engine.runner.graphs is None:
             # --smoke: steps run ahead only on graphs; the tests' stand-in replays them eagerly
-            with patched(engine.runner, "graphs", stand_in_graphs(engine, self.num_seqs)):
+            with patched(engine, "runner", GpuRunner.stand_in(engine.runner, self.num_seqs)):
                 return self.timed_run(temperature, cut_at, async_scheduling, admission_min_slots)
         turnover = admission_min_slots >= 1
         prompts, max_tokens = self.turnover if turnover else (self.prompts, self.max_tokens)

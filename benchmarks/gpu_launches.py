@@ -10,7 +10,7 @@ issue a CUDA kernel counts one (views, allocations and metadata ops issue none);
 own torch calls, made inside a launch, are not counted. A copy from one of the host buffers the
 step stages its inputs in is a host-to-device memcpy on a GPU, counted apart from kernels.
 
-The step counted is the engine's graphed decode step (engine/cuda_graphs.py, what every pure
+The step counted is the engine's graphed decode step (engine/runners/cuda_graphs.py, what every pure
 decode step replays on a GPU): the unpacking of the uploaded rows, the captured forward, and the
 LM head over the sampled rows (`compute_logits`). Sampling is not counted. The model is built as
 the engine builds it for a GPU (plain nn.Linear projections: one cuBLAS GEMM each, counted as one;
@@ -185,8 +185,8 @@ def decode_step_launches(
     step's token included) on `model` (a DecoderLM on the CPU), as on `target`. The step runs once
     uncounted first (a graph's warm-up), then once counted."""
     from batchrun.engine import SamplingParams
-    from batchrun.engine.cuda_graphs import DecodeGraphs, EagerReplay
     from batchrun.engine.request import Request
+    from batchrun.engine.runners.cuda_graphs import DecodeGraphs, EagerReplay
     from batchrun.engine.scheduler import ScheduledBatch
 
     spec = model.spec

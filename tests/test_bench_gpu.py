@@ -266,7 +266,7 @@ class _FakeGraphs:
     capture fails, without CUDA."""
 
     def __init__(self, max_batch: int, failing: set[int]) -> None:
-        from batchrun.engine.cuda_graphs import bucket_sizes
+        from batchrun.engine.runners.cuda_graphs import bucket_sizes
 
         self.buckets = bucket_sizes(max_batch)
         self.max_batch = max_batch
@@ -274,7 +274,7 @@ class _FakeGraphs:
         self.failing = failing
 
     def capture_all(self, max_batch: int) -> None:
-        from batchrun.engine.cuda_graphs import pick_bucket
+        from batchrun.engine.runners.cuda_graphs import pick_bucket
 
         limit = pick_bucket(self.buckets, min(max_batch, self.max_batch))
         for bucket in reversed([b for b in self.buckets if b <= limit]):

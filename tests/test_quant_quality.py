@@ -21,7 +21,7 @@ import torch
 
 from batchrun.engine import Engine, EngineConfig
 from batchrun.engine.quantization import prepare_linears_for_engine
-from batchrun.engine.runner import ModelRunner
+from batchrun.engine.runners import ModelRunner
 from benchmarks.quality import agreement, quality_sequences, teacher_forced
 
 pytestmark = pytest.mark.slow

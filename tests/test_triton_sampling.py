@@ -177,9 +177,9 @@ def _check_engine_async() -> None:
     import tempfile
 
     from batchrun import Engine, SamplingParams
+    from batchrun.engine.runners import GpuRunner
     from batchrun.kernels.backend import simulated_gpu
     from batchrun.testing import make_tiny_model
-    from benchmarks.decode_step import stand_in_graphs
     from benchmarks.gpu_launches import SM90, count_launches
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -195,7 +195,7 @@ def _check_engine_async() -> None:
             config = _interpreted_engine_config(model, async_scheduling=on)
             with simulated_gpu(SM90), count_launches() as launches:
                 engine = Engine(config)
-                engine.runner.graphs = stand_in_graphs(engine, 4)
+                engine.runner = GpuRunner.stand_in(engine.runner, 4)
                 outs[on] = [o.token_ids for o in engine.generate(prompts, params)]
             if on:
                 num_ahead = engine.stats().num_async_steps

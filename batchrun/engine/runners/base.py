@@ -1,37 +1,37 @@
-"""Runs one scheduled batch through the model: flattened inputs in, last-position logits out."""
+"""The runner seam: one scheduled batch in, the tokens it produced out.
+
+`ModelRunner` holds the KV cache tensors and runs a batch through the model (`prepare` flattens it,
+`forward` gives the last-position logits of every request that samples), then samples inside
+(`execute`: grammar masks, draft verification and the sampler, runners/sampling.py) and returns a
+`StepResult` per step: per request its tokens, logprobs, prompt logprobs and grammar failures, on
+the host. The CPU runner (runners/cpu.py) is this synchronous step. The GPU runner
+(runners/gpu.py) replays decode steps from CUDA graphs and, with engine.async_scheduling, leaves a
+step's tokens on the device (a `PendingStep`) while the next step is launched ahead of them.
+
+`forward` alone is what the start-up profile, warm-up, the drafter and calibration run.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import numpy as np
 import torch
 
 from batchrun.engine.block_table import NO_ROW, BlockTables, tables_from_lists
-from batchrun.engine.cuda_graphs import DecodeGraphs, cuda_graphs_enabled
 from batchrun.engine.request import Request
-from batchrun.engine.scheduler import ScheduledBatch
+from batchrun.engine.runners.cuda_graphs import DecodeGraphs
+from batchrun.engine.runners.outputs import ForwardOutput, PendingStep
+from batchrun.engine.runners.sampling import StepSampler
+from batchrun.engine.sampler import Sampler
+from batchrun.engine.scheduler import ScheduledBatch, StepResult
+from batchrun.engine.speculative import DraftProbs
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.kv_layout import new_kv_cache
 from batchrun.kernels.quant.kv import KV_CACHE_DTYPES, QuantizedKVCache, kv_bytes_per_token_head
 from batchrun.model.decoder import DecoderLM
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits are materialized at once (prompt_logprobs)
-
-
-@dataclass
-class RunnerOutput:
-    # (num_rows, vocab_size) float32 on the model's device (the sampler, the drafter and verification
-    # all work there; only token ids come back): per request in `sample_seq_ids`, the row of its last
-    # real token followed by one row per draft token it carried (1 + num_spec rows)
-    logits: torch.Tensor
-    sample_seq_ids: list[int]  # seq_id of each request whose token list was fully computed this step
-    num_rows: list[int]  # rows of `logits` per request in sample_seq_ids
-    # Requests scoring their prompt (SamplingParams.prompt_logprobs): seq_id -> (index of the first
-    # prompt token scored this step minus one, per scored token {token_id: logprob} of it and the top-N)
-    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
-    graphed: bool = False  # replayed from a CUDA graph (engine/cuda_graphs.py)
 
 
 def kv_bytes_per_block(model: DecoderLM, block_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -55,10 +55,17 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top_n: int) -> list[
 
 
 class ModelRunner:
+    """The common base of the runners: the KV cache tensors, a batch's forward and its sampled step."""
+
     # The KV manager's persistent block tables (engine/block_table.py); None: rebuilt every step.
     block_tables: Optional[BlockTables] = None
     # engine.batch_invariant: attention metadata lists every sequence as a prefill (prepare)
     batch_invariant: bool = False
+    # The GPU runner's decode graphs (runners/cuda_graphs.py); None: every step runs eagerly.
+    graphs: Optional[DecodeGraphs] = None
+    # engine.async_scheduling: a step may leave its tokens on the device for one launched ahead (the
+    # GPU runner's graphed decode steps; the CPU runner's tokens reach the host in every step).
+    run_ahead: bool = False
 
     def __init__(
         self,
@@ -70,13 +77,21 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         block_tables: Optional[BlockTables] = None,
         batch_invariant: bool = False,
+        sampler: Optional[Sampler] = None,
+        max_model_len: Optional[int] = None,
     ) -> None:
+        """`sampler`: the engine's (None: a runner that only runs `forward`, as calibration's);
+        `max_model_len`: the longest request the engine admits (default: the cache's capacity)."""
         self.model = model
         self.batch_invariant = batch_invariant
         self.block_tables = block_tables
+        self.num_blocks = num_blocks
         self.block_size = block_size
         self.device = device
         self.dtype = dtype  # activations' and a float cache's dtype
+        self.max_model_len = max_model_len or num_blocks * block_size
+        # The step's grammar masks, draft verification and sampler; None without a sampler.
+        self.step_sampler = StepSampler(sampler) if sampler is not None else None
         s = model.spec
         shape = (num_blocks, block_size, s.num_kv_heads, s.head_dim)
         self.kv_caches: list[tuple[Union[torch.Tensor, QuantizedKVCache], ...]]  # one (K, V) pair per layer
@@ -91,13 +106,24 @@ class ModelRunner:
                 (new_kv_cache(*shape, dtype=dtype, device=device), new_kv_cache(*shape, dtype=dtype, device=device))
                 for _ in range(s.num_layers)
             ]
-        # GPU only: pure decode steps replay CUDA graphs (engine/cuda_graphs.py); None on CPU. Not
-        # when batch-invariant: the graphs replay the decode kernel, whose splits follow the batch.
-        self.graphs: Optional[DecodeGraphs] = None
-        if cuda_graphs_enabled(device) and not batch_invariant:
-            max_blocks = min(num_blocks, -(-s.max_position_embeddings // block_size))
-            self.graphs = DecodeGraphs(model, self.kv_caches, block_size, max_blocks, device, dtype)
-            self.graphs.host_tables = block_tables
+
+    @property
+    def sampler(self) -> Sampler:
+        assert self.step_sampler is not None, "a runner built without the engine's sampler only runs forwards"
+        return self.step_sampler.sampler
+
+    def for_draft(self, model: DecoderLM) -> ModelRunner:
+        """A runner of the same kind for a draft model, which only runs forwards: its own float
+        cache under the same block ids (one block table serves both caches)."""
+        return type(self)(
+            model,
+            self.num_blocks,
+            self.block_size,
+            self.dtype,
+            self.device,
+            block_tables=self.block_tables,
+            max_model_len=self.max_model_len,
+        )
 
     def prepare(
         self, batch: ScheduledBatch, num_computed: Optional[list[int]] = None
@@ -182,23 +208,29 @@ class ModelRunner:
             chunks.append(chunk)
         return np.fromiter((t for c in chunks for t in c), dtype=np.int64, count=num_tokens)
 
+    def execute(self, batch: ScheduledBatch, drafts: Optional[DraftProbs] = None) -> Union[StepResult, PendingStep]:
+        """Run the step and sample it: the tokens every request whose token list this step computed
+        produces (`drafts`: the distributions sampled drafts were drawn from, for verification).
+        Grammar masks are filled while the forward runs (runners/sampling.py)."""
+        assert self.step_sampler is not None, "a runner built without the engine's sampler only runs forwards"
+        self.step_sampler.start_masks(batch)
+        return self.step_sampler.sample(batch, self.forward(batch), drafts)
+
+    def can_replay_next(self, requests: list[Request]) -> bool:
+        """Whether the decode step after the one in flight, of these requests one token further,
+        can be launched before its tokens are read (the GPU runner's graphs; never here)."""
+        return False
+
+    def execute_ahead(self, batch: ScheduledBatch, previous: PendingStep) -> PendingStep:
+        """Run a decode step whose input ids are `previous`'s tokens, still on the device."""
+        raise NotImplementedError("only the GPU runner leaves tokens on the device")
+
     @torch.inference_mode()
-    def execute(
+    def forward(
         self, batch: ScheduledBatch, num_layers: Optional[int] = None, num_computed: Optional[list[int]] = None
-    ) -> RunnerOutput:
-        is_full_step = num_layers is None and num_computed is None
-        # A one-token prefill chunk looks like a decode; the graphs score no prompt tokens.
-        scores_prompt = any(r.prompt_logprobs is not None for r in batch.requests)
-        if self.graphs is not None and is_full_step and not scores_prompt and self.graphs.can_run(batch):
-            graphed = self.graphs.execute(batch)
-            if graphed is not None:
-                logits, sample_seq_ids = graphed
-                return RunnerOutput(
-                    logits=logits,
-                    sample_seq_ids=sample_seq_ids,
-                    num_rows=[1] * len(sample_seq_ids),
-                    graphed=True,
-                )
+    ) -> ForwardOutput:
+        """The logits of the batch's sampling requests (and the prompt logprobs it asks for);
+        `num_layers` and `num_computed` make a draft pass of the first layers (self-speculation)."""
         input_ids, positions, meta, logits_rows, sample_seq_ids, num_rows = self.prepare(batch, num_computed)
         hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers)  # (num_tokens, hidden_size)
         sampled_hidden = hidden  # (num_sampled_rows, hidden_size); `hidden` stays whole for prompt logprobs
@@ -206,24 +238,13 @@ class ModelRunner:
             rows = torch.tensor(logits_rows, dtype=torch.long, device=hidden.device)
             sampled_hidden = hidden.index_select(0, rows)
         logits = self.model.compute_logits(sampled_hidden)
-        return RunnerOutput(
+        is_full_step = num_layers is None and num_computed is None
+        return ForwardOutput(
             logits=logits,
             sample_seq_ids=sample_seq_ids,
             num_rows=num_rows,
             prompt_logprobs=self._prompt_logprobs(batch, hidden, meta.query_start_loc) if is_full_step else {},
         )
-
-    @torch.inference_mode()
-    def execute_ahead(self, batch: ScheduledBatch, tokens: torch.Tensor, rows: list[int]) -> Optional[RunnerOutput]:
-        """A decode step whose input ids are still on the device: request i's id is tokens[rows[i]]
-        (the previous step's sampled tokens). Graph replay only; None when the graphs cannot take
-        the step (a failed capture), and then the caller must put the ids on the host and `execute`."""
-        assert self.graphs is not None and self.graphs.can_run(batch)
-        graphed = self.graphs.execute(batch, token_source=(tokens, rows))
-        if graphed is None:
-            return None
-        logits, sample_seq_ids = graphed
-        return RunnerOutput(logits=logits, sample_seq_ids=sample_seq_ids, num_rows=[1] * len(rows), graphed=True)
 
     def _prompt_logprobs(
         self, batch: ScheduledBatch, hidden: torch.Tensor, query_start_loc: list[int]

@@ -24,14 +24,14 @@ at any time on the GPU. Float, int8 and fp8 caches capture alike: on the GPU all
 Triton kernels, which never sync with the host (kernels/attention.py).
 
 Only `DecodeGraphs(..., capture=...)` knows about CUDA: the CPU tests pass `EagerReplay`, which
-"replays" by running the step again, and so exercise the buckets, padding, packing and buffers.
+"replays" by running the step again, and so exercise the buckets, padding, packing and buffers (a
+stand-in capture: no pinned memory and no CUDA events). The GPU runner (runners/gpu.py) owns them.
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, Optional, Union
 
@@ -127,10 +127,6 @@ def capture_cuda_graph(step: Callable[[], None], pool: Any) -> torch.cuda.CUDAGr
     return graph
 
 
-def cuda_graphs_enabled(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get("BATCHRUN_CUDA_GRAPHS", "1") != "0"
-
-
 class DecodeGraphs:
     # The KV manager's persistent block tables, set by the runner; None: packed from the requests' lists.
     host_tables: Optional[BlockTables] = None
@@ -153,7 +149,9 @@ class DecodeGraphs:
         self.buckets = bucket_sizes(max_batch)
         self.max_batch = max_batch
         self.capture = capture or capture_cuda_graph
-        pin = device.type == "cuda"
+        # A capture given is a stand-in on the CPU (EagerReplay): no pinned memory, no CUDA events.
+        self.is_stand_in = capture is not None
+        pin = not self.is_stand_in
         # One step's packed inputs (`packed_views`), flat so one copy moves exactly the bytes used:
         # (max_batch * (NUM_FIXED + max_blocks_per_seq),), pinned on the host, and where they land.
         self.host = torch.zeros(max_batch * (NUM_FIXED + max_blocks_per_seq), dtype=torch.int64, pin_memory=pin)
@@ -207,7 +205,7 @@ class DecodeGraphs:
         """One host-to-device copy of the packed inputs, then the block tables into the static table."""
         n = bucket * (NUM_FIXED + width)
         self.staged[:n].copy_(self.host[:n], non_blocking=True)
-        if self.device.type == "cuda":
+        if not self.is_stand_in:
             self.copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event.__new__ unannotated
             self.copied.record()
         self.block_tables[:bucket, :width].copy_(self.staged[NUM_FIXED * bucket : n].view(bucket, width))
@@ -226,7 +224,7 @@ class DecodeGraphs:
         """(logits (num_sampled, vocab) float32 on the device, seq_ids of the sampled requests), or
         None when the step must run eagerly instead. `token_source` = (tokens (m,) int64 on the
         device, per request its row there): the input ids are taken from those rows on the device
-        (the previous step's tokens, not yet read by the host; engine/async_steps.py)."""
+        (the previous step's tokens, not yet read by the host; runners/gpu.py)."""
         requests = batch.requests
         bucket = pick_bucket(self.buckets, len(requests))
         assert bucket is not None
@@ -267,7 +265,7 @@ class DecodeGraphs:
     def capture_all(self, max_batch: Optional[int] = None) -> None:
         """Capture every bucket up to max_batch now (GPU only): dummy rows write nothing (slot -1)
         and read block 0."""
-        assert self.device.type == "cuda", "capture_all relies on the Triton KV writes skipping slot -1"
+        assert not self.is_stand_in, "capture_all relies on the Triton KV writes skipping slot -1"
         limit = pick_bucket(self.buckets, min(max_batch or self.max_batch, self.max_batch))
         assert limit is not None, "the buckets end at self.max_batch"
         for bucket in reversed([b for b in self.buckets if b <= limit]):  # largest first: the rest fit in its pool

@@ -1,10 +1,10 @@
-"""One step's logits become tokens: grammar masks, draft verification, the sampler, stop checks.
+"""One step's logits become tokens inside the runner: grammar masks, draft verification, the sampler.
 
-The runner hands back, per request whose token list was fully computed, the logits row of its last
-real token and one row per draft it carried. Requests with drafts go through verification (they
-may produce several tokens); the rest are sampled together in one batched sampler call, with the
-bitmask of constrained rows applied first. After the scheduler appended the tokens, `stops` finds
-the requests that a stop string or a completed grammar ends.
+The forward hands over, per request whose token list was fully computed, the logits row of its
+last real token and one row per draft it carried. Requests with drafts go through verification
+(they may produce several tokens); the rest are sampled together in one batched sampler call, with
+the bitmask of constrained rows applied first. A request whose grammar failed to compile samples
+nothing and is reported in the `StepResult` (the stop rule ends it, engine/stop.py).
 
 Grammar masks are off the critical path: `start_masks`, called before the forward pass, fills the
 bitmask rows of the batch's constrained requests in a worker thread (the mask of step t + 1 needs
@@ -22,33 +22,15 @@ import torch
 
 from batchrun.engine.grammar import GrammarState, apply_bitmask, fill_bitmask
 from batchrun.engine.request import Request
-from batchrun.engine.runner import RunnerOutput
+from batchrun.engine.runners.outputs import ForwardOutput
 from batchrun.engine.sampler import Sampler
-from batchrun.engine.scheduler import ScheduledBatch, Scheduler
-from batchrun.engine.speculative import DraftProbs, record_acceptance, verify
-
-# seq_id -> (its request, the tokens it produced this step, logprobs of its one plain token or None)
-SampledTokens = dict[int, tuple[Request, list[int], Optional[dict[int, float]]]]
-
-
-def hits_stop_string(tokenizer: Any, req: Request) -> bool:
-    text = tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-    return any(s in text for s in req.params.stop)
-
-
-def cut_at_stop_string(text: str, stop: Sequence[str]) -> str:
-    """The text before the earliest stop string in it (all of it when none occurs)."""
-    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
-    return text[:cut] if cut >= 0 else text
+from batchrun.engine.scheduler import ScheduledBatch, StepResult
+from batchrun.engine.speculative import DraftProbs, verify
 
 
 class StepSampler:
-    def __init__(self, sampler: Sampler, scheduler: Scheduler, tokenizer: Any) -> None:
+    def __init__(self, sampler: Sampler) -> None:
         self.sampler = sampler  # the engine's, so whoever wraps engine.sampler sees every call
-        self.scheduler = scheduler
-        self.tokenizer = tokenizer
-        self.num_spec_proposed = 0  # draft tokens verified, over the engine's life
-        self.num_spec_accepted = 0  # of those, accepted
         # False: masks are filled in `sample`, after the forward (the same masks, later).
         self.overlap_masks = True
         self._mask_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
@@ -84,29 +66,34 @@ class StepSampler:
             bitmask, needed = bitmask[take], [needed[i] for i in take]
         return bitmask, needed
 
-    def wait_for_grammars(self, batch: ScheduledBatch, out: RunnerOutput) -> list[Request]:
-        """Make the matchers of constrained requests sampling now; return those whose grammar failed
-        to compile, their error set, for the engine to finish."""
+    @staticmethod
+    def grammar_errors(batch: ScheduledBatch, out: ForwardOutput) -> dict[int, str]:
+        """Make the matchers of constrained requests sampling now (waiting for their grammars);
+        return seq_id -> the compiler's message for those whose grammar failed to compile."""
+        if not any(r.grammar is not None for r in batch.requests):
+            return {}
         by_seq = {r.seq_id: r for r in batch.requests}
-        failed = []
+        errors = {}
         for seq in out.sample_seq_ids:
-            req = by_seq[seq]
-            if req.grammar is not None and not req.grammar.ready():
-                req.error = req.grammar.error
-                failed.append(req)
-        return failed
+            grammar = by_seq[seq].grammar
+            if grammar is not None and not grammar.ready():
+                assert grammar.error is not None, "a grammar that is not ready failed"
+                errors[seq] = grammar.error
+        return errors
 
-    def sample(self, batch: ScheduledBatch, out: RunnerOutput, draft_probs: Optional[DraftProbs]) -> SampledTokens:
-        """The tokens every sampling request produces this step (requests finished by a failed
-        grammar produce none)."""
-        result: SampledTokens = {}
+    def sample(self, batch: ScheduledBatch, out: ForwardOutput, draft_probs: Optional[DraftProbs]) -> StepResult:
+        """The tokens every sampling request produces this step (a request whose grammar failed to
+        compile produces none), their logprobs where asked, and the forward's prompt logprobs."""
+        errors = self.grammar_errors(batch, out)
+        tokens: dict[int, list[int]] = {}
+        logprobs: dict[int, dict[int, float]] = {}
         if batch.spec_token_ids:
-            plain_reqs, plain_rows = self._verify_drafts(batch, out, draft_probs, result)
+            plain_reqs, plain_rows = self._verify_drafts(batch, out, draft_probs, errors, tokens)
         else:  # one row per sampled request, in batch order: no per-row bookkeeping
             plain_reqs = self._sampled_requests(batch, out.sample_seq_ids)
             plain_rows = list(range(len(plain_reqs)))
-            if any(r.is_finished for r in plain_reqs):  # a grammar failed to compile: nothing to sample
-                keep = [i for i, r in enumerate(plain_reqs) if not r.is_finished]
+            if errors:  # a grammar failed to compile: nothing to sample for it
+                keep = [i for i, r in enumerate(plain_reqs) if r.seq_id not in errors]
                 plain_reqs, plain_rows = [plain_reqs[i] for i in keep], keep
         if plain_reqs:
             logits = out.logits if len(plain_rows) == out.logits.shape[0] else out.logits[plain_rows]
@@ -118,7 +105,7 @@ class StepSampler:
                 elif any(needed):
                     keep = [j for j, n in enumerate(needed) if n]
                     logits = apply_bitmask(logits, [constrained[j] for j in keep], bitmask[keep])
-            tokens, logprobs = self.sampler.sample(
+            sampled, sampled_logprobs = self.sampler.sample(
                 logits,
                 [r.params for r in plain_reqs],
                 [r.sample_seed for r in plain_reqs],
@@ -127,11 +114,13 @@ class StepSampler:
             for i in constrained:
                 grammar = plain_reqs[i].grammar
                 assert grammar is not None  # constrained rows are those with a grammar
-                accepted = grammar.accept(tokens[i])
-                assert accepted, f"the grammar rejected token {tokens[i]} that its own mask allowed"
+                accepted = grammar.accept(sampled[i])
+                assert accepted, f"the grammar rejected token {sampled[i]} that its own mask allowed"
             for i, req in enumerate(plain_reqs):
-                result[req.seq_id] = (req, [tokens[i]], logprobs[i] if logprobs is not None else None)
-        return result
+                tokens[req.seq_id] = [sampled[i]]
+                if sampled_logprobs is not None and req.params.logprobs is not None:
+                    logprobs[req.seq_id] = sampled_logprobs[i]
+        return StepResult(batch, tokens, logprobs, out.prompt_logprobs, errors)
 
     @staticmethod
     def _sampled_requests(batch: ScheduledBatch, sample_seq_ids: list[int]) -> list[Request]:
@@ -143,11 +132,12 @@ class StepSampler:
     def _verify_drafts(
         self,
         batch: ScheduledBatch,
-        out: RunnerOutput,
+        out: ForwardOutput,
         draft_probs: Optional[DraftProbs],
-        result: SampledTokens,
+        errors: dict[int, str],
+        tokens: dict[int, list[int]],
     ) -> tuple[list[Request], list[int]]:
-        """Verify the drafts of every request that carried some, all in one call, into `result`;
+        """Verify the drafts of every request that carried some, all in one call, into `tokens`;
         return the other sampled requests and their logits rows, for the plain sampler."""
         by_seq = {r.seq_id: r for r in batch.requests}
         plain_rows: list[int] = []
@@ -157,7 +147,7 @@ class StepSampler:
         row = 0
         for seq, n in zip(out.sample_seq_ids, out.num_rows):
             req = by_seq[seq]
-            if req.is_finished:  # its grammar failed to compile
+            if seq in errors:  # its grammar failed to compile
                 pass
             elif batch.spec_token_ids.get(seq):
                 spec_rows.append(row)
@@ -169,24 +159,6 @@ class StepSampler:
         if spec_reqs:
             drafts = [batch.spec_token_ids[r.seq_id] for r in spec_reqs]
             verified = verify(out.logits, spec_rows, spec_reqs, drafts, self.sampler, draft_probs)
-            for req, proposed, tokens in zip(spec_reqs, drafts, verified):
-                record_acceptance(req, len(proposed), len(tokens) - 1)
-                self.num_spec_proposed += len(proposed)
-                self.num_spec_accepted += len(tokens) - 1
-                result[req.seq_id] = (req, tokens, None)
+            for req, produced in zip(spec_reqs, verified):
+                tokens[req.seq_id] = produced
         return plain_reqs, plain_rows
-
-    def stops(self, sampled: SampledTokens) -> list[Request]:
-        """Finish the requests that, with this step's tokens appended, end on a stop string or a
-        completed grammar; return them."""
-        finished = []
-        for req, _, _ in sampled.values():
-            if req.is_finished:
-                continue
-            if req.params.stop and hits_stop_string(self.tokenizer, req):
-                self.scheduler.finish(req, "stop")
-                finished.append(req)
-            elif req.grammar is not None and req.grammar.is_terminated:
-                self.scheduler.finish(req, "stop")  # its stop token was ignored (ignore_eos) but the grammar ended
-                finished.append(req)
-        return finished

@@ -82,11 +82,11 @@ def _check_kernel(spec: dict[str, Any], device: str) -> None:
 def _check_ops() -> None:
     """Sampler.sample on CPU tensors taking the GPU path (the race a simulated sm_90's kernel set
     binds, kernels interpreted)."""
-    from batchrun.bench.gpu_launches import SM90, count_launches
     from batchrun.engine.config import SamplingParams
     from batchrun.engine.sampler import Sampler
     from batchrun.kernels.binding import bind_kernels
     from batchrun.kernels.target import find_target
+    from benchmarks.gpu_launches import SM90, count_launches
 
     race = bind_kernels(find_target("cpu", simulate=SM90), torch.float32).sample
 
@@ -137,9 +137,9 @@ def _check_engine() -> None:
     import tempfile
 
     from batchrun import Engine, SamplingParams
-    from batchrun.bench.gpu_launches import SM90, count_launches
     from batchrun.engine.startup import start_engine
     from batchrun.testing import make_tiny_model
+    from benchmarks.gpu_launches import SM90, count_launches
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(tmp, "llama"))
@@ -181,10 +181,10 @@ def _check_engine_async() -> None:
     import tempfile
 
     from batchrun import Engine, SamplingParams
-    from batchrun.bench.decode_step import stand_in_graphs
-    from batchrun.bench.gpu_launches import SM90, count_launches
+    from batchrun.engine.runners import GpuRunner
     from batchrun.engine.startup import start_engine
     from batchrun.testing import make_tiny_model
+    from benchmarks.gpu_launches import SM90, count_launches
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(tmp, "llama"))
@@ -199,7 +199,7 @@ def _check_engine_async() -> None:
             config = _interpreted_engine_config(model, async_scheduling=on)
             with count_launches() as launches:
                 engine = Engine(config, start_engine(config, simulate=SM90))
-                engine.runner.graphs = stand_in_graphs(engine, 4)
+                engine.runner = GpuRunner.stand_in(engine.runner, 4)
                 outs[on] = [o.token_ids for o in engine.generate(prompts, params)]
             if on:
                 num_ahead = engine.stats().num_async_steps

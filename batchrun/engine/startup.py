@@ -4,7 +4,7 @@
     load_target        KernelSet -> Target         weights in, linears quantized/packed, draft model
     tune               Target -> KernelSet         fused-vs-unfused and tiles per shape (timed on a GPU)
     plan_kv            Target -> KVPlan            KV blocks from the memory budget, max_model_len
-    build_cache        KVPlan -> Cache             the KV manager and the runner over its blocks
+    build_cache        KVPlan -> Cache             the KV manager and the runner (CPU or GPU) over its blocks
     pick_batch_limits  Cache -> BatchLimits        max_num_seqs / max_num_batched_tokens (profiled)
     build_core         all of the above -> Core    scheduler, sampler, grammars, admission, drafter
     describe           all of the above -> EngineSettings   what the manifest and benchmarks record
@@ -37,11 +37,10 @@ from batchrun.engine.grammar import GrammarCompiler
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.profiler import BatchLimits, default_kv_bytes
 from batchrun.engine.quantization import prepare_linears_for_engine
-from batchrun.engine.runner import ModelRunner, kv_bytes_per_block
+from batchrun.engine.runners import CpuRunner, GpuRunner, ModelRunner, kv_bytes_per_block
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Scheduler, SchedulerConfig
 from batchrun.engine.settings import EngineSettings
-from batchrun.engine.step_sampler import StepSampler
 from batchrun.engine.warmup import warm_up as run_warm_up
 from batchrun.kernels.binding import bind_kernels, with_tuning
 from batchrun.kernels.kernel_set import KernelSet
@@ -103,18 +102,17 @@ class Cache:
     """The paged KV cache and the runner that computes into it (phase `build_cache`)."""
 
     kv: KVCacheManager  # block allocation, prefix cache, persistent block tables
-    runner: ModelRunner  # the target's forward over the cache's tensors
+    runner: ModelRunner  # the target's steps over the cache's tensors, sampled with the engine's sampler
 
 
 @dataclass(frozen=True)
 class Core:
     """What a step runs besides the cache (phase `build_core`)."""
 
-    scheduler: Scheduler  # which requests run how many tokens each step
-    sampler: Sampler  # logits -> tokens, seeded from engine.seed
+    scheduler: Scheduler  # which requests run how many tokens each step, and where each ends
+    sampler: Sampler  # logits -> tokens, seeded from engine.seed (the runner's)
     grammars: GrammarCompiler  # structured output's compiled constraints (background thread)
     admission: Admission  # prompts and params -> queued requests, or error outputs
-    step_sampler: StepSampler  # one step's grammar masks, draft verification and stop checks
     drafter: Optional[Drafter]  # speculative decoding's proposer; None with method "none"
     speculative: Optional[dict[str, Any]]  # the drafter's settings (method, k, ...); None without one
 
@@ -227,9 +225,15 @@ def plan_kv(config: EngineConfig, target: Target) -> KVPlan:
 
 
 def build_cache(config: EngineConfig, target: Target, kv_plan: KVPlan) -> Cache:
-    """Allocate the cache's blocks; the runner reads the KV manager's persistent block tables."""
+    """Allocate the cache's blocks and pick the runner, once: the GPU runner (CUDA graphs, steps
+    run ahead) on a GPU, the CPU runner elsewhere. It reads the KV manager's persistent block tables
+    and samples with the engine's sampler, seeded from engine.seed, which races on the device with
+    the kernel set's Gumbel race where that set is Triton's (the GPU's draw; a CPU set keeps the
+    inverse-CDF draws)."""
     kv = KVCacheManager(kv_plan.num_blocks, kv_plan.block_size, config.enable_prefix_caching)
-    runner = ModelRunner(
+    kernels = target.model.kernels
+    runner_class = GpuRunner if target.device.type == "cuda" else CpuRunner
+    runner = runner_class(
         target.model,
         kv_plan.num_blocks,
         kv_plan.block_size,
@@ -238,6 +242,8 @@ def build_cache(config: EngineConfig, target: Target, kv_plan: KVPlan) -> Cache:
         config.kv_cache_dtype,
         block_tables=kv.block_tables,
         batch_invariant=config.batch_invariant,
+        sampler=Sampler(config.seed, race=kernels.sample if kernels.binder == "triton" else None),
+        max_model_len=kv_plan.max_model_len,
     )
     return Cache(kv, runner)
 
@@ -258,12 +264,8 @@ def pick_batch_limits(config: EngineConfig, cache: Cache, kv_plan: KVPlan) -> Ba
     )
 
 
-def build_core(
-    config: EngineConfig, kernels: KernelSet, target: Target, kv_plan: KVPlan, cache: Cache, limits: BatchLimits
-) -> Core:
-    """The step's parts around the cache; the drafter prices drafting with the start-up profile. The
-    sampler races on the device with the kernel set's race where that set is Triton's (the GPU's
-    draw); a CPU set keeps the inverse-CDF draws."""
+def build_core(config: EngineConfig, target: Target, kv_plan: KVPlan, cache: Cache, limits: BatchLimits) -> Core:
+    """The step's parts around the cache; the drafter prices drafting with the start-up profile."""
     eos_ids = target.eos_token_ids()
     scheduler = Scheduler(
         SchedulerConfig(
@@ -275,18 +277,18 @@ def build_core(
             admission_min_slots=config.admission_min_slots,
         ),
         cache.kv,
+        target.tokenizer,
     )
-    sampler = Sampler(config.seed, race=kernels.sample if kernels.binder == "triton" else None)
+    sampler = cache.runner.sampler
     vocab_size = target.model.spec.vocab_size
     grammars = GrammarCompiler(target.tokenizer, vocab_size, sorted(eos_ids))
     admission = Admission(target.tokenizer, vocab_size, kv_plan.max_model_len, config.seed, grammars)
-    step_sampler = StepSampler(sampler, scheduler, target.tokenizer)
     drafter, speculative = None, None
     if config.speculative.method != "none":
         drafter, speculative = build_drafter(
-            config.speculative, target.model, cache.runner, sampler, kv_plan.num_blocks, limits.profile, target.draft
+            config.speculative, target.model, cache.runner, sampler, limits.profile, target.draft
         )
-    return Core(scheduler, sampler, grammars, admission, step_sampler, drafter, speculative)
+    return Core(scheduler, sampler, grammars, admission, drafter, speculative)
 
 
 def describe(
@@ -361,7 +363,7 @@ def start_engine(
     kv_plan = plan_kv(config, target)
     cache = build_cache(config, target, kv_plan)
     limits = pick_batch_limits(config, cache, kv_plan)
-    core = build_core(config, kernels, target, kv_plan, cache, limits)
+    core = build_core(config, target, kv_plan, cache, limits)
     settings = describe(config, kernels, target, kv_plan, limits, core)
     target.model.reset_expert_token_counts()  # start-up profiling forwards are not real tokens
     if config.warmup or (config.warmup is None and kernels.target.is_gpu):

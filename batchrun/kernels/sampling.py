@@ -141,6 +141,6 @@ def gumbel_sample_reference(
 def gather_in_place_reference(ids: torch.Tensor, src: torch.Tensor) -> None:
     """ids[i] = src[ids[i]] for (n,) int64 `ids` holding row indices into (m,) int64 `src`: a
     step launched before the previous step's tokens are read takes its input ids from them
-    (engine/async_steps.py). index_select and a copy; a Triton kernel set binds
+    (engine/runners/gpu.py). index_select and a copy; a Triton kernel set binds
     kernels/triton_sampling.py: gather_in_place (one launch) instead."""
     ids.copy_(src.index_select(0, ids))

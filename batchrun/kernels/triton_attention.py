@@ -487,7 +487,7 @@ def decode_tiles(target: Optional[GpuTarget], kv_row_bytes: int = 0) -> tuple[in
     """The decode BLOCK_N candidates for a GPU, first to last (the first is the default): the one
     table of them, which the split count, the CUDA-graph plan (engine/warmup.py) and the launcher
     all read. On sm_90 (H100/H200) 128-token tiles read closest to copy bandwidth both at a large
-    batch and at a few long sequences (`python -m batchrun.bench.gpu`'s decode sweep), while a
+    batch and at a few long sequences (`python -m benchmarks.gpu`'s decode sweep), while a
     token's K row takes at most 256 bytes (`kv_row_bytes`: head_dim padded times the cache's
     element size; bf16 head_dim 128, or int8/fp8 up to 256); wider rows keep 64, whose tiles hold
     as many bytes and do not spill. Elsewhere, unmeasured, 64. Off a GPU (the interpreter) one small

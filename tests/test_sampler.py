@@ -15,7 +15,9 @@ V = 1000
 
 
 def reference_keep(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """The documented masks, written the plain way: full sorts, one row (V,) at a time.
+    """The documented masks, written the plain way: full sorts, one row (V,) at a time, masses in
+    float64 (the sampler's float64 sums of float32 weights are as exact: even at top_p = 0.999999,
+    where a float32 softmax would move the boundary by many tokens).
 
     top-k keeps s >= the k-th largest s; top-p keeps s >= the last token (in descending order) whose
     mass before it, under the top-k-renormalized softmax, is below top_p."""
@@ -25,7 +27,7 @@ def reference_keep(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
         keep &= scaled >= torch.sort(scaled, descending=True).values[top_k - 1]
     if top_p < 1.0:
         ordered = torch.sort(scaled.masked_fill(~keep, float("-inf")), descending=True).values
-        probs = torch.softmax(ordered, dim=-1).double()
+        probs = torch.softmax(ordered.double(), dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs
         last = int((before < top_p).sum()) - 1
         keep &= scaled >= ordered[last]

@@ -22,12 +22,20 @@ E is -log(1 - u) (an exponential variate) written so small values keep their rel
 (1 - u rounds away the low bits of a small u): the winner of a race has a small E, so that is where
 precision matters. u == 1 (a rounding of the largest h) gives E = inf: that token loses the race.
 
-The engine samples this way on the GPU (one fused pass per row, no sort, no prefix sum, no per-row
-host work); the torch reference here is the kernel's specification and its test oracle. Both
-implementations round every float32 operation the same way (no fused multiply-add in the
-kernel, division by temperature rounded as torch's), so in Triton's interpreter they pick the same
-tokens; only `log` may differ in its last bit between numpy, torch and the GPU, which changes a
-token only where two race keys are that close.
+This is the engine's one sampling algorithm, on every device: the Triton kernel
+(kernels/triton_sampling.py) on a GPU, the native CPU kernel (csrc/sampling.cpp,
+kernels/cpu_sampling.py) on the CPU, and the torch reference here, which is the specification, the
+test oracle and the fallback where the native kernels are not built. They round every float32
+operation the same way (no fused multiply-add, the division by temperature correctly rounded), so
+for the same logits they pick the same tokens, with one exception: `log`'s last bit. The reference
+takes torch's `log` (SLEEF on the CPU, which misses the correctly rounded value by one unit in the
+last place on a small share of inputs), the native kernel the correctly rounded one, the GPU its
+own, the interpreter numpy's; a token differs only where the best two race keys of a row are within
+that rounding of each other (docs/design.md says how rare that is).
+
+A top-k/top-p row's threshold comes from engine/sampler.py; `spill_thresholds` finishes the rows
+whose kept set reaches past the candidates it looked at (its doc), by one Triton launch on a GPU
+and on the host elsewhere.
 
 `rows` packs the per-row inputs in one int64 (3, B) tensor, one host-to-device copy per step:
 row 0 the seed (its 64-bit pattern), row 1 the position, row 2 the temperature's float32 bits
@@ -37,8 +45,8 @@ row 0 the seed (its 64-bit pattern), row 1 the position, row 2 the temperature's
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Optional
+from collections.abc import Callable, Sequence
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -47,6 +55,33 @@ from batchrun.kernels.backend import triton_usable
 from batchrun.kernels.race_hash import C_POS, C_SEED, C_TOKEN, M32, MIX_A, MIX_B, SMALL_U, THIRD
 
 _ROW_CHUNK = 8  # rows the reference hashes at once: its (chunk, V) temporaries stay in cache
+SPILL_WIDTH = 1024  # the host's first candidate width for a spilled row; rows it cannot hold retry 8x wider
+
+# (logits (B, V), rows (3, B) int64, threshold (B,) float32 or None) -> tokens (B,) int64
+RaceFn = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
+# (s (R, V) float32, kth (R,) float32, top_p (R,) float64, spill (R,) bool, threshold (R,) float32)
+#   -> threshold (R,) float32, the spilled rows' replaced (`spill_thresholds`)
+SpillFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class SamplingKernels(NamedTuple):
+    """The two device kernels of a sampling step: the race and the spilled rows' thresholds."""
+
+    race: RaceFn
+    spill: SpillFn
+
+
+def sampling_kernels(x: torch.Tensor) -> SamplingKernels:
+    """The kernels that serve a tensor: Triton's on a GPU, else the CPU race (native when built)
+    and the host's spill. The one per-call device choice of sampling, for callers not handed
+    their kernels."""
+    if triton_usable(x):
+        from batchrun.kernels import triton_sampling
+
+        return SamplingKernels(triton_sampling.gumbel_sample, triton_sampling.spill_thresholds)
+    from batchrun.kernels.cpu_sampling import cpu_race
+
+    return SamplingKernels(cpu_race(), spill_thresholds_reference)
 
 
 def pack_rows(seeds: Sequence[int], positions: Sequence[int], temperatures: Sequence[float]) -> np.ndarray:
@@ -92,32 +127,33 @@ def _token_words(vocab: int, device: torch.device) -> torch.Tensor:
     return mix32(torch.arange(vocab, dtype=torch.int64) ^ C_TOKEN).to(torch.int32).to(device)
 
 
-def _race(s: torch.Tensor, words: torch.Tensor) -> torch.Tensor:
+def _race(
+    s: torch.Tensor, words: torch.Tensor, log: Callable[[torch.Tensor], torch.Tensor] = torch.log
+) -> torch.Tensor:
     """s - log E elementwise: s float32 scaled logits, words int32 (key ^ token word) of the same shape."""
     h = _mix32_(words)
     u = ((h >> 1) & 0x7FFFFFFF).float().add_(0.5).mul_(2.0**-31)
-    e = torch.rsub(u, 1.0).log_().neg_()
+    e = log(torch.rsub(u, 1.0)).neg_()
     series = u * THIRD
     series.add_(0.5).mul_(u).add_(1.0).mul_(u)  # u * (1 + u * (0.5 + u / 3)), rounded op by op
     e = torch.where(u < SMALL_U, series, e)
-    return s - e.log_()
+    return s - log(e)
 
 
-def race_keys(s: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """s - log E for every token: s (R, V) float32 scaled logits, keys (R,) int64 row keys."""
-    return _race(s, keys.to(torch.int32)[:, None] ^ _token_words(s.shape[-1], s.device)[None, :])
+def race_keys(
+    s: torch.Tensor, keys: torch.Tensor, log: Callable[[torch.Tensor], torch.Tensor] = torch.log
+) -> torch.Tensor:
+    """s - log E for every token: s (R, V) float32 scaled logits, keys (R,) int64 row keys. `log`
+    is torch's (the reference); the tests pass the correctly rounded one to check the native kernel
+    bit for bit."""
+    return _race(s, keys.to(torch.int32)[:, None] ^ _token_words(s.shape[-1], s.device)[None, :], log)
 
 
 def gumbel_sample(logits: torch.Tensor, rows: torch.Tensor, threshold: Optional[torch.Tensor] = None) -> torch.Tensor:
     """(B,) int64 tokens. logits (B, V) any float dtype; rows (3, B) int64 (`pack_rows`) on the
     logits' device; threshold (B,) float32, the smallest scaled logit a row keeps (-inf: all), or
-    None for no mask. The Triton kernel on a GPU; elsewhere the reference (the engine's CPU path
-    samples by inverse CDF instead: engine/sampler.py)."""
-    if triton_usable(logits):
-        from batchrun.kernels.triton_sampling import gumbel_sample as gumbel_sample_triton
-
-        return gumbel_sample_triton(logits, rows, threshold)
-    return gumbel_sample_reference(logits, rows, threshold)
+    None for no mask. The kernel `sampling_kernels` picks for the logits."""
+    return sampling_kernels(logits).race(logits, rows, threshold)
 
 
 def _scaled_rows(
@@ -146,6 +182,52 @@ def gumbel_sample_reference(
         k = k.masked_fill(s[i : i + _ROW_CHUNK] == float("-inf"), float("-inf"))  # masked: out of the race
         tokens[idx[i : i + _ROW_CHUNK]] = k.argmax(dim=-1)
     return tokens
+
+
+def kept_prefix(vals: torch.Tensor, kth: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """(R,) int64: how many of each row's leading candidates a top-k/top-p mask keeps. vals (R, W)
+    float32 scaled logits in descending order, their first the row's largest; kth (R,) the top-k
+    boundary (-inf: off); limit (R,) float64, top_p times the weight the row renormalizes over.
+    A candidate is kept when it is >= kth and the weight of the candidates before it is below
+    limit, a token's weight being exp(s - max s) in float32 and weights summed in float64."""
+    in_k = vals >= kth[:, None]
+    w = torch.where(in_k, torch.exp(vals - vals[:, :1]), 0.0).double()  # (R, W)
+    before = torch.nn.functional.pad(w.cumsum(dim=-1)[:, :-1], (1, 0))  # mass strictly before each
+    return (in_k & (before < limit[:, None])).sum(dim=-1)
+
+
+def spill_thresholds_reference(
+    s: torch.Tensor,  # (R, V) float32 scaled logits
+    kth: torch.Tensor,  # (R,) float32: the k-th largest s where top-k applies, else -inf
+    top_p: torch.Tensor,  # (R,) float64, below 1 on the spilled rows
+    spill: torch.Tensor,  # (R,) bool: the rows to redo
+    threshold: torch.Tensor,  # (R,) float32: the other rows' thresholds, kept
+) -> torch.Tensor:
+    """`threshold` with each spilled row's replaced by its exact top-p threshold over the whole row:
+    the smallest s_v >= kth whose mass above, the weight of the tokens with kth <= s_j > s_v, is
+    below top_p times the weight of all tokens with s_j >= kth (weights as `kept_prefix`'s). On the
+    host: the spilled rows are picked out (a device sync on a GPU) and redone with SPILL_WIDTH
+    candidates, 8x wider while the kept set still fills them; the Triton kernel of the GPU's
+    sampled steps finds the same thresholds without leaving the device."""
+    idx = spill.nonzero().squeeze(1)
+    if not idx.numel():
+        return threshold
+    rows, kth_rows, limit_rows = s.index_select(0, idx), kth.index_select(0, idx), top_p.index_select(0, idx)
+    peak = rows.amax(dim=-1, keepdim=True)
+    weight = torch.where(rows >= kth_rows[:, None], torch.exp(rows - peak), 0.0)
+    limit_rows = limit_rows * weight.sum(dim=-1, dtype=torch.float64)
+    vocab = s.shape[-1]
+    width = min(vocab, SPILL_WIDTH)
+    while True:
+        vals = torch.topk(rows, width, dim=-1).values  # (r, width) descending
+        num = kept_prefix(vals, kth_rows, limit_rows)
+        # A row whose kept set ends before its last candidate is done (each candidate's mass before
+        # it counts every larger s, and the limit is the whole row's); one that keeps them all may
+        # keep more past them.
+        if width == vocab or not bool((num == width).any()):
+            break
+        width = min(vocab, width * 8)
+    return threshold.index_copy(0, idx, vals.gather(1, (num - 1)[:, None]).squeeze(1))
 
 
 def gather_in_place(ids: torch.Tensor, src: torch.Tensor) -> None:

@@ -151,3 +151,22 @@ class NoHostSync(TorchFunctionMode):
                 raise HostSync("a device tensor copied to the host")
         if func is Tensor.copy_ and not self.on_device(args[0]) and not kwargs.get("non_blocking", False):
             raise HostSync("a blocking copy of a device tensor into a host tensor")
+
+
+@contextlib.contextmanager
+def opaque_triton_launches(mode: NoHostSync) -> Iterator[None]:
+    """Triton's interpreter moving a launch's arguments to numpy and back is the launch itself, one
+    device op on a GPU: not inspected."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    run = InterpretedFunction.run
+
+    def opaque_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with mode.opaque():
+            return run(self, *args, **kwargs)
+
+    InterpretedFunction.run = opaque_run
+    try:
+        yield
+    finally:
+        InterpretedFunction.run = run

@@ -9,8 +9,8 @@ Masks work on the temperature-scaled logits s = logits / temperature:
   distribution) is below top_p, then every token tied with the last one kept.
 So a mask is a threshold on s and never depends on how a sort orders ties: it is the same on
 every device and in every batch. The most likely token always survives. A token's mass is its
-weight exp(s - max s), in float32, over the weight of the set renormalized over, with weights
-summed in float64 (kernels/sampling.py: kept_prefix).
+weight exp(s - max s), in float32, over the weight of the set renormalized over, with sums that
+round no decision a float32 rounding of the weights would not (kernels/sampling.py: kept_prefix).
 
 Neither mask sorts the vocabulary, and neither reads a device value on the host (`thresholds`):
 torch.topk takes max(CANDIDATES, largest top_k) candidates per truncated row, which hold the
@@ -54,6 +54,7 @@ from batchrun.kernels.sampling import (
     pack_rows,
     sampling_kernels,
     spill_thresholds_reference,
+    weight_past,
 )
 
 CANDIDATES = 128  # candidates per truncated row (at least its top_k); rows whose kept set spills are redone
@@ -102,7 +103,7 @@ def thresholds(
     vocab = s.shape[-1]
     ks = [k if 0 < k < vocab else 0 for k in top_k]
     width = min(vocab, max(CANDIDATES, *ks))
-    vals = torch.topk(s, width, dim=-1).values  # (R, W) descending
+    vals, idx = torch.topk(s, width, dim=-1)  # (R, W) descending
     k_rows = upload(ks, torch.int64, s.device)
     has_k = k_rows > 0
     kth = vals.gather(1, (k_rows - 1).clamp_min(0)[:, None]).squeeze(1)
@@ -111,16 +112,18 @@ def thresholds(
         return kth
     # off is above any mass a rounded sum can reach
     p_rows = upload([p if p < 1.0 else 2.0 for p in top_p], torch.float64, s.device)
-    # The weight top-p renormalizes over: the top-k set's (all among the candidates unless the row
-    # spills), else the whole row's.
-    in_k_weight = torch.where(vals >= kth[:, None], torch.exp(vals - vals[:, :1]), 0.0).sum(-1, dtype=torch.float64)
+    # The weight top-p renormalizes over past the candidates: none for a top-k row (its top-k set
+    # is among them unless the row spills), the rest of the row without top-k.
     without_k = [i for i, k in enumerate(ks) if k == 0]
-    if without_k:
-        idx = upload(without_k, torch.int64, s.device)
-        sub = s.index_select(0, idx)
-        whole = torch.exp(sub - vals.index_select(0, idx)[:, :1]).sum(-1, dtype=torch.float64)
-        in_k_weight = in_k_weight.index_copy(0, idx, whole)
-    num = kept_prefix(vals, kth, p_rows * in_k_weight)
+    if len(without_k) == len(ks):
+        past = weight_past(s, idx)
+    else:
+        past = torch.zeros(len(ks), dtype=torch.float64, device=s.device)
+        if without_k:
+            rows = upload(without_k, torch.int64, s.device)
+            sub = weight_past(s.index_select(0, rows), idx.index_select(0, rows))
+            past = past.index_copy(0, rows, sub)
+    num = kept_prefix(vals, kth, p_rows, past)
     threshold = vals.gather(1, (num - 1)[:, None]).squeeze(1)
     if width == vocab:
         return threshold

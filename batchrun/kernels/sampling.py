@@ -184,15 +184,31 @@ def gumbel_sample_reference(
     return tokens
 
 
-def kept_prefix(vals: torch.Tensor, kth: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+def weight_past(s: torch.Tensor, idx: torch.Tensor, kth: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """(R,) float64: the weight, exp(s - max s) per token, of each row's tokens (with s >= kth, when
+    given) that are not among its candidates idx (R, W), the row's largest s first. Taken from the
+    softmax (one fused pass) over its largest probability and summed in float32: its rounding is
+    relative to itself, and a mask that stops inside the candidates compares a tail holding all of
+    it, so it moves no decision a float32 rounding of the weights would not."""
+    probs = torch.softmax(s, dim=-1)  # (R, V)
+    top = probs.gather(1, idx[:, :1]).squeeze(1)  # the largest s's: 1 / the row's weight
+    if kth is not None:
+        probs = probs.masked_fill_(s < kth[:, None], 0.0)
+    return probs.scatter_(1, idx, 0.0).sum(dim=-1).double() / top.double()
+
+
+def kept_prefix(vals: torch.Tensor, kth: torch.Tensor, top_p: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
     """(R,) int64: how many of each row's leading candidates a top-k/top-p mask keeps. vals (R, W)
     float32 scaled logits in descending order, their first the row's largest; kth (R,) the top-k
-    boundary (-inf: off); limit (R,) float64, top_p times the weight the row renormalizes over.
-    A candidate is kept when it is >= kth and the weight of the candidates before it is below
-    limit, a token's weight being exp(s - max s) in float32 and weights summed in float64."""
+    boundary (-inf: off); top_p (R,) float64; past (R,) float64, the weight of the tokens >= kth
+    beyond the candidates (`weight_past`; 0 where there are none). A candidate is kept when it is
+    >= kth and the weight before it is below top_p times the weight of all tokens >= kth, a
+    token's weight being exp(s - max s) in float32, the candidates' summed in float64."""
     in_k = vals >= kth[:, None]
     w = torch.where(in_k, torch.exp(vals - vals[:, :1]), 0.0).double()  # (R, W)
-    before = torch.nn.functional.pad(w.cumsum(dim=-1)[:, :-1], (1, 0))  # mass strictly before each
+    total = w.cumsum(dim=-1)
+    before = torch.nn.functional.pad(total[:, :-1], (1, 0))  # mass strictly before each candidate
+    limit = top_p * (total[:, -1] + past)
     return (in_k & (before < limit[:, None])).sum(dim=-1)
 
 
@@ -208,22 +224,22 @@ def spill_thresholds_reference(
     below top_p times the weight of all tokens with s_j >= kth (weights as `kept_prefix`'s). On the
     host: the spilled rows are picked out (a device sync on a GPU) and redone with SPILL_WIDTH
     candidates, 8x wider while the kept set still fills them; the Triton kernel of the GPU's
-    sampled steps finds the same thresholds without leaving the device."""
+    sampled steps finds the same thresholds without leaving the device (its weights all summed in
+    float64)."""
     idx = spill.nonzero().squeeze(1)
     if not idx.numel():
         return threshold
-    rows, kth_rows, limit_rows = s.index_select(0, idx), kth.index_select(0, idx), top_p.index_select(0, idx)
-    peak = rows.amax(dim=-1, keepdim=True)
-    weight = torch.where(rows >= kth_rows[:, None], torch.exp(rows - peak), 0.0)
-    limit_rows = limit_rows * weight.sum(dim=-1, dtype=torch.float64)
+    rows, kth_rows, top_p_rows = s.index_select(0, idx), kth.index_select(0, idx), top_p.index_select(0, idx)
     vocab = s.shape[-1]
     width = min(vocab, SPILL_WIDTH)
     while True:
-        vals = torch.topk(rows, width, dim=-1).values  # (r, width) descending
-        num = kept_prefix(vals, kth_rows, limit_rows)
+        vals, cand = torch.topk(rows, width, dim=-1)  # (r, width) descending
+        past = torch.zeros_like(top_p_rows)
+        if width < vocab:  # top-k rows (their ties spilled) count only the tokens >= kth
+            past = weight_past(rows, cand, kth_rows if bool(torch.isfinite(kth_rows).any()) else None)
+        num = kept_prefix(vals, kth_rows, top_p_rows, past)
         # A row whose kept set ends before its last candidate is done (each candidate's mass before
-        # it counts every larger s, and the limit is the whole row's); one that keeps them all may
-        # keep more past them.
+        # it counts every larger s, the limit every token); one that keeps them all may keep more.
         if width == vocab or not bool((num == width).any()):
             break
         width = min(vocab, width * 8)

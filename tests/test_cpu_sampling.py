@@ -1,4 +1,4 @@
-"""The CPU's Gumbel race (csrc/sampling.cpp, kernels/cpu_sampling.py) against the torch reference.
+"""The CPU's Gumbel race (csrc/sampling.cpp, kernels/sampling.py: gumbel_sample_native) against the torch reference.
 
 Every race key the kernel computes is bitwise the reference's arithmetic with a correctly rounded
 `log` (the reference itself takes torch's log, whose last bit differs on a small share of inputs:
@@ -16,8 +16,14 @@ import pytest
 import torch
 
 from batchrun.kernels import cpu_native
-from batchrun.kernels.cpu_sampling import cpu_race, gumbel_sample_native
-from batchrun.kernels.sampling import gumbel_sample_reference, pack_rows, race_keys, row_keys
+from batchrun.kernels.sampling import (
+    cpu_race,
+    gumbel_sample_native,
+    gumbel_sample_reference,
+    pack_rows,
+    race_keys,
+    row_keys,
+)
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C++ compiler: the native kernels are not built")
 

@@ -343,21 +343,21 @@ def test_reference_greedy_rows_are_argmax_and_sampled_rows_keep_their_draw():
     ids=["temperature", "top-k-top-p", "top-p"],
 )
 def test_race_frequencies_follow_the_masked_softmax(params):
-    """The race over the thresholds the GPU sampler computes draws from `sampling_probs`, the
-    distribution the CPU sampler inverts: one logits row at 30,000 positions."""
+    """The race over the sampler's thresholds draws from `sampling_probs`: one logits row at 30,000
+    positions."""
     from test_sampler import _chi2, _chi2_critical
 
     from batchrun.engine.config import SamplingParams
-    from batchrun.engine.sampler import _truncate_rows, sampling_probs
-    from batchrun.kernels.sampling import gumbel_sample_reference, pack_rows
+    from batchrun.engine.sampler import sampling_probs, thresholds
+    from batchrun.kernels.sampling import gumbel_sample_reference, pack_rows, spill_thresholds_reference
 
     sp = SamplingParams(**params)
     logits = torch.randn(24, generator=torch.Generator().manual_seed(3)) * 1.5
     n = 30_000
     rows = torch.from_numpy(pack_rows([11] * n, list(range(n)), [sp.temperature] * n))
     s = logits[None].float() / torch.tensor([sp.temperature])[:, None]
-    threshold, _ = _truncate_rows(s, [sp.top_k], [sp.top_p], None)
-    tokens = gumbel_sample_reference(logits.expand(n, -1), rows, threshold.float().expand(n))
+    threshold = thresholds(s, [sp.top_k], [sp.top_p], spill_thresholds_reference) if sp.top_k or sp.top_p < 1 else None
+    tokens = gumbel_sample_reference(logits.expand(n, -1), rows, None if threshold is None else threshold.expand(n))
     counts = torch.bincount(tokens, minlength=24)
     want = sampling_probs(logits, sp)
     assert counts[want == 0].sum() == 0, "a token outside the kept set"

@@ -35,7 +35,7 @@ import torch
 
 from batchrun.engine.config import SamplingParams
 from batchrun.engine.sampler import CANDIDATES, Sampler, draw_from_probs, upload
-from batchrun.kernels.sampling import gumbel_sample_reference, pack_rows
+from batchrun.kernels.sampling import cpu_race, gumbel_sample_reference, pack_rows
 
 VOCABS = (49152, 151936)  # SmolLM2's, Qwen3's
 ROWS = (1, 8, 32, 128)
@@ -183,8 +183,6 @@ def measure(shape: str, vocab: int, num_rows: int, kind: str, rounds: int, reps:
 
 def agreement(num_rows: int, vocab: int = 49152, chunk: int = 256) -> tuple[int, int]:
     """(tokens that differ, rows drawn): the native race against the torch reference."""
-    from batchrun.kernels.cpu_sampling import cpu_race
-
     race = cpu_race()
     differ = 0
     g = torch.Generator().manual_seed(1)

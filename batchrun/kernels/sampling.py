@@ -24,7 +24,7 @@ precision matters. u == 1 (a rounding of the largest h) gives E = inf: that toke
 
 This is the engine's one sampling algorithm, on every device: the Triton kernel
 (kernels/triton_sampling.py) on a GPU, the native CPU kernel (csrc/sampling.cpp,
-kernels/cpu_sampling.py) on the CPU, and the torch reference here, which is the specification, the
+`gumbel_sample_native`) on the CPU, and the torch reference here, which is the specification, the
 test oracle and the fallback where the native kernels are not built. They round every float32
 operation the same way (no fused multiply-add, the division by temperature correctly rounded), so
 for the same logits they pick the same tokens, with one exception: `log`'s last bit. The reference
@@ -33,9 +33,11 @@ last place on a small share of inputs), the native kernel the correctly rounded 
 own, the interpreter numpy's; a token differs only where the best two race keys of a row are within
 that rounding of each other (docs/design.md says how rare that is).
 
-A top-k/top-p row's threshold comes from engine/sampler.py; `spill_thresholds` finishes the rows
-whose kept set reaches past the candidates it looked at (its doc), by one Triton launch on a GPU
-and on the host elsewhere.
+A top-k/top-p row's threshold comes from engine/sampler.py out of a fixed number of candidates;
+`spill_thresholds_reference` defines the thresholds of the rows whose kept set reaches past them,
+which the GPU finds in one Triton launch (kernels/triton_sampling.py) and the CPU on the host.
+`sampling_kernels` is the per-call choice of the race and the spill for a tensor's device, for
+callers that are not handed theirs.
 
 `rows` packs the per-row inputs in one int64 (3, B) tensor, one host-to-device copy per step:
 row 0 the seed (its 64-bit pattern), row 1 the position, row 2 the temperature's float32 bits
@@ -51,6 +53,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
+from batchrun.kernels import cpu_native
 from batchrun.kernels.backend import triton_usable
 from batchrun.kernels.race_hash import C_POS, C_SEED, C_TOKEN, M32, MIX_A, MIX_B, SMALL_U, THIRD
 
@@ -79,8 +82,6 @@ def sampling_kernels(x: torch.Tensor) -> SamplingKernels:
         from batchrun.kernels import triton_sampling
 
         return SamplingKernels(triton_sampling.gumbel_sample, triton_sampling.spill_thresholds)
-    from batchrun.kernels.cpu_sampling import cpu_race
-
     return SamplingKernels(cpu_race(), spill_thresholds_reference)
 
 
@@ -154,6 +155,55 @@ def gumbel_sample(logits: torch.Tensor, rows: torch.Tensor, threshold: Optional[
     logits' device; threshold (B,) float32, the smallest scaled logit a row keeps (-inf: all), or
     None for no mask. The kernel `sampling_kernels` picks for the logits."""
     return sampling_kernels(logits).race(logits, rows, threshold)
+
+
+def gumbel_sample_native(
+    logits: torch.Tensor,  # (B, V) float32 or bf16 (others are widened to float32), on the CPU
+    rows: torch.Tensor,  # (3, B) int64: kernels/sampling.pack_rows
+    threshold: Optional[torch.Tensor] = None,  # (B,) float32, or None
+    keys_out: Optional[torch.Tensor] = None,  # (B, V) float32: every token's race key, for the tests
+) -> torch.Tensor:
+    """(B,) int64: `gumbel_sample` by the native kernel (built: the caller checked). It computes only
+    the keys that can win (csrc/sampling.cpp), each bitwise the reference's with a correctly
+    rounded log; `keys_out` gets every key, unpruned."""
+    if logits.dtype not in cpu_native.DTYPE_CODES:
+        logits = logits.float()
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    num_rows, vocab = logits.shape
+    rows = rows.contiguous()
+    assert rows.shape == (3, num_rows) and rows.dtype == torch.int64
+    out = torch.empty(num_rows, dtype=torch.int64)
+    if num_rows == 0:
+        return out
+    if threshold is not None:
+        threshold = threshold.float().contiguous()
+        assert threshold.shape == (num_rows,)
+    if keys_out is not None:
+        assert keys_out.shape == (num_rows, vocab) and keys_out.dtype == torch.float32 and keys_out.is_contiguous()
+    err = cpu_native.loaded().batchrun_gumbel_sample(
+        logits.data_ptr(),
+        cpu_native.DTYPE_CODES[logits.dtype],
+        num_rows,
+        vocab,
+        logits.stride(0),
+        rows.data_ptr(),
+        threshold.data_ptr() if threshold is not None else None,
+        _token_words(vocab, logits.device).data_ptr(),
+        out.data_ptr(),
+        keys_out.data_ptr() if keys_out is not None else None,
+        torch.get_num_threads(),
+    )
+    assert err == 0, f"batchrun_gumbel_sample failed ({err})"
+    return out
+
+
+def cpu_race() -> RaceFn:
+    """The CPU's race kernel: the native one when built and enabled (BATCHRUN_CPU_KERNELS), else
+    the torch reference."""
+    if cpu_native.enabled() and cpu_native.available():
+        return gumbel_sample_native
+    return gumbel_sample_reference
 
 
 def _scaled_rows(

@@ -61,7 +61,7 @@ CANDIDATES = 128  # candidates per truncated row (at least its top_k); rows whos
 _MASK64 = (1 << 64) - 1
 
 # Streams of one request's uniforms: each (seed, position, stream) is one independent draw.
-STREAM_SAMPLE = 0  # no draw's since the race took plain steps; kept so the others' keys stay put
+STREAM_SAMPLE = 0  # unused by the engine since plain steps race; kept so the other streams' keys stay
 STREAM_DRAFT = 1  # a draft proposed for a position (drafter)
 STREAM_ACCEPT = 2  # the acceptance test of the draft at a position (verification)
 STREAM_RESIDUAL = 3  # the token drawn from the residual where that draft was rejected (verification)
@@ -77,7 +77,7 @@ def _mix64(z: int) -> int:
 def uniform(seed: int, position: int, stream: int = STREAM_SAMPLE) -> float:
     """A uniform in [0, 1) with 53 random bits, a pure function of (seed, position, stream)."""
     key = _mix64(seed & _MASK64)
-    if stream != STREAM_SAMPLE:  # the sampler's own stream keeps the key it always had
+    if stream != STREAM_SAMPLE:  # stream 0 keeps the key it always had
         key = _mix64(key ^ (stream * 0xD1B54A32D192ED03 & _MASK64))
     z = _mix64((key + (position & _MASK64) * 0x9E3779B97F4A7C15) & _MASK64)
     return (z >> 11) * 2.0**-53

@@ -15,10 +15,10 @@ import pytest
 import torch
 from test_sampler import STEP_KINDS
 
-from batchrun.bench import compile_counts
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.warmup import warm_sampler
 from batchrun.kernels import triton_aot
+from benchmarks import compile_counts
 
 pytest.importorskip("triton")
 

@@ -19,7 +19,7 @@ the k-th value running past them while top-p renormalizes over the top-k set). T
 flagged on the device, and a spill kernel redoes them over the whole row: on a GPU one Triton
 launch in which unflagged rows return at once, on the CPU the flagged rows picked out and widened
 on the host (the same thresholds: kernels/sampling.py: spill_thresholds_reference). So a GPU
-decode step can be launched before the previous one's tokens are read (engine/async_steps.py),
+decode step can be launched before the previous one's tokens are read (engine/runners/gpu.py),
 sampled and truncated rows included.
 
 Every sampled row draws by the Gumbel-max race (kernels/sampling.py): argmax of s - log E over the
@@ -250,7 +250,7 @@ class Sampler:
         positions: Sequence[int],
     ) -> torch.Tensor:
         """`sample`'s tokens as a (num_rows,) int64 tensor on the logits' device, without a host
-        sync: the tokens may be read later (engine/async_steps.py). Every row in one race launch,
+        sync: the tokens may be read later (engine/runners/gpu.py). Every row in one race launch,
         greedy rows inside it exact argmaxes, after the thresholds of the truncated rows."""
         num_rows, vocab = logits.shape
         assert num_rows == len(params) == len(seeds) == len(positions)

@@ -21,7 +21,8 @@ tokens, past the 128 candidates, so top-p rows take the spill path on most rows)
 torch reference and counts the tokens that differ: the rows whose two best race keys are within the
 last bit of `log` (kernels/sampling.py), the float limit of "the same tokens on CPU and GPU".
 
-Self-contained: it imports only the engine and kernels, so it runs wherever the benchmarks live.
+--write-docs writes the table to docs/benchmarks.md (section sampling-race): per kind of batch,
+old / new and the new sampler's milliseconds.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Optional
 
 import torch
 
+from batchrun.benchmark.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.engine.config import SamplingParams
 from batchrun.engine.sampler import CANDIDATES, Sampler, draw_from_probs, upload
 from batchrun.kernels.sampling import cpu_race, gumbel_sample_reference, pack_rows
@@ -204,24 +206,44 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--reps", type=int, default=3, help="draws per timing")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--agreement", type=int, default=0, help="rows to compare with the torch reference")
+    ap.add_argument("--write-docs", action="store_true", help=WRITE_DOCS_HELP)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"Sampler.draw, float32 logits, threads={torch.get_num_threads()}, fastest of {args.rounds} rounds")
+    clock = "thread CPU" if torch.get_num_threads() == 1 else "wall"
+    print(f"Sampler.draw, float32 logits, threads={torch.get_num_threads()}, fastest of {args.rounds} rounds ({clock})")
     print(f"{'logits':<7} {'vocab':>7} {'rows':>5} {'kind':<12} {'old ms':>9} {'new ms':>9} {'old/new':>8}")
+    table = []
     for shape in args.logits:
         for vocab in args.vocab:
             for num_rows in args.rows:
+                cells = []
                 for kind in args.kinds:
                     row = measure(shape, vocab, num_rows, kind, args.rounds, args.reps)
+                    cells.append(f"{row['ratio']:.2f}x ({row['new_ms']:.2f} ms)")
                     print(
                         f"{shape:<7} {vocab:>7} {num_rows:>5} {kind:<12} {row['old_ms']:>9.2f} {row['new_ms']:>9.2f}"
                         f" {row['ratio']:>7.2f}x",
                         flush=True,
                     )
+                table.append([shape, vocab, num_rows, *cells])
+    notes = (
+        f"Old / new time of one `Sampler.draw` (above 1: the race is faster), the race's own time in brackets; "
+        f"float32 logits, {torch.get_num_threads()} thread(s), {clock} time, the fastest of {args.rounds} "
+        f"alternating rounds of {args.reps} draws. Kinds: temperature 0.7, top-k 50, top-p 0.9, and a mix of "
+        "those and greedy rows."
+    )
     if args.agreement:
         differ, drawn = agreement(args.agreement)
-        print(f"native race vs torch reference: {differ} of {drawn} tokens differ (vocab 49152, temperature 0.7)")
+        line = f"native race vs torch reference: {differ} of {drawn} tokens differ (vocab 49152, temperature 0.7)"
+        print(line)
+        notes += f" Tokens: {line}."
+    if args.write_docs:
+        command = script_command("benchmarks.sampling_race", argv)
+        header = ["logits", "vocab", "rows", *args.kinds]
+        write_section(
+            "sampling-race", command, stamp(), markdown_table(header, table), notes, "Sampling: the race on the CPU"
+        )
 
 
 if __name__ == "__main__":

@@ -228,7 +228,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                     )
                 table.append([shape, vocab, num_rows, *cells])
     notes = (
-        f"Old / new time of one `Sampler.draw` (above 1: the race is faster), the race's own time in brackets; "
+        f"Old / new time of one `Sampler.draw` (above 1: the race is faster), the new draw's time in brackets; "
         f"float32 logits, {torch.get_num_threads()} thread(s), {clock} time, the fastest of {args.rounds} "
         f"alternating rounds of {args.reps} draws. Kinds: temperature 0.7, top-k 50, top-p 0.9, and a mix of "
         "those and greedy rows."

@@ -72,6 +72,8 @@ class InverseCdfSampler(Sampler):
         positions: Sequence[int],
     ) -> torch.Tensor:
         num_rows, vocab = logits.shape
+        if all(p.is_greedy for p in params):
+            return logits.argmax(dim=-1)
         tokens = torch.empty(num_rows, dtype=torch.int64)
         greedy = [i for i, p in enumerate(params) if p.is_greedy]
         if greedy:

@@ -350,17 +350,22 @@ def import_batchrun() -> Any:
 
 
 class Normalizer:
-    """Replaces this run's temporary paths in messages, which differ from run to run."""
+    """Replaces this run's temporary paths, which differ from run to run, in strings and in the
+    strings inside lists and mappings (messages, settings, result rows)."""
 
     def __init__(self, replacements: dict[str, str]) -> None:
         self.replacements = sorted(replacements.items(), key=lambda kv: -len(kv[0]))
 
-    def __call__(self, text: Any) -> Any:
-        if not isinstance(text, str):
-            return text
+    def __call__(self, value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: self(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [self(v) for v in value]
+        if not isinstance(value, str):
+            return value
         for old, new in self.replacements:
-            text = text.replace(old, new)
-        return text
+            value = value.replace(old, new)
+        return value
 
 
 def git_commit(path: Path) -> dict[str, Any]:
@@ -501,7 +506,7 @@ class Snapshotter:
             broken = failure("error", f"{type(e).__name__}: {self.normalize(str(e))}")
             return {**record, "greedy": broken, "seeded": broken}
         try:
-            record["settings"] = json.loads(json.dumps(engine.settings.as_dict(), default=str))
+            record["settings"] = self.normalize(json.loads(json.dumps(engine.settings.as_dict(), default=str)))
             record["settings"].pop("batch_limits_profile", None)
             passes = [
                 ("greedy", greedy_params(len(prompts), max_tokens[0]), output_record),
@@ -615,7 +620,7 @@ class Snapshotter:
                 return {k: strip(v) for k, v in value.items() if k not in OPENAI_VOLATILE_KEYS}
             if isinstance(value, list):
                 return [strip(v) for v in value]
-            return self.normalize(value)
+            return value
 
         lines = []
         for kind in ("outputs", "errors"):
@@ -623,7 +628,8 @@ class Snapshotter:
                 for line in path.read_text().splitlines():
                     if line.strip():
                         entry = json.loads(line)
-                        lines.append({"file": kind, "custom_id": entry.get("custom_id"), "line": strip(entry)})
+                        line = self.normalize(strip(entry))
+                        lines.append({"file": kind, "custom_id": entry.get("custom_id"), "line": line})
         lines.sort(key=lambda e: (e["file"], str(e["custom_id"])))
         return lines
 

@@ -186,64 +186,38 @@ def engine_cases(quick: bool) -> list[EngineCase]:
 class JobCase:
     name: str
     job: str  # generate | summarize | openai_batch
-    overrides: tuple[str, ...]
+    overrides: str  # command-line overrides, space-separated
     seeded: bool  # every row sampled with a seed (openai_batch: per request, SEEDED_REQUESTS)
 
 
 ENGINE_OVERRIDES = (
-    "engine.device=cpu",
-    "engine.num_threads=1",
-    "engine.block_size=16",
-    "engine.max_num_seqs=4",
-    "engine.max_num_batched_tokens=64",
-    f"engine.kv_cache_memory={4 << 20}",
-    "quiet=true",
-    "launcher.num_workers=1",
+    "engine.device=cpu engine.num_threads=1 engine.block_size=16 engine.max_num_seqs=4 "
+    f"engine.max_num_batched_tokens=64 engine.kv_cache_memory={4 << 20} quiet=true launcher.num_workers=1"
 )
+GREEDY = "sampling.temperature=0 sampling.max_tokens=12 sampling.logprobs=0"
 JOB_CASES = (
-    JobCase(
-        "generate-greedy-float32",
-        "generate",
-        ("engine.dtype=float32", "sampling.temperature=0", "sampling.max_tokens=12", "sampling.logprobs=0"),
-        seeded=False,
-    ),
+    JobCase("generate-greedy-float32", "generate", f"engine.dtype=float32 {GREEDY}", seeded=False),
     JobCase(
         "generate-seeded-float32",
         "generate",
-        (
-            "engine.dtype=float32",
-            "sampling.temperature=0.8",
-            "sampling.top_k=20",
-            "sampling.top_p=0.9",
-            "sampling.seed=0",
-            "sampling.n=2",
-            "sampling.max_tokens=12",
-            "sampling.logprobs=0",
-        ),
+        "engine.dtype=float32 sampling.temperature=0.8 sampling.top_k=20 sampling.top_p=0.9 sampling.seed=0 "
+        "sampling.n=2 sampling.max_tokens=12 sampling.logprobs=0",
         seeded=True,
     ),
     JobCase(
         "generate-greedy-bfloat16-int8-ngram",
         "generate",
-        (
-            "engine.dtype=bfloat16",
-            "engine.quantization=int8",
-            "engine.kv_cache_dtype=int8",
-            "engine.speculative.method=ngram",
-            "engine.speculative.adaptive=false",
-            "sampling.temperature=0",
-            "sampling.max_tokens=12",
-            "sampling.logprobs=0",
-        ),
+        "engine.dtype=bfloat16 engine.quantization=int8 engine.kv_cache_dtype=int8 engine.speculative.method=ngram "
+        f"engine.speculative.adaptive=false {GREEDY}",
         seeded=False,
     ),
     JobCase(
         "summarize-greedy-float32",
         "summarize",
-        ("engine.dtype=float32", "sampling.max_tokens=12", "data.on_too_long=truncate"),
+        "engine.dtype=float32 sampling.max_tokens=12 data.on_too_long=truncate",
         seeded=False,
     ),
-    JobCase("openai-batch-float32", "openai_batch", ("engine.dtype=float32", "sampling.max_tokens=12"), seeded=False),
+    JobCase("openai-batch-float32", "openai_batch", "engine.dtype=float32 sampling.max_tokens=12", seeded=False),
 )
 QUICK_JOBS = ("generate-greedy-float32",)
 
@@ -267,56 +241,34 @@ DOCUMENTS = [
 ]
 OPENAI_MODEL = "tiny"
 SEEDED_REQUESTS = ("chat-seeded", "two-choices")
-OPENAI_REQUESTS: list[dict[str, Any]] = [
-    {
-        "custom_id": "chat-greedy",
-        "url": "/v1/chat/completions",
-        "body": {
-            "messages": [
-                {"role": "system", "content": "You are a concise assistant."},
-                {"role": "user", "content": "Name three built-in types."},
-            ],
-            "max_tokens": 12,
-            "temperature": 0,
-        },
-    },
-    {
-        "custom_id": "chat-seeded",
-        "url": "/v1/chat/completions",
-        "body": {
-            "messages": [{"role": "user", "content": "Describe a module."}],
-            "max_completion_tokens": 12,
-            "temperature": 0.7,
-            "seed": 7,
-        },
-    },
-    {
-        "custom_id": "completion-stop",
-        "url": "/v1/completions",
-        "body": {"prompt": PREFIX, "max_tokens": 12, "temperature": 0, "stop": ["e"]},
-    },
-    {
-        "custom_id": "wrong-model",
-        "url": "/v1/chat/completions",
-        "model": "gpt-4o",
-        "body": {"messages": [{"role": "user", "content": "Hello"}]},
-    },
-    {
-        "custom_id": "two-choices",
-        "url": "/v1/chat/completions",
-        "body": {
-            "messages": [{"role": "user", "content": "Suggest a name for a cat."}],
-            "max_tokens": 8,
-            "temperature": 0.8,
-            "n": 2,
-            "seed": 3,
-        },
-    },
-    {
-        "custom_id": "penalized",
-        "url": "/v1/chat/completions",
-        "body": {"messages": [{"role": "user", "content": "Hello"}], "presence_penalty": 0.5},
-    },
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+SYSTEM = {"role": "system", "content": "You are a concise assistant."}
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# (custom_id, url, body); a body without a model names OPENAI_MODEL.
+OPENAI_REQUESTS: list[tuple[str, str, dict[str, Any]]] = [
+    (
+        "chat-greedy",
+        CHAT,
+        {"messages": [SYSTEM, *user("Name three built-in types.")], "max_tokens": 12, "temperature": 0},
+    ),
+    (
+        "chat-seeded",
+        CHAT,
+        {"messages": user("Describe a module."), "max_completion_tokens": 12, "temperature": 0.7, "seed": 7},
+    ),
+    ("completion-stop", COMPLETIONS, {"prompt": PREFIX, "max_tokens": 12, "temperature": 0, "stop": ["e"]}),
+    ("wrong-model", CHAT, {"model": "gpt-4o", "messages": user("Hello")}),
+    (
+        "two-choices",
+        CHAT,
+        {"messages": user("Suggest a name for a cat."), "max_tokens": 8, "temperature": 0.8, "n": 2, "seed": 3},
+    ),
+    ("penalized", CHAT, {"messages": user("Hello"), "presence_penalty": 0.5}),
 ]
 # EngineStats counts recorded after each pass (information: the diff lists changes, never fails on them).
 STATS = (
@@ -556,11 +508,9 @@ class Snapshotter:
         batch_dir = self.work / "inputs" / "openai_batch"
         batch_dir.mkdir(parents=True)
         lines = []
-        for request in OPENAI_REQUESTS:
-            body = {"model": request.get("model", OPENAI_MODEL), **request["body"]}
-            lines.append(
-                json.dumps({"custom_id": request["custom_id"], "method": "POST", "url": request["url"], "body": body})
-            )
+        for custom_id, url, body in OPENAI_REQUESTS:
+            request = {"custom_id": custom_id, "method": "POST", "url": url, "body": {"model": OPENAI_MODEL, **body}}
+            lines.append(json.dumps(request))
         (batch_dir / "requests.jsonl").write_text("\n".join(lines) + "\n")
         return {"generate": prompts_dir, "summarize": docs_dir, "openai_batch": batch_dir}
 
@@ -575,8 +525,8 @@ class Snapshotter:
             f"data.uri={inputs[case.job]}",
             f"output.uri={out_dir}",
             f"engine.cache_dir={self.cache_dir}",
-            *ENGINE_OVERRIDES,
-            *case.overrides,
+            *ENGINE_OVERRIDES.split(),
+            *case.overrides.split(),
         ]
         if case.job == "openai_batch":
             command.append(f"data.openai_model_name={OPENAI_MODEL}")

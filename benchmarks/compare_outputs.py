@@ -119,7 +119,7 @@ def seeded_params(num_prompts: int, max_tokens: int) -> list[dict[str, Any]]:
     """Per prompt a seed of its own and a mix of temperature, top-k and top-p; two samples each, one
     prompt with a stop string."""
     mixes = [(0.8, 20, 0.9), (1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.6), (1.0, 50, 0.95), (0.5, 0, 0.8)]
-    params = []
+    params: list[dict[str, Any]] = []
     for i in range(num_prompts):
         temperature, top_k, top_p = mixes[i % len(mixes)]
         params.append(
@@ -223,12 +223,8 @@ QUICK_JOBS = ("generate-greedy-float32",)
 
 # Job inputs: 2 Parquet shards of prompts (with a null, an empty and an over-long prompt: typed error
 # rows), 1 shard of documents to summarize, and one OpenAI batch file.
-JOB_PROMPTS: list[Optional[str]] = [p for p in PROMPTS if isinstance(p, str)] + [
-    None,
-    "",
-    "word " * 600,
-    "Write a list of built-in types:",
-]
+JOB_PROMPTS: list[Optional[str]] = [p for p in PROMPTS if isinstance(p, str)]
+JOB_PROMPTS += [None, "", "word " * 600, "Write a list of built-in types:"]
 DOCUMENTS = [
     "Objects are Python's abstraction for data. All data in a Python program is represented by objects or by "
     "relations between objects. Every object has an identity, a type and a value.",
@@ -466,7 +462,9 @@ class Snapshotter:
             ]
             if case.with_logprobs:
                 lp = [dict(p, logprobs=3, prompt_logprobs=2) for p in greedy_params(len(prompts), max_tokens[0])]
-                passes.append(("greedy_logprobs", lp, lambda out, i, _n: logprob_record(out, i)))
+                passes.append(
+                    ("greedy_logprobs", lp, lambda out, prompt_index, normalize: logprob_record(out, prompt_index))
+                )
             for name, params, to_record in passes:
                 try:
                     outputs = engine.generate(prompts, [SamplingParams(**p) for p in params])

@@ -1,7 +1,7 @@
 """Behaviour snapshots: the engine's outputs over its configuration matrix and a few job runs, written
 to JSON by one version of batchrun and compared with another version's.
 
-    python -m benchmarks.compare_outputs snapshot OUT.json [--quick] [--only TEXT] [--cache-dir DIR]
+    python -m benchmarks.compare_outputs snapshot OUT.json [--quick] [--only TEXT] [--all-logprobs] [--cache-dir DIR]
     python -m benchmarks.compare_outputs diff BEFORE.json AFTER.json
 
 `snapshot` runs whichever `batchrun` the caller puts first on PYTHONPATH, so one copy of this file
@@ -24,9 +24,9 @@ locally (batchrun.testing) whose file hashes the header records:
   settings on their own (no prefix cache, no chunked prefill, one sequence, a KV cache small enough
   to preempt, batch-invariant numerics), and gguf on the embedded SmolLM2 file. Each run generates
   greedily (token ids, finish reasons, text; stop strings and stop token ids on some prompts) and
-  with seeded sampling (temperature, top-k, top-p, n=2), recorded apart; two runs also record
-  logprobs and prompt logprobs. A configuration the engine refuses with a ValueError is recorded
-  as refused, with the message.
+  with seeded sampling (temperature, top-k, top-p, n=2), recorded apart; two runs (every run with
+  --all-logprobs) also record logprobs and prompt logprobs. A configuration the engine refuses with
+  a ValueError is recorded as refused, with the message.
 - job runs: `python -m batchrun job=generate` (greedy, seeded, bf16 with int8 and n-gram
   speculation), job=summarize and job=openai_batch on small inputs written here: the result rows'
   content columns, sorted by id (no timing columns, paths or timestamps).
@@ -582,7 +582,9 @@ class Snapshotter:
         return lines
 
 
-def take_snapshot(out_path: Path, quick: bool, only: Optional[str], cache_dir: Optional[str]) -> None:
+def take_snapshot(
+    out_path: Path, quick: bool, only: Optional[str], all_logprobs: bool, cache_dir: Optional[str]
+) -> None:
     started = time.perf_counter()
     batchrun = import_batchrun()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -607,6 +609,7 @@ def take_snapshot(out_path: Path, quick: bool, only: Optional[str], cache_dir: O
             "batchrun_file": str(batchrun_file),
             "batchrun_git": git_commit(batchrun_root),
             "quick": quick,
+            "all_logprobs": all_logprobs,
             "only": only,
             "python": platform.python_version(),
             "torch": torch.__version__,
@@ -619,6 +622,8 @@ def take_snapshot(out_path: Path, quick: bool, only: Optional[str], cache_dir: O
             "sampling_params_fields": config_fields(SamplingParams),
         }
         cases = [c for c in engine_cases(quick) if not only or only in c.key]
+        if all_logprobs:
+            cases = [dataclasses.replace(c, with_logprobs=True) for c in cases]
         skipped = []
         if quick:
             skipped.append("gguf: not in --quick (converting the SmolLM2 file takes about a minute)")
@@ -711,7 +716,8 @@ def describe_output(before: dict[str, Any], after: dict[str, Any]) -> str:
 
 
 def logprob_gap(a: Any, b: Any) -> str:
-    """Where two logprob lists first differ and by how much at most, where their tokens agree."""
+    """Where two logprob lists (per position, [token id, logprob] pairs by id) first differ, and by
+    how much at most while they list the same tokens."""
     if a is None or b is None or len(a) != len(b):
         return "shape differs"
     worst, first = 0.0, None
@@ -719,7 +725,7 @@ def logprob_gap(a: Any, b: Any) -> str:
         if x != y:
             first = i if first is None else first
             if [t for t, _ in x] != [t for t, _ in y]:
-                return f"position {first}, token ranking differs at {i}"
+                return f"position {first}, other tokens listed at {i}"
             worst = max([worst] + [abs(u - v) for (_, u), (_, v) in zip(x, y)])
     return f"position {first}, max abs difference {worst:.3g}"
 
@@ -886,7 +892,7 @@ def print_headers(a: dict[str, Any], b: dict[str, Any]) -> None:
         )
         for note in h.get("skipped", []):
             print(f"  {name} skipped {note}")
-    for key in ("models", "python", "torch", "transformers", "cpu", "env"):
+    for key in ("models", "python", "torch", "transformers", "cpu", "env", "all_logprobs"):
         if a.get(key) != b.get(key):
             print(f"WARNING: {key} differs between the snapshots ({a.get(key)} -> {b.get(key)})")
     for key in ("engine_config_fields", "sampling_params_fields"):
@@ -930,13 +936,18 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     snap.add_argument("out", type=Path)
     snap.add_argument("--quick", action="store_true", help="a subset: llama, one MoE cell, one job (~2 minutes)")
     snap.add_argument("--only", help="only runs whose key contains this text (e.g. llama/int4/)")
+    snap.add_argument(
+        "--all-logprobs",
+        action="store_true",
+        help="a greedy pass with logprobs in every run: bf16 numerics that move no token show there",
+    )
     snap.add_argument("--cache-dir", help="converted-weights cache to reuse (default: a fresh one per snapshot)")
     compare = commands.add_parser("diff", help="compare two snapshots; exit 1 when greedy or job outputs differ")
     compare.add_argument("before", type=Path)
     compare.add_argument("after", type=Path)
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.command == "snapshot":
-        take_snapshot(args.out, args.quick, args.only, args.cache_dir)
+        take_snapshot(args.out, args.quick, args.only, args.all_logprobs, args.cache_dir)
         return 0
     return diff(json.loads(args.before.read_text()), json.loads(args.after.read_text()))
 

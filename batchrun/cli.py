@@ -1,6 +1,6 @@
 """Command line: `python -m batchrun job=summarize [group=option ...] [key=value ...]`, and
-`python -m batchrun status OUTPUT_URI [--json] [--watch [SECONDS]] [--data URI]` (job/status.py:
-reads a run's state from its store, before Hydra sees the arguments).
+`python -m batchrun status OUTPUT_URI [--json] [--watch [SECONDS]] [--data URI]`
+(job/operate/status.py: reads a run's state from its store, before Hydra sees the arguments).
 
 The only module that imports Hydra or OmegaConf. It composes conf/, turns the result into the
 plain frozen dataclasses of batchrun.job (which check every key and type), runs the job and prints
@@ -11,7 +11,7 @@ where the results are. Expected failures end as one line on stderr, never a trac
     exit 2  configuration error (unknown key, wrong type, bad override)
     exit 130 / 143  stopped by SIGINT / SIGTERM; rerun the same command to resume
 
-`python -m batchrun report OUTPUT_URI [--out PATH]` writes a run's report page (job/report.py).
+`python -m batchrun report OUTPUT_URI [--out PATH]` writes a run's report page (job/operate/report.py).
 """
 
 from __future__ import annotations
@@ -33,14 +33,14 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from batchrun.job import ConfigError, JobError, RunConfig, build_run_config, format_summary, run_job
 from batchrun.job.config import JOB_GROUPS, unknown_key
-from batchrun.job.dry_run import format_plan, plan_run, write_plan_json
-from batchrun.job.report import write_report
-from batchrun.job.status import main as status_main
+from batchrun.job.launch.dry_run import format_plan, plan_run, write_plan_json
+from batchrun.job.operate.report import write_report
+from batchrun.job.operate.status import main as status_main
 from batchrun.utils.private_dir import private_dir
 from batchrun.utils.redact import redact_text
 
 if TYPE_CHECKING:
-    from batchrun.bench.config import BenchmarkConfig
+    from batchrun.benchmark.config import BenchmarkConfig
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 # In the source tree (and editable installs) batchrun/conf is a symlink to the repository's conf/;
@@ -76,7 +76,7 @@ OmegaConf.register_new_resolver("batchrun_submitit_dir", submitit_dir, replace=T
 
 def _split_config(cfg: DictConfig) -> tuple[RunConfig, dict[str, Any]]:
     """The RunConfig, and the group that only this job composes ({} when none): job=benchmark's
-    `benchmark` group, which the benchmark checks itself (bench/config.py)."""
+    `benchmark` group, which the benchmark checks itself (benchmark/config.py)."""
     raw = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     assert isinstance(raw, dict)
     raw.pop("hydra", None)
@@ -100,7 +100,7 @@ def load_config(overrides: Sequence[str] = ()) -> RunConfig:
 
 def load_benchmark_config(overrides: Sequence[str] = ()) -> tuple[RunConfig, BenchmarkConfig]:
     """Compose conf/ for job=benchmark: the RunConfig and the checked `benchmark` group."""
-    from batchrun.bench.config import benchmark_config
+    from batchrun.benchmark.config import benchmark_config
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         config, values = _split_config(compose(config_name="config", overrides=list(overrides)))
@@ -143,9 +143,9 @@ def _run(cfg: DictConfig) -> None:
 
 def _run_benchmark(config: RunConfig, values: dict[str, Any]) -> None:
     """The benchmark and its HF baselines are imported here only: every other job starts without them."""
-    from batchrun.bench.config import benchmark_config
-    from batchrun.bench.report import format_benchmark
-    from batchrun.bench.throughput import run_benchmark
+    from batchrun.benchmark.config import benchmark_config
+    from batchrun.benchmark.report import format_benchmark
+    from batchrun.benchmark.throughput import run_benchmark
 
     print(format_benchmark(run_benchmark(config, benchmark_config(values))), flush=True)
 

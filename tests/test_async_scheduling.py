@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from batchrun.bench.decode_step import stand_in_graphs
 from batchrun.engine import Engine, EngineConfig, EngineRequest, SamplingParams
-from batchrun.engine.cuda_graphs import DecodeGraphs, EagerReplay
+from batchrun.engine.runners import GpuRunner, kv_bytes_per_block
+from batchrun.engine.runners.cuda_graphs import DecodeGraphs, EagerReplay
 from batchrun.engine.scheduler import PENDING_TOKEN
 
 _ON_GPU = torch.cuda.is_available()
@@ -34,7 +34,9 @@ def _config(model: str, **kw) -> EngineConfig:
 
 
 def _with_graphs(engine: Engine, capture=None) -> DecodeGraphs:
-    engine.runner.graphs = stand_in_graphs(engine, 16, capture)
+    """The GPU runner's stand-in (EagerReplay graphs, no CUDA) in place of the engine's runner."""
+    engine.runner = GpuRunner.stand_in(engine.runner, 16, capture)
+    assert engine.runner.graphs is not None
     return engine.runner.graphs
 
 
@@ -57,7 +59,7 @@ def _run(engine: Engine, prompts, params):
     before = engine.stats()
     outs = engine.generate(prompts, params)
     after = engine.stats()
-    assert not engine.scheduler.has_unfinished() and engine._in_flight is None
+    assert not engine.scheduler.has_unfinished() and engine._ahead is None
     assert engine.kv.pool.num_used_blocks == 0, "a step run ahead left blocks held"
     return outs, after.num_steps - before.num_steps, (after.num_async_steps or 0) - (before.num_async_steps or 0)
 
@@ -113,8 +115,6 @@ def test_admission_and_preemption_steps_are_synchronous(tiny_llama_dir):
     them: steps that admit, or whose blocks would run out, run synchronously, and the tokens are
     the synchronous engine's (when requests are admitted, and so who is preempted, may differ: a
     request's end is seen a step later)."""
-    from batchrun.engine.runner import kv_bytes_per_block
-
     prompts = _prompts(12, seed=2)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     probe = Engine(_config(tiny_llama_dir))
@@ -170,7 +170,7 @@ def test_shared_prefixes_samples_and_a_trickling_stream(engines):
     outs = {}
     for engine in engines:
         outs[engine is ahead] = {o.request_id: o.token_ids for o in engine.stream(trickle, max_in_flight=3)}
-        assert engine._in_flight is None and engine.kv.pool.num_used_blocks == 0
+        assert engine._ahead is None and engine.kv.pool.num_used_blocks == 0
     assert outs[True] == outs[False] and len(outs[True]) == len(prompts)
 
 
@@ -222,19 +222,19 @@ def test_grammar_and_logprob_rows_keep_steps_synchronous(engines):
     assert got[2].text == want[2].text and got[2].finish_reason == "stop"
 
     grammar_only = [params[2], *params[1:2] * 3]  # steps go ahead once the grammar's request ended
-    runs_ahead = ahead.async_steps.run_ahead
+    runs_ahead = ahead.runner.execute_ahead
     batches = []
 
-    def run_ahead(cur):
-        batches.append([r.grammar is None for r in ahead.scheduler.running])
-        return runs_ahead(cur)
+    def execute_ahead(batch, previous):
+        batches.append([r.grammar is None for r in batch.requests])
+        return runs_ahead(batch, previous)
 
     want, _, _ = _run(sync, prompts, grammar_only)
-    ahead.async_steps.run_ahead = run_ahead
+    ahead.runner.execute_ahead = execute_ahead
     try:
         got, _, num_async = _run(ahead, prompts, grammar_only)
     finally:
-        del ahead.async_steps.run_ahead
+        del ahead.runner.execute_ahead
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert batches and all(all(plain) for plain in batches) and len(batches) == num_async
 
@@ -265,7 +265,7 @@ def test_stream_abandoned_mid_run_leaves_nothing_in_flight(engines):
     stream = ahead.stream(requests)
     next(stream)
     stream.close()
-    assert ahead._in_flight is None and not ahead.scheduler.has_unfinished()
+    assert ahead._ahead is None and not ahead.scheduler.has_unfinished()
     assert ahead.kv.pool.num_used_blocks == 0
     want, _, _ = _run(sync, prompts, params)
     got, _, _ = _run(ahead, prompts, params)

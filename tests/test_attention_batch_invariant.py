@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from batchrun.bench.cases import attention_case
 from batchrun.kernels.attention_metadata import AttentionMetadata
+from benchmarks.cases import attention_case
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SEQ_LEN = 70

@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 # shard, the first shard committed by then (one shard open at a time).
 WORKER = r"""
 import os, signal
-from batchrun.job.shard_run import ShardRun
+from batchrun.job.run.shard_run import ShardRun
 real_on_output, seen = ShardRun.on_output, {}
 def on_output(self, out):
     real_on_output(self, out)

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from batchrun.bench.doc import DOCS_PATH, command_line, markdown_table, write_section
+from batchrun.benchmark.doc import DOCS_PATH, command_line, markdown_table, write_section
 
 PAGE = """# Benchmarks
 
@@ -32,7 +32,7 @@ kept as it is
 """
 
 
-COMMAND = "python -m batchrun.bench.quant --only speed"
+COMMAND = "python -m benchmarks.quant --only speed"
 
 
 def test_write_section_replaces_only_its_own_section(tmp_path):
@@ -40,7 +40,7 @@ def test_write_section_replaces_only_its_own_section(tmp_path):
     page.write_text(PAGE)
     table = markdown_table(["mode", "x bf16"], [["int8", "1.21x"], ["a|b", 2]])
     write_section(
-        "one", "python -m batchrun.bench.quant --only speed", "2026-12-04, commit bbbbbbb", table, "A note.", path=page
+        "one", "python -m benchmarks.quant --only speed", "2026-12-04, commit bbbbbbb", table, "A note.", path=page
     )
     text = page.read_text()
     assert text == PAGE.replace(
@@ -49,7 +49,7 @@ def test_write_section_replaces_only_its_own_section(tmp_path):
 | a | b |
 |---|---|
 | 1 | 2 |""",
-        """2026-12-04, commit bbbbbbb: `python -m batchrun.bench.quant --only speed`
+        """2026-12-04, commit bbbbbbb: `python -m benchmarks.quant --only speed`
 
 | mode | x bf16 |
 |---|---|
@@ -60,7 +60,7 @@ A note.""",
     )
     # Writing it again gives the same page: nothing accumulates.
     write_section(
-        "one", "python -m batchrun.bench.quant --only speed", "2026-12-04, commit bbbbbbb", table, "A note.", path=page
+        "one", "python -m benchmarks.quant --only speed", "2026-12-04, commit bbbbbbb", table, "A note.", path=page
     )
     assert page.read_text() == text
 
@@ -68,10 +68,10 @@ A note.""",
 def test_a_new_section_is_appended_under_its_heading(tmp_path):
     page = tmp_path / "benchmarks.md"
     page.write_text(PAGE)
-    write_section("moe", "python -m batchrun.bench.moe", "2026-12-04", "| t |\n|---|\n| 1 |", title="MoE", path=page)
+    write_section("moe", "python -m benchmarks.moe", "2026-12-04", "| t |\n|---|\n| 1 |", title="MoE", path=page)
     text = page.read_text()
     assert text.startswith(PAGE.rstrip("\n"))
-    section = ["## MoE", "", "<!-- bench:moe -->", "2026-12-04: `python -m batchrun.bench.moe`", ""]
+    section = ["## MoE", "", "<!-- bench:moe -->", "2026-12-04: `python -m benchmarks.moe`", ""]
     assert text.endswith("\n" + "\n".join([*section, "| t |", "|---|", "| 1 |", "<!-- /bench:moe -->", ""]))
 
 
@@ -87,8 +87,8 @@ def test_a_damaged_section_is_refused_and_the_file_left_alone(tmp_path, broken):
 
 
 def test_command_line_drops_the_docs_switch():
-    assert command_line("python -m batchrun.bench.moe", ["--tokens", "64", "--write-docs"]) == (
-        "python -m batchrun.bench.moe --tokens 64"
+    assert command_line("python -m benchmarks.moe", ["--tokens", "64", "--write-docs"]) == (
+        "python -m benchmarks.moe --tokens 64"
     )
     drop = ("benchmark.write_docs",)
     assert command_line("python -m batchrun", ["job=benchmark", "benchmark.write_docs=true"], drop) == (

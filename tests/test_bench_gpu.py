@@ -1,4 +1,4 @@
-"""The GPU check (`python -m batchrun.bench.gpu`) and the library modules it measures through.
+"""The GPU check (`python -m benchmarks.gpu`) and the library modules it measures through.
 
 The check itself runs here as `--smoke`: every phase on the CPU at tiny sizes, in a fresh process
 (--smoke sets TRITON_INTERPRET before triton is imported; tests never import a benchmark script).
@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from batchrun.bench import compile_counts
-from batchrun.bench.decode_step import capture_buckets, count_launches, top_kernels
-from batchrun.bench.gpu_decode import DECODE_8B
-from batchrun.bench.gpu_launches import LAUNCHES
-from batchrun.bench.gpu_report import Budget, Report, json_safe
+from benchmarks import compile_counts
+from benchmarks.decode_step import capture_buckets, count_launches, top_kernels
+from benchmarks.gpu_decode import DECODE_8B
+from benchmarks.gpu_launches import LAUNCHES
+from benchmarks.gpu_report import Budget, Report, json_safe
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN3, SMOLLM2 = "Qwen3-0.6B-shaped", "SmolLM2-135M-shaped"
@@ -33,7 +33,7 @@ def _run_gpu_check(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProc
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.pop("TRITON_INTERPRET", None)  # --smoke sets it itself, before triton's first import
     proc = subprocess.run(
-        [sys.executable, "-m", "batchrun.bench.gpu", "--smoke", "--json", str(path), *args],
+        [sys.executable, "-m", "benchmarks.gpu", "--smoke", "--json", str(path), *args],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -157,7 +157,7 @@ def test_smoke_decode_8b_runs_every_mode_through_the_engine(tmp_path):
 
 
 def test_the_8b_decode_phase_says_why_it_skips_for_memory():
-    from batchrun.bench.gpu_decode import memory_shortfall
+    from benchmarks.gpu_decode import memory_shortfall
 
     assert memory_shortfall(10 << 30, 40 << 30) is None
     assert (
@@ -266,7 +266,7 @@ class _FakeGraphs:
     capture fails, without CUDA."""
 
     def __init__(self, max_batch: int, failing: set[int]) -> None:
-        from batchrun.engine.cuda_graphs import bucket_sizes
+        from batchrun.engine.runners.cuda_graphs import bucket_sizes
 
         self.buckets = bucket_sizes(max_batch)
         self.max_batch = max_batch
@@ -274,7 +274,7 @@ class _FakeGraphs:
         self.failing = failing
 
     def capture_all(self, max_batch: int) -> None:
-        from batchrun.engine.cuda_graphs import pick_bucket
+        from batchrun.engine.runners.cuda_graphs import pick_bucket
 
         limit = pick_bucket(self.buckets, min(max_batch, self.max_batch))
         for bucket in reversed([b for b in self.buckets if b <= limit]):
@@ -294,14 +294,14 @@ def test_capture_names_every_failing_bucket_and_captures_the_rest():
 
 
 def test_a_profiled_step_runs_the_step_once_and_counts_its_launches():
-    """The profiler plumbing of bench.decode_step on the CPU (no device events there, so all zero);
+    """The profiler plumbing of benchmarks.decode_step on the CPU (no device events there, so all zero);
     the counts themselves are checked above, from names."""
     import types
     import warnings
 
     import torch
 
-    from batchrun.bench.decode_step import _profiled_step
+    from benchmarks.decode_step import _profiled_step
 
     engine = types.SimpleNamespace(runner=types.SimpleNamespace(graphs=None), device=torch.device("cpu"))
     calls = []

@@ -10,15 +10,15 @@ import pytest
 import yaml
 
 from batchrun import cli
-from batchrun.bench import doc
-from batchrun.bench.config import BenchmarkConfig
-from batchrun.bench.hf_baseline import hf_generate, load_hf_model
-from batchrun.bench.report import SUMMARY_COLUMNS
-from batchrun.bench.throughput import batchrun_generate, run_benchmark
-from batchrun.bench.workloads import build_workload
+from batchrun.benchmark import doc
+from batchrun.benchmark.config import BenchmarkConfig
+from batchrun.benchmark.hf_baseline import hf_generate, load_hf_model
+from batchrun.benchmark.report import SUMMARY_COLUMNS
+from batchrun.benchmark.throughput import batchrun_generate, run_benchmark
+from batchrun.benchmark.workloads import build_workload
 from batchrun.engine import SamplingParams
 from batchrun.job.config import PlannerConfig
-from batchrun.job.runner import load_engine
+from batchrun.job.run.runner import load_engine
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -212,7 +212,7 @@ def test_the_cli_imports_the_benchmark_only_for_job_benchmark():
     code = (
         "import sys; from batchrun import cli; "
         "cfg = cli.load_config([]); "
-        "print(sorted(m for m in sys.modules if m.startswith('batchrun.bench')))"
+        "print(sorted(m for m in sys.modules if m.startswith(('batchrun.benchmark', 'benchmarks'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -23,7 +23,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from batchrun.job.store import RunStore, committed_files
+from batchrun.job.commit.store import RunStore, committed_files
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 

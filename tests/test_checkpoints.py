@@ -1,4 +1,4 @@
-"""Checkpoints inside a shard (batchrun/job/checkpoints.py): a killed worker loses the rows since its
+"""Checkpoints inside a shard (batchrun/job/commit/checkpoints.py): a killed worker loses the rows since its
 last committed part, a rerun sends only the remaining rows to the engine, and readers never see a
 row twice. Real worker processes, real SIGKILLs at random points of the run and of the commit
 protocol, real Parquet; the store is never mocked.
@@ -23,9 +23,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchrun.job import committed_urls, run_job
-from batchrun.job.checkpoints import committed_parts, read_parts
+from batchrun.job.commit.checkpoints import committed_parts, read_parts
+from batchrun.job.commit.store import RunStore, committed_files
 from batchrun.job.config import build_run_config
-from batchrun.job.store import RunStore, committed_files
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
@@ -236,7 +236,7 @@ def test_openai_batch_shard_resumes_from_its_parts(tmp_path, tiny_llama_dir, one
             }
         )
 
-    from batchrun.job import flow
+    from batchrun.job.run import flow
 
     real = flow.ShardRun.on_output
     calls = {"n": 0}

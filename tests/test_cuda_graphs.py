@@ -14,7 +14,9 @@ import torch
 
 from batchrun.engine import Engine, EngineConfig, SamplingParams
 from batchrun.engine.config import SamplingParams as Params
-from batchrun.engine.cuda_graphs import (
+from batchrun.engine.request import Request
+from batchrun.engine.runners import GpuRunner, ModelRunner
+from batchrun.engine.runners.cuda_graphs import (
     NUM_FIXED,
     DecodeGraphs,
     EagerReplay,
@@ -23,8 +25,6 @@ from batchrun.engine.cuda_graphs import (
     packed_views,
     pick_bucket,
 )
-from batchrun.engine.request import Request
-from batchrun.engine.runner import ModelRunner
 from batchrun.engine.scheduler import ScheduledBatch
 
 _ON_GPU = torch.cuda.is_available()
@@ -97,19 +97,31 @@ def tiny_engine_factory(tiny_llama_dir):
 
 
 def _attach_graphs(engine: Engine, capture=None, max_batch: int = 16) -> DecodeGraphs:
-    runner = engine.runner
-    max_blocks = -(-engine.max_model_len // runner.block_size)
-    runner.graphs = DecodeGraphs(
-        runner.model,
-        runner.kv_caches,
-        runner.block_size,
-        max_blocks,
-        engine.device,
-        engine.dtype,
-        max_batch=max_batch,
-        capture=capture or (lambda step, pool: EagerReplay(step, pool)),
+    """The engine's runner replaced by the GPU runner's stand-in over the same cache: its graphs'
+    block tables are max_model_len wide, and `capture` (default EagerReplay) makes each graph."""
+    engine.runner = GpuRunner.stand_in(engine.runner, max_batch, capture or EagerReplay)
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.block_tables.shape[1] == -(-engine.max_model_len // engine.runner.block_size)
+    return graphs
+
+
+def test_graph_tables_are_as_wide_as_max_model_len(tiny_llama_dir):
+    """The graphs' block tables (whose width sets a graphed decode's split count on a GPU) span the
+    engine's max_model_len, which start-up hands the runner, not the model's max_position_embeddings."""
+    engine = Engine(
+        EngineConfig(
+            model=tiny_llama_dir,
+            dtype="float32",
+            device="cpu",
+            kv_cache_memory=16 << 20,
+            max_num_seqs=4,
+            max_num_batched_tokens=64,
+            max_model_len=96,
+        )
     )
-    return runner.graphs
+    graphs = GpuRunner.stand_in(engine.runner, 4).graphs
+    assert engine.model.spec.max_position_embeddings == 512 and engine.runner.max_model_len == 96
+    assert graphs is not None and graphs.block_tables.shape == (4, 96 // 16)
 
 
 def _prompts() -> list[list[int]]:

@@ -13,8 +13,8 @@ import pytest
 
 from batchrun import cli
 from batchrun.job import ConfigError, run_job
-from batchrun.job.dry_run import plan_run, write_plan_json
-from batchrun.job.runner import load_engine
+from batchrun.job.launch.dry_run import plan_run, write_plan_json
+from batchrun.job.run.runner import load_engine
 
 
 def _write(path: Path, columns: dict) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from batchrun.bench.quality import agreement, make_engine, quality_sequences, teacher_forced
+from benchmarks.quality import agreement, make_engine, quality_sequences, teacher_forced
 
 
 @pytest.mark.slow

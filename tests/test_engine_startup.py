@@ -138,7 +138,7 @@ def test_the_job_manifest_and_fingerprint_record_the_settings_as_before(
     """The manifest's engine_settings is EngineSettings.as_dict, byte for byte the dict start-up
     used to build; the model fingerprint reads the resolved dtype from it."""
     from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
-    from batchrun.job.fingerprint import tokenizer_sha256
+    from batchrun.job.commit.fingerprint import tokenizer_sha256
 
     engine_cfg = _config(tiny_llama_dir, kv_cache_memory=8 << 20, quantization="int8", kv_cache_dtype="int8")
     engine = Engine(engine_cfg)

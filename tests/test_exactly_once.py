@@ -22,11 +22,11 @@ import pytest
 
 from batchrun import cli
 from batchrun.job import run_job
-from batchrun.job.claims import CLAIMED, HELD, ClaimBook
-from batchrun.job.manifest import REDACTED
-from batchrun.job.runner import run_worker
+from batchrun.job.commit.claims import CLAIMED, HELD, ClaimBook
+from batchrun.job.commit.manifest import REDACTED
+from batchrun.job.commit.store import RunStore, committed_files
+from batchrun.job.run.runner import run_worker
 from batchrun.job.shards import NAME_MAX_BYTES, discover_shards, is_safe_name, open_filesystem
-from batchrun.job.store import RunStore, committed_files
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::ResourceWarning")
 
@@ -253,7 +253,7 @@ def test_case3_claim_staleness_on_s3_uses_the_stores_clock(s3):
 
 
 def test_the_claims_module_no_longer_claims_object_stores_race():
-    import batchrun.job.claims as claims
+    import batchrun.job.commit.claims as claims
 
     assert "check, write, read back" not in claims.__doc__ and "If-None-Match" in claims.__doc__
 
@@ -449,9 +449,9 @@ def test_case8_an_unexpected_error_fails_one_shard_not_the_worker(
 
 
 def test_transient_storage_errors_are_retried(monkeypatch):
-    from batchrun.job.store import with_retries
+    from batchrun.job.commit.directory import with_retries
 
-    monkeypatch.setattr("batchrun.job.store.time.sleep", lambda s: None)
+    monkeypatch.setattr("batchrun.job.commit.directory.time.sleep", lambda s: None)
     attempts = []
 
     def flaky():
@@ -562,7 +562,7 @@ def test_case10_secrets_never_reach_the_manifest(tmp_path, make_shards, tiny_eng
         "+data.storage_options.anon=false",
     ]
     config = cli.load_config(overrides)  # the local filesystem accepts and ignores these options
-    from batchrun.job.manifest import redact
+    from batchrun.job.commit.manifest import redact
 
     redacted = redact(config.to_dict())
     assert redacted["data"]["storage_options"] == {"secret": REDACTED, "key": REDACTED, "anon": False}
@@ -581,7 +581,7 @@ def test_case10_jinja2_is_required_at_a_version_without_known_sandbox_escapes():
 
 
 def test_nan_is_never_an_id():
-    from batchrun.job.reader import _id
+    from batchrun.job.formats.reader import _id
 
     assert _id(float("nan")) is None and _id(None) is None and _id(1.0) == 1.0 and not math.isnan(_id(2.5))
 

@@ -1,4 +1,4 @@
-"""Reruns and concurrent launches never mix outputs (batchrun/job/fence.py, the input fingerprint at
+"""Reruns and concurrent launches never mix outputs (batchrun/job/commit/fence.py, the input fingerprint at
 shard open): real worker processes over one output directory.
 """
 
@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchrun.job.store import RunStore
+from batchrun.job.commit.store import RunStore
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 
@@ -140,7 +140,7 @@ def test_a_recompute_launch_keeps_a_marker_another_recompute_committed_meanwhile
     the other one committed with the new settings in the meantime."""
     from batchrun import cli
     from batchrun.job import run_job
-    from batchrun.job.runner import _JobRun
+    from batchrun.job.run.runner import _JobRun
 
     make_shards(tmp_path / "in", num_shards=1, rows_per_shard=2)
     out = tmp_path / "out"

@@ -158,8 +158,8 @@ def test_rows_identical_alone_batched_and_chunked_on_gpu(family, tiny_model_fact
 
 
 def _child(models: list[str]) -> None:
-    from batchrun.bench.gpu_launches import SM90, count_launches
     from batchrun.kernels.backend import simulated_gpu
+    from benchmarks.gpu_launches import SM90, count_launches
 
     torch.set_num_threads(1)
     for model in models:

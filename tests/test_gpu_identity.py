@@ -119,8 +119,8 @@ def test_fp32_greedy_on_the_gpu_path_matches_hf_interpreted(family, interpreted_
 
 
 def _child(family: str, model_dir: str) -> dict:
-    from batchrun.bench.gpu_launches import SM90, count_launches
     from batchrun.kernels.backend import simulated_gpu
+    from benchmarks.gpu_launches import SM90, count_launches
 
     prompts, tokens = _prompts(3), 10
     want = _hf_greedy(model_dir, prompts, "cpu", tokens)

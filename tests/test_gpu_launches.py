@@ -3,7 +3,7 @@
 An interpreted child (TRITON_INTERPRET=1) runs the engine's graphed decode step inside a simulated
 sm_90 GPU (kernels/backend.py: CPU tensors take the CUDA tensors' dispatch, launchers size for an
 H100/H200), counting each Triton launch and each torch op that issues a CUDA kernel
-(batchrun.bench.gpu_launches). The counts are pinned by kernel, per layer and per step, so a kernel
+(benchmarks.gpu_launches). The counts are pinned by kernel, per layer and per step, so a kernel
 added to the step fails here; the 28-layer figure (Qwen3-0.6B's depth) must stay within the limit.
 Sampling is not part of the step counted.
 
@@ -71,8 +71,8 @@ def test_decode_step_kernel_count_interpreted():
 def _child() -> dict:
     import torch
 
-    from batchrun.bench.gpu_launches import decode_step_launches, format_figures, launch_figures, tiny_decoder
     from batchrun.kernels import fused_projections
+    from benchmarks.gpu_launches import decode_step_launches, format_figures, launch_figures, tiny_decoder
 
     figures = launch_figures("qwen3", 28, torch.bfloat16)
     print(format_figures(figures, "qwen3 bf16"), file=sys.stderr)

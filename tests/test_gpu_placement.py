@@ -9,7 +9,7 @@ import pytest
 
 from batchrun import cli
 from batchrun.job import ConfigError, run_job
-from batchrun.job.pool import num_local_workers, worker_configs
+from batchrun.job.launch.pool import num_local_workers, worker_configs
 
 
 def _config(job_overrides, tmp_path, *extra):

@@ -9,11 +9,11 @@ import torch
 
 from batchrun.engine.block_table import NO_ROW, BlockTables, tables_from_lists
 from batchrun.engine.config import SamplingParams
-from batchrun.engine.cuda_graphs import NUM_FIXED, pack_decode_inputs, packed_views
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.request import Request
-from batchrun.engine.runner import ModelRunner
-from batchrun.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from batchrun.engine.runners import ModelRunner
+from batchrun.engine.runners.cuda_graphs import NUM_FIXED, pack_decode_inputs, packed_views
+from batchrun.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, StepResult
 
 
 class FullReregistration(KVCacheManager):
@@ -48,7 +48,7 @@ def _simulate(kv: KVCacheManager, seed: int, on_step) -> Scheduler:
             for r, n in zip(batch.requests, batch.num_new_tokens)
             if r.num_computed_tokens + n >= r.num_tokens
         }
-        sched.update(batch, sampled)
+        sched.update(StepResult(batch, sampled))
         on_step(sched, batch, False)
         step += 1
     return sched

@@ -98,7 +98,7 @@ def test_unknown_key_suggestions_for_hydra_refusals():
 
 
 def test_speculative_settings_enter_the_fingerprint_only_where_seeded_rows_speculate():
-    from batchrun.job.fingerprint import differences, settings_fingerprint
+    from batchrun.job.commit.fingerprint import differences, settings_fingerprint
 
     def fingerprint(**spec) -> dict:
         return settings_fingerprint(build_run_config(_raw(engine={"speculative": spec})))

@@ -1,4 +1,4 @@
-"""Rows flowing across shard boundaries (job/flow.py): several shards open in one engine stream,
+"""Rows flowing across shard boundaries (job/run/flow.py): several shards open in one engine stream,
 each committed on its own, in input order, with greedy output unchanged; the bounds on open
 shards; stealing only with idle capacity. Kills with shards open side by side are in
 test_job_resume.py; a poison shard running alone is test_exactly_once.py's case 9."""
@@ -12,12 +12,13 @@ import pytest
 
 from batchrun import cli
 from batchrun.engine import EngineRequest
-from batchrun.job import flow, run_job
-from batchrun.job.claims import ClaimBook, ShardQueue
+from batchrun.job import run_job
+from batchrun.job.commit.claims import ClaimBook, ShardQueue
+from batchrun.job.commit.store import RunStore
 from batchrun.job.config import PlannerConfig
-from batchrun.job.planner import plan_requests
+from batchrun.job.run import flow
+from batchrun.job.run.planner import plan_requests
 from batchrun.job.shards import Shard
-from batchrun.job.store import RunStore
 
 RESULT_DEPENDENT = {"ttft_s", "itl_s", "latency_s", "num_cached_tokens"}  # timing and cache state
 

@@ -1,4 +1,4 @@
-"""Input formats (formats.py): the run's format is picked by data.format, and each turns its own
+"""Input formats (formats/shard_format.py): the run's format is picked by data.format, and each turns its own
 rows into prompts, sample counts and lines, over real files and the tiny model's tokenizer."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pytest
 
 from batchrun import cli
 from batchrun.engine import SamplingParams
+from batchrun.job.commit.store import DEFAULT_FILES
 from batchrun.job.errors import ConfigError, ShardError
-from batchrun.job.formats import OpenAIBatchFormat, ParquetFormat, RowOutputs, format_class, select_format
-from batchrun.job.rows import DUPLICATE_ID
+from batchrun.job.formats.rows import DUPLICATE_ID
+from batchrun.job.formats.shard_format import OpenAIBatchFormat, ParquetFormat, RowOutputs, format_class, select_format
 from batchrun.job.shards import Shard
-from batchrun.job.store import DEFAULT_FILES
 
 
 def _config(tmp_path: Path, model_dir: str, *extra: str) -> Any:
@@ -141,7 +141,7 @@ def test_batch_row_line_waits_for_no_one_and_names_an_engine_failure(tmp_path, t
     for out in sorted(outs, key=lambda o: o.sample_index):
         entry.outputs[out.sample_index] = out
     assert entry.is_complete
-    from batchrun.job.logprobs import TokenTexts
+    from batchrun.job.formats.logprobs import TokenTexts
 
     line = batch.row_line("b", entry, TokenTexts(tiny_engine.tokenizer))
     assert line is not None and line["custom_id"] == "c" and line["error"] is None

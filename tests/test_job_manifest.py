@@ -8,9 +8,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchrun.job.manifest import Manifest, write_merged_manifest
+from batchrun.job.commit.manifest import Manifest, write_merged_manifest
+from batchrun.job.commit.store import RunStore
 from batchrun.job.shards import Shard, Worker
-from batchrun.job.store import RunStore
 
 
 def _commit(store: RunStore, shard: str, rank: int) -> None:

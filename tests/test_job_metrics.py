@@ -7,8 +7,8 @@ import pytest
 
 from batchrun.engine import Engine, EngineConfig, EngineStats, RequestMetrics, SamplingParams
 from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
-from batchrun.job.metrics import ShardTally, metrics_row
-from batchrun.job.writer import METRICS_SCHEMA
+from batchrun.job.formats.writer import METRICS_SCHEMA
+from batchrun.job.operate.metrics import ShardTally, metrics_row
 
 
 def _stats(**kw) -> EngineStats:

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from batchrun import cli
+from batchrun.job.commit.fingerprint import input_fingerprint, settings_fingerprint
+from batchrun.job.commit.store import RunStore
 from batchrun.job.errors import ConfigError
-from batchrun.job.fingerprint import input_fingerprint, settings_fingerprint
-from batchrun.job.plan import WorkerPlan, model_changes, plan_worker
+from batchrun.job.formats.writer import write_metrics
+from batchrun.job.run.plan import WorkerPlan, model_changes, plan_worker
 from batchrun.job.shards import Shard, Worker
-from batchrun.job.store import RunStore
-from batchrun.job.writer import write_metrics
 
 MODEL = {"model.weights": "w1", "model.tokenizer": "t1"}
 
@@ -150,7 +150,7 @@ def test_batch_invariant_is_part_of_the_settings_fingerprint(tmp_path):
     """In bf16 the option changes which reduction order a row's tokens come from, so a rerun that
     flips it would mix rows computed both ways: the fingerprint names it (speed-only keys such as
     the batch limits stay out)."""
-    from batchrun.job.fingerprint import differences
+    from batchrun.job.commit.fingerprint import differences
 
     off = settings_fingerprint(_config(str(tmp_path)))
     on = settings_fingerprint(_config(str(tmp_path), "engine.batch_invariant=true"))

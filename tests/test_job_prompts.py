@@ -7,8 +7,8 @@ import copy
 import pytest
 
 from batchrun.job import ConfigError, DataConfig, JobConfig, JobError
-from batchrun.job.prompts import PromptBuilder
-from batchrun.job.reader import InputRow
+from batchrun.job.formats.prompts import PromptBuilder
+from batchrun.job.formats.reader import InputRow
 from batchrun.testing import build_tokenizer
 
 TEXT = "Assert statements are a convenient way to insert debugging assertions into a program."

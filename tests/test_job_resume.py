@@ -15,8 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchrun import cli
-from batchrun.job import flow, run_job
-from batchrun.job.signals import StopRequest
+from batchrun.job import run_job
+from batchrun.job.run import flow
+from batchrun.job.run.signals import StopRequest
 
 # Runs the real CLI with the shard flow wrapped so that it pauses at a known point: it touches
 # READY, then waits for GO (or forever), so the test can signal it there. TEST_PAUSE says where:
@@ -24,7 +25,7 @@ from batchrun.job.signals import StopRequest
 #   overlap      the first output after a shard committed while two or more shards are open
 WORKER = r"""
 import os, pathlib, sys, time
-from batchrun.job import flow
+from batchrun.job.run import flow
 ready, go = pathlib.Path(os.environ["TEST_READY"]), pathlib.Path(os.environ["TEST_GO"])
 mode = os.environ["TEST_PAUSE"]
 flows, commits, outputs = [], [], {}
@@ -225,7 +226,19 @@ def test_a_stop_with_shards_open_side_by_side_commits_or_redoes_each_once(tmp_pa
     assert sorted(_all_result_ids(out)) == sorted(ids) and len(_all_result_ids(out)) == len(ids)
 
 
-def test_sigint_in_process_stops_the_run_with_exit_130(tmp_path, make_shards, job_overrides, tiny_engine, monkeypatch):
+@pytest.fixture
+def sigint_handled():
+    """SIGINT as an interactive shell gives it (Python's KeyboardInterrupt handler), whatever this
+    process started with: run as a background job of a script, SIGINT starts ignored, and a run must
+    then leave it ignored (test_a_signal_ignored_at_start_stays_ignored)."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
+def test_sigint_in_process_stops_the_run_with_exit_130(
+    tmp_path, make_shards, job_overrides, tiny_engine, monkeypatch, sigint_handled
+):
     ids = _make_input(tmp_path, make_shards)
     real_on_output = flow.ShardRun.on_output
 
@@ -246,7 +259,8 @@ def test_sigint_in_process_stops_the_run_with_exit_130(tmp_path, make_shards, jo
     assert sorted(_all_result_ids(tmp_path / "out")) == sorted(ids)
 
 
-def test_stop_request_turns_the_first_signal_into_a_flag():
+def test_stop_request_turns_the_first_signal_into_a_flag(sigint_handled):
+    term_before = signal.getsignal(signal.SIGTERM)
     with StopRequest() as stop:
         assert not stop.requested
         os.kill(os.getpid(), signal.SIGTERM)
@@ -258,5 +272,23 @@ def test_stop_request_turns_the_first_signal_into_a_flag():
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.01)
         assert stop.name == "SIGTERM" and stop.exit_code == 143
-    assert signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None)
+    # what the process had before, not a fixed default: restored exactly
+    assert signal.getsignal(signal.SIGTERM) is term_before
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_signal_ignored_at_start_stays_ignored():
+    """A background job of a shell script starts with SIGINT ignored (so the terminal's Ctrl-C does
+    not reach it), as nohup leaves SIGHUP ignored: like Python itself, the run does not catch a
+    signal it found ignored, and leaves it ignored afterwards."""
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with StopRequest() as stop:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.01)
+            assert not stop.requested
+            assert signal.getsignal(signal.SIGTERM) == stop._handle  # the other one is caught as usual
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, before)

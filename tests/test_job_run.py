@@ -13,7 +13,7 @@ import pytest
 
 from batchrun.engine import Engine, EngineConfig, RequestMetrics, RequestOutput, SamplingParams
 from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, format_summary, run_job
-from batchrun.job.writer import METRICS_SCHEMA, RESULT_COLUMNS, ResultWriter, output_result, result_schema
+from batchrun.job.formats.writer import METRICS_SCHEMA, RESULT_COLUMNS, ResultWriter, output_result, result_schema
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -307,7 +307,7 @@ def test_outputs_load_with_datasets_and_pandas(tmp_path, make_shards, tiny_engin
 
 
 def test_result_writer_restores_input_order_and_writes_as_it_goes(tmp_path, monkeypatch):
-    monkeypatch.setattr("batchrun.job.writer.ROWS_PER_ROW_GROUP", 3)
+    monkeypatch.setattr("batchrun.job.formats.writer.ROWS_PER_ROW_GROUP", 3)
     fs = fsspec.filesystem("file")
     path = str(tmp_path / "r.parquet")
     writer = ResultWriter(fs, path, result_schema([]))

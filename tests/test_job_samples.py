@@ -12,7 +12,7 @@ import pytest
 
 from batchrun import cli
 from batchrun.job import ConfigError, build_run_config, run_job
-from batchrun.job.writer import RESULT_COLUMNS
+from batchrun.job.formats.writer import RESULT_COLUMNS
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

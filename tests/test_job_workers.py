@@ -17,8 +17,7 @@ import pytest
 
 from batchrun import cli
 from batchrun.job import run_job
-from batchrun.job.affinity import partition_by_group, shard_groups
-from batchrun.job.claims import (
+from batchrun.job.commit.claims import (
     CLAIMED,
     FAILED,
     HELD,
@@ -28,9 +27,10 @@ from batchrun.job.claims import (
     process_start_time,
     steal_order,
 )
+from batchrun.job.commit.store import RunStore
+from batchrun.job.formats.writer import RESULT_COLUMNS
+from batchrun.job.run.affinity import partition_by_group, shard_groups
 from batchrun.job.shards import Shard, Worker, assign_shards, discover_shards, open_filesystem
-from batchrun.job.store import RunStore
-from batchrun.job.writer import RESULT_COLUMNS
 
 # Columns that depend on timing or on what the engine's prefix cache held from earlier shards,
 # not on the row: everything else of a result row must be byte-identical across worker counts.
@@ -45,7 +45,7 @@ rank = os.environ.get("BATCHRUN_WORKER_RANK")
 if rank is not None and "TEST_HOOK_DIR" in os.environ:
     hook = pathlib.Path(os.environ["TEST_HOOK_DIR"])
     from batchrun.engine import Engine
-    from batchrun.job.claims import ShardQueue
+    from batchrun.job.commit.claims import ShardQueue
     real_stream, real_next_shard = Engine.stream, ShardQueue.next_shard
     def next_shard(self, *args, **kwargs):
         if rank == "1":

@@ -84,14 +84,14 @@ def test_the_ast_check_itself_catches_submodule_imports(source, expected):
 
 
 def test_tests_import_no_benchmark_script():
-    """Case builders and metrics that tests share with benchmarks live in bench's library modules
+    """Case builders and metrics that tests share with benchmarks live in benchmarks/' library modules
     (cases.py, quality.py, workloads.py, ...), not in a script run with `python -m`."""
     scripts = {
-        f"batchrun.bench.{path.stem}"
-        for path in (PACKAGE / "bench").glob("*.py")
+        f"benchmarks.{path.stem}"
+        for path in (ROOT / "benchmarks").glob("*.py")
         if 'if __name__ == "__main__":' in path.read_text()
     }
-    assert {"batchrun.bench.gpu", "batchrun.bench.quant"} <= scripts
+    assert {"benchmarks.gpu", "benchmarks.quant"} <= scripts
     offenders = []
     for path in sorted((ROOT / "tests").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):

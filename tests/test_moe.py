@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 
 from batchrun import Engine, EngineConfig, SamplingParams
-from batchrun.bench.cases import moe_per_token as _naive_moe  # the definition: a loop over tokens and experts
 from batchrun.kernels.moe import fused_experts, grouped_gemm_reference, sort_by_expert
 from batchrun.model.moe import SparseMoeBlock, fused_moe_weights, route
 from batchrun.testing import make_tiny_model, sample_texts
+from benchmarks.cases import moe_per_token as _naive_moe  # the definition: a loop over tokens and experts
 
 # Explicit small limits: a small KV pool is quick to allocate, and given limits skip the start-up profile.
 ENGINE_KW = dict(dtype="float32", kv_cache_memory=16 << 20, max_num_seqs=16)

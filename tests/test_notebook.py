@@ -12,7 +12,7 @@ import pytest
 
 from batchrun.engine import SamplingParams
 from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
-from batchrun.job.writer import METRICS_SCHEMA
+from batchrun.job.formats.writer import METRICS_SCHEMA
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "analyze_run.ipynb"
 

@@ -18,7 +18,7 @@ import pytest
 
 from batchrun.engine import EngineConfig, SamplingParams
 from batchrun.job import ConfigError, DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
-from batchrun.job.openai_requests import (
+from batchrun.job.formats.openai_requests import (
     BatchRequest,
     RequestError,
     check_request,
@@ -606,7 +606,7 @@ def test_s3_in_and_out(s3, tmp_path, tiny_engine, tiny_llama_dir):
 
 
 def test_a_publication_cut_short_leaves_results_last_so_the_next_run_finishes_it(tmp_path, monkeypatch):
-    from batchrun.job.store import RunStore, committed_files
+    from batchrun.job.commit.store import RunStore, committed_files
 
     store = RunStore(str(tmp_path / "run"), {})
     attempt = store.begin("b")

@@ -17,8 +17,8 @@ from batchrun import cli
 from batchrun.engine import EngineRequest, SamplingParams
 from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
 from batchrun.job.config import config_fields
-from batchrun.job.planner import PlannerConfig, plan_order, plan_requests
-from batchrun.job.writer import ResultWriter
+from batchrun.job.formats.writer import ResultWriter
+from batchrun.job.run.planner import PlannerConfig, plan_order, plan_requests
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.usefixtures("one_torch_thread")]
 

@@ -436,8 +436,8 @@ def test_a_fresh_prompt_attends_to_its_keys_as_a_quantized_cache_holds_them(kv_d
     """Handing attention this step's K/V (the fresh-prompt shortcut) must not change what a prompt
     over a quantized cache sees: a prefix served from the cache is read quantized, so the prompt
     computed whole must read its own tokens quantized too, or prefix caching changes outputs."""
-    from batchrun.bench.cases import attention_case
     from batchrun.kernels.cpu_attention import paged_attention_cpu
+    from benchmarks.cases import attention_case
 
     case = attention_case([(0, 9), (0, 5), (6, 1)], 4, 2, 16, 4, kv_cache_dtype=kv_dtype)
     args = (case.q, case.k_cache, case.v_cache, case.meta, 16**-0.5)
@@ -520,8 +520,8 @@ def test_w8a8_calibrated_model_keeps_an_eighth_at_most_in_float(tiny_llama_dir):
 def test_the_quantization_benchmark_measures_summarize_from_an_empty_prefix_cache(tiny_llama_dir, monkeypatch):
     # Its rounds repeat the same prompts: without the reset, a mode whose KV cache keeps more
     # blocks (int8) served later rounds from cached prefixes and showed a false speed-up.
-    from batchrun.bench.workloads import summarize_tokens_per_s
     from batchrun.engine import Engine, EngineConfig
+    from benchmarks.workloads import summarize_tokens_per_s
 
     engine = Engine(
         EngineConfig(

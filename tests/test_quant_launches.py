@@ -1,7 +1,7 @@
 """Kernels per quantized linear on the GPU dispatch path, and the Triton kernels that make them few.
 
 An interpreted child (TRITON_INTERPRET=1) builds each mode's projection as the engine does inside a
-simulated sm_90 GPU and counts what one call launches (bench.gpu_launches: launches_per_linear):
+simulated sm_90 GPU and counts what one call launches (benchmarks.gpu_launches: launches_per_linear):
 fp8 = the per-token quantization kernel + torch._scaled_mm, W8A8 = quantization + torch._int_mm + the
 epilogue (float channels folded into it), weight-only int8/int4 = the one dequantize-GEMM.
 
@@ -89,8 +89,8 @@ def test_the_norm_before_qkv_and_gate_up_quantizes_for_them_interpreted(mode):
 def _layers(mode: str) -> dict:
     import torch
 
-    from batchrun.bench.gpu_launches import decode_step_launches, tiny_decoder
     from batchrun.model.quant import layers
+    from benchmarks.gpu_launches import decode_step_launches, tiny_decoder
 
     model = tiny_decoder("llama", 2, torch.bfloat16, quantization=mode)
     fused = decode_step_launches(model, num_seqs=2, context=5)
@@ -248,8 +248,8 @@ def _check_norm_quant(qdtype, dtype, has_residual: bool) -> None:
 
 
 def _counts() -> dict:
-    from batchrun.bench.gpu_launches import LINEAR_MODES, SM90, launches_per_linear
     from batchrun.kernels.quant.triton_gemm import default_config
+    from benchmarks.gpu_launches import LINEAR_MODES, SM90, launches_per_linear
 
     out: dict = {"split_k": default_config(4, 64, 512, 32, SM90.num_sms).split_k}
     for mode in LINEAR_MODES:

@@ -19,10 +19,10 @@ import dataclasses
 import pytest
 import torch
 
-from batchrun.bench.quality import agreement, quality_sequences, teacher_forced
 from batchrun.engine import Engine, EngineConfig
 from batchrun.engine.quantization import prepare_linears_for_engine
-from batchrun.engine.runner import ModelRunner
+from batchrun.engine.runners import ModelRunner
+from benchmarks.quality import agreement, quality_sequences, teacher_forced
 
 pytestmark = pytest.mark.slow
 

@@ -118,8 +118,8 @@ def test_fused_activation_paths_and_torch_int4_on_gpu():
     """The GPU's 2- and 3-kernel fp8/W8A8 linears equal the torch references (bitwise where the
     interpreter test is: the quantization, W8A8 without float channels); torch's int4 kernel over
     our int4 weight (the GEMM benchmark's side-by-side) equals our reference."""
-    from batchrun.bench.gpu_gemm import TorchInt4
     from batchrun.kernels.quant import triton_act as ta
+    from benchmarks.gpu_gemm import TorchInt4
 
     x = torch.randn(33, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(128, 256, device="cuda") * 0.05

@@ -18,7 +18,7 @@ import pytest
 
 from batchrun import cli
 from batchrun.job import run_job
-from batchrun.job.claims import process_start_time
+from batchrun.job.commit.claims import process_start_time
 
 pytestmark = pytest.mark.ray
 
@@ -258,7 +258,7 @@ def test_placement_one_gpu_per_actor_or_the_cpus_shared_out(job_overrides, tmp_p
     import dataclasses
 
     from batchrun.job.errors import ConfigError
-    from batchrun.job.ray_launch import placement
+    from batchrun.job.launch.ray_launch import placement
 
     def config(device, num_workers=None, num_threads=None):
         c = cli.load_config(job_overrides(tmp_path, tmp_path / "out", "launcher=ray", f"engine.device={device}"))

@@ -12,8 +12,8 @@ import pytest
 
 from batchrun.engine import EngineConfig, SamplingParams
 from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
+from batchrun.job.commit.fingerprint import settings_fingerprint
 from batchrun.job.config import LauncherConfig
-from batchrun.job.fingerprint import settings_fingerprint
 from batchrun.utils.logs import StderrHandler
 from batchrun.utils.redact import REDACTED, RedactFilter, redact, redact_text
 

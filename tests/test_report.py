@@ -20,9 +20,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchrun import cli
-from batchrun.job import report as report_module
 from batchrun.job import run_job
-from batchrun.job.report import FIGURE_IDS, REPORT_NAME
+from batchrun.job.operate import report as report_module
+from batchrun.job.operate.report import FIGURE_IDS, REPORT_NAME
 
 REPO = Path(__file__).resolve().parent.parent
 HOSTILE_ID = '<script>alert("x")</script>&'
@@ -264,7 +264,7 @@ def test_a_report_that_cannot_be_written_is_a_warning(
     monkeypatch.setattr(report_module, "write_report", broken)
     data, out = tmp_path / "in", tmp_path / "run"
     make_shards(data, num_shards=1, rows_per_shard=2)
-    with caplog.at_level(logging.WARNING, logger="batchrun.job.report"):
+    with caplog.at_level(logging.WARNING, logger="batchrun.job.operate.report"):
         result = run_job(cli.load_config(job_overrides(data, out)), engine=tiny_engine)
     assert result.exit_code == 0 and result.status == "completed"
     assert not (out / REPORT_NAME).exists()

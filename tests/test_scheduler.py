@@ -7,7 +7,7 @@ import random
 from batchrun.engine.config import SamplingParams
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.request import Request, RequestStatus
-from batchrun.engine.scheduler import Scheduler, SchedulerConfig
+from batchrun.engine.scheduler import Scheduler, SchedulerConfig, StepResult
 
 EOS = 0
 
@@ -36,7 +36,7 @@ def run(sched: Scheduler, reqs: list[Request], max_steps=10_000):
             if r.num_computed_tokens + n == r.num_tokens:
                 sampled[r.seq_id] = [fake_next_token(r.token_ids)]
         steps.append([(r.seq_id, n) for r, n in zip(batch.requests, batch.num_new_tokens)])
-        sched.update(batch, sampled)
+        sched.update(StepResult(batch, sampled))
         assert len(steps) < max_steps
     return steps
 
@@ -99,17 +99,17 @@ def test_eos_and_stop_token_ids_and_max_model_len():
     r = Request(0, 0, [1, 2, 3], SamplingParams(temperature=0, max_tokens=100), 0.0)
     sched.add(r)
     batch = sched.schedule()
-    sched.update(batch, {0: [EOS]})
+    sched.update(StepResult(batch, {0: [EOS]}))
     assert r.finish_reason == "stop" and r.output_token_ids == [EOS]
     r2 = Request(1, 1, [1, 2, 3], SamplingParams(temperature=0, max_tokens=100, stop_token_ids=(7,)), 0.0)
     sched.add(r2)
-    sched.update(sched.schedule(), {1: [7]})
+    sched.update(StepResult(sched.schedule(), {1: [7]}))
     assert r2.finish_reason == "stop"
     r3 = Request(2, 2, [1] * 10, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True), 0.0)
     sched.add(r3)
-    sched.update(sched.schedule(), {2: [EOS]})
+    sched.update(StepResult(sched.schedule(), {2: [EOS]}))
     assert not r3.is_finished  # EOS ignored
-    sched.update(sched.schedule(), {2: [5]})
+    sched.update(StepResult(sched.schedule(), {2: [5]}))
     assert r3.finish_reason == "length" and r3.num_tokens == 12
 
 
@@ -132,7 +132,7 @@ def test_sibling_samples_wait_for_the_prompt_then_share_its_blocks():
                 for r, n in zip(batch.requests, batch.num_new_tokens)
                 if r.num_computed_tokens + n == r.num_tokens
             }
-            sched.update(batch, sampled)
+            sched.update(StepResult(batch, sampled))
             if shared is None and samples[1].status == RequestStatus.RUNNING:
                 shared = samples[0].block_ids[:4]
             if shared is not None:
@@ -204,7 +204,7 @@ def test_admission_min_slots_lets_a_released_sibling_start_at_once():
         sched.add(r)
     first = sched.schedule()
     assert len(first.requests) == 4  # nothing was running: admitted at once
-    sched.update(first, {r.seq_id: [fake_next_token(r.token_ids)] for r in first.requests})
+    sched.update(StepResult(first, {r.seq_id: [fake_next_token(r.token_ids)] for r in first.requests}))
     assert short.is_finished and sched.waiting[0] is sibling and sibling.block_ids
     assert len(sched.waiting) == 2
     second = sched.schedule()

@@ -16,7 +16,7 @@ from batchrun.engine.drafter import is_eligible
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.request import Request
 from batchrun.engine.sampler import Sampler
-from batchrun.engine.scheduler import Scheduler, SchedulerConfig
+from batchrun.engine.scheduler import Scheduler, SchedulerConfig, StepResult
 from batchrun.engine.speculative import (
     PROBE_GAP,
     DraftProbs,
@@ -371,7 +371,7 @@ def test_rollback_keeps_pool_consistent_and_output_unchanged(seed, k, num_blocks
                 else:
                     out.append(_fake_next(seq + out))
                 sampled[r.seq_id] = out
-            sched.update(batch, sampled)
+            sched.update(StepResult(batch, sampled))
             used = {b for r in sched.running for b in r.block_ids}
             for b in range(num_blocks):
                 assert kv.pool.ref_counts[b] >= 0

@@ -13,9 +13,9 @@ import time
 import jsonschema
 import pytest
 
-from batchrun.job.checkpoints import committed_parts
-from batchrun.job.status import read_status, status_schema
-from batchrun.job.store import RunStore
+from batchrun.job.commit.checkpoints import committed_parts
+from batchrun.job.commit.store import RunStore
+from batchrun.job.operate.status import read_status, status_schema
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::DeprecationWarning")
 

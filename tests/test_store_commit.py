@@ -17,9 +17,9 @@ import pyarrow.parquet as pq
 import pytest
 from s3_fault_proxy import FaultProxy, Rule
 
-from batchrun.job import store as store_module
+from batchrun.job.commit import directory as store_module
+from batchrun.job.commit.store import CommitUnclear, RunStore, committed_files
 from batchrun.job.errors import ConfigError
-from batchrun.job.store import CommitUnclear, RunStore, committed_files
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::ResourceWarning")
 

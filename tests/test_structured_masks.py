@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from batchrun.engine import EngineConfig, SamplingParams
-from batchrun.engine import step_sampler as step_sampler_module
 from batchrun.engine.grammar import MAX_SPELLED_REPETITION, build_grammar
+from batchrun.engine.runners import sampling as step_sampler_module
 from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -112,7 +112,7 @@ def _fills_by_thread(monkeypatch) -> list[str]:
 def test_masks_filled_during_the_forward_give_the_tokens_of_masks_filled_after_it(
     tiny_engine, one_torch_thread, monkeypatch
 ):
-    step_sampler = tiny_engine.step_sampler
+    step_sampler = tiny_engine.runner.step_sampler
     names = _fills_by_thread(monkeypatch)
     try:
         step_sampler.overlap_masks = False

@@ -9,8 +9,8 @@ import re
 import jsonschema
 import pytest
 
-from batchrun.bench.quality import make_engine
 from batchrun.engine import SamplingParams
+from benchmarks.quality import make_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 

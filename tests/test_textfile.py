@@ -16,7 +16,7 @@ import pyarrow.parquet as pq
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from batchrun.job.textfile import MetricsTextfile, textfile_path
+from batchrun.job.operate.textfile import MetricsTextfile, textfile_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning")
 

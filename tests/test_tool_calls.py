@@ -16,10 +16,10 @@ import pytest
 
 from batchrun.engine import Engine, EngineConfig, SamplingParams
 from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
-from batchrun.job.openai_requests import CHAT_URL, COMPLETIONS_URL, RequestBuilder, RequestError, check_request
-from batchrun.job.openai_requests import sampling_params as body_params
-from batchrun.job.reader import InputRow
-from batchrun.job.tool_calls import CHATML_TOOLS_TEMPLATE, parse_calls, parse_output, tool_spec
+from batchrun.job.formats.openai_requests import CHAT_URL, COMPLETIONS_URL, RequestBuilder, RequestError, check_request
+from batchrun.job.formats.openai_requests import sampling_params as body_params
+from batchrun.job.formats.reader import InputRow
+from batchrun.job.formats.tool_calls import CHATML_TOOLS_TEMPLATE, parse_calls, parse_output, tool_spec
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

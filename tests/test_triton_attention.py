@@ -102,10 +102,10 @@ CASES = _cases()
 
 def run_case(spec: dict[str, Any], device: str = "cpu") -> None:
     """Raise AssertionError when the Triton result differs from the reference beyond tolerance."""
-    from batchrun.bench.cases import attention_case
     from batchrun.kernels.attention_torch import paged_attention_reference
     from batchrun.kernels.quant.kv import KV_CACHE_DTYPES
     from batchrun.kernels.triton_attention import decode_attention, paged_attention
+    from benchmarks.cases import attention_case
 
     c = attention_case(
         spec["seqs"],

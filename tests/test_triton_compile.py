@@ -4,8 +4,8 @@ The interpreter tests (tests/test_triton_*.py) check the kernels' numbers but ne
 a kernel that only fails in the compiler (a tl type mismatch, a constexpr misuse, float8 on an
 architecture without it, shared memory past the GPU's limit) would pass them. Here every kernel is
 compiled ahead of time for sm_90 (kernels/triton_aot.py: compile_only) through the launchers a run
-calls, with the tile sizes, warps and split counts they pick on an H200 (bench/compile_cases.py:
-the fast set; `python -m batchrun.bench.triton_compile` compiles every case). Triton's on-disk
+calls, with the tile sizes, warps and split counts they pick on an H200 (benchmarks/compile_cases.py:
+the fast set; `python -m benchmarks.triton_compile` compiles every case). Triton's on-disk
 cache keeps a rerun quick. On sm_89 (99 KB of shared memory per block) a few attention launches
 check that the launchers shrink their tiles to fit, with the estimate they choose by bounding the
 compiled figure.
@@ -27,10 +27,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from batchrun.bench import compile_counts  # noqa: E402
-from batchrun.bench.cases import attention_case  # noqa: E402
-from batchrun.bench.compile_cases import compile_cases, launch_cases  # noqa: E402
 from batchrun.kernels import attention, backend, triton_aot  # noqa: E402
+from benchmarks import compile_counts  # noqa: E402
+from benchmarks.cases import attention_case  # noqa: E402
+from benchmarks.compile_cases import compile_cases, launch_cases  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SPILL_BOUND_BYTES = 64  # local memory per thread a bf16/fp16 variant may use: a small stack frame, no real spills
@@ -266,7 +266,7 @@ def test_simulated_gpu_is_scoped_to_compile_only():
 def test_the_benchmark_script_prints_a_row_per_variant(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
-        [sys.executable, "-m", "batchrun.bench.triton_compile", "--fast", "--only", "kv write bf16"],
+        [sys.executable, "-m", "benchmarks.triton_compile", "--fast", "--only", "kv write bf16"],
         cwd=tmp_path,
         env=env,
         capture_output=True,

@@ -14,7 +14,7 @@ quantize on write and dequantize tiles on read, the CPU path quantizes the same 
 what it gathers, so the tokens agree (quantized against quantized: quantization itself may change
 tokens against a float cache; with a float cache the same GPU path is checked against HF itself, in
 tests/test_gpu_identity.py). In these runs the Triton engine's decode steps go through the CUDA-graph
-path (engine/cuda_graphs.py: static buffers, bucket padding), with EagerReplay standing in for the
+path (engine/runners/cuda_graphs.py: static buffers, bucket padding), with EagerReplay standing in for the
 capture, as on a GPU where every decode step replays a graph.
 """
 
@@ -37,7 +37,7 @@ def run(model_dir: str, kv_cache_dtype: str) -> dict:
     import batchrun.kernels.triton_attention as ta
     import batchrun.kernels.triton_elementwise as tew
     from batchrun import Engine, EngineConfig, SamplingParams
-    from batchrun.engine.cuda_graphs import DecodeGraphs, EagerReplay
+    from batchrun.engine.runners import GpuRunner
 
     replays = []
 
@@ -54,11 +54,7 @@ def run(model_dir: str, kv_cache_dtype: str) -> dict:
             )
         )
         if graphs:
-            r = engine.runner
-            max_blocks = -(-engine.max_model_len // r.block_size)
-            r.graphs = DecodeGraphs(
-                r.model, r.kv_caches, r.block_size, max_blocks, engine.device, engine.dtype, 8, EagerReplay
-            )
+            engine.runner = r = GpuRunner.stand_in(engine.runner, 8)  # EagerReplay standing in for capture
             graph_execute = r.graphs.execute
             r.graphs.execute = lambda batch: replays.append(len(batch.requests)) or graph_execute(batch)
         return [o.token_ids for o in engine.generate(PROMPTS, SamplingParams(max_tokens=3, temperature=0.0))]

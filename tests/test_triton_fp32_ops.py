@@ -18,8 +18,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from batchrun.bench import compile_counts  # noqa: E402
 from batchrun.kernels import triton_aot  # noqa: E402
+from benchmarks import compile_counts  # noqa: E402
 
 if triton_aot.triton_supported() is not None:
     pytestmark = pytest.mark.skip(reason=triton_aot.triton_supported())
@@ -63,8 +63,8 @@ def test_float32_attention_dots_are_ieee_not_tf32():
     """A float32 tl.dot defaults to TF32 on sm_80+ (10-bit mantissa operands); HF's float32 attention
     does not. Every float32 attention variant (decode with one split and several, with a window,
     soft-capped, and prefill) must multiply in full float32: no tf32 operand in its PTX."""
-    from batchrun.bench.cases import attention_case
     from batchrun.kernels import attention
+    from benchmarks.cases import attention_case
 
     with triton_aot.compile_only(90) as log:
         for window, softcap in ((None, None), (16, None), (None, 30.0)):

@@ -6,7 +6,7 @@ on the GPU). The test builds such a cache on the CPU without paying for it: `tor
 virtual memory only, and the kernels touch only the pages of the few blocks a case uses. Three KV
 heads with a head stride just over 2**30 put head 2 past 2**31, while every stride and every index
 still fits in int32, which is exactly where an int32 product overflows. The case's blocks sit at the
-far end of the cache; the same case on a small cache is the expected result (bench.cases builds
+far end of the cache; the same case on a small cache is the expected result (benchmarks.cases builds
 both; the GPU check runs the same case compiled).
 
 It runs in Triton's interpreter (TRITON_INTERPRET=1), where the kernels read memory through raw
@@ -25,15 +25,15 @@ from triton_child import run_interpreted
 
 pytest.importorskip("triton")
 
-NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 3, 16, 16  # three heads: bench.cases.far_blocks_case puts head 2 past 2**31
+NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 3, 16, 16  # three heads: benchmarks.cases.far_blocks_case puts head 2 past 2**31
 SEQS = [(20, 1), (0, 5), (37, 1), (9, 6)]  # (cached tokens, new tokens): decodes and prefills
 
 
 def run(kernel: str) -> None:
-    from batchrun.bench.cases import far_blocks_case
     from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
     from batchrun.kernels.triton_attention import paged_attention
     from batchrun.kernels.triton_kv import write_kv_cache
+    from benchmarks.cases import far_blocks_case
 
     far = far_blocks_case(SEQS, 6, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, dtype=torch.float16, seed=3)
     c = far.small

@@ -81,10 +81,10 @@ def _check_kernel(spec: dict[str, Any], device: str) -> None:
 
 def _check_ops() -> None:
     """Sampler.sample on CPU tensors taking the GPU path (simulated sm_90, kernels interpreted)."""
-    from batchrun.bench.gpu_launches import SM90, count_launches
     from batchrun.engine.config import SamplingParams
     from batchrun.engine.sampler import Sampler
     from batchrun.kernels.backend import simulated_gpu
+    from benchmarks.gpu_launches import SM90, count_launches
 
     rows, vocab = 16, 1000
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
@@ -133,9 +133,9 @@ def _check_engine() -> None:
     import tempfile
 
     from batchrun import Engine, SamplingParams
-    from batchrun.bench.gpu_launches import SM90, count_launches
     from batchrun.kernels.backend import simulated_gpu
     from batchrun.testing import make_tiny_model
+    from benchmarks.gpu_launches import SM90, count_launches
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(tmp, "llama"))
@@ -177,10 +177,10 @@ def _check_engine_async() -> None:
     import tempfile
 
     from batchrun import Engine, SamplingParams
-    from batchrun.bench.decode_step import stand_in_graphs
-    from batchrun.bench.gpu_launches import SM90, count_launches
+    from batchrun.engine.runners import GpuRunner
     from batchrun.kernels.backend import simulated_gpu
     from batchrun.testing import make_tiny_model
+    from benchmarks.gpu_launches import SM90, count_launches
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(tmp, "llama"))
@@ -195,7 +195,7 @@ def _check_engine_async() -> None:
             config = _interpreted_engine_config(model, async_scheduling=on)
             with simulated_gpu(SM90), count_launches() as launches:
                 engine = Engine(config)
-                engine.runner.graphs = stand_in_graphs(engine, 4)
+                engine.runner = GpuRunner.stand_in(engine.runner, 4)
                 outs[on] = [o.token_ids for o in engine.generate(prompts, params)]
             if on:
                 num_ahead = engine.stats().num_async_steps

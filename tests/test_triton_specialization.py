@@ -2,7 +2,7 @@
 
 Triton compiles a kernel variant per class of each int argument's value (1, divisible by 16, other),
 so an int that varies per step (the block-table width, the split count, the token count) compiles new
-variants in the middle of a run. Compile counts can only be measured on a GPU (bench.gpu); here the
+variants in the middle of a run. Compile counts can only be measured on a GPU (benchmarks.gpu); here the
 decorators are checked to mark those arguments, by name, so a renamed argument fails this test
 instead of silently specializing again.
 """

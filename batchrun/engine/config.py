@@ -79,7 +79,7 @@ class EngineConfig:
     # Launch a decode step before the previous step's tokens reach the host (its input ids gathered
     # on the device), so the host's scheduling, packing and bookkeeping of one step run while the
     # GPU computes the next. Only CUDA-graph decode steps of plain requests (no grammar, logprobs
-    # or speculation) run ahead; float32 outputs are the same tokens (engine/async_steps.py).
+    # or speculation) run ahead; float32 outputs are the same tokens (engine/runners/gpu.py).
     async_scheduling: bool = False
     # While every running request decodes, admit waiting requests only once this many slots are
     # free (or all waiting fit): an admission turns a CUDA-graph decode step into a mixed prefill

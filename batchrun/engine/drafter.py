@@ -1,26 +1,29 @@
 """Runs the proposers of speculative decoding around a scheduled batch.
 
-`plan` (before scheduling) says which decoding requests carry how many drafts; `fill` (after the
-scheduler reserved their KV slots) produces the drafts: n-gram lookup, the target's first layers
-(self), or a separate draft model. The self draft shares the target's KV cache for its layers: the
-target's verification forward rewrites those entries with the same values, so nothing needs
-undoing. A draft model keeps its own cache under the same block ids and slot mapping, and `sync`
-runs it over every scheduled token so its cache always covers what the target's does.
+`plan` (before scheduling) says which decoding requests carry how many drafts; `execute` (after
+the scheduler reserved their KV slots) produces the drafts (`fill`: n-gram lookup, the target's
+first layers (self), or a separate draft model), runs the step on the target's runner, which
+verifies them, and records what was accepted and what the step cost. The self draft shares the
+target's KV cache for its layers: the target's verification forward rewrites those entries with
+the same values, so nothing needs undoing. A draft model keeps its own cache under the same block
+ids and slot mapping, and runs over every scheduled token so its cache always covers what the
+target's does.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections.abc import Callable
+from typing import Any, Optional, Union
 
 import torch
 
 from batchrun.engine.config import SpeculativeConfig
 from batchrun.engine.device import weight_count
 from batchrun.engine.request import Request
-from batchrun.engine.runner import ModelRunner
+from batchrun.engine.runners import ModelRunner, PendingStep
 from batchrun.engine.sampler import STREAM_DRAFT, Sampler, draw_from_probs, sampling_probs_rows
-from batchrun.engine.scheduler import ScheduledBatch
-from batchrun.engine.speculative import DraftProbs, SpeculationPolicy, StepCostModel, ngram_propose
+from batchrun.engine.scheduler import ScheduledBatch, StepResult
+from batchrun.engine.speculative import DraftProbs, SpeculationPolicy, StepCostModel, ngram_propose, record_acceptance
 from batchrun.model.decoder import DecoderLM, build_decoder
 from batchrun.model.loader import load_model
 
@@ -55,6 +58,8 @@ class Drafter:
         self.runner = runner  # the target's runner (self) or the draft model's (draft)
         self.sampler = sampler  # the engine's: unseeded requests draw from its generator
         self.num_layers = num_layers  # self: how many target layers make the draft
+        self.num_proposed = 0  # draft tokens verified, over the engine's life
+        self.num_accepted = 0  # of those, accepted
 
     def plan(self, running: list[Request]) -> tuple[dict[int, int], dict[int, list[int]]]:
         k = self.config.num_speculative_tokens
@@ -98,7 +103,7 @@ class Drafter:
             step = ScheduledBatch(active, [1] * len(active))
             step.spec_token_ids = drafts
             positions = [r.num_tokens - 1 + j for r in active]  # each row's input token
-            out = self.runner.execute(step, num_layers=self.num_layers, num_computed=positions)
+            out = self.runner.forward(step, num_layers=self.num_layers, num_computed=positions)
             tokens = out.logits.argmax(dim=-1)  # (len(active),) int64 on the device
             sampled = [i for i, r in enumerate(active) if not r.params.is_greedy]
             if sampled:
@@ -120,7 +125,39 @@ class Drafter:
         batch.spec_token_ids = drafts
         return DraftProbs(torch.cat(probs), prob_rows) if probs else None
 
-    def observe(self, batch: ScheduledBatch, step_s: float, draft_s: float) -> None:
+    def execute(
+        self,
+        batch: ScheduledBatch,
+        proposals: dict[int, list[int]],
+        target: ModelRunner,
+        clock: Callable[[], float],
+    ) -> Union[StepResult, PendingStep]:
+        """The scheduled batch's step: its drafts filled in where the plan gave it some, run and
+        verified by the `target` runner; the draft model's cache synced, what was accepted recorded
+        and what the step cost (on `clock`) told to the policy."""
+        drafted_s = clock()
+        drafts = self.fill(batch, proposals) if batch.num_spec else None
+        started_s = clock()
+        result = target.execute(batch, drafts=drafts)
+        assert isinstance(result, StepResult), "no step runs ahead beside a drafter"
+        if self.config.method == "draft":  # the draft model computes KV for every token the target did
+            self.runner.forward(batch)
+        self._record(result)
+        self._observe(batch, clock() - started_s, started_s - drafted_s)
+        return result
+
+    def _record(self, result: StepResult) -> None:
+        """Each drafted request's acceptance (its metrics and the rate the policy reads)."""
+        batch = result.batch
+        by_seq = {r.seq_id: r for r in batch.requests} if batch.spec_token_ids else {}
+        for seq, drafts in batch.spec_token_ids.items():
+            tokens = result.tokens.get(seq)
+            if drafts and tokens is not None:
+                record_acceptance(by_seq[seq], len(drafts), len(tokens) - 1)
+                self.num_proposed += len(drafts)
+                self.num_accepted += len(tokens) - 1
+
+    def _observe(self, batch: ScheduledBatch, step_s: float, draft_s: float) -> None:
         """Tell the policy what a step cost on this device: the target's step (`step_s`) and, where
         draft passes ran, their time (`draft_s`)."""
         num_drafts = sum(batch.num_spec.values())
@@ -128,10 +165,17 @@ class Drafter:
         if batch.num_spec and self.config.method != "ngram":
             self.policy.observe_draft(len(batch.num_spec), max(batch.num_spec.values()), draft_s)
 
-    def sync(self, batch: ScheduledBatch) -> None:
-        """Draft model only: compute its KV for every token the target computed this step."""
-        if self.config.method == "draft":
-            self.runner.execute(batch)
+    def stats(self) -> dict[str, Any]:
+        """EngineStats' speculation fields."""
+        policy = self.policy
+        return dict(
+            num_spec_proposed=self.num_proposed,
+            num_spec_accepted=self.num_accepted,
+            num_spec_steps=policy.num_steps_on,
+            num_spec_switches=policy.num_switches,
+            num_spec_probes=policy.num_probes,
+            spec_step_s=policy.cost.learned(),
+        )
 
 
 def load_draft_model(
@@ -153,7 +197,6 @@ def build_drafter(
     model: DecoderLM,
     runner: ModelRunner,
     sampler: Sampler,
-    num_blocks: int,
     profile: dict[str, Any],
     draft: Optional[tuple[DecoderLM, str]],
 ) -> tuple[Drafter, dict[str, Any]]:
@@ -170,14 +213,7 @@ def build_drafter(
         assert draft is not None
         draft_model = draft[0]
         # Same block ids and slot mapping as the target, so one block table serves both caches.
-        runner = ModelRunner(
-            draft_model.eval(),
-            num_blocks,
-            runner.block_size,
-            runner.dtype,
-            runner.device,
-            block_tables=runner.block_tables,
-        )
+        runner = runner.for_draft(draft_model.eval())
         # Weights as parameters or as buffers (packed, quantized, a tied head's tiles), each once.
         draft_cost = weight_count(draft_model) / weight_count(model)
     cost = StepCostModel(profile.get("decode_tok_s") or {1: 1.0})

@@ -1,4 +1,4 @@
-"""The Engine facade: tokenize, admit, step (schedule -> run -> sample -> update), detokenize."""
+"""The Engine facade: tokenize, admit, step (plan -> schedule -> execute -> update), detokenize."""
 
 from __future__ import annotations
 
@@ -10,15 +10,14 @@ from typing import Any, Optional, Union
 
 import torch
 
-from batchrun.engine.async_steps import AsyncSteps, InFlightStep
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput, ThroughputProfile
 from batchrun.engine.profiler import measure_rates
 from batchrun.engine.request import Request
-from batchrun.engine.scheduler import ScheduledBatch
+from batchrun.engine.runners import PendingStep
+from batchrun.engine.scheduler import ScheduledBatch, StepResult
 from batchrun.engine.settings import EngineSettings
 from batchrun.engine.startup import EngineParts, start_engine, warm_up
-from batchrun.engine.step_sampler import SampledTokens, cut_at_stop_string
 
 log = logging.getLogger(__name__)
 
@@ -34,43 +33,28 @@ class Engine:
         """Assign what start-up built: `parts`, or the phases of engine/startup.py run on `config`."""
         parts = parts if parts is not None else start_engine(config)
         self.config = config
-        self.device = parts.target.device
-        self.dtype = parts.target.dtype
-        self.tokenizer = parts.target.tokenizer
-        self.model_path = parts.target.path
-        self.model_fingerprint = parts.target.fingerprint
-        self.hf_config = parts.target.hf_config
-        self.model = parts.target.model
-        self.quantization = parts.target.quantization
+        target, core = parts.target, parts.core
+        self.device, self.dtype, self.tokenizer = target.device, target.dtype, target.tokenizer
+        self.model_path, self.model_fingerprint, self.hf_config = target.path, target.fingerprint, target.hf_config
+        self.model, self.quantization = target.model, target.quantization
         self.max_model_len = parts.kv_plan.max_model_len
-        self.kv = parts.cache.kv
-        self.runner = parts.cache.runner
-        self.max_num_seqs = parts.limits.max_num_seqs
-        self.max_num_batched_tokens = parts.limits.max_num_batched_tokens
-        self.scheduler = parts.core.scheduler
-        self.sampler = parts.core.sampler
-        self.grammars = parts.core.grammars
-        self.admission = parts.core.admission
-        self.step_sampler = parts.core.step_sampler
-        self.drafter = parts.core.drafter
+        self.kv, self.runner = parts.cache.kv, parts.cache.runner
+        self.max_num_seqs, self.max_num_batched_tokens = parts.limits.max_num_seqs, parts.limits.max_num_batched_tokens
+        self.scheduler, self.sampler, self.grammars = core.scheduler, core.sampler, core.grammars
+        self.admission, self.drafter = core.admission, core.drafter
         self.settings: EngineSettings = parts.settings
-        self.startup_s = parts.startup_s
-        self._profile = parts.limits.profile
-        self._num_prompt_tokens = 0
-        self._num_generated_tokens = 0
+        self.startup_s, self._profile = parts.startup_s, parts.limits.profile
         self._num_steps = 0
-        # engine.async_scheduling (engine/async_steps.py): steps launched ahead, and the one whose
-        # tokens are still on their way to the host between two calls of `step`.
-        self.async_steps: Optional[AsyncSteps] = None
-        self._in_flight: Optional[InFlightStep] = None
+        # engine.async_scheduling (engine/runners/gpu.py): the step launched ahead in one call of
+        # `step`, its tokens still on their way to the host, and how many were.
+        self._ahead: Optional[PendingStep] = None
+        self._num_ahead = 0
         if config.async_scheduling and not self.set_async_scheduling(True):
             log.warning(
                 "engine.async_scheduling is off with speculative decoding: each step needs the last one's tokens"
             )
         # Times the decode steps the speculation policy prices (a test may put a fake clock here).
         self.step_clock: Callable[[], float] = time.perf_counter
-
-    # ---- public API ---------------------------------------------------------------------------
 
     def generate(
         self,
@@ -130,7 +114,7 @@ class Engine:
                         return
                     continue
                 for req in self.step():
-                    yield self._to_output(req)
+                    yield req.to_output(self.tokenizer)
         finally:
             self.abort_all()
 
@@ -139,13 +123,13 @@ class Engine:
             num_kv_blocks_total=self.kv.num_blocks,
             peak_kv_blocks_used=self.kv.peak_used_blocks,
             num_preemptions=self.scheduler.num_preemptions,
-            num_prompt_tokens=self._num_prompt_tokens,
+            num_prompt_tokens=self.scheduler.num_prompt_tokens,
             num_cached_tokens=self.kv.num_hit_tokens,
-            num_generated_tokens=self._num_generated_tokens,
+            num_generated_tokens=self.scheduler.num_generated_tokens,
             num_steps=self._num_steps,
             expert_token_counts=self.model.expert_token_counts(),  # one device read, not one per step
-            num_async_steps=self.async_steps.num_ahead if self.async_steps is not None else None,
-            **self._spec_stats(),
+            num_async_steps=self._num_ahead if self.runner.run_ahead else None,
+            **(self.drafter.stats() if self.drafter is not None else {}),
         )
 
     def throughput_profile(self) -> ThroughputProfile:
@@ -157,14 +141,8 @@ class Engine:
         if not self._profile.get("prefill_tok_s") or not self._profile.get("decode_tok_s"):
             assert not self.scheduler.has_unfinished() and not self.scheduler.num_parked, "profile an idle engine only"
             self.kv.reset_prefix_cache()
-            measured = measure_rates(
-                self.runner,
-                self.kv.num_blocks,
-                self.config.block_size,
-                self.max_model_len,
-                self.max_num_batched_tokens,
-                self.max_num_seqs,
-            )
+            limits = (self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs)
+            measured = measure_rates(self.runner, self.kv.num_blocks, self.config.block_size, *limits)
             self._profile = {**measured, **{k: v for k, v in self._profile.items() if v}}
         return ThroughputProfile(
             prefill_tok_s=dict(self._profile["prefill_tok_s"]),
@@ -176,27 +154,13 @@ class Engine:
             num_threads=torch.get_num_threads(),
         )
 
-    def _spec_stats(self) -> dict[str, Any]:
-        if self.drafter is None:
-            return {}
-        policy = self.drafter.policy
-        return dict(
-            num_spec_proposed=self.step_sampler.num_spec_proposed,
-            num_spec_accepted=self.step_sampler.num_spec_accepted,
-            num_spec_steps=policy.num_steps_on,
-            num_spec_switches=policy.num_switches,
-            num_spec_probes=policy.num_probes,
-            spec_step_s=policy.cost.learned(),
-        )
-
     def warmup(self) -> dict[str, Any]:
         """Run each kind of step this engine will run once, so Triton compiles every kernel variant
         and every CUDA-graph bucket is captured before anything is timed (engine/warmup.py); return
-        what ran (also in settings.warmup). Start-up runs it per EngineConfig.warmup.
-
-        It leaves no trace a request could see: no KV block allocated, no request id consumed, the
-        sampler's generator untouched. It needs an idle engine, forgets the prefix cache (its steps
-        write into free blocks) and zeroes the expert-load counters, as start-up does."""
+        what ran (also in settings.warmup). Start-up runs it per EngineConfig.warmup. It leaves no
+        trace a request could see (no KV block allocated, no request id consumed, the sampler's
+        generator untouched); on an idle engine only, it forgets the prefix cache (its steps write
+        into free blocks) and zeroes the expert-load counters, as start-up does."""
         assert not self.scheduler.has_unfinished() and not self.scheduler.num_parked, "warm up an idle engine only"
         limits = (self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs)
         summary = warm_up(self.kv, self.runner, self.drafter, self.sampler, *limits)
@@ -206,11 +170,10 @@ class Engine:
     def set_async_scheduling(self, on: bool) -> bool:
         """Turn engine.async_scheduling on or off on an idle engine (benchmarks compare both on one
         engine); return whether it is on: never with a drafter. Its step count starts again at 0."""
-        assert not self.scheduler.has_unfinished() and self._in_flight is None, "switch an idle engine only"
-        self.async_steps = None
-        if on and self.drafter is None:
-            self.async_steps = AsyncSteps(self.scheduler, self.runner, self.sampler)
-        return self.async_steps is not None
+        assert not self.scheduler.has_unfinished() and self._ahead is None, "switch an idle engine only"
+        self.runner.run_ahead = on and self.drafter is None
+        self._num_ahead = 0
+        return self.runner.run_ahead
 
     def reset_peak_stats(self) -> None:
         self.kv.reset_peak()
@@ -222,131 +185,64 @@ class Engine:
 
     def abort_all(self) -> None:
         """Drop every unfinished request and free its blocks (used when a stream is abandoned)."""
-        self._drop_in_flight()
+        self._drop_ahead()
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.finish(req, "abort")
 
-    def _drop_in_flight(self) -> None:
-        """Forget a step launched ahead (its requests ended or were aborted): wait for its token
+    def _drop_ahead(self) -> None:
+        """Forget the step launched ahead (its requests ended or were aborted): wait for its token
         copy, so its pinned buffer is free before a later step writes there."""
-        if self._in_flight is not None:
-            self._in_flight.wait()
-            self._in_flight = None
-
-    # ---- internals ----------------------------------------------------------------------------
+        if self._ahead is not None:
+            self._ahead.wait()
+            self._ahead = None
 
     def _add(self, item: Any, index: int, default_params: SamplingParams) -> list[RequestOutput]:
         """Queue one request (params.n samples); return error outputs instead when it can never run."""
         samples = self.admission.build(item, index, default_params)
         if samples[0].error is not None:
-            return [self._to_output(req) for req in samples]
-        self._num_prompt_tokens += samples[0].num_prompt_tokens * len(samples)
+            return [req.to_output(self.tokenizer) for req in samples]
         self.scheduler.add(samples[0], samples[1:])
         return []
 
     def step(self) -> list[Request]:
-        """One engine iteration; returns the requests that finished in it.
+        """One engine iteration: plan, schedule, execute, update; returns the requests that ended.
+        A step launched ahead by the last call (engine.async_scheduling) was planned then."""
+        if self._ahead is None:
+            plan, proposals = self.drafter.plan(self.scheduler.running) if self.drafter else ({}, {})
+            batch = self.scheduler.schedule(plan)
+            executed = self._execute(batch, proposals)
+        else:
+            executed, self._ahead = self._ahead, None
+        self._ahead = self._launch_ahead(executed)
+        return self._update(executed)
 
-        With engine.async_scheduling a step may be launched here before the current one's tokens
-        are read (engine/async_steps.py); the next call starts from it instead of scheduling."""
-        cur, self._in_flight = self._in_flight, None
-        if cur is None:
-            cur_or_finished = self._step_sync()
-            if not isinstance(cur_or_finished, InFlightStep):
-                return cur_or_finished
-            cur = cur_or_finished
-        assert self.async_steps is not None
-        if self.async_steps.can_run_ahead(cur):
-            self._in_flight = self.async_steps.run_ahead(cur)
-            self._num_steps += 1
-        finished = self._finish_in_flight(cur)
-        # The step ahead holds only requests running at its launch: all of them can have ended only
-        # in this call, so the scan runs only on steps that finished some.
-        if finished and self._in_flight is not None and all(r.is_finished for r in self._in_flight.batch.requests):
-            self._drop_in_flight()  # every request of the step ahead ended with cur's tokens
-        return finished
-
-    def _finish_in_flight(self, cur: InFlightStep) -> list[Request]:
-        """Read cur's tokens and do the bookkeeping a synchronous step does after sampling."""
-        tokens = cur.wait()
-        sampled: SampledTokens = {
-            r.seq_id: (r, [token], None) for r, token in zip(cur.batch.requests, tokens) if not r.is_finished
-        }
-        finished = self.scheduler.update(cur.batch, {seq: t for seq, (_, t, _) in sampled.items()}, held=cur.held)
-        self._record_tokens(sampled)
-        return finished + self.step_sampler.stops(sampled)
-
-    def _step_sync(self) -> Union[list[Request], InFlightStep]:
-        """A step scheduled now: the requests that finished in it, or, with async scheduling, a
-        graphed decode step of plain requests whose tokens are on their way to the host."""
-        spec_plan, proposals = self.drafter.plan(self.scheduler.running) if self.drafter else ({}, {})
-        batch: ScheduledBatch = self.scheduler.schedule(spec_plan)
+    def _execute(self, batch: ScheduledBatch, proposals: dict[int, list[int]]) -> Union[StepResult, PendingStep]:
+        """Run and sample the batch (its drafts first, where the plan gave it some)."""
         assert not batch.is_empty(), "scheduler produced an empty batch with requests pending"
         self._num_steps += 1
-        now = time.perf_counter()
-        for req in batch.requests:
-            if req.metrics.first_scheduled_s is None:
-                req.metrics.first_scheduled_s = now
-        drafted_s = self.step_clock()
-        draft_probs = None
-        if batch.num_spec:
-            assert self.drafter is not None, "speculative tokens are scheduled from a drafter's plan only"
-            draft_probs = self.drafter.fill(batch, proposals)
-        started_s = self.step_clock()
-        self.step_sampler.start_masks(batch)  # grammar masks fill while the forward runs
-        out = self.runner.execute(batch)
-        if self.async_steps is not None and self.async_steps.can_read_back(batch, out):
-            return self.async_steps.read_back(batch, out.logits)
-        by_seq = {r.seq_id: r for r in batch.requests}
-        for seq, (first, entries) in out.prompt_logprobs.items():
-            scored = by_seq[seq].prompt_logprobs
-            assert scored is not None and len(scored) == first, "prompt tokens are scored once, in order"
-            scored.extend(entries)
-        if self.drafter is not None:
-            self.drafter.sync(batch)
-        failed = self.step_sampler.wait_for_grammars(batch, out)
-        for req in failed:  # a grammar that failed to compile: the request ends as an error
-            self.scheduler.finish(req, "error")
-        sampled = self.step_sampler.sample(batch, out, draft_probs)  # ends with the tokens on the host
-        if self.drafter is not None:
-            self.drafter.observe(batch, self.step_clock() - started_s, started_s - drafted_s)
-        finished = failed + self.scheduler.update(batch, {seq: toks for seq, (_, toks, _) in sampled.items()})
-        self._record_tokens(sampled)
-        return finished + self.step_sampler.stops(sampled)
+        if self.drafter is None:
+            return self.runner.execute(batch)
+        return self.drafter.execute(batch, proposals, self.runner, self.step_clock)
 
-    def _record_tokens(self, sampled: SampledTokens) -> None:
-        now = time.perf_counter()
-        for req, tokens, logprob in sampled.values():
-            self._num_generated_tokens += len(tokens)
-            if req.metrics.first_token_s is None:
-                req.metrics.first_token_s = now
-            req.metrics.finished_s = now  # last token time until it finishes
-            if logprob is not None and req.logprobs is not None:
-                req.logprobs.append(logprob)
+    def _launch_ahead(self, executed: Union[StepResult, PendingStep]) -> Optional[PendingStep]:
+        """The decode step after `executed`, launched before executed's tokens are read, where its
+        tokens are still on the device, the scheduler can hold the running requests' places and the
+        runner can replay their next step (engine/runners/gpu.py); else None."""
+        if not isinstance(executed, PendingStep) or not self.runner.can_replay_next(self.scheduler.running):
+            return None
+        if not self.scheduler.can_hold_places(executed.rows):
+            return None
+        executed.held = True
+        batch = self.scheduler.schedule_ahead()
+        self._num_steps += 1
+        self._num_ahead += 1
+        return self.runner.execute_ahead(batch, executed)
 
-    def _to_output(self, req: Request) -> RequestOutput:
-        m = req.metrics
-        out_ids = req.output_token_ids
-        text = self.tokenizer.decode(out_ids, skip_special_tokens=True) if out_ids else ""
-        if req.params.stop:
-            text = cut_at_stop_string(text, req.params.stop)
-        if m.finished_s is None:
-            m.finished_s = time.perf_counter()
-        if m.first_token_s is not None:
-            m.ttft_s = m.first_token_s - m.arrival_s
-            if len(out_ids) > 1:
-                m.itl_s = (m.finished_s - m.first_token_s) / (len(out_ids) - 1)
-        m.latency_s = m.finished_s - m.arrival_s
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=out_ids,
-            text=text,
-            finish_reason=req.finish_reason or "error",
-            error=req.error,
-            metrics=m,
-            logprobs=req.logprobs,
-            sample_index=req.sample_index,
-            prompt_logprobs=req.prompt_logprobs,
-            constrained=req.params.is_constrained,
-        )
+    def _update(self, executed: Union[StepResult, PendingStep]) -> list[Request]:
+        """Hand the step's tokens to the scheduler (waiting for them if they are on their way);
+        return the requests that ended."""
+        finished = self.scheduler.update(executed.result() if isinstance(executed, PendingStep) else executed)
+        # The step ahead holds requests running at its launch: only this call can have ended them all.
+        if finished and self._ahead is not None and all(r.is_finished for r in self._ahead.batch.requests):
+            self._drop_ahead()  # every request of the step ahead ended with the tokens just read
+        return finished

@@ -11,7 +11,7 @@ the matcher and the request.
 
 xgrammar rather than llguidance: both compile a nested schema in milliseconds, but xgrammar fills
 a batch of masks several times faster, and mask filling is paid every step while compilation is
-paid once per schema (`python -m batchrun.bench.structured --only libraries`; docs/benchmarks.md).
+paid once per schema (`python -m benchmarks.structured --only libraries`; docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 
 from batchrun.engine.config import SamplingParams
 from batchrun.engine.request import Request
-from batchrun.engine.runner import ModelRunner
+from batchrun.engine.runners import ModelRunner
 from batchrun.engine.scheduler import ScheduledBatch
 
 PREFILL_SIZES = (256, 512, 1024, 2048, 4096)
@@ -53,7 +53,7 @@ def _rate(runner: ModelRunner, batch: ScheduledBatch, repeats: int = 2) -> tuple
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        runner.execute(batch)
+        runner.forward(batch)
         if runner.device.type == "cuda":
             torch.cuda.synchronize()
         best = min(best, time.perf_counter() - t)
@@ -86,7 +86,7 @@ def pick_batch_limits(
     capacity = num_blocks * block_size
     warm = min(32, capacity)
     # warm-up: the first calls pay for one-off setup
-    runner.execute(ScheduledBatch([_fake_request(0, warm, 0, list(range(-(-warm // block_size))))], [warm]))
+    runner.forward(ScheduledBatch([_fake_request(0, warm, 0, list(range(-(-warm // block_size))))], [warm]))
     if max_num_batched_tokens is None:
         rates: dict[int, float] = {}
         for n in PREFILL_SIZES:
@@ -136,13 +136,13 @@ def measure_rates(
     capacity = num_blocks * block_size
     chunk = max(1, min(chunk_tokens, capacity, max_model_len))
     prefill = ScheduledBatch([_fake_request(0, chunk, 0, list(range(-(-chunk // block_size))))], [chunk])
-    runner.execute(prefill)  # the first call of a shape pays for one-off setup
+    runner.forward(prefill)  # the first call of a shape pays for one-off setup
     profile: dict[str, Any] = {"prefill_tok_s": {chunk: round(_rate(runner, prefill)[0], 1)}}
     context = min(DECODE_CONTEXT, max_model_len - 1)
     blocks = list(range(-(-(context + 1) // block_size)))
     seqs = max(1, min(num_seqs, capacity // int(1.5 * (context + 1)) or 1))
     decode = ScheduledBatch([_fake_request(i, context + 1, context, blocks) for i in range(seqs)], [1] * seqs)
-    runner.execute(decode)
+    runner.forward(decode)
     profile["decode_tok_s"] = {seqs: round(_rate(runner, decode)[0], 1)}
     return profile
 

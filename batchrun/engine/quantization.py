@@ -10,7 +10,7 @@ import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.request import Request
-from batchrun.engine.runner import ModelRunner
+from batchrun.engine.runners import ModelRunner
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.kernels.backend import triton_installed, triton_usable
 from batchrun.model.decoder import DecoderLM
@@ -29,7 +29,7 @@ def prefill_forward(
         runner = ModelRunner(model, num_blocks, block_size, dtype, device)
         req = Request(0, 0, list(token_ids), SamplingParams(temperature=0.0), 0.0)
         req.block_ids = list(range(num_blocks))
-        runner.execute(ScheduledBatch([req], [len(token_ids)]))
+        runner.forward(ScheduledBatch([req], [len(token_ids)]))
 
     return run
 

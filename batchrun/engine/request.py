@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import enum
+import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from batchrun.engine.config import SamplingParams
-from batchrun.engine.outputs import RequestMetrics
+from batchrun.engine.detokenizer import IncrementalDetokenizer, output_text
+from batchrun.engine.outputs import RequestMetrics, RequestOutput
 
 if TYPE_CHECKING:
     from batchrun.engine.grammar import GrammarState
@@ -61,7 +63,8 @@ class Request:
         # Per prompt token after the first: {token_id: logprob} of it and the top-N; filled as the
         # prompt is computed (a recompute after preemption does not append again).
         self.prompt_logprobs: Optional[list[dict[int, float]]] = [] if params.prompt_logprobs is not None else None
-        self.text: Optional[str] = None  # the detokenized output, filled at finish
+        # Its output text as far back as a stop string can begin (engine/stop.py), made at the first check.
+        self.detokenizer: Optional[IncrementalDetokenizer] = None
         self.spec_acceptance: Optional[float] = None  # running per-token draft acceptance rate
         self.spec_steps_seen = 0  # decode steps the speculation policy has looked at this request
         self.grammar: Optional[GrammarState] = None  # structured output: its matcher (engine/grammar.py)
@@ -85,3 +88,29 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
+
+    def to_output(self, tokenizer: Any) -> RequestOutput:
+        """What the caller gets for this request (ended): its text decoded once and cut before a
+        stop string; its metrics' derived times (TTFT, inter-token latency, latency) filled in now."""
+        m = self.metrics
+        if m.finished_s is None:
+            m.finished_s = time.perf_counter()
+        num_output = self.num_output_tokens
+        if m.first_token_s is not None:
+            m.ttft_s = m.first_token_s - m.arrival_s
+            if num_output > 1:
+                m.itl_s = (m.finished_s - m.first_token_s) / (num_output - 1)
+        m.latency_s = m.finished_s - m.arrival_s
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            token_ids=self.output_token_ids,
+            text=output_text(tokenizer, self.output_token_ids, self.params.stop),
+            finish_reason=self.finish_reason or "error",
+            error=self.error,
+            metrics=m,
+            logprobs=self.logprobs,
+            sample_index=self.sample_index,
+            prompt_logprobs=self.prompt_logprobs,
+            constrained=self.params.is_constrained,
+        )

@@ -10,17 +10,22 @@ Several samples of one prompt (SamplingParams.n) are admitted as one request, sa
 siblings wait aside until its prompt is computed; they then take references on its full prompt
 blocks (KVCacheManager.fork_prefix) and go to the front of the queue, so the prompt is prefilled
 once whether or not the prefix cache is on, and they start decoding one step behind sample 0.
+
+`update` takes a step's `StepResult` (what the runner produced): it appends each request's tokens
+and ends the requests the stop rule ends (engine/stop.py), the one place a request ends but abort.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.request import Request, RequestStatus
+from batchrun.engine.stop import StopRule
 
 # The token id a held place (Scheduler.hold_places) has until its token is read from the device.
 PENDING_TOKEN = -1
@@ -57,14 +62,40 @@ class ScheduledBatch:
         return not self.requests
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one step produced, on the host: a runner's `execute` (engine/runners/), or a pending
+    step's once its tokens arrived. `Scheduler.update` hands it to the requests."""
+
+    batch: ScheduledBatch  # the step's batch, as scheduled
+    # seq_id -> the tokens it produced: its accepted drafts, then one sampled token. Only requests
+    # whose token list was fully computed and whose grammar did not fail, in the order the runner
+    # sampled them (on a verification step the drafted requests come first).
+    tokens: dict[int, list[int]] = field(default_factory=dict)
+    # seq_id -> {token_id: logprob} of its one token and the top-N (SamplingParams.logprobs)
+    logprobs: dict[int, dict[int, float]] = field(default_factory=dict)
+    # seq_id -> (index of the first prompt token scored this step minus one, per scored token
+    # {token_id: logprob} of it and the top-N) (SamplingParams.prompt_logprobs)
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    # seq_id -> the compiler's message: its grammar failed to compile, it produced no token
+    grammar_errors: dict[int, str] = field(default_factory=dict)
+    # A later step was scheduled on held places before these tokens were read (`hold_places`):
+    # each request's one token fills its place.
+    held: bool = False
+
+
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, tokenizer: Any = None) -> None:
         self.config = config
         self.kv = kv
+        # Every end of a request but an abort; the tokenizer decodes outputs for stop strings.
+        self.stop = StopRule(config.eos_token_ids, config.max_model_len, tokenizer)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_parked = 0  # sibling samples waiting for their sample 0's prompt
+        self.num_prompt_tokens = 0  # prompt tokens of the requests added (each sample's), over the engine's life
+        self.num_generated_tokens = 0  # tokens handed to requests by `update`, over the engine's life
 
     def add(self, req: Request, siblings: Sequence[Request] = ()) -> None:
         """Queue a request, and the other samples of its prompt to start once its prompt is computed."""
@@ -73,6 +104,7 @@ class Scheduler:
         self.waiting.append(req)
         req.followers = list(siblings)
         self.num_parked += len(siblings)
+        self.num_prompt_tokens += req.num_prompt_tokens * (1 + len(siblings))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -151,9 +183,11 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
-            if req.metrics.first_scheduled_s is None and req.metrics.num_preemptions == 0:
-                req.metrics.num_cached_tokens = num_cached
-                self.kv.record_admission(req.num_prompt_tokens, num_cached)
+            if req.metrics.first_scheduled_s is None:
+                req.metrics.first_scheduled_s = time.perf_counter()
+                if req.metrics.num_preemptions == 0:
+                    req.metrics.num_cached_tokens = num_cached
+                    self.kv.record_admission(req.num_prompt_tokens, num_cached)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             batch.requests.append(req)
@@ -200,10 +234,37 @@ class Scheduler:
         )
         return max(0, min(wanted, room))
 
+    def can_hold_places(self, seq_ids: Container[int]) -> bool:
+        """Whether the running requests' next decode step can be scheduled before the tokens of the
+        step in flight are read (`schedule_ahead`): every running request is in that step
+        (`seq_ids`), the budget holds them all, nobody would be admitted (such a step runs
+        synchronously) and the free blocks cover each request's next slot, so nobody is preempted."""
+        running = self.running
+        if not running or len(running) > self.config.max_num_batched_tokens or self.admits_beside_decodes():
+            return False
+        need = 0
+        for req in running:
+            if req.seq_id not in seq_ids:
+                return False
+            # the step in flight's token and the next one's slot
+            need += max(0, self.kv.blocks_for(req.num_computed_tokens + 2) - len(req.block_ids))
+        return need <= self.kv.pool.num_free_blocks
+
+    def schedule_ahead(self) -> ScheduledBatch:
+        """The running requests' next decode step, scheduled while the current one's tokens are
+        still on the device (`can_hold_places` said it can): their places are held."""
+        running = list(self.running)
+        self.hold_places(running)
+        batch = self.schedule()
+        assert batch.requests == running and not batch.preempted, "a step ahead schedules the running decodes"
+        assert all(n == 1 for n in batch.num_new_tokens)
+        return batch
+
     def hold_places(self, requests: Sequence[Request]) -> None:
-        """A decode step of these requests is still on the device (engine/async_steps.py): count its
+        """A decode step of these requests is still on the device (engine/runners/gpu.py): count its
         one token per request computed now and hold the place of the token it samples with
-        PENDING_TOKEN, so the next step can be scheduled; `update(..., held=True)` fills the places.
+        PENDING_TOKEN, so the next step can be scheduled; the step's `StepResult.held` makes
+        `update` fill the places.
 
         Nothing reads a held place as a token: the prefix cache publishes only computed positions
         (the held one is not), and the next step's input id for it is gathered on the device."""
@@ -212,53 +273,74 @@ class Scheduler:
             req.num_computed_tokens += 1
             req.token_ids.append(PENDING_TOKEN)
 
-    def update(self, batch: ScheduledBatch, sampled: dict[int, list[int]], held: bool = False) -> list[Request]:
-        """Advance computed counts and append sampled tokens; return requests that finished.
+    def update(self, result: StepResult) -> list[Request]:
+        """Advance computed counts, append each request's tokens (and their logprobs) and end the
+        requests the stop rule ends (engine/stop.py); return those, in the rule's order: failed
+        grammars, then stop tokens and lengths in batch order, then stop strings and completed
+        grammars in the runner's order.
 
-        `sampled` maps seq_id to the tokens accepted this step for requests whose computation
-        reached the end of their token list (others were mid-prefill and sampled nothing).
-        `held`: this is a decode step whose places `hold_places` took (its computed counts are
-        advanced already): each request's one token fills its place. Requests that finished while
-        the step ran (a step launched before the previous one's tokens were read) are skipped.
+        A request without tokens was mid-prefill. Requests that finished while the step ran (one
+        launched before the previous step's tokens were read) are skipped.
         """
-        finished = []
+        batch = result.batch
+        if result.prompt_logprobs:
+            by_seq = {r.seq_id: r for r in batch.requests}
+            for seq, (first, entries) in result.prompt_logprobs.items():
+                scored = by_seq[seq].prompt_logprobs
+                assert scored is not None and len(scored) == first, "prompt tokens are scored once, in order"
+                scored.extend(entries)
+        errors = result.grammar_errors
+        finished = [r for r in batch.requests if r.seq_id in errors] if errors else []
+        for req in finished:
+            self.finish(req, self.stop.failed(req, errors[req.seq_id]))
+        now = time.perf_counter()
+        checks: dict[int, Request] = {}  # requests a stop string or a grammar may end after their tokens
         for req, num_new in zip(batch.requests, batch.num_new_tokens):
             if req.is_finished:
                 continue
-            tokens = sampled.get(req.seq_id, ())
-            if held:
+            tokens = result.tokens.get(req.seq_id, ())
+            if result.held:
                 assert len(tokens) == 1 and req.token_ids[-1] in (PENDING_TOKEN, tokens[0]), "one held place"
                 req.token_ids.pop()
             else:
                 req.num_computed_tokens += num_new
+            reason = None
             for token in tokens:
                 req.token_ids.append(token)
-                reason = self._stop_reason(req, token)
+                reason = self.stop.after_token(req, token)
                 if reason is not None:
-                    self.finish(req, reason)
-                    finished.append(req)
                     break
             if tokens:
                 # Rejected drafts leave KV past the accepted tokens: it is simply not counted as
                 # computed, and the slots are overwritten by the next tokens at those positions.
                 req.num_computed_tokens = min(req.num_computed_tokens, len(req.token_ids) - 1)
-            if not req.is_finished:  # (finish() above may have ended it)
-                self.kv.commit_computed(req)
-                if req.followers and req.num_computed_tokens >= req.num_prompt_tokens:
-                    self._release_followers(req)
+                self._record(req, len(tokens), result.logprobs.get(req.seq_id), now)
+            if reason is not None:
+                self.finish(req, reason)
+                finished.append(req)
+                continue
+            self.kv.commit_computed(req)
+            if req.followers and req.num_computed_tokens >= req.num_prompt_tokens:
+                self._release_followers(req)
+            if tokens and (req.params.stop or req.grammar is not None):
+                checks[req.seq_id] = req
+        for seq in result.tokens if checks else ():
+            checked = checks.get(seq)
+            if checked is not None and (reason := self.stop.after_step(checked)) is not None:
+                self.finish(checked, reason)
+                finished.append(checked)
         return finished
 
-    def _stop_reason(self, req: Request, token: int) -> Optional[str]:
-        p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.config.eos_token_ids):
-            return "stop"
-        num_tokens = len(req.token_ids)
-        if num_tokens - len(req.prompt_token_ids) >= p.max_tokens or num_tokens >= self.config.max_model_len:
-            return "length"
-        return None
+    def _record(self, req: Request, num_tokens: int, logprob: Optional[dict[int, float]], now: float) -> None:
+        self.num_generated_tokens += num_tokens  # all of a verification step's, even past a stop token
+        if req.metrics.first_token_s is None:
+            req.metrics.first_token_s = now
+        req.metrics.finished_s = now  # last token time until it finishes
+        if logprob is not None and req.logprobs is not None:
+            req.logprobs.append(logprob)
 
     def finish(self, req: Request, reason: str) -> None:
-        """End a request now (also used by the engine for stop strings); frees its blocks."""
+        """End a request now (as the stop rule says, or aborted by the engine); frees its blocks."""
         if req.followers:
             if reason == "abort":
                 followers, req.followers = req.followers, []

@@ -2,7 +2,7 @@
 
     load_target        EngineConfig -> Target      weights in, linears quantized/packed, draft model
     plan_kv            Target -> KVPlan            KV blocks from the memory budget, max_model_len
-    build_cache        KVPlan -> Cache             the KV manager and the runner over its blocks
+    build_cache        KVPlan -> Cache             the KV manager and the runner (CPU or GPU) over its blocks
     pick_batch_limits  Cache -> BatchLimits        max_num_seqs / max_num_batched_tokens (profiled)
     build_core         all of the above -> Core    scheduler, sampler, grammars, admission, drafter
     describe           all of the above -> EngineSettings   what the manifest and benchmarks record
@@ -32,11 +32,10 @@ from batchrun.engine.grammar import GrammarCompiler
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.profiler import BatchLimits, default_kv_bytes
 from batchrun.engine.quantization import prepare_linears_for_engine
-from batchrun.engine.runner import ModelRunner, kv_bytes_per_block
+from batchrun.engine.runners import CpuRunner, GpuRunner, ModelRunner, kv_bytes_per_block
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Scheduler, SchedulerConfig
 from batchrun.engine.settings import EngineSettings
-from batchrun.engine.step_sampler import StepSampler
 from batchrun.engine.warmup import warm_up as run_warm_up
 from batchrun.kernels import cpu_native
 from batchrun.model.decoder import DecoderLM, build_decoder
@@ -93,18 +92,17 @@ class Cache:
     """The paged KV cache and the runner that computes into it (phase `build_cache`)."""
 
     kv: KVCacheManager  # block allocation, prefix cache, persistent block tables
-    runner: ModelRunner  # the target's forward over the cache's tensors
+    runner: ModelRunner  # the target's steps over the cache's tensors, sampled with the engine's sampler
 
 
 @dataclass(frozen=True)
 class Core:
     """What a step runs besides the cache (phase `build_core`)."""
 
-    scheduler: Scheduler  # which requests run how many tokens each step
-    sampler: Sampler  # logits -> tokens, seeded from engine.seed
+    scheduler: Scheduler  # which requests run how many tokens each step, and where each ends
+    sampler: Sampler  # logits -> tokens, seeded from engine.seed (the runner's)
     grammars: GrammarCompiler  # structured output's compiled constraints (background thread)
     admission: Admission  # prompts and params -> queued requests, or error outputs
-    step_sampler: StepSampler  # one step's grammar masks, draft verification and stop checks
     drafter: Optional[Drafter]  # speculative decoding's proposer; None with method "none"
     speculative: Optional[dict[str, Any]]  # the drafter's settings (method, k, ...); None without one
 
@@ -188,9 +186,12 @@ def plan_kv(config: EngineConfig, target: Target) -> KVPlan:
 
 
 def build_cache(config: EngineConfig, target: Target, kv_plan: KVPlan) -> Cache:
-    """Allocate the cache's blocks; the runner reads the KV manager's persistent block tables."""
+    """Allocate the cache's blocks and pick the runner, once: the GPU runner (CUDA graphs, steps
+    run ahead) on a GPU, the CPU runner elsewhere. It reads the KV manager's persistent block tables
+    and samples with the engine's sampler, seeded from engine.seed."""
     kv = KVCacheManager(kv_plan.num_blocks, kv_plan.block_size, config.enable_prefix_caching)
-    runner = ModelRunner(
+    runner_class = GpuRunner if target.device.type == "cuda" else CpuRunner
+    runner = runner_class(
         target.model,
         kv_plan.num_blocks,
         kv_plan.block_size,
@@ -199,6 +200,8 @@ def build_cache(config: EngineConfig, target: Target, kv_plan: KVPlan) -> Cache:
         config.kv_cache_dtype,
         block_tables=kv.block_tables,
         batch_invariant=config.batch_invariant,
+        sampler=Sampler(config.seed),
+        max_model_len=kv_plan.max_model_len,
     )
     return Cache(kv, runner)
 
@@ -232,18 +235,18 @@ def build_core(config: EngineConfig, target: Target, kv_plan: KVPlan, cache: Cac
             admission_min_slots=config.admission_min_slots,
         ),
         cache.kv,
+        target.tokenizer,
     )
-    sampler = Sampler(config.seed)
+    sampler = cache.runner.sampler
     vocab_size = target.model.spec.vocab_size
     grammars = GrammarCompiler(target.tokenizer, vocab_size, sorted(eos_ids))
     admission = Admission(target.tokenizer, vocab_size, kv_plan.max_model_len, config.seed, grammars)
-    step_sampler = StepSampler(sampler, scheduler, target.tokenizer)
     drafter, speculative = None, None
     if config.speculative.method != "none":
         drafter, speculative = build_drafter(
-            config.speculative, target.model, cache.runner, sampler, kv_plan.num_blocks, limits.profile, target.draft
+            config.speculative, target.model, cache.runner, sampler, limits.profile, target.draft
         )
-    return Core(scheduler, sampler, grammars, admission, step_sampler, drafter, speculative)
+    return Core(scheduler, sampler, grammars, admission, drafter, speculative)
 
 
 def describe(config: EngineConfig, target: Target, kv_plan: KVPlan, limits: BatchLimits, core: Core) -> EngineSettings:

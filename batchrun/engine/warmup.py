@@ -33,9 +33,9 @@ from typing import Any, Optional
 import torch
 
 from batchrun.engine.config import SamplingParams
-from batchrun.engine.cuda_graphs import pick_bucket
 from batchrun.engine.request import Request
-from batchrun.engine.runner import ModelRunner, RunnerOutput
+from batchrun.engine.runners import ForwardOutput, ModelRunner
+from batchrun.engine.runners.cuda_graphs import pick_bucket
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.kernels.backend import triton_installed
@@ -160,7 +160,7 @@ def batch_for(step: WarmupStep, block_size: int, num_blocks: int) -> ScheduledBa
     return ScheduledBatch(requests, num_new)
 
 
-def run_warmup(runner: ModelRunner, plan: list[WarmupStep], num_blocks: int) -> Optional[RunnerOutput]:
+def run_warmup(runner: ModelRunner, plan: list[WarmupStep], num_blocks: int) -> Optional[ForwardOutput]:
     """Run every step of the plan on `runner`; return the last step's output (None for an empty plan).
 
     Decode-only steps run eagerly (a `num_computed` override keeps them off the CUDA graphs): the
@@ -170,9 +170,9 @@ def run_warmup(runner: ModelRunner, plan: list[WarmupStep], num_blocks: int) -> 
     for step in plan:
         batch = batch_for(step, runner.block_size, num_blocks)
         if step.kind == "decode":
-            out = runner.execute(batch, num_computed=[r.num_computed_tokens for r in batch.requests])
+            out = runner.forward(batch, num_computed=[r.num_computed_tokens for r in batch.requests])
         else:
-            out = runner.execute(batch)
+            out = runner.forward(batch)
     return out
 
 

@@ -5,19 +5,21 @@ For pipelines whose rows are already a Ray Dataset. Each actor of the map loads 
 concurrency) and their rows share that engine's continuous batching: a thread owns the engine and
 streams the rows of every batch in flight through one `Engine.stream`.
 
-Rows become prompts exactly as in a job (job/prompts.py: the job's template, system prompt, chat
-template, data.on_too_long), and each batch comes back as batchrun's result columns (writer.py:
-id, output, finish_reason, error_type, error_message, token counts, timings, the optional sample
-and logprob columns, then output.keep_columns). A row that cannot be a prompt is a typed error row
-(null_prompt, prompt_too_long, template_error, null_id, ...); a batch never fails for one bad row.
+Rows become prompts exactly as in a job (job/formats/prompts.py: the job's template, system
+prompt, chat template, data.on_too_long), and each batch comes back as batchrun's result columns
+(job/formats/writer.py: id, output, finish_reason, error_type, error_message, token counts,
+timings, the optional sample and logprob columns, then output.keep_columns). A row that cannot be
+a prompt is a typed error row (null_prompt, prompt_too_long, template_error, null_id, ...); a
+batch never fails for one bad row.
 Greedy outputs are those of the job for the same rows and settings (an error message's "row N" is
 the row's place in its batch here, in its shard in a job).
 
 Ray's semantics apply here, not batchrun's: which rows are done, retries of failed tasks and any
 checkpointing are Ray Data's (at-least-once where it retries), there is no commit marker, manifest,
 claim or resume. Duplicate ids are not checked (a batch is not a shard). Prefer the launcher
-(`launcher=ray`, job/ray_launch.py) when the input is files and every row must be committed exactly
-once across restarts; use this when the rows come out of, and go on into, a Ray pipeline.
+(`launcher=ray`, job/launch/ray_launch.py) when the input is files and every row must be
+committed exactly once across restarts; use this when the rows come out of, and go on into, a Ray
+pipeline.
 
     import ray
     from batchrun.cli import load_config
@@ -43,12 +45,12 @@ import pyarrow as pa
 
 from batchrun.engine import Engine, EngineRequest, RequestOutput, SamplingParams
 from batchrun.job import RunConfig, build_run_config, load_engine
-from batchrun.job.logprobs import TokenTexts
-from batchrun.job.prompts import Prompt, PromptBuilder
-from batchrun.job.reader import InputRow
-from batchrun.job.rows import check_row
-from batchrun.job.shard_run import IN_FLIGHT_PER_SEQ
-from batchrun.job.writer import error_result, logprob_columns, optional_columns, output_result, result_schema
+from batchrun.job.formats.logprobs import TokenTexts
+from batchrun.job.formats.prompts import Prompt, PromptBuilder
+from batchrun.job.formats.reader import InputRow
+from batchrun.job.formats.rows import check_row
+from batchrun.job.formats.writer import error_result, logprob_columns, optional_columns, output_result, result_schema
+from batchrun.job.run.shard_run import IN_FLIGHT_PER_SEQ
 
 Batch = Union[pa.Table, Mapping[str, Any], Any]  # a pyarrow Table, a dict of columns, or a pandas DataFrame
 

@@ -3,7 +3,7 @@
 It sees the engine's public API only (`batchrun.engine`), and no Hydra: the cli hands it a RunConfig.
 """
 
-from batchrun.job.checkpoints import committed_urls
+from batchrun.job.commit.checkpoints import committed_urls
 from batchrun.job.config import (
     DataConfig,
     JobConfig,
@@ -15,10 +15,10 @@ from batchrun.job.config import (
     config_fields,
 )
 from batchrun.job.errors import ConfigError, JobError, ShardError
-from batchrun.job.launch import run_job
+from batchrun.job.launch.entry import run_job
+from batchrun.job.operate.summary import format_summary
 from batchrun.job.results import RunResult, ShardSummary
-from batchrun.job.runner import load_engine
-from batchrun.job.summary import format_summary
+from batchrun.job.run.runner import load_engine
 
 __all__ = [
     "ConfigError",

@@ -97,7 +97,7 @@ class JobConfig:
     # Batch requests with tools (data.format=openai_batch): the chat template that shows the tools to
     # the model. null uses the model's own, which must render them (else a tools_unsupported error
     # line); `chatml` is batchrun's ChatML template with a Hermes-style tools section
-    # (job/tool_calls.py); anything else is the path of a Jinja template file.
+    # (job/formats/tool_calls.py); anything else is the path of a Jinja template file.
     tools_chat_template: Optional[str] = None
 
     def __post_init__(self) -> None:
@@ -167,7 +167,7 @@ class OutputConfig:
 class LauncherConfig:
     """How this process finds its place among the workers; None reads it from the environment."""
 
-    name: Literal["local", "ray"] = "local"  # ray: the workers are Ray actors (job/ray_launch.py)
+    name: Literal["local", "ray"] = "local"  # ray: the workers are Ray actors (job/launch/ray_launch.py)
     rank: Optional[int] = None  # this worker's index; None: from the scheduler (shards.resolve_worker), else 0
     world_size: Optional[int] = None  # number of workers; None: from the scheduler, else 1
     # Workers this command starts (one engine each, one GPU each on cuda): processes on this
@@ -270,7 +270,7 @@ _SECTIONS: dict[str, type] = {
     "planner": PlannerConfig,
 }
 # Groups that only one job composes (its YAML adds them), checked where that job runs, not in
-# RunConfig: group -> the job's name (the cli hands job=benchmark's group to bench/config.py).
+# RunConfig: group -> the job's name (the cli hands job=benchmark's group to benchmark/config.py).
 JOB_GROUPS = {"benchmark": "benchmark"}
 _HIDDEN_FIELDS = {"engine": {"model"}}
 _TOP_LEVEL_SCALARS = {"quiet": bool, "dry_run": bool, "dry_run_json": Optional[str]}

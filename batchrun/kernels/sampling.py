@@ -151,7 +151,7 @@ def gumbel_sample_reference(
 def gather_in_place(ids: torch.Tensor, src: torch.Tensor) -> None:
     """ids[i] = src[ids[i]] for (n,) int64 `ids` holding row indices into (m,) int64 `src`: a
     step launched before the previous step's tokens are read takes its input ids from them
-    (engine/async_steps.py). One Triton launch on a GPU; index_select and a copy elsewhere."""
+    (engine/runners/gpu.py). One Triton launch on a GPU; index_select and a copy elsewhere."""
     if triton_usable(ids):
         from batchrun.kernels.triton_sampling import gather_in_place as gather_in_place_triton
 

@@ -13,8 +13,9 @@ BATCHRUN_TEST_HOOKS holds a JSON object:
                shard's outputs wait until the heartbeat has found its claim lost
     s3fs_without_create_mode   s3fs behaves as before 2024.12: pipe_file takes no `mode` and passes
                it on as a keyword that botocore drops, so a "create" silently overwrites
-    retry_base_delay_s         the store's first retry backoff (batchrun.job.store.RETRY_BASE_DELAY_S)
-    metrics_interval_s         the least time between metrics textfile rewrites (batchrun.job.textfile.INTERVAL_S)
+    retry_base_delay_s         the store's first retry backoff (batchrun.job.commit.directory.RETRY_BASE_DELAY_S)
+    metrics_interval_s         the least time between metrics textfile rewrites
+               (batchrun.job.operate.textfile.INTERVAL_S)
 Each shard this process starts writes {dir}/started-{rank}-{shard}-{pid} at its first output
 (with shards open side by side, several may have started).
 """
@@ -30,7 +31,7 @@ if _spec:
 
     _cfg = json.loads(_spec)
     _dir = pathlib.Path(_cfg["dir"]) if _cfg.get("dir") else None
-    from batchrun.job import flow as _flow
+    from batchrun.job.run import flow as _flow
 
     _real_on_output = _flow.ShardRun.on_output
 
@@ -55,8 +56,8 @@ if _spec:
 #                      (marker created), merge (the shard's results file half written),
 #                      marker_created (shard marker created, files not published)
 if _spec:
-    from batchrun.job import checkpoints as _checkpoints
-    from batchrun.job import store as _store
+    from batchrun.job.commit import checkpoints as _checkpoints
+    from batchrun.job.commit import store as _store
 
     _outputs = {"n": 0}
     _points: dict = {}
@@ -127,7 +128,7 @@ if _spec:
     if _outage_on:
         import threading
 
-        from batchrun.job import store as _store
+        from batchrun.job.commit import store as _store
 
         _outage = threading.Event()  # set: the next write of the shard's claim hangs, then fails
         _outages = []  # the one outage, once it happened: the shard taken back runs normally
@@ -156,11 +157,11 @@ if _spec:
 
         _flow.ShardRun.on_output = _on_output_with_outage
     if "retry_base_delay_s" in _cfg:
-        from batchrun.job import store as _store
+        from batchrun.job.commit import directory as _directory
 
-        _store.RETRY_BASE_DELAY_S = float(_cfg["retry_base_delay_s"])
+        _directory.RETRY_BASE_DELAY_S = float(_cfg["retry_base_delay_s"])
     if "metrics_interval_s" in _cfg:
-        from batchrun.job import textfile as _textfile
+        from batchrun.job.operate import textfile as _textfile
 
         _textfile.INTERVAL_S = float(_cfg["metrics_interval_s"])
 

@@ -1,0 +1,309 @@
+"""Input formats: what a shard's rows are, how a row becomes engine requests, and what a row
+writes besides its result rows.
+
+A ShardRun (flow.py) holds one ShardFormat and never asks which it is. Two formats:
+- `parquet`: *.parquet shards of rows; a row's prompt comes from job.prompt_template or
+  job.prompt_column (prompts.py), every row runs `sampling` (n samples each).
+- `openai_batch`: *.jsonl files of OpenAI batch requests (openai_files.py, openai_requests.py):
+  each line is a row, its request's body sets its sampling params (its own n), and each row also
+  gets one OpenAI batch output or error line; the attempt writes them to output.jsonl and
+  errors.jsonl, committed with the results under the same marker.
+
+Start-up checks that need no engine are class methods (`check_config`, `check_first_shard`); the
+instance (`select_format`) holds what turns rows into prompts with the loaded engine's tokenizer.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Optional, Protocol
+
+import pyarrow as pa
+
+from batchrun.engine import Engine, RequestOutput, SamplingParams
+from batchrun.job.commit.checkpoints import LineFiles
+from batchrun.job.commit.store import DEFAULT_FILES
+from batchrun.job.config import RunConfig
+from batchrun.job.errors import ConfigError, JobError, ShardError
+from batchrun.job.formats.logprobs import TokenTexts
+from batchrun.job.formats.openai_files import BatchFileReader
+from batchrun.job.formats.openai_requests import BatchRequest, RequestBuilder, error_line, response_line, tool_columns
+from batchrun.job.formats.prompts import Prompt, PromptBuilder
+from batchrun.job.formats.reader import InputRow, ShardReader
+from batchrun.job.formats.rows import check_row
+from batchrun.job.formats.tool_calls import resolve_template
+from batchrun.job.formats.writer import ENGINE_ERROR, optional_columns
+from batchrun.job.shards import Shard
+
+
+class RowReader(Protocol):
+    """One open input shard (reader.ShardReader, openai_files.BatchFileReader)."""
+
+    num_rows: int
+
+    @property
+    def id_type(self) -> pa.DataType: ...
+
+    def field(self, name: str) -> pa.Field: ...
+
+    def rows(self) -> Iterator[InputRow]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class RowPrompt:
+    """A row as the format reads it: its prompt (or its error), its own sampling params (None:
+    the job's), whether those chose their own seed, and the format's request behind it (a batch
+    request; None for Parquet rows)."""
+
+    prompt: Prompt
+    params: Optional[SamplingParams] = None
+    seeded: bool = False
+    request: Any = None
+
+
+@dataclass
+class RowOutputs:
+    """A row whose samples are in the engine, and the outputs it has so far."""
+
+    row: InputRow
+    prompt: Prompt
+    keep: dict[str, Any]  # the kept input columns (output.keep_columns)
+    request: Any  # RowPrompt.request
+    params: SamplingParams  # its own (a batch request's body, a row seed or schema) or the job's
+    num_samples: int
+    outputs: dict[int, RequestOutput] = field(default_factory=dict)  # sample index -> output
+
+    @property
+    def is_complete(self) -> bool:
+        return len(self.outputs) == self.num_samples
+
+
+class ShardFormat(ABC):
+    """What a run needs to know of its input format; one instance serves every shard of a run."""
+
+    name: ClassVar[str]
+    extra_files: ClassVar[tuple[str, ...]] = ()  # attempt files it writes besides DEFAULT_FILES
+    has_lines: ClassVar[bool] = False  # every input row also gets one line (ShardOutput.put_line)
+
+    def __init__(self, config: RunConfig) -> None:
+        self.config = config
+
+    # ---- start-up, before the engine --------------------------------------------------------
+
+    @classmethod
+    def check_config(cls, config: RunConfig) -> None:
+        """Refuse keys that mean nothing for this format (one ConfigError naming the key)."""
+        return None
+
+    @classmethod
+    def check_first_shard(cls, config: RunConfig, fs: Any, first: Shard) -> None:
+        """Checks of the first listed shard that would otherwise fail every shard alike."""
+        return None
+
+    # ---- one shard --------------------------------------------------------------------------
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The attempt's files its marker commits (store.PUBLISHED_FILES keys)."""
+        return (*DEFAULT_FILES, *self.extra_files)
+
+    @property
+    def default_samples(self) -> int:
+        """Result rows counted per input row when a shard opens (corrected per row as it is read)."""
+        return self.config.sampling.n
+
+    def optional_columns(self) -> list[str]:
+        return optional_columns(self.config.sampling, per_row=self.has_lines)
+
+    @abstractmethod
+    def open_reader(self, shard: Shard, fs: Any) -> RowReader: ...
+
+    @abstractmethod
+    def build(self, row: InputRow, seen_ids: set[Any]) -> RowPrompt:
+        """The row's prompt or error; `seen_ids` (the shard's earlier ids) gains the row's id."""
+
+    def see(self, row: InputRow, seen_ids: set[Any]) -> None:
+        """A row a committed part holds: its id counts for the duplicate check of the rows after it."""
+        check_row(row, seen_ids, self.config.data.id_column)
+
+    def num_samples(self, prompt: Prompt, params: Optional[SamplingParams]) -> int:
+        """Result rows of a row whose prompt and final params (seed, schema) are these."""
+        return self.config.sampling.n
+
+    def sample_columns(self, entry: RowOutputs, out: RequestOutput, shard: str) -> dict[str, Any]:
+        """Result columns the format adds to a sample's result row."""
+        return {}
+
+    def error_line(self, shard: str, row: InputRow, error_type: str, prompt: Prompt) -> Optional[dict[str, Any]]:
+        """The line of a row that became an error row (has_lines formats)."""
+        return None
+
+    def row_line(self, shard: str, entry: RowOutputs, texts: TokenTexts) -> Optional[dict[str, Any]]:
+        """The line of a row whose samples are all done (has_lines formats)."""
+        return None
+
+    def line_files(self) -> Optional[LineFiles]:
+        """Where the rows' lines go (has_lines formats)."""
+        return None
+
+    def check_lines(self, num_lines: int, num_rows: int) -> None:
+        """Before commit: the attempt's lines (has_lines formats) cover every input row."""
+        return None
+
+
+class ParquetFormat(ShardFormat):
+    name = "parquet"
+
+    def __init__(self, config: RunConfig, prompts: PromptBuilder) -> None:
+        super().__init__(config)
+        self.prompts = prompts
+        self.columns = [*config.job.input_columns(config.data), *config.output.keep_columns]
+
+    @classmethod
+    def check_first_shard(cls, config: RunConfig, fs: Any, first: Shard) -> None:
+        """A misspelled data.id_column must not silently become positional ids: the first shard must
+        have it (a later shard without it fails on its own)."""
+        column = config.data.id_column
+        if column is None:
+            return
+        try:
+            with fs.open(first.path, "rb") as f:
+                import pyarrow.parquet as pq
+
+                names = pq.read_schema(f).names
+        except Exception:  # unreadable: that shard fails with its own message later
+            return
+        if column not in names:
+            raise ConfigError(
+                "data.id_column",
+                f"no column {column!r} in {first.url} (it has {', '.join(names)}); "
+                "set data.id_column to the id column, or null for ids <shard>-<row index>",
+            )
+
+    def open_reader(self, shard: Shard, fs: Any) -> RowReader:
+        return ShardReader(shard, fs, self.config.data, self.columns)
+
+    def build(self, row: InputRow, seen_ids: set[Any]) -> RowPrompt:
+        return RowPrompt(check_row(row, seen_ids, self.config.data.id_column) or self.prompts.build(row))
+
+
+class OpenAIBatchFormat(ShardFormat):
+    name = "openai_batch"
+    extra_files = ("output.jsonl", "errors.jsonl")
+    has_lines = True
+
+    def __init__(self, config: RunConfig, requests: RequestBuilder) -> None:
+        super().__init__(config)
+        self.requests = requests
+
+    @classmethod
+    def check_config(cls, config: RunConfig) -> None:
+        """Keys that read Parquet columns or template rows mean nothing for batch files: refuse them
+        rather than ignore them."""
+        if config.job.prompt_template is not None:
+            raise ConfigError(
+                "job.prompt_template", "not used with data.format=openai_batch (requests carry their prompts)"
+            )
+        if config.output.keep_columns:
+            raise ConfigError("output.keep_columns", "batch files have no columns to keep (data.format=openai_batch)")
+
+    @property
+    def default_samples(self) -> int:
+        return 1  # a request's own n is known once its line is read
+
+    def open_reader(self, shard: Shard, fs: Any) -> RowReader:
+        return BatchFileReader(shard, fs)
+
+    def build(self, row: InputRow, seen_ids: set[Any]) -> RowPrompt:
+        # A line that is no request has no custom_id to check for uniqueness: its own error first.
+        prompt = self.requests.check_line(row) or check_row(row, seen_ids, self.config.data.id_column)
+        if prompt is not None:
+            return RowPrompt(prompt)
+        prompt, params, request = self.requests.build(row)
+        seeded = request is not None and request.body.get("seed") is not None
+        return RowPrompt(prompt, params, seeded, request)
+
+    def see(self, row: InputRow, seen_ids: set[Any]) -> None:
+        if self.requests.check_line(row) is None:
+            check_row(row, seen_ids, self.config.data.id_column)
+
+    def num_samples(self, prompt: Prompt, params: Optional[SamplingParams]) -> int:
+        if prompt.token_ids is None or params is None:
+            return 1  # an error line answers the request once, whatever n it asked for
+        return params.n
+
+    def sample_columns(self, entry: RowOutputs, out: RequestOutput, shard: str) -> dict[str, Any]:
+        """A chat choice's parsed tool calls."""
+        request: Optional[BatchRequest] = entry.request
+        return {} if request is None else tool_columns(request, out, shard, entry.row.index)
+
+    def error_line(self, shard: str, row: InputRow, error_type: str, prompt: Prompt) -> Optional[dict[str, Any]]:
+        message = prompt.error_message or prompt.error_type or ""
+        return error_line(shard, row.index, row.id, error_type, message)
+
+    def row_line(self, shard: str, entry: RowOutputs, texts: TokenTexts) -> Optional[dict[str, Any]]:
+        """One line per request, its n choices in sample order; its error line when the engine
+        failed any sample (the first failed sample's message)."""
+        outs = [entry.outputs[i] for i in range(entry.num_samples)]
+        failed = next((o for o in outs if o.finish_reason == "error"), None)
+        request: Optional[BatchRequest] = entry.request
+        if request is None:  # rows in flight are requests that built: never
+            return None
+        if failed is None:
+            return response_line(shard, entry.row.index, request, outs, entry.params.logprobs, texts)
+        return error_line(shard, entry.row.index, request.custom_id, ENGINE_ERROR, failed.error or "engine error")
+
+    def line_files(self) -> Optional[LineFiles]:
+        """Answers to output.jsonl, error lines (a request or the engine failed) to errors.jsonl."""
+        return LineFiles(self.extra_files, _line_file)
+
+    def check_lines(self, num_lines: int, num_rows: int) -> None:
+        if num_lines != num_rows:
+            raise ShardError(f"{num_lines} batch output lines for {num_rows} requests; not committed")
+
+
+def _line_file(line: dict[str, Any]) -> str:
+    return "errors.jsonl" if line.get("error") is not None else "output.jsonl"
+
+
+FORMATS: dict[str, type[ShardFormat]] = {ParquetFormat.name: ParquetFormat, OpenAIBatchFormat.name: OpenAIBatchFormat}
+
+
+def format_class(config: RunConfig) -> type[ShardFormat]:
+    return FORMATS[config.data.format]
+
+
+def prompt_builders(config: RunConfig, engine: Engine) -> tuple[PromptBuilder, Optional[RequestBuilder]]:
+    """What turns rows into prompts for this engine (a real run and a dry run alike): the
+    PromptBuilder, and for batch files the RequestBuilder of their lines."""
+    max_prompt_tokens = engine.max_model_len - config.sampling.max_tokens
+    if max_prompt_tokens <= 0:
+        raise JobError(
+            f"sampling.max_tokens={config.sampling.max_tokens} leaves no room for a prompt "
+            f"within the engine's max_model_len={engine.max_model_len}"
+        )
+    builder = PromptBuilder(config.job, config.data, engine.tokenizer, max_prompt_tokens)
+    requests = None
+    if format_class(config) is OpenAIBatchFormat:
+        alias = config.data.openai_model_name
+        requests = RequestBuilder(
+            engine.tokenizer,
+            engine.max_model_len,
+            frozenset([config.model.path, *([alias] if alias else [])]),
+            config.sampling,
+            config.job.system_prompt,
+            resolve_template(config.job.tools_chat_template),
+        )
+    return builder, requests
+
+
+def select_format(config: RunConfig, engine: Engine) -> ShardFormat:
+    """The run's format, ready to turn rows into prompts with `engine`'s tokenizer."""
+    builder, requests = prompt_builders(config, engine)
+    if requests is not None:
+        return OpenAIBatchFormat(config, requests)
+    return ParquetFormat(config, builder)

@@ -573,11 +573,11 @@ class Snapshotter:
         lines = []
         for kind in ("outputs", "errors"):
             for path in sorted((out_dir / kind).rglob("*.jsonl")):
-                for line in path.read_text().splitlines():
-                    if line.strip():
-                        entry = json.loads(line)
-                        line = self.normalize(strip(entry))
-                        lines.append({"file": kind, "custom_id": entry.get("custom_id"), "line": line})
+                for text in path.read_text().splitlines():
+                    if text.strip():
+                        entry = json.loads(text)
+                        kept = self.normalize(strip(entry))
+                        lines.append({"file": kind, "custom_id": entry.get("custom_id"), "line": kept})
         lines.sort(key=lambda e: (e["file"], str(e["custom_id"])))
         return lines
 

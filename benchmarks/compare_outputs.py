@@ -319,10 +319,11 @@ class Normalizer:
 def git_commit(path: Path) -> dict[str, Any]:
     def git(*args: str) -> str:
         result = subprocess.run(["git", "-C", str(path), *args], capture_output=True, text=True, check=False)
-        return result.stdout.strip() if result.returncode == 0 else ""
+        return result.stdout if result.returncode == 0 else ""
 
+    # porcelain lines are "XY path": the status columns may be blank, so no strip before the slice
     dirty = [line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines() if line]
-    return {"commit": git("rev-parse", "HEAD") or None, "modified_files": dirty}
+    return {"commit": git("rev-parse", "HEAD").strip() or None, "modified_files": dirty}
 
 
 def files_digest(directory: Path) -> str:

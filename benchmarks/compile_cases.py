@@ -157,6 +157,17 @@ def _sampling(vocab: int, dtype: torch.dtype, threshold: bool) -> Callable[[], N
     return run
 
 
+def _spill(vocab: int) -> Callable[[], None]:
+    def run() -> None:
+        from batchrun.kernels.triton_sampling import spill_thresholds
+
+        s = torch.randn(4, vocab)  # (truncated rows, vocab): scaled logits
+        flags = torch.tensor([True, False, True, False])
+        spill_thresholds(s, torch.full((4,), float("-inf")), torch.full((4,), 0.9, dtype=torch.float64), flags, s[:, 0])
+
+    return run
+
+
 def _gather() -> Callable[[], None]:
     def run() -> None:
         from batchrun.kernels.triton_sampling import gather_in_place
@@ -328,6 +339,7 @@ def _elementwise_cases() -> Iterator[LaunchCase]:
                 is_fast = vocab == 151936 and (dtype is FP32 or threshold)
                 label = f"sampling race {_dtype_name(dtype)} vocab {vocab}" + (" top-k/top-p" if threshold else "")
                 yield LaunchCase(label, _sampling(vocab, dtype, threshold), is_fast)
+        yield LaunchCase(f"sampling top-p spill vocab {vocab}", _spill(vocab), vocab == 151936)
     yield LaunchCase("gather ids in place", _gather(), True)
 
 

@@ -167,6 +167,16 @@ def _sampling(vocab: int, dtype: torch.dtype, threshold: bool) -> Callable[[Kern
     return run
 
 
+def _spill(vocab: int) -> Callable[[Kernels], None]:
+    def run(kernels: Kernels) -> None:
+        s = torch.randn(4, vocab)  # (truncated rows, vocab): scaled logits
+        flags = torch.tensor([True, False, True, False])
+        top_p = torch.full((4,), 0.9, dtype=torch.float64)
+        kernels(FP32, None).spill(s, torch.full((4,), float("-inf")), top_p, flags, s[:, 0])
+
+    return run
+
+
 def _gather() -> Callable[[Kernels], None]:
     def run(kernels: Kernels) -> None:
         # engine.async_scheduling's ids
@@ -338,6 +348,7 @@ def _elementwise_cases() -> Iterator[LaunchCase]:
                 is_fast = vocab == 151936 and (dtype is FP32 or threshold)
                 label = f"sampling race {_dtype_name(dtype)} vocab {vocab}" + (" top-k/top-p" if threshold else "")
                 yield LaunchCase(label, _sampling(vocab, dtype, threshold), is_fast)
+        yield LaunchCase(f"sampling top-p spill vocab {vocab}", _spill(vocab), vocab == 151936)
     yield LaunchCase("gather ids in place", _gather(), True)
 
 

@@ -44,7 +44,8 @@ CPU_BF16 = {
         "gate_up_act": "kernels.fused_projections.gate_up_act_separate(act_mul=kernels.elementwise.act_mul_native)",
         "lm_head_logits": "kernels.fused_projections.lm_head_logits_separate",
         "embed_norm": None,
-        "sample": "kernels.sampling.gumbel_sample_reference",
+        "sample": "kernels.sampling.gumbel_sample_native",
+        "spill": "kernels.sampling.spill_thresholds_reference",
         "gather_in_place": "kernels.sampling.gather_in_place_reference",
         "moe_grouped_gemm": "kernels.moe.grouped_gemm_reference",
         "invariant_matmul": None,
@@ -88,6 +89,7 @@ SM90_BF16 = {
         "lm_head_logits": "kernels.fused_projections.lm_head_logits_fused",
         "embed_norm": "kernels.fused_projections.embed_norm_triton",
         "sample": "kernels.triton_sampling.gumbel_sample",
+        "spill": "kernels.triton_sampling.spill_thresholds",
         "gather_in_place": "kernels.triton_sampling.gather_in_place",
         "moe_grouped_gemm": "kernels.triton_moe.grouped_gemm",
         "invariant_matmul": "kernels.bind_triton.invariant_linear",
@@ -138,6 +140,7 @@ def test_cpu_bf16_kernel_set():
     off = _described(dataclasses.replace(CPU_NATIVE, native_cpu_kernels=False))
     assert off["kernels"]["paged_attention"] == "kernels.cpu_attention.paged_attention_cpu(native=False)"
     assert off["kernels"]["rms_norm"] == "kernels.elementwise.rms_norm_reference"
+    assert off["kernels"]["sample"] == "kernels.sampling.gumbel_sample_reference"
     assert off["linears"]["float"] == {"packing": "onednn"} and "packed_matmul" not in off["linears"]["w8a8"]
     assert off["linears"]["int4"] == CPU_BF16["linears"]["int4"]  # torch's own packed int4 kernel either way
 

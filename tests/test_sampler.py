@@ -1,5 +1,7 @@
 """Sampler: top-k / top-p masks against a sort-based reference, sampled frequencies against the masked
-softmax, greedy rows, seeds that make a row's tokens independent of its batch, logprobs."""
+softmax, greedy rows, seeds that make a row's tokens independent of its batch, logprobs, and a
+sampled step that reads no device value on the host (every kind of batch, the GPU's kinds of
+kernels, tokens equal to the CPU path's)."""
 
 from __future__ import annotations
 
@@ -7,15 +9,19 @@ import math
 
 import pytest
 import torch
+from host_sync import HostSync, NoHostSync
 
 from batchrun.engine.config import SamplingParams
 from batchrun.engine.sampler import CANDIDATES, STREAM_SAMPLE, Sampler, apply_top_k_top_p, sampling_probs, uniform
+from batchrun.kernels.sampling import gumbel_sample_reference, spill_thresholds_reference
 
 V = 1000
 
 
 def reference_keep(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """The documented masks, written the plain way: full sorts, one row (V,) at a time.
+    """The documented masks, written the plain way: full sorts, one row (V,) at a time, masses in
+    float64 (the sampler's float64 sums of float32 weights are as exact: even at top_p = 0.999999,
+    where a float32 softmax would move the boundary by many tokens).
 
     top-k keeps s >= the k-th largest s; top-p keeps s >= the last token (in descending order) whose
     mass before it, under the top-k-renormalized softmax, is below top_p."""
@@ -25,7 +31,7 @@ def reference_keep(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tens
         keep &= scaled >= torch.sort(scaled, descending=True).values[top_k - 1]
     if top_p < 1.0:
         ordered = torch.sort(scaled.masked_fill(~keep, float("-inf")), descending=True).values
-        probs = torch.softmax(ordered, dim=-1).double()
+        probs = torch.softmax(ordered.double(), dim=-1)
         before = torch.cumsum(probs, dim=-1) - probs
         last = int((before < top_p).sum()) - 1
         keep &= scaled >= ordered[last]
@@ -229,3 +235,75 @@ def test_unseeded_uniforms_are_the_generators_draws_in_row_order():
         uniform(1, 0),
         uniform(2, 0),
     ]
+
+
+# ---- no host sync on the sampled step path ---------------------------------------------------------
+
+STEP_KINDS = {
+    "greedy": [SamplingParams(temperature=0.0)],
+    "temperature": [SamplingParams(temperature=0.7)],
+    "top_k": [SamplingParams(temperature=0.7, top_k=5)],
+    "top_p": [SamplingParams(temperature=1.0, top_p=0.95)],  # flat rows: nuclei wider than the candidates
+    "top_k_top_p": [SamplingParams(temperature=0.7, top_k=CANDIDATES, top_p=0.99)],  # ties spill past k
+    "mixed": [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0, top_p=0.95),
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
+        SamplingParams(temperature=0.5, top_k=50),
+        SamplingParams(temperature=0.7, top_k=CANDIDATES, top_p=0.99),
+    ],
+}
+
+
+def _step_logits(num_rows: int) -> torch.Tensor:
+    """(num_rows, 3 * CANDIDATES): peaked, flat, and rows whose CANDIDATES-th largest value is tied
+    with a hundred more."""
+    g = torch.Generator().manual_seed(num_rows)
+    logits = torch.randn(num_rows, 3 * CANDIDATES, generator=g)
+    for i in range(num_rows):
+        if i % 3 == 0:
+            logits[i] *= 4.0
+        elif i % 3 == 1:
+            logits[i] *= 0.05
+        else:
+            logits[i, CANDIDATES - 10 : CANDIDATES + 100] = logits[i].max() - 3.0
+    return logits
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 17])
+@pytest.mark.parametrize("kind", list(STEP_KINDS))
+def test_a_sampled_step_reads_no_device_value_on_the_host(kind, num_rows):
+    """Sampler.draw with the GPU's kinds of kernels (here the torch references, run as opaque device
+    kernels) on CPU tensors standing for device tensors: no op would wait for a GPU (tests/host_sync.py),
+    and the tokens are the CPU path's (native race, host spill)."""
+    logits = _step_logits(num_rows)
+    params = [STEP_KINDS[kind][i % len(STEP_KINDS[kind])] for i in range(num_rows)]
+    seeds = [None if i % 4 == 3 else 50 + i for i in range(num_rows)]  # unseeded rows too
+    positions = [3 + i for i in range(num_rows)]
+    spilled = []
+
+    def spill(s, kth, top_p, flags, threshold):
+        spilled.append(int(flags.sum()))
+        return spill_thresholds_reference(s, kth, top_p, flags, threshold)
+
+    mode = NoHostSync(logits)
+    with mode:
+        tokens = Sampler(3, race=mode.kernel(gumbel_sample_reference), spill=mode.kernel(spill)).draw(
+            logits, params, seeds, positions
+        )
+    assert tokens.tolist() == Sampler(3).draw(logits, params, seeds, positions).tolist()
+    if kind in ("top_p", "top_k_top_p", "mixed") and num_rows > 1:
+        assert sum(spilled) > 0, "the case never reached the spill kernel"
+
+
+def test_the_host_spill_path_would_wait_for_the_device():
+    """The mode fails where the GPU path would sync: the host's spill (the CPU's kernel), used as
+    the GPU's, is caught."""
+    logits = _step_logits(5)
+    params = STEP_KINDS["top_p"] * 5
+    mode = NoHostSync(logits)
+    with pytest.raises(HostSync, match="nonzero"), mode:
+        Sampler(3, race=mode.kernel(gumbel_sample_reference), spill=spill_thresholds_reference).draw(
+            logits, params, [1] * 5, [0] * 5
+        )

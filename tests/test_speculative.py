@@ -308,9 +308,9 @@ def test_all_drafts_accepted_end_with_the_token_the_plain_sampler_draws():
     drafts = [7, 8, 9]
     for row, token in enumerate(drafts):
         logits[row, token] = 60.0  # p(draft) = 1 in float32: accepted whatever the uniform
-    prompt = list(range(11))
     out = _verify_one(logits, drafts, params, seed=77)
-    plain, _ = Sampler().sample(logits[3:], [params], [77], [len(prompt) + len(drafts)])
+    # The bonus token's position: after _verify_one's 3 prompt tokens and the 3 drafts.
+    plain, _ = Sampler().sample(logits[3:], [params], [77], [3 + len(drafts)])
     assert out[:3] == drafts and out[3] == plain[0]
     # A different seed or position draws differently somewhere (so the check above can fail).
     others = {Sampler().sample(logits[3:], [params], [s], [14])[0][0] for s in range(20)}
@@ -525,7 +525,7 @@ def test_sampled_tokens_follow_the_target_distribution_in_the_engine(tiny_llama_
     assert tv < 0.1, (off, on)
 
 
-@pytest.mark.parametrize("method, text, temperature, top_k", [("self", 5, 0.8, 8), ("ngram", 1, 1.0, 2)])
+@pytest.mark.parametrize("method, text, temperature, top_k", [("self", 5, 0.8, 8), ("ngram", 4, 1.0, 2)])
 def test_a_seeded_request_with_speculation_gives_the_same_tokens_alone_and_batched(
     tiny_llama_dir, method, text, temperature, top_k
 ):

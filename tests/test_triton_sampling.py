@@ -1,11 +1,16 @@
-"""The GPU's sampler, a Gumbel race (kernels/sampling.py): the Triton kernel picks the same tokens
-as its torch reference in Triton's interpreter (mixed greedy and sampled rows, ties, NaN and -inf
-logits, thresholds, bf16 and strided logits, seeds past 2**63, positions near 2**31, a vocabulary
-not a multiple of the block), greedy rows are exactly argmax, the int32 hash equals the int64 one,
-the reference's frequencies follow the masked softmax the CPU sampler draws from, and what one
-Sampler.sample issues on the GPU dispatch path is counted (one Triton launch for a temperature
-batch, one upload, no host sync but the tokens' copy). On a GPU (`-m gpu`): greedy rows exact,
-sampled rows the reference's, and the engine sampler's frequencies follow the masked softmax.
+"""The GPU's sampling kernels (kernels/triton_sampling.py) in Triton's interpreter.
+
+The Gumbel race (kernels/sampling.py) picks the same tokens as its torch reference (mixed greedy and
+sampled rows, ties, NaN and -inf logits, thresholds, bf16 and strided logits, seeds past 2**63,
+positions near 2**31, a vocabulary not a multiple of the block), greedy rows are exactly argmax,
+the int32 hash equals the int64 one, and the reference's frequencies follow the masked softmax. The
+spilled rows' top-p thresholds are the host's, bit for bit (wide nuclei, ties, -inf, top-k ties
+past the candidates). Sampler.draw on the GPU dispatch path (simulated sm_90) reads no device
+value on the host for any kind of batch (tests/host_sync.py) and picks the CPU path's tokens, and
+what one Sampler.sample issues there is counted (one Triton launch for a temperature batch, one
+upload, no host sync but the tokens' copy). On a GPU (`-m gpu`): greedy rows exact, sampled rows
+the reference's, the spill thresholds the host's, and the engine sampler's frequencies follow the
+masked softmax.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ CASES: dict[str, dict[str, Any]] = {
     "engine-seeded": dict(op="engine"),
     "gather-in-place": dict(op="gather"),
     "engine-async": dict(op="engine-async"),
+    "spill-thresholds": dict(op="spill"),
+    "no-host-sync": dict(op="no-sync"),
 }
 
 
@@ -88,7 +95,7 @@ def _check_ops() -> None:
     from batchrun.kernels.target import find_target
     from benchmarks.gpu_launches import SM90, count_launches
 
-    race = bind_kernels(find_target("cpu", simulate=SM90), torch.float32).sample
+    kernels = bind_kernels(find_target("cpu", simulate=SM90), torch.float32)
 
     rows, vocab = 16, 1000
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
@@ -100,7 +107,9 @@ def _check_ops() -> None:
         ("truncated", SamplingParams(temperature=0.6, top_p=0.9, top_k=50)),
     ):
         with count_launches() as launches:
-            Sampler(seed=1, race=race).sample(logits, [params] * rows, seeds, list(range(rows)))
+            Sampler(seed=1, race=kernels.sample, spill=kernels.spill).sample(
+                logits, [params] * rows, seeds, list(range(rows))
+            )
         counts[name] = launches
     print("OPS", {k: (dict(v.kernels), v.syncs) for k, v in counts.items()}, flush=True)
     # Greedy: one argmax, the tokens' copy back.
@@ -109,9 +118,11 @@ def _check_ops() -> None:
     # unseeded rows' seeds (a CPU op on a GPU run too); the packed rows' upload is a copy only a CUDA
     # tensor makes, and the tokens' copy back is the step's one sync there (`tolist` of CPU tensors here).
     assert dict(counts["temp0.6"].kernels) == {"aten:randint": 1, "triton:_gumbel_sample_kernel": 1}, counts
-    # top-k/top-p thresholds are torch ops (candidates, softmax, prefix mass) before the same race.
+    # top-k/top-p thresholds are torch ops (candidates, weights, prefix mass) and the spill kernel
+    # (whose programs return at once where no row spilled) before the same race.
     truncated = counts["truncated"]
     assert truncated.kernels["triton:_gumbel_sample_kernel"] == 1 and truncated.total <= 40, truncated
+    assert truncated.kernels["triton:_spill_threshold_kernel"] == 1, truncated
 
 
 def _interpreted_engine_config(model: str, **overrides: Any) -> Any:
@@ -212,7 +223,77 @@ def _check_engine_async() -> None:
         assert outs[True] == outs[False], outs
 
 
+def _check_spill(device: str) -> None:
+    """The Triton spill kernel's thresholds equal the host's on every spilled row (V past the host's
+    first width, so it widens; -0.0 and 0.0 are the same threshold), the rows not spilled keep
+    theirs, and each is the documented mask's."""
+    from test_sampler import reference_keep
+
+    from batchrun.kernels.sampling import spill_thresholds_reference
+    from batchrun.kernels.triton_sampling import spill_thresholds
+
+    vocab = 2500
+    g = torch.Generator().manual_seed(7)
+    rows = [  # (scaled logits, top_k (0: off), top_p)
+        (torch.randn(vocab, generator=g) * 0.05, 0, 0.9),  # a nucleus of most of the row
+        (torch.randn(vocab, generator=g) * 0.3, 0, 0.5),
+        (torch.randint(-3, 3, (vocab,), generator=g).float(), 0, 0.7),  # ties at the edge
+        (torch.zeros(vocab), 0, 0.3),  # all tied
+        (torch.randn(vocab, generator=g) * 4, 0, 0.999999),  # a far tail
+        (torch.cat([torch.full((vocab // 2,), float("-inf")), torch.randn(vocab - vocab // 2, generator=g)]), 0, 0.95),
+        (torch.cat([torch.full((300,), 2.0), torch.randn(vocab - 300, generator=g)]), 200, 0.99),  # top-k ties
+        (torch.cat([torch.full((300,), 2.0), torch.randn(vocab - 300, generator=g)]), 200, 0.3),
+        (torch.randn(vocab, generator=g), 0, 0.9),  # not spilled: keeps its threshold
+    ]
+    s = torch.stack([r for r, _, _ in rows]).to(device)
+    kth = torch.tensor(
+        [float(torch.sort(r, descending=True).values[k - 1]) if k else float("-inf") for r, k, _ in rows]
+    ).to(device)
+    top_p = torch.tensor([p for _, _, p in rows], dtype=torch.float64, device=device)
+    spill = torch.tensor([True] * (len(rows) - 1) + [False], device=device)
+    threshold = torch.full((len(rows),), 1.25, device=device)
+    want = spill_thresholds_reference(s, kth, top_p, spill, threshold)
+    got = spill_thresholds(s, kth, top_p, spill, threshold)
+    assert torch.equal(got.cpu(), want.cpu()), (got, want)
+    assert got[-1].item() == 1.25
+    for i, (r, k, p) in enumerate(rows[:-1]):  # the documented mask, sorted in float64
+        assert torch.equal(r >= got[i].item(), reference_keep(r, k, p)), i
+
+
+def _check_no_host_sync() -> None:
+    """Sampler.draw on the GPU path (a simulated sm_90's kernel set: both Triton kernels) reads no
+    device value on the host for any kind of batch, and picks the CPU path's tokens."""
+    from host_sync import NoHostSync, opaque_triton_launches
+    from test_sampler import STEP_KINDS, _step_logits
+
+    from batchrun.engine.sampler import Sampler
+    from batchrun.kernels.binding import bind_kernels
+    from batchrun.kernels.target import find_target
+    from benchmarks.gpu_launches import SM90, count_launches
+
+    gpu = bind_kernels(find_target("cpu", simulate=SM90), torch.float32)
+    cpu = bind_kernels(find_target("cpu"), torch.float32)
+
+    for kind, kinds in STEP_KINDS.items():
+        for num_rows in (1, 7):
+            logits = _step_logits(num_rows)
+            params = [kinds[i % len(kinds)] for i in range(num_rows)]
+            seeds = [None if i % 4 == 3 else 50 + i for i in range(num_rows)]
+            positions = [3 + i for i in range(num_rows)]
+            mode = NoHostSync(logits)
+            with count_launches() as launches, opaque_triton_launches(mode), mode:
+                tokens = Sampler(3, race=gpu.sample, spill=gpu.spill).draw(logits, params, seeds, positions)
+            is_sampled = any(not p.is_greedy for p in params)
+            assert launches.kernels["triton:_gumbel_sample_kernel"] == is_sampled, (kind, launches)
+            want = Sampler(3, race=cpu.sample, spill=cpu.spill).draw(logits, params, seeds, positions)
+            assert tokens.tolist() == want.tolist(), (kind, num_rows)
+
+
 def run_case(spec: dict[str, Any], device: str = "cpu") -> None:
+    if spec.get("op") == "spill":
+        return _check_spill(device)
+    if spec.get("op") == "no-sync":
+        return _check_no_host_sync()
     if spec.get("op") == "ops":
         return _check_ops()
     if spec.get("op") == "engine":
@@ -272,21 +353,21 @@ def test_reference_greedy_rows_are_argmax_and_sampled_rows_keep_their_draw():
     ids=["temperature", "top-k-top-p", "top-p"],
 )
 def test_race_frequencies_follow_the_masked_softmax(params):
-    """The race over the thresholds the GPU sampler computes draws from `sampling_probs`, the
-    distribution the CPU sampler inverts: one logits row at 30,000 positions."""
+    """The race over the sampler's thresholds draws from `sampling_probs`: one logits row at 30,000
+    positions."""
     from test_sampler import _chi2, _chi2_critical
 
     from batchrun.engine.config import SamplingParams
-    from batchrun.engine.sampler import _truncate_rows, sampling_probs
-    from batchrun.kernels.sampling import gumbel_sample_reference, pack_rows
+    from batchrun.engine.sampler import sampling_probs, thresholds
+    from batchrun.kernels.sampling import gumbel_sample_reference, pack_rows, spill_thresholds_reference
 
     sp = SamplingParams(**params)
     logits = torch.randn(24, generator=torch.Generator().manual_seed(3)) * 1.5
     n = 30_000
     rows = torch.from_numpy(pack_rows([11] * n, list(range(n)), [sp.temperature] * n))
     s = logits[None].float() / torch.tensor([sp.temperature])[:, None]
-    threshold, _ = _truncate_rows(s, [sp.top_k], [sp.top_p], None)
-    tokens = gumbel_sample_reference(logits.expand(n, -1), rows, threshold.float().expand(n))
+    threshold = thresholds(s, [sp.top_k], [sp.top_p], spill_thresholds_reference) if sp.top_k or sp.top_p < 1 else None
+    tokens = gumbel_sample_reference(logits.expand(n, -1), rows, None if threshold is None else threshold.expand(n))
     counts = torch.bincount(tokens, minlength=24)
     want = sampling_probs(logits, sp)
     assert counts[want == 0].sum() == 0, "a token outside the kept set"
@@ -296,10 +377,11 @@ def test_race_frequencies_follow_the_masked_softmax(params):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case_id", [c for c in CASES if CASES[c].get("op") in (None, "gather")])
+@pytest.mark.parametrize("case_id", [c for c in CASES if CASES[c].get("op") in (None, "gather", "spill")])
 def test_triton_sampling_on_gpu(case_id):
     """Compiled, log may differ from torch's in its last bit: greedy rows exact, and the sampled
-    rows the reference's but where two race keys are that close (none in these cases)."""
+    rows the reference's but where two race keys are that close (none in these cases); exp may too,
+    which moves a spilled row's threshold only where a mass is that close to its limit (none here)."""
     run_case(CASES[case_id], "cuda")
 
 
@@ -310,11 +392,15 @@ def test_kernel_frequencies_follow_the_masked_softmax_on_gpu():
 
     from batchrun.engine.config import SamplingParams
     from batchrun.engine.sampler import Sampler, sampling_probs
+    from batchrun.kernels.binding import bind_kernels
+    from batchrun.kernels.target import find_target
 
+    kernels = bind_kernels(find_target("cuda"), torch.float32)
+    sampler = Sampler(race=kernels.sample, spill=kernels.spill)
     logits = torch.randn(24, generator=torch.Generator().manual_seed(3)) * 1.5
     n = 30_000
     for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9, top_k=8)):
-        tokens = Sampler().draw(logits.cuda().expand(n, -1).contiguous(), [params] * n, [11] * n, list(range(n)))
+        tokens = sampler.draw(logits.cuda().expand(n, -1).contiguous(), [params] * n, [11] * n, list(range(n)))
         counts = torch.bincount(tokens.cpu(), minlength=24)
         want = sampling_probs(logits, params)
         assert counts[want == 0].sum() == 0

@@ -31,6 +31,8 @@ PER_STEP_INTS = {
         "_w8a16_kernel": {"M"},  # the step's token count
         "_w4a16_kernel": {"M"},
     },
+    "batchrun.kernels.quant.triton_act": {"_quantize_rows_kernel": {"M"}},  # the step's token count
+    "batchrun.kernels.triton_sampling": {"_gumbel_sample_kernel": {"num_rows"}},  # the step's sampled rows
 }
 
 

@@ -8,39 +8,61 @@ Masks work on the temperature-scaled logits s = logits / temperature:
   top-p keeps, in descending order, each token whose mass before it (under the top-k-renormalized
   distribution) is below top_p, then every token tied with the last one kept.
 So a mask is a threshold on s and never depends on how a sort orders ties: it is the same on
-every device and in every batch. The most likely token always survives. Neither mask sorts the
-vocabulary: torch.topk takes a bounded candidate set, widened only for rows whose kept set may
-reach past it (a wide nucleus, or ties at its edge).
+every device and in every batch. The most likely token always survives. A token's mass is its
+weight exp(s - max s), in float32, over the weight of the set renormalized over, with sums that
+round no decision a float32 rounding of the weights would not (kernels/sampling.py: kept_prefix).
 
-Randomness is counter-based: a sampled row draws one uniform from a hash of (its request's seed,
-the position of the token being sampled) and inverts the CDF of its masked distribution. A draw
-therefore depends on nothing else in the batch, nor on how many steps the request was split over.
-Speculative decoding draws from the same hash with a stream id (draft proposals, acceptance tests,
-residual resampling), so its draws are independent of the sampler's and of each other's.
+Neither mask sorts the vocabulary, and neither reads a device value on the host (`thresholds`):
+torch.topk takes max(CANDIDATES, largest top_k) candidates per truncated row, which hold the
+threshold unless the row's kept set may reach past them (a nucleus that keeps them all, or ties at
+the k-th value running past them while top-p renormalizes over the top-k set). Those rows are
+flagged on the device, and a spill kernel redoes them over the whole row: on a GPU one Triton
+launch in which unflagged rows return at once, on the CPU the flagged rows picked out and widened
+on the host (the same thresholds: kernels/sampling.py: spill_thresholds_reference). So a GPU
+decode step can be launched before the previous one's tokens are read (engine/runners/gpu.py),
+sampled and truncated rows included.
 
-On a GPU a sampled row draws by the Gumbel-max race instead (kernels/sampling.py: argmax of
-s - log E over the kept tokens, one exponential variate per token hashed from (seed, position,
-token id)): one fused kernel pass per row, no sort or prefix sum over the vocabulary, the per-row
-settings in one pinned upload and no per-row host work. Same distribution, same independence from
-the batch; a seeded request reproduces on the same kind of device, and its tokens differ between a
-CPU run and a GPU run (they did before too: the logits differ in their last bits).
+Every sampled row draws by the Gumbel-max race (kernels/sampling.py): argmax of s - log E over the
+kept tokens, with one exponential variate per token hashed from (its request's seed, the position
+of the token being sampled, the token id), greedy rows exact argmaxes in the same launch. A draw
+therefore depends on nothing else in the batch, nor on how many steps the request was split over,
+and it is the same algorithm on every device: the Triton kernel on a GPU, the native kernel on the
+CPU (the torch reference where it is not built), which round every float32 operation alike. For the
+same logits a seeded request samples the same tokens on the CPU and on a GPU except where the two
+best race keys of a row are within the last bit of `log`, or a top-p mass within float rounding of
+top_p (exp's last bit, float64 sum order); docs/design.md says how rare. The kernels come from the
+caller (`Sampler(seed, race=..., spill=...)`: engine start-up hands it the kernel set's), else the
+torch references.
+
+Speculative decoding draws from explicit probability vectors (draft proposals, acceptance tests,
+residual resampling: engine/speculative.py, engine/drafter.py) by inverse CDF with uniforms hashed
+from (seed, position, stream): computed on the host, the same on every device, independent of the
+sampler's race and of each other. The bonus token after accepted drafts is a plain race draw.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Optional
 
 import torch
 
 from batchrun.engine.config import SamplingParams
-from batchrun.kernels.sampling import pack_rows
+from batchrun.kernels.sampling import (
+    RaceFn,
+    SpillFn,
+    gumbel_sample_reference,
+    kept_prefix,
+    pack_rows,
+    spill_thresholds_reference,
+    weight_past,
+)
 
-CANDIDATES = 128  # first candidate width for a top-p nucleus; rows it cannot hold retry 8x wider
+CANDIDATES = 128  # candidates per truncated row (at least its top_k); rows whose kept set spills are redone
 _MASK64 = (1 << 64) - 1
 
 # Streams of one request's uniforms: each (seed, position, stream) is one independent draw.
-STREAM_SAMPLE = 0  # the token sampled at a position (plain steps, and verification's bonus token)
+STREAM_SAMPLE = 0  # unused by the engine since plain steps race; kept so the other streams' keys stay
 STREAM_DRAFT = 1  # a draft proposed for a position (drafter)
 STREAM_ACCEPT = 2  # the acceptance test of the draft at a position (verification)
 STREAM_RESIDUAL = 3  # the token drawn from the residual where that draft was rejected (verification)
@@ -56,7 +78,7 @@ def _mix64(z: int) -> int:
 def uniform(seed: int, position: int, stream: int = STREAM_SAMPLE) -> float:
     """A uniform in [0, 1) with 53 random bits, a pure function of (seed, position, stream)."""
     key = _mix64(seed & _MASK64)
-    if stream != STREAM_SAMPLE:  # the sampler's own stream keeps the key it always had
+    if stream != STREAM_SAMPLE:  # stream 0 keeps the key it always had
         key = _mix64(key ^ (stream * 0xD1B54A32D192ED03 & _MASK64))
     z = _mix64((key + (position & _MASK64) * 0x9E3779B97F4A7C15) & _MASK64)
     return (z >> 11) * 2.0**-53
@@ -71,54 +93,45 @@ def sample_seed(seed: int, sample_index: int) -> int:
     return _mix64((seed & _MASK64) ^ _mix64(sample_index * 0x9E3779B97F4A7C15 & _MASK64)) >> 1
 
 
-def _truncate(
-    s: torch.Tensor,  # (B, V) float32 scaled logits
-    top_k: torch.Tensor,  # (B,) int64 in [0, V): 0 is off
-    top_p: torch.Tensor,  # (B,) float64: >= 1 is off
-    u: Optional[torch.Tensor],  # (B,) float64 in [0, 1): draw a token when given
-    width: int,  # candidates per row, at least the largest top_k (host-side, so no device sync)
-    any_without_k: bool,  # whether some row has top-k off (then top-p needs the full softmax)
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """(threshold (B,): the smallest s each row keeps; token (B,) int64 drawn from the kept set, or None).
-
-    Works on the `width` largest s of each row; rows whose kept set may extend past them are redone
-    with a wider candidate set, up to the whole vocabulary."""
+def thresholds(
+    s: torch.Tensor,  # (R, V) float32 scaled logits of truncated rows
+    top_k: Sequence[int],  # per row; outside (0, V) is off
+    top_p: Sequence[float],  # per row; >= 1 is off
+    spill: SpillFn,  # finishes the rows whose kept set reaches past the candidates
+) -> torch.Tensor:
+    """(R,) float32: the smallest s each row keeps (module doc), without reading a device value on
+    the host: the per-row settings are host values, the rest tensor ops and the spill kernel."""
     vocab = s.shape[-1]
-    width = min(vocab, width)
-    vals, idx = torch.topk(s, width, dim=-1)  # (B, W), descending
-    has_k = top_k > 0
-    kth = vals.gather(1, (torch.where(has_k, top_k, width) - 1)[:, None])  # off: the last candidate
-    in_k = vals >= kth
-    # Probabilities of the candidates under the distribution top-p truncates: renormalized over the
-    # top-k set where top-k applies (all of it is among the candidates unless the row spills), else
-    # the full softmax (a per-row kernel, so the same bits whatever the batch).
-    probs = torch.softmax(vals.masked_fill(~in_k, float("-inf")), dim=-1)
-    if any_without_k:
-        probs = torch.where(has_k[:, None], probs, torch.softmax(s, dim=-1).gather(1, idx))
-    probs = probs.double()  # float64 sums: top_p near 1 compares masses to well below 1e-7
-    before = probs.cumsum(dim=-1) - probs  # mass strictly before each candidate
-    # in_k and before < top_p are both prefixes of the candidates, and the first is always in both.
-    num = (in_k & (before < top_p[:, None])).sum(dim=-1)
+    ks = [k if 0 < k < vocab else 0 for k in top_k]
+    width = min(vocab, max(CANDIDATES, *ks))
+    vals, idx = torch.topk(s, width, dim=-1)  # (R, W) descending
+    k_rows = upload(ks, torch.int64, s.device)
+    has_k = k_rows > 0
+    kth = vals.gather(1, (k_rows - 1).clamp_min(0)[:, None]).squeeze(1)
+    kth = torch.where(has_k, kth, float("-inf"))  # (R,): the k-th largest s, -inf where top-k is off
+    if all(p >= 1.0 for p in top_p):  # top-k alone: every such row has a k
+        return kth
+    # off is above any mass a rounded sum can reach
+    p_rows = upload([p if p < 1.0 else 2.0 for p in top_p], torch.float64, s.device)
+    # The weight top-p renormalizes over past the candidates: none for a top-k row (its top-k set
+    # is among them unless the row spills), the rest of the row without top-k.
+    without_k = [i for i, k in enumerate(ks) if k == 0]
+    if len(without_k) == len(ks):
+        past = weight_past(s, idx)
+    else:
+        past = torch.zeros(len(ks), dtype=torch.float64, device=s.device)
+        if without_k:
+            rows = upload(without_k, torch.int64, s.device)
+            sub = weight_past(s.index_select(0, rows), idx.index_select(0, rows))
+            past = past.index_copy(0, rows, sub)
+    num = kept_prefix(vals, kth, p_rows, past)
     threshold = vals.gather(1, (num - 1)[:, None]).squeeze(1)
-    keep = vals >= threshold[:, None]  # a prefix again: ties with the last kept token join it
-    token = None
-    if u is not None:
-        weights = torch.where(keep, (vals - vals[:, :1]).exp(), 0.0).double()
-        cdf = weights.cumsum(dim=-1)
-        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
-        pick = torch.minimum(pick, keep.sum(dim=-1, keepdim=True) - 1)  # u * total rounded up to total
-        token = idx.gather(1, pick).squeeze(1)
-    if width < vocab:
-        # The kept set (or, for top-k, the set top-p renormalizes over) may go on past the candidates.
-        spill = (keep[:, -1] | (has_k & in_k[:, -1])).nonzero().squeeze(1)
-        if spill.numel():
-            sub_u = u[spill] if u is not None else None
-            sub_threshold, sub_token = _truncate(s[spill], top_k[spill], top_p[spill], sub_u, width * 8, any_without_k)
-            threshold = threshold.index_copy(0, spill, sub_threshold)
-            if token is not None:
-                assert sub_token is not None, "the rows redone draw too: u was given"
-                token = token.index_copy(0, spill, sub_token)
-    return threshold, token
+    if width == vocab:
+        return threshold
+    # Past the candidates: a nucleus that kept every candidate, or (top-p over top-k) ties at the
+    # k-th value running past them, whose weight the renormalization above missed.
+    spilled = torch.where(has_k, (vals[:, -1] >= kth) & (p_rows < 1.0), num == width)
+    return spill(s, kth, p_rows, spilled, threshold)
 
 
 def draw_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -131,45 +144,37 @@ def draw_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, target, right=True).squeeze(1)
 
 
-def _draw_full(s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw from softmax(s) over the whole vocabulary: s (B, V), u (B,) -> (B,) int64."""
-    return draw_from_probs(torch.softmax(s, dim=-1), u)
-
-
-def upload(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Per-row host values as a (len(values),) tensor on `device`. On CUDA through pinned memory
-    and a non-blocking copy: the copy queues behind the forward still running instead of making the
-    host wait for it (a pageable copy synchronizes), so the sampler's host work overlaps the GPU."""
-    host = torch.tensor(values, dtype=dtype)
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`. On CUDA through pinned memory and a non-blocking copy: the copy
+    queues behind the forward still running instead of making the host wait for it (a pageable
+    copy synchronizes), so the sampler's host work overlaps the GPU."""
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
 
 
-def _scaled(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    temperature = upload([p.temperature for p in params], torch.float32, logits.device)
-    return logits.float() / temperature[:, None]
-
-
-def _truncate_rows(
-    s: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], u: Optional[torch.Tensor]
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """`_truncate` with per-row settings given on the host; top_k outside (0, vocab) is off."""
-    vocab = s.shape[-1]
-    top_k = [k if 0 < k < vocab else 0 for k in top_k]
-    return _truncate(
-        s,
-        upload(top_k, torch.int64, s.device),
-        # off is above any mass a rounded cumulative sum can reach
-        upload([p if p < 1.0 else 2.0 for p in top_p], torch.float64, s.device),
-        u,
-        max(CANDIDATES, *top_k),
-        not all(top_k),
-    )
+def upload(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Per-row host values as a (len(values),) tensor on `device` (`to_device`)."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _is_truncated(p: SamplingParams, vocab: int) -> bool:
     return 0 < p.top_k < vocab or p.top_p < 1.0
+
+
+def _masked(s: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """s (B, V) float32 scaled logits with -inf below each truncated row's threshold (a new tensor
+    where any row is truncated). On the host's spill path: for callers that read the result anyway."""
+    vocab = s.shape[-1]
+    truncated = [i for i, p in enumerate(params) if _is_truncated(p, vocab)]
+    if not truncated:
+        return s
+    idx = upload(truncated, torch.int64, s.device)
+    rows = s.index_select(0, idx)
+    threshold = thresholds(
+        rows, [params[i].top_k for i in truncated], [params[i].top_p for i in truncated], spill_thresholds_reference
+    )
+    return s.index_copy(0, idx, rows.masked_fill(rows < threshold[:, None], float("-inf")))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -177,11 +182,10 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
 
     logits: (vocab_size,) or (batch, vocab_size), float32, already temperature-scaled."""
     rows = logits.reshape(-1, logits.shape[-1])
-    vocab = rows.shape[-1]
-    if not _is_truncated(SamplingParams(top_k=top_k, top_p=top_p), vocab):
+    params = SamplingParams(top_k=top_k, top_p=top_p)
+    if not _is_truncated(params, rows.shape[-1]):
         return logits
-    threshold, _ = _truncate_rows(rows, [top_k] * rows.shape[0], [top_p] * rows.shape[0], None)
-    return rows.masked_fill(rows < threshold[:, None], float("-inf")).reshape(logits.shape)
+    return _masked(rows, [params] * rows.shape[0]).reshape(logits.shape)
 
 
 def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -193,30 +197,19 @@ def sampling_probs_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) 
     """`sampling_probs` of every row at once, each with its own (sampled, not greedy) params:
     logits (B, V) -> (B, V) float32 on the logits' device."""
     assert not any(p.is_greedy for p in params), "greedy rows have no distribution to sample"
-    s = _scaled(logits, params)  # (B, V) float32, a new tensor: masked in place
-    vocab = s.shape[-1]
-    truncated = [i for i, p in enumerate(params) if _is_truncated(p, vocab)]
-    if truncated:
-        rows = s if len(truncated) == s.shape[0] else s[torch.tensor(truncated, device=s.device)]
-        threshold, _ = _truncate_rows(
-            rows, [params[i].top_k for i in truncated], [params[i].top_p for i in truncated], None
-        )
-        masked = rows.masked_fill(rows < threshold[:, None], float("-inf"))
-        if len(truncated) == s.shape[0]:
-            s = masked
-        else:
-            s[torch.tensor(truncated, device=s.device)] = masked
-    return torch.softmax(s, dim=-1)
+    temperature = upload([p.temperature for p in params], torch.float32, logits.device)
+    return torch.softmax(_masked(logits.float() / temperature[:, None], params), dim=-1)
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, race: Optional[Callable[..., torch.Tensor]] = None) -> None:
-        # Rows sampled without a seed draw their uniforms from here, in row order.
+    def __init__(self, seed: int = 0, race: Optional[RaceFn] = None, spill: Optional[SpillFn] = None) -> None:
+        # Rows sampled without a seed draw their race seeds (and speculation its uniforms) from here,
+        # in row order.
         self._generator = torch.Generator().manual_seed(seed)
-        # The Gumbel race (KernelSet.sample: (logits, rows, threshold) -> tokens) the sampled rows
-        # take, bound at start-up where the kernel set races on the device (the GPU's); None: the
-        # inverse-CDF draws.
-        self.race = race
+        # The device kernels of a step (the kernel set's, KernelSet.sample and .spill), bound by the
+        # caller (engine start-up); None: the torch references, which run on any device.
+        self._race = race or gumbel_sample_reference
+        self._spill = spill or spill_thresholds_reference
 
     @torch.inference_mode()
     def sample(
@@ -257,53 +250,31 @@ class Sampler:
         seeds: Sequence[Optional[int]],
         positions: Sequence[int],
     ) -> torch.Tensor:
-        """`sample`'s tokens as a (num_rows,) int64 tensor on the logits' device (no host copy)."""
+        """`sample`'s tokens as a (num_rows,) int64 tensor on the logits' device, without a host
+        sync: the tokens may be read later (engine/runners/gpu.py). Every row in one race launch,
+        greedy rows inside it exact argmaxes, after the thresholds of the truncated rows."""
         num_rows, vocab = logits.shape
         assert num_rows == len(params) == len(seeds) == len(positions)
-        device = logits.device
-        sampled = [i for i, p in enumerate(params) if not p.is_greedy]
-        if not sampled:
-            tokens = logits.argmax(dim=-1)
-        elif self.race is not None:
-            tokens = self._race(logits, params, seeds, positions, self.race)
-        else:
-            tokens = torch.empty(num_rows, dtype=torch.int64, device=device)
-            greedy = [i for i, p in enumerate(params) if p.is_greedy]
-            if greedy:
-                rows = upload(greedy, torch.int64, device)
-                tokens[rows] = logits[rows].argmax(dim=-1)
-            for group in (
-                [i for i in sampled if _is_truncated(params[i], vocab)],
-                [i for i in sampled if not _is_truncated(params[i], vocab)],
-            ):
-                if group:
-                    tokens[upload(group, torch.int64, device)] = self._draw(logits, group, params, seeds, positions)
-        return tokens
-
-    def _race(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        seeds: Sequence[Optional[int]],
-        positions: Sequence[int],
-        race: Callable[..., torch.Tensor],
-    ) -> torch.Tensor:
-        """The GPU's draw (module doc): every row in one Gumbel-race launch, greedy rows inside it
-        exact argmaxes, after the top-k/top-p thresholds of the rows that ask for them."""
-        vocab = logits.shape[-1]
-        host = torch.from_numpy(pack_rows(self.row_seeds(params, seeds), positions, [p.temperature for p in params]))
-        rows = host.pin_memory().to(logits.device, non_blocking=True) if logits.is_cuda else host  # (3, B)
+        if all(p.is_greedy for p in params):
+            return logits.argmax(dim=-1)
+        race, spill = self._race, self._spill
+        temperatures = [p.temperature for p in params]
+        host = torch.from_numpy(pack_rows(self.row_seeds(params, seeds), positions, temperatures))
+        rows = to_device(host, logits.device)  # (3, B)
         truncated = [i for i, p in enumerate(params) if not p.is_greedy and _is_truncated(p, vocab)]
         threshold = None
         if truncated:
             # (B,) float32: the smallest scaled logit each truncated row keeps, -inf elsewhere; the
             # rows scaled by the very temperature bits the race divides by.
-            idx = upload(truncated, torch.int64, logits.device)
             temperature = rows[2].to(torch.int32).view(torch.float32)
-            s = logits.index_select(0, idx).float() / temperature.index_select(0, idx)[:, None]
-            sub, _ = _truncate_rows(s, [params[i].top_k for i in truncated], [params[i].top_p for i in truncated], None)
-            threshold = torch.full((logits.shape[0],), float("-inf"), dtype=torch.float32, device=logits.device)
-            threshold = threshold.index_copy(0, idx, sub.float())
+            top_k, top_p = [params[i].top_k for i in truncated], [params[i].top_p for i in truncated]
+            if len(truncated) == num_rows:
+                threshold = thresholds(logits.float() / temperature[:, None], top_k, top_p, spill)
+            else:
+                idx = upload(truncated, torch.int64, logits.device)
+                s = logits.index_select(0, idx).float() / temperature.index_select(0, idx)[:, None]
+                threshold = torch.full((num_rows,), float("-inf"), dtype=torch.float32, device=logits.device)
+                threshold = threshold.index_copy(0, idx, thresholds(s, top_k, top_p, spill))
         return race(logits, rows, threshold)
 
     def row_seeds(self, params: Sequence[SamplingParams], seeds: Sequence[Optional[int]]) -> list[int]:
@@ -314,26 +285,6 @@ class Sampler:
             torch.randint(-(2**63), 2**63 - 1, (unseeded,), generator=self._generator).tolist() if unseeded else ()
         )
         return [(0 if p.is_greedy else next(fresh)) if seed is None else seed for p, seed in zip(params, seeds)]
-
-    def _draw(
-        self,
-        logits: torch.Tensor,
-        group: list[int],
-        params: Sequence[SamplingParams],
-        seeds: Sequence[Optional[int]],
-        positions: Sequence[int],
-    ) -> torch.Tensor:
-        """Tokens (len(group),) for sampled rows that are all truncated or all untruncated."""
-        device = logits.device
-        sub = [params[i] for i in group]
-        rows = logits if len(group) == logits.shape[0] else logits[upload(group, torch.int64, device)]
-        s = _scaled(rows, sub)
-        u = self.uniforms([seeds[i] for i in group], [positions[i] for i in group], STREAM_SAMPLE, device)
-        if not _is_truncated(sub[0], s.shape[-1]):
-            return _draw_full(s, u)
-        _, token = _truncate_rows(s, [p.top_k for p in sub], [p.top_p for p in sub], u)
-        assert token is not None, "a token is drawn whenever u is given"
-        return token
 
     @staticmethod
     def logprobs(

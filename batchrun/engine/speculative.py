@@ -283,8 +283,8 @@ def verify(
     probability min(1, p_i(d) / q_i(d)) using uniform (seed, i, STREAM_ACCEPT); the first rejected
     one is replaced by a draw from normalize(max(0, p_i - q_i)) with uniform (seed, i,
     STREAM_RESIDUAL). When all are accepted the target's token after them is drawn exactly as the
-    plain sampler draws it (uniform (seed, i, STREAM_SAMPLE)). Greedy requests accept a draft
-    exactly when it is the argmax."""
+    plain sampler draws it (its race at (seed, i)). Greedy requests accept a draft exactly when it
+    is the argmax."""
     assert len(first_rows) == len(requests) == len(drafts) and all(drafts)
     greedy = [j for j, r in enumerate(requests) if r.params.is_greedy]
     sampled = [j for j, r in enumerate(requests) if not r.params.is_greedy]

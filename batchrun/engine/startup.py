@@ -227,9 +227,8 @@ def plan_kv(config: EngineConfig, target: Target) -> KVPlan:
 def build_cache(config: EngineConfig, target: Target, kv_plan: KVPlan) -> Cache:
     """Allocate the cache's blocks and pick the runner, once: the GPU runner (CUDA graphs, steps
     run ahead) on a GPU, the CPU runner elsewhere. It reads the KV manager's persistent block tables
-    and samples with the engine's sampler, seeded from engine.seed, which races on the device with
-    the kernel set's Gumbel race where that set is Triton's (the GPU's draw; a CPU set keeps the
-    inverse-CDF draws)."""
+    and samples with the engine's sampler, seeded from engine.seed, over the kernel set's race and
+    top-p spill kernels."""
     kv = KVCacheManager(kv_plan.num_blocks, kv_plan.block_size, config.enable_prefix_caching)
     kernels = target.model.kernels
     runner_class = GpuRunner if target.device.type == "cuda" else CpuRunner
@@ -242,7 +241,7 @@ def build_cache(config: EngineConfig, target: Target, kv_plan: KVPlan) -> Cache:
         config.kv_cache_dtype,
         block_tables=kv.block_tables,
         batch_invariant=config.batch_invariant,
-        sampler=Sampler(config.seed, race=kernels.sample if kernels.binder == "triton" else None),
+        sampler=Sampler(config.seed, race=kernels.sample, spill=kernels.spill),
         max_model_len=kv_plan.max_model_len,
     )
     return Cache(kv, runner)

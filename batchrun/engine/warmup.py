@@ -189,15 +189,22 @@ def capture_graphs(runner: ModelRunner, max_num_seqs: int) -> list[int]:
 
 
 def warm_sampler(sample: Callable[..., torch.Tensor], logits: torch.Tensor) -> None:
-    """Draw once from a greedy, a truncated and a plain sampled row, all seeded (an unseeded row
-    would advance the sampler's generator and change later unseeded draws)."""
-    rows = logits[:1].expand(3, -1)  # (3, vocab_size)
-    params = [
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=0),
-        SamplingParams(temperature=1.0, seed=0),
-    ]
-    sample(rows, params, [None, 0, 0], [0, 0, 0])
+    """Draw once with every variant of the sampling kernels a run can launch on these logits (their
+    dtype and vocabulary): the race without a threshold (temperature and greedy rows) and with one
+    (top-k, top-p, both), and the spilled rows' thresholds (top-p without top-k). The row count is
+    not specialized on (kernels/triton_sampling.py), so one draw of each serves every batch size.
+    Every sampled row is seeded: an unseeded one would advance the sampler's generator and change
+    later unseeded draws."""
+    row = logits[:1].expand(3, -1).contiguous()  # (3, vocab_size): contiguous, as a step's rows are
+    for params in (
+        [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=0)],
+        [
+            SamplingParams(temperature=0.8, top_k=40, seed=0),
+            SamplingParams(temperature=0.8, top_p=0.9, seed=0),
+            SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=0),
+        ],
+    ):
+        sample(row[: len(params)], params, [None if p.is_greedy else 0 for p in params], [0] * len(params))
 
 
 def warm_up(

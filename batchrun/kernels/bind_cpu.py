@@ -17,7 +17,12 @@ from batchrun.kernels.kernel_set import BindOptions, FloatLinears, KernelSet, Li
 from batchrun.kernels.moe import grouped_gemm_reference
 from batchrun.kernels.quant import linears, w4a8, w8a8, weight_only
 from batchrun.kernels.quant.act import INT_MM_MIN_ROWS
-from batchrun.kernels.sampling import gather_in_place_reference, gumbel_sample_reference
+from batchrun.kernels.sampling import (
+    gather_in_place_reference,
+    gumbel_sample_native,
+    gumbel_sample_reference,
+    spill_thresholds_reference,
+)
 from batchrun.kernels.target import DeviceTarget
 from batchrun.kernels.tuning import Tuning
 
@@ -86,7 +91,8 @@ def bind_cpu(target: DeviceTarget, dtype: torch.dtype, tuning: Tuning, options: 
         gate_up_act=partial(fused_projections.gate_up_act_separate, act_mul=act_mul),
         lm_head_logits=fused_projections.lm_head_logits_separate,
         embed_norm=None,
-        sample=gumbel_sample_reference,
+        sample=gumbel_sample_native if native else gumbel_sample_reference,
+        spill=spill_thresholds_reference,
         gather_in_place=gather_in_place_reference,
         moe_grouped_gemm=grouped_gemm_reference,
         invariant_matmul=None,

@@ -109,6 +109,7 @@ def bind_triton(target: DeviceTarget, dtype: torch.dtype, tuning: Tuning, option
         lm_head_logits=lm_head_logits,
         embed_norm=embed_norm,
         sample=triton_sampling.gumbel_sample,
+        spill=triton_sampling.spill_thresholds,
         gather_in_place=triton_sampling.gather_in_place,
         moe_grouped_gemm=triton_moe.grouped_gemm,
         invariant_matmul=invariant_linear,

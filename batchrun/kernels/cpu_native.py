@@ -77,6 +77,7 @@ _SIGNATURES = {
     "batchrun_w4a8_linear_supported": "i64 i64",
     "batchrun_w4a8_linear": "ptr i64 i64 i64 ptr ptr ptr i64 ptr ptr ptr i64 ptr ptr i64 i32",
     "batchrun_w4a8_silu_quant": "ptr i64 i64 i64 ptr ptr ptr i64 ptr ptr ptr i64 ptr ptr ptr ptr i32",
+    "batchrun_gumbel_sample": "ptr i32 i64 i64 i64 ptr ptr ptr ptr ptr i32",
 }
 
 

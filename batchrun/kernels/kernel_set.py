@@ -114,6 +114,7 @@ class KernelSet:
     embed_norm: Optional[Callable[..., Optional[tuple[torch.Tensor, torch.Tensor]]]]  # None: embedding, then norm
     # sampling (kernels/sampling.py's signatures)
     sample: Callable[..., torch.Tensor]  # the Gumbel race: (logits (B, V), rows (3, B), threshold) -> (B,) int64
+    spill: Callable[..., torch.Tensor]  # top-p thresholds of the rows past the candidates (sampling.SpillFn)
     gather_in_place: Callable[[torch.Tensor, torch.Tensor], None]  # ids[i] = src[ids[i]]
     # mixture of experts and engine.batch_invariant
     moe_grouped_gemm: Callable[..., torch.Tensor]  # kernels/moe.py: grouped_gemm_reference's signature

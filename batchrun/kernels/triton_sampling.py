@@ -1,10 +1,23 @@
-"""The Gumbel-max sampler as one Triton kernel: one program per row, one pass over its logits.
+"""The GPU's sampling kernels: the Gumbel-max race, and the top-p thresholds of spilled rows.
 
-Each program derives its row's key from the packed (seed, position, temperature bits), then walks
-the vocabulary in blocks, keeping the running maximum of the race key (s - log E, or the raw logit
-for a greedy row) and its first index, and the first NaN. Hash, constants and float32 rounding are
-those of `batchrun.kernels.sampling` (the module doc there); the launch turns multiply-add fusion
-off, and the division by temperature is div_rn, so every value rounds as the torch reference's.
+The race: one program per row, one pass over its logits. Each program derives its row's key from
+the packed (seed, position, temperature bits), then walks the vocabulary in blocks, keeping the
+running maximum of the race key (s - log E, or the raw logit for a greedy row) and its first index,
+and the first NaN. Hash, constants and float32 rounding are those of `batchrun.kernels.sampling`
+(the module doc there); the launch turns multiply-add fusion off, and the division by temperature
+is div_rn, so every value rounds as the torch reference's.
+
+The spilled rows' thresholds (`sampling.spill_thresholds_reference` defines them): one program per
+row of the truncated rows, which returns at once unless its row spilled, so the launch costs
+nothing on a step where no nucleus is wider than the candidates, and the host never learns which
+rows spilled. A spilled row's threshold is the smallest present s whose mass above stays below the
+limit; that mass only falls as the candidate threshold rises, so the program searches the ordered
+32-bit patterns of float32 values: each pass over the row sums the mass above SPLIT points at once
+and keeps the interval where the answer lies, 1 / (SPLIT + 1) of the last, so the search takes a
+handful of passes.
+
+Every integer argument that changes from step to step (the row count) is `do_not_specialize`d:
+the warm-up's variants serve every step (engine/warmup.py: warm_sampler).
 """
 
 from __future__ import annotations
@@ -38,7 +51,7 @@ def _mix(x):
     return x ^ (x >> 16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows"])
 def _gumbel_sample_kernel(
     logits_ptr,
     stride_row,
@@ -109,6 +122,90 @@ def gumbel_sample(logits: torch.Tensor, rows: torch.Tensor, threshold: Optional[
         HAS_THRESHOLD=threshold is not None,
         BLOCK=block,
         num_warps=8 if block >= 1024 else 4,
+        enable_fp_fusion=False,
+    )
+    return out
+
+
+_SPILL_BLOCK = 256  # logits per iteration of the spilled rows' passes
+_SPLIT = 16  # points of the threshold's interval each pass evaluates
+
+
+@triton.jit
+def _ordered(bits):
+    """int32 float32 bit patterns -> int32 keys ordered as the floats (an involution)."""
+    return tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+@triton.jit
+def _spill_threshold_kernel(
+    s_ptr,  # (R, V) float32 scaled logits
+    stride_row,
+    vocab,
+    kth_ptr,  # (R,) float32: the top-k boundary, -inf where top-k is off
+    top_p_ptr,  # (R,) float64
+    spill_ptr,  # (R,) int8: 1 where the row's threshold is redone
+    threshold_ptr,  # (R,) float32, written where spill
+    BLOCK: tl.constexpr,
+    SPLIT: tl.constexpr,
+):
+    row = tl.program_id(0)
+    if tl.load(spill_ptr + row) != 0:
+        base = s_ptr + row.to(tl.int64) * stride_row
+        kth = tl.load(kth_ptr + row)
+        peak = tl.full((), float("-inf"), tl.float32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf"))
+            peak = tl.maximum(peak, tl.max(x, 0))
+        total = tl.zeros((), dtype=tl.float64)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            x = tl.load(base + cols, mask=cols < vocab, other=float("-inf"))
+            w = tl.where(x >= kth, tl.exp(x - peak), 0.0)
+            total += tl.sum(w.to(tl.float64), 0)
+        limit = tl.load(top_p_ptr + row) * total
+        # The answer is the smallest key in (lo, hi] whose mass above is below the limit: hi, the
+        # row's largest s, has none above it; lo, just under kth, is never evaluated.
+        lo = _ordered(kth.to(tl.int32, bitcast=True)).to(tl.int64) - 1
+        hi = _ordered(peak.to(tl.int32, bitcast=True)).to(tl.int64)
+        points = tl.arange(0, SPLIT).to(tl.int64)
+        while hi - lo > 1:
+            keys = lo + 1 + ((hi - lo - 1) * points) // SPLIT  # (SPLIT,) ascending, in (lo, hi)
+            taus = _ordered(keys.to(tl.int32)).to(tl.float32, bitcast=True)
+            above = tl.zeros((SPLIT,), dtype=tl.float64)
+            for start in range(0, vocab, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                x = tl.load(base + cols, mask=cols < vocab, other=float("-inf"))
+                w = tl.where(x >= kth, tl.exp(x - peak), 0.0).to(tl.float64)
+                above += tl.sum(tl.where(x[:, None] > taus[None, :], w[:, None], 0.0), 0)
+            below = above < limit
+            hi = tl.min(tl.where(below, keys, hi), 0)
+            lo = tl.max(tl.where(below, lo, keys), 0)
+        tl.store(threshold_ptr + row, _ordered(hi.to(tl.int32)).to(tl.float32, bitcast=True))
+
+
+def spill_thresholds(
+    s: torch.Tensor, kth: torch.Tensor, top_p: torch.Tensor, spill: torch.Tensor, threshold: torch.Tensor
+) -> torch.Tensor:
+    """sampling.spill_thresholds_reference on the GPU (or in Triton's interpreter): one launch,
+    no host sync; the rows not spilled keep `threshold`."""
+    assert s.dim() == 2 and s.stride(-1) == 1 and s.dtype == torch.float32
+    num_rows, vocab = s.shape
+    out = threshold.to(torch.float32).contiguous().clone()
+    if num_rows == 0:
+        return out
+    _spill_threshold_kernel[(num_rows,)](
+        s,
+        s.stride(0),
+        vocab,
+        kth.to(torch.float32).contiguous(),
+        top_p.to(torch.float64).contiguous(),
+        spill.to(torch.int8),
+        out,
+        BLOCK=_SPILL_BLOCK,
+        SPLIT=_SPLIT,
+        num_warps=8,
         enable_fp_fusion=False,
     )
     return out

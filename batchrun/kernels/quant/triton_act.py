@@ -76,7 +76,7 @@ def _to_output(y, dtype: tl.constexpr):
     return y.to(dtype)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _quantize_rows_kernel(
     x_ptr,
     skip_ptr,

@@ -1,11 +1,11 @@
 """The launches the compile-only check (kernels/triton_aot.py) drives: every Triton kernel through
 the launcher a run calls, once per variant a run uses.
 
-Each case calls the real entry point (the attention dispatch, the KV write, the fused qkv kernel,
-the elementwise dispatch, the dequantize-GEMMs, the MoE experts) on small CPU tensors; inside
-`compile_only(arch)` the dispatches take the Triton paths and the launchers pick the tile sizes,
-num_warps, num_stages and split counts they pick on that GPU, so each compiled variant is one a run
-there compiles. Sizes are small where only a launch's shapes matter, and model-shaped where they
+Each case calls the real entry point (the kernel set's attention, KV write, fused qkv kernel,
+elementwise kernels, dequantize-GEMMs, MoE experts) on small CPU tensors, through a kernel set bound
+for the GPU `compile_only(arch)` simulates, so the launchers pick the tile sizes, num_warps,
+num_stages and split counts they pick on that GPU, and each compiled variant is one a run there
+compiles. Sizes are small where only a launch's shapes matter, and model-shaped where they
 pick the variant (head counts, head_dim, hidden sizes, batch compositions that change the split
 count).
 
@@ -25,8 +25,8 @@ from typing import Optional
 
 import torch
 
-from batchrun.kernels import attention, fused_projections
-from batchrun.kernels import elementwise as ew
+from batchrun.kernels.binding import bind_kernels
+from batchrun.kernels.kernel_set import KernelSet
 from batchrun.kernels.kv_layout import new_kv_cache
 from batchrun.kernels.moe import fused_experts
 from batchrun.kernels.qkv_heads import QKVHeads
@@ -40,10 +40,13 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 INT8, FP8 = torch.int8, torch.float8_e4m3fn
 
 
+Kernels = Callable[[torch.dtype, Optional[torch.dtype]], KernelSet]  # (dtype, KV cache dtype) -> the bound set
+
+
 @dataclass(frozen=True)
 class LaunchCase:
     name: str  # what it launches, e.g. "attention mixed bf16 16:8 d128 int8"
-    run: Callable[[], None]  # the launches; their outputs are never read
+    run: Callable[[Kernels], None]  # the launches, through the kernel sets given; their outputs are never read
     is_fast: bool  # in the test's set, not only the benchmark's
 
 
@@ -81,13 +84,16 @@ BATCHES: dict[str, list[tuple[int, int]]] = {
 BLOCK_SIZE = 16
 
 
-def _attention(shape: AttentionShape, batch: str, dtype: torch.dtype, kv: Optional[torch.dtype]) -> Callable[[], None]:
-    def run() -> None:
+def _attention(
+    shape: AttentionShape, batch: str, dtype: torch.dtype, kv: Optional[torch.dtype]
+) -> Callable[[Kernels], None]:
+    def run(kernels: Kernels) -> None:
         s = shape
         c = attention_case(
             BATCHES[batch], s.num_heads, s.num_kv_heads, s.head_dim, BLOCK_SIZE, dtype, kv_cache_dtype=kv
         )
-        attention.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, s.head_dim**-0.5, s.window, s.softcap)
+        attend = kernels(dtype, kv).paged_attention
+        attend(c.q, c.k_cache, c.v_cache, c.meta, s.head_dim**-0.5, s.window, s.softcap)
 
     return run
 
@@ -101,19 +107,19 @@ def _cache(shape: AttentionShape, dtype: torch.dtype, kv: Optional[torch.dtype])
     return QuantizedKVCache.empty(size, kv, dtype, torch.device("cpu"))
 
 
-def _kv_write(shape: AttentionShape, dtype: torch.dtype, kv: Optional[torch.dtype]) -> Callable[[], None]:
-    def run() -> None:
+def _kv_write(shape: AttentionShape, dtype: torch.dtype, kv: Optional[torch.dtype]) -> Callable[[Kernels], None]:
+    def run(kernels: Kernels) -> None:
         k_cache, v_cache = _cache(shape, dtype, kv), _cache(shape, dtype, kv)
         k = torch.randn(5, shape.num_kv_heads, shape.head_dim).to(dtype)  # (num_tokens, num_kv_heads, head_dim)
-        attention.write_kv_cache(k_cache, v_cache, k, k.clone(), torch.tensor([0, 1, 17, -1, 40]))
+        kernels(dtype, kv).write_kv_cache(k_cache, v_cache, k, k.clone(), torch.tensor([0, 1, 17, -1, 40]))
 
     return run
 
 
 def _qkv_write(
     shape: AttentionShape, dtype: torch.dtype, kv: Optional[torch.dtype], has_norm: bool, is_gemma: bool = False
-) -> Callable[[], None]:
-    def run() -> None:
+) -> Callable[[Kernels], None]:
+    def run(kernels: Kernels) -> None:
         s = shape
         qkv = torch.randn(5, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim).to(dtype)
         cos = torch.randn(64, s.head_dim).to(dtype)  # (num_positions, head_dim): the decoder's tables
@@ -121,68 +127,73 @@ def _qkv_write(
         heads = QKVHeads(s.num_heads, s.num_kv_heads, s.head_dim, norm, norm, 1e-6, is_gemma)
         k_cache, v_cache = _cache(shape, dtype, kv), _cache(shape, dtype, kv)
         slots, positions = torch.tensor([0, 1, 17, -1, 40]), torch.tensor([3, 9, 0, 63, 12])
-        attention.qkv_norm_rope_write(qkv, heads, cos, cos.clone(), k_cache, v_cache, slots, positions)
+        write = kernels(dtype, kv).qkv_norm_rope_write
+        write(qkv, heads, cos, cos.clone(), k_cache, v_cache, slots, positions)
 
     return run
 
 
-def _norms(hidden: int, dtype: torch.dtype) -> Callable[[], None]:
-    def run() -> None:
+def _norms(hidden: int, dtype: torch.dtype) -> Callable[[Kernels], None]:
+    def run(kernels: Kernels) -> None:
+        ks = kernels(dtype, None)
         x = torch.randn(3, hidden).to(dtype)  # (num_tokens, hidden)
         w = torch.ones(hidden, dtype=dtype)
-        ew.rms_norm(x, w, 1e-6)
-        ew.rms_norm(x, w, 1e-6, is_gemma=True)
-        ew.add_rms_norm(x, x.clone(), w, 1e-6)
-        ew.act_mul(torch.randn(3, 2 * hidden).to(dtype), "silu")
+        ks.rms_norm(x, w, 1e-6)
+        ks.rms_norm(x, w, 1e-6, is_gemma=True)
+        ks.add_rms_norm(x, x.clone(), w, 1e-6)
+        ks.act_mul(torch.randn(3, 2 * hidden).to(dtype), "silu")
         # the norm quantizing for the fp8 / W8A8 linear after it (as RMSNorm.into asks: with and
         # without a residual, W8A8's float channels skipped and its padding rows)
         skip = torch.zeros(hidden, dtype=torch.bool)
-        ew.rms_norm_quant(x, x.clone(), w, 1e-6, ActQuant(INT8, skip, INT_MM_MIN_ROWS))
-        ew.rms_norm_quant(x, None, w, 1e-6, ActQuant(INT8, None, INT_MM_MIN_ROWS))
+        norm_quant = ks.rms_norm_quant
+        assert norm_quant is not None
+        norm_quant(x, x.clone(), w, 1e-6, ActQuant(INT8, skip, INT_MM_MIN_ROWS))
+        norm_quant(x, None, w, 1e-6, ActQuant(INT8, None, INT_MM_MIN_ROWS))
         if dtype != FP32:
-            ew.rms_norm_quant(x, x.clone(), w, 1e-6, ActQuant(FP8))
-            ew.rms_norm_quant(x, None, w, 1e-6, ActQuant(FP8))
+            norm_quant(x, x.clone(), w, 1e-6, ActQuant(FP8))
+            norm_quant(x, None, w, 1e-6, ActQuant(FP8))
 
     return run
 
 
-def _sampling(vocab: int, dtype: torch.dtype, threshold: bool) -> Callable[[], None]:
-    def run() -> None:
-        from batchrun.kernels.sampling import gumbel_sample, pack_rows
+def _sampling(vocab: int, dtype: torch.dtype, threshold: bool) -> Callable[[Kernels], None]:
+    def run(kernels: Kernels) -> None:
+        from batchrun.kernels.sampling import pack_rows
 
         logits = torch.randn(4, vocab).to(dtype)  # (rows, vocab): the LM head's output
         rows = torch.from_numpy(pack_rows([1, 2, 3, 4], [0, 5, 9, 2], [0.0, 0.6, 1.0, 0.7]))
-        gumbel_sample(logits, rows, torch.full((4,), -1.0) if threshold else None)
+        kernels(dtype, None).sample(logits, rows, torch.full((4,), -1.0) if threshold else None)
 
     return run
 
 
-def _spill(vocab: int) -> Callable[[], None]:
-    def run() -> None:
-        from batchrun.kernels.triton_sampling import spill_thresholds
-
+def _spill(vocab: int) -> Callable[[Kernels], None]:
+    def run(kernels: Kernels) -> None:
         s = torch.randn(4, vocab)  # (truncated rows, vocab): scaled logits
         flags = torch.tensor([True, False, True, False])
-        spill_thresholds(s, torch.full((4,), float("-inf")), torch.full((4,), 0.9, dtype=torch.float64), flags, s[:, 0])
+        top_p = torch.full((4,), 0.9, dtype=torch.float64)
+        kernels(FP32, None).spill(s, torch.full((4,), float("-inf")), top_p, flags, s[:, 0])
 
     return run
 
 
-def _gather() -> Callable[[], None]:
-    def run() -> None:
-        from batchrun.kernels.triton_sampling import gather_in_place
-
-        gather_in_place(torch.zeros(300, dtype=torch.int64), torch.arange(512))  # engine.async_scheduling's ids
+def _gather() -> Callable[[Kernels], None]:
+    def run(kernels: Kernels) -> None:
+        # engine.async_scheduling's ids
+        kernels(BF16, None).gather_in_place(torch.zeros(300, dtype=torch.int64), torch.arange(512))
 
     return run
 
 
-def _fused(shape: AttentionShape, m: int, dtype: torch.dtype, bias: bool, hidden: int = 1024) -> Callable[[], None]:
+def _fused(
+    shape: AttentionShape, m: int, dtype: torch.dtype, bias: bool, hidden: int = 1024
+) -> Callable[[Kernels], None]:
     """The fused projections (kernels/fused_projections.py) of a model of `shape` at `m` tokens: the
     qkv GEMM with q/k-norm + rotary + KV write, the gate/up GEMM with silu * up, the embedding with
     the first norm, the LM head with its float32 cast."""
 
-    def run() -> None:
+    def run(kernels: Kernels) -> None:
+        ks = kernels(dtype, None)
         s = shape
         x = torch.randn(m, hidden).to(dtype)  # (num_tokens, hidden)
         qkv = torch.nn.Linear(hidden, (s.num_heads + 2 * s.num_kv_heads) * s.head_dim, bias=bias, dtype=dtype)
@@ -192,43 +203,40 @@ def _fused(shape: AttentionShape, m: int, dtype: torch.dtype, bias: bool, hidden
         slots = torch.arange(m) % (8 * BLOCK_SIZE)
         positions = torch.arange(m) % 64
         k_cache, v_cache = _cache(shape, dtype, None), _cache(shape, dtype, None)
-        fused_projections.qkv_project(x, qkv, heads, cos, cos.clone(), k_cache, v_cache, slots, positions)
+        ks.qkv_project(x, qkv, heads, cos, cos.clone(), k_cache, v_cache, slots, positions)
         gate_up = torch.nn.Linear(hidden, 2 * 3 * hidden, bias=False, dtype=dtype)
-        fused_projections.gate_up_act(x, gate_up, "silu")
+        ks.gate_up_act(x, gate_up, "silu")
         embedding = torch.nn.Embedding(512, hidden, dtype=dtype)
-        fused_projections.embed_norm(torch.arange(m) % 512, embedding, torch.ones(hidden, dtype=dtype), 1e-6)
-        fused_projections.lm_head_logits(x, torch.nn.Linear(hidden, 1000, bias=False, dtype=dtype))
+        assert ks.embed_norm is not None
+        ks.embed_norm(torch.arange(m) % 512, embedding, torch.ones(hidden, dtype=dtype), 1e-6)
+        ks.lm_head_logits(x, torch.nn.Linear(hidden, 1000, bias=False, dtype=dtype))
 
     return run
 
 
-def _w8a16(m: int, dtype: torch.dtype, group: Optional[int], has_bias: bool) -> Callable[[], None]:
-    def run() -> None:
-        from batchrun.kernels.quant.triton_gemm import w8a16_matmul
-
+def _w8a16(m: int, dtype: torch.dtype, group: Optional[int], has_bias: bool) -> Callable[[Kernels], None]:
+    def run(kernels: Kernels) -> None:
         n, k = 256, 512
         qw, scales = quantize_int8(torch.randn(n, k), group)  # (N, K) int8, (N, num_groups)
         bias = torch.zeros(n, dtype=dtype) if has_bias else None
-        w8a16_matmul(torch.randn(m, k).to(dtype), qw, scales, bias)
+        kernels(dtype, None).linear_int8.matmul(torch.randn(m, k).to(dtype), qw, scales, bias, None)
 
     return run
 
 
-def _w4a16(m: int, dtype: torch.dtype, group: int) -> Callable[[], None]:
-    def run() -> None:
-        from batchrun.kernels.quant.triton_gemm import w4a16_matmul
-
+def _w4a16(m: int, dtype: torch.dtype, group: int) -> Callable[[Kernels], None]:
+    def run(kernels: Kernels) -> None:
         n, k = 256, 512
         qw, scales, mins = quantize_int4(torch.randn(n, k), group)  # (N, K // 2) uint8, (N, K // group) fp16
-        w4a16_matmul(torch.randn(m, k).to(dtype), qw, scales, mins)
+        kernels(dtype, None).linear_int4.matmul(torch.randn(m, k).to(dtype), qw, scales, mins, None)
 
     return run
 
 
-def _act_quant(dtype: torch.dtype, k: int, float_channels: int) -> Callable[[], None]:
+def _act_quant(dtype: torch.dtype, k: int, float_channels: int) -> Callable[[Kernels], None]:
     """The fp8 and W8A8 linears' Triton kernels: per-token e4m3 and int8 quantization, W8A8's epilogue."""
 
-    def run() -> None:
+    def run(kernels: Kernels) -> None:
         from batchrun.kernels.quant.triton_act import fp8_linear, w8a8_linear
 
         m, n = 5, 256
@@ -244,22 +252,23 @@ def _act_quant(dtype: torch.dtype, k: int, float_channels: int) -> Callable[[], 
     return run
 
 
-def _moe(dtype: torch.dtype, num_experts: int = 8, top_k: int = 2) -> Callable[[], None]:
-    def run() -> None:
+def _moe(dtype: torch.dtype, num_experts: int = 8, top_k: int = 2) -> Callable[[Kernels], None]:
+    def run(kernels: Kernels) -> None:
         hidden, inter, num_tokens = 256, 512, 7
         x = torch.randn(num_tokens, hidden).to(dtype)
         gate_up = torch.randn(num_experts, 2 * inter, hidden).to(dtype)  # (num_experts, 2 * inter, hidden)
         down = torch.randn(num_experts, hidden, inter).to(dtype)
         ids = torch.randint(0, num_experts, (num_tokens, top_k))  # (num_tokens, top_k)
-        fused_experts(x, gate_up, down, torch.ones(num_tokens, top_k), ids, torch.nn.functional.silu)
+        gemm = kernels(dtype, None).moe_grouped_gemm
+        fused_experts(x, gate_up, down, torch.ones(num_tokens, top_k), ids, torch.nn.functional.silu, grouped_gemm=gemm)
 
     return run
 
 
-def _invariant(n: int, k: int, dtype: torch.dtype, has_bias: bool) -> Callable[[], None]:
+def _invariant(n: int, k: int, dtype: torch.dtype, has_bias: bool) -> Callable[[Kernels], None]:
     """engine.batch_invariant's dense matmul: one variant per (N, K, dtype) tile config, whatever M."""
 
-    def run() -> None:
+    def run(kernels: Kernels) -> None:
         from batchrun.kernels.triton_invariant import invariant_matmul
 
         w = torch.empty(n, k, dtype=dtype)  # (N, K); compiled, never run: the values do not matter
@@ -391,12 +400,22 @@ def launch_cases(full: bool = False) -> list[LaunchCase]:
     return cases if full else [c for c in cases if c.is_fast]
 
 
+_KV_OPTION = {None: "auto", INT8: "int8", FP8: "fp8"}  # a cache's dtype -> engine.kv_cache_dtype
+
+
 def compile_cases(arch: int, cases: list[LaunchCase]) -> CompileLog:
-    """Every case's launches compiled for sm_`arch`; each variant labelled with the case that first
-    launched it."""
+    """Every case's launches compiled for sm_`arch`, through kernel sets bound for that GPU (one per
+    dtype and cache); each variant labelled with the case that first launched it."""
     torch.manual_seed(0)
     with compile_only(arch) as compile_log:
+        bound: dict[tuple, KernelSet] = {}
+
+        def kernels(dtype: torch.dtype, kv: Optional[torch.dtype]) -> KernelSet:
+            if (dtype, kv) not in bound:
+                bound[dtype, kv] = bind_kernels(compile_log.target, dtype, kv_cache_dtype=_KV_OPTION[kv])
+            return bound[dtype, kv]
+
         for case in cases:
             compile_log.label = case.name
-            case.run()
+            case.run(kernels)
     return compile_log

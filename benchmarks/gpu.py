@@ -70,7 +70,7 @@ import torch
 
 from batchrun.benchmark.doc import WRITE_DOCS_HELP, markdown_table, script_command, stamp, write_section
 from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
-from batchrun.kernels.backend import triton_fp8_usable
+from batchrun.kernels.target import GpuTarget, find_target
 from benchmarks.cases import attention_case, far_blocks_case, quantized_copy, rel_error
 from benchmarks.gpu_decode import DECODE_8B, check_decode_8b
 from benchmarks.gpu_engine import (
@@ -96,6 +96,11 @@ class SkipCheck(Exception):
     """A kernel check that cannot run on this machine (not a failure); the message says why."""
 
 
+def _gpu(device: torch.device) -> Optional[GpuTarget]:
+    """The GPU the direct launches below are sized for (None: Triton's interpreter, --smoke)."""
+    return find_target(device).gpu if device.type == "cuda" else None
+
+
 def _kernel_checks(
     device: torch.device, smoke: bool
 ) -> list[tuple[str, float, Callable[[], tuple[torch.Tensor, torch.Tensor]]]]:
@@ -103,6 +108,7 @@ def _kernel_checks(
     from batchrun.kernels import triton_attention as ta
     from batchrun.kernels import triton_kv as tk
 
+    gpu = _gpu(device)
     bf16 = torch.bfloat16
     # The quant and MoE kernels feed bf16 to tl.dot, which Triton's interpreter gets wrong; fp16 there.
     gemm_dtype = torch.float16 if smoke else bf16
@@ -128,7 +134,7 @@ def _kernel_checks(
             k_new, v_new = (c.k_new, c.v_new) if kv is None else (None, None)
             want = paged_attention_reference(c.q, c.k_cache, c.v_cache, c.meta, d**-0.5, window, softcap, k_new, v_new)
             if num_splits is None:
-                got = ta.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, d**-0.5, window, softcap)
+                got = ta.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, d**-0.5, window, softcap, gpu=gpu)
             else:
                 got = ta.decode_attention(
                     c.q,
@@ -141,6 +147,7 @@ def _kernel_checks(
                     window,
                     softcap,
                     num_splits=num_splits,
+                    gpu=gpu,
                 )
             return got, want
 
@@ -207,7 +214,7 @@ def _kernel_checks(
             from batchrun.kernels.quant.act import INT_MM_MIN_ROWS, ActQuant
             from batchrun.kernels.quant.triton_act import quantize_rows
 
-            if qdtype == fp8 and not triton_fp8_usable(device):
+            if qdtype == fp8 and not (gpu is None or gpu.has_fp8):
                 raise SkipCheck("no float8 e4m3 in Triton below compute capability 8.9")
             m, n = (5, 64) if smoke else (48, 4096)
             gen = torch.Generator().manual_seed(8)
@@ -241,7 +248,7 @@ def _kernel_checks(
             x = torch.randn(m, k, generator=gen).to(device, gemm_dtype)
             qw, scales = quantize_int8(w, group)
             qw, scales = qw.to(device), scales.to(device)
-            return w8a16_matmul(x, qw, scales), int8_weight_matmul(x, qw, scales)
+            return w8a16_matmul(x, qw, scales, gpu=gpu), int8_weight_matmul(x, qw, scales)
 
         return run
 
@@ -254,7 +261,7 @@ def _kernel_checks(
         w = torch.randn(n, k, generator=gen) * 0.05
         x = torch.randn(m, k, generator=gen).to(device, gemm_dtype)
         qw, scales, mins = (t.to(device) for t in quantize_int4(w, 32))
-        return w4a16_matmul(x, qw, scales, mins), int4_weight_matmul(x, qw, scales, mins)
+        return w4a16_matmul(x, qw, scales, mins, gpu=gpu), int4_weight_matmul(x, qw, scales, mins)
 
     def moe():
         from batchrun.kernels.moe import grouped_gemm_reference, sort_by_expert
@@ -346,6 +353,7 @@ def _offset_checks(
     from batchrun.kernels import triton_kv as tk
 
     # fp16 in the interpreter as tests/test_triton_offsets.py; the production dtype and head size on a GPU
+    gpu = _gpu(device)
     dtype, dim = (torch.float16, 16) if smoke else (torch.bfloat16, 128)
     heads, kv_heads, bs = 6, 3, 16
     seqs = [(20, 1), (0, 5), (37, 1), (9, 6)] if smoke else [(700, 1), (0, 300), (3000, 1), (90, 200), (1, 1)]
@@ -362,7 +370,7 @@ def _offset_checks(
         far = far_case()
         c = far.small
         want = paged_attention_reference(c.q, c.k_cache, c.v_cache, c.meta, dim**-0.5)
-        return ta.paged_attention(c.q, far.k_cache, far.v_cache, far.meta, dim**-0.5), want
+        return ta.paged_attention(c.q, far.k_cache, far.v_cache, far.meta, dim**-0.5, gpu=gpu), want
 
     def kv_write():
         far = far_case()
@@ -443,6 +451,8 @@ def _time_ms(fn: Callable[[], Any]) -> float:
 def check_bandwidth(device: torch.device, smoke: bool, report: Report) -> None:
     from batchrun.kernels import triton_attention as ta
 
+    gpu = _gpu(device)
+
     def rate_text(text: str) -> str:
         return NO_CUDA if smoke else text  # interpreter timings measure nothing
 
@@ -471,7 +481,15 @@ def check_bandwidth(device: torch.device, smoke: bool, report: Report) -> None:
 
             def run(cfg=cfg, c=c, m=m):
                 ta.decode_attention(
-                    c.q, c.k_cache, c.v_cache, m.block_tables, m.decode_seq_ids, m.decode_seq_lens, dim**-0.5, **cfg
+                    c.q,
+                    c.k_cache,
+                    c.v_cache,
+                    m.block_tables,
+                    m.decode_seq_ids,
+                    m.decode_seq_lens,
+                    dim**-0.5,
+                    **cfg,
+                    gpu=gpu,
                 )
 
             point: dict[str, Any] = {"num_seqs": num_seqs, "context": [lo, hi], "config": cfg or "default"}
@@ -507,7 +525,7 @@ def check_bandwidth(device: torch.device, smoke: bool, report: Report) -> None:
         # per-token scales folded into scores and probabilities; the bytes count the scales too.
         # The default tile and 64 beside it, so the quantized tile choice is measured as well.
         for kv_name, kv_dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
-            if kv_dtype == torch.float8_e4m3fn and not triton_fp8_usable(device):
+            if kv_dtype == torch.float8_e4m3fn and not (gpu is None or gpu.has_fp8):
                 continue
             qc = attention_case(seqs, heads, kv_heads, dim, bs, torch.bfloat16, device, seed=7, kv_cache_dtype=kv_dtype)
             m = qc.meta
@@ -525,6 +543,7 @@ def check_bandwidth(device: torch.device, smoke: bool, report: Report) -> None:
                         m.decode_seq_lens,
                         dim**-0.5,
                         **cfg,
+                        gpu=gpu,
                     )
                 )
                 rate = q_bytes / (ms * 1e-3)

@@ -57,13 +57,14 @@ KV_CACHE_BYTES = 4 << 30  # batch 64 x (32 + 65) tokens needs ~0.8 GB in bf16; t
 MEMORY_HEADROOM_BYTES = 6 << 30  # W8A8's calibration activations, quantization scratch, graphs, allocator
 
 
-def random_decoder(hf_config: Any, dtype: torch.dtype, device: torch.device, seed: int = 0) -> Any:
-    """The engine's DecoderLM with random weights drawn on `device` in `dtype` (normal, std 0.02 as
-    HF initializes; norm weights 1): build_decoder's steps with the state dict left out."""
+def random_decoder(hf_config: Any, dtype: torch.dtype, device: torch.device, kernels: Any, seed: int = 0) -> Any:
+    """The engine's DecoderLM over `kernels` with random weights drawn on `device` in `dtype`
+    (normal, std 0.02 as HF initializes; norm weights 1): build_decoder's steps with the state dict
+    left out."""
     from batchrun.model.decoder import DecoderLM, RotaryTables
 
     with torch.device("meta"):
-        model = DecoderLM(hf_config)
+        model = DecoderLM(hf_config, kernels)
     model = model.to(dtype).to_empty(device=device)
     gen = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
@@ -78,7 +79,7 @@ def random_decoder(hf_config: Any, dtype: torch.dtype, device: torch.device, see
         model.lm_head.weight = model.embed_tokens.weight
     with torch.device(device):
         model.rope = RotaryTables(hf_config, model.spec)  # computed on meta above: no values
-        model.rope.tables(dtype, device)
+        model.rope.tables(dtype, model.embed_tokens.weight.device)
     return model.eval()
 
 
@@ -107,7 +108,7 @@ def random_engine(
     (`tokenizer`: batchrun.testing's, for W8A8's calibration text and the engine's admission)."""
     from batchrun.engine import Engine, EngineConfig
     from batchrun.engine.quantization import prepare_linears_for_engine
-    from batchrun.engine.startup import Target, start_engine
+    from batchrun.engine.startup import Target, bind, start_engine
 
     max_seqs = max(BATCHES if not smoke else SMOKE_BATCHES)
     tokens = DECODE_TOKENS if not smoke else 2
@@ -121,8 +122,9 @@ def random_engine(
         kv_cache_memory=KV_CACHE_BYTES if not smoke else 16 << 20,
         quantization=mode,
     )
-    model = random_decoder(hf_config, dtype, device)
-    summary = prepare_linears_for_engine(model, config, tokenizer, None, dtype, device)
+    kernels = bind(config)
+    model = random_decoder(hf_config, dtype, device, kernels)
+    summary = prepare_linears_for_engine(model, config, tokenizer, None, kernels)
     target = Target(
         device=device,
         dtype=dtype,

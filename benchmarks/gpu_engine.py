@@ -195,7 +195,7 @@ class ModelCheck:
             memory["note"] = f"{NO_CUDA}: KV sized 64 MiB, not the default"
             self.report.add(f"{self.label}: memory", f"{head}; default sizing and device memory {NO_CUDA}")
             return
-        default_fraction = default_kv_bytes(self.device, 1 << 40) / (1 << 40)
+        default_fraction = default_kv_bytes(self.device.type == "cuda", 1 << 40) / (1 << 40)
         free_after = torch.cuda.mem_get_info()[0]
         assert total is not None  # read before construction whenever self.cuda
         memory.update(
@@ -535,9 +535,9 @@ def check_model(
             if f"{label}: vs HF generate" in phases and check.engine is not None:
                 budget.run(f"{label}: vs HF generate", check.hf_ratio, report)
         finally:
+            if check.engine is not None:
+                # which fused GEMMs won their start-up timing against cuBLAS + the separate kernel
+                choices = check.engine.settings.kernels["tuning"]["fused"]
+                report.data.setdefault("fused_gemm_choices", {})[label] = choices
             check.close()
-            from batchrun.kernels.fused_projections import measured_choices
-
-            # which fused GEMMs won their warm-up timing against cuBLAS + the separate kernel
-            report.data.setdefault("fused_gemm_choices", {})[label] = measured_choices()
             report.write_json()

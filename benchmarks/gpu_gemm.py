@@ -15,8 +15,8 @@ few rows a GEMM is bound by the weight's bytes, which is where a 4- or 8-bit wei
 
 Shapes: Llama-3-8B's projections (qkv 6144x4096, o 4096x4096, gate/up 28672x4096, down 4096x14336,
 as (N, K)) and Qwen3-0.6B's, at M = 1, 16, 64 and 256 rows. In --smoke the same code runs on the
-CPU at tiny shapes inside a simulated sm_90 (kernels/backend.py: the dispatches take the GPU paths,
-the Triton kernels run in the interpreter) and times nothing. Every call's output is checked
+CPU at tiny shapes over the kernel set of a simulated sm_90 (kernels/target.py: the layers take the
+GPU's kernels, the Triton kernels run in the interpreter) and times nothing. Every call's output is checked
 against the float product (relative error at most MAX_REL_ERR), on the GPU too.
 
 On a GPU torch's own int4 kernel (tinygemm, `TorchInt4`) is measured beside ours on the same int4
@@ -27,7 +27,6 @@ A library module (`python -m benchmarks.gpu --only gemm` runs it).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -58,8 +57,8 @@ GPU_ONLY_MODES = ("torch-int4",)  # torch's tinygemm int4 kernel beside ours (To
 MAX_REL_ERR = 0.2
 
 
-def _layer(mode: str, w: torch.Tensor) -> torch.nn.Module:
-    """The engine's projection for `mode` over the float weight w (N, K)."""
+def _layer(mode: str, w: torch.Tensor, kernels: Any) -> torch.nn.Module:
+    """The engine's projection for `mode` over the float weight w (N, K), over `kernels`."""
     from batchrun.model.quant.layers import make_linear
 
     if mode == "batch-invariant":  # engine.batch_invariant's float linear (kernels/triton_invariant.py)
@@ -67,12 +66,12 @@ def _layer(mode: str, w: torch.Tensor) -> torch.nn.Module:
 
         linear = torch.nn.Linear(w.shape[1], w.shape[0], bias=False, device=w.device, dtype=w.dtype)
         linear.weight.data = w
-        return InvariantLinear(linear)
+        return InvariantLinear(linear, kernels.invariant_matmul)
     from batchrun.model.quant.weights import quantize_weight
 
     fmt = {"int8": "int8", "int4": "int4", "fp8": "fp8", "w8a8": "int8"}[mode]
     qw = quantize_weight(w, fmt, 32 if mode in ("int8", "int4") else None)
-    return make_linear(qw, mode, None, w.dtype)
+    return make_linear(qw, mode, None, w.dtype, kernels=kernels)
 
 
 class TorchInt4(torch.nn.Module):
@@ -127,8 +126,8 @@ def _geomean(values: list[float]) -> float:
 def check_gemms(device: torch.device, smoke: bool, report: Report, deadline_s: Optional[float] = None) -> None:
     """Fill report.data["gemm"] and the summary rows. `deadline_s`: seconds this phase may take; shapes
     not started by then are left out (and said so)."""
-    from batchrun.kernels.backend import simulated_gpu
-    from benchmarks.gpu_launches import SM90
+    from batchrun.kernels.binding import bind_kernels
+    from batchrun.kernels.target import SM90, find_target
 
     start = time.perf_counter()
     shapes, rows = (SMOKE_SHAPES, SMOKE_ROWS) if smoke else (SHAPES, ROWS)
@@ -141,15 +140,18 @@ def check_gemms(device: torch.device, smoke: bool, report: Report, deadline_s: O
     gen = torch.Generator().manual_seed(0)
     bad = []
     cut = 0
-    sim = simulated_gpu(SM90) if smoke else contextlib.nullcontext()
-    with sim, torch.inference_mode():
+    kernels = bind_kernels(find_target("cpu", simulate=SM90) if smoke else find_target(device), dtype)
+    with torch.inference_mode():
         for model, proj, n, k in shapes:
             if deadline_s is not None and time.perf_counter() - start > deadline_s:
                 cut += 1
                 continue
             w = (torch.randn(n, k, generator=gen) * 0.02).to(device, dtype)  # (N, K)
             x_all = torch.randn(max(rows), k, generator=gen).to(device, dtype)
-            layers: dict[str, Optional[torch.nn.Module]] = {"bf16": None, **{mode: _layer(mode, w) for mode in MODES}}
+            layers: dict[str, Optional[torch.nn.Module]] = {
+                "bf16": None,
+                **{mode: _layer(mode, w, kernels) for mode in MODES},
+            }
             if not smoke:
                 try:
                     layers["torch-int4"] = TorchInt4(w)

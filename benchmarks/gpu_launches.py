@@ -2,8 +2,9 @@
 
 A decode step's cost on a GPU is partly its number of kernels: each launch costs host time (eager)
 and a gap on the device (a graph replay still pays a few microseconds per kernel). This count needs
-no GPU. Inside `backend.simulated_gpu`, CPU tensors take the dispatch path a CUDA tensor takes and
-the launchers size tiles and split counts for the simulated GPU; with TRITON_INTERPRET=1 every
+no GPU. A model built over the Triton kernel set of a simulated GPU (kernels/target.py: find_target's
+`simulate`) runs on CPU tensors what a CUDA model runs, and the launchers size tiles and split
+counts for the simulated GPU; with TRITON_INTERPRET=1 every
 Triton launch then runs in Triton's interpreter (the results are real, the step is the engine's),
 and each is counted once. Torch ops are counted by a TorchDispatchMode: every aten op that would
 issue a CUDA kernel counts one (views, allocations and metadata ops issue none); the interpreter's
@@ -15,8 +16,8 @@ decode step replays on a GPU): the unpacking of the uploaded rows, the captured 
 LM head over the sampled rows (`compute_logits`). Sampling is not counted. The model is built as
 the engine builds it for a GPU (plain nn.Linear projections: one cuBLAS GEMM each, counted as one;
 cuBLAS may add a split-K reduction kernel at some shapes, which only the profiler sees), and the
-step takes the fused projections (kernels/fused_projections.py) unless `FUSE` is off there: on a GPU
-those run where they measured faster at warm-up.
+step takes the fused projections (kernels/fused_projections.py) unless the model's kernel set is
+bound with `fuse=False`: on a GPU those run where start-up tuning measured them faster.
 
 A library module: `python -m benchmarks.gpu --smoke` prints the figures (`format_figures`), and
 tests/test_gpu_launches.py pins them.
@@ -34,13 +35,11 @@ from typing import Any, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from batchrun.kernels.backend import MAX_SHARED_PER_BLOCK, GpuTarget, simulated_gpu
+from batchrun.kernels.binding import bind_kernels
+from batchrun.kernels.target import SM90, GpuTarget, find_target  # SM90: the GPU the figures are sized for
 
 # benchmarks.gpu's phase that prints these counts in --smoke (a library constant: tests import it from here).
 LAUNCHES = "decode step launches (CPU count)"
-
-# An H100/H200 (sm_90, 132 SMs): the tiles and split counts the issue's measurements ran with.
-SM90 = GpuTarget((9, 0), 132, MAX_SHARED_PER_BLOCK[(9, 0)])
 
 # aten ops that issue no kernel: allocations without a fill, and metadata-only ops; views are read
 # from the op's schema (`is_view`).
@@ -140,12 +139,20 @@ def count_launches(host_buffers: tuple[torch.Tensor, ...] = ()) -> Iterator[Step
 
 
 def tiny_decoder(
-    family: str, num_layers: int, dtype: torch.dtype, seed: int = 0, quantization: str = "none", target=SM90
+    family: str,
+    num_layers: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    quantization: str = "none",
+    target: GpuTarget = SM90,
+    fuse: bool = True,
 ) -> Any:
     """A random-weight DecoderLM of `family` (batchrun.testing's tiny shapes) with `num_layers`
-    layers, on the CPU in `dtype`, its projections plain nn.Linear as on a GPU, or quantized as
-    the engine quantizes them for `target` (`quantization`: a weight mode, or "w8a8/float": W8A8
-    after SmoothQuant over random input ranges, with 4 float channels per projection)."""
+    layers, on the CPU in `dtype`, over the Triton kernel set of `target` simulated (`fuse`: the
+    fused projection GEMMs, as that set binds them), its projections plain nn.Linear as on a GPU,
+    or quantized as the engine quantizes them for `target` (`quantization`: a weight mode, or
+    "w8a8/float": W8A8 after SmoothQuant over random input ranges, with 4 float channels per
+    projection)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from batchrun.model.decoder import build_decoder
@@ -159,7 +166,8 @@ def tiny_decoder(
     torch.manual_seed(seed)
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
-    model = build_decoder(config, state, dtype, torch.device("cpu")).eval()
+    kernels = bind_kernels(find_target("cpu", simulate=target), dtype, fuse=fuse)
+    model = build_decoder(config, state, dtype, torch.device("cpu"), kernels).eval()
     if quantization != "none":
         from batchrun.model.prepare import prepare_linears
         from batchrun.model.quant.smoothquant import projections
@@ -169,21 +177,18 @@ def tiny_decoder(
         absmax = None
         if quantization == "w8a8/float":
             absmax = {name: torch.rand(m.in_features, generator=gen) + 0.1 for name, m in projections(model)}
-        with simulated_gpu(target):  # the layers hold their weights as on the GPU (no CPU packing)
-            prepare_linears(model, mode, None, dtype, input_absmax=absmax, outlier_channels=4 if absmax else 0)
+        # the layers hold their weights as the simulated GPU's kernels take them (no CPU packing)
+        prepare_linears(
+            model, mode, None, dtype, input_absmax=absmax, outlier_channels=4 if absmax else 0, kernels=kernels
+        )
     return model
 
 
-def decode_step_launches(
-    model: Any,
-    num_seqs: int = 4,
-    context: int = 20,
-    block_size: int = 16,
-    target: GpuTarget = SM90,
-) -> StepLaunches:
+def decode_step_launches(model: Any, num_seqs: int = 4, context: int = 20, block_size: int = 16) -> StepLaunches:
     """Launches of one graphed decode step of `num_seqs` sequences `context` tokens long (this
-    step's token included) on `model` (a DecoderLM on the CPU), as on `target`. The step runs once
-    uncounted first (a graph's warm-up), then once counted."""
+    step's token included) on `model` (a DecoderLM on the CPU, over its kernel set: a simulated
+    GPU's for the GPU's count, `tiny_decoder`). The step runs once uncounted first (a graph's
+    warm-up), then once counted."""
     from batchrun.engine import SamplingParams
     from batchrun.engine.request import Request
     from batchrun.engine.runners.cuda_graphs import DecodeGraphs, EagerReplay
@@ -205,7 +210,7 @@ def decode_step_launches(
         r.block_ids = [1 + i * blocks_per_seq + b for b in range(blocks_per_seq)]
         requests.append(r)
     batch = ScheduledBatch(requests, [1] * num_seqs)
-    with simulated_gpu(target), torch.inference_mode():
+    with torch.inference_mode():
         assert graphs.can_run(batch)
         graphs.execute(batch)  # the warm-up run a capture makes
         with count_launches((graphs.host,)) as launches:
@@ -245,13 +250,14 @@ def launch_figures(
     num_layers: int = 28,
     dtype: torch.dtype = torch.bfloat16,
     quantization: str = "none",
+    fuse: bool = True,
     **step: Any,
 ) -> LaunchFigures:
     """Kernels of one decode step split into what every layer adds and what the step adds once, from
     models of 2 and 3 layers (layer 0 and the last differ from the rest only in which kernel their
-    norm takes, never in how many), extrapolated to `num_layers`; `quantization`: see tiny_decoder."""
-    two = decode_step_launches(tiny_decoder(family, 2, dtype, quantization=quantization), **step).kernels
-    three = decode_step_launches(tiny_decoder(family, 3, dtype, quantization=quantization), **step).kernels
+    norm takes, never in how many), extrapolated to `num_layers`; `quantization`, `fuse`: see tiny_decoder."""
+    two = decode_step_launches(tiny_decoder(family, 2, dtype, quantization=quantization, fuse=fuse), **step).kernels
+    three = decode_step_launches(tiny_decoder(family, 3, dtype, quantization=quantization, fuse=fuse), **step).kernels
     per_layer = Counter({n: three[n] - two[n] for n in set(two) | set(three) if three[n] != two[n]})
     assert all(v > 0 for v in per_layer.values()), f"a layer removed kernels: {per_layer}"
     per_step = Counter({n: two[n] - 2 * per_layer[n] for n in two if two[n] - 2 * per_layer[n]})
@@ -284,12 +290,14 @@ def launches_per_linear(
     dtype: torch.dtype = torch.bfloat16,
     bias: bool = False,
     target: GpuTarget = SM90,
+    dense_min_rows: Optional[int] = None,
 ) -> StepLaunches:
     """What one quantized projection of `mode` (LINEAR_MODES) launches on `target`, its layer built as
     the engine builds it (model/quant/layers.py: make_linear, int8/int4 in groups of 32, W8A8 with 8
     float channels for "w8a8/float") and called once uncounted, then once counted. The default
     shape has a single column tile of the weight-only GEMMs, which split K on an sm_90 (split-K is
-    part of the one launch)."""
+    part of the one launch). `dense_min_rows`: the kernel set's option (kernels/kernel_set.py:
+    BindOptions) of cuBLAS over a dequantized copy from that many rows."""
     from batchrun.model.quant.layers import make_linear
     from batchrun.model.quant.smoothquant import split_outlier_channels
     from batchrun.model.quant.weights import quantize_weight
@@ -298,7 +306,8 @@ def launches_per_linear(
     w = torch.randn(out_features, in_features, generator=gen) * 0.05
     b = torch.randn(out_features, generator=gen).to(dtype) if bias else None
     x = torch.randn(num_tokens, in_features, generator=gen).to(dtype)
-    with simulated_gpu(target), torch.inference_mode():
+    kernels = bind_kernels(find_target("cpu", simulate=target), dtype, dense_min_rows=dense_min_rows)
+    with torch.inference_mode():
         if mode == "none":
             layer: Any = torch.nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
         else:
@@ -310,7 +319,7 @@ def launches_per_linear(
                 outliers.weight_t = outliers.weight_t.to(dtype)
             fmt = {"int8": "int8", "int4": "int4", "fp8": "fp8", "w8a8": "int8"}[base]
             qw = quantize_weight(w, fmt, 32 if base in ("int8", "int4") else None)
-            layer = make_linear(qw, base, b, dtype, outliers)
+            layer = make_linear(qw, base, b, dtype, outliers, kernels=kernels)
         y = layer(x)  # warm-up (a graph capture's)
         with count_launches() as launches:
             y = layer(x)

@@ -67,7 +67,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     )
     want = moe_per_token(x, gate_up, down, weights, ids)
     runs = {
-        "grouped": lambda: fused_experts(x, gate_up, down, weights, ids, F.silu, use_triton=False),
+        "grouped": lambda: fused_experts(x, gate_up, down, weights, ids, F.silu),
         "per-token loop": lambda: moe_per_token(x, gate_up, down, weights, ids),
         "every expert on every token": lambda: every_expert(x, gate_up, down, weights, ids),
     }

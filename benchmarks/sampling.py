@@ -34,6 +34,7 @@ from batchrun.benchmark.doc import WRITE_DOCS_HELP, markdown_table, script_comma
 from batchrun.benchmark.timing import median_ratio, patched, round_order
 from batchrun.engine import Engine, SamplingParams
 from batchrun.engine.sampler import Sampler
+from batchrun.kernels.sampling import cpu_race
 from benchmarks.quality import make_engine
 from benchmarks.workloads import summarize_prompts
 
@@ -187,7 +188,7 @@ def _time(fn: Callable[[], object], reps: int) -> float:
 
 def run_sampler(rows: int, vocab: int, reps: int) -> dict:
     print(f"sampler alone: ({rows}, {vocab}) logits, ms per call (mean of {reps})")
-    sampler = Sampler()
+    sampler = Sampler(race=cpu_race())
     table = {}
     for dtype in (torch.float32, torch.bfloat16):
         logits = (torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)) * 3).to(dtype)

@@ -165,7 +165,7 @@ def measure(shape: str, vocab: int, num_rows: int, kind: str, rounds: int, reps:
     params = [KINDS[kind][i % len(KINDS[kind])] for i in range(num_rows)]
     seeds = [None if kind == "mixed" and i % 5 == 4 else 1000 + i for i in range(num_rows)]
     positions = [17] * num_rows
-    new, old = Sampler(0), InverseCdfSampler(0)
+    new, old = Sampler(0, race=cpu_race()), InverseCdfSampler(0)
     calls = {
         "new": lambda: new.draw(logits, params, seeds, positions),
         "old": lambda: old.draw(logits, params, seeds, positions),

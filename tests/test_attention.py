@@ -168,19 +168,20 @@ def test_engine_greedy_output_is_the_same_with_and_without_the_shared_prefix_pat
 
 def test_triton_takes_fp8_caches_only_on_gpus_that_convert_e4m3():
     """An fp8 cache takes the Triton kernels from compute capability 8.9 on (Triton refuses
-    float8_e4m3fn below); an int8 cache everywhere Triton runs. CPU tensors never do."""
+    float8_e4m3fn below); an int8 cache everywhere Triton runs. A CPU kernel set never does."""
     pytest.importorskip("triton")
-    from batchrun.kernels import attention, backend
-    from batchrun.kernels.quant.kv import QuantizedKVCache
+    from batchrun.kernels import cpu_attention, triton_attention
+    from batchrun.kernels.binding import bind_kernels
+    from batchrun.kernels.target import MAX_SHARED_PER_BLOCK, GpuTarget, find_target
 
-    def cache(dtype):
-        return QuantizedKVCache.empty((2, 4, 1, 8), dtype, torch.float32, torch.device("cpu"))
+    def attention_kernel(target, kv_cache_dtype):
+        return bind_kernels(target, torch.bfloat16, kv_cache_dtype=kv_cache_dtype).paged_attention.func
 
-    x = torch.zeros(1)
-    assert not attention._triton_serves(x, cache(torch.int8))  # CPU: the CPU path, as before
+    assert attention_kernel(find_target("cpu"), "int8") is cpu_attention.paged_attention_cpu
     for capability, fp8 in (((8, 0), False), ((8, 9), True), ((9, 0), True)):
-        # the dispatch asks about the query's device: as if it were a GPU of this capability
-        with backend.simulated_gpu(backend.GpuTarget(capability, 132, backend.MAX_SHARED_PER_BLOCK[capability])):
-            assert attention._triton_serves(x, cache(torch.float8_e4m3fn)) == fp8, capability
-            assert attention._triton_serves(x, cache(torch.int8))
-            assert attention._triton_serves(x, torch.zeros(2, 4, 1, 8))
+        # the kernel set of a GPU of this capability, simulated
+        gpu = find_target("cpu", simulate=GpuTarget(capability, 132, MAX_SHARED_PER_BLOCK[capability]))
+        want = triton_attention.paged_attention if fp8 else cpu_attention.paged_attention_cpu
+        assert attention_kernel(gpu, "fp8") is want, capability
+        assert attention_kernel(gpu, "int8") is triton_attention.paged_attention
+        assert attention_kernel(gpu, "auto") is triton_attention.paged_attention

@@ -25,8 +25,14 @@ import torch
 from batchrun.kernels import cpu_attention, cpu_native
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.attention_torch import decode_attend, gather_blocks, paged_attention_reference
-from batchrun.kernels.cpu_attention import paged_attention_cpu
+from batchrun.kernels.cpu_attention import paged_attention_cpu as _paged_attention_cpu
 from batchrun.kernels.kv_layout import new_kv_cache
+
+
+def paged_attention_cpu(*args, **kwargs):
+    """The CPU attention as a kernel set with the native kernels on binds it."""
+    return _paged_attention_cpu(*args, **kwargs, native=True)
+
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C++ compiler: the native kernel is not built")
 
@@ -97,12 +103,16 @@ def test_bad_head_counts_are_refused():
 
 
 def test_supports_only_plain_cpu_caches_of_the_query_dtype(monkeypatch):
+    from batchrun.kernels.binding import bind_kernels
+    from batchrun.kernels.target import find_target
+
     q, k_cache, _, _, _ = _case(9, 3, 64, 16, torch.bfloat16, (5,))
     assert cpu_attention.supports(q, k_cache)
     assert not cpu_attention.supports(q.float(), k_cache)  # dtypes differ
     assert not cpu_attention.supports(q.half(), k_cache.half())  # float16: torch path
-    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
-    assert not cpu_attention.supports(q, k_cache)
+    assert bind_kernels(find_target("cpu"), torch.bfloat16).paged_attention.keywords == {"native": True}
+    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")  # read when a kernel set is bound
+    assert bind_kernels(find_target("cpu"), torch.bfloat16).paged_attention.keywords == {"native": False}
 
 
 def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog):
@@ -129,18 +139,17 @@ def test_engine_greedy_output_is_the_same_with_the_kernel_on_and_off(tiny_llama_
     # quantizes with torch ops and gathers the cache dequantized (float32: the same values).
     from batchrun.engine import Engine, EngineConfig, SamplingParams
 
-    engine = Engine(
-        EngineConfig(
-            model=tiny_llama_dir,
-            dtype="float32",
-            device="cpu",
-            kv_cache_memory=16 << 20,
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-            block_size=16,
-            kv_cache_dtype=kv_cache_dtype,
-        )
+    config = EngineConfig(
+        model=tiny_llama_dir,
+        dtype="float32",
+        device="cpu",
+        kv_cache_memory=16 << 20,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        block_size=16,
+        kv_cache_dtype=kv_cache_dtype,
     )
+    engine = Engine(config)
     prompts = [[5 + (7 * i + j) % 200 for j in range(20 + 13 * i)] for i in range(6)]
     prompts += [list(range(5, 5 + 40)) + [100 + i] * (3 + 17 * i) for i in range(3)]  # a cached 32-token start
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -154,10 +163,9 @@ def test_engine_greedy_output_is_the_same_with_the_kernel_on_and_off(tiny_llama_
     # Decode steps and prefills (whole prompts, chunks of 64 after a first chunk, cached prefixes)
     # went through the kernels.
     assert {"paged_decode_attention", "paged_prefill_attention", "write_kv_cache"} <= set(calls)
-    engine.reset_prefix_cache()
-    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")  # read when the engine binds its kernel set
     calls.clear()
-    assert [o.token_ids for o in engine.generate(prompts, params)] == on
+    assert [o.token_ids for o in Engine(config).generate(prompts, params)] == on
     assert "paged_decode_attention" not in calls and "paged_prefill_attention" not in calls
 
 
@@ -314,11 +322,14 @@ def test_prefill_shapes_the_build_does_not_serve_take_the_torch_path(dim, block,
 
 
 def test_prefill_is_off_with_the_switch(monkeypatch):
-    q, k_cache, _, _ = _prefill_case(9, 3, 64, 16, torch.float32, [(20, 20)])
+    q, k_cache, v_cache, meta = _prefill_case(9, 3, 64, 16, torch.float32, [(20, 20)])
     assert cpu_attention.supports_prefill(q, k_cache)
-    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
-    assert not cpu_attention.supports_prefill(q, k_cache)
     assert not cpu_attention.supports_prefill(q.bfloat16(), k_cache)  # dtype mismatch
+    calls = []
+    monkeypatch.setattr(cpu_attention, "paged_prefill_attention", lambda *a, **k: calls.append(1))
+    got = _paged_attention_cpu(q, k_cache, v_cache, meta, 0.2, native=False)  # the set BATCHRUN_CPU_KERNELS=0 binds
+    torch.testing.assert_close(got, paged_attention_reference(q, k_cache, v_cache, meta, 0.2), rtol=1e-5, atol=1e-5)
+    assert not calls
 
 
 # ---------------------------------------------------------------------------------------------
@@ -328,7 +339,7 @@ def test_prefill_is_off_with_the_switch(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_major", [True, False])
 def test_native_cache_write_equals_index_copy(dtype, head_major, monkeypatch):
-    from batchrun.kernels.attention import write_kv_cache
+    from batchrun.kernels.attention import write_kv_cache_native as write_kv_cache
     from batchrun.kernels.attention_torch import write_kv_cache_reference
 
     torch.manual_seed(1)
@@ -360,7 +371,7 @@ def test_native_cache_write_equals_index_copy(dtype, head_major, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_native_int8_cache_write_is_bitwise_quantize_kv(dtype, monkeypatch):
-    from batchrun.kernels.attention import write_kv_cache
+    from batchrun.kernels.attention import write_kv_cache_native as write_kv_cache
     from batchrun.kernels.quant.kv import QuantizedKVCache
 
     torch.manual_seed(2)

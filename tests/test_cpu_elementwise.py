@@ -57,7 +57,7 @@ def test_rms_norm_matches_torch(rows, k, is_gemma, threads, native_calls):
     torch.manual_seed(rows * k)
     x = (torch.randn(rows, k) * 4).to(BF16)
     w = (torch.randn(k) * 0.3 + (0.0 if is_gemma else 1.0)).to(BF16)
-    _assert_within_one_rounding(ew.rms_norm(x, w, 1e-6, is_gemma), ew.rms_norm_reference(x, w, 1e-6, is_gemma))
+    _assert_within_one_rounding(ew.rms_norm_native(x, w, 1e-6, is_gemma), ew.rms_norm_reference(x, w, 1e-6, is_gemma))
     assert native_calls == ["_rms_norm_native"]
 
 
@@ -67,7 +67,7 @@ def test_rms_norm_of_strided_head_views_matches_torch(native_calls):
     qkv = torch.randn(9, 4 * 32 + 2 * 2 * 32).to(BF16)
     q = qkv[:, :128].view(9, 4, 32)
     w = (torch.rand(32) + 0.5).to(BF16)
-    got = ew.rms_norm(q, w, 1e-6)
+    got = ew.rms_norm_native(q, w, 1e-6)
     assert got.shape == q.shape
     _assert_within_one_rounding(got, ew.rms_norm_reference(q, w, 1e-6))
     assert native_calls == ["_rms_norm_native"]
@@ -81,7 +81,7 @@ def test_add_rms_norm_updates_the_residual_in_place_bitwise(rows, k, threads):
     w = (torch.rand(k) + 0.5).to(BF16)
     want_normed, want_residual = ew.add_rms_norm_reference(h, residual, w, 1e-5)
     mine = residual.clone()
-    normed, new_residual = ew.add_rms_norm(h, mine, w, 1e-5)
+    normed, new_residual = ew.add_rms_norm_native(h, mine, w, 1e-5)
     assert new_residual.data_ptr() == mine.data_ptr()  # in place: the native path ran
     assert torch.equal(new_residual, want_residual)
     _assert_within_one_rounding(normed, want_normed)
@@ -99,7 +99,7 @@ def test_rotary_is_bitwise_torch_on_qkv_views(head_dim, threads):
     cos = torch.cat((angles.cos(), angles.cos()), dim=-1).to(BF16)
     sin = torch.cat((angles.sin(), angles.sin()), dim=-1).to(BF16)
     want_q, want_k = ew.apply_rotary_reference(q, cos, sin), ew.apply_rotary_reference(k, cos, sin)
-    got_q, got_k = ew.apply_rotary(q, cos, sin), ew.apply_rotary(k, cos, sin)
+    got_q, got_k = ew.apply_rotary_native(q, cos, sin), ew.apply_rotary_native(k, cos, sin)
     assert got_q.data_ptr() == q.data_ptr() and got_k.data_ptr() == k.data_ptr()  # rotated in place
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
@@ -109,7 +109,7 @@ def test_rotary_is_bitwise_torch_on_qkv_views(head_dim, threads):
 def test_silu_mul_matches_torch(rows, n, threads, native_calls):
     torch.manual_seed(n)
     gate_up = (torch.randn(rows, 2 * n) * 5).to(BF16)
-    _assert_within_one_rounding(ew.act_mul(gate_up, "silu"), ew.act_mul_reference(gate_up, "silu"))
+    _assert_within_one_rounding(ew.act_mul_native(gate_up, "silu"), ew.act_mul_reference(gate_up, "silu"))
     assert native_calls == ["_silu_mul_native"]
 
 
@@ -136,38 +136,55 @@ def test_silu_mul_special_values_match_torch(native_calls):
     ).to(BF16)
     up = torch.tensor([1.0, -2.0, 3.0, 0.5] * 4).to(BF16)
     gate_up = torch.cat([gate, up])[None].repeat(3, 1)
-    got, want = ew.act_mul(gate_up, "silu"), ew.act_mul_reference(gate_up, "silu")
+    got, want = ew.act_mul_native(gate_up, "silu"), ew.act_mul_reference(gate_up, "silu")
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
     assert native_calls == ["_silu_mul_native"]
 
 
 def test_float32_and_the_switch_take_the_torch_path(monkeypatch):
+    from batchrun.kernels.binding import bind_kernels
+    from batchrun.kernels.target import find_target
+
     calls = []
     real = ew._rms_norm_native
     monkeypatch.setattr(ew, "_rms_norm_native", lambda *a, **k: calls.append(1) or real(*a, **k))
     x, w = torch.randn(4, 64), torch.rand(64)
-    assert torch.equal(ew.rms_norm(x, w, 1e-6), ew.rms_norm_reference(x, w, 1e-6))
+    assert torch.equal(ew.rms_norm_native(x, w, 1e-6), ew.rms_norm_reference(x, w, 1e-6))
     assert not calls  # float32 is the HF-identical path: torch ops only
-    ew.rms_norm(x.to(BF16), w.to(BF16), 1e-6)
+    ew.rms_norm_native(x.to(BF16), w.to(BF16), 1e-6)
     assert calls
     calls.clear()
+    # The switch is read when a kernel set is bound: with it off a bf16 CPU set binds the torch ops.
+    on = bind_kernels(find_target("cpu"), BF16)
+    assert (on.rms_norm, on.add_rms_norm, on.act_mul) == (ew.rms_norm_native, ew.add_rms_norm_native, ew.act_mul_native)
     monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
-    ew.rms_norm(x.to(BF16), w.to(BF16), 1e-6)
-    qkv = torch.randn(4, 3, 64).to(BF16)
-    assert (
-        ew.apply_rotary(qkv, torch.ones(4, 64, dtype=BF16), torch.zeros(4, 64, dtype=BF16)).data_ptr() != qkv.data_ptr()
+    off = bind_kernels(find_target("cpu"), BF16)
+    assert (off.rms_norm, off.add_rms_norm, off.act_mul) == (
+        ew.rms_norm_reference,
+        ew.add_rms_norm_reference,
+        ew.act_mul_reference,
     )
+    off.rms_norm(x.to(BF16), w.to(BF16), 1e-6)
+    assert off.qkv_norm_rope_write.keywords["apply_rotary"] is ew.apply_rotary_reference  # not the in-place pass
     assert not calls
 
 
 def test_engine_greedy_output_is_the_same_with_the_kernels_on_and_off(tiny_llama_dir, monkeypatch):
+    import dataclasses
+    from functools import partial
+
     from batchrun.engine import Engine, EngineConfig, SamplingParams
+    from batchrun.kernels import attention, fused_projections
     from batchrun.model import prepare
 
     # The silu pass as its own kernel: without this the gate/up projections fuse it
     # (NativeSiluMulLinear, tests/test_cpu_linear.py).
     monkeypatch.setattr(prepare, "pack_silu_mul", lambda linear: None)
+    calls = []
+    for name in ("_rms_norm_native", "_silu_mul_native", "apply_rotary_native"):
+        real = getattr(ew, name)
+        monkeypatch.setattr(ew, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     engine = Engine(
         EngineConfig(
             model=tiny_llama_dir,
@@ -181,18 +198,32 @@ def test_engine_greedy_output_is_the_same_with_the_kernels_on_and_off(tiny_llama
     )
     prompts = [[5 + (7 * i + j) % 200 for j in range(20 + 13 * i)] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    calls = []
-    for name in ("_rms_norm_native", "_silu_mul_native", "apply_rotary"):
-        real = getattr(ew, name)
-        monkeypatch.setattr(ew, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     on = [o.token_ids for o in engine.generate(prompts, params)]
-    assert {"_rms_norm_native", "_silu_mul_native", "apply_rotary"} <= set(calls)
+    assert {"_rms_norm_native", "_silu_mul_native", "apply_rotary_native"} <= set(calls)
     engine.reset_prefix_cache()
-    # Only these kernels off (BATCHRUN_CPU_KERNELS=0 would switch the attention kernels off too).
-    monkeypatch.setattr(ew, "_native", lambda *tensors: False)
+    # Only these kernels off (BATCHRUN_CPU_KERNELS=0 would switch the attention kernels off too):
+    # the engine's kernel set with the torch ops in their places.
+    ks = engine.model.kernels
+    qkv_write = partial(
+        attention.qkv_norm_rope_write_separate,
+        rms_norm=ew.rms_norm_reference,
+        apply_rotary=ew.apply_rotary_reference,
+        write_kv_cache=ks.write_kv_cache,
+    )
+    engine.model.use_kernels(
+        dataclasses.replace(
+            ks,
+            rms_norm=ew.rms_norm_reference,
+            add_rms_norm=ew.add_rms_norm_reference,
+            act_mul=ew.act_mul_reference,
+            qkv_norm_rope_write=qkv_write,
+            qkv_project=partial(fused_projections.qkv_project_separate, qkv_norm_rope_write=qkv_write),
+            gate_up_act=partial(fused_projections.gate_up_act_separate, act_mul=ew.act_mul_reference),
+        )
+    )
     calls.clear()
     assert [o.token_ids for o in engine.generate(prompts, params)] == on
-    assert "_rms_norm_native" not in calls and "_silu_mul_native" not in calls
+    assert not calls
 
 
 # ---------------------------------------------------------------------------------------------

@@ -106,13 +106,20 @@ def test_native_linear_input_layouts():
             native(xf)
 
 
-def test_native_linear_falls_back_when_the_kernels_are_switched_off(monkeypatch):
+def test_with_the_kernels_switched_off_the_linears_pack_for_onednn(monkeypatch):
+    from batchrun.kernels.binding import bind_kernels
+    from batchrun.kernels.target import find_target
+    from batchrun.model.linear import PackedLinear
+
     linear = _linear(64, 96, True)
-    native = pack_linear(linear)
+    assert isinstance(pack_linear(linear), NativeLinear)
+    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")  # read when a kernel set is bound
+    assert bind_kernels(find_target("cpu"), BF16).linear_float.packing == "onednn"
+    packed = pack_linear(linear, native=False)
     x = torch.randn(5, 64).to(BF16)
-    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    assert isinstance(packed, PackedLinear)
     with torch.inference_mode():
-        assert torch.equal(native(x), linear(x))  # F.linear on the unpacked weight: bitwise
+        assert torch.equal(packed(x), linear(x))  # oneDNN's F.linear: bitwise
 
 
 def test_the_packed_layout_round_trips_and_replaces_the_plain_weight():
@@ -236,7 +243,7 @@ def _gate_up(in_features: int, n: int, bias: bool, seed: int = 0) -> torch.nn.Li
 
 def _two_passes(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """The unfused native path: NativeLinear, then the native silu-mul pass."""
-    from batchrun.kernels.elementwise import act_mul
+    from batchrun.kernels.elementwise import act_mul_native as act_mul
 
     return act_mul(pack_linear(linear)(x), "silu")
 
@@ -261,17 +268,17 @@ def test_fused_silu_mul_the_same_on_any_thread_count(threads):
     _assert_the_same_on(threads, pack_silu_mul(_gate_up(64, 96, True)), torch.randn(130, 64).to(BF16))
 
 
-def test_fused_silu_mul_keeps_the_weight_and_falls_back_with_the_kernels_off(monkeypatch):
-    from batchrun.kernels.elementwise import act_mul_reference
+def test_fused_silu_mul_keeps_the_weight_and_falls_back_where_its_buffers_are_not_the_kernels():
+    from batchrun.kernels.elementwise import act_mul_native
 
     linear = _gate_up(64, 64, True)
     fused = pack_silu_mul(linear)
     assert torch.equal(fused.weight(), linear.weight) and torch.equal(fused.plain_bias(), linear.bias)
     assert [name for name, _ in fused.named_buffers()] == ["packed_weight", "bias"]  # no plain copy kept
     x = torch.randn(5, 64).to(BF16)
-    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    fused._kernel_ok = False  # as after a .to() the kernel cannot read
     with torch.inference_mode():
-        assert torch.equal(fused(x), act_mul_reference(linear(x), "silu"))
+        assert torch.equal(fused(x), act_mul_native(linear(x), "silu"))
 
 
 def test_fused_silu_mul_only_where_it_serves():
@@ -404,14 +411,14 @@ def test_native_w8a8_quantizes_its_input_as_the_standalone_pass_does():
 
 
 @needs_native_w8a8
-def test_native_w8a8_falls_back_to_the_torch_path_when_the_kernels_are_off(monkeypatch):
+def test_native_w8a8_falls_back_to_the_torch_path_where_its_buffers_are_not_the_kernels():
     from batchrun.kernels import quant as qk
 
     layer, qw, outliers, _ = _w8a8_layer(64, 96, 8, False, native=True)
     reference_layer, *_ = _w8a8_layer(64, 96, 8, False, native=False)
     assert not reference_layer.is_native
     x = _activations(9, 96)
-    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    layer._kernel_ok = False  # as after a .to() the kernel cannot read
     with torch.inference_mode():
         assert torch.equal(layer(x), reference_layer(x))  # the unpacked weights through w8a8_matmul
         assert torch.equal(qk.unpack_w8a8_weight(layer.packed_qweight), qw.qweight)

@@ -1,5 +1,6 @@
 """The native W8A8 helpers (csrc/quant.cpp): per-token int8 quantization and the int32 -> float
-epilogue must be bitwise equal to the plain-torch code they replace (kernels/quant.py)."""
+epilogue must be bitwise equal to the plain-torch code they replace (kernels/quant.py). `native=True`
+is how a CPU kernel set with the kernels on binds them; the default is the torch code."""
 
 from __future__ import annotations
 
@@ -14,11 +15,16 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C++ compi
 
 
 def _torch_path(monkeypatch, fn, *args):
-    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    """fn without its native passes (its default), checked to call none of them."""
+    calls = []
+    for name in ("_quantize_per_token_int8_native",):
+        real = getattr(w8a8, name)
+        monkeypatch.setattr(w8a8, name, lambda *a, _real=real: calls.append(1) or _real(*a))
     try:
         return fn(*args)
     finally:
-        monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "1")
+        monkeypatch.undo()
+        assert not calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -30,7 +36,7 @@ def test_per_token_quantization_is_bitwise_equal_to_torch(monkeypatch, dtype, m,
     x[0, :5] = 0
     if m > 2:
         x[2] = 0  # an all-zero row: the minimum scale
-    got_q, got_s = qk.quantize_per_token_int8(x)
+    got_q, got_s = qk.quantize_per_token_int8(x, native=True)
     want_q, want_s = _torch_path(monkeypatch, qk.quantize_per_token_int8, x)
     assert torch.equal(got_s, want_s) and got_s.shape == (m, 1)
     assert torch.equal(got_q, want_q) and got_q.dtype == torch.int8
@@ -38,7 +44,7 @@ def test_per_token_quantization_is_bitwise_equal_to_torch(monkeypatch, dtype, m,
 
 def test_round_half_to_even_like_torch(monkeypatch):
     x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5, -126.5]])  # scale 1: exact halves
-    got_q, _ = qk.quantize_per_token_int8(x)
+    got_q, _ = qk.quantize_per_token_int8(x, native=True)
     assert got_q.tolist() == [[127, 0, 2, 2, 0, -2, 126, -126]]
     assert torch.equal(got_q, _torch_path(monkeypatch, qk.quantize_per_token_int8, x)[0])
 
@@ -52,7 +58,7 @@ def test_w8a8_matmul_is_bitwise_equal_to_torch(monkeypatch, dtype, with_bias, m)
     qweight, scales = _per_channel(w)
     bias = torch.randn(96, generator=gen).to(dtype) if with_bias else None
     x = torch.randn(m, 80, generator=gen).to(dtype)
-    got = qk.w8a8_matmul(x, qweight, scales, bias)
+    got = qk.w8a8_matmul(x, qweight, scales, bias, native=True)
     want = _torch_path(monkeypatch, qk.w8a8_matmul, x, qweight, scales, bias)
     assert got.dtype == dtype and torch.equal(got, want)
     # and it is the int8 product it claims to be
@@ -72,7 +78,7 @@ def test_quantization_that_skips_outlier_columns_is_bitwise_equal_to_torch(monke
     skip = torch.zeros(200, dtype=torch.bool)
     skip[[0, 17, 199]] = True
     x[:, skip] *= 100  # the skipped columns must not set the scale
-    got_q, got_s = qk.quantize_per_token_int8(x, skip)
+    got_q, got_s = qk.quantize_per_token_int8(x, skip, native=True)
     want_q, want_s = _torch_path(monkeypatch, qk.quantize_per_token_int8, x, skip)
     assert torch.equal(got_q, want_q) and torch.equal(got_s, want_s)
     assert torch.all(got_q[:, skip] == 0)
@@ -89,7 +95,7 @@ def test_w8a8_matmul_with_float_channels_is_bitwise_equal_to_torch(monkeypatch, 
     qweight, scales = _per_channel(w.masked_fill(skip, 0))
     outliers = qk.OutlierChannels(index, skip, w[:, index].t().contiguous().to(dtype))
     x = torch.randn(12, 80, generator=gen).to(dtype)
-    got = qk.w8a8_matmul(x, qweight, scales, None, outliers)
+    got = qk.w8a8_matmul(x, qweight, scales, None, outliers, native=True)
     want = _torch_path(monkeypatch, qk.w8a8_matmul, x, qweight, scales, None, outliers)
     assert got.dtype == dtype and torch.equal(got, want)
     ref = x.float() @ w.t()
@@ -109,7 +115,7 @@ def test_quantization_with_float_channels_gathers_them_in_the_same_pass(monkeypa
     calls = []
     real = w8a8._quantize_per_token_int8_native
     monkeypatch.setattr(w8a8, "_quantize_per_token_int8_native", lambda *a: calls.append(len(a)) or real(*a))
-    got = qk.quantize_with_outliers(x, outliers)
+    got = qk.quantize_with_outliers(x, outliers, native=True)
     assert calls == [3]  # the native pass, with the gather
     want = _torch_path(monkeypatch, qk.quantize_with_outliers, x, outliers)
     assert len(got) == len(want) == 3

@@ -68,8 +68,13 @@ def test_plan_kv_caps_max_model_len_to_the_cache_and_refuses_a_cache_without_one
 
 
 def _machine(engine: Engine) -> dict:
-    """The two settings that depend on the machine, not on the config."""
-    return {"num_threads": engine.settings.num_threads, "native_cpu_kernels": engine.settings.native_cpu_kernels}
+    """The settings that depend on the machine, not on the config: the kernel set names the native
+    kernels where they are built (pinned per target by tests/test_kernel_set.py)."""
+    return {
+        "num_threads": engine.settings.num_threads,
+        "native_cpu_kernels": engine.settings.native_cpu_kernels,
+        "kernels": engine.model.kernels.describe(),
+    }
 
 
 def test_engine_settings_are_frozen_and_serialise_in_the_manifests_key_order(tiny_llama_dir):
@@ -99,6 +104,7 @@ def test_engine_settings_are_frozen_and_serialise_in_the_manifests_key_order(tin
         "kv_cache_dtype": "fp8",
         "async_scheduling": False,
         "admission_min_slots": 1,
+        "kernels": None,
     }
     expected.update(_machine(engine))
     assert json.dumps(engine.settings.as_dict()) == json.dumps(expected)  # same keys, order and values
@@ -178,6 +184,7 @@ def test_the_job_manifest_and_fingerprint_record_the_settings_as_before(
         "kv_cache_dtype": "int8",
         "async_scheduling": False,
         "admission_min_slots": 1,
+        "kernels": None,
     }
     expected.update(_machine(engine))
     # The manifest is written with indent=2: its engine_settings block is the dict's text at that indent.

@@ -4,9 +4,9 @@ bitwise the same alone, in a batch, and with its prompt chunked.
 There every linear (the LM head and an MoE router included) runs the batch-invariant Triton matmul
 instead of cuBLAS, MoE experts the fixed-tile grouped GEMM with a fixed-order sum over a token's
 experts, and attention the prefill kernel on a fixed KV grid. On the CPU the same logic runs in
-Triton's interpreter: one child process runs the engine inside a simulated sm_90
-(kernels/backend.py), so CPU tensors take every dispatch a CUDA tensor takes, for a dense and an
-MoE family. On a GPU (`-m gpu`) every family, with longer prompts and outputs.
+Triton's interpreter: one child process runs the engine over the kernel set of a simulated sm_90
+(kernels/target.py), so CPU tensors take every kernel CUDA tensors take, for a dense and an MoE
+family. On a GPU (`-m gpu`) every family, with longer prompts and outputs.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ def _prompts(n: int, max_chars: int) -> list[str]:
     return [texts[3 + i][: 10 + (37 * i) % (max_chars - 9)] for i in range(n)]
 
 
-def _engine(model: str, device: str, budget: int, **kw):
+def _engine(model: str, device: str, budget: int, simulate=None, **kw):
     from batchrun.engine import Engine, EngineConfig
+    from batchrun.engine.startup import start_engine
 
     config = EngineConfig(
         model=model,
@@ -41,7 +42,7 @@ def _engine(model: str, device: str, budget: int, **kw):
         batch_invariant=True,
         **kw,
     )
-    return Engine(config)
+    return Engine(config, start_engine(config, simulate=simulate))
 
 
 def _rows(engine, prompts: list[str], max_tokens: int) -> list[tuple]:
@@ -53,13 +54,14 @@ def _rows(engine, prompts: list[str], max_tokens: int) -> list[tuple]:
 
 
 def compare(
-    model: str, device: str, num_prompts: int, max_chars: int, max_tokens: int, chunk_budget: int
+    model: str, device: str, num_prompts: int, max_chars: int, max_tokens: int, chunk_budget: int, simulate=None
 ) -> dict[str, bool]:
-    """Whether each way of computing the rows gives the rows of all prompts at once, whole."""
+    """Whether each way of computing the rows gives the rows of all prompts at once, whole
+    (`simulate`: the GPU whose kernel set a CPU engine runs)."""
     prompts = _prompts(num_prompts, max_chars)
-    plain = _engine(model, device, 512)
+    plain = _engine(model, device, 512, simulate)
     want = _rows(plain, prompts, max_tokens)
-    chunked = _engine(model, device, chunk_budget, enable_prefix_caching=False)
+    chunked = _engine(model, device, chunk_budget, simulate, enable_prefix_caching=False)
     return {
         "alone": _rows(plain, prompts[1:2], max_tokens) == want[1:2],  # its prefix now from the cache
         "batch": _rows(plain, prompts[:3], max_tokens) == want[:3],
@@ -93,14 +95,15 @@ def test_every_linear_becomes_invariant_over_the_same_weights(tiny_model_factory
 
 def test_quantized_linears_with_batch_invariant_on_the_gpu_path_are_refused(tiny_llama_dir):
     from batchrun.engine import Engine, EngineConfig
-    from batchrun.kernels.backend import GpuTarget, simulated_gpu
+    from batchrun.engine.startup import start_engine
+    from batchrun.kernels.target import SM90
 
     pytest.importorskip("triton")
     config = EngineConfig(
         model=tiny_llama_dir, dtype="bfloat16", device="cpu", quantization="int8", batch_invariant=True
     )
-    with simulated_gpu(GpuTarget((9, 0), 132, 232448)), pytest.raises(ValueError) as err:
-        Engine(config)
+    with pytest.raises(ValueError) as err:
+        Engine(config, start_engine(config, simulate=SM90))
     message = str(err.value)
     assert "\n" not in message and "engine.batch_invariant" in message and "engine.quantization=int8" in message
 
@@ -117,8 +120,8 @@ def test_fixed_order_expert_sum_is_the_sum():
     gate_up, down = torch.randn(4, 24, 16, generator=g), torch.randn(4, 16, 12, generator=g)
     ids = torch.randint(0, 4, (9, 2), generator=g)
     weights = torch.rand(9, 2, generator=g)
-    plain = fused_experts(x, gate_up, down, weights, ids, F.silu, use_triton=False)
-    fixed = fused_experts(x, gate_up, down, weights, ids, F.silu, use_triton=False, fixed_order_sum=True)
+    plain = fused_experts(x, gate_up, down, weights, ids, F.silu)
+    fixed = fused_experts(x, gate_up, down, weights, ids, F.silu, fixed_order_sum=True)
     assert torch.equal(plain, fixed)
 
 
@@ -158,13 +161,12 @@ def test_rows_identical_alone_batched_and_chunked_on_gpu(family, tiny_model_fact
 
 
 def _child(models: list[str]) -> None:
-    from batchrun.kernels.backend import simulated_gpu
     from benchmarks.gpu_launches import SM90, count_launches
 
     torch.set_num_threads(1)
     for model in models:
-        with simulated_gpu(SM90), count_launches() as launches:
-            same = compare(model, "cpu", num_prompts=3, max_chars=44, max_tokens=4, chunk_budget=8)
+        with count_launches() as launches:
+            same = compare(model, "cpu", num_prompts=3, max_chars=44, max_tokens=4, chunk_budget=8, simulate=SM90)
         calls = {k.split(":", 1)[1]: v for k, v in launches.kernels.items() if k.startswith("triton:")}
         print(json.dumps({"same": same, "calls": calls}), flush=True)
 

@@ -3,8 +3,8 @@
 On a GPU (`-m gpu`): HF float32 `generate` on the same GPU against the engine there (Triton
 attention, the fused elementwise kernels, rotary tables read by position), prompts longer than the
 tiny Mistral/Gemma 3 sliding windows, 32 tokens each. On the CPU the same logic in Triton's
-interpreter: a child process runs the engine inside a simulated sm_90 (kernels/backend.py), so CPU
-tensors take every dispatch a CUDA tensor takes and the launchers size their tiles for that GPU
+interpreter: a child process runs the engine over the kernel set of a simulated sm_90 (kernels/target.py),
+so CPU tensors take every kernel CUDA tensors take and the launchers size their tiles for that GPU
 (float32 dots in IEEE precision, decode tiles of 128 tokens), against HF float32 on the CPU.
 """
 
@@ -41,19 +41,21 @@ def _hf_greedy(model_dir: str, prompts: list[str], device: str, max_new_tokens: 
     return out
 
 
-def _engine_greedy(model_dir: str, prompts: list[str], device: str, max_new_tokens: int) -> list[list[int]]:
+def _engine_greedy(
+    model_dir: str, prompts: list[str], device: str, max_new_tokens: int, simulate=None
+) -> list[list[int]]:
     from batchrun import Engine, EngineConfig, SamplingParams
+    from batchrun.engine.startup import start_engine
 
-    engine = Engine(
-        EngineConfig(
-            model=model_dir,
-            dtype="float32",
-            device=device,
-            kv_cache_memory=32 << 20,
-            max_num_seqs=8,
-            max_num_batched_tokens=512,
-        )
+    config = EngineConfig(
+        model=model_dir,
+        dtype="float32",
+        device=device,
+        kv_cache_memory=32 << 20,
+        max_num_seqs=8,
+        max_num_batched_tokens=512,
     )
+    engine = Engine(config, start_engine(config, simulate=simulate))
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)  # stops at EOS, as HF does
     return [o.token_ids for o in engine.generate(prompts, params)]
 
@@ -119,13 +121,12 @@ def test_fp32_greedy_on_the_gpu_path_matches_hf_interpreted(family, interpreted_
 
 
 def _child(family: str, model_dir: str) -> dict:
-    from batchrun.kernels.backend import simulated_gpu
     from benchmarks.gpu_launches import SM90, count_launches
 
     prompts, tokens = _prompts(3), 10
     want = _hf_greedy(model_dir, prompts, "cpu", tokens)
-    with simulated_gpu(SM90), count_launches() as launches:
-        got = _engine_greedy(model_dir, prompts, "cpu", tokens)
+    with count_launches() as launches:
+        got = _engine_greedy(model_dir, prompts, "cpu", tokens, simulate=SM90)
     calls = {k.split(":", 1)[1]: v for k, v in launches.kernels.items() if k.startswith("triton:")}
     return {"family": family, "got": got, "want": want, "calls": calls}
 

@@ -1,15 +1,15 @@
 """What one bf16 decode step launches on the GPU dispatch path, counted on the CPU.
 
-An interpreted child (TRITON_INTERPRET=1) runs the engine's graphed decode step inside a simulated
-sm_90 GPU (kernels/backend.py: CPU tensors take the CUDA tensors' dispatch, launchers size for an
-H100/H200), counting each Triton launch and each torch op that issues a CUDA kernel
+An interpreted child (TRITON_INTERPRET=1) runs the engine's graphed decode step over the kernel set
+of a simulated sm_90 GPU (kernels/target.py, kernels/bind_triton.py: CPU tensors take the GPU's
+kernels, launchers size for an H100/H200), counting each Triton launch and each torch op that issues a CUDA kernel
 (benchmarks.gpu_launches). The counts are pinned by kernel, per layer and per step, so a kernel
 added to the step fails here; the 28-layer figure (Qwen3-0.6B's depth) must stay within the limit.
 Sampling is not part of the step counted.
 
 The fused path (kernels/fused_projections.py: the qkv and gate/up GEMMs with their elementwise
-kernels, the embedding with layer 0's norm) is what the count takes; on a GPU it runs where it
-measured faster at warm-up, else the unfused kernels, whose count is pinned too.
+kernels, the embedding with layer 0's norm) is what the count takes; on a GPU it runs where start-up
+tuning measured it faster, else the unfused kernels, whose count is pinned too.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ PER_STEP = {
     "triton:_gemm_logits_kernel": 1,  # LM head with the logits' float32 cast
 }  # rotary's cos/sin: read from tables made at load by the qkv kernel, nothing per step
 LIMIT_28_LAYERS = 200  # the fused path launches 28 * 7 + 3 = 199
-# The unfused path (fused_projections.FUSE off; on a GPU, each fusion where it measured slower)
+# The unfused path (a kernel set bound with fuse=False; on a GPU, each fusion where it measured slower)
 UNFUSED_PER_LAYER = {
     "aten:linear": 4,  # qkv, o, gate_up, down projections
     "triton:_rms_norm_kernel": 2,
@@ -71,15 +71,13 @@ def test_decode_step_kernel_count_interpreted():
 def _child() -> dict:
     import torch
 
-    from batchrun.kernels import fused_projections
     from benchmarks.gpu_launches import decode_step_launches, format_figures, launch_figures, tiny_decoder
 
     figures = launch_figures("qwen3", 28, torch.bfloat16)
     print(format_figures(figures, "qwen3 bf16"), file=sys.stderr)
     four = decode_step_launches(tiny_decoder("qwen3", 4, torch.bfloat16))
     fused = decode_step_launches(tiny_decoder("qwen3", 2, torch.bfloat16)).logits
-    fused_projections.FUSE = False
-    unfused = decode_step_launches(tiny_decoder("qwen3", 2, torch.bfloat16))
+    unfused = decode_step_launches(tiny_decoder("qwen3", 2, torch.bfloat16, fuse=False))
     assert fused is not None and unfused.logits is not None
     return {
         "logits_max_diff": float((fused - unfused.logits).abs().max()),

@@ -44,8 +44,8 @@ def _interpreted_check(num_tokens: int) -> None:
     for a, b, row_ids in ((x, gate_up, d.sorted_token_ids), (torch.randn(2 * num_tokens, 24), down, None)):
         got = grouped_gemm(a, b, d.expert_offsets, row_ids, block_m=16, block_n=16, block_k=16)
         torch.testing.assert_close(got, grouped_gemm_reference(a, b, d.expert_offsets, row_ids), rtol=1e-5, atol=1e-5)
-    got = fused_experts(x, gate_up, down, weights, ids, F.silu, use_triton=True)
-    want = fused_experts(x, gate_up, down, weights, ids, F.silu, use_triton=False)
+    got = fused_experts(x, gate_up, down, weights, ids, F.silu, grouped_gemm=grouped_gemm)
+    want = fused_experts(x, gate_up, down, weights, ids, F.silu)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -59,11 +59,13 @@ def test_triton_grouped_gemm_matches_reference_interpreted():
 @pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_triton_fused_experts_matches_reference_on_gpu(dtype, tol):
+    from batchrun.kernels.triton_moe import grouped_gemm
+
     x, gate_up, down, weights, ids = _case(
         3000, num_experts=16, top_k=4, hidden=512, inter=384, device="cuda", dtype=dtype
     )
-    got = fused_experts(x, gate_up, down, weights, ids, F.silu, use_triton=True)
-    want = fused_experts(x, gate_up, down, weights, ids, F.silu, use_triton=False)
+    got = fused_experts(x, gate_up, down, weights, ids, F.silu, grouped_gemm=grouped_gemm)
+    want = fused_experts(x, gate_up, down, weights, ids, F.silu)
     torch.testing.assert_close(got, want, rtol=tol, atol=tol)
 
 

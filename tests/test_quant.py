@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from batchrun.kernels import quant as qk
-from batchrun.kernels.attention import paged_attention, write_kv_cache
 from batchrun.kernels.attention_metadata import AttentionMetadata
+from batchrun.kernels.binding import bind_kernels
+from batchrun.kernels.target import find_target
 from batchrun.model import quant as mq
 from batchrun.model.gguf import blocks_to_weight, read_gguf_weights, unpermute_rows
 from batchrun.model.prepare import module_weight_bytes, quantize_model
@@ -206,10 +207,11 @@ def test_paged_attention_over_an_int8_cache_is_close_to_float():
         decode_seq_lens=torch.tensor([10]),
         prefill_seq_ids=[],
     )
-    write_kv_cache(float_k, float_v, k, v, slots)
-    write_kv_cache(qk_cache, qv_cache, k, v, slots)
-    want = paged_attention(q[9:], float_k, float_v, meta, hd**-0.5)
-    got = paged_attention(q[9:], qk_cache, qv_cache, meta, hd**-0.5)
+    kernels = bind_kernels(find_target("cpu"), torch.float32)  # the engine's CPU path
+    kernels.write_kv_cache(float_k, float_v, k, v, slots)
+    kernels.write_kv_cache(qk_cache, qv_cache, k, v, slots)
+    want = kernels.paged_attention(q[9:], float_k, float_v, meta, hd**-0.5)
+    got = kernels.paged_attention(q[9:], qk_cache, qv_cache, meta, hd**-0.5)
     assert ((got - want).norm() / want.norm()).item() < 0.01
 
 
@@ -441,9 +443,13 @@ def test_a_fresh_prompt_attends_to_its_keys_as_a_quantized_cache_holds_them(kv_d
 
     case = attention_case([(0, 9), (0, 5), (6, 1)], 4, 2, 16, 4, kv_cache_dtype=kv_dtype)
     args = (case.q, case.k_cache, case.v_cache, case.meta, 16**-0.5)
-    torch.testing.assert_close(
-        paged_attention_cpu(*args, k_new=case.k_new, v_new=case.v_new), paged_attention_cpu(*args), rtol=0, atol=0
-    )
+    for native in (False, True):  # the torch path, and the native kernels where they take the cache
+        torch.testing.assert_close(
+            paged_attention_cpu(*args, k_new=case.k_new, v_new=case.v_new, native=native),
+            paged_attention_cpu(*args, native=native),
+            rtol=0,
+            atol=0,
+        )
 
 
 @pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])

@@ -1,7 +1,7 @@
 """Kernels per quantized linear on the GPU dispatch path, and the Triton kernels that make them few.
 
-An interpreted child (TRITON_INTERPRET=1) builds each mode's projection as the engine does inside a
-simulated sm_90 GPU and counts what one call launches (benchmarks.gpu_launches: launches_per_linear):
+An interpreted child (TRITON_INTERPRET=1) builds each mode's projection as the engine does over the
+kernel set of a simulated sm_90 GPU and counts what one call launches (benchmarks.gpu_launches: launches_per_linear):
 fp8 = the per-token quantization kernel + torch._scaled_mm, W8A8 = quantization + torch._int_mm + the
 epilogue (float channels folded into it), weight-only int8/int4 = the one dequantize-GEMM.
 
@@ -41,7 +41,8 @@ def test_kernels_per_linear_interpreted():
     }
     assert counts["int4"][1]["kernels"] == {"triton:_w4a16_kernel": 1}  # the bias in the GEMM's epilogue
     assert counts["split_k"] > 1  # the weight-only counts include split-K's reduction, in the same launch
-    # GPU_DENSE_MIN_ROWS set: from that many rows cuBLAS over the copy dequantized at load, below it the fused GEMM
+    # a kernel set bound with dense_min_rows: from that many rows cuBLAS over the copy dequantized at
+    # load, below it the fused GEMM
     assert counts["dense"] == {
         "int8 16 rows": {"aten:linear": 1},
         "int8 4 rows": {"triton:_w8a16_kernel": 1},
@@ -264,11 +265,8 @@ def _counts() -> dict:
                     "syncs": launches.syncs,
                 }
             )
-    from batchrun.model.quant import layers
-
-    layers.GPU_DENSE_MIN_ROWS = 8
-    out["dense"] = {
-        f"{mode} {rows} rows": dict(launches_per_linear(mode, num_tokens=rows).kernels)
+    out["dense"] = {  # a kernel set bound with cuBLAS over a dequantized copy from 8 rows
+        f"{mode} {rows} rows": dict(launches_per_linear(mode, num_tokens=rows, dense_min_rows=8).kernels)
         for mode in ("int8", "int4")
         for rows in (16, 4)
     }

@@ -59,8 +59,12 @@ def test_the_tile_table_splits_k_only_where_few_tiles_would_leave_sms_idle():
     # Llama-3-8B's down projection: 64 tiles, 2 splits; gate/up: 448 tiles, no split
     assert tg.default_config(16, 4096, 14336, 32, sms).split_k == 2
     assert tg.default_config(16, 28672, 4096, 32, sms).split_k == 1
-    # prefill-sized M, or no GPU to size for: never split
-    assert tg.default_config(256, 1024, 2048, 32, sms).split_k == 1
+    # 256 rows of a narrow projection: 32 tiles of 64 x 128, split 4 ways; of a wide one: none
+    assert tg.default_config(256, 1024, 2048, 32, sms).split_k == 4
+    assert tg.default_config(200, 1024, 2048, 32, sms) == tg.default_config(256, 1024, 2048, 32, sms)  # per bucket
+    assert tg.default_config(256, 28672, 4096, 32, sms).split_k == 1
+    # a long prefill chunk (past the last bucket), or no GPU to size for: never split
+    assert tg.default_config(257, 1024, 2048, 32, sms).split_k == 1
     assert tg.default_config(1, 1024, 2048, 32, None).split_k == 1
     assert {tg.m_bucket(m) for m in (1, 16)} == {16} and tg.m_bucket(17) == 32 and tg.m_bucket(4000) == 256
     # every tuning candidate keeps the table's split (timing never changes a run's sums)
@@ -73,7 +77,7 @@ def test_the_tile_table_splits_k_only_where_few_tiles_would_leave_sms_idle():
 
 
 def test_fastest_takes_the_quickest_config_that_runs():
-    from batchrun.kernels.quant.triton_gemm import GemmConfig, fastest
+    from batchrun.kernels.gemm_tiles import GemmConfig, fastest
 
     a, b, c = GemmConfig(16, 64, 128), GemmConfig(16, 32, 128), GemmConfig(16, 128, 256)
     times = {a: 3.0, b: 1.0}
@@ -83,8 +87,8 @@ def test_fastest_takes_the_quickest_config_that_runs():
             raise RuntimeError("out of shared memory")
         return times[cfg]
 
-    assert fastest([a, b, c], time_ms) == b
-    assert fastest([c], time_ms) == c  # nothing runs: the table's choice stays
+    assert fastest([a, b, c], time_ms) == (b, 1.0)
+    assert fastest([c], time_ms) == (c, None)  # nothing runs: the table's choice stays, untimed
 
 
 @pytest.mark.gpu
@@ -199,26 +203,59 @@ def test_quantized_engine_on_gpu(mode, smollm2_cache_dir):
     assert out.finish_reason in ("stop", "length") and out.token_ids
 
 
+def _split_order_reference(run, x, qweight, scales, mins, config, group) -> torch.Tensor:
+    """What a split-K launch must give: each split's float32 partial (a one-split launch of the same
+    tile over that split's K range, so the same dot products in the same order), summed in split
+    order 0, 1, ... from zero, as the last split's program sums them."""
+    from dataclasses import replace
+
+    k = x.shape[1]
+    steps = -(-k // config.block_k)
+    k_split = -(-steps // config.split_k) * config.block_k  # triton_gemm._k_split: whole K steps per split
+    one = replace(config, split_k=1)
+    total = torch.zeros(x.shape[0], qweight.shape[0])
+    for lo in range(0, k, k_split):
+        hi = min(lo + k_split, k)
+        cols = slice(lo // 2, hi // 2) if mins is not None else slice(lo, hi)  # int4: two k per byte
+        groups = slice(lo // group, hi // group)
+        args = [x[:, lo:hi].contiguous(), qweight[:, cols].contiguous(), scales[:, groups].contiguous()]
+        if mins is not None:
+            args.append(mins[:, groups].contiguous())
+        total = total + run(*args, None, one)
+    return total
+
+
 def _check_split_k() -> None:
-    """Split-K in one launch: the same sums as one split up to float32 order, the counters it takes
-    tickets from left at zero (the next launch, or a graph replay, starts clean), and the same bits
-    on a second run."""
+    """Split-K in one launch sums the splits' partials in split order: bitwise the partials of
+    one-split launches over each K range added 0, 1, 2, ... (the order a reordering would change,
+    with 3 and more splits), for shapes that split (a few rows, two row tiles, and 256 rows, where
+    the table of a simulated sm_90 splits a narrow projection); the counters it takes tickets from
+    are left at zero (the next launch, or a graph replay, starts clean), and a second run gives the
+    same bits."""
+    from batchrun.kernels.binding import bind_kernels
     from batchrun.kernels.quant import triton_gemm as tg
+    from batchrun.kernels.target import SM90, find_target
 
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(19, 256, generator=gen)  # two row tiles of 16
-    w = torch.randn(40, 256, generator=gen) * 0.1
-    q, s = qk.quantize_int8(w, 32)
-    q4, s4, z4 = qk.quantize_int4(w, 64)
-    one = tg.GemmConfig(16, 32, 64)
-    for split in (2, 3):
-        cfg = tg.GemmConfig(16, 32, 64, split_k=split)
-        got = tg.w8a16_matmul(x, q, s, None, cfg)
-        torch.testing.assert_close(got, tg.w8a16_matmul(x, q, s, None, one), rtol=1e-5, atol=1e-5)
-        assert torch.equal(got, tg.w8a16_matmul(x, q, s, None, cfg))
-        got4 = tg.w4a16_matmul(x, q4, s4, z4, None, cfg)
-        torch.testing.assert_close(got4, qk.int4_weight_matmul(x, q4, s4, z4), rtol=1e-5, atol=1e-5)
+    w = torch.randn(40, 1024, generator=gen) * 0.1
+    q, s = qk.quantize_int8(w, 32)  # groups of 32: scales applied per group inside each split
+    q4, s4, z4 = qk.quantize_int4(w, 32)
+    for m, config in ((5, tg.GemmConfig(16, 32, 64, split_k=3)), (19, tg.GemmConfig(16, 32, 64, split_k=6))):
+        x = torch.randn(m, 1024, generator=gen)
+        got = tg.w8a16_matmul(x, q, s, None, config)
+        assert torch.equal(got, _split_order_reference(tg.w8a16_matmul, x, q, s, None, config, 32)), m
+        assert torch.equal(got, tg.w8a16_matmul(x, q, s, None, config))
+        got4 = tg.w4a16_matmul(x, q4, s4, z4, None, config)
+        assert torch.equal(got4, _split_order_reference(tg.w4a16_matmul, x, q4, s4, z4, config, 32)), m
         assert not tg._LOCKS[x.device].any(), "split-K counters not reset"
+    # 256 rows through the int8 linear a simulated sm_90's kernel set binds: the table splits K 8 ways
+    kernels = bind_kernels(find_target("cpu", simulate=SM90), torch.float32)
+    config = kernels.tuning.tile("w8a16", 256, 40, 1024, 32, torch.float32, SM90)
+    assert config.split_k == 8, config
+    x = torch.randn(256, 1024, generator=gen)
+    got = kernels.linear_int8.matmul(x, q, s, None, None)
+    assert torch.equal(got, _split_order_reference(tg.w8a16_matmul, x, q, s, None, config, 32))
+    assert not tg._LOCKS[x.device].any(), "split-K counters not reset"
 
 
 if __name__ == "__main__":  # the interpreted check (TRITON_INTERPRET=1, see above)

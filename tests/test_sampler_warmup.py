@@ -18,6 +18,7 @@ from test_sampler import STEP_KINDS
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.warmup import warm_sampler
 from batchrun.kernels import triton_aot
+from batchrun.kernels.binding import bind_kernels
 from benchmarks import compile_counts
 
 pytest.importorskip("triton")
@@ -31,8 +32,9 @@ elif compile_counts.interpreted():
 @pytest.mark.parametrize("vocab", [49152, 151936])  # SmolLM2's and Qwen3's vocabularies
 def test_sampled_steps_compile_nothing_after_the_warm_up(vocab):
     g = torch.Generator().manual_seed(0)
-    sampler = Sampler(0)
     with triton_aot.compile_only(90) as log:
+        kernels = bind_kernels(log.target, torch.float32)  # the sampling kernels an sm_90 engine binds
+        sampler = Sampler(0, race=kernels.sample, spill=kernels.spill)
         warm_sampler(sampler.draw, torch.randn(4, vocab, generator=g))  # a warm-up step's logits
         warmed = {v.key: v.launches for v in log.variants}
         assert {v.name for v in log.variants} == {"_gumbel_sample_kernel", "_spill_threshold_kernel"}

@@ -27,7 +27,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from batchrun.kernels import attention, backend, triton_aot  # noqa: E402
+from batchrun.kernels import triton_aot  # noqa: E402
+from batchrun.kernels.binding import bind_kernels  # noqa: E402
+from batchrun.kernels.target import GpuTarget, find_target  # noqa: E402
 from benchmarks import compile_counts  # noqa: E402
 from benchmarks.cases import attention_case  # noqa: E402
 from benchmarks.compile_cases import compile_cases, launch_cases  # noqa: E402
@@ -118,7 +120,7 @@ def _estimate(v: triton_aot.CompiledVariant) -> int:
     c = v.constexprs
     prefill = v.name == "_prefill_kernel"
     return ta.shared_bytes(
-        backend.GpuTarget((v.arch // 10, v.arch % 10), 1, triton_aot.ARCHS[v.arch].max_shared),
+        GpuTarget((v.arch // 10, v.arch % 10), 1, triton_aot.ARCHS[v.arch].max_shared),
         c["BLOCK_M"] if prefill else c["GROUP_PAD"],
         c["BLOCK_N"],
         c["HEAD_DIM_PAD"],
@@ -152,7 +154,9 @@ def test_attention_tiles_shrink_to_fit_sm89_shared_memory():
             m = c.meta
             starts, seq_lens = torch.tensor(m.query_start_loc), torch.tensor(m.seq_lens)
             ids = torch.tensor(m.prefill_seq_ids)
-            ta.prefill_attention(c.q, c.k_cache, c.v_cache, m.block_tables, starts, seq_lens, ids, 9, 0.1)
+            ta.prefill_attention(
+                c.q, c.k_cache, c.v_cache, m.block_tables, starts, seq_lens, ids, 9, 0.1, gpu=log.target.gpu
+            )
     assert not log.failures, "\n".join(_describe(v) for v in log.failures)
     assert not _estimates_bound_the_compiler(log)
     tiles = {
@@ -185,21 +189,23 @@ def test_ints_marked_do_not_specialize_compile_no_new_variants():
     qw8, s8 = quantize_int8(torch.randn(64, 128), None)
     qw4, s4, mins4 = quantize_int4(torch.randn(64, 128), 32)
 
-    def decode(table: torch.Tensor, num_splits: int) -> None:
-        ids, lens = m.decode_seq_ids, m.decode_seq_lens
-        ta.decode_attention(c.q, c.k_cache, c.v_cache, table, ids, lens, 0.1, num_splits=num_splits)
-
     with triton_aot.compile_only(90) as log:
+        gpu = log.target.gpu
+
+        def decode(table: torch.Tensor, num_splits: int) -> None:
+            ids, lens = m.decode_seq_ids, m.decode_seq_lens
+            ta.decode_attention(c.q, c.k_cache, c.v_cache, table, ids, lens, 0.1, num_splits=num_splits, gpu=gpu)
+
         for width in (1, 16, 17, 48):
             table = _padded(m.block_tables, width)
             decode(table, 2)
-            ta.prefill_attention(c.q, c.k_cache, c.v_cache, table, starts, seq_lens, prefill_ids, 6, 0.1)
+            ta.prefill_attention(c.q, c.k_cache, c.v_cache, table, starts, seq_lens, prefill_ids, 6, 0.1, gpu=gpu)
         for num_splits in (9, 12, 16):  # one SPLITS_PAD (16)
             decode(m.block_tables, num_splits)
         for tokens in (1, 7, 16):  # one BLOCK_M (16)
             x = torch.randn(tokens, 128, dtype=torch.bfloat16)
-            w8a16_matmul(x, qw8, s8)
-            w4a16_matmul(x, qw4, s4, mins4)
+            w8a16_matmul(x, qw8, s8, gpu=gpu)
+            w4a16_matmul(x, qw4, s4, mins4, gpu=gpu)
     assert not log.failures, "\n".join(_describe(v) for v in log.failures)
     launches = {name: [v.launches for v in log.of(name)] for name in ("_prefill_kernel", "_w8a16_kernel")}
     assert launches == {"_prefill_kernel": [4], "_w8a16_kernel": [3]}
@@ -237,30 +243,34 @@ def test_an_int_left_to_specialize_compiles_a_variant_per_value_class():
 
 
 def test_fp8_caches_compile_for_sm90_and_are_refused_below_sm89(sm90):
-    """sm_80 has no e4m3 conversions: the dispatch sends an fp8 cache to the CPU path there, and a
-    launch forced past it does not compile."""
+    """sm_80 has no e4m3 conversions: its kernel set sends an fp8 cache to the torch path there, and
+    a launch forced past it does not compile."""
     from batchrun.kernels import triton_attention as ta
 
     fp8 = [v for v in sm90.of("_decode_kernel") if v.signature["k_cache_ptr"] == "*fp8e4nv"]
     assert fp8 and all(v.ok for v in fp8)
     c = attention_case([(5, 1), (0, 9)], 4, 2, 64, 16, torch.bfloat16, kv_cache_dtype=torch.float8_e4m3fn)
     with triton_aot.compile_only(80) as log:
-        assert not backend.triton_fp8_usable(c.q.device)
-        attention.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, 0.125)  # runs on the CPU path
+        gpu = log.target.gpu
+        assert gpu is not None and not gpu.has_fp8
+        kernels = bind_kernels(log.target, torch.bfloat16, kv_cache_dtype="fp8")
+        kernels.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, 0.125)  # runs on the torch path
         assert log.variants == []
         m = c.meta
-        ta.decode_attention(c.q, c.k_cache, c.v_cache, m.block_tables, m.decode_seq_ids, m.decode_seq_lens, 0.125)
+        ta.decode_attention(
+            c.q, c.k_cache, c.v_cache, m.block_tables, m.decode_seq_ids, m.decode_seq_lens, 0.125, gpu=gpu
+        )
     (v,) = log.of("_decode_kernel")
     assert not v.ok and "fp8e4nv" in v.error
 
 
-def test_simulated_gpu_is_scoped_to_compile_only():
-    cpu = torch.device("cpu")
-    with triton_aot.compile_only(90):
-        assert backend.gpu_target(cpu) == backend.GpuTarget((9, 0), 132, triton_aot.ARCHS[90].max_shared)
-        assert backend.triton_usable(torch.zeros(1))
-    assert backend.gpu_target(cpu) is None
-    assert not backend.triton_usable(torch.zeros(1))
+def test_the_simulated_gpu_is_a_value_compile_only_hands_out():
+    with triton_aot.compile_only(90) as log:
+        assert log.target.gpu == GpuTarget((9, 0), 132, triton_aot.ARCHS[90].max_shared)
+        assert log.target.is_simulated and log.target.name == "sm_90 (simulated)"
+        assert bind_kernels(log.target, torch.bfloat16).binder == "triton"
+        # nothing process-wide: the CPU's target, found meanwhile, is still the CPU's
+        assert find_target("cpu").gpu is None and bind_kernels(find_target("cpu"), torch.bfloat16).binder == "cpu"
 
 
 def test_the_benchmark_script_prints_a_row_per_variant(tmp_path):

@@ -1,13 +1,14 @@
 """The decoder's GPU path, run in Triton's interpreter, generates the CPU path's greedy tokens.
 
-On a CUDA tensor the decoder takes the fused Triton kernels (q/k-norm + rotary + KV write, add +
-RMSNorm, RMSNorm, silu * up) and the Triton paged attention. This test takes that path on the CPU:
-an interpreted child (TRITON_INTERPRET=1) makes the dispatch's one "can Triton run here?" check say
-yes for CPU tensors, runs the engine in float32 on a tiny model of two families with different
+On a GPU the decoder runs the Triton kernel set (kernels/bind_triton.py): the fused kernels (q/k-norm
++ rotary + KV write, add + RMSNorm, RMSNorm, silu * up, embedding + norm) and the Triton paged
+attention. This test takes that path on the CPU: an interpreted child (TRITON_INTERPRET=1) binds the
+Triton kernel set for the CPU target (the interpreter's tiles), runs the engine over it in float32
+on a tiny model of two families with different
 fused-kernel inputs (Qwen3: q/k-norm, GQA, silu MLP, fused residual adds; Gemma 3: (1 + w) norms,
 sliding window, MQA, a gelu MLP, sandwich norms without residual fusion), and compares the tokens
 with the plain CPU path's in the same process. It also counts the fused kernels' calls, so a
-dispatch that silently fell back to torch would fail it.
+kernel set that silently took torch's paths would fail it.
 
 Run with an int8 cache (Qwen3) and an fp8 one (Gemma 3), engine.kv_cache_dtype: the Triton kernels
 quantize on write and dequantize tiles on read, the CPU path quantizes the same way and dequantizes
@@ -32,27 +33,33 @@ PROMPTS = ["The quick brown fox jumps over", "Lists are mutable sequences"]
 
 
 def run(model_dir: str, kv_cache_dtype: str) -> dict:
-    import batchrun.kernels.attention as attention
-    import batchrun.kernels.elementwise as ew
+    import torch
+
     import batchrun.kernels.triton_attention as ta
     import batchrun.kernels.triton_elementwise as tew
     from batchrun import Engine, EngineConfig, SamplingParams
     from batchrun.engine.runners import GpuRunner
+    from batchrun.engine.startup import start_engine
+    from batchrun.kernels.binding import bind_kernels
+    from batchrun.kernels.target import find_target
 
     replays = []
 
     def generate(graphs: bool = False) -> list[list[int]]:
-        engine = Engine(
-            EngineConfig(
-                model=model_dir,
-                dtype="float32",
-                device="cpu",
-                kv_cache_memory=4 << 20,
-                max_num_seqs=4,
-                max_num_batched_tokens=256,
-                kv_cache_dtype=kv_cache_dtype,
-            )
+        config = EngineConfig(
+            model=model_dir,
+            dtype="float32",
+            device="cpu",
+            kv_cache_memory=4 << 20,
+            max_num_seqs=4,
+            max_num_batched_tokens=256,
+            kv_cache_dtype=kv_cache_dtype,
         )
+        # the GPU path: the Triton kernel set, on CPU tensors (the interpreter's tiles)
+        kernels = None
+        if graphs:
+            kernels = bind_kernels(find_target("cpu"), torch.float32, kv_cache_dtype=kv_cache_dtype, binder="triton")
+        engine = Engine(config, start_engine(config, kernels=kernels))
         if graphs:
             engine.runner = r = GpuRunner.stand_in(engine.runner, 8)  # EagerReplay standing in for capture
             graph_execute = r.graphs.execute
@@ -61,8 +68,8 @@ def run(model_dir: str, kv_cache_dtype: str) -> dict:
 
     want = generate()
     calls = {"qkv_norm_rope_write": 0, "add_rms_norm": 0, "rms_norm": 0, "silu_mul": 0, "paged_attention": 0}
-    # Patched for this case only: the next case's CPU reference must take the CPU path again.
-    saved = [(attention, "triton_usable", attention.triton_usable), (ew, "triton_usable", ew.triton_usable)]
+    # Counted for this case only (patched before the kernel set is bound, which takes paged_attention).
+    saved = []
     for name in calls:
         module = ta if name == "paged_attention" else tew
         original = getattr(module, name)
@@ -73,7 +80,6 @@ def run(model_dir: str, kv_cache_dtype: str) -> dict:
             return _original(*args, **kwargs)
 
         setattr(module, name, counted)
-    attention.triton_usable = ew.triton_usable = lambda x: True  # the GPU path, on CPU tensors
     try:
         got = generate(graphs=True)
     finally:

@@ -63,14 +63,15 @@ def test_float32_attention_dots_are_ieee_not_tf32():
     """A float32 tl.dot defaults to TF32 on sm_80+ (10-bit mantissa operands); HF's float32 attention
     does not. Every float32 attention variant (decode with one split and several, with a window,
     soft-capped, and prefill) must multiply in full float32: no tf32 operand in its PTX."""
-    from batchrun.kernels import attention
+    from batchrun.kernels.binding import bind_kernels
     from benchmarks.cases import attention_case
 
     with triton_aot.compile_only(90) as log:
+        attend = bind_kernels(log.target, torch.float32).paged_attention
         for window, softcap in ((None, None), (16, None), (None, 30.0)):
             for batch in ([(5, 1), (0, 9), (600, 1), (6, 70)], [(3, 1), (40, 1)]):
                 c = attention_case(batch, 4, 1, 32, 16, torch.float32)
-                attention.paged_attention(c.q, c.k_cache, c.v_cache, c.meta, 32**-0.5, window, softcap)
+                attend(c.q, c.k_cache, c.v_cache, c.meta, 32**-0.5, window, softcap)
     names = {v.name for v in log.variants}
     assert {"_decode_kernel", "_prefill_kernel"} <= names, names
     for v in log.variants:

@@ -53,6 +53,13 @@ def _cases() -> dict[str, dict[str, Any]]:
 CASES = _cases()
 
 
+def _gpu(device: str) -> Any:
+    """The GPU the launches are sized for: the device's own, or None for Triton's interpreter."""
+    from batchrun.kernels.target import find_target
+
+    return find_target(device).gpu if device == "cuda" else None
+
+
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, what: str) -> None:
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=what)
@@ -97,7 +104,7 @@ def _qkv_case(spec: dict[str, Any], device: str, num_tokens: int) -> None:
     want_k, want_v = as_kv_cache_layout(prior_k.clone()), as_kv_cache_layout(prior_v.clone())
     got_k, got_v = as_kv_cache_layout(prior_k.clone()), as_kv_cache_layout(prior_v.clone())
     want = qkv_norm_rope_write(F.linear(x, weight, bias), layout, cos, sin, want_k, want_v, slots, positions)
-    got = gemm_qkv_norm_rope_write(x, weight, bias, layout, cos, sin, got_k, got_v, slots, positions)
+    got = gemm_qkv_norm_rope_write(x, weight, bias, layout, cos, sin, got_k, got_v, slots, positions, gpu=_gpu(device))
     for name, g, w in zip("qkv", got, want):
         assert g.shape == w.shape, (name, g.shape, w.shape)
         _close(g, w, dtype, name)
@@ -127,7 +134,7 @@ def run_case(spec: dict[str, Any], device: str = "cpu", num_tokens: int = 7) -> 
 
         x, weight = randn(num_tokens, spec["k"]), randn(2 * spec["n"], spec["k"], scale=3 * spec["k"] ** -0.5)
         want = tew.silu_mul(F.linear(x, weight))
-        got = gemm_silu_mul(x, weight)
+        got = gemm_silu_mul(x, weight, gpu=_gpu(device))
         assert got.shape == want.shape == (num_tokens, spec["n"])
         _close(got, want, dtype, "silu(gate) * up")
     elif spec["op"] == "logits":
@@ -135,7 +142,7 @@ def run_case(spec: dict[str, Any], device: str = "cpu", num_tokens: int = 7) -> 
 
         x, weight = randn(num_tokens, spec["k"]), randn(spec["n"], spec["k"], scale=spec["k"] ** -0.5)
         want = F.linear(x, weight).float()
-        got = gemm_logits(x, weight)
+        got = gemm_logits(x, weight, gpu=_gpu(device))
         assert got.dtype == torch.float32 and got.shape == want.shape
         _close(got, want, dtype, "logits")
         assert torch.equal(got.to(dtype).float(), got), "each logit is a value of the dtype"
@@ -172,22 +179,31 @@ def test_fused_kernels_match_the_unfused_launches_on_gpu(case_id):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
-def test_fused_or_unfused_is_measured_per_bucket_on_gpu():
-    """On a GPU the dispatch times the fused GEMM against cuBLAS + the elementwise kernel at a
-    bucket's first call, keeps the choice for the bucket, and either gives the unfused result."""
+def test_fused_or_unfused_is_measured_per_bucket_at_start_up_on_gpu():
+    """On a GPU start-up tuning times the fused GEMM against cuBLAS + the elementwise kernel per row
+    bucket (kernels/tuning.py); the kernel set bound with that tuning takes the faster of the two
+    for each bucket, and either gives the unfused result."""
     from torch import nn
 
     from batchrun.kernels import elementwise as ew
-    from batchrun.kernels import fused_projections as fp
+    from batchrun.kernels.binding import bind_kernels, with_tuning
+    from batchrun.kernels.target import find_target
+    from batchrun.kernels.tuning import GemmShape, measured_tuning
+    from batchrun.kernels.tuning_cases import tuning_cases
 
-    fp._CHOICE.clear()
+    kernels = bind_kernels(find_target("cuda"), torch.bfloat16)
+    cases = tuning_cases([GemmShape("silu_mul", 2 * 3072, 1024)], kernels, 256)
+    tuning = measured_tuning(kernels.target, cases)
+    assert tuning.source == "measured"
+    assert sorted(c.rows for c in tuning.fused) == [16, 32, 64, 128, 256], tuning.fused
+    assert all(c.fused_ms is not None and c.unfused_ms is not None for c in tuning.fused)
+    kernels = with_tuning(kernels, tuning)
     gen = torch.Generator(device="cuda").manual_seed(0)
     proj = nn.Linear(1024, 2 * 3072, bias=False, dtype=torch.bfloat16, device="cuda")
     for m in (1, 256):
         x = torch.randn(m, 1024, generator=gen, device="cuda").to(torch.bfloat16)
-        got = fp.gate_up_act(x, proj, "silu")
-        _close(got, ew.act_mul(proj(x), "silu"), torch.bfloat16, f"M={m}")
-    assert sorted(k[2] for k in fp._CHOICE if k[0] == "silu_mul") == [16, 256], fp._CHOICE
+        got = kernels.gate_up_act(x, proj, "silu")
+        _close(got, ew.act_mul_triton(proj(x), "silu"), torch.bfloat16, f"M={m}")
 
 
 if __name__ == "__main__":

@@ -87,11 +87,15 @@ def _check_kernel(spec: dict[str, Any], device: str) -> None:
 
 
 def _check_ops() -> None:
-    """Sampler.sample on CPU tensors taking the GPU path (simulated sm_90, kernels interpreted)."""
+    """Sampler.sample on CPU tensors taking the GPU path (the race a simulated sm_90's kernel set
+    binds, kernels interpreted)."""
     from batchrun.engine.config import SamplingParams
     from batchrun.engine.sampler import Sampler
-    from batchrun.kernels.backend import simulated_gpu
+    from batchrun.kernels.binding import bind_kernels
+    from batchrun.kernels.target import find_target
     from benchmarks.gpu_launches import SM90, count_launches
+
+    kernels = bind_kernels(find_target("cpu", simulate=SM90), torch.float32)
 
     rows, vocab = 16, 1000
     logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0))
@@ -102,8 +106,10 @@ def _check_ops() -> None:
         ("temp0.6", SamplingParams(temperature=0.6)),
         ("truncated", SamplingParams(temperature=0.6, top_p=0.9, top_k=50)),
     ):
-        with simulated_gpu(SM90), count_launches() as launches:
-            Sampler(seed=1).sample(logits, [params] * rows, seeds, list(range(rows)))
+        with count_launches() as launches:
+            Sampler(seed=1, race=kernels.sample, spill=kernels.spill).sample(
+                logits, [params] * rows, seeds, list(range(rows))
+            )
         counts[name] = launches
     print("OPS", {k: (dict(v.kernels), v.syncs) for k, v in counts.items()}, flush=True)
     # Greedy: one argmax, the tokens' copy back.
@@ -136,13 +142,13 @@ def _interpreted_engine_config(model: str, **overrides: Any) -> Any:
 
 
 def _check_engine() -> None:
-    """The engine on the GPU dispatch path (simulated sm_90): a seeded sampled request gives the
+    """The engine on the GPU path (a simulated sm_90's kernel set): a seeded sampled request gives the
     same tokens alone and in a batch with other seeded, unseeded and greedy requests, and every
     sampled step went through the race kernel."""
     import tempfile
 
     from batchrun import Engine, SamplingParams
-    from batchrun.kernels.backend import simulated_gpu
+    from batchrun.engine.startup import start_engine
     from batchrun.testing import make_tiny_model
     from benchmarks.gpu_launches import SM90, count_launches
 
@@ -156,8 +162,8 @@ def _check_engine() -> None:
             SamplingParams(temperature=0.0, max_tokens=6),
             SamplingParams(temperature=1.2, top_p=0.8, top_k=20, max_tokens=6, seed=3),
         ]
-        with simulated_gpu(SM90), count_launches() as launches:
-            engine = Engine(config)
+        with count_launches() as launches:
+            engine = Engine(config, start_engine(config, simulate=SM90))
             batched = [o.token_ids for o in engine.generate(prompts, params)]
             alone = [engine.generate([prompts[i]], params[i])[0].token_ids for i in (0, 3)]
         assert alone == [batched[0], batched[3]], (alone, batched)
@@ -180,14 +186,14 @@ def _check_gather(device: str) -> None:
 
 
 def _check_engine_async() -> None:
-    """engine.async_scheduling on the GPU dispatch path (simulated sm_90, stand-in graphs): the
+    """engine.async_scheduling on the GPU path (a simulated sm_90's kernel set, stand-in graphs): the
     steps run ahead gather their ids with the one Triton launch, and greedy and seeded tokens are
     the synchronous engine's."""
     import tempfile
 
     from batchrun import Engine, SamplingParams
     from batchrun.engine.runners import GpuRunner
-    from batchrun.kernels.backend import simulated_gpu
+    from batchrun.engine.startup import start_engine
     from batchrun.testing import make_tiny_model
     from benchmarks.gpu_launches import SM90, count_launches
 
@@ -202,8 +208,8 @@ def _check_engine_async() -> None:
         outs = {}
         for on in (False, True):
             config = _interpreted_engine_config(model, async_scheduling=on)
-            with simulated_gpu(SM90), count_launches() as launches:
-                engine = Engine(config)
+            with count_launches() as launches:
+                engine = Engine(config, start_engine(config, simulate=SM90))
                 engine.runner = GpuRunner.stand_in(engine.runner, 4)
                 outs[on] = [o.token_ids for o in engine.generate(prompts, params)]
             if on:
@@ -255,14 +261,18 @@ def _check_spill(device: str) -> None:
 
 
 def _check_no_host_sync() -> None:
-    """Sampler.draw on the GPU dispatch path (simulated sm_90: both Triton kernels, chosen per call)
-    reads no device value on the host for any kind of batch, and picks the CPU path's tokens."""
+    """Sampler.draw on the GPU path (a simulated sm_90's kernel set: both Triton kernels) reads no
+    device value on the host for any kind of batch, and picks the CPU path's tokens."""
     from host_sync import NoHostSync, opaque_triton_launches
     from test_sampler import STEP_KINDS, _step_logits
 
     from batchrun.engine.sampler import Sampler
-    from batchrun.kernels.backend import simulated_gpu
+    from batchrun.kernels.binding import bind_kernels
+    from batchrun.kernels.target import find_target
     from benchmarks.gpu_launches import SM90, count_launches
+
+    gpu = bind_kernels(find_target("cpu", simulate=SM90), torch.float32)
+    cpu = bind_kernels(find_target("cpu"), torch.float32)
 
     for kind, kinds in STEP_KINDS.items():
         for num_rows in (1, 7):
@@ -271,11 +281,11 @@ def _check_no_host_sync() -> None:
             seeds = [None if i % 4 == 3 else 50 + i for i in range(num_rows)]
             positions = [3 + i for i in range(num_rows)]
             mode = NoHostSync(logits)
-            with simulated_gpu(SM90), count_launches() as launches, opaque_triton_launches(mode), mode:
-                tokens = Sampler(3).draw(logits, params, seeds, positions)
+            with count_launches() as launches, opaque_triton_launches(mode), mode:
+                tokens = Sampler(3, race=gpu.sample, spill=gpu.spill).draw(logits, params, seeds, positions)
             is_sampled = any(not p.is_greedy for p in params)
             assert launches.kernels["triton:_gumbel_sample_kernel"] == is_sampled, (kind, launches)
-            want = Sampler(3).draw(logits, params, seeds, positions)
+            want = Sampler(3, race=cpu.sample, spill=cpu.spill).draw(logits, params, seeds, positions)
             assert tokens.tolist() == want.tolist(), (kind, num_rows)
 
 
@@ -382,11 +392,15 @@ def test_kernel_frequencies_follow_the_masked_softmax_on_gpu():
 
     from batchrun.engine.config import SamplingParams
     from batchrun.engine.sampler import Sampler, sampling_probs
+    from batchrun.kernels.binding import bind_kernels
+    from batchrun.kernels.target import find_target
 
+    kernels = bind_kernels(find_target("cuda"), torch.float32)
+    sampler = Sampler(race=kernels.sample, spill=kernels.spill)
     logits = torch.randn(24, generator=torch.Generator().manual_seed(3)) * 1.5
     n = 30_000
     for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=0.7, top_p=0.9, top_k=8)):
-        tokens = Sampler().draw(logits.cuda().expand(n, -1).contiguous(), [params] * n, [11] * n, list(range(n)))
+        tokens = sampler.draw(logits.cuda().expand(n, -1).contiguous(), [params] * n, [11] * n, list(range(n)))
         counts = torch.bincount(tokens.cpu(), minlength=24)
         want = sampling_probs(logits, params)
         assert counts[want == 0].sum() == 0

@@ -62,10 +62,8 @@ needs_native = pytest.mark.skipif(not cpu_native.available(), reason="native ker
 
 
 def _bitwise(x: torch.Tensor, group: int, monkeypatch) -> None:
-    native = w4.quantize_groups_int8(x, group)
-    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    native = w4.quantize_groups_int8(x, group, native=True)  # as a CPU kernel set with the kernels on binds it
     torch_code = w4.quantize_groups_int8(x, group)
-    monkeypatch.delenv("BATCHRUN_CPU_KERNELS")
     assert all(torch.equal(a, b) for a, b in zip(native, torch_code))
 
 
@@ -92,12 +90,11 @@ def test_group_quantization_of_a_nan_or_inf_group_is_what_torch_gives(group, mon
     x = torch.ones(3, 128)
     x[0, 7] = float("nan")
     x[2, 70] = float("inf")
-    q, scales, sums = w4.quantize_groups_int8(x, group)
+    q, scales, sums = w4.quantize_groups_int8(x, group, native=True)
     assert bool(scales[0, 0].isnan()) and bool(sums[0, 0].isnan()) and not bool(q[0, :group].any())
     g = 70 // group
     assert bool(scales[2, g].isinf()) and bool(sums[2, g].isnan()) and not bool(q[2, g * group : (g + 1) * group].any())
     assert bool(torch.isfinite(scales[1]).all()) and bool(torch.isfinite(scales[0, 1:]).all())
-    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
     torch_code = w4.quantize_groups_int8(x, group)
     assert all(torch.equal(a, b) for a, b in zip((q, scales, sums), torch_code) if a.dtype == torch.int8)
     assert all(torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0)) for a, b in zip((scales, sums), torch_code[1:]))
@@ -222,7 +219,7 @@ def test_native_w4a8_gives_nan_for_a_row_with_a_nan():
 
 @pytest.mark.parametrize("kernels", ["1", "0"])
 def test_w4a8_of_no_rows_is_an_empty_output(kernels, monkeypatch):
-    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", kernels)
+    monkeypatch.setenv("BATCHRUN_CPU_KERNELS", kernels)  # read when the layer's kernel set is bound
     layer = mq.W4A8Linear(_weight(64, 96), None, BF16)
     with torch.inference_mode():
         assert layer(torch.empty(0, 96, dtype=BF16)).shape == (0, 64)
@@ -246,13 +243,13 @@ def test_native_w4a8_the_same_on_any_thread_count(threads):
 
 
 @needs_native_w4a8
-def test_native_w4a8_falls_back_to_the_reference_with_the_kernels_off(monkeypatch):
+def test_native_w4a8_falls_back_to_the_reference_off_its_kernel():
     qw = _weight(64, 96)
     layer = mq.W4A8Linear(qw, None, BF16)
     x = _activations(9, 96)
     with torch.inference_mode():
         native = layer(x)
-        monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+        layer._kernel_ok = False  # as after a .to() the kernel cannot read
         reference = layer(x)
     assert torch.equal(reference, w4.w4a8_matmul(x, qw.qweight, qw.scales, qw.mins))
     assert float((native.float() - reference.float()).abs().max()) <= 0.01 * float(reference.float().abs().max())
@@ -328,6 +325,10 @@ def test_w4a8_takes_gguf_q4_blocks_as_they_are(tiny_llama_dir):
 def test_a_bf16_w4a8_engine_runs_natively(tiny_llama_dir, monkeypatch):
     from batchrun.engine import Engine, EngineConfig, SamplingParams
 
+    calls = []
+    for name in ("w4a8_matmul_native", "w4a8_silu_quant_native"):  # counted as the kernel set binds them
+        real = getattr(w4, name)
+        monkeypatch.setattr(w4, name, lambda *a, fn=real, name=name: calls.append(name) or fn(*a))
     engine = Engine(
         EngineConfig(
             model=tiny_llama_dir,
@@ -343,10 +344,7 @@ def test_a_bf16_w4a8_engine_runs_natively(tiny_llama_dir, monkeypatch):
     layers = [m for m in engine.model.modules() if isinstance(m, mq.W4A8Linear)]
     assert len(layers) == 4 * engine.model.spec.num_layers and all(m.is_native for m in layers)
     assert sum(isinstance(m, mq.W4A8SiluMulLinear) for m in layers) == engine.model.spec.num_layers
-    calls = []
-    for name in ("w4a8_matmul_native", "w4a8_silu_quant_native"):
-        real = getattr(w4, name)
-        monkeypatch.setattr(w4, name, lambda *a, fn=real, name=name: calls.append(name) or fn(*a))
+    calls.clear()  # start-up's profile
     prompts = [[5 + (3 * i + j) % 150 for j in range(10 + 9 * i)] for i in range(3)]
     params = SamplingParams(temperature=0.0, max_tokens=8)
     tokens = [o.token_ids for o in engine.generate(prompts, params)]
@@ -377,7 +375,7 @@ def test_fused_silu_quant_is_bitwise_the_three_passes(rows, k, threads, bias):
     x = _activations(rows, k, seed=rows)
     before = torch.get_num_threads()
     with torch.inference_mode():
-        want = w4.quantize_groups_int8(ew.act_mul(plain(x), "silu"))
+        want = w4.quantize_groups_int8(ew.act_mul_native(plain(x), "silu"))
         try:
             torch.set_num_threads(threads)
             got = fused(x)
@@ -390,7 +388,7 @@ def test_fused_silu_quant_is_bitwise_the_three_passes(rows, k, threads, bias):
 
 
 @needs_native_w4a8
-def test_fused_silu_quant_with_the_kernels_off_returns_the_activation(monkeypatch):
+def test_fused_silu_quant_off_its_kernel_returns_the_activation():
     from batchrun.kernels import elementwise as ew
 
     qw = _weight(128, 64)
@@ -399,9 +397,10 @@ def test_fused_silu_quant_with_the_kernels_off_returns_the_activation(monkeypatc
     x = _activations(9, 64)
     with torch.inference_mode():
         on = down(fused(x))
-        monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+        for layer in (plain, fused, down):
+            layer._kernel_ok = False  # as after a .to() the kernel cannot read
         h = fused(x)
-        assert torch.equal(h, ew.act_mul(plain(x), "silu"))  # plain's reference path, then the activation
+        assert torch.equal(h, ew.act_mul_native(plain(x), "silu"))  # plain's reference path, then the activation
         off = down(h)
     assert float((on.float() - off.float()).abs().max()) <= 0.02 * float(off.float().abs().max())
 

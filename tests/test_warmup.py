@@ -11,13 +11,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from batchrun import Engine, EngineConfig, SamplingParams
 from batchrun.engine.warmup import decode_split_fn, warmup_plan, width_class
 from batchrun.kernels import triton_attention
 from batchrun.kernels.attention_metadata import AttentionMetadata
-from batchrun.kernels.backend import MAX_SHARED_PER_BLOCK, GpuTarget, simulated_gpu
+from batchrun.kernels.target import SM90
 from batchrun.testing import sample_texts
 
 BLOCK = 16
@@ -34,11 +33,9 @@ def _reachable(split_fn, max_num_seqs: int, max_blocks: int) -> set[tuple[int, s
 def test_the_plan_covers_every_split_count_a_gpu_step_can_get():
     """GPU-sized shapes without a GPU: default_num_splits for a 132-SM device (an H200, simulated),
     8 KV heads, 8k context, 256 sequences: split counts 1 to 32."""
-    device = torch.device("cuda", 0)
 
     def split_fn(n: int, ctx: int) -> int:
-        with simulated_gpu(GpuTarget((9, 0), 132, MAX_SHARED_PER_BLOCK[(9, 0)])):
-            return triton_attention.default_num_splits(n, 8, ctx, device, 64)
+        return triton_attention.default_num_splits(n, 8, ctx, SM90, 64)
 
     max_model_len, max_num_seqs = 8192, 256
     plan = warmup_plan(BLOCK, max_model_len, 2048, max_num_seqs, split_fn)
@@ -104,6 +101,15 @@ def _prompts() -> list[str]:
 def test_warmup_covers_every_step_kind_and_leaves_no_trace(tiny_llama_dir, one_torch_thread):
     fresh = Engine(_config(tiny_llama_dir))
     engine = Engine(_config(tiny_llama_dir))
+    # The CPU's attention splits no context; the warm-up plans by the kernel set's split count, so
+    # the set here splits as the Triton decode kernel in the interpreter does (several counts).
+    kernels = engine.model.kernels
+    assert kernels.decode_num_splits(1, 2, 4096) == 1
+    engine.model.use_kernels(
+        dataclasses.replace(
+            kernels, decode_num_splits=lambda n, heads, ctx: triton_attention.default_num_splits(n, heads, ctx, None)
+        )
+    )
     assert engine.settings.warmup is None and "warmup" not in engine.settings.as_dict()  # null: on a GPU only
     before = _state(fresh)
     assert _state(engine) == before
@@ -117,7 +123,7 @@ def test_warmup_covers_every_step_kind_and_leaves_no_trace(tiny_llama_dir, one_t
 
     kinds = set()
     observed: dict[str, set[tuple[int, str]]] = {"decode": set(), "mixed": set()}
-    split_fn = decode_split_fn(engine.device, engine.model.spec.num_kv_heads)
+    split_fn = decode_split_fn(engine.model.kernels, engine.model.spec.num_kv_heads)
     for meta in metas:
         num_decode = int(meta.decode_seq_ids.shape[0])
         q_lens = [meta.query_start_loc[i + 1] - meta.query_start_loc[i] for i in range(len(meta.seq_lens))]
@@ -179,7 +185,7 @@ def test_a_draft_model_is_warmed_up_too_and_greedy_output_is_unchanged(tiny_mode
             warmed.max_model_len,
             warmed.max_num_batched_tokens,
             warmed.max_num_seqs,
-            decode_split_fn(warmed.device, r.model.spec.num_kv_heads),
+            decode_split_fn(r.model.kernels, r.model.spec.num_kv_heads),
         )
         for r in runners
     ]

@@ -326,4 +326,17 @@ def _settings_lines(result: BenchmarkResult) -> list[str]:
         f"{'' if s['planner']['enabled'] else ' (off)'}",
         f"matmul peak GFLOP/s ({'x'.join(map(str, s['matmul_shape']))}): {peaks}; "
         f"{s['num_parameters'] / 1e6:.1f}M parameters; load average (1 min) {load} on {s['num_cpus']} CPUs",
+        *_kernel_lines(engine),
+    ]
+
+
+def _kernel_lines(engine: dict[str, Any]) -> list[str]:
+    """The engine's kernel set (EngineSettings.kernels) in one line: target, binder, tuning."""
+    k = engine.get("kernels")
+    if not k:
+        return []
+    native = "on" if k["target"]["native_cpu_kernels"] else "off"
+    return [
+        f"kernels: {k['binder']} set for {k['target']['name']} (native CPU kernels {native}), "
+        f"attention {k['kernels']['paged_attention']}, tuning: {k['tuning']['source']}"
     ]

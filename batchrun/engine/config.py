@@ -86,6 +86,10 @@ class EngineConfig:
     # step, which runs eagerly, so on a GPU admitting in batches leaves fewer such steps. 1: admit
     # at every end (the default; the CPU has no graphs to keep). docs/configuration.md.
     admission_min_slots: int = 1
+    # On a GPU, time at start-up (before the KV cache is sized) the fused projection GEMMs against
+    # cuBLAS and the Triton GEMMs' tiles, per row bucket and shape a run can reach, and keep the
+    # faster (kernels/tuning.py); false: the static tables' choices, nothing timed. The CPU never times.
+    tune_kernels: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):  # accepted from plain configs
@@ -121,6 +125,8 @@ class EngineConfig:
                 raise ValueError(f"engine.{name} must be positive, got {value!r}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"engine.kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+        if not isinstance(self.tune_kernels, bool):
+            raise ValueError(f"engine.tune_kernels must be true or false, got {self.tune_kernels!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"engine.batch_invariant must be true or false, got {self.batch_invariant!r}")
         if (

@@ -1,10 +1,12 @@
-"""Where the engine runs: device and dtype resolution, and the memory and weight sizes it plans with."""
+"""Where the engine runs: device and dtype resolution, and the memory and weight sizes it plans with.
+The device's own facts (a GPU's properties, free memory) are read through its DeviceTarget
+(kernels/target.py), found once at start-up."""
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from batchrun.kernels.target import DeviceTarget
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -27,12 +29,11 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, target: DeviceTarget) -> torch.dtype:
+    """engine.dtype; "auto": bf16 on a GPU and on CPUs that multiply it natively, else float32."""
     if name != "auto":
         return _DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    return torch.bfloat16 if target.is_gpu or cpu_has_fast_bf16() else torch.float32
 
 
 def weight_count(model: torch.nn.Module) -> int:
@@ -46,8 +47,6 @@ def weight_count(model: torch.nn.Module) -> int:
     return total
 
 
-def available_memory(device: torch.device) -> int:
+def available_memory(target: DeviceTarget) -> int:
     """Free bytes the KV cache may be sized from: free GPU memory, or available RAM on the CPU."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return target.available_memory()

@@ -24,6 +24,8 @@ from batchrun.engine.runners import ModelRunner, PendingStep
 from batchrun.engine.sampler import STREAM_DRAFT, Sampler, draw_from_probs, sampling_probs_rows
 from batchrun.engine.scheduler import ScheduledBatch, StepResult
 from batchrun.engine.speculative import DraftProbs, SpeculationPolicy, StepCostModel, ngram_propose, record_acceptance
+from batchrun.kernels.binding import rebind
+from batchrun.kernels.kernel_set import KernelSet
 from batchrun.model.decoder import DecoderLM, build_decoder
 from batchrun.model.loader import load_model
 
@@ -179,17 +181,21 @@ class Drafter:
 
 
 def load_draft_model(
-    spec: SpeculativeConfig, tokenizer: Any, dtype: torch.dtype, device: torch.device, cache_dir: Optional[str]
+    spec: SpeculativeConfig, tokenizer: Any, kernels: KernelSet, cache_dir: Optional[str]
 ) -> tuple[DecoderLM, str]:
-    """(the draft model, its resolved path); it must share the target's tokenizer."""
+    """(the draft model, its resolved path), on the target's device and dtype, running the target's
+    kernel set bound for its own KV cache (always the model dtype); it must share the target's
+    tokenizer."""
     assert spec.draft_model is not None  # SpeculativeConfig requires it for method=draft
+    dtype, device = kernels.dtype, kernels.target.device
     loaded = load_model(spec.draft_model, dtype=dtype, cache_dir=cache_dir)
     if len(loaded.tokenizer) != len(tokenizer) or loaded.tokenizer.get_vocab() != tokenizer.get_vocab():
         raise ValueError(
             f"engine.speculative.draft_model {spec.draft_model!r} has a different tokenizer "
             "from the target model; a draft must share the target's vocabulary"
         )
-    return build_decoder(loaded.config, loaded.state_dict, dtype, device).eval(), loaded.path
+    draft_kernels = rebind(kernels, kv_cache_dtype="auto")
+    return build_decoder(loaded.config, loaded.state_dict, dtype, device, draft_kernels).eval(), loaded.path
 
 
 def build_drafter(

@@ -33,10 +33,19 @@ class BatchLimits:
     profile: dict[str, Any]  # what was measured: {"prefill": {tokens: tok/s}, "decode": {seqs: tok/s}}
 
 
-def default_kv_bytes(device: torch.device, available: int) -> int:
-    if device.type == "cuda":
+def default_kv_bytes(on_gpu: bool, available: int) -> int:
+    """engine.kv_cache_memory's default: 90% of a GPU's free memory, or a quarter of the CPU's
+    available RAM up to _CPU_KV_CAP."""
+    if on_gpu:
         return int(0.9 * available)
     return int(min(0.25 * available, _CPU_KV_CAP))
+
+
+def _synchronize() -> None:
+    """Wait for the GPU's queued work where this process runs any (a timed step ends there, not
+    at its launch); nothing to wait for on the CPU, where CUDA is never initialized."""
+    if torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.synchronize()
 
 
 def _fake_request(seq_id: int, num_tokens: int, num_computed: int, block_ids: list[int]) -> Request:
@@ -50,12 +59,10 @@ def _rate(runner: ModelRunner, batch: ScheduledBatch, repeats: int = 2) -> tuple
     """(tokens per second, seconds per step): the best of `repeats` timed steps."""
     best = float("inf")
     for _ in range(repeats):
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize()
+        _synchronize()
         t = time.perf_counter()
         runner.forward(batch)
-        if runner.device.type == "cuda":
-            torch.cuda.synchronize()
+        _synchronize()
         best = min(best, time.perf_counter() - t)
     return batch.num_tokens / best, best
 

@@ -1,5 +1,5 @@
-"""Giving a freshly loaded model its linear backends for the engine's settings (`engine.quantization`,
-device and dtype), with the calibration pass W8A8 needs first."""
+"""Giving a freshly loaded model its linear backends for the engine's settings (`engine.quantization`)
+and kernel set, with the calibration pass W8A8 needs first."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.request import Request
 from batchrun.engine.runners import ModelRunner
 from batchrun.engine.scheduler import ScheduledBatch
-from batchrun.kernels.backend import triton_installed, triton_usable
+from batchrun.kernels.kernel_set import KernelSet
 from batchrun.model.decoder import DecoderLM
 from batchrun.model.invariant import use_invariant_linears
 from batchrun.model.prepare import prepare_linears
@@ -39,39 +39,41 @@ def prepare_linears_for_engine(
     config: EngineConfig,
     tokenizer: Any,
     gguf_weights: Optional[dict[str, QuantizedWeight]],
-    dtype: torch.dtype,
-    device: torch.device,
+    kernels: KernelSet,
 ) -> QuantizationSummary:
-    """prepare_linears with the engine's settings. W8A8 first measures each projection's input range
-    on 1k tokens of built-in text, with the float model, so SmoothQuant can even out the activations.
-    With engine.batch_invariant where the Triton kernels serve the device (a GPU), every linear runs
-    the batch-invariant Triton matmul instead (model/invariant.py); the quantized GEMMs there pick
-    tiles and split-K by row count, so that combination is refused."""
-    if config.batch_invariant and torch.device(device).type == "cuda" and not triton_installed():
+    """prepare_linears with the engine's settings and kernel set. W8A8 first measures each
+    projection's input range on 1k tokens of built-in text, with the float model, so SmoothQuant can
+    even out the activations. With engine.batch_invariant where the kernel set has a batch-invariant
+    matmul (a GPU's Triton set: cuBLAS's rows depend on the batch), every linear runs it instead
+    (model/invariant.py); the quantized GEMMs there pick tiles and split-K by row count, so that
+    combination is refused. A GPU without Triton has no such matmul: refused too."""
+    target, dtype = kernels.target, kernels.dtype
+    if config.batch_invariant and target.gpu is not None and kernels.invariant_matmul is None:
         raise ValueError(
             "engine.batch_invariant=true needs triton on a GPU (its linears run a Triton matmul, cuBLAS's "
             "rows depend on the batch); install triton or turn engine.batch_invariant off"
         )
-    if config.batch_invariant and triton_usable(torch.empty(0, device=device)):
+    if config.batch_invariant and kernels.invariant_matmul is not None:
         if config.quantization != "none":
             raise ValueError(
                 f"engine.batch_invariant=true is not supported with engine.quantization={config.quantization} on a "
                 "GPU (its GEMMs pick tiles and split-K by row count); set engine.quantization=none or turn it off"
             )
-        summary = prepare_linears(model, "none", None, dtype)  # the float layers stay nn.Linear: swapped below
-        use_invariant_linears(model)
+        summary = prepare_linears(model, "none", kernels=kernels)  # the float layers stay nn.Linear: swapped below
+        use_invariant_linears(model, kernels.invariant_matmul)
         return summary
     input_absmax = None
     if config.quantization == "w8a8":
-        run = prefill_forward(model, config.block_size, dtype, device)
+        run = prefill_forward(model, config.block_size, dtype, target.device)
         input_absmax = collect_input_absmax(model, run, calibration_token_ids(tokenizer))
     return prepare_linears(
         model,
         config.quantization,
-        device,
+        target.device,
         dtype,
         group_size=config.quant_group_size,
         prequantized=gguf_weights,
         input_absmax=input_absmax,
         outlier_channels=config.w8a8_outlier_channels,
+        kernels=kernels,
     )

@@ -31,7 +31,8 @@ CPU (the torch reference where it is not built), which round every float32 opera
 same logits a seeded request samples the same tokens on the CPU and on a GPU except where the two
 best race keys of a row are within the last bit of `log`, or a top-p mass within float rounding of
 top_p (exp's last bit, float64 sum order); docs/design.md says how rare. The kernels come from the
-caller (`Sampler(seed, race=..., spill=...)`), else they are chosen per call for the logits' device.
+caller (`Sampler(seed, race=..., spill=...)`: engine start-up hands it the kernel set's), else the
+torch references.
 
 Speculative decoding draws from explicit probability vectors (draft proposals, acceptance tests,
 residual resampling: engine/speculative.py, engine/drafter.py) by inverse CDF with uniforms hashed
@@ -50,9 +51,9 @@ from batchrun.engine.config import SamplingParams
 from batchrun.kernels.sampling import (
     RaceFn,
     SpillFn,
+    gumbel_sample_reference,
     kept_prefix,
     pack_rows,
-    sampling_kernels,
     spill_thresholds_reference,
     weight_past,
 )
@@ -205,10 +206,10 @@ class Sampler:
         # Rows sampled without a seed draw their race seeds (and speculation its uniforms) from here,
         # in row order.
         self._generator = torch.Generator().manual_seed(seed)
-        # The device kernels of a step (kernels/sampling.py), bound by the caller; None: chosen per
-        # call for the logits' device.
-        self._race = race
-        self._spill = spill
+        # The device kernels of a step (the kernel set's, KernelSet.sample and .spill), bound by the
+        # caller (engine start-up); None: the torch references, which run on any device.
+        self._race = race or gumbel_sample_reference
+        self._spill = spill or spill_thresholds_reference
 
     @torch.inference_mode()
     def sample(
@@ -257,9 +258,6 @@ class Sampler:
         if all(p.is_greedy for p in params):
             return logits.argmax(dim=-1)
         race, spill = self._race, self._spill
-        if race is None or spill is None:
-            chosen = sampling_kernels(logits)
-            race, spill = race or chosen.race, spill or chosen.spill
         temperatures = [p.temperature for p in params]
         host = torch.from_numpy(pack_rows(self.row_seeds(params, seeds), positions, temperatures))
         rows = to_device(host, logits.device)  # (3, B)

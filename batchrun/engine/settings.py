@@ -29,7 +29,7 @@ class EngineSettings:
     max_num_batched_tokens: int  # token budget of one step
     # What the start-up profile measured: {"prefill_tok_s": {tokens: tok/s}, "decode_tok_s": {seqs: tok/s}}
     batch_limits_profile: Mapping[str, Any]
-    # csrc/ kernels (decode and prefill attention, W8A8 quantization) built and on; False: plain torch
+    # csrc/ kernels (attention, elementwise, linears, W8A8/W4A8 quantization) built and on (CPU)
     native_cpu_kernels: bool
     packed_linears: int  # bf16 CPU linears whose weights were packed at load
     native_linears: int  # of those, the ones csrc/linear.cpp runs (the others: oneDNN)
@@ -42,6 +42,10 @@ class EngineSettings:
     kv_cache_dtype: str  # engine.kv_cache_dtype
     async_scheduling: bool  # engine.async_scheduling
     admission_min_slots: int  # engine.admission_min_slots
+    # The kernel set bound at start-up (kernels/kernel_set.py: KernelSet.describe): the target, the
+    # function serving each kernel and linear format, and the tuning's choices (source "table" or
+    # "measured"); docs/kernels.md says how to read it
+    kernels: Mapping[str, Any]
     speculative: Optional[Mapping[str, Any]] = None  # the drafter's method, k, self_layers, adaptive
     draft_model: Optional[str] = None  # speculative.method=draft: the draft model's path
     warmup: Optional[Mapping[str, Any]] = None  # the last warm-up's {"num_steps", "graph_buckets", "seconds"}

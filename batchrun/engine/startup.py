@@ -1,6 +1,8 @@
 """Engine start-up as named phases, each a small function that returns a frozen value.
 
-    load_target        EngineConfig -> Target      weights in, linears quantized/packed, draft model
+    bind               EngineConfig -> KernelSet   the device target found, its kernel set bound (tables)
+    load_target        KernelSet -> Target         weights in, linears quantized/packed, draft model
+    tune               Target -> KernelSet         fused-vs-unfused and tiles per shape (timed on a GPU)
     plan_kv            Target -> KVPlan            KV blocks from the memory budget, max_model_len
     build_cache        KVPlan -> Cache             the KV manager and the runner (CPU or GPU) over its blocks
     pick_batch_limits  Cache -> BatchLimits        max_num_seqs / max_num_batched_tokens (profiled)
@@ -9,9 +11,12 @@
     warm_up            Core -> summary             every kernel variant and graph bucket, once
 
 `start_engine` runs them in this order and hands the `EngineParts` to `Engine`, which only assigns
-them. The order matters where one phase measures what an earlier one left: a draft model is loaded
+them. The order matters where one phase measures what an earlier one left: the kernel set decides
+how the linears hold their weights, so it is bound before the model is prepared; tuning times on
+model-shaped inputs while the memory the KV cache will take is still free; a draft model is loaded
 before the KV cache is sized (both caches come out of one budget, measured with both models'
-weights in place), and the batch limits are timed on the runner over the real cache.
+weights in place), and the batch limits are timed on the runner over the real cache. `bind` is the
+one phase that asks which device the engine runs on (kernels/target.py: find_target).
 """
 
 from __future__ import annotations
@@ -37,8 +42,13 @@ from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Scheduler, SchedulerConfig
 from batchrun.engine.settings import EngineSettings
 from batchrun.engine.warmup import warm_up as run_warm_up
-from batchrun.kernels import cpu_native
+from batchrun.kernels.binding import bind_kernels, with_tuning
+from batchrun.kernels.kernel_set import KernelSet
+from batchrun.kernels.target import GpuTarget, find_target
+from batchrun.kernels.tuning import measured_tuning, table_tuning
+from batchrun.kernels.tuning_cases import tuning_cases
 from batchrun.model.decoder import DecoderLM, build_decoder
+from batchrun.model.gemm_shapes import gemm_shapes
 from batchrun.model.linear import NativeLinear
 from batchrun.model.loader import load_model
 from batchrun.model.prepare import module_weight_bytes
@@ -112,6 +122,7 @@ class EngineParts:
     """Everything start-up produced, in the order it was produced; `Engine` assigns it."""
 
     config: EngineConfig
+    kernels: KernelSet  # bound at start-up, tuned: what every module of the model runs
     target: Target
     kv_plan: KVPlan
     cache: Cache
@@ -121,14 +132,23 @@ class EngineParts:
     startup_s: float  # seconds from the first phase to the end of the warm-up
 
 
-def load_target(config: EngineConfig) -> Target:
+def bind(config: EngineConfig, simulate: Optional[GpuTarget] = None) -> KernelSet:
+    """Find the device target (engine.device; the CPU's native kernels switched on or not) and bind
+    its kernel set for the resolved dtype and engine.kv_cache_dtype, with the static tables' choices.
+    `simulate`: a GPU the CPU engine's kernel set is sized for instead (checks, launch counts)."""
+    target = find_target(resolve_device(config.device), simulate=simulate)
+    return bind_kernels(target, resolve_dtype(config.dtype, target), kv_cache_dtype=config.kv_cache_dtype)
+
+
+def load_target(config: EngineConfig, kernels: Optional[KernelSet] = None) -> Target:
     """Load the weights, give every linear its backend in one pass (quantized per
-    engine.quantization, and on a bf16 CPU the float ones packed once, for the native kernel or
-    oneDNN, instead of reordered on every call), and load the draft model when there is one."""
+    engine.quantization, over `kernels`' kernel per format, and on a bf16 CPU the float ones packed
+    once, for the native kernel or oneDNN, instead of reordered on every call), and load the draft
+    model when there is one. `kernels`: None binds the config's (`bind`)."""
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    kernels = kernels if kernels is not None else bind(config)
+    device, dtype = kernels.target.device, kernels.dtype
     loaded = load_model(
         config.model,
         dtype=dtype,
@@ -136,12 +156,12 @@ def load_target(config: EngineConfig) -> Target:
         keep_gguf_quantization=config.quantization in ("gguf", "w4a8"),
     )
     tokenizer, hf_config, path, fingerprint = loaded.tokenizer, loaded.config, loaded.path, loaded.fingerprint
-    model = build_decoder(hf_config, loaded.state_dict, dtype, device)
-    quantization = prepare_linears_for_engine(model, config, tokenizer, loaded.quantized_weights, dtype, device)
+    model = build_decoder(hf_config, loaded.state_dict, dtype, device, kernels)
+    quantization = prepare_linears_for_engine(model, config, tokenizer, loaded.quantized_weights, kernels)
     num_native = sum(isinstance(m, NativeLinear) for m in model.modules())
     del loaded  # the loaded tensors go before the draft model comes and before free memory is measured
     spec = config.speculative
-    draft = load_draft_model(spec, tokenizer, dtype, device, config.cache_dir) if spec.method == "draft" else None
+    draft = load_draft_model(spec, tokenizer, kernels, config.cache_dir) if spec.method == "draft" else None
     return Target(
         device=device,
         dtype=dtype,
@@ -156,17 +176,36 @@ def load_target(config: EngineConfig) -> Target:
     )
 
 
+def tune(config: EngineConfig, target: Target) -> KernelSet:
+    """Start-up tuning (kernels/tuning.py): for every GEMM shape the models run through a Triton
+    kernel (model/gemm_shapes.py) and every row bucket up to the token budget (the profile's largest
+    where it is profiled), fused or not and the tile; timed on a real GPU with engine.tune_kernels,
+    the static tables' elsewhere. Every model gets the kernel set bound with the result."""
+    kernels = target.model.kernels
+    models = [target.model] + ([target.draft[0]] if target.draft is not None else [])
+    max_rows = config.max_num_batched_tokens or max(profiler.PREFILL_SIZES)
+    cases = [c for m in models for c in tuning_cases(gemm_shapes(m), m.kernels, max_rows)]
+    if config.tune_kernels and kernels.target.is_gpu and cases:
+        tuning = measured_tuning(kernels.target, cases)
+    else:
+        tuning = table_tuning(kernels.target.gpu, cases)
+    for model in models:
+        model.use_kernels(with_tuning(model.kernels, tuning))
+    return target.model.kernels
+
+
 def plan_kv(config: EngineConfig, target: Target) -> KVPlan:
     """Size the KV cache from engine.kv_cache_memory (bytes, a fraction of free memory, or the
     device's default share of it), measured now, with every model's weights in place."""
     per_block = kv_bytes_per_block(target.model, config.block_size, target.dtype, config.kv_cache_dtype)
     if target.draft is not None:
         per_block += kv_bytes_per_block(target.draft[0], config.block_size, target.dtype)
+    device_target = target.model.kernels.target
     kv_bytes = config.kv_cache_memory
     if kv_bytes is None:
-        kv_bytes = default_kv_bytes(target.device, available_memory(target.device))
+        kv_bytes = default_kv_bytes(device_target.is_gpu, available_memory(device_target))
     elif kv_bytes <= 1:
-        kv_bytes = kv_bytes * available_memory(target.device)
+        kv_bytes = kv_bytes * available_memory(device_target)
     num_blocks = int(kv_bytes // per_block)
     if num_blocks < 1:
         raise ValueError(
@@ -188,8 +227,10 @@ def plan_kv(config: EngineConfig, target: Target) -> KVPlan:
 def build_cache(config: EngineConfig, target: Target, kv_plan: KVPlan) -> Cache:
     """Allocate the cache's blocks and pick the runner, once: the GPU runner (CUDA graphs, steps
     run ahead) on a GPU, the CPU runner elsewhere. It reads the KV manager's persistent block tables
-    and samples with the engine's sampler, seeded from engine.seed."""
+    and samples with the engine's sampler, seeded from engine.seed, over the kernel set's race and
+    top-p spill kernels."""
     kv = KVCacheManager(kv_plan.num_blocks, kv_plan.block_size, config.enable_prefix_caching)
+    kernels = target.model.kernels
     runner_class = GpuRunner if target.device.type == "cuda" else CpuRunner
     runner = runner_class(
         target.model,
@@ -200,7 +241,7 @@ def build_cache(config: EngineConfig, target: Target, kv_plan: KVPlan) -> Cache:
         config.kv_cache_dtype,
         block_tables=kv.block_tables,
         batch_invariant=config.batch_invariant,
-        sampler=Sampler(config.seed),
+        sampler=Sampler(config.seed, race=kernels.sample, spill=kernels.spill),
         max_model_len=kv_plan.max_model_len,
     )
     return Cache(kv, runner)
@@ -249,7 +290,9 @@ def build_core(config: EngineConfig, target: Target, kv_plan: KVPlan, cache: Cac
     return Core(scheduler, sampler, grammars, admission, drafter, speculative)
 
 
-def describe(config: EngineConfig, target: Target, kv_plan: KVPlan, limits: BatchLimits, core: Core) -> EngineSettings:
+def describe(
+    config: EngineConfig, kernels: KernelSet, target: Target, kv_plan: KVPlan, limits: BatchLimits, core: Core
+) -> EngineSettings:
     """What start-up resolved, for logs, run manifests and benchmark tables."""
     device = target.device
     return EngineSettings(
@@ -264,7 +307,7 @@ def describe(config: EngineConfig, target: Target, kv_plan: KVPlan, limits: Batc
         max_num_seqs=limits.max_num_seqs,
         max_num_batched_tokens=limits.max_num_batched_tokens,
         batch_limits_profile=limits.profile,
-        native_cpu_kernels=device.type == "cpu" and cpu_native.enabled() and cpu_native.available(),
+        native_cpu_kernels=kernels.target.native_cpu_kernels,
         packed_linears=target.quantization.num_packed,
         native_linears=target.num_native_linears,
         quantization=config.quantization,
@@ -275,6 +318,7 @@ def describe(config: EngineConfig, target: Target, kv_plan: KVPlan, limits: Batc
         kv_cache_dtype=config.kv_cache_dtype,
         async_scheduling=config.async_scheduling,
         admission_min_slots=config.admission_min_slots,
+        kernels=kernels.describe(),
         speculative=core.speculative,
         draft_model=target.draft[1] if target.draft is not None else None,
     )
@@ -300,19 +344,28 @@ def warm_up(
     return summary
 
 
-def start_engine(config: EngineConfig, target: Optional[Target] = None) -> EngineParts:
+def start_engine(
+    config: EngineConfig,
+    target: Optional[Target] = None,
+    kernels: Optional[KernelSet] = None,
+    simulate: Optional[GpuTarget] = None,
+) -> EngineParts:
     """Every phase in order; EngineConfig.warmup None warms up on a GPU only. `target`: a model
-    already loaded and prepared (a benchmark's random weights built on the device) instead of
-    `load_target(config)`."""
+    already loaded and prepared over its kernel set (a benchmark's random weights built on the
+    device) instead of `load_target`; `kernels`: a kernel set bound by the caller (Triton's on the
+    CPU: the interpreter's tiles) instead of `bind(config)`; `simulate`: a GPU the CPU engine's
+    kernel set is sized for (`bind`). The last two are for checks and launch counts."""
     t0 = time.perf_counter()
-    target = target if target is not None else load_target(config)
+    if target is None:
+        target = load_target(config, kernels if kernels is not None else bind(config, simulate))
+    kernels = tune(config, target)
     kv_plan = plan_kv(config, target)
     cache = build_cache(config, target, kv_plan)
     limits = pick_batch_limits(config, cache, kv_plan)
     core = build_core(config, target, kv_plan, cache, limits)
-    settings = describe(config, target, kv_plan, limits, core)
+    settings = describe(config, kernels, target, kv_plan, limits, core)
     target.model.reset_expert_token_counts()  # start-up profiling forwards are not real tokens
-    if config.warmup or (config.warmup is None and target.device.type == "cuda"):
+    if config.warmup or (config.warmup is None and kernels.target.is_gpu):
         sizes = (kv_plan.max_model_len, limits.max_num_batched_tokens, limits.max_num_seqs)
         settings = settings.with_warmup(warm_up(cache.kv, cache.runner, core.drafter, core.sampler, *sizes))
     startup_s = time.perf_counter() - t0
@@ -331,4 +384,4 @@ def start_engine(config: EngineConfig, target: Optional[Target] = None) -> Engin
         limits.max_num_batched_tokens,
         f" (profiled: {limits.profile})" if limits.profile else "",
     )
-    return EngineParts(config, target, kv_plan, cache, limits, core, settings, startup_s)
+    return EngineParts(config, kernels, target, kv_plan, cache, limits, core, settings, startup_s)

@@ -9,7 +9,7 @@ the first timed steps and the first requests' latencies. The warm-up runs, on ha
   here a block table's row stride, on being 1 or a multiple of 16);
 - a chunked prefill over a cached prefix (the prefill kernel's path that reads earlier context);
 - for every (decode split count, block-table width class) pair a step can get under this engine's
-  shapes (`default_num_splits` over 1 to max_num_seqs decodes and every table width; width
+  shapes (the kernel set's `decode_num_splits` over 1 to max_num_seqs decodes and every table width; width
   classes 1, a multiple of 16, other): a decode-only step and a mixed prefill + decode step (the
   decode kernel is specialized on split or not and on whether decode rows are given, as in a mixed
   step; the merge kernel on the padded split count);
@@ -38,7 +38,7 @@ from batchrun.engine.runners import ForwardOutput, ModelRunner
 from batchrun.engine.runners.cuda_graphs import pick_bucket
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import ScheduledBatch
-from batchrun.kernels.backend import triton_installed
+from batchrun.kernels.kernel_set import KernelSet
 
 log = logging.getLogger(__name__)
 
@@ -65,16 +65,12 @@ class WarmupStep:
     table_blocks: int = 0  # width of the step's block tables, in blocks
 
 
-def decode_split_fn(device: torch.device, num_kv_heads: int) -> SplitFn:
-    """The split count the Triton decode launcher picks for a step's decodes (1 without Triton)."""
-    if not triton_installed():
-        return lambda num_decode, max_context: 1
-    from batchrun.kernels.triton_attention import default_decode_block_n, default_num_splits
-
-    block_n = default_decode_block_n(device)  # the tile decode_attention's split count is computed from
+def decode_split_fn(kernels: KernelSet, num_kv_heads: int) -> SplitFn:
+    """The split count the kernel set's decode attention picks for a step's decodes (1 where it
+    splits no context: the CPU's)."""
 
     def split_fn(num_decode: int, max_context: int) -> int:
-        return default_num_splits(num_decode, num_kv_heads, max_context, device, block_n)
+        return kernels.decode_num_splits(num_decode, num_kv_heads, max_context)
 
     return split_fn
 
@@ -226,7 +222,7 @@ def warm_up(
     num_steps = 0
     buckets: list[int] = []
     for i, runner in enumerate(runners):
-        split_fn = decode_split_fn(runner.device, runner.model.spec.num_kv_heads)
+        split_fn = decode_split_fn(runner.model.kernels, runner.model.spec.num_kv_heads)
         plan = warmup_plan(runner.block_size, max_model_len, max_num_batched_tokens, max_num_seqs, split_fn)
         out = run_warmup(runner, plan, num_blocks)
         if out is not None and i == 0:

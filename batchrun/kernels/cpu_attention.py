@@ -35,20 +35,17 @@ INT8_KV_CODE = 2  # the kernels' element code for an int8 cache (float32 0, bf16
 
 
 def supports(q: torch.Tensor, k_cache) -> bool:
-    """Whether the native kernel serves this query and cache: enabled (BATCHRUN_CPU_KERNELS, read
-    on every call), CPU, float32 or bf16, a cache of q's dtype or an int8 QuantizedKVCache
-    (engine.kv_cache_dtype: int8), with contiguous rows, and a kernel that built."""
+    """Whether the native kernel takes this query and cache: float32 or bf16, a cache of q's dtype or
+    an int8 QuantizedKVCache (engine.kv_cache_dtype: int8), with contiguous rows. Asked only where
+    the kernels are built and on (a CPU kernel set binds `paged_attention_cpu(native=True)` there)."""
     if isinstance(k_cache, QuantizedKVCache):
         data = k_cache.data
-        return (
-            q.dtype in DTYPE_CODES and data.dtype == torch.int8 and data.stride(-1) == 1 and cpu_native.usable(q, data)
-        )
+        return q.dtype in DTYPE_CODES and data.dtype == torch.int8 and data.stride(-1) == 1
     return (
         isinstance(k_cache, torch.Tensor)
         and q.dtype in DTYPE_CODES
         and k_cache.dtype == q.dtype
         and k_cache.stride(-1) == 1
-        and cpu_native.usable(q, k_cache)
     )
 
 
@@ -142,7 +139,8 @@ def write_kv_cache(
 ) -> bool:
     """Copy this step's K and V rows into their cache slots in one native pass (into an int8 cache,
     quantized on the way exactly as kernels/quant/kv.py: quantize_kv does); False (nothing written)
-    when the kernel does not serve these tensors and the caller must take the torch path."""
+    when the kernel does not take these tensors and the caller must take the torch path. Called
+    where the kernels are built and on (kernels/attention.py: write_kv_cache_native)."""
     head_dim = k.shape[-1]
     int8 = isinstance(k_cache, QuantizedKVCache)
     kc, vc = (k_cache.data, v_cache.data) if int8 else (k_cache, v_cache)
@@ -156,7 +154,6 @@ def write_kv_cache(
         and k.stride(2) == v.stride(2) == kc.stride(3) == 1
         and k.stride(1) == v.stride(1) == head_dim
         and vc.stride() == kc.stride()
-        and cpu_native.usable(k, kc)
     ):
         return False
     lib = cpu_native.loaded()
@@ -188,7 +185,7 @@ def write_kv_cache(
 
 
 def supports_prefill(q: torch.Tensor, k_cache) -> bool:
-    """Whether the native prefill kernel serves this query and cache: `supports`, and a head_dim,
+    """Whether the native prefill kernel takes this query and cache: `supports`, and a head_dim,
     block size and dtype that this build's AVX-512 instances cover (16, 32, 64, 128 or 256; blocks of
     a multiple of 16; bf16 needs AVX512-BF16)."""
     if not supports(q, k_cache):
@@ -272,17 +269,20 @@ def paged_attention_cpu(
     softcap: Optional[float] = None,
     k_new: Optional[torch.Tensor] = None,
     v_new: Optional[torch.Tensor] = None,
+    *,
+    native: bool,
 ) -> torch.Tensor:
-    """attention.paged_attention on the CPU (same arguments; the cache may be a QuantizedKVCache):
-    decodes and prefills run the native kernels where they are built and serve the cache's dtype and
-    shape (`supports`, `supports_prefill`), the rest the torch path.
+    """kernels/attention.py's paged_attention on the CPU (the cache may be a QuantizedKVCache): with
+    `native` (the kernels built and on: bound once by the kernel set) decodes and prefills run the
+    native kernels where they take the cache's dtype and shape (`supports`, `supports_prefill`), the
+    rest the torch path; without, all of it the torch path.
 
     meta.batch_invariant (every sequence then counts as a prefill): the prefill kernel on its fixed
     key grid, whose per-row result depends only on the row's query and keys, or where it does not
     serve, the torch path's float64 `attend_rows_invariant`."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (num_tokens, num_heads, head_dim)
     if meta.batch_invariant:
-        if supports_prefill(q, k_cache):
+        if native and supports_prefill(q, k_cache):
             args = meta.prefill_native_inputs()
             paged_prefill_attention(q.contiguous(), k_cache, v_cache, *args, out, scale, sliding_window, softcap, True)
         else:
@@ -292,14 +292,14 @@ def paged_attention_cpu(
         # A prefix served from the cache is read quantized; a fresh prompt must see its own keys the
         # same way (not this step's float K/V), or prefix caching would change its outputs.
         k_new = v_new = None
-    if meta.prefill_seq_ids and supports_prefill(q, k_cache):
+    if native and meta.prefill_seq_ids and supports_prefill(q, k_cache):
         paged_prefill_attention(
             q.contiguous(), k_cache, v_cache, *meta.prefill_native_inputs(), out, scale, sliding_window, softcap
         )
         prefill_ids: list[int] = []
     else:
         prefill_ids = meta.prefill_seq_ids
-    if meta.decode_seq_ids.numel() > 0 and supports(q, k_cache):
+    if native and meta.decode_seq_ids.numel() > 0 and supports(q, k_cache):
         rows, tables, _ = meta.decode_inputs(None)
         if not meta.prefill_seq_ids:  # a pure decode step: every row is a decode, in order
             return paged_decode_attention(

@@ -46,9 +46,10 @@ def mkldnn_linear(x: torch.Tensor, packed_weight: torch.Tensor, bias: Optional[t
 
 
 def native_supported(out_features: int, in_features: int) -> bool:
-    """Whether the native bf16 kernel serves an (out_features, in_features) weight here: kernels on
-    and built with AVX512-BF16, out_features a multiple of 32, in_features even and not too wide."""
-    if not (cpu_native.enabled() and cpu_native.available()) or in_features > NATIVE_MAX_IN_FEATURES:
+    """Whether the native bf16 kernel takes an (out_features, in_features) weight: built with
+    AVX512-BF16, out_features a multiple of 32, in_features even and not too wide. Asked where the
+    kernels are built and on (a CPU kernel set that packs for them: model/linear.py)."""
+    if in_features > NATIVE_MAX_IN_FEATURES:
         return False
     return bool(cpu_native.loaded().batchrun_linear_bf16_supported(out_features, in_features))
 

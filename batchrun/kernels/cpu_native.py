@@ -20,10 +20,10 @@ They are compiled together with the system C++ compiler (`$CXX`, `c++`, `g++` or
 ~/.cache/batchrun/kernels), keyed by the sources, the compiler, its flags and the CPU's feature
 flags (a cache on a shared home directory can be reached from different CPUs), written atomically
 (data-parallel workers may build at once). Without a compiler, when the build fails (a warning
-says why), or with BATCHRUN_CPU_KERNELS=0, every caller takes its plain-torch path; each kernel is
-tested against that path. ctypes releases the GIL during a call; OpenMP resolves to the libgomp
-that importing torch already loaded (same soname), so the kernels share torch's threads instead of
-competing with them.
+says why), or with BATCHRUN_CPU_KERNELS=0 (read when a kernel set is bound), the CPU kernel set
+binds the plain-torch paths instead; each kernel is tested against that path. ctypes releases the
+GIL during a call; OpenMP resolves to the libgomp that importing torch already loaded (same
+soname), so the kernels share torch's threads instead of competing with them.
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ _SIGNATURES = {
 
 
 def enabled() -> bool:
+    """BATCHRUN_CPU_KERNELS: read once per kernel set, by kernels/target.py: find_target."""
     return os.environ.get("BATCHRUN_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -161,20 +162,15 @@ def library() -> Optional[ctypes.CDLL]:
 
 
 def loaded() -> ctypes.CDLL:
-    """The loaded kernels, for a caller that checked `usable` (or `available`) first."""
+    """The loaded kernels, for a caller bound where they are available (kernels/bind_cpu.py)."""
     lib = library()
-    assert lib is not None, "native CPU kernels called without checking cpu_native.usable()"
+    assert lib is not None, "native CPU kernels called where they are not built"
     return lib
 
 
 def available() -> bool:
     """Whether the kernels are built and loaded (building them on the first call)."""
     return library() is not None
-
-
-def usable(*tensors: torch.Tensor) -> bool:
-    """Enabled (BATCHRUN_CPU_KERNELS, read on every call), every tensor on the CPU, and built."""
-    return enabled() and all(t.device.type == "cpu" for t in tensors) and available()
 
 
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}

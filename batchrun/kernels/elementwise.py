@@ -1,15 +1,17 @@
 """The elementwise ops between a decoder layer's GEMMs: RMSNorm (optionally fused with the residual
 add before it), rotary position embedding and silu(gate) * up.
 
-Each function has one signature and up to three paths: CUDA tensors take one fused Triton kernel
-(kernels/triton_elementwise.py) where triton is installed; bf16 CPU tensors go through one native
-pass (csrc/elementwise.cpp, built by cpu_native) when the kernels are built; everything else
-(float32 on the CPU, BATCHRUN_CPU_KERNELS=0) takes the plain-torch reference path, which is also
-what the other two are tested against. The native path keeps torch's bf16 roundings (each op's result is
-rounded to bf16 before the next reads it), so rotary and the residual add are bitwise equal to the
-reference, and RMSNorm and silu differ only where a float32 sum order or exp's last bit tips a
-bf16 rounding. float32 stays on torch ops on purpose: that path is the one held token-identical to
-HF transformers.
+Each op has one signature and up to three functions, one per kernel family, which a kernel set binds
+once for its target (kernels/bind_cpu.py, kernels/bind_triton.py): `*_triton` runs one fused Triton
+kernel (kernels/triton_elementwise.py); `*_native` one native bf16 pass (csrc/elementwise.cpp, built
+by cpu_native; bound where the kernels are built and on); `*_reference` the plain-torch ops, which
+the others are tested against. The first two take their reference where a tensor is not in a form
+their kernel takes (a dtype, a dim, a stride). The native path keeps torch's bf16 roundings (each
+op's result is rounded to bf16 before the next reads it), so rotary and the residual add are bitwise
+equal to the reference, and RMSNorm and silu differ only where a float32 sum order or exp's last bit
+tips a bf16 rounding. float32 stays on torch ops on purpose: that path is the one held
+token-identical to HF transformers. The norm that also quantizes its rows for the linear after it
+is Triton's alone (triton_elementwise.rms_norm_quant).
 """
 
 from __future__ import annotations
@@ -20,28 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from batchrun.kernels import cpu_native
-from batchrun.kernels.backend import triton_usable
-from batchrun.kernels.quant.act import ActQuant, QuantizedRows
 
-
-def _native(*tensors: torch.Tensor) -> bool:
-    # Called several times per layer and step: the cheap dtype test first.
-    return all(t.dtype == torch.bfloat16 for t in tensors) and cpu_native.usable(*tensors)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool = False) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in float32 as HF does; Gemma scales by (1 + w) in float32,
-    the others multiply w by the normalized value rounded to x's dtype (HF's rounding order)."""
-    if triton_usable(x) and x.dim() >= 2:
-        from batchrun.kernels.triton_elementwise import rms_norm as rms_norm_triton
-
-        return rms_norm_triton(x, weight, eps, is_gemma)
-    if _native(x, weight) and x.stride(-1) == 1 and x.dim() >= 2:
-        return _rms_norm_native(x, weight, eps, is_gemma, residual=None)
-    return rms_norm_reference(x, weight, eps, is_gemma)
+BF16 = torch.bfloat16
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 as HF does; Gemma scales by (1 + w) in float32,
+    the others multiply w by the normalized value rounded to x's dtype (HF's rounding order)."""
     # One fused kernel for the normalization (the unfused pow/mean/rsqrt/mul chain costs ~5 passes).
     normed = F.rms_norm(x.float(), (x.shape[-1],), None, eps)
     if is_gemma:
@@ -49,23 +36,40 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gem
     return weight * normed.to(x.dtype)
 
 
-def add_rms_norm(
+def rms_norm_native(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool = False) -> torch.Tensor:
+    """`rms_norm_reference` in one native pass over bf16 rows with unit last stride."""
+    if x.dtype == BF16 and weight.dtype == BF16 and x.stride(-1) == 1 and x.dim() >= 2:
+        return _rms_norm_native(x, weight, eps, is_gemma, residual=None)
+    return rms_norm_reference(x, weight, eps, is_gemma)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, is_gemma: bool = False) -> torch.Tensor:
+    """`rms_norm_reference` in one Triton kernel (rows of any dim from 2)."""
+    if x.dim() >= 2:
+        from batchrun.kernels.triton_elementwise import rms_norm as rms_norm_kernel
+
+        return rms_norm_kernel(x, weight, eps, is_gemma)
+    return rms_norm_reference(x, weight, eps, is_gemma)
+
+
+def add_rms_norm_reference(
     h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rms_norm(residual + h), residual + h): the residual add and the next sublayer's norm in one
-    pass. The native and Triton paths update `residual` in place (the decoder owns its residual stream)."""
-    if (
-        triton_usable(h)
-        and h.dim() == 2
-        and h.stride(-1) == 1
-        and residual.stride(-1) == 1
-        and residual.shape == h.shape
-    ):
-        from batchrun.kernels.triton_elementwise import add_rms_norm as add_rms_norm_triton
+    """(rms_norm(residual + h), residual + h): the residual add and the next sublayer's norm. The
+    native and Triton functions do both in one pass and update `residual` in place (the decoder
+    owns its residual stream)."""
+    residual = residual + h
+    return rms_norm_reference(residual, weight, eps), residual
 
-        return add_rms_norm_triton(h, residual, weight, eps)
+
+def add_rms_norm_native(
+    h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm_reference` in one native pass over bf16 (rows, n) matrices."""
     if (
-        _native(h, residual, weight)
+        h.dtype == BF16
+        and residual.dtype == BF16
+        and weight.dtype == BF16
         and h.dim() == 2
         and h.stride(-1) == 1
         and residual.is_contiguous()
@@ -75,23 +79,15 @@ def add_rms_norm(
     return add_rms_norm_reference(h, residual, weight, eps)
 
 
-def rms_norm_quant(
-    x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float, quant: ActQuant
-) -> tuple[QuantizedRows, torch.Tensor]:
-    """add_rms_norm (rms_norm without a residual) whose normed rows also come quantized per token as
-    `quant` asks, in the same pass: the GPU's fp8 / W8A8 linears ask for it (their `input_quant`)
-    and then skip their own quantization kernel. The Triton kernel only: x 2-D with unit last
-    stride on a GPU (triton_usable), `residual` updated in place."""
-    from batchrun.kernels.triton_elementwise import rms_norm_quant as rms_norm_quant_triton
-
-    return rms_norm_quant_triton(x, residual, weight, eps, quant)
-
-
-def add_rms_norm_reference(
+def add_rms_norm_triton(
     h: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    residual = residual + h
-    return rms_norm_reference(residual, weight, eps), residual
+    """`add_rms_norm_reference` in one Triton kernel."""
+    if h.dim() == 2 and h.stride(-1) == 1 and residual.stride(-1) == 1 and residual.shape == h.shape:
+        from batchrun.kernels.triton_elementwise import add_rms_norm as add_rms_norm_kernel
+
+        return add_rms_norm_kernel(h, residual, weight, eps)
+    return add_rms_norm_reference(h, residual, weight, eps)
 
 
 def _rms_norm_native(
@@ -121,13 +117,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin per head. x: (num_tokens, num_heads, head_dim), rows any
-    stride (a view of the fused qkv output); cos, sin: (num_tokens, head_dim) in x's dtype. The
-    native path rotates x in place and returns it; the reference returns a new tensor."""
+    stride (a view of the fused qkv output); cos, sin: (num_tokens, head_dim) in x's dtype. A new
+    tensor (the native function rotates x in place and returns it)."""
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return x * cos + rotate_half(x) * sin
+
+
+def apply_rotary_native(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary_reference` in one native bf16 pass, in place, where x's heads have unit strides."""
     t, num_heads, head_dim = x.shape
     if (
-        _native(x, cos, sin)
+        x.dtype == BF16
+        and cos.dtype == BF16
+        and sin.dtype == BF16
         and x.stride(2) == 1
         and x.stride(1) == head_dim
         and cos.is_contiguous()
@@ -142,11 +146,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return apply_rotary_reference(x, cos, sin)
 
 
-def apply_rotary_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    return x * cos + rotate_half(x) * sin
-
-
 def activation(name: str):
     """The MLP activation by HF's name."""
     if name in ("silu", "swish"):
@@ -158,15 +157,29 @@ def activation(name: str):
     raise ValueError(f"activation {name!r} is not supported")
 
 
-def act_mul(gate_up: torch.Tensor, name: str) -> torch.Tensor:
+def act_mul_reference(gate_up: torch.Tensor, name: str) -> torch.Tensor:
     """act(gate) * up for the fused gate/up projection's output (num_tokens, 2 * n), gate first."""
-    if name in ("silu", "swish") and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
-        if triton_usable(gate_up):
-            from batchrun.kernels.triton_elementwise import silu_mul
+    gate, up = gate_up.chunk(2, dim=-1)
+    return activation(name)(gate) * up
 
-            return silu_mul(gate_up)
-        if _native(gate_up):
-            return _silu_mul_native(gate_up)
+
+def _is_silu_rows(gate_up: torch.Tensor, name: str) -> bool:
+    return name in ("silu", "swish") and gate_up.dim() == 2 and gate_up.stride(-1) == 1
+
+
+def act_mul_native(gate_up: torch.Tensor, name: str) -> torch.Tensor:
+    """`act_mul_reference` in one native pass for silu over bf16 rows."""
+    if _is_silu_rows(gate_up, name) and gate_up.dtype == BF16:
+        return _silu_mul_native(gate_up)
+    return act_mul_reference(gate_up, name)
+
+
+def act_mul_triton(gate_up: torch.Tensor, name: str) -> torch.Tensor:
+    """`act_mul_reference` in one Triton kernel for silu (gelu keeps the torch activation)."""
+    if _is_silu_rows(gate_up, name):
+        from batchrun.kernels.triton_elementwise import silu_mul
+
+        return silu_mul(gate_up)
     return act_mul_reference(gate_up, name)
 
 
@@ -177,8 +190,3 @@ def _silu_mul_native(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up.data_ptr(), gate_up.shape[0], n, gate_up.stride(0), out.data_ptr(), torch.get_num_threads()
     )
     return out
-
-
-def act_mul_reference(gate_up: torch.Tensor, name: str) -> torch.Tensor:
-    gate, up = gate_up.chunk(2, dim=-1)
-    return activation(name)(gate) * up

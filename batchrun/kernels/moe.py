@@ -7,8 +7,8 @@ are scaled by the routing weights, put back in (token, k) order and summed over 
 deterministic (no atomics) and independent of the order experts run in.
 
 `grouped_gemm_reference` is the plain-torch segment GEMM (the CPU path, and the reference the
-Triton kernel in `batchrun.kernels.triton_moe` is checked against); `fused_experts` picks the
-Triton kernel on CUDA when it is installed.
+Triton kernel in `batchrun.kernels.triton_moe` is checked against); `fused_experts` runs the one
+it is given, the kernel set's `moe_grouped_gemm` (model/moe.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from typing import Optional, Protocol
 
 import torch
-
-from batchrun.kernels.backend import triton_usable
 
 
 @dataclass
@@ -75,7 +73,7 @@ def grouped_gemm_reference(
     return out
 
 
-class _GroupedGemm(Protocol):
+class GroupedGemm(Protocol):
     """`grouped_gemm_reference`'s signature, which the Triton `grouped_gemm` takes too (its tile
     sizes have defaults)."""
 
@@ -92,10 +90,11 @@ def fused_experts(
     topk_ids: torch.Tensor,  # (num_tokens, top_k) int64 expert of each pair
     activation: Callable[[torch.Tensor], torch.Tensor],
     dispatch: Optional[ExpertDispatch] = None,
-    use_triton: Optional[bool] = None,
+    grouped_gemm: GroupedGemm = grouped_gemm_reference,
     fixed_order_sum: bool = False,
 ) -> torch.Tensor:
     """sum_k w[t, k] * down_e(act(gate_e(x_t)) * up_e(x_t)) with e = topk_ids[t, k], for every token t.
+    `grouped_gemm`: the segment GEMM (the reference, or the Triton kernel a kernel set binds).
     `fixed_order_sum`: the sum over k adds left to right in float32 (`sum_over_k`), so a token's
     result does not depend on the batch a reduction kernel is sized for (engine.batch_invariant)."""
     num_tokens, top_k = topk_ids.shape
@@ -103,13 +102,6 @@ def fused_experts(
     if num_tokens == 0:
         return x.new_zeros(x.shape)
     d = dispatch if dispatch is not None else sort_by_expert(topk_ids, num_experts)
-    if use_triton is None:
-        use_triton = triton_usable(x)
-    grouped_gemm: _GroupedGemm = grouped_gemm_reference
-    if use_triton:
-        from batchrun.kernels.triton_moe import grouped_gemm as triton_grouped_gemm
-
-        grouped_gemm = triton_grouped_gemm
     h = grouped_gemm(x, gate_up_proj, d.expert_offsets, d.sorted_token_ids)  # (num_pairs, 2 * intermediate)
     gate, up = h.chunk(2, dim=-1)
     h = activation(gate) * up  # (num_pairs, intermediate)

@@ -36,8 +36,8 @@ that rounding of each other (docs/design.md says how rare that is).
 A top-k/top-p row's threshold comes from engine/sampler.py out of a fixed number of candidates;
 `spill_thresholds_reference` defines the thresholds of the rows whose kept set reaches past them,
 which the GPU finds in one Triton launch (kernels/triton_sampling.py) and the CPU on the host.
-`sampling_kernels` is the per-call choice of the race and the spill for a tensor's device, for
-callers that are not handed theirs.
+Which race and spill serve a step is the kernel set's choice (kernels/kernel_set.py: KernelSet.sample
+and .spill, bound at engine start-up); `cpu_race` is the CPU set's race, for callers not handed one.
 
 `rows` packs the per-row inputs in one int64 (3, B) tensor, one host-to-device copy per step:
 row 0 the seed (its 64-bit pattern), row 1 the position, row 2 the temperature's float32 bits
@@ -48,13 +48,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 
 from batchrun.kernels import cpu_native
-from batchrun.kernels.backend import triton_usable
 from batchrun.kernels.race_hash import C_POS, C_SEED, C_TOKEN, M32, MIX_A, MIX_B, SMALL_U, THIRD
 
 _ROW_CHUNK = 8  # rows the reference hashes at once: its (chunk, V) temporaries stay in cache
@@ -65,24 +64,6 @@ RaceFn = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Te
 # (s (R, V) float32, kth (R,) float32, top_p (R,) float64, spill (R,) bool, threshold (R,) float32)
 #   -> threshold (R,) float32, the spilled rows' replaced (`spill_thresholds`)
 SpillFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class SamplingKernels(NamedTuple):
-    """The two device kernels of a sampling step: the race and the spilled rows' thresholds."""
-
-    race: RaceFn
-    spill: SpillFn
-
-
-def sampling_kernels(x: torch.Tensor) -> SamplingKernels:
-    """The kernels that serve a tensor: Triton's on a GPU, else the CPU race (native when built)
-    and the host's spill. The one per-call device choice of sampling, for callers not handed
-    their kernels."""
-    if triton_usable(x):
-        from batchrun.kernels import triton_sampling
-
-        return SamplingKernels(triton_sampling.gumbel_sample, triton_sampling.spill_thresholds)
-    return SamplingKernels(cpu_race(), spill_thresholds_reference)
 
 
 def pack_rows(seeds: Sequence[int], positions: Sequence[int], temperatures: Sequence[float]) -> np.ndarray:
@@ -150,13 +131,6 @@ def race_keys(
     return _race(s, keys.to(torch.int32)[:, None] ^ _token_words(s.shape[-1], s.device)[None, :], log)
 
 
-def gumbel_sample(logits: torch.Tensor, rows: torch.Tensor, threshold: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """(B,) int64 tokens. logits (B, V) any float dtype; rows (3, B) int64 (`pack_rows`) on the
-    logits' device; threshold (B,) float32, the smallest scaled logit a row keeps (-inf: all), or
-    None for no mask. The kernel `sampling_kernels` picks for the logits."""
-    return sampling_kernels(logits).race(logits, rows, threshold)
-
-
 def gumbel_sample_native(
     logits: torch.Tensor,  # (B, V) float32 or bf16 (others are widened to float32), on the CPU
     rows: torch.Tensor,  # (3, B) int64: kernels/sampling.pack_rows
@@ -199,11 +173,11 @@ def gumbel_sample_native(
 
 
 def cpu_race() -> RaceFn:
-    """The CPU's race kernel: the native one when built and enabled (BATCHRUN_CPU_KERNELS), else
-    the torch reference."""
-    if cpu_native.enabled() and cpu_native.available():
-        return gumbel_sample_native
-    return gumbel_sample_reference
+    """The race a CPU kernel set binds (kernels/bind_cpu.py): the native one where the kernels are
+    built and on (BATCHRUN_CPU_KERNELS, read by kernels/target.py), else the torch reference."""
+    from batchrun.kernels.target import find_target
+
+    return gumbel_sample_native if find_target("cpu").native_cpu_kernels else gumbel_sample_reference
 
 
 def _scaled_rows(
@@ -225,7 +199,10 @@ def _scaled_rows(
 def gumbel_sample_reference(
     logits: torch.Tensor, rows: torch.Tensor, threshold: Optional[torch.Tensor] = None
 ) -> torch.Tensor:
-    """`gumbel_sample` in plain torch ops: every token's race key, a few rows at a time."""
+    """(B,) int64 tokens. logits (B, V) any float dtype; rows (3, B) int64 (`pack_rows`) on the
+    logits' device; threshold (B,) float32, the smallest scaled logit a row keeps (-inf: all), or
+    None for no mask. In plain torch ops: every token's race key, a few rows at a time. A kernel
+    set binds it, or on Triton targets kernels/triton_sampling.py: gumbel_sample (one launch)."""
     tokens, idx, s, keys = _scaled_rows(logits, rows, threshold)
     for i in range(0, len(idx), _ROW_CHUNK):
         k = race_keys(s[i : i + _ROW_CHUNK], keys[i : i + _ROW_CHUNK])
@@ -296,13 +273,9 @@ def spill_thresholds_reference(
     return threshold.index_copy(0, idx, vals.gather(1, (num - 1)[:, None]).squeeze(1))
 
 
-def gather_in_place(ids: torch.Tensor, src: torch.Tensor) -> None:
+def gather_in_place_reference(ids: torch.Tensor, src: torch.Tensor) -> None:
     """ids[i] = src[ids[i]] for (n,) int64 `ids` holding row indices into (m,) int64 `src`: a
     step launched before the previous step's tokens are read takes its input ids from them
-    (engine/runners/gpu.py). One Triton launch on a GPU; index_select and a copy elsewhere."""
-    if triton_usable(ids):
-        from batchrun.kernels.triton_sampling import gather_in_place as gather_in_place_triton
-
-        gather_in_place_triton(ids, src)
-        return
+    (engine/runners/gpu.py). index_select and a copy; a Triton kernel set binds
+    kernels/triton_sampling.py: gather_in_place (one launch) instead."""
     ids.copy_(src.index_select(0, ids))

@@ -13,8 +13,9 @@ inside it into that compile:
   (float8_e4m3fn is "fp8e4nv"), ints as i32/i64, an int equal to 1 folded into a constant, ints and
   pointers divisible by 16 marked so, `do_not_specialize` honoured. CPU tensors stand in for CUDA
   ones: their data pointers are aligned at least as the 16 bytes the marking asks of a GPU's.
-- `backend.simulated_gpu` is active meanwhile, so the dispatches route CPU tensors to the Triton
-  launchers and the launchers size tiles, padding and split counts for that GPU.
+- The block's CompileLog carries the simulated GPU's DeviceTarget (`CompileLog.target`): a kernel
+  set bound for it (kernels/binding.py: bind_kernels) routes CPU tensors to the Triton launchers,
+  which size tiles, padding and split counts for that GPU.
 - Each distinct variant (the runtime's cache key: specialization and options) compiles once; a
   later launch with the same key only counts a launch, which is how a test shows that an int a
   kernel does not specialize on compiles no new variant when it changes.
@@ -22,7 +23,8 @@ inside it into that compile:
   its cubin (cuobjdump, bundled with Triton) and checked against what the GPU would refuse at load.
 
 Nothing runs: a launcher's outputs stay uninitialised, so code after a launch must not depend on
-their values. The patch of `JITFunction.run` is process-wide while the context is open.
+their values. The patch of `JITFunction.run` is process-wide while the context is open (it is the
+one thing here that is: the simulated GPU is a value the callers bind for).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from batchrun.kernels.backend import MAX_SHARED_PER_BLOCK, GpuTarget, simulated_gpu
+from batchrun.kernels.target import MAX_SHARED_PER_BLOCK, DeviceTarget, GpuTarget, find_target
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,7 @@ class CompileLog:
     """What a `compile_only` block compiled, in launch order."""
 
     arch: int
+    target: DeviceTarget  # the simulated GPU the block's launches are sized for: bind kernel sets for it
     variants: list[CompiledVariant] = field(default_factory=list)
     label: str = ""  # set by the caller to say what it launches next; copied into each new variant
 
@@ -243,9 +246,9 @@ class _Compiler:
 @contextlib.contextmanager
 def compile_only(arch: int = 90, num_sms: Optional[int] = None) -> Iterator[CompileLog]:
     """Inside, Triton launches compile for sm_`arch` instead of running, and are recorded in the
-    yielded CompileLog; the dispatches and launchers act as on that GPU (`num_sms` defaults to the
-    architecture's representative GPU in ARCHS). A failing compile is recorded, not raised, so one
-    pass reports every kernel."""
+    yielded CompileLog, whose `target` is that GPU simulated (`num_sms` defaults to the
+    architecture's representative GPU in ARCHS): a kernel set bound for it launches as on that GPU.
+    A failing compile is recorded, not raised, so one pass reports every kernel."""
     why = triton_supported()
     if why is not None:
         raise RuntimeError(why)
@@ -256,7 +259,8 @@ def compile_only(arch: int = 90, num_sms: Optional[int] = None) -> Iterator[Comp
     assert arch in ARCHS, f"no GPU on file for sm_{arch}"
     if num_sms is None:
         num_sms = ARCHS[arch].num_sms
-    compile_log = CompileLog(arch)
+    gpu = GpuTarget((arch // 10, arch % 10), num_sms, ARCHS[arch].max_shared)
+    compile_log = CompileLog(arch, find_target("cpu", simulate=gpu))
     compiler = _Compiler(arch, compile_log)
     real_run = JITFunction.run
 
@@ -266,7 +270,6 @@ def compile_only(arch: int = 90, num_sms: Optional[int] = None) -> Iterator[Comp
 
     JITFunction.run = run
     try:
-        with simulated_gpu(GpuTarget((arch // 10, arch % 10), num_sms, ARCHS[arch].max_shared)):
-            yield compile_log
+        yield compile_log
     finally:
         JITFunction.run = real_run

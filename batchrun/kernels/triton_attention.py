@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from batchrun.kernels.attention_metadata import AttentionMetadata
-from batchrun.kernels.backend import GpuTarget, gpu_target
+from batchrun.kernels.target import GpuTarget
 from batchrun.kernels.triton_kv import kv_cache_args
 
 log = logging.getLogger(__name__)
@@ -450,19 +450,21 @@ def _prefill_kernel(
 # launchers
 
 
-def _num_sms(device: torch.device) -> int:
-    target = gpu_target(device)
+def _num_sms(gpu: Optional[GpuTarget]) -> int:
     # the interpreter: a couple of splits, so the merge runs in tests too
-    return target.num_sms if target is not None else 4
+    return gpu.num_sms if gpu is not None else 4
 
 
 def default_num_splits(
-    num_decode: int, num_kv_heads: int, max_context: int, device: torch.device, block_n: int = 64
+    num_decode: int, num_kv_heads: int, max_context: int, gpu: Optional[GpuTarget], block_n: Optional[int] = None
 ) -> int:
-    """Splits per (sequence, KV head): enough programs for about two waves of the GPU, each split
-    at least four tiles long. A function of shapes only (graph-capturable)."""
+    """Splits per (sequence, KV head) on `gpu` (None: the interpreter): enough programs for about
+    two waves of the GPU, each split at least four tiles of `block_n` (None: the GPU's default
+    decode tile) long. A function of shapes only (graph-capturable)."""
+    if block_n is None:
+        block_n = decode_tiles(gpu)[0]
     programs = max(1, num_decode * num_kv_heads)
-    wanted = triton.cdiv(2 * _num_sms(device), programs)
+    wanted = triton.cdiv(2 * _num_sms(gpu), programs)
     longest = max(1, triton.cdiv(max_context, 4 * block_n))
     return max(1, min(wanted, longest, 32))
 
@@ -485,7 +487,7 @@ def decode_tiles(target: Optional[GpuTarget], kv_row_bytes: int = 0) -> tuple[in
     """The decode BLOCK_N candidates for a GPU, first to last (the first is the default): the one
     table of them, which the split count, the CUDA-graph plan (engine/warmup.py) and the launcher
     all read. On sm_90 (H100/H200) 128-token tiles read closest to copy bandwidth both at a large
-    batch and at a few long sequences (`python -m batchrun.bench.gpu`'s decode sweep), while a
+    batch and at a few long sequences (`python -m benchmarks.gpu`'s decode sweep), while a
     token's K row takes at most 256 bytes (`kv_row_bytes`: head_dim padded times the cache's
     element size; bf16 head_dim 128, or int8/fp8 up to 256); wider rows keep 64, whose tiles hold
     as many bytes and do not spill. Elsewhere, unmeasured, 64. Off a GPU (the interpreter) one small
@@ -496,11 +498,6 @@ def decode_tiles(target: Optional[GpuTarget], kv_row_bytes: int = 0) -> tuple[in
     if target.capability >= (9, 0) and kv_row_bytes <= 256:
         return (128, 64, 32, 16)
     return (64, 32, 16)
-
-
-def default_decode_block_n(device: torch.device) -> int:
-    """decode_attention's default BLOCK_N on `device` (before shared memory may shrink it)."""
-    return decode_tiles(gpu_target(device))[0]
 
 
 def shared_bytes(
@@ -577,6 +574,7 @@ def decode_attention(
     block_n: Optional[int] = None,  # None: the first of decode_tiles() the GPU's shared memory holds
     num_warps: int = 4,
     num_stages: Optional[int] = None,  # None: 2, fewer only where the tile needs it
+    gpu: Optional[GpuTarget] = None,  # the GPU the launch is sized for; None: Triton's interpreter
 ) -> torch.Tensor:
     """Single-query attention of every decode over its paged context (GQA/MQA, window, split-K)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -591,17 +589,13 @@ def decode_attention(
         out = torch.empty_like(q)
     if num_decode == 0:
         return out
-    target = gpu_target(q.device)
+    target = gpu
     on_gpu = target is not None  # tiles for the GPU's tensor cores, not the interpreter
     if num_splits is None:
         # From the default tile, not the one shared memory leaves: the split count stays a function
-        # of shapes and device kind only, which is what engine/warmup.py plans its captures by.
+        # of shapes and the GPU only, which is what engine/warmup.py plans its captures by.
         num_splits = default_num_splits(
-            num_decode,
-            num_kv_heads,
-            block_tables.shape[1] * k_cache.shape[1],
-            q.device,
-            block_n or decode_tiles(target)[0],
+            num_decode, num_kv_heads, block_tables.shape[1] * k_cache.shape[1], target, block_n
         )
     head_dim_pad = _pad(head_dim, 16 if on_gpu else 1)
     group_pad = _pad(group, 16 if on_gpu else 1)
@@ -697,6 +691,7 @@ def prefill_attention(
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
     fixed_kv_grid: bool = False,
+    gpu: Optional[GpuTarget] = None,  # the GPU the launch is sized for; None: Triton's interpreter
 ) -> torch.Tensor:
     """Causal attention of each listed sequence's query tokens over its cached prefix and themselves.
 
@@ -715,7 +710,7 @@ def prefill_attention(
     num_prefill = seq_ids.shape[0]
     if num_prefill == 0 or max_query_len == 0:
         return out
-    target = gpu_target(q.device)
+    target = gpu
     on_gpu = target is not None  # tiles for the GPU's tensor cores, not the interpreter
     head_dim_pad = _pad(head_dim, 16 if on_gpu else 1)
     default = 64 if on_gpu else 16
@@ -816,10 +811,13 @@ def paged_attention(
     softcap: Optional[float] = None,
     k_new: Optional[torch.Tensor] = None,  # unused: the kernels read every key from the cache
     v_new: Optional[torch.Tensor] = None,
+    *,
+    gpu: Optional[GpuTarget] = None,  # the GPU the launches are sized for; None: Triton's interpreter
 ) -> torch.Tensor:
-    """`batchrun.kernels.attention.paged_attention` on Triton kernels (CUDA tensors; float, int8 or
-    fp8 caches). meta.batch_invariant lists every sequence as a prefill: the split-K decode kernel,
-    whose splits follow the batch size, is not used, and the prefill kernel keeps a fixed key grid."""
+    """kernels/attention.py's paged attention on Triton kernels (float, int8 or fp8 caches; fp8 on a
+    GPU that has it). meta.batch_invariant lists every sequence as a prefill: the split-K decode
+    kernel, whose splits follow the batch size, is not used, and the prefill kernel keeps a fixed
+    key grid."""
     out = torch.empty_like(q)  # (num_tokens, num_heads, head_dim)
     t = _step_tensors(meta, q.device)
     if meta.decode_seq_ids.shape[0] > 0:
@@ -835,6 +833,7 @@ def paged_attention(
             softcap,
             q_rows=None if t is None else t.decode_rows,
             out=out,
+            gpu=gpu,
         )
     if t is not None:  # some sequence prefills
         prefill_attention(
@@ -851,5 +850,6 @@ def paged_attention(
             softcap,
             out=out,
             fixed_kv_grid=meta.batch_invariant,
+            gpu=gpu,
         )
     return out

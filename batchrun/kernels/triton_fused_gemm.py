@@ -21,10 +21,11 @@ order, which is cuBLAS's own choice there; everything after the sum is the same 
 sequence (`enable_fp_fusion=False`, as in triton_elementwise). Half-precision activations only:
 a float32 model keeps cuBLAS's GEMMs (kernels/fused_projections.py says why).
 
-Tiles come from kernels/quant/triton_gemm.py's table and its warm-up timing (`select_config`), with
-no split-K: at few rows the unfused pair may be faster, and the dispatch (fused_projections.py)
-times both on the GPU and keeps the faster per row bucket. Offsets are int64 (rows times strides
-pass 2**31 on long batches).
+Tiles come from the caller (kernels/fused_projections.py: the start-up tuning's choice, or
+kernels/gemm_tiles.py's table), with no split-K: at few rows the unfused pair may be faster, and
+start-up tuning times both on the GPU and keeps the faster per row bucket. `gpu`: the GPU a
+launch is sized for (pipeline stages by its shared memory; None: Triton's interpreter). Offsets
+are int64 (rows times strides pass 2**31 on long batches).
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from batchrun.kernels.backend import gpu_target
+from batchrun.kernels.gemm_tiles import GemmConfig, default_config
 from batchrun.kernels.qkv_heads import QKVHeads
-from batchrun.kernels.quant.triton_gemm import GemmConfig, select_config
+from batchrun.kernels.target import GpuTarget
 from batchrun.kernels.triton_attention import _dot_f32
 from batchrun.kernels.triton_elementwise import _inverse
 
@@ -96,10 +97,12 @@ def _gemm_silu_mul_kernel(
     )
 
 
-def gemm_silu_mul(x: torch.Tensor, weight: torch.Tensor, config: Optional[GemmConfig] = None) -> torch.Tensor:
+def gemm_silu_mul(
+    x: torch.Tensor, weight: torch.Tensor, config: Optional[GemmConfig] = None, gpu: Optional[GpuTarget] = None
+) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) of x (M, K) and weight (2 N, K) (gate rows, then up rows), in
-    x's dtype: `silu_mul(F.linear(x, weight))` in one launch. `config`: a fixed tiling (tests);
-    else `select_config`'s (its table, timed on a GPU), without split-K."""
+    x's dtype: `silu_mul(F.linear(x, weight))` in one launch. `config`: the tiling (None: the
+    table's for the weight's shape), without split-K."""
     assert x.dim() == 2 and x.stride(1) == 1 and weight.stride(1) == 1 and weight.shape[0] % 2 == 0
     m, k = x.shape
     n = weight.shape[0] // 2
@@ -108,7 +111,7 @@ def gemm_silu_mul(x: torch.Tensor, weight: torch.Tensor, config: Optional[GemmCo
         return y
 
     def run(c: GemmConfig) -> None:
-        c = _fit(c, x, 2 * c.block_n)
+        c = _fit(c, x, 2 * c.block_n, gpu)
         grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n))
         _gemm_silu_mul_kernel[grid](
             x,
@@ -129,7 +132,7 @@ def gemm_silu_mul(x: torch.Tensor, weight: torch.Tensor, config: Optional[GemmCo
             enable_fp_fusion=False,
         )
 
-    run(config or select_config("silu_mul", x, n, k, 0, run))
+    run(config or default_config(m, 2 * n, k, 0, None))
     return y
 
 
@@ -165,7 +168,9 @@ def _gemm_logits_kernel(
     tl.store(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], logits, mask=m_ok[:, None] & n_ok[None, :])
 
 
-def gemm_logits(x: torch.Tensor, weight: torch.Tensor, config: Optional[GemmConfig] = None) -> torch.Tensor:
+def gemm_logits(
+    x: torch.Tensor, weight: torch.Tensor, config: Optional[GemmConfig] = None, gpu: Optional[GpuTarget] = None
+) -> torch.Tensor:
     """`F.linear(x, weight).float()` of x (M, K) and weight (N, K) in one launch: (M, N) float32, each
     value the projection's output rounded to x's dtype (the LM head's logits, cast as the unfused
     path casts them)."""
@@ -177,7 +182,7 @@ def gemm_logits(x: torch.Tensor, weight: torch.Tensor, config: Optional[GemmConf
         return y
 
     def run(c: GemmConfig) -> None:
-        c = _fit(c, x, c.block_n)
+        c = _fit(c, x, c.block_n, gpu)
         grid = (triton.cdiv(m, c.block_m), triton.cdiv(n, c.block_n))
         _gemm_logits_kernel[grid](
             x,
@@ -197,16 +202,16 @@ def gemm_logits(x: torch.Tensor, weight: torch.Tensor, config: Optional[GemmConf
             num_stages=c.num_stages,
         )
 
-    run(config or select_config("logits", x, n, k, 0, run))
+    run(config or default_config(m, n, k, 0, None))
     return y
 
 
-def _fit(c: GemmConfig, x: torch.Tensor, weight_cols: int) -> GemmConfig:
+def _fit(c: GemmConfig, x: torch.Tensor, weight_cols: int, target: Optional[GpuTarget]) -> GemmConfig:
     """`c` without split-K and with as many pipeline stages as the GPU's shared memory per block
     holds: each stage keeps an x tile (block_m, block_k) and weight tiles of `weight_cols` columns
     (block_k, weight_cols) in x's dtype. The table's stages are sized for the single-weight-tile
-    quantized GEMMs; two bf16 weight tiles at 4 stages pass an sm_89's 99 KB."""
-    target = gpu_target(x.device)
+    quantized GEMMs; two bf16 weight tiles at 4 stages pass an sm_89's 99 KB. `target`: the GPU
+    (None: Triton's interpreter, no limit)."""
     stages = c.num_stages
     if target is not None:
         stage_bytes = (c.block_m + weight_cols) * c.block_k * x.element_size()
@@ -352,7 +357,8 @@ def gemm_qkv_norm_rope_write(
     v_cache: torch.Tensor,  # laid out as k_cache
     slot_mapping: torch.Tensor,  # (num_tokens,) int; negative = write nothing
     positions: Optional[torch.Tensor] = None,  # (num_tokens,): cos/sin are tables, row p for position p
-    config: Optional[GemmConfig] = None,
+    config: Optional[GemmConfig] = None,  # the tiling; None: the table's
+    gpu: Optional[GpuTarget] = None,  # the GPU the launch is sized for; None: the interpreter
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v) as (num_tokens, heads, head_dim), q and k normed and rotated, K and V written at
     their slots: `qkv_norm_rope_write(F.linear(x, weight, bias), heads, ...)` in one launch."""
@@ -370,7 +376,7 @@ def gemm_qkv_norm_rope_write(
     half_pad = max(16, triton.next_power_of_2(head_dim // 2))  # tl.dot's smallest width
 
     def run(c: GemmConfig) -> None:
-        c = _fit(c, x, 2 * half_pad)
+        c = _fit(c, x, 2 * half_pad, gpu)
         grid = (triton.cdiv(m, c.block_m), num_heads + 2 * num_kv_heads)
         _gemm_qkv_kernel[grid](
             x,
@@ -416,5 +422,5 @@ def gemm_qkv_norm_rope_write(
         )
 
     n = weight.shape[0]
-    run(config or select_config("qkv_rope", x, n, k, 0, run))
+    run(config or default_config(m, n, k, 0, None))
     return q, k_out, v

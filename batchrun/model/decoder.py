@@ -5,6 +5,11 @@ Gemma 3 text (hybrid sliding/global layers, (1 + w) norms, scaled embeddings, sa
 and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (MoE layers use batchrun.model.moe).
 Parameter names follow HF's so checkpoints load by name; q/k/v and gate/up are fused at load time
 because one wide matmul beats three narrow ones on every backend.
+
+Every module that runs a kernel holds the model's kernel set (kernels/kernel_set.py: KernelSet),
+given at construction and again by `DecoderLM.use_kernels` (build_decoder binds the set for the
+model's device and dtype; engine start-up binds its own, then the tuned one), and calls its
+fields: no module asks which device it runs on.
 """
 
 from __future__ import annotations
@@ -17,11 +22,11 @@ import torch
 from torch import nn
 
 from batchrun.kernels import elementwise as ew
-from batchrun.kernels.attention import paged_attention
 from batchrun.kernels.attention_metadata import AttentionMetadata
-from batchrun.kernels.backend import triton_usable
-from batchrun.kernels.fused_projections import embed_norm, gate_up_act, lm_head_logits, qkv_project
+from batchrun.kernels.binding import default_kernels, reference_kernels
+from batchrun.kernels.kernel_set import KernelSet
 from batchrun.kernels.qkv_heads import QKVHeads
+from batchrun.model.kernel_user import KernelUser
 from batchrun.model.moe import (
     SparseMoeBlock,
     expert_token_counts,
@@ -120,28 +125,29 @@ class DecoderSpec:
         )
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(KernelUser):
     """RMSNorm computed in float32, as HF does; Gemma scales by (1 + w) instead of w."""
 
-    def __init__(self, dim: int, eps: float, is_gemma: bool) -> None:
-        super().__init__()
+    def __init__(self, dim: int, eps: float, is_gemma: bool, kernels: Optional[KernelSet] = None) -> None:
+        super().__init__(kernels)
         self.weight = nn.Parameter(torch.zeros(dim) if is_gemma else torch.ones(dim))
         self.eps = eps
         self.is_gemma = is_gemma
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ew.rms_norm(x, self.weight, self.eps, self.is_gemma)
+        return self.kernels.rms_norm(x, self.weight, self.eps, self.is_gemma)
 
     def add_forward(self, h: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(residual + h), residual + h), one pass; `residual` may be updated in place."""
         assert not self.is_gemma, "Gemma adds its sublayer outputs after their own norms"
-        return ew.add_rms_norm(h, residual, self.weight, self.eps)
+        return self.kernels.add_rms_norm(h, residual, self.weight, self.eps)
 
     def into(self, linear: Optional[nn.Module], h: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[Any, Any]:
         """(norm(residual + h), residual + h) as the input of `linear`, the one layer it feeds
         (`add_forward`; without a residual norm(h) and h). Where `linear` takes its input quantized
-        per token (fp8 / W8A8 on a GPU say so by `input_quant`), the rows come with their codes
-        from this same pass (QuantizedRows), and the linear skips its own quantization kernel."""
+        per token (fp8 / W8A8 on a GPU say so by `input_quant`: their kernel takes quantized rows,
+        and the kernel set has the norm that writes them), the rows come with their codes from this
+        same pass (QuantizedRows), and the linear skips its own quantization kernel."""
         input_quant: Optional[Callable[[torch.Tensor], Any]] = getattr(linear, "input_quant", None)
         quant = None
         if (
@@ -152,7 +158,9 @@ class RMSNorm(nn.Module):
         ):
             quant = input_quant(h)
         if quant is not None:
-            return ew.rms_norm_quant(h, residual, self.weight, self.eps, quant)
+            rms_norm_quant = self.kernels.rms_norm_quant
+            assert rms_norm_quant is not None, "a linear takes quantized rows where no norm writes them"
+            return rms_norm_quant(h, residual, self.weight, self.eps, quant)
         if residual is None:
             return self(h), h
         return self.add_forward(h, residual)
@@ -186,13 +194,11 @@ class RotaryTables:
 
     def tables(self, dtype: torch.dtype, device: torch.device) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Per rope variant (cos, sin), each (num_positions, head_dim) in `dtype`: row p is position p's.
-        Computed once per dtype and device (build_decoder does it at load, so no step computes
-        them, and a CUDA graph never captures their computation). Each element is the one a
+        Computed once per dtype and device (build_decoder does it at load, for the device as its
+        tensors name it, e.g. "cuda:0", which is what a step's positions name, so no step computes
+        them and a CUDA graph never captures their computation). Each element is the one a
         computation over only this step's positions gives (the ops are elementwise), which is HF's."""
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:  # one key for "cuda" and "cuda:N"
-            device = torch.device("cuda", torch.cuda.current_device())
-        key = (dtype, device)
+        key = (dtype, torch.device(device))
         if key not in self._tables:
             positions = torch.arange(self.num_positions, device=device)
             out = {}
@@ -209,11 +215,11 @@ class RotaryTables:
         tables = self.tables(dtype, positions.device)
         return {name: (cos[positions], sin[positions]) for name, (cos, sin) in tables.items()}
 
-    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[str, Rope]:
-        """What each layer's qkv_norm_rope_write takes this step. Where the fused Triton kernel runs,
-        the tables and the positions (it reads each token's row itself: no gather kernels per step);
-        elsewhere the rows, gathered once per step rather than once per layer."""
-        if triton_usable(positions):
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype, reads_tables: bool) -> dict[str, Rope]:
+        """What each layer's qkv_norm_rope_write takes this step. Where it reads the tables by
+        position itself (`reads_tables`: the Triton kernels), the tables and the positions (no
+        gather kernels per step); elsewhere the rows, gathered once per step rather than once per layer."""
+        if reads_tables:
             tables = self.tables(dtype, positions.device)
             return {name: Rope(cos, sin, positions) for name, (cos, sin) in tables.items()}
         return {name: Rope(cos, sin, None) for name, (cos, sin) in self.cos_sin(positions, dtype).items()}
@@ -229,17 +235,17 @@ class Rope:
     positions: Optional[torch.Tensor]
 
 
-class Attention(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
-        super().__init__()
+class Attention(KernelUser):
+    def __init__(self, spec: DecoderSpec, layer_idx: int, kernels: Optional[KernelSet] = None) -> None:
+        super().__init__(kernels)
         self.spec = spec
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
         self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.gemma_norms)
-            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.gemma_norms)
+            self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.gemma_norms, kernels)
+            self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, spec.gemma_norms, kernels)
         self.window = spec.layer_windows[layer_idx]
         self.rope_key = spec.layer_rope_keys[layer_idx]
 
@@ -255,19 +261,20 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         # The projection, then q/k-norm, rotary and the KV write: on the GPU one fused kernel for the
         # latter three, or one for all four (kernels/fused_projections.py); the separate ops elsewhere
-        q, k, v = qkv_project(
+        ks = self.kernels
+        q, k, v = ks.qkv_project(
             x, self.qkv_proj, self._heads(), rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, rope.positions
         )
-        o = paged_attention(q, k_cache, v_cache, meta, s.attn_scale, self.window, s.attn_logit_softcap, k, v)
+        o = ks.paged_attention(q, k_cache, v_cache, meta, s.attn_scale, self.window, s.attn_logit_softcap, k, v)
         return self.o_proj(o.reshape(-1, self.q_size))
 
 
-class MLP(nn.Module):
+class MLP(KernelUser):
     gate_up_proj: nn.Module  # nn.Linear, or the packed/quantized module model/prepare.py puts there
     down_proj: nn.Module
 
-    def __init__(self, spec: DecoderSpec) -> None:
-        super().__init__()
+    def __init__(self, spec: DecoderSpec, kernels: Optional[KernelSet] = None) -> None:
+        super().__init__(kernels)
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
         self.activation = spec.activation
@@ -277,22 +284,22 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_act:
             return self.down_proj(self.gate_up_proj(x))
-        return self.down_proj(gate_up_act(x, self.gate_up_proj, self.activation))
+        return self.down_proj(self.kernels.gate_up_act(x, self.gate_up_proj, self.activation))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_idx: int) -> None:
+    def __init__(self, spec: DecoderSpec, layer_idx: int, kernels: Optional[KernelSet] = None) -> None:
         super().__init__()
         self.spec = spec
-        self.self_attn = Attention(spec, layer_idx)
+        self.self_attn = Attention(spec, layer_idx, kernels)
         is_moe = bool(spec.moe_layers) and spec.moe_layers[layer_idx]
-        self.mlp = SparseMoeBlock(spec, ew.activation(spec.activation)) if is_moe else MLP(spec)
+        self.mlp = SparseMoeBlock(spec, ew.activation(spec.activation), kernels) if is_moe else MLP(spec, kernels)
         g = spec.gemma_norms
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g, kernels)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g, kernels)
         if g:
-            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g)
-            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g)
+            self.pre_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g, kernels)
+            self.post_feedforward_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, g, kernels)
 
     def forward(
         self, x, residual, cos_sin, kv_cache, meta, normed: Optional[torch.Tensor] = None
@@ -314,14 +321,21 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
-def build_decoder(config: Any, state_dict: dict[str, torch.Tensor], dtype: torch.dtype, device: Any) -> DecoderLM:
+def build_decoder(
+    config: Any,
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: Any,
+    kernels: Optional[KernelSet] = None,
+) -> DecoderLM:
     """The model with its weights from an HF-named `state_dict` (emptied as it is copied in), each
-    allocated once, in `dtype` on `device`. It is built on the meta device (no memory, no random
-    init) and then given storage: a model built in float32 and cast afterwards holds a float32 copy
-    of every weight on the way, which on a GPU stays in the allocator's cache, out of the KV
-    cache's reach."""
+    allocated once, in `dtype` on `device`, running `kernels` (None: the set bound for `device` and
+    `dtype`). It is built on the meta device (no memory, no random init) and then given storage: a
+    model built in float32 and cast afterwards holds a float32 copy of every weight on the way,
+    which on a GPU stays in the allocator's cache, out of the KV cache's reach."""
+    kernels = kernels if kernels is not None else default_kernels(device, dtype)
     with torch.device("meta"):
-        model = DecoderLM(config)
+        model = DecoderLM(config, kernels)
     model = model.to(dtype).to_empty(device=device)
     for buf in model.buffers():
         buf.zero_()  # the buffers made at construction are counters that start at zero
@@ -329,7 +343,8 @@ def build_decoder(config: Any, state_dict: dict[str, torch.Tensor], dtype: torch
         model.lm_head.weight = model.embed_tokens.weight  # to_empty gave each its own storage
     with torch.device(device):
         model.rope = RotaryTables(config, model.spec)  # computed on meta above: no values
-        model.rope.tables(dtype, torch.device(device))  # at load, not in a step (or a graph capture)
+        # at load, not in a step (or a graph capture), for the device as a tensor names it ("cuda:0")
+        model.rope.tables(dtype, model.embed_tokens.weight.device)
     model.load_hf_state_dict(state_dict, consume=True)
     return model
 
@@ -337,16 +352,27 @@ def build_decoder(config: Any, state_dict: dict[str, torch.Tensor], dtype: torch
 class DecoderLM(nn.Module):
     """The whole model: embeddings, decoder layers, final norm and LM head."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, kernels: Optional[KernelSet] = None) -> None:
+        """`kernels`: the kernel set every module runs (None: the references, until `use_kernels`)."""
         super().__init__()
+        self.kernels = kernels if kernels is not None else reference_kernels()
         self.spec = spec = DecoderSpec.from_hf(config)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, self.kernels) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms, self.kernels)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryTables(config, spec)
+
+    def use_kernels(self, kernels: KernelSet) -> None:
+        """Give every module its callables from `kernels` (a set for the same target and options as
+        the one the linears were prepared with: a quantized layer keeps the weight layout it holds)."""
+        self.kernels = kernels
+        for module in self.modules():
+            use = getattr(module, "use_kernels", None)
+            if module is not self and callable(use):
+                use(kernels)
 
     @torch.inference_mode()
     def forward(
@@ -358,12 +384,14 @@ class DecoderLM(nn.Module):
         num_layers: Optional[int] = None,  # run only the first layers (self-speculative drafts)
     ) -> torch.Tensor:
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        # Layer 0's norm with the embedding gather in one kernel where Triton runs: (normed, x), each
-        # (num_tokens, hidden_size). Not Gemma's (its embedding is scaled in between), and only for a
-        # plain norm feeding a float qkv projection (a quantized one may take its input otherwise).
+        # Layer 0's norm with the embedding gather in one kernel where the kernel set has one: (normed,
+        # x), each (num_tokens, hidden_size). Not Gemma's (its embedding is scaled in between), and only
+        # for a plain norm feeding a float qkv projection (a quantized one may take its input otherwise).
         fused = None
+        embed_norm = self.kernels.embed_norm
         if (
-            not self.spec.gemma_norms
+            embed_norm is not None
+            and not self.spec.gemma_norms
             and len(layers) > 0
             and type(layers[0].input_layernorm) is RMSNorm
             and type(getattr(layers[0].self_attn, "qkv_proj", None)) is nn.Linear
@@ -376,7 +404,7 @@ class DecoderLM(nn.Module):
             normed, x = None, self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
         if self.spec.gemma_norms:
             x = x * torch.tensor(self.spec.hidden_size**0.5, dtype=x.dtype)
-        cos_sin = self.rope.for_step(positions, x.dtype)
+        cos_sin = self.rope.for_step(positions, x.dtype, self.kernels.rope_reads_tables)
         residual: Optional[torch.Tensor] = None
         for layer, kv in zip(layers, kv_caches):
             x, residual = layer(x, residual, cos_sin, kv, meta, normed)
@@ -385,7 +413,7 @@ class DecoderLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = lm_head_logits(hidden, self.lm_head)  # (num_rows, vocab_size) float32
+        logits = self.kernels.lm_head_logits(hidden, self.lm_head)  # (num_rows, vocab_size) float32
         cap = self.spec.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

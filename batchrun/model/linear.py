@@ -6,7 +6,8 @@ per-channel scales) and relies on their dtype and device; `_refresh` rebuilds th
 checks, and the base calls it after `.to()`/`.half()` (`_apply`) and after `load_state_dict`, so a
 subclass only says what its kernel needs.
 
-The float layers, chosen per layer by `pack_linear` for bf16 on the CPU (kernels/cpu_linear.py):
+The float layers, chosen per layer by `pack_linear` where the kernel set packs the float linears
+(bf16 on the CPU: KernelSet.linear_float, kernels/cpu_linear.py):
 
 - NativeLinear: csrc/linear.cpp over the weight in its tiles, where the kernel is built and the
   shape fits; it prefetches the weight stream, which matters at a decode step's row counts, where
@@ -31,8 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchrun.kernels import cpu_linear as ck
-from batchrun.kernels import cpu_native
-from batchrun.kernels.elementwise import act_mul, act_mul_reference
+from batchrun.kernels.elementwise import act_mul_native, act_mul_reference
 
 log = logging.getLogger(__name__)
 
@@ -122,14 +122,8 @@ class NativeLinear(PackedWeightLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Called for every projection of every step: a few cheap checks, the rest was settled at load.
-        if (
-            x.dtype != torch.bfloat16
-            or x.shape[-1] != self.in_features
-            or x.is_cuda
-            or not self._kernel_ok
-            or not cpu_native.enabled()
-        ):
-            return self._fallback(x)  # an odd input (F.linear's errors), or kernels off
+        if x.dtype != torch.bfloat16 or x.shape[-1] != self.in_features or not self._kernel_ok:
+            return self._fallback(x)  # an odd input (F.linear's errors), or buffers moved since load
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
@@ -167,7 +161,7 @@ class NativeSiluMulLinear(NativeLinear):
         return None if self.bias is None else self.bias[self._plain_order]
 
     def _fallback(self, x: torch.Tensor) -> torch.Tensor:
-        return act_mul(F.linear(x, self.weight(), self.plain_bias()), "silu")
+        return act_mul_native(F.linear(x, self.weight(), self.plain_bias()), "silu")
 
     def extra_repr(self) -> str:
         return super().extra_repr() + ", fused=silu_mul"
@@ -208,7 +202,8 @@ def _probe(linear: nn.Linear) -> torch.Tensor:
 def pack_silu_mul(linear: nn.Linear) -> Optional[NativeSiluMulLinear]:
     """The fused silu(gate) * up twin of a bf16 CPU gate/up projection (gate rows first), or None
     where the native kernel does not serve its shape (n = out_features / 2 a multiple of 32) or
-    disagrees on a probe with the float32 reference beyond the roundings it makes."""
+    disagrees on a probe with the float32 reference beyond the roundings it makes. For a kernel set
+    with the native kernels (KernelSet.linear_float.packing "native")."""
     w = linear.weight
     n = linear.out_features // 2
     if not (
@@ -234,24 +229,25 @@ def pack_silu_mul(linear: nn.Linear) -> Optional[NativeSiluMulLinear]:
     return None
 
 
-def pack_linear(linear: nn.Linear, batch_hint: int = 32) -> Optional[nn.Module]:
-    """The packed twin of a bf16 CPU nn.Linear: a NativeLinear where the native kernel serves it,
-    else a PackedLinear; None when neither applies or the result disagrees with F.linear on a probe
-    (bitwise for oneDNN's, within bf16 rounding for the native kernel). `batch_hint`: the row count
-    oneDNN picks its layout for."""
+def pack_linear(linear: nn.Linear, batch_hint: int = 32, native: bool = True) -> Optional[nn.Module]:
+    """The packed twin of a bf16 CPU nn.Linear: with `native` (the kernel set's packing "native": the
+    kernels built and on) a NativeLinear where the native kernel serves it, else a PackedLinear;
+    None when neither applies or the result disagrees with F.linear on a probe (bitwise for
+    oneDNN's, within bf16 rounding for the native kernel). `batch_hint`: the row count oneDNN
+    picks its layout for."""
     w = linear.weight
     if not (type(linear) is nn.Linear and w.dtype == torch.bfloat16 and w.device.type == "cpu"):
         return None
     bias = None if linear.bias is None else linear.bias.detach()
     probe = _probe(linear)
-    if ck.native_supported(linear.out_features, linear.in_features):
-        native = NativeLinear(ck.pack_native_weight(w.detach()), bias)
+    if native and ck.native_supported(linear.out_features, linear.in_features):
+        native_twin = NativeLinear(ck.pack_native_weight(w.detach()), bias)
         with torch.inference_mode():
             want = nn.functional.linear(probe.float(), w.float(), None if bias is None else bias.float())
-            got = native(probe).float()
+            got = native_twin(probe).float()
         # One bf16 rounding of a float32 sum: within half a bf16 step of the exact product.
         if _within_bf16_rounding(got, want, 1):
-            return native
+            return native_twin
         log.warning("native bf16 linear disagrees with F.linear for %s; using oneDNN", tuple(w.shape))
     if not ck.packing_available():
         return None

@@ -59,7 +59,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from batchrun.kernels.kernel_set import KernelSet
 from batchrun.kernels.moe import fused_experts, sort_by_expert, sum_over_k
+from batchrun.model.kernel_user import KernelUser
 
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -134,15 +136,18 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
 
-class SparseMoeBlock(nn.Module):
-    """Replaces the MLP in MoE layers; parameter names follow transformers 5 (`gate`, `experts.*`)."""
+class SparseMoeBlock(KernelUser):
+    """Replaces the MLP in MoE layers; parameter names follow transformers 5 (`gate`, `experts.*`).
+    Its experts run the kernel set's grouped GEMM (`moe_grouped_gemm`)."""
 
     token_counts: torch.Tensor  # (num_experts,) int64, cumulative tokens routed to each expert
     # engine.batch_invariant (model/invariant.py sets it): sums over a token's k experts in a fixed order
     batch_invariant: bool = False
 
-    def __init__(self, spec: Any, act: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        super().__init__()
+    def __init__(
+        self, spec: Any, act: Callable[[torch.Tensor], torch.Tensor], kernels: Optional[KernelSet] = None
+    ) -> None:
+        super().__init__(kernels)
         self.num_experts = spec.num_experts
         self.top_k = spec.num_experts_per_tok
         self.renormalize = spec.moe_renormalize
@@ -172,6 +177,7 @@ class SparseMoeBlock(nn.Module):
             topk_ids,
             self.act,
             dispatch=dispatch,
+            grouped_gemm=self.kernels.moe_grouped_gemm,
             fixed_order_sum=self.batch_invariant,
         )
         if self.shared_expert is not None:

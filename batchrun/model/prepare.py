@@ -1,8 +1,10 @@
 """`prepare_linears`: the one pass that gives every linear layer of a loaded decoder its backend.
 
-Per layer: a quantized layer for `mode` (the decoder's projections, model/quant/), else on a bf16
-CPU model a packed float twin (model/linear.py: NativeLinear where the native kernel serves the
-shape, else oneDNN's PackedLinear), else the plain nn.Linear. Per silu MLP, in one place
+Per layer: a quantized layer for `mode` (the decoder's projections, model/quant/), over the kernel
+set's kernel for its format, which also decides the layout it holds; else, where the kernel set
+packs float linears (bf16 on the CPU), a packed float twin (model/linear.py: NativeLinear where the
+native kernels are on and take the shape, else oneDNN's PackedLinear), else the plain nn.Linear.
+Per silu MLP, in one place
 (`_fuse_mlp`): whether its gate/up projection applies silu(gate) * up itself (`MLP.fused_act`):
 NativeSiluMulLinear for a float bf16 one, W4A8SiluMulLinear where both W4A8 projections run the
 native kernel. A tied LM head is packed only where the native kernel serves it, so the embedding
@@ -18,6 +20,8 @@ from typing import Optional, TypeGuard, Union
 import torch
 from torch import nn
 
+from batchrun.kernels.binding import default_kernels
+from batchrun.kernels.kernel_set import KernelSet
 from batchrun.kernels.quant import w4a8 as w4
 from batchrun.model.decoder import MLP
 from batchrun.model.linear import NativeEmbedding, NativeLinear, pack_linear, pack_silu_mul
@@ -46,22 +50,29 @@ def prepare_linears(
     input_absmax: Optional[dict[str, torch.Tensor]] = None,
     outlier_channels: int = 0,
     batch_hint: int = 32,
+    kernels: Optional[KernelSet] = None,
 ) -> QuantizationSummary:
     """Swap the linear layers of a loaded decoder for their backends, in place (see the module doc).
 
-    Call after the float weights are loaded and the model is on its device and dtype. Float layers
-    are packed when `device` is the CPU and `dtype` bf16 (None: never). `prequantized`,
+    Call after the float weights are loaded and the model is on its device and dtype. `kernels`: the
+    kernel set the layers take their kernels from (None: the one bound for `device` and `dtype`;
+    without a device, each quantized layer's own default and no float packing). `prequantized`,
     `input_absmax` and `outlier_channels`: see ProjectionQuantizer. `include_embeddings` also
     quantizes the token embedding and LM head (one per-row 8-bit matrix, shared when tied).
     `batch_hint`: the row count oneDNN packs for.
     """
     if mode not in QUANT_MODES:
         raise ValueError(f"quantization mode must be one of {', '.join(QUANT_MODES)}, got {mode!r}")
+    if kernels is None and device is not None and dtype is not None:
+        kernels = default_kernels(device, dtype)
     summary = QuantizationSummary(mode, group_size)
     quantizer = None
     if mode != "none":
-        quantizer = ProjectionQuantizer(model, mode, group_size, summary, prequantized, input_absmax, outlier_channels)
-    pack = device is not None and torch.device(device).type == "cpu" and dtype == torch.bfloat16
+        quantizer = ProjectionQuantizer(
+            model, mode, group_size, summary, prequantized, input_absmax, outlier_channels, kernels
+        )
+    packing = kernels.linear_float.packing if kernels is not None else "none"
+    pack, native = packing != "none", packing == "native"
     embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
     quantize_embeddings = quantizer is not None and include_embeddings and isinstance(embed, nn.Embedding)
     tied = isinstance(head, nn.Linear) and isinstance(embed, nn.Embedding) and head.weight is embed.weight
@@ -69,7 +80,7 @@ def prepare_linears(
     def backend(name: str, linear: nn.Linear) -> Optional[nn.Module]:
         if quantizer is not None and name.rsplit(".", 1)[-1] in PROJECTION_NAMES:
             return quantizer.quantize(name, linear)
-        packed = pack_linear(linear, batch_hint) if pack else None
+        packed = pack_linear(linear, batch_hint, native) if pack else None
         summary.num_packed += packed is not None
         return packed
 
@@ -81,18 +92,18 @@ def prepare_linears(
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Linear) or (child is head and (tied or quantize_embeddings)):
                 continue
-            if pack and quantizer is None and _is_silu_mlp(parent) and name == "gate_up_proj":
+            if native and quantizer is None and _is_silu_mlp(parent) and name == "gate_up_proj":
                 deferred = child
                 continue
             module = backend(f"{prefix}.{name}" if prefix else name, child)
             if module is not None:
                 setattr(parent, name, module)
         if _is_silu_mlp(parent):
-            _fuse_mlp(parent, deferred, batch_hint, summary)
+            _fuse_mlp(parent, deferred, batch_hint, summary, kernels)
 
     if mode == "w4a8":
         slow = [m for m in model.modules() if isinstance(m, W4A8Linear) and not m.is_native]
-        if slow and slow[0].qweight.device.type == "cpu":
+        if slow and (kernels is None or kernels.binder == "cpu"):
             summary.notes.append(
                 f"w4a8: {len(slow)} projections run the reference path (a float32 matmul over "
                 "the weight dequantized on every call, slower than int4): the native kernel "
@@ -102,7 +113,7 @@ def prepare_linears(
     if quantize_embeddings:
         assert quantizer is not None
         quantizer.quantize_embeddings(model)
-    elif pack and tied:
+    elif native and tied:
         assert isinstance(head, nn.Linear)
         packed_head = pack_linear(head, batch_hint)
         if isinstance(packed_head, NativeLinear):
@@ -119,7 +130,13 @@ def prepare_linears(
     return summary
 
 
-def _fuse_mlp(mlp: MLP, float_gate_up: Optional[nn.Linear], batch_hint: int, summary: QuantizationSummary) -> None:
+def _fuse_mlp(
+    mlp: MLP,
+    float_gate_up: Optional[nn.Linear],
+    batch_hint: int,
+    summary: QuantizationSummary,
+    kernels: Optional[KernelSet],
+) -> None:
     """Whether a silu MLP's gate/up projection applies silu(gate) * up itself, and which layer does it.
 
     `float_gate_up`: its float bf16 gate/up projection when that was left to this choice (packed
@@ -143,7 +160,7 @@ def _fuse_mlp(mlp: MLP, float_gate_up: Optional[nn.Linear], batch_hint: int, sum
     ):
         qweight, scales, mins = gate_up.int4_weight()
         weight = QuantizedWeight("int4", qweight, scales, mins, gate_up.in_features)
-        mlp.gate_up_proj = W4A8SiluMulLinear(weight, gate_up.bias)
+        mlp.gate_up_proj = W4A8SiluMulLinear(weight, gate_up.bias, kernels=kernels)
         mlp.fused_act = True
 
 

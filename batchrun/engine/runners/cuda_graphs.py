@@ -43,7 +43,6 @@ from batchrun.engine.request import Request
 from batchrun.engine.scheduler import ScheduledBatch
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.quant.kv import QuantizedKVCache
-from batchrun.kernels.sampling import gather_in_place
 
 log = logging.getLogger(__name__)
 
@@ -238,7 +237,7 @@ class DecodeGraphs:
         if token_source is not None:
             # The uploaded ids' row holds source rows (padding repeats the last): gathered in
             # place, padding rows get the last row's id as in a host-packed step.
-            gather_in_place(self.staged[:bucket], token_source[0])
+            self.model.kernels.gather_in_place(self.staged[:bucket], token_source[0])
         try:
             graph = self._graph(bucket)
         except Exception as exc:  # noqa: BLE001 - any failed capture means: this model cannot be graphed
@@ -273,5 +272,5 @@ class DecodeGraphs:
                 self._fill_dummy_rows(bucket)
                 self._graph(bucket)
         # engine.async_scheduling's id gather (one variant): compiled now, not in a timed step
-        gather_in_place(self.staged[:1].zero_(), self.seq_ids)
+        self.model.kernels.gather_in_place(self.staged[:1].zero_(), self.seq_ids)
         torch.cuda.synchronize()

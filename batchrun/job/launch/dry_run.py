@@ -90,6 +90,9 @@ class RunPlan:
     profile: dict[str, Any]  # the rates the estimate used, and where they were measured
     estimates: tuple[Estimate, ...]  # for 1 and N workers
     shards: tuple[ShardPlan, ...]
+    # the engine's kernel set (EngineSettings.kernels): which function serves each kernel, and the
+    # tuning's choices; what a run of this plan would run
+    kernels: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -259,6 +262,7 @@ class _Counter:
             profile=rates,
             estimates=estimates,
             shards=tuple(plans),
+            kernels=engine.settings.as_dict()["kernels"],
         )
 
 
@@ -345,6 +349,12 @@ def format_plan(plan: RunPlan, max_shards: int = 20) -> str:
         f"({plan.profile['prefill_chunk_tokens']}-token chunks), decode {plan.profile['decode_tok_s']:.0f} tok/s "
         f"({plan.profile['decode_batch']} sequences), start-up {plan.profile['startup_s']:.1f}s",
     ]
+    if plan.kernels:
+        k = plan.kernels
+        lines.append(
+            f"kernels:        {k['binder']} kernel set for {k['target']['name']} ({k['dtype']}, "
+            f"KV cache {k['kv_cache_dtype']}), tuning: {k['tuning']['source']}"
+        )
     for e in plan.estimates:
         lines.append(
             f"estimate:       {e.num_workers} worker(s): {_duration(e.wall_s)} wall, "

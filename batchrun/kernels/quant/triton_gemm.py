@@ -18,9 +18,10 @@ element.
   draws the last ticket sums the partials in split order (0, 1, ...), whichever finished last, so
   the result is deterministic, applies the epilogue, stores, and resets the counter for the next
   launch (a CUDA graph replays it as is). Still one launch.
-- Tiles: `default_config` is the table per (M bucket, N, K) on the GPU at hand; on a real GPU the
-  first call of a (bucket, N, K) times a few tile shapes around it and keeps the fastest for the
-  process (`select_config`). The split count is the table's, never timed, so a run's numbers do not
+- Tiles: kernels/gemm_tiles.py's `default_config` is the table per (M bucket, N, K) for the GPU a
+  launch is sized for (`gpu`); on a real GPU start-up tuning times a few tile shapes around it per
+  (bucket, N, K) and the kernel set's `*_linear` functions launch with its choice
+  (kernels/tuning.py). The split count is the table's, never timed, so a run's numbers do not
   depend on which tile won.
 
 int4 tiles are split by parity: a packed byte holds k = 2j (low nibble) and 2j + 1 (high), so the
@@ -29,18 +30,24 @@ even and odd columns of x meet the two nibble planes in two dots, with no interl
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from batchrun.kernels.backend import gpu_target
-
-log = logging.getLogger(__name__)
+from batchrun.kernels.gemm_tiles import (  # noqa: F401 - the table, reached from here by the benchmarks and tests
+    M_BUCKETS,
+    GemmConfig,
+    candidates,
+    default_config,
+    group_constexpr,
+    m_bucket,
+    w4a16_group,
+)
+from batchrun.kernels.target import GpuTarget
+from batchrun.kernels.tuning import Tuning
 
 
 @triton.jit
@@ -332,115 +339,6 @@ def _w4a16_kernel(
 
 
 # ---------------------------------------------------------------------------------------------
-# tile configurations
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """One launch's tiling: a (block_m, block_n) output tile per program, K in block_k steps, K cut
-    into split_k ranges (one program each), and the compiler's warps and pipeline stages."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-M_BUCKETS = (16, 32, 64, 128, 256)  # token counts are rounded up to these; more than 256 counts as 256
-MAX_SPLIT_K = 8
-# Output tiles up to which split-K may run (so the workspace stays small): the few-row buckets.
-SPLIT_K_MAX_BUCKET = 64
-
-
-def m_bucket(m: int) -> int:
-    return next((b for b in M_BUCKETS if m <= b), M_BUCKETS[-1])
-
-
-def _group_constexpr(group_size: int, k: int) -> int:
-    """GROUP for a weight with `group_size` (k: per channel, 0)."""
-    if group_size == k:
-        return 0
-    return group_size if group_size >= 16 and group_size & (group_size - 1) == 0 else -1
-
-
-def default_config(m: int, n: int, k: int, group: int, num_sms: Optional[int]) -> GemmConfig:
-    """The table: tiles per M bucket; at up to SPLIT_K_MAX_BUCKET rows K is split until the programs
-    cover 90% of the GPU's `num_sms` (None: no split), at most MAX_SPLIT_K ways, each split at least two K
-    steps. `group`: the kernels' GROUP (a power-of-two group needs block_k a multiple of it or a
-    divisor)."""
-    bucket = m_bucket(m)
-    block_m = min(bucket, 64)
-    block_n = 64 if bucket <= 64 else 128
-    block_k = 128 if bucket <= 64 else 64
-    block_k = max(32, min(block_k, triton.next_power_of_2(k)))
-    split = 1
-    if num_sms and bucket <= SPLIT_K_MAX_BUCKET:
-        tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-        steps = triton.cdiv(k, block_k)
-        # until the programs fill 90% of the SMs (one wave; a second, mostly idle one costs more)
-        while tiles * split * 10 < num_sms * 9 and split * 2 <= MAX_SPLIT_K and steps // (split * 2) >= 2:
-            split *= 2
-    num_warps = 4 if bucket <= 64 else 8
-    return GemmConfig(block_m, block_n, block_k, split, num_warps, 3 if bucket <= 64 else 4)
-
-
-def candidates(base: GemmConfig) -> list[GemmConfig]:
-    """Tile shapes timed around the table's choice; all keep its split count (module docstring)."""
-    out = [base]
-    for bn, bk, warps, stages in ((32, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 4), (128, 128, 8, 3), (64, 64, 4, 5)):
-        c = replace(base, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
-        if c not in out:
-            out.append(c)
-    return out
-
-
-def fastest(configs: list[GemmConfig], time_ms: Callable[[GemmConfig], float]) -> GemmConfig:
-    """The config with the smallest time_ms; one that fails to run (too much shared memory) is left
-    out; the first when all fail."""
-    best, best_ms = configs[0], float("inf")
-    for c in configs:
-        try:
-            ms = time_ms(c)
-        except Exception as exc:  # noqa: BLE001 - an unfit tile is just not a candidate
-            log.debug("GEMM config %s failed: %r", c, exc)
-            continue
-        if ms < best_ms:
-            best, best_ms = c, ms
-    return best
-
-
-# Tuned configs for the process: (kernel, device, M bucket, N, K, group, dtype) -> config.
-_TUNED: dict[tuple, GemmConfig] = {}
-TUNE_ON_GPU = True  # time the candidates at a (bucket, N, K)'s first call on a real GPU
-
-
-def select_config(
-    kernel: str, x: torch.Tensor, n: int, k: int, group: int, run: Callable[[GemmConfig], None]
-) -> GemmConfig:
-    """The config for this call: the table's (interpreter, simulated GPU, during a CUDA graph
-    capture), or on a real GPU the fastest of `candidates` timed at the first call (`run` launches
-    one), kept for the process."""
-    m = x.shape[0]
-    target = gpu_target(x.device)
-    base = default_config(m, n, k, group, target.num_sms if target is not None else None)
-    if not (x.is_cuda and TUNE_ON_GPU):
-        return base
-    key = (kernel, x.device.index, m_bucket(m), n, k, group, x.dtype)
-    hit = _TUNED.get(key)
-    if hit is not None:
-        return hit
-    if torch.cuda.is_current_stream_capturing():  # nothing can be timed inside a capture
-        return base
-    import triton.testing
-
-    best = fastest(candidates(base), lambda c: float(triton.testing.do_bench(lambda: run(c), warmup=5, rep=20)))
-    _TUNED[key] = best
-    return best
-
-
-# ---------------------------------------------------------------------------------------------
 # launchers
 
 _LOCKS: dict[torch.device, torch.Tensor] = {}
@@ -483,14 +381,16 @@ def w8a16_matmul(
     scales: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     config: Optional[GemmConfig] = None,
+    gpu: Optional[GpuTarget] = None,
 ) -> torch.Tensor:
     """y (M, N) = x (M, K) @ dequant(qweight int8 (N, K), scales (N, num_groups)).T, in x's dtype.
-    `config`: a fixed tiling (tests, the benchmark); else `select_config`'s."""
+    `config`: the tiling (None: the table's for `gpu`, the GPU the launch is sized for; None there:
+    Triton's interpreter, no split)."""
     m, k = x.shape
     n = qweight.shape[0]
     num_groups = scales.shape[1]
     scales = scales.float().contiguous()
-    group = _group_constexpr(k // num_groups, k)
+    group = group_constexpr(k // num_groups, k)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return y
@@ -530,7 +430,7 @@ def w8a16_matmul(
             num_stages=c.num_stages,
         )
 
-    run(config or select_config("w8a16", x, n, k, group, run))
+    run(config or default_config(m, n, k, group, gpu.num_sms if gpu is not None else None))
     return y
 
 
@@ -541,16 +441,16 @@ def w4a16_matmul(
     mins: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     config: Optional[GemmConfig] = None,
+    gpu: Optional[GpuTarget] = None,
 ) -> torch.Tensor:
-    """y (M, N) = x (M, K) @ dequant(qweight uint8 (N, K // 2), scales, mins (N, num_groups)).T."""
+    """y (M, N) = x (M, K) @ dequant(qweight uint8 (N, K // 2), scales, mins (N, num_groups)).T;
+    `config` and `gpu` as w8a16_matmul's."""
     m, k = x.shape
     n = qweight.shape[0]
     num_groups = scales.shape[1]
     group_size = k // num_groups
     assert k % 2 == 0 and group_size % 2 == 0
-    group = _group_constexpr(group_size, k)
-    if group == 0:  # one group over all of K: the general group path (the min term is per group)
-        group = group_size if group_size & (group_size - 1) == 0 else -1
+    group = w4a16_group(group_size, k)
     scales, mins = scales.contiguous(), mins.contiguous()
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
@@ -592,5 +492,39 @@ def w4a16_matmul(
             num_stages=c.num_stages,
         )
 
-    run(config or select_config("w4a16", x, n, k, group, run))
+    run(config or default_config(m, n, k, group, gpu.num_sms if gpu is not None else None))
     return y
+
+
+def w8a16_linear(
+    x2: torch.Tensor,  # (M, K)
+    qweight: torch.Tensor,  # (N, K) int8
+    scales: torch.Tensor,  # (N, num_groups) float32
+    bias: Optional[torch.Tensor],
+    scales_bf16: Optional[torch.Tensor] = None,  # unused here (the CPU kernel's side copy)
+    *,
+    tuning: Tuning,
+    gpu: Optional[GpuTarget],
+) -> torch.Tensor:
+    """The int8 linear of a Triton kernel set: w8a16_matmul at the tiling start-up tuning chose."""
+    m, k = x2.shape
+    n = qweight.shape[0]
+    group = group_constexpr(k // scales.shape[1], k)
+    return w8a16_matmul(x2, qweight, scales, bias, tuning.tile("w8a16", m, n, k, group, x2.dtype, gpu), gpu)
+
+
+def w4a16_linear(
+    x2: torch.Tensor,  # (M, K)
+    qweight: torch.Tensor,  # (N, K // 2) uint8
+    scales: torch.Tensor,  # (N, num_groups) float16
+    mins: torch.Tensor,  # (N, num_groups) float16
+    bias: Optional[torch.Tensor],
+    *,
+    tuning: Tuning,
+    gpu: Optional[GpuTarget],
+) -> torch.Tensor:
+    """The int4 linear of a Triton kernel set: w4a16_matmul at the tiling start-up tuning chose."""
+    m, k = x2.shape
+    n = qweight.shape[0]
+    group = w4a16_group(k // scales.shape[1], k)
+    return w4a16_matmul(x2, qweight, scales, mins, bias, tuning.tile("w4a16", m, n, k, group, x2.dtype, gpu), gpu)

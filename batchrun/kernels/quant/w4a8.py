@@ -22,14 +22,17 @@ from batchrun.kernels.quant.w8a8 import native_rows
 W4A8_GROUP = 32
 
 
-def quantize_groups_int8(x: torch.Tensor, group: int = W4A8_GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_groups_int8(
+    x: torch.Tensor, group: int = W4A8_GROUP, native: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_q int8 (M, K), scales float32 (M, K // group), sums float32 (M, K // group)) with
     x ~= x_q * scale per group of `group` consecutive columns, and sums = scale * sum(x_q) over the
-    group (W4A8's min term). Native in one pass where the kernels run (bitwise equal to this code)."""
+    group (W4A8's min term). `native` (the kernels built and on): in one native pass where it takes
+    x, bitwise equal to this code."""
     m, k = x.shape
     if k % group:
         raise ValueError(f"{k} features are not a whole number of groups of {group}")
-    if native_rows(x) and group <= 512:
+    if native and native_rows(x) and group <= 512:
         xq = torch.empty((m, k), dtype=torch.int8)
         scales = torch.empty((m, k // group), dtype=torch.float32)
         sums = torch.empty((m, k // group), dtype=torch.float32)
@@ -59,12 +62,15 @@ def w4a8_matmul(
     scales: torch.Tensor,
     mins: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
+    native: bool = False,
 ) -> torch.Tensor:
-    """Reference W4A8: x quantized in groups of 32 (quantize_groups_int8; or already quantized),
-    times the int4 weight (our layout: packed (N, K // 2), scales and mins (N, K // 32)), in
-    float32, then x's dtype. The same sum as the native kernel's, in a different float32 order."""
+    """Reference W4A8: x quantized in groups of 32 (quantize_groups_int8, `native` as there; or
+    already quantized), times the int4 weight (our layout: packed (N, K // 2), scales and mins
+    (N, K // 32)), in float32, then x's dtype. The same sum as the native kernel's, in a different
+    float32 order."""
     if not isinstance(x, GroupQuantized):
-        x = GroupQuantized(*quantize_groups_int8(x.reshape(-1, x.shape[-1]), W4A8_GROUP), tuple(x.shape[:-1]), x.dtype)
+        xq = quantize_groups_int8(x.reshape(-1, x.shape[-1]), W4A8_GROUP, native)
+        x = GroupQuantized(*xq, tuple(x.shape[:-1]), x.dtype)
     y = x.dequantize() @ dequantize_int4(qweight, scales, mins, torch.float32).t()
     if bias is not None:
         y = y + bias.float()
@@ -72,10 +78,8 @@ def w4a8_matmul(
 
 
 def w4a8_native_supported(out_features: int, in_features: int) -> bool:
-    """Whether batchrun_w4a8_linear serves this weight here (kernels on and built with AVX512-VNNI
-    and BF16; out_features a multiple of 32, in_features of 32)."""
-    if not (cpu_native.enabled() and cpu_native.available()):
-        return False
+    """Whether batchrun_w4a8_linear takes this weight (built with AVX512-VNNI and BF16; out_features
+    a multiple of 32, in_features of 32). Asked where the kernels are built and on."""
     return bool(cpu_native.loaded().batchrun_w4a8_linear_supported(out_features, in_features))
 
 
@@ -147,7 +151,7 @@ def _kernel_input(x: Union[torch.Tensor, GroupQuantized], k: int) -> tuple[tuple
         x2 = x.reshape(-1, k)
         if x2.dtype == torch.bfloat16 and x2.stride(1) == 1:
             return (None, 0, None, None, x2.data_ptr(), x2.stride(0)), x2.shape[0], tuple(x.shape[:-1]), x2
-        x = GroupQuantized(*quantize_groups_int8(x2.contiguous(), W4A8_GROUP), tuple(x.shape[:-1]), x.dtype)
+        x = GroupQuantized(*quantize_groups_int8(x2.contiguous(), W4A8_GROUP, True), tuple(x.shape[:-1]), x.dtype)
     if x.q.shape[1] != k:  # the kernel takes K from the weight: a wrong width would read past x
         raise ValueError(f"input has {x.q.shape[1]} features, the weight {k}")
     return (

@@ -20,17 +20,20 @@ from batchrun.kernels.cpu_native import DTYPE_CODES
 from batchrun.kernels.quant.formats import INT8_MAX, activation_scale
 
 
-def quantize_per_token_int8(x: torch.Tensor, skip: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_per_token_int8(
+    x: torch.Tensor, skip: Optional[torch.Tensor] = None, native: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_q int8 (M, K), scale float32 (M, 1)) with x ~= x_q * scale row by row.
 
     `skip`: a (K,) bool mask of columns left out (W8A8's outlier channels, which run in float):
-    they count as 0 for the scale and come out as 0.
+    they count as 0 for the scale and come out as 0. `native`: the native kernels are built and on
+    (the kernel set's choice): one native pass where it takes x (`native_rows`), bitwise this code.
 
     Written as few full passes as torch allows: it runs before every W8A8 GEMM, and on a CPU these
     elementwise passes cost about as much as the int8 GEMM saves (abs().amax() rather than
     linalg.vector_norm(inf), which is much slower here).
     """
-    if native_rows(x):
+    if native and native_rows(x):
         xq, scale, _ = _quantize_per_token_int8_native(x, skip)
         return xq, scale
     xf = x.float()
@@ -44,8 +47,8 @@ def quantize_per_token_int8(x: torch.Tensor, skip: Optional[torch.Tensor] = None
 
 
 def native_rows(x: torch.Tensor) -> bool:
-    """Whether the native quantization pass serves x: kernels on, a float32/bf16 CPU matrix with unit column stride."""
-    return cpu_native.usable(x) and x.dtype in DTYPE_CODES and x.dim() == 2 and x.stride(1) == 1
+    """Whether the native quantization passes take x: a float32/bf16 matrix with unit column stride."""
+    return x.dtype in DTYPE_CODES and x.dim() == 2 and x.stride(1) == 1
 
 
 def _quantize_per_token_int8_native(
@@ -77,24 +80,31 @@ def _quantize_per_token_int8_native(
 
 
 def quantize_with_outliers(
-    x: torch.Tensor, outliers: OutlierChannels
+    x: torch.Tensor, outliers: OutlierChannels, native: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x_q, scale) of quantize_per_token_int8(x, outliers.skip), and x[:, outliers.index] for the
-    float product: one native pass where the kernels serve x, else the torch code and an index_select."""
-    if native_rows(x) and outliers.index.dtype == torch.int64 and outliers.index.is_contiguous():
+    float product: with `native`, one native pass where it takes x, else the torch code and an
+    index_select."""
+    if native and native_rows(x) and outliers.index.dtype == torch.int64 and outliers.index.is_contiguous():
         xq, scale, gathered = _quantize_per_token_int8_native(x, outliers.skip, outliers.index)
         assert gathered is not None
         return xq, scale, gathered
-    xq, scale = quantize_per_token_int8(x, outliers.skip)
+    xq, scale = quantize_per_token_int8(x, outliers.skip, native)
     return xq, scale, x.index_select(1, outliers.index)
 
 
 def _w8a8_epilogue(
-    acc: torch.Tensor, w_scales: torch.Tensor, x_scales: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype
+    acc: torch.Tensor,
+    w_scales: torch.Tensor,
+    x_scales: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    dtype: torch.dtype,
+    native: bool,
 ) -> torch.Tensor:
-    """((acc float32 * w_scales) * x_scales).to(dtype) (+ bias), the torch way or in one native pass."""
+    """((acc float32 * w_scales) * x_scales).to(dtype) (+ bias), the torch way or (`native`) in one
+    native pass."""
     if (
-        cpu_native.usable(acc)
+        native
         and dtype in DTYPE_CODES
         and acc.is_contiguous()
         and w_scales.dtype == torch.float32
@@ -139,25 +149,30 @@ def w8a8_matmul(
     scales: torch.Tensor,
     bias: Optional[torch.Tensor] = None,
     outliers: Optional[OutlierChannels] = None,
+    native: bool = False,
+    min_rows: int = 0,
 ) -> torch.Tensor:
     """y = (q_x @ q_W.T) * s_x * s_W with an exact int32 accumulation (torch._int_mm; VNNI on x86),
     plus x[:, outliers] @ W[:, outliers].T in x's dtype when some channels stay in float (their
     columns of q_W are zero).
 
-    `scales` is per output channel (N, 1).
+    `scales` is per output channel (N, 1). `native`: the quantization and the epilogue run their
+    native passes where they take the tensors (bitwise the torch code; a CPU kernel set with the
+    kernels on binds it so). `min_rows`: the fewest rows torch._int_mm takes (cuBLAS: more than
+    16, INT_MM_MIN_ROWS); fewer are padded with zero rows.
     """
     assert scales.shape[1] == 1, "W8A8 needs per-channel weight scales"
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     if outliers is None:
-        xq, sx = quantize_per_token_int8(x2)
+        xq, sx = quantize_per_token_int8(x2, None, native)
     else:
-        xq, sx, x_float = quantize_with_outliers(x2, outliers)  # x_float: (M, num_outliers)
+        xq, sx, x_float = quantize_with_outliers(x2, outliers, native)  # x_float: (M, num_outliers)
     m = xq.shape[0]
-    if xq.is_cuda and m <= 16:  # cuBLAS int8 GEMM wants more than 16 rows
-        xq = torch.nn.functional.pad(xq, (0, 0, 0, 17 - m))
+    if m < min_rows:
+        xq = torch.nn.functional.pad(xq, (0, 0, 0, min_rows - m))
     acc = torch._int_mm(xq, qweight.t())[:m]  # (M, N) int32
-    y = _w8a8_epilogue(acc, scales[:, 0], sx, bias, x.dtype)
+    y = _w8a8_epilogue(acc, scales[:, 0], sx, bias, x.dtype, native)
     if outliers is not None:
         y = torch.addmm(y, x_float, outliers.weight_t.to(x.dtype))
     return y.reshape(*shape[:-1], y.shape[-1])
@@ -176,10 +191,9 @@ def w8a8_matmul(
 
 
 def w8a8_native_supported(out_features: int, in_features: int, num_float_channels: int = 0) -> bool:
-    """Whether batchrun_w8a8_linear serves this weight here (kernels on and built with AVX512-VNNI
-    and BF16; out_features a multiple of 32, in_features of 4, an even number of float channels)."""
-    if not (cpu_native.enabled() and cpu_native.available()):
-        return False
+    """Whether batchrun_w8a8_linear takes this weight (built with AVX512-VNNI and BF16; out_features
+    a multiple of 32, in_features of 4, an even number of float channels). Asked where the kernels
+    are built and on (a CPU kernel set that packs for them)."""
     return bool(cpu_native.loaded().batchrun_w8a8_linear_supported(out_features, in_features, num_float_channels))
 
 
@@ -232,7 +246,9 @@ def w8a8_matmul_native(
     xq = sx = xo = None
     if not self_quantized:
         xq, sx, xo = (
-            quantize_with_outliers(x2, outliers) if outliers is not None else (*quantize_per_token_int8(x2), None)
+            quantize_with_outliers(x2, outliers, True)
+            if outliers is not None
+            else (*quantize_per_token_int8(x2, None, True), None)
         )
         sx = sx.reshape(-1).contiguous()
     rc = cpu_native.loaded().batchrun_w8a8_linear(

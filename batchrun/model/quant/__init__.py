@@ -8,9 +8,8 @@
 Which layer each projection gets, and the MLP fusion, is decided by model/prepare.py: prepare_linears.
 """
 
+from batchrun.kernels.quant.linears import CPU_INT8PACK_MAX_ROWS, INT4_GROUP_SIZES
 from batchrun.model.quant.layers import (
-    CPU_INT8PACK_MAX_ROWS,
-    INT4_GROUP_SIZES,
     Fp8Linear,
     Int4Linear,
     Int8Linear,

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from batchrun.kernels.kernel_set import KernelSet
 from batchrun.kernels.quant import w4a8 as w4
 from batchrun.model.quant.layers import QuantEmbedding, make_linear
 from batchrun.model.quant.smoothquant import smooth_activations, split_outlier_channels
@@ -62,7 +63,8 @@ class ProjectionQuantizer:
     and int8 in groups for any other projection, w4a8 where they are Q4 blocks. `input_absmax` (from
     collect_input_absmax) turns on SmoothQuant for W8A8 (applied to the whole model here, before any
     projection is quantized), and with `outlier_channels` > 0 that many input channels of each
-    projection stay in float (split_outlier_channels)."""
+    projection stay in float (split_outlier_channels). `kernels`: the kernel set whose linear kernels
+    the layers take (None: the one bound for each weight's device and dtype)."""
 
     def __init__(
         self,
@@ -73,12 +75,14 @@ class ProjectionQuantizer:
         prequantized: Optional[dict[str, QuantizedWeight]] = None,
         input_absmax: Optional[dict[str, torch.Tensor]] = None,
         outlier_channels: int = 0,
+        kernels: Optional[KernelSet] = None,
     ) -> None:
         if mode == "gguf" and not prequantized:
             raise ValueError("quantization 'gguf' needs a GGUF model whose tensors are Q8_0, Q4_0 or Q4_1")
         self.mode, self.group_size, self.summary = mode, group_size, summary
         self.prequantized = prequantized or {}
         self.outlier_channels = outlier_channels
+        self.kernels = kernels
         self.fmt = "int8" if mode == "gguf" else _weight_format(mode)
         self.smoothed: dict[str, torch.Tensor] = {}
         if mode == "w8a8" and input_absmax:
@@ -119,7 +123,7 @@ class ProjectionQuantizer:
                     f"{name}: group size {qw.group_size} ({linear.in_features} is not a multiple of {group_size})"
                 )
         qw = to_device(qw, linear.weight.device)
-        module = make_linear(qw, mode, linear.bias, dtype, outliers)
+        module = make_linear(qw, mode, linear.bias, dtype, outliers, kernels=self.kernels)
         self.record(module, from_gguf)
         return module
 
@@ -138,5 +142,6 @@ class ProjectionQuantizer:
             return
         tied = lm_head.weight is embed.weight
         head_weight = per_row if tied else to_device(quantize_weight(lm_head.weight.data, row_fmt), device)
-        model.lm_head = make_linear(head_weight, "w8a8" if mode == "w8a8" else "int8", lm_head.bias, dtype)
+        head_mode = "w8a8" if mode == "w8a8" else "int8"
+        model.lm_head = make_linear(head_weight, head_mode, lm_head.bias, dtype, kernels=self.kernels)
         self.record(model.lm_head, False)

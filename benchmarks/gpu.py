@@ -82,6 +82,7 @@ from benchmarks.gpu_engine import (
     check_model,
     model_phases,
 )
+from benchmarks.gpu_fused import FUSED, check_fused
 from benchmarks.gpu_gemm import check_gemms
 from benchmarks.gpu_launches import LAUNCHES
 from benchmarks.gpu_report import NO_CUDA, Budget, Report, default_json_path, versions
@@ -573,6 +574,7 @@ GPU_ESTIMATES_S = {
     "kernels": 60,
     "bandwidth": 40,
     "gemm": 90,
+    FUSED: 40,
     DECODE_8B: 300,  # 5 engines (random weights, quantization, graph capture, warm-up) x 3 batch sizes
     f"{QWEN3}: build": 40,
     f"{QWEN3}: decode step": 20,
@@ -612,7 +614,9 @@ def check_launches(report: Report) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--only", action="append", choices=("kernels", "bandwidth", "gemm", "decode8b", "engine", "throughput")
+        "--only",
+        action="append",
+        choices=("kernels", "bandwidth", "gemm", "fused", "decode8b", "engine", "throughput"),
     )
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, kernels in Triton's interpreter")
     parser.add_argument(
@@ -638,7 +642,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("no CUDA device: run with --smoke for the CPU check", file=sys.stderr)
             return 2
         device = torch.device("cuda")
-    selected = args.only or ["kernels", "bandwidth", "gemm", "engine", "throughput"]
+    selected = args.only or ["kernels", "bandwidth", "gemm", "fused", "engine", "throughput"]
     models = [(QWEN3, QWEN3_0_6B), (SMOLLM2, SMOLLM2_135M)]
     per_model = {
         label: model_phases(label, "engine" in selected, "throughput" in selected, not args.no_baseline)
@@ -649,6 +653,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if "engine" not in selected and "throughput" not in selected:  # no engine to build
         per_model = {label: [] for label in per_model}
     names = [p for p in ("kernels", "bandwidth", "gemm") if p in selected]
+    if "fused" in selected:
+        names.append(FUSED)
     if "decode8b" in selected:
         names.append(DECODE_8B)
     names += [p for ps in per_model.values() for p in ps]
@@ -678,6 +684,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         # the phase stops starting shapes at its own estimate, so it never eats the later phases' time
         gemm = functools.partial(check_gemms, device, args.smoke, report, budget.phases["gemm"].estimate_s)
         budget.run("gemm", gemm, report)
+    if "fused" in selected:
+        # on a GPU it stops starting (model, kind) groups at its own estimate, as gemm does
+        fused_deadline = None if args.smoke else budget.phases[FUSED].estimate_s
+        fused = functools.partial(check_fused, device, args.smoke, report, fused_deadline)
+        budget.run(FUSED, fused, report)
     if "decode8b" in selected:
         # like gemm, it stops starting modes at its own estimate; its engines are freed before the next phase
         decode = functools.partial(check_decode_8b, device, args.smoke, report, budget.phases[DECODE_8B].estimate_s)

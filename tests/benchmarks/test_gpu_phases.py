@@ -112,3 +112,25 @@ def test_a_failing_mode_or_fused_kernel_fails_its_rows_and_the_rest_still_report
     assert len(names) == 2 and any("gate/up" in n for n in names) and any("logits" in n for n in names)
     qkv = next(value for name, value in table.items() if name.startswith("fused qkv+norm+rope+KV write vs unfused ("))
     assert qkv.startswith("12/12 within")
+
+
+def test_the_default_gpu_plan_fits_its_budget_with_the_fused_phase():
+    """`--plan` prints what a GPU run plans (no device needed): the default run's phase estimates,
+    the fused-GEMM phase among them, fit the default budget; a smaller budget does not fit."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+
+    def plan(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "benchmarks.gpu", "--plan", *args]
+        return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+    default = plan()
+    assert default.returncode == 0, default.stdout + default.stderr
+    lines = default.stdout.splitlines()
+    assert lines[-1].startswith("plan: 16 phases") and lines[-1].endswith(": fits")
+    phases = [line.split("~")[0].strip() for line in lines[:-1]]
+    assert phases[:4] == ["kernels", "bandwidth", "gemm", "fused GEMMs"]
+    planned = sum(int(line.split("~")[1].split()[0]) for line in lines[:-1])
+    assert planned <= 480
+    short = plan("--budget-s", str(planned - 1))
+    assert short.returncode == 1 and "does NOT fit" in short.stdout

@@ -636,7 +636,7 @@ def _model_phases(selected: list[str], no_baseline: bool) -> dict[str, list[str]
 
 def _phase_names(selected: list[str], smoke: bool, no_baseline: bool) -> list[str]:
     """The budgeted phases of a run, in the order they run."""
-    names = [p for p in ("kernels", "bandwidth", "gemm") if p in selected]
+    names: list[str] = [p for p in ("kernels", "bandwidth", "gemm") if p in selected]
     if "fused" in selected:
         names.append(FUSED)
     if "decode8b" in selected:

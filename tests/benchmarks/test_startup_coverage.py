@@ -193,3 +193,30 @@ def test_the_warm_up_launches_every_gemm_tile_a_run_gets_at_gpu_shapes(model):
         warm = {launched(gemm, m) for m in (sequences if gemm[0] == "logits" else tokens)}
         missing = {launched(gemm, m) for m in range(1, gemm[4] + 1)} - warm
         assert not missing, (gemm, missing)
+
+
+def test_measured_tuning_hands_its_scratch_memory_back_before_the_kv_cache_is_sized(monkeypatch):
+    """Start-up tunes before it sizes the KV cache (tests/test_tuning.py checks the order), and the
+    tuning's inputs and outputs must not stay reserved by torch's caching allocator, which
+    torch.cuda.mem_get_info (the KV budget's free memory) counts as used: after the last case is
+    timed the device is synchronized and the cache emptied. Timing and CUDA calls are stand-ins."""
+    from batchrun.kernels import tuning
+    from batchrun.kernels.target import DeviceTarget
+    from batchrun.kernels.tuning import GemmShape, TuningCase
+
+    events: list[str] = []
+    monkeypatch.setattr(tuning, "_bench", lambda fn: float(fn()))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: events.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+
+    def case(kernel: str, rows: int) -> TuningCase:
+        def prepare():
+            events.append(f"{kernel} {rows}")
+            return (lambda m, config: 1.0), (lambda m: 2.0)
+
+        return TuningCase(GemmShape(kernel, 256, 64), rows, torch.bfloat16, prepare)
+
+    gpu = DeviceTarget(torch.device("cuda", 0), SM90, False, False, True)  # a real GPU, as far as tuning sees
+    result = tuning.measured_tuning(gpu, [case("silu_mul", 16), case("logits", 512)])
+    assert result.source == "measured" and len(result.fused) == 2
+    assert events == ["silu_mul 16", "logits 512", "synchronize", "empty_cache"]

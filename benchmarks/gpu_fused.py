@@ -116,7 +116,9 @@ class Case:
 
 
 def _randn(shape: tuple[int, ...], gen: torch.Generator, device: torch.device, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(shape, generator=gen) * scale).to(device, torch.bfloat16)
+    """Normal bf16 values drawn on `device` by `gen`, a generator of that device (a vocabulary's
+    LM head is half a billion of them: drawn where they are used)."""
+    return (torch.randn(shape, generator=gen, device=device) * scale).to(torch.bfloat16)
 
 
 def _linear(k: int, n: int, gen: torch.Generator, device: torch.device) -> tuple[nn.Linear, nn.Linear]:
@@ -148,7 +150,7 @@ def qkv_rows(p: Projections, fused: Any, unfused: Any, device: torch.device, gen
 
     n = (p.num_heads + 2 * p.num_kv_heads) * p.head_dim
     proj, proj32 = _linear(p.hidden, n, gen, device)
-    norms = (torch.rand(2, p.head_dim, generator=gen) + 0.5).to(device, torch.bfloat16) if p.qk_norm else None
+    norms = (torch.rand(2, p.head_dim, generator=gen, device=device) + 0.5).to(torch.bfloat16) if p.qk_norm else None
     heads = QKVHeads(p.num_heads, p.num_kv_heads, p.head_dim, *(norms if norms is not None else (None, None)))
     heads32 = QKVHeads(p.num_heads, p.num_kv_heads, p.head_dim, *(norms.float() if norms is not None else (None, None)))
     inv_freq = 1.0 / p.rope_theta ** (torch.arange(0, p.head_dim, 2).float() / p.head_dim)
@@ -159,11 +161,10 @@ def qkv_rows(p: Projections, fused: Any, unfused: Any, device: torch.device, gen
 
     def case(m: int) -> Case:
         x = _randn((m, p.hidden), gen, device)  # (M, hidden)
-        positions = torch.randint(0, NUM_POSITIONS, (m,), generator=gen).to(device)
+        positions = torch.randint(0, NUM_POSITIONS, (m,), generator=gen, device=device)
         num_blocks = -(-2 * m // BLOCK_SIZE) + 1
-        slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen)[:m]
+        slots = torch.randperm(num_blocks * BLOCK_SIZE, generator=gen, device=device)[:m]
         slots[3::7] = -1  # CUDA-graph padding: nothing written
-        slots = slots.to(device)
         kept = slots[slots >= 0]
         initial = _randn((2, num_blocks, BLOCK_SIZE, p.num_kv_heads, p.head_dim), gen, device)
 
@@ -321,7 +322,7 @@ def check_fused(device: torch.device, smoke: bool, report: Report, deadline_s: O
         flush=True,
     )
     cut = 0
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator(device).manual_seed(0)
     with torch.inference_mode(), _float32_matmuls():
         for p in SMOKE_MODELS if smoke else MODELS:
             for kind, rows_of in CASES.items():

@@ -2,7 +2,7 @@
 step, CUDA graphs, memory and throughput; a table last and a JSON document with every measurement.
 
     python -m benchmarks.gpu                   # on a GPU: planned to fit 8 minutes on one H200
-    python -m benchmarks.gpu --only kernels    # kernels | bandwidth | gemm | engine | throughput (repeatable)
+    python -m benchmarks.gpu --only kernels    # kernels | bandwidth | gemm | fused | engine | throughput (repeatable)
     python -m benchmarks.gpu --only decode8b   # the 8B decode phase (not in the default run)
     python -m benchmarks.gpu --smoke           # CPU: tiny shapes, kernels in Triton's interpreter
     python -m benchmarks.gpu --json PATH       # default: $OUT/bench-gpu.json, else ./bench-gpu.json
@@ -19,8 +19,14 @@ step, CUDA graphs, memory and throughput; a table last and a JSON document with 
    its tile settings, and the same decode over int8 and fp8 caches (default tile and 64).
 3. GEMMs (`--only gemm`, benchmarks.gpu_gemm): each weight mode's linear (int8, int4, fp8, W8A8, as the
    engine builds them) against cuBLAS bf16 at M = 1, 16, 64, 256 on Llama-3-8B's and Qwen3-0.6B's
-   projection shapes: time, speed-up and % of the bytes-moved floor. In --smoke tiny shapes in the
-   interpreter on a simulated sm_90, each mode's output checked against the float product.
+   projection shapes: time, speed-up and % of the bytes-moved floor; a mode or call that fails is
+   its row's error and the rest go on. In --smoke tiny shapes in the interpreter on a simulated
+   sm_90, each mode's output checked against the float product.
+3a. Fused GEMMs (`--only fused`, benchmarks.gpu_fused): the fused bf16 projections (qkv + q/k-norm +
+   rotary + KV write, gate/up + SiLU, logits) against the unfused path (cuBLAS + the separate
+   Triton kernel: the kernel set bound with fuse=False) and against float32, at M = 1, 16, 300 on
+   the same models' shapes, within a stated bf16 tolerance, the KV cache slots too; both paths
+   timed (what start-up tuning compares to choose). In --smoke tiny shapes in the interpreter.
 3b. 8B decode (`--only decode8b`, benchmarks.gpu_decode; not in the default run: its ~5 minutes do not
    fit the 8-minute plan beside the rest): the engine's decode output tok/s on a Llama-3-8B-shaped
    random model at batch 1, 16 and 64 per weight mode (bf16, int8, int4, fp8, W8A8), with the ratio
@@ -48,7 +54,9 @@ step, CUDA graphs, memory and throughput; a table last and a JSON document with 
    prefix cache reset), for the ratio.
 
 Every phase has a rough time estimate; one that no longer fits in --budget-s is skipped and says
-so, and a timed workload is cut at the deadline, so the table always prints. The JSON file is
+so, and a timed workload is cut at the deadline, so the table always prints. No phase times a
+kernel whose tiles or fused choice are still to be made: the engines tune at start-up, before their
+KV cache and warm-up, and the GEMM and fused phases bind the static tables' choices. The JSON file is
 rewritten after every phase. Exit status 1 when a check failed. In --smoke every phase runs on the
 CPU at tiny sizes; what only a GPU can measure reads "n/a (no CUDA)".
 """
@@ -82,6 +90,7 @@ from benchmarks.gpu_engine import (
     check_model,
     model_phases,
 )
+from benchmarks.gpu_fused import FUSED, check_fused
 from benchmarks.gpu_gemm import check_gemms
 from benchmarks.gpu_launches import LAUNCHES
 from benchmarks.gpu_report import NO_CUDA, Budget, Report, default_json_path, versions
@@ -567,23 +576,26 @@ def check_bandwidth(device: torch.device, smoke: bool, report: Report) -> None:
 # 3. GEMMs (benchmarks.gpu_gemm); 4. and 5. the engine (benchmarks.gpu_engine), its phases planned against the budget
 
 # Rough seconds per phase on one H200 with a cold Triton cache (compiling dominates the first
-# phases); the JSON records each phase's real time beside its estimate (the first H200 run took
-# well under half of each).
+# phases), with room over what an H200 run measured (docs/benchmarks.md, "The GPU check in one device
+# call", lists both); the builds include start-up tuning, which compiles and times every tile
+# candidate of the model's fused GEMMs. The JSON records each phase's real time beside its
+# estimate. The default run's sum stays within the default --budget-s (`--plan` prints it).
 GPU_ESTIMATES_S = {
-    "kernels": 60,
-    "bandwidth": 40,
-    "gemm": 90,
+    "kernels": 50,
+    "bandwidth": 15,
+    "gemm": 75,
+    FUSED: 40,
     DECODE_8B: 300,  # 5 engines (random weights, quantization, graph capture, warm-up) x 3 batch sizes
-    f"{QWEN3}: build": 40,
-    f"{QWEN3}: decode step": 20,
-    f"{QWEN3}: greedy": 30,
-    f"{QWEN3}: greedy async": 25,
-    f"{QWEN3}: temperature 0.6": 30,
+    f"{QWEN3}: build": 60,
+    f"{QWEN3}: decode step": 15,
+    f"{QWEN3}: greedy": 20,
+    f"{QWEN3}: greedy async": 20,
+    f"{QWEN3}: temperature 0.6": 20,
     **{f"{QWEN3}: turnover {name}": 15 for name, _, _ in TURNOVER_RUNS},
-    f"{QWEN3}: vs HF generate": 40,
-    f"{SMOLLM2}: build": 30,
-    f"{SMOLLM2}: greedy": 30,
-    f"{SMOLLM2}: vs HF generate": 30,
+    f"{QWEN3}: vs HF generate": 30,
+    f"{SMOLLM2}: build": 45,
+    f"{SMOLLM2}: greedy": 15,
+    f"{SMOLLM2}: vs HF generate": 25,
 }
 SMOKE_ESTIMATE_S = 10  # per phase in --smoke
 
@@ -609,10 +621,38 @@ def check_launches(report: Report) -> None:
     )
 
 
+def _model_phases(selected: list[str], no_baseline: bool) -> dict[str, list[str]]:
+    """Each model's budgeted phases for the selected parts (none where no engine is built)."""
+    per_model = {
+        label: model_phases(label, "engine" in selected, "throughput" in selected, not no_baseline)
+        for label in (QWEN3, SMOLLM2)
+    }
+    if "throughput" not in selected:  # engine checks alone: the Qwen3 engine only
+        per_model[SMOLLM2] = []
+    if "engine" not in selected and "throughput" not in selected:  # no engine to build
+        per_model = {label: [] for label in per_model}
+    return per_model
+
+
+def _phase_names(selected: list[str], smoke: bool, no_baseline: bool) -> list[str]:
+    """The budgeted phases of a run, in the order they run."""
+    names: list[str] = [p for p in ("kernels", "bandwidth", "gemm") if p in selected]
+    if "fused" in selected:
+        names.append(FUSED)
+    if "decode8b" in selected:
+        names.append(DECODE_8B)
+    names += [p for ps in _model_phases(selected, no_baseline).values() for p in ps]
+    if smoke and "engine" in selected:  # the interpreter is on: count what a decode step launches
+        names.append(LAUNCHES)
+    return names
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--only", action="append", choices=("kernels", "bandwidth", "gemm", "decode8b", "engine", "throughput")
+        "--only",
+        action="append",
+        choices=("kernels", "bandwidth", "gemm", "fused", "decode8b", "engine", "throughput"),
     )
     parser.add_argument("--smoke", action="store_true", help="CPU: tiny shapes, kernels in Triton's interpreter")
     parser.add_argument(
@@ -624,8 +664,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--no-baseline", action="store_true", help="skip the HF generate comparison")
     parser.add_argument("--json", metavar="PATH", help=f"where the JSON goes (default: {default_json_path()})")
     parser.add_argument("--write-docs", action="store_true", help=WRITE_DOCS_HELP)
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the phases a GPU run of these options plans and whether they fit --budget-s; run nothing",
+    )
     args = parser.parse_args(argv)
     t_start = time.perf_counter()
+    selected = args.only or ["kernels", "bandwidth", "gemm", "fused", "engine", "throughput"]
+    if args.plan:  # no device needed: exit status 1 when the estimates pass the budget
+        plan = Budget(args.budget_s, {n: GPU_ESTIMATES_S[n] for n in _phase_names(selected, False, args.no_baseline)})
+        for phase in plan.phases.values():
+            print(f"  {phase.name:<48} ~{phase.estimate_s:.0f} s")
+        print(plan.plan_line())
+        return 0 if plan.planned_s <= plan.budget_s else 1
     if args.smoke:
         # Must precede triton's first import; nothing above imports it.
         assert "triton" not in sys.modules or os.environ.get("TRITON_INTERPRET") == "1", (
@@ -638,22 +690,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("no CUDA device: run with --smoke for the CPU check", file=sys.stderr)
             return 2
         device = torch.device("cuda")
-    selected = args.only or ["kernels", "bandwidth", "gemm", "engine", "throughput"]
     models = [(QWEN3, QWEN3_0_6B), (SMOLLM2, SMOLLM2_135M)]
-    per_model = {
-        label: model_phases(label, "engine" in selected, "throughput" in selected, not args.no_baseline)
-        for label, _ in models
-    }
-    if "throughput" not in selected:  # engine checks alone: the Qwen3 engine only
-        per_model[SMOLLM2] = []
-    if "engine" not in selected and "throughput" not in selected:  # no engine to build
-        per_model = {label: [] for label in per_model}
-    names = [p for p in ("kernels", "bandwidth", "gemm") if p in selected]
-    if "decode8b" in selected:
-        names.append(DECODE_8B)
-    names += [p for ps in per_model.values() for p in ps]
-    if args.smoke and "engine" in selected:  # the interpreter is on: count what a decode step launches
-        names.append(LAUNCHES)
+    per_model = _model_phases(selected, args.no_baseline)
+    names = _phase_names(selected, args.smoke, args.no_baseline)
     budget = Budget(args.budget_s, {n: SMOKE_ESTIMATE_S if args.smoke else GPU_ESTIMATES_S[n] for n in names}, t_start)
 
     report = Report(json_path=args.json or default_json_path())
@@ -678,6 +717,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         # the phase stops starting shapes at its own estimate, so it never eats the later phases' time
         gemm = functools.partial(check_gemms, device, args.smoke, report, budget.phases["gemm"].estimate_s)
         budget.run("gemm", gemm, report)
+    if "fused" in selected:
+        # on a GPU it stops starting (model, kind) groups at its own estimate, as gemm does
+        fused_deadline = None if args.smoke else budget.phases[FUSED].estimate_s
+        fused = functools.partial(check_fused, device, args.smoke, report, fused_deadline)
+        budget.run(FUSED, fused, report)
     if "decode8b" in selected:
         # like gemm, it stops starting modes at its own estimate; its engines are freed before the next phase
         decode = functools.partial(check_decode_8b, device, args.smoke, report, budget.phases[DECODE_8B].estimate_s)

@@ -173,6 +173,9 @@ class ModelCheck:
         warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         self.engine.generate([[1] * 64, [2] * 300, [3] * 17], warm)  # compiles the prefill and decode kernels
         _sync(self.device)
+        # Start-up tuned and warmed up: from here on nothing should compile, the decode-step probe
+        # included (it times eager and graphed steps)
+        self.compiles_before = self._compile_snapshot()
         built_s = time.perf_counter() - t0
         print(f"  built and warmed in {built_s:.1f}s; settings: {self.engine.settings.as_dict()}", flush=True)
 
@@ -323,8 +326,6 @@ class ModelCheck:
         if turnover:  # a scheduler setting, switched on the idle engine for this run only
             scheduler.config = dataclasses.replace(default_config, admission_min_slots=admission_min_slots)
         engine.set_async_scheduling(async_scheduling)
-        if self.compiles_before is None:
-            self.compiles_before = self._compile_snapshot()
         engine.reset_prefix_cache()  # cold: the prompts ran before (warm-up, the probe, the other run)
         requests = [
             EngineRequest(i, p, SamplingParams(temperature=temperature, max_tokens=m, ignore_eos=True))
@@ -403,7 +404,8 @@ class ModelCheck:
             return None
 
     def compiles(self) -> None:
-        """Triton variants compiled during the timed runs (none expected after warm-up)."""
+        """Triton variants compiled after the build (start-up's tuning and warm-up) up to now: during the
+        decode-step probe and the timed runs (none expected)."""
         name = f"{self.label}: Triton compiles during the timed runs"
         if compile_counts.interpreted():
             self.section["compile_counts"] = {"note": "n/a (interpreter: nothing compiles)"}

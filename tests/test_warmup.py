@@ -51,7 +51,7 @@ def test_the_plan_covers_every_split_count_a_gpu_step_can_get():
             assert len(s.decodes) + len(s.prefills) <= max_num_seqs
     prefills = [s for s in plan if s.kind == "prefill"]
     assert {width_class(s.table_blocks) for s in prefills} == {"one", "other", "div16"}
-    assert {s.prefills[0][1] for s in prefills} == {16, 32, 256}  # GEMM row tiles <= 16, <= 32, more
+    assert {s.prefills[0][1] for s in prefills} == {16, 32, 64, 128, 256, 512}  # every GEMM tile bucket, one past
     (chunked,) = [s for s in plan if s.kind == "chunked_prefill"]
     assert chunked.prefills[0][0] > 0  # reads a cached prefix
     assert all(sum(new for _, new in s.prefills) + len(s.decodes) <= 2048 for s in plan)  # within the budget

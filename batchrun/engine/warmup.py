@@ -4,9 +4,13 @@ On a GPU the first launch of each Triton kernel specialization compiles it, and 
 is captured the first time a decode batch of its size comes. Left lazy, those seconds land inside
 the first timed steps and the first requests' latencies. The warm-up runs, on hand-made requests:
 
-- prefill-only steps of a few token counts: one block, two blocks, sixteen blocks (quantized GEMMs
-  pick their row tile by token count, <= 16, <= 32 or more; Triton specializes an integer argument,
-  here a block table's row stride, on being 1 or a multiple of 16);
+- prefill-only steps of a few token counts: one block, two blocks, sixteen blocks (Triton
+  specializes an integer argument, here a block table's row stride, on being 1 or a multiple of
+  16), and one step per tile of the Triton GEMMs up to the token budget (`GEMM_ROWS`: a GEMM's tile
+  and split-K follow its row count's bucket, kernels/gemm_tiles.py, past the last bucket the last
+  one's tile unsplit), several prompts where one cannot hold the rows;
+- a decode-only step of as many sequences as each tile bucket holds, up to max_num_seqs: the LM
+  head's rows are the step's sequences (eager decode steps: drafters, no CUDA graphs);
 - a chunked prefill over a cached prefix (the prefill kernel's path that reads earlier context);
 - for every (decode split count, block-table width class) pair a step can get under this engine's
   shapes (the kernel set's `decode_num_splits` over 1 to max_num_seqs decodes and every table width; width
@@ -38,12 +42,15 @@ from batchrun.engine.runners import ForwardOutput, ModelRunner
 from batchrun.engine.runners.cuda_graphs import pick_bucket
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import ScheduledBatch
+from batchrun.kernels.gemm_tiles import M_BUCKETS
 from batchrun.kernels.kernel_set import KernelSet
 
 log = logging.getLogger(__name__)
 
 SplitFn = Callable[[int, int], int]  # (num_decode, block-table width in tokens) -> decode split count
 PREFILL_BLOCKS = (1, 2, 16)  # prefill-only steps: tokens filling this many blocks (see the module doc)
+# Rows of a step in each tile bucket of the Triton GEMMs, and one past the last (its tile, unsplit)
+GEMM_ROWS = (*M_BUCKETS, 2 * M_BUCKETS[-1])
 CACHED_BLOCKS = 2  # chunked prefill: blocks of prefix already in the cache
 
 
@@ -107,6 +114,11 @@ def warmup_plan(
         n = min(num_blocks * block_size, longest_prompt)
         if n >= 2 and all(n != s.prefills[0][1] for s in steps):  # one token would be decode-shaped
             steps.append(WarmupStep("prefill", prefills=((0, n),), table_blocks=-(-n // block_size)))
+    for rows in GEMM_ROWS:  # every tile bucket a step's token count reaches, several prompts past the longest
+        prompts = _prompt_lengths(min(rows, max_num_batched_tokens), longest_prompt, max_num_seqs)
+        if prompts and all(sum(n for _, n in s.prefills) != sum(prompts) for s in steps if s.kind == "prefill"):
+            table_blocks = -(-max(prompts) // block_size)
+            steps.append(WarmupStep("prefill", prefills=tuple((0, n) for n in prompts), table_blocks=table_blocks))
     cached = CACHED_BLOCKS * block_size
     chunk = min(block_size + block_size // 2, max_num_batched_tokens, max_model_len - 1 - cached)
     if chunk >= 2:  # crosses a block boundary after the cached blocks
@@ -117,6 +129,12 @@ def warmup_plan(
     for (num_splits, _), (num_decodes, num_blocks) in decode_only.items():
         decodes = (min(num_blocks * block_size, max_model_len),) * num_decodes
         steps.append(WarmupStep("decode", decodes=decodes, num_splits=num_splits, table_blocks=num_blocks))
+    for rows in M_BUCKETS:  # the LM head's rows (a step's sequences) in every tile bucket up to max_num_seqs
+        num_decodes = min(rows, max_num_seqs, max_num_batched_tokens)
+        if all(len(s.decodes) != num_decodes for s in steps if s.kind == "decode"):
+            context = min(block_size, max_model_len)  # one-block tables
+            num_splits = split_fn(num_decodes, block_size)
+            steps.append(WarmupStep("decode", decodes=(context,) * num_decodes, num_splits=num_splits, table_blocks=1))
     # Beside one prompt of at most one block, so the decodes set the table width.
     mixed = decode_shapes(split_fn, block_size, max_model_len, min(max_num_seqs - 1, max_num_batched_tokens - 2))
     for (num_splits, _), (num_decodes, num_blocks) in mixed.items():
@@ -126,6 +144,18 @@ def warmup_plan(
             prompt = ((0, prompt_len),)
             steps.append(WarmupStep("mixed", prompt, decodes, num_splits=num_splits, table_blocks=num_blocks))
     return steps
+
+
+def _prompt_lengths(rows: int, longest: int, max_prompts: int) -> list[int]:
+    """Prompt lengths of a prefill-only step of `rows` tokens: as few prompts as hold them, each at
+    most `longest` tokens and at least 2 (one token would be decode-shaped), at most `max_prompts`
+    of them (fewer rows then); [] where no prompt of 2 tokens fits."""
+    if longest < 2 or rows < 2:
+        return []
+    count = min(-(-rows // longest), max_prompts)
+    rows = min(rows, count * longest)
+    lengths = [rows // count + (i < rows % count) for i in range(count)]  # as even as can be: all >= 2
+    return lengths if min(lengths) >= 2 else lengths[:-1]
 
 
 def _request(

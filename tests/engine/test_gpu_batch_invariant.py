@@ -152,7 +152,6 @@ def interpreted(tmp_path_factory) -> dict[str, dict]:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_rows_identical_alone_batched_and_chunked_on_gpu(family, tiny_model_factory):
     same = compare(tiny_model_factory(family), "cuda", num_prompts=32, max_chars=330, max_tokens=32, chunk_budget=64)

@@ -155,7 +155,6 @@ def test_triton_prefill_rows_do_not_depend_on_chunking_or_batch_interpreted(inte
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case_id", list(TRITON_CASES))
 def test_triton_prefill_rows_do_not_depend_on_chunking_or_batch_on_gpu(case_id):
     pytest.importorskip("triton")

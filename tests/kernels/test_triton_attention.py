@@ -28,7 +28,6 @@ from tests.support.interpreted import interpreted_cases, report_cases
 
 pytest.importorskip("triton")
 
-_ON_GPU = torch.cuda.is_available()
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _TOLERANCES = {"float32": (1e-5, 1e-5), "float16": (2e-3, 2e-3), "bfloat16": (2e-2, 3e-2)}  # (rtol, atol)
 
@@ -159,14 +158,12 @@ def test_triton_attention_matches_reference_interpreted(interpreted, case_id):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_triton_attention_matches_reference_on_gpu(case_id):
     run_case(CASES[case_id], "cuda")
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(16, 8, 128), (9, 3, 64), (32, 4, 128)])
 def test_triton_attention_large_on_gpu(dtype, heads, kv_heads, head_dim):

@@ -24,7 +24,6 @@ from tests.support.interpreted import interpreted_cases, report_cases
 
 pytest.importorskip("triton")
 
-_ON_GPU = torch.cuda.is_available()
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -171,7 +170,6 @@ def test_fused_kernels_match_the_unfused_launches_interpreted(interpreted, case_
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case_id", list(CASES))
 def test_fused_kernels_match_the_unfused_launches_on_gpu(case_id):
     """Compiled, at a decode batch's size (several row tiles, the tuned tiles of the first call)."""
@@ -179,7 +177,6 @@ def test_fused_kernels_match_the_unfused_launches_on_gpu(case_id):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 def test_fused_or_unfused_is_measured_per_bucket_at_start_up_on_gpu():
     """On a GPU start-up tuning times the fused GEMM against cuBLAS + the elementwise kernel per row
     bucket (kernels/tuning.py); the kernel set bound with that tuning takes the faster of the two

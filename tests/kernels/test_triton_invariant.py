@@ -82,7 +82,6 @@ GPU_CASES: dict[str, tuple[int, int, str, bool]] = {
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("case_id", list(GPU_CASES))
 def test_rows_do_not_depend_on_the_row_count_on_gpu(case_id):
     pytest.importorskip("triton")

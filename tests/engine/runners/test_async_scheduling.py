@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from batchrun.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 from batchrun.engine.runners import GpuRunner, kv_bytes_per_block
 from batchrun.engine.runners.cuda_graphs import DecodeGraphs, EagerReplay
 from batchrun.engine.scheduler import PENDING_TOKEN
-
-_ON_GPU = torch.cuda.is_available()
 
 
 def _config(model: str, **kw) -> EngineConfig:
@@ -312,7 +309,6 @@ def test_config_errors_name_the_key():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_async_scheduling_keeps_outputs_on_gpu(tiny_llama_dir, kv_cache_dtype):
     """Real graphs, pinned read-back and events: greedy and seeded tokens equal the synchronous

@@ -27,8 +27,6 @@ from batchrun.engine.runners.cuda_graphs import (
 )
 from batchrun.engine.scheduler import ScheduledBatch
 
-_ON_GPU = torch.cuda.is_available()
-
 
 def test_buckets_cover_every_batch_size_with_the_smallest_fit():
     assert bucket_sizes(8) == [1, 2, 4, 8]
@@ -196,7 +194,6 @@ def test_batches_the_graphs_cannot_take_run_eagerly(tiny_engine_factory):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8", "fp8"])
 def test_cuda_graphs_keep_greedy_output_on_gpu(tiny_llama_dir, monkeypatch, kv_cache_dtype):
     prompts = _prompts()

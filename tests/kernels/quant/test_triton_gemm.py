@@ -17,7 +17,6 @@ pytest.importorskip("triton")
 
 from batchrun.kernels import quant as qk  # noqa: E402
 
-_ON_GPU = torch.cuda.is_available()
 # (rows, in_features, out_features, int8 group size or None for per channel, int4 group size):
 # rows below and above one tile, K and N not multiples of the tiles, a group size no power of two.
 _CASES = [
@@ -93,14 +92,12 @@ def test_fastest_takes_the_quickest_config_that_runs():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_triton_quant_gemms_match_reference_on_gpu(dtype):
     _check_all("cuda", dtype, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 def test_w8a8_and_fp8_on_gpu():
     x = torch.randn(33, 256, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(128, 256, device="cuda") * 0.05
@@ -118,7 +115,6 @@ def test_w8a8_and_fp8_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 def test_fused_activation_paths_and_torch_int4_on_gpu():
     """The GPU's 2- and 3-kernel fp8/W8A8 linears equal the torch references (bitwise where the
     interpreter test is: the quantization, W8A8 without float channels); torch's int4 kernel over
@@ -150,7 +146,6 @@ def test_fused_activation_paths_and_torch_int4_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 def test_norm_that_quantizes_equals_norm_then_quantize_on_gpu():
     """Compiled, the RMSNorm's QUANT variant writes the unfused norm's rows and residual and
     quantize_rows' codes and scales of them, bitwise (the interpreter checks the same on the CPU:
@@ -183,7 +178,6 @@ def test_norm_that_quantizes_equals_norm_then_quantize_on_gpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _ON_GPU, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["int8", "int4", "w8a8", "fp8"])
 def test_quantized_engine_on_gpu(mode, smollm2_cache_dir):
     from batchrun.engine import Engine, EngineConfig, SamplingParams

@@ -6,6 +6,7 @@ import os
 import socket
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -61,6 +62,16 @@ def one_torch_thread():
 # Tests never reach a hub: everything is built locally or shipped in an installed package.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def interpreted_child(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
+    """case id -> {"ok": bool, "msg": str}: every case of the requesting Triton test file, run by one
+    child process in Triton's interpreter (tests/support/interpreted.py: interpreted_and_on_gpu)."""
+    pytest.importorskip("triton")
+    from tests.support.interpreted import interpreted_cases
+
+    return interpreted_cases(request.module.__file__)
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ import torch
 
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from benchmarks.cases import attention_case
+from tests.support.interpreted import interpreted_and_on_gpu
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 SEQ_LEN = 70
@@ -140,25 +141,10 @@ def _triton_attend(*args: Any) -> torch.Tensor:
     return paged_attention(*args)
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict[str, dict[str, Any]]:
-    pytest.importorskip("triton")
-    from tests.support.interpreted import interpreted_cases
-
-    return interpreted_cases(__file__)
-
-
-@pytest.mark.parametrize("case_id", list(TRITON_CASES))
-def test_triton_prefill_rows_do_not_depend_on_chunking_or_batch_interpreted(interpreted, case_id):
-    assert case_id in interpreted, f"the child never reached {case_id}"
-    assert interpreted[case_id]["ok"], interpreted[case_id]["msg"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case_id", list(TRITON_CASES))
-def test_triton_prefill_rows_do_not_depend_on_chunking_or_batch_on_gpu(case_id):
-    pytest.importorskip("triton")
-    check_invariance(TRITON_CASES[case_id], _triton_attend, "cuda")
+(
+    test_triton_prefill_rows_do_not_depend_on_chunking_or_batch_interpreted,
+    test_triton_prefill_rows_do_not_depend_on_chunking_or_batch_on_gpu,
+) = interpreted_and_on_gpu(TRITON_CASES, lambda spec: check_invariance(spec, _triton_attend, "cuda"))
 
 
 if __name__ == "__main__":  # the interpreted child (TRITON_INTERPRET=1, see tests/support/interpreted.py)

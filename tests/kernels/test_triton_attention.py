@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.interpreted import interpreted_cases, report_cases
+from tests.support.interpreted import interpreted_and_on_gpu, report_cases
 
 pytest.importorskip("triton")
 
@@ -144,23 +144,9 @@ def run_case(spec: dict[str, Any], device: str = "cpu") -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict[str, dict[str, Any]]:
-    """case id -> {"ok": bool, "msg": str}, from one interpreted child process for every case."""
-    return interpreted_cases(__file__)
-
-
-@pytest.mark.parametrize("case_id", list(CASES))
-def test_triton_attention_matches_reference_interpreted(interpreted, case_id):
-    assert case_id in interpreted, f"the child never reached {case_id}"
-    row = interpreted[case_id]
-    assert row["ok"], row["msg"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case_id", list(CASES))
-def test_triton_attention_matches_reference_on_gpu(case_id):
-    run_case(CASES[case_id], "cuda")
+test_triton_attention_matches_reference_interpreted, test_triton_attention_matches_reference_on_gpu = (
+    interpreted_and_on_gpu(CASES, lambda spec: run_case(spec, "cuda"))
+)
 
 
 @pytest.mark.gpu

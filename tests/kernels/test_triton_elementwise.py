@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.interpreted import interpreted_cases, report_cases, unary_minus_as_subtraction
+from tests.support.interpreted import interpreted_and_on_gpu, report_cases, unary_minus_as_subtraction
 
 pytest.importorskip("triton")
 
@@ -226,21 +226,9 @@ def run_case(spec: dict[str, Any], device: str = "cpu", num_tokens: int = 7) -> 
         raise ValueError(spec["op"])
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict[str, dict[str, Any]]:
-    return interpreted_cases(__file__)
-
-
-@pytest.mark.parametrize("case_id", list(CASES))
-def test_triton_elementwise_matches_reference_interpreted(interpreted, case_id):
-    assert case_id in interpreted, f"the child never reached {case_id}"
-    assert interpreted[case_id]["ok"], interpreted[case_id]["msg"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case_id", list(CASES))
-def test_triton_elementwise_matches_reference_on_gpu(case_id):
-    run_case(CASES[case_id], "cuda", num_tokens=3000)
+test_triton_elementwise_matches_reference_interpreted, test_triton_elementwise_matches_reference_on_gpu = (
+    interpreted_and_on_gpu(CASES, lambda spec: run_case(spec, "cuda", num_tokens=3000))
+)
 
 
 if __name__ == "__main__":

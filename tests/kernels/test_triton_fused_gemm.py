@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.interpreted import interpreted_cases, report_cases
+from tests.support.interpreted import interpreted_and_on_gpu, report_cases
 
 pytest.importorskip("triton")
 
@@ -158,22 +158,10 @@ def run_case(spec: dict[str, Any], device: str = "cpu", num_tokens: int = 7) -> 
         raise ValueError(spec["op"])
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict[str, dict[str, Any]]:
-    return interpreted_cases(__file__)
-
-
-@pytest.mark.parametrize("case_id", list(CASES))
-def test_fused_kernels_match_the_unfused_launches_interpreted(interpreted, case_id):
-    assert case_id in interpreted, f"the child never reached {case_id}"
-    assert interpreted[case_id]["ok"], interpreted[case_id]["msg"]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case_id", list(CASES))
-def test_fused_kernels_match_the_unfused_launches_on_gpu(case_id):
-    """Compiled, at a decode batch's size (several row tiles, the tuned tiles of the first call)."""
-    run_case(CASES[case_id], "cuda", num_tokens=300)
+# On a GPU, compiled at a decode batch's size (several row tiles, the tuned tiles of the first call).
+test_fused_kernels_match_the_unfused_launches_interpreted, test_fused_kernels_match_the_unfused_launches_on_gpu = (
+    interpreted_and_on_gpu(CASES, lambda spec: run_case(spec, "cuda", num_tokens=300))
+)
 
 
 @pytest.mark.gpu

@@ -8,10 +8,9 @@ at sizes whose K and N leave partial tiles and whose row counts cross row tiles;
 
 from __future__ import annotations
 
-from typing import Any
-
-import pytest
 import torch
+
+from tests.support.interpreted import interpreted_and_on_gpu
 
 # id -> (N, K, dtype, with bias): bf16 and fp16 take 64-row tiles, float32 32-row ones (IEEE dots)
 CASES: dict[str, tuple[int, int, str, bool]] = {
@@ -58,20 +57,6 @@ def check_rows(spec: tuple[int, int, str, bool], device: str = "cpu", row_counts
         assert not torch.equal(halved, alone), "another K step gave the same bits: the check above could not fail"
 
 
-@pytest.fixture(scope="module")
-def interpreted() -> dict[str, dict[str, Any]]:
-    pytest.importorskip("triton")
-    from tests.support.interpreted import interpreted_cases
-
-    return interpreted_cases(__file__)
-
-
-@pytest.mark.parametrize("case_id", list(CASES))
-def test_rows_do_not_depend_on_the_row_count_interpreted(interpreted, case_id):
-    assert case_id in interpreted, f"the child never reached {case_id}"
-    assert interpreted[case_id]["ok"], interpreted[case_id]["msg"]
-
-
 GPU_CASES: dict[str, tuple[int, int, str, bool]] = {
     "bf16-qkv-576x576": (576 + 2 * 192, 576, "bfloat16", False),  # SmolLM2's fused qkv
     "bf16-down-4096x14336": (4096, 14336, "bfloat16", False),
@@ -81,11 +66,11 @@ GPU_CASES: dict[str, tuple[int, int, str, bool]] = {
 }
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case_id", list(GPU_CASES))
-def test_rows_do_not_depend_on_the_row_count_on_gpu(case_id):
-    pytest.importorskip("triton")
-    check_rows(GPU_CASES[case_id], "cuda", row_counts=(1, 3, 17, 64, 100))
+test_rows_do_not_depend_on_the_row_count_interpreted, test_rows_do_not_depend_on_the_row_count_on_gpu = (
+    interpreted_and_on_gpu(
+        CASES, lambda spec: check_rows(spec, "cuda", row_counts=(1, 3, 17, 64, 100)), gpu_cases=GPU_CASES
+    )
+)
 
 
 if __name__ == "__main__":  # the interpreted child (TRITON_INTERPRET=1, see tests/support/interpreted.py)

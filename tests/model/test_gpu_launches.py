@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.support.interpreted import run_interpreted
+from tests.support.interpreted import interpreted_rows
 
 pytest.importorskip("triton")
 
@@ -49,9 +49,7 @@ UNFUSED_PER_STEP = {"aten:copy_": 1, "aten:embedding": 1, "triton:_rms_norm_kern
 
 
 def test_decode_step_kernel_count_interpreted():
-    proc = run_interpreted(__file__, timeout=600)
-    assert proc.returncode == 0, f"child exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = interpreted_rows(__file__, timeout=600)[-1]
     assert result["per_layer"] == PER_LAYER, result
     assert result["per_step"] == PER_STEP, result
     # the extrapolation is what a deeper model launches: checked directly at 4 layers

@@ -17,7 +17,7 @@ import json
 
 import pytest
 
-from tests.support.interpreted import report_cases, run_interpreted
+from tests.support.interpreted import interpreted_rows, report_cases, run_interpreted
 
 pytest.importorskip("triton")
 
@@ -25,9 +25,7 @@ LIMITS = {"none": 1, "int8": 1, "int4": 1, "fp8": 2, "w8a8": 3, "w8a8/float": 3}
 
 
 def test_kernels_per_linear_interpreted():
-    proc = run_interpreted(__file__, "counts", timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    counts = json.loads(proc.stdout.strip().splitlines()[-1])
+    counts = interpreted_rows(__file__, "counts", timeout=300)[-1]
     assert set(counts) == set(LIMITS) | {"split_k", "dense"}
     for mode in LIMITS:
         by_bias = counts[mode]
@@ -71,9 +69,7 @@ def test_the_norm_before_qkv_and_gate_up_quantizes_for_them_interpreted(mode):
     quantization kernel (fp8: qkv and gate/up are torch._scaled_mm alone, W8A8: _int_mm and the
     epilogue), no launch is added for it, and the decode step's logits are bitwise those of the
     unfused path (each linear quantizing its own input)."""
-    proc = run_interpreted(__file__, "layers", mode, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = interpreted_rows(__file__, "layers", mode, timeout=300)[-1]
     num_layers = 2
     fused, unfused = result["fused"], result["unfused"]
     assert result["same_logits"]

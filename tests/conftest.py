@@ -110,25 +110,14 @@ def tiny_llama_dir(tiny_model_factory) -> str:
 
 # ---- job-runner fixtures (tests/job/, tests/test_cli_config.py, tests/test_notebook.py) ---------
 
-# A small KV pool: the tiny model needs few blocks, and allocating the default 1 GiB costs time.
-JOB_TEST_KV_BYTES = 64 << 20
-
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_llama_dir: str):
-    """One real Engine over the tiny llama, shared by the in-process job tests (run_job(cfg, engine=...))."""
-    from batchrun.engine import Engine, EngineConfig
+    """One real Engine over the tiny llama (tests/support/engines.py: TINY_ENGINE), shared by the
+    in-process job tests (run_job(cfg, engine=...))."""
+    from tests.support.engines import make_tiny_engine
 
-    return Engine(
-        EngineConfig(
-            model=tiny_llama_dir,
-            dtype="float32",
-            device="cpu",
-            kv_cache_memory=JOB_TEST_KV_BYTES,
-            max_num_seqs=8,
-            max_num_batched_tokens=1024,
-        )
-    )  # fixed: no start-up profile
+    return make_tiny_engine(tiny_llama_dir)
 
 
 @pytest.fixture(scope="session")

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from batchrun.engine import Engine, EngineConfig, SamplingParams, SpeculativeConfig
+from batchrun.engine import Engine, SamplingParams, SpeculativeConfig
 from batchrun.testing import FAMILIES, sample_texts
+from tests.support.engines import make_tiny_engine
 
 MAX_TOKENS = 16
 
@@ -27,8 +28,8 @@ def _prompts(n: int) -> list[str]:
 
 
 def _engine(model: str, **kw) -> Engine:
-    settings = dict(max_num_seqs=32, max_num_batched_tokens=512, kv_cache_memory=64 << 20, batch_invariant=True)
-    return Engine(EngineConfig(model=model, dtype="bfloat16", device="cpu", **{**settings, **kw}))
+    settings = dict(dtype="bfloat16", max_num_seqs=32, max_num_batched_tokens=512, batch_invariant=True)
+    return make_tiny_engine(model, **{**settings, **kw})
 
 
 def _rows(engine: Engine, prompts: list[str], logprobs: bool = True, max_tokens: int = MAX_TOKENS) -> list[tuple]:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from batchrun.testing import FAMILIES, sample_texts
+from tests.support.engines import make_tiny_engine
 
 INTERPRETED_FAMILIES = ("llama", "qwen3_moe")
 
@@ -29,11 +30,9 @@ def _prompts(n: int, max_chars: int) -> list[str]:
 
 
 def _engine(model: str, device: str, budget: int, simulate=None, **kw):
-    from batchrun.engine import Engine, EngineConfig
-    from batchrun.engine.startup import start_engine
-
-    config = EngineConfig(
-        model=model,
+    return make_tiny_engine(
+        model,
+        simulate=simulate,
         dtype="bfloat16",
         device=device,
         max_num_seqs=32,
@@ -42,7 +41,6 @@ def _engine(model: str, device: str, budget: int, simulate=None, **kw):
         batch_invariant=True,
         **kw,
     )
-    return Engine(config, start_engine(config, simulate=simulate))
 
 
 def _rows(engine, prompts: list[str], max_tokens: int) -> list[tuple]:
@@ -139,16 +137,13 @@ def interpreted(tmp_path_factory) -> dict[str, dict]:
     """family -> what the one interpreted child reported for it. One layer (Qwen3-MoE's is an MoE
     layer), two query heads and one KV head: the interpreter runs each program in Python."""
     from batchrun.testing import make_tiny_model
-    from tests.support.interpreted import run_interpreted
+    from tests.support.interpreted import interpreted_rows
 
     pytest.importorskip("triton")
     root = tmp_path_factory.mktemp("one_layer_models")
     small = dict(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     models = [str(make_tiny_model(root / f, f, **small)) for f in INTERPRETED_FAMILIES]
-    proc = run_interpreted(__file__, *models, timeout=600)
-    assert proc.returncode == 0, f"child exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return dict(zip(INTERPRETED_FAMILIES, rows))
+    return dict(zip(INTERPRETED_FAMILIES, interpreted_rows(__file__, *models, timeout=600)))
 
 
 @pytest.mark.gpu

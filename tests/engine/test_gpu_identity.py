@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from batchrun.testing import FAMILIES, sample_texts
+from tests.support.engines import make_tiny_engine
 
 MAX_TOKENS = 32
 
@@ -43,18 +44,11 @@ def _hf_greedy(model_dir: str, prompts: list[str], device: str, max_new_tokens: 
 def _engine_greedy(
     model_dir: str, prompts: list[str], device: str, max_new_tokens: int, simulate=None
 ) -> list[list[int]]:
-    from batchrun import Engine, EngineConfig, SamplingParams
-    from batchrun.engine.startup import start_engine
+    from batchrun import SamplingParams
 
-    config = EngineConfig(
-        model=model_dir,
-        dtype="float32",
-        device=device,
-        kv_cache_memory=32 << 20,
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
+    engine = make_tiny_engine(
+        model_dir, simulate=simulate, device=device, kv_cache_memory=32 << 20, max_num_batched_tokens=512
     )
-    engine = Engine(config, start_engine(config, simulate=simulate))
     params = SamplingParams(temperature=0.0, max_tokens=max_new_tokens)  # stops at EOS, as HF does
     return [o.token_ids for o in engine.generate(prompts, params)]
 
@@ -97,18 +91,11 @@ INTERPRETED = ["llama", "mistral", "qwen3", "gemma3_text"]
 
 @pytest.fixture(scope="module")
 def interpreted_results(tiny_model_factory) -> dict[str, dict]:
-    from tests.support.interpreted import run_interpreted
+    from tests.support.interpreted import interpreted_rows
 
     pytest.importorskip("triton")
     dirs = [f"{family}={tiny_model_factory(family)}" for family in INTERPRETED]
-    proc = run_interpreted(__file__, *dirs, timeout=1200)
-    assert proc.returncode == 0, f"child exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    results = {}
-    for line in proc.stdout.splitlines():
-        if line.startswith("{"):
-            row = json.loads(line)
-            results[row["family"]] = row
-    return results
+    return {row["family"]: row for row in interpreted_rows(__file__, *dirs, timeout=1200)}
 
 
 @pytest.mark.parametrize("family", INTERPRETED)

@@ -5,8 +5,6 @@ kernels, tokens equal to the CPU path's)."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -14,28 +12,9 @@ from batchrun.engine.config import SamplingParams
 from batchrun.engine.sampler import CANDIDATES, STREAM_SAMPLE, Sampler, apply_top_k_top_p, sampling_probs, uniform
 from batchrun.kernels.sampling import gumbel_sample_reference, spill_thresholds_reference
 from tests.support.host_sync import HostSync, NoHostSync
+from tests.support.sampling import STEP_KINDS, chi2, chi2_critical, reference_keep, step_logits
 
 V = 1000
-
-
-def reference_keep(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """The documented masks, written the plain way: full sorts, one row (V,) at a time, masses in
-    float64 (the sampler's float64 sums of float32 weights are as exact: even at top_p = 0.999999,
-    where a float32 softmax would move the boundary by many tokens).
-
-    top-k keeps s >= the k-th largest s; top-p keeps s >= the last token (in descending order) whose
-    mass before it, under the top-k-renormalized softmax, is below top_p."""
-    keep = torch.ones_like(scaled, dtype=torch.bool)
-    vocab = scaled.shape[-1]
-    if 0 < top_k < vocab:
-        keep &= scaled >= torch.sort(scaled, descending=True).values[top_k - 1]
-    if top_p < 1.0:
-        ordered = torch.sort(scaled.masked_fill(~keep, float("-inf")), descending=True).values
-        probs = torch.softmax(ordered.double(), dim=-1)
-        before = torch.cumsum(probs, dim=-1) - probs
-        last = int((before < top_p).sum()) - 1
-        keep &= scaled >= ordered[last]
-    return keep
 
 
 def _logit_rows() -> list[torch.Tensor]:
@@ -99,20 +78,6 @@ def test_sampling_probs_renormalize_after_masks():
     assert p.tolist()[:3] == pytest.approx([1 / 3] * 3) and p[3] == 0
 
 
-def _chi2_critical(df: int, z: float = 3.719) -> float:
-    """The chi-square quantile at 1 - 1e-4 (z is the normal one), Wilson-Hilferty approximation."""
-    a = 2.0 / (9.0 * df)
-    return df * (1.0 - a + z * math.sqrt(a)) ** 3
-
-
-def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
-    n = counts.sum().item()
-    expected = probs.double() * n
-    live = expected > 0
-    stat = (((counts.double() - expected) ** 2)[live] / expected[live]).sum().item()
-    return stat, int(live.sum()) - 1
-
-
 def _draws(logits: torch.Tensor, params: SamplingParams, n: int, seeded: bool) -> torch.Tensor:
     """Token counts over n draws of one row: n rows of the same logits at n positions in one call."""
     seeds = [11] * n if seeded else [None] * n
@@ -136,15 +101,15 @@ def test_sampled_frequencies_follow_the_masked_softmax(params, seeded):
     want = sampling_probs(logits, params)
     counts = _draws(logits, params, 30_000, seeded)
     assert counts[want == 0].sum() == 0  # never a masked token
-    stat, df = _chi2(counts, want)
-    assert stat < _chi2_critical(df), (stat, df)
+    stat, df = chi2(counts, want)
+    assert stat < chi2_critical(df), (stat, df)
     # The test has the power to see a wrong temperature or a mask left out.
     wrongs = [SamplingParams(temperature=params.temperature * 1.15, top_k=params.top_k, top_p=params.top_p)]
     if params.top_k or params.top_p < 1.0:
         wrongs.append(SamplingParams(temperature=params.temperature))
     for wrong in wrongs:
-        stat, df = _chi2(counts, sampling_probs(logits, wrong))
-        assert stat > _chi2_critical(df), (wrong, stat, df)
+        stat, df = chi2(counts, sampling_probs(logits, wrong))
+        assert stat > chi2_critical(df), (wrong, stat, df)
 
 
 def test_frequencies_with_a_nucleus_wider_than_the_candidates():
@@ -154,8 +119,8 @@ def test_frequencies_with_a_nucleus_wider_than_the_candidates():
     assert (want > 0).sum() > CANDIDATES
     counts = _draws(logits, params, 40_000, True)
     assert counts[want == 0].sum() == 0
-    stat, df = _chi2(counts, want)
-    assert stat < _chi2_critical(df), (stat, df)
+    stat, df = chi2(counts, want)
+    assert stat < chi2_critical(df), (stat, df)
 
 
 def test_seeded_rows_do_not_depend_on_batch_neighbours():
@@ -239,37 +204,6 @@ def test_unseeded_uniforms_are_the_generators_draws_in_row_order():
 
 # ---- no host sync on the sampled step path ---------------------------------------------------------
 
-STEP_KINDS = {
-    "greedy": [SamplingParams(temperature=0.0)],
-    "temperature": [SamplingParams(temperature=0.7)],
-    "top_k": [SamplingParams(temperature=0.7, top_k=5)],
-    "top_p": [SamplingParams(temperature=1.0, top_p=0.95)],  # flat rows: nuclei wider than the candidates
-    "top_k_top_p": [SamplingParams(temperature=0.7, top_k=CANDIDATES, top_p=0.99)],  # ties spill past k
-    "mixed": [
-        SamplingParams(temperature=0.0),
-        SamplingParams(temperature=1.0, top_p=0.95),
-        SamplingParams(temperature=0.7),
-        SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
-        SamplingParams(temperature=0.5, top_k=50),
-        SamplingParams(temperature=0.7, top_k=CANDIDATES, top_p=0.99),
-    ],
-}
-
-
-def _step_logits(num_rows: int) -> torch.Tensor:
-    """(num_rows, 3 * CANDIDATES): peaked, flat, and rows whose CANDIDATES-th largest value is tied
-    with a hundred more."""
-    g = torch.Generator().manual_seed(num_rows)
-    logits = torch.randn(num_rows, 3 * CANDIDATES, generator=g)
-    for i in range(num_rows):
-        if i % 3 == 0:
-            logits[i] *= 4.0
-        elif i % 3 == 1:
-            logits[i] *= 0.05
-        else:
-            logits[i, CANDIDATES - 10 : CANDIDATES + 100] = logits[i].max() - 3.0
-    return logits
-
 
 @pytest.mark.parametrize("num_rows", [1, 5, 17])
 @pytest.mark.parametrize("kind", list(STEP_KINDS))
@@ -277,7 +211,7 @@ def test_a_sampled_step_reads_no_device_value_on_the_host(kind, num_rows):
     """Sampler.draw with the GPU's kinds of kernels (here the torch references, run as opaque device
     kernels) on CPU tensors standing for device tensors: no op would wait for a GPU (tests/support/host_sync.py),
     and the tokens are the CPU path's (native race, host spill)."""
-    logits = _step_logits(num_rows)
+    logits = step_logits(num_rows)
     params = [STEP_KINDS[kind][i % len(STEP_KINDS[kind])] for i in range(num_rows)]
     seeds = [None if i % 4 == 3 else 50 + i for i in range(num_rows)]  # unseeded rows too
     positions = [3 + i for i in range(num_rows)]
@@ -300,7 +234,7 @@ def test_a_sampled_step_reads_no_device_value_on_the_host(kind, num_rows):
 def test_the_host_spill_path_would_wait_for_the_device():
     """The mode fails where the GPU path would sync: the host's spill (the CPU's kernel), used as
     the GPU's, is caught."""
-    logits = _step_logits(5)
+    logits = step_logits(5)
     params = STEP_KINDS["top_p"] * 5
     mode = NoHostSync(logits)
     with pytest.raises(HostSync, match="nonzero"), mode:

@@ -19,7 +19,7 @@ from batchrun.engine.warmup import warm_sampler
 from batchrun.kernels import triton_aot
 from batchrun.kernels.binding import bind_kernels
 from benchmarks import compile_counts
-from tests.engine.test_sampler import STEP_KINDS
+from tests.support.sampling import STEP_KINDS
 
 pytest.importorskip("triton")
 

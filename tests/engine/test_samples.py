@@ -10,23 +10,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from batchrun import Engine, EngineConfig, EngineRequest, SamplingParams
+from batchrun import Engine, EngineRequest, SamplingParams
 from batchrun.testing import sample_texts
+from tests.support.engines import make_tiny_engine
 
 BLOCK = 16
+# device: EngineConfig's default ("auto"), not TINY_ENGINE's "cpu"
+SETTINGS = dict(
+    device="auto",
+    max_num_seqs=4,
+    max_num_batched_tokens=512,
+    max_model_len=256,
+    kv_cache_memory=1 << 24,
+    block_size=BLOCK,
+)
 
 
 def make_engine(model_dir: str, **kw) -> Engine:
-    settings = dict(
-        model=model_dir,
-        dtype="float32",
-        max_num_seqs=4,
-        max_num_batched_tokens=512,
-        max_model_len=256,
-        kv_cache_memory=1 << 24,
-        block_size=BLOCK,
-    )
-    return Engine(EngineConfig(**{**settings, **kw}))
+    return make_tiny_engine(model_dir, **{**SETTINGS, **kw})
 
 
 @pytest.fixture(scope="module")

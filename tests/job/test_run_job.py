@@ -11,9 +11,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchrun.engine import Engine, EngineConfig, RequestMetrics, RequestOutput, SamplingParams
+from batchrun.engine import EngineConfig, RequestMetrics, RequestOutput, SamplingParams
 from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, format_summary, run_job
 from batchrun.job.formats.writer import METRICS_SCHEMA, RESULT_COLUMNS, ResultWriter, output_result, result_schema
+from tests.support.engines import make_tiny_engine
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -249,16 +250,7 @@ def test_truncate_policy_keeps_long_rows(tmp_path, short_texts, tiny_engine, tin
 def test_sampling_with_a_seed_is_reproducible_per_row(tmp_path, make_shards, tiny_engine, tiny_llama_dir):
     make_shards(tmp_path / "in", num_shards=1, rows_per_shard=4)
     sampling = SamplingParams(temperature=1.0, seed=7, max_tokens=8)
-    one_at_a_time = Engine(
-        EngineConfig(
-            model=tiny_llama_dir,
-            dtype="float32",
-            device="cpu",
-            max_num_seqs=1,
-            max_num_batched_tokens=1024,
-            kv_cache_memory=16 << 20,
-        )
-    )
+    one_at_a_time = make_tiny_engine(tiny_llama_dir, max_num_seqs=1, kv_cache_memory=16 << 20)
     outputs = []
     for name, engine in (("batched", tiny_engine), ("one", one_at_a_time)):
         cfg = run_config(tmp_path / "in", tmp_path / name, tiny_llama_dir, sampling=sampling)

@@ -12,6 +12,7 @@ import torch
 from batchrun.kernels.attention_metadata import MIN_SHARED_TOKENS, AttentionMetadata
 from batchrun.kernels.attention_torch import paged_attention_reference, write_kv_cache_reference
 from batchrun.kernels.kv_layout import new_kv_cache
+from tests.support.engines import make_tiny_engine
 
 BLOCK = 4
 
@@ -137,22 +138,12 @@ def test_a_batch_with_two_prefix_groups_and_loners_equals_dense_attention():
 
 
 def test_engine_greedy_output_is_the_same_with_and_without_the_shared_prefix_path(tiny_llama_dir, monkeypatch):
-    from batchrun.engine import Engine, EngineConfig, SamplingParams
+    from batchrun.engine import SamplingParams
     from batchrun.kernels import attention_metadata, attention_torch
 
     monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")  # the torch decode path (the native kernel has no split)
 
-    engine = Engine(
-        EngineConfig(
-            model=tiny_llama_dir,
-            dtype="float32",
-            device="cpu",
-            kv_cache_memory=16 << 20,
-            max_num_seqs=8,
-            max_num_batched_tokens=512,
-            block_size=16,
-        )
-    )
+    engine = make_tiny_engine(tiny_llama_dir, kv_cache_memory=16 << 20, max_num_batched_tokens=512, block_size=16)
     shared = list(range(5, 5 + 150))  # ~9 full blocks every prompt starts with
     prompts = [shared + [200 + i, 300 + 7 * i, 17 + i] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

@@ -27,6 +27,7 @@ from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.attention_torch import decode_attend, gather_blocks, paged_attention_reference
 from batchrun.kernels.cpu_attention import paged_attention_cpu as _paged_attention_cpu
 from batchrun.kernels.kv_layout import new_kv_cache
+from tests.support.engines import tiny_config
 
 
 def paged_attention_cpu(*args, **kwargs):
@@ -137,14 +138,11 @@ def test_a_failed_build_falls_back_with_a_warning(tmp_path, monkeypatch, caplog)
 def test_engine_greedy_output_is_the_same_with_the_kernel_on_and_off(tiny_llama_dir, monkeypatch, kv_cache_dtype):
     # int8: the kernels read the int8 cache as it is and write it natively; off, the torch path
     # quantizes with torch ops and gathers the cache dequantized (float32: the same values).
-    from batchrun.engine import Engine, EngineConfig, SamplingParams
+    from batchrun.engine import Engine, SamplingParams
 
-    config = EngineConfig(
-        model=tiny_llama_dir,
-        dtype="float32",
-        device="cpu",
+    config = tiny_config(
+        tiny_llama_dir,
         kv_cache_memory=16 << 20,
-        max_num_seqs=8,
         max_num_batched_tokens=64,
         block_size=16,
         kv_cache_dtype=kv_cache_dtype,

@@ -16,6 +16,7 @@ import torch
 
 from batchrun.kernels import cpu_native
 from batchrun.kernels import elementwise as ew
+from tests.support.engines import make_tiny_engine
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C++ compiler: the native kernels are not built")
 
@@ -174,7 +175,7 @@ def test_engine_greedy_output_is_the_same_with_the_kernels_on_and_off(tiny_llama
     import dataclasses
     from functools import partial
 
-    from batchrun.engine import Engine, EngineConfig, SamplingParams
+    from batchrun.engine import SamplingParams
     from batchrun.kernels import attention, fused_projections
     from batchrun.model import prepare
 
@@ -185,16 +186,8 @@ def test_engine_greedy_output_is_the_same_with_the_kernels_on_and_off(tiny_llama
     for name in ("_rms_norm_native", "_silu_mul_native", "apply_rotary_native"):
         real = getattr(ew, name)
         monkeypatch.setattr(ew, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
-    engine = Engine(
-        EngineConfig(
-            model=tiny_llama_dir,
-            dtype="bfloat16",
-            device="cpu",
-            kv_cache_memory=16 << 20,
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-            block_size=16,
-        )
+    engine = make_tiny_engine(
+        tiny_llama_dir, dtype="bfloat16", kv_cache_memory=16 << 20, max_num_batched_tokens=64, block_size=16
     )
     prompts = [[5 + (7 * i + j) % 200 for j in range(20 + 13 * i)] for i in range(6)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -255,7 +248,7 @@ def test_packed_linear_is_bitwise_f_linear(rows, bias):
     reason="this torch build has no oneDNN linear packing",
 )
 def test_engine_packs_bf16_linears_and_the_tokens_stay(tiny_llama_dir, monkeypatch):
-    from batchrun.engine import Engine, EngineConfig, SamplingParams
+    from batchrun.engine import SamplingParams
     from batchrun.kernels import cpu_linear
     from batchrun.model.linear import PackedLinear
 
@@ -263,16 +256,8 @@ def test_engine_packs_bf16_linears_and_the_tokens_stay(tiny_llama_dir, monkeypat
     monkeypatch.setattr(cpu_linear, "native_supported", lambda *shape: False)
 
     def run(dtype):
-        engine = Engine(
-            EngineConfig(
-                model=tiny_llama_dir,
-                dtype=dtype,
-                device="cpu",
-                kv_cache_memory=16 << 20,
-                max_num_seqs=8,
-                max_num_batched_tokens=64,
-                block_size=16,
-            )
+        engine = make_tiny_engine(
+            tiny_llama_dir, dtype=dtype, kv_cache_memory=16 << 20, max_num_batched_tokens=64, block_size=16
         )
         prompts = [[5 + (3 * i + j) % 150 for j in range(10 + 9 * i)] for i in range(5)]
         return engine, [o.token_ids for o in engine.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))]

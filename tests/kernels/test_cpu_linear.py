@@ -16,6 +16,7 @@ from batchrun.kernels import cpu_linear
 from batchrun.kernels.cpu_linear import NATIVE_MAX_IN_FEATURES, pack_native_weight, unpack_native_weight
 from batchrun.model.linear import NativeEmbedding, NativeLinear, NativeSiluMulLinear, pack_linear, pack_silu_mul
 from batchrun.model.prepare import prepare_linears
+from tests.support.engines import make_tiny_engine
 
 BF16 = torch.bfloat16
 
@@ -192,18 +193,10 @@ def _unpack_to_plain_linears(model) -> None:
 
 
 def test_engine_runs_its_bf16_linears_natively_and_the_tokens_match_plain_linears(tiny_llama_dir):
-    from batchrun.engine import Engine, EngineConfig, SamplingParams
+    from batchrun.engine import SamplingParams
 
-    engine = Engine(
-        EngineConfig(
-            model=tiny_llama_dir,
-            dtype="bfloat16",
-            device="cpu",
-            kv_cache_memory=16 << 20,
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-            block_size=16,
-        )
+    engine = make_tiny_engine(
+        tiny_llama_dir, dtype="bfloat16", kv_cache_memory=16 << 20, max_num_batched_tokens=64, block_size=16
     )
     num_layers = engine.model.spec.num_layers
     assert engine.settings.native_linears == engine.settings.packed_linears == 4 * num_layers + 1
@@ -216,17 +209,7 @@ def test_engine_runs_its_bf16_linears_natively_and_the_tokens_match_plain_linear
     _unpack_to_plain_linears(engine.model)
     engine.reset_prefix_cache()
     assert [o.token_ids for o in engine.generate(prompts, params)] == tokens
-    fp32 = Engine(
-        EngineConfig(
-            model=tiny_llama_dir,
-            dtype="float32",
-            device="cpu",
-            kv_cache_memory=16 << 20,
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-            block_size=16,
-        )
-    )
+    fp32 = make_tiny_engine(tiny_llama_dir, kv_cache_memory=16 << 20, max_num_batched_tokens=64, block_size=16)
     assert fp32.settings.native_linears == 0
 
 
@@ -437,21 +420,17 @@ def test_native_w8a8_shapes_it_does_not_serve_stay_on_the_torch_path():
 
 @needs_native_w8a8
 def test_a_bf16_w8a8_engine_runs_natively(tiny_llama_dir):
-    from batchrun.engine import Engine, EngineConfig, SamplingParams
+    from batchrun.engine import SamplingParams
     from batchrun.model.quant import W8A8Linear
 
-    engine = Engine(
-        EngineConfig(
-            model=tiny_llama_dir,
-            dtype="bfloat16",
-            device="cpu",
-            quantization="w8a8",
-            w8a8_outlier_channels=8,
-            kv_cache_memory=16 << 20,
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-            block_size=16,
-        )
+    engine = make_tiny_engine(
+        tiny_llama_dir,
+        dtype="bfloat16",
+        quantization="w8a8",
+        w8a8_outlier_channels=8,
+        kv_cache_memory=16 << 20,
+        max_num_batched_tokens=64,
+        block_size=16,
     )
     layers = [m for m in engine.model.modules() if isinstance(m, W8A8Linear)]
     assert len(layers) == 4 * engine.model.spec.num_layers and all(m.is_native for m in layers)

@@ -18,6 +18,7 @@ import torch
 
 from batchrun.kernels.binding import bind_kernels
 from batchrun.kernels.target import MAX_SHARED_PER_BLOCK, SM90, DeviceTarget, GpuTarget
+from tests.support.engines import make_tiny_engine
 
 BF16 = torch.bfloat16
 CPU_NATIVE = DeviceTarget(torch.device("cpu"), None, False, True, False)  # csrc kernels built and on
@@ -179,12 +180,10 @@ def test_an_fp8_kv_cache_below_sm89_takes_the_torch_attention():
 
 
 def _engine_settings(tiny_llama_dir: str, simulate=None, **config):
-    from batchrun import Engine, EngineConfig
-    from batchrun.engine.startup import start_engine
-
-    base = dict(model=tiny_llama_dir, dtype="bfloat16", device="cpu", max_num_seqs=4, max_num_batched_tokens=64)
-    cfg = EngineConfig(**{**base, "kv_cache_memory": 4 << 20, "warmup": False, **config})
-    engine = Engine(cfg, start_engine(cfg, simulate=simulate))  # no step runs: nothing is interpreted
+    base = dict(dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory=4 << 20, warmup=False)
+    engine = make_tiny_engine(
+        tiny_llama_dir, simulate=simulate, **{**base, **config}
+    )  # no step runs: nothing is interpreted
     return engine, engine.settings.as_dict()["kernels"]
 
 

@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.interpreted import interpreted_cases, report_cases
+from tests.support.engines import make_tiny_engine
+from tests.support.interpreted import interpreted_and_on_gpu, report_cases
 
 pytest.importorskip("triton")
 
@@ -125,20 +126,8 @@ def _check_ops() -> None:
     assert truncated.kernels["triton:_spill_threshold_kernel"] == 1, truncated
 
 
-def _interpreted_engine_config(model: str, **overrides: Any) -> Any:
-    from batchrun import EngineConfig
-
-    # Batch limits given (no start-up profile) and no warm-up: each would interpret whole steps.
-    base = dict(
-        model=model,
-        dtype="float32",
-        device="cpu",
-        kv_cache_memory=4 << 20,
-        max_num_seqs=4,
-        max_num_batched_tokens=256,
-        warmup=False,
-    )
-    return EngineConfig(**{**base, **overrides})
+# Batch limits given (no start-up profile) and no warm-up: each would interpret whole steps.
+INTERPRETED_ENGINE = dict(kv_cache_memory=4 << 20, max_num_seqs=4, max_num_batched_tokens=256, warmup=False)
 
 
 def _check_engine() -> None:
@@ -147,14 +136,12 @@ def _check_engine() -> None:
     sampled step went through the race kernel."""
     import tempfile
 
-    from batchrun import Engine, SamplingParams
-    from batchrun.engine.startup import start_engine
+    from batchrun import SamplingParams
     from batchrun.testing import make_tiny_model
     from benchmarks.gpu_launches import SM90, count_launches
 
     with tempfile.TemporaryDirectory() as tmp:
         model = str(make_tiny_model(tmp, "llama"))
-        config = _interpreted_engine_config(model)
         prompts = ["The quick brown fox", "Lists are mutable", "A tuple is", "Sets hold"]
         params = [
             SamplingParams(temperature=0.9, max_tokens=6, seed=7),
@@ -163,7 +150,7 @@ def _check_engine() -> None:
             SamplingParams(temperature=1.2, top_p=0.8, top_k=20, max_tokens=6, seed=3),
         ]
         with count_launches() as launches:
-            engine = Engine(config, start_engine(config, simulate=SM90))
+            engine = make_tiny_engine(model, simulate=SM90, **INTERPRETED_ENGINE)
             batched = [o.token_ids for o in engine.generate(prompts, params)]
             alone = [engine.generate([prompts[i]], params[i])[0].token_ids for i in (0, 3)]
         assert alone == [batched[0], batched[3]], (alone, batched)
@@ -191,9 +178,8 @@ def _check_engine_async() -> None:
     the synchronous engine's."""
     import tempfile
 
-    from batchrun import Engine, SamplingParams
+    from batchrun import SamplingParams
     from batchrun.engine.runners import GpuRunner
-    from batchrun.engine.startup import start_engine
     from batchrun.testing import make_tiny_model
     from benchmarks.gpu_launches import SM90, count_launches
 
@@ -207,9 +193,8 @@ def _check_engine_async() -> None:
         ]
         outs = {}
         for on in (False, True):
-            config = _interpreted_engine_config(model, async_scheduling=on)
             with count_launches() as launches:
-                engine = Engine(config, start_engine(config, simulate=SM90))
+                engine = make_tiny_engine(model, simulate=SM90, async_scheduling=on, **INTERPRETED_ENGINE)
                 engine.runner = GpuRunner.stand_in(engine.runner, 4)
                 outs[on] = [o.token_ids for o in engine.generate(prompts, params)]
             if on:
@@ -229,7 +214,7 @@ def _check_spill(device: str) -> None:
     theirs, and each is the documented mask's."""
     from batchrun.kernels.sampling import spill_thresholds_reference
     from batchrun.kernels.triton_sampling import spill_thresholds
-    from tests.engine.test_sampler import reference_keep
+    from tests.support.sampling import reference_keep
 
     vocab = 2500
     g = torch.Generator().manual_seed(7)
@@ -266,15 +251,15 @@ def _check_no_host_sync() -> None:
     from batchrun.kernels.binding import bind_kernels
     from batchrun.kernels.target import find_target
     from benchmarks.gpu_launches import SM90, count_launches
-    from tests.engine.test_sampler import STEP_KINDS, _step_logits
     from tests.support.host_sync import NoHostSync, opaque_triton_launches
+    from tests.support.sampling import STEP_KINDS, step_logits
 
     gpu = bind_kernels(find_target("cpu", simulate=SM90), torch.float32)
     cpu = bind_kernels(find_target("cpu"), torch.float32)
 
     for kind, kinds in STEP_KINDS.items():
         for num_rows in (1, 7):
-            logits = _step_logits(num_rows)
+            logits = step_logits(num_rows)
             params = [kinds[i % len(kinds)] for i in range(num_rows)]
             seeds = [None if i % 4 == 3 else 50 + i for i in range(num_rows)]
             positions = [3 + i for i in range(num_rows)]
@@ -301,17 +286,6 @@ def run_case(spec: dict[str, Any], device: str = "cpu") -> None:
     if spec.get("op") == "engine-async":
         return _check_engine_async()
     _check_kernel(spec, device)
-
-
-@pytest.fixture(scope="module")
-def interpreted() -> dict[str, dict[str, Any]]:
-    return interpreted_cases(__file__)
-
-
-@pytest.mark.parametrize("case_id", list(CASES))
-def test_triton_sampling_interpreted(interpreted, case_id):
-    assert case_id in interpreted, f"the child never reached {case_id}"
-    assert interpreted[case_id]["ok"], interpreted[case_id]["msg"]
 
 
 def test_int32_hash_equals_the_int64_words():
@@ -356,7 +330,7 @@ def test_race_frequencies_follow_the_masked_softmax(params):
     from batchrun.engine.config import SamplingParams
     from batchrun.engine.sampler import sampling_probs, thresholds
     from batchrun.kernels.sampling import gumbel_sample_reference, pack_rows, spill_thresholds_reference
-    from tests.engine.test_sampler import _chi2, _chi2_critical
+    from tests.support.sampling import chi2, chi2_critical
 
     sp = SamplingParams(**params)
     logits = torch.randn(24, generator=torch.Generator().manual_seed(3)) * 1.5
@@ -368,17 +342,19 @@ def test_race_frequencies_follow_the_masked_softmax(params):
     counts = torch.bincount(tokens, minlength=24)
     want = sampling_probs(logits, sp)
     assert counts[want == 0].sum() == 0, "a token outside the kept set"
-    stat, df = _chi2(counts, want)
-    assert stat < _chi2_critical(df), (params, stat, df)
+    stat, df = chi2(counts, want)
+    assert stat < chi2_critical(df), (params, stat, df)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("case_id", [c for c in CASES if CASES[c].get("op") in (None, "gather", "spill")])
-def test_triton_sampling_on_gpu(case_id):
-    """Compiled, log may differ from torch's in its last bit: greedy rows exact, and the sampled
-    rows the reference's but where two race keys are that close (none in these cases); exp may too,
-    which moves a spilled row's threshold only where a mass is that close to its limit (none here)."""
-    run_case(CASES[case_id], "cuda")
+# On a GPU the kernel cases compiled: log may differ from torch's in its last bit, so greedy rows
+# are exact and the sampled rows the reference's but where two race keys are that close (none in
+# these cases); exp may too, which moves a spilled row's threshold only where a mass is that close
+# to its limit (none here).
+test_triton_sampling_interpreted, test_triton_sampling_on_gpu = interpreted_and_on_gpu(
+    CASES,
+    lambda spec: run_case(spec, "cuda"),
+    gpu_cases={c: spec for c, spec in CASES.items() if spec.get("op") in (None, "gather", "spill")},
+)
 
 
 @pytest.mark.gpu
@@ -387,7 +363,7 @@ def test_kernel_frequencies_follow_the_masked_softmax_on_gpu():
     from batchrun.engine.sampler import Sampler, sampling_probs
     from batchrun.kernels.binding import bind_kernels
     from batchrun.kernels.target import find_target
-    from tests.engine.test_sampler import _chi2, _chi2_critical
+    from tests.support.sampling import chi2, chi2_critical
 
     kernels = bind_kernels(find_target("cuda"), torch.float32)
     sampler = Sampler(race=kernels.sample, spill=kernels.spill)
@@ -398,8 +374,8 @@ def test_kernel_frequencies_follow_the_masked_softmax_on_gpu():
         counts = torch.bincount(tokens.cpu(), minlength=24)
         want = sampling_probs(logits, params)
         assert counts[want == 0].sum() == 0
-        stat, df = _chi2(counts, want)
-        assert stat < _chi2_critical(df), (params, stat, df)
+        stat, df = chi2(counts, want)
+        assert stat < chi2_critical(df), (params, stat, df)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from batchrun.kernels import tuning
 from batchrun.kernels.gemm_tiles import GemmConfig, candidates, default_config
 from batchrun.kernels.target import SM90
 from batchrun.kernels.tuning import FusedChoice, GemmShape, TileChoice, Tuning, TuningCase, row_buckets
+from tests.support.engines import tiny_config
 
 BF16 = torch.bfloat16
 
@@ -109,7 +110,6 @@ def test_measuring_keeps_the_faster_of_fused_and_unfused_per_row_bucket(monkeypa
 
 
 def test_the_engine_tunes_before_it_sizes_the_kv_cache_and_records_the_tables_on_the_cpu(tiny_llama_dir, monkeypatch):
-    from batchrun import EngineConfig
     from batchrun.engine import startup
 
     order = []
@@ -117,13 +117,8 @@ def test_the_engine_tunes_before_it_sizes_the_kv_cache_and_records_the_tables_on
         real = getattr(startup, phase)
         monkeypatch.setattr(startup, phase, lambda *a, _real=real, _name=phase: order.append(_name) or _real(*a))
     monkeypatch.setattr(tuning, "measured_tuning", lambda *a: pytest.fail("nothing is timed off a GPU"))
-    config = EngineConfig(
-        model=tiny_llama_dir,
-        dtype="bfloat16",
-        device="cpu",
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        kv_cache_memory=4 << 20,
+    config = tiny_config(
+        tiny_llama_dir, dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory=4 << 20
     )
     parts = startup.start_engine(config)
     assert order == ["tune", "plan_kv"]

@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from batchrun.engine import Engine, EngineConfig
+from batchrun.engine import Engine
 from batchrun.testing import make_tiny_model
+from tests.support.engines import make_tiny_engine, tiny_config
 
 
 def _peak_allocated(fn):
@@ -36,10 +37,9 @@ def test_bf16_engine_never_holds_a_float32_copy(tmp_path):
     model_dir = make_tiny_model(
         tmp_path / "model", "llama", hidden_size=256, intermediate_size=512, num_hidden_layers=4
     )
-    config = EngineConfig(
-        model=str(model_dir),
+    config = tiny_config(
+        str(model_dir),
         dtype="bfloat16",
-        device="cpu",
         kv_cache_memory=1 << 16,
         max_num_seqs=2,
         max_num_batched_tokens=64,
@@ -60,16 +60,12 @@ def _cache_bytes(runner) -> int:
 
 def test_draft_model_cache_comes_out_of_the_same_kv_budget(tiny_model_factory):
     budget = 3 << 20
-    engine = Engine(
-        EngineConfig(
-            model=tiny_model_factory("llama"),
-            dtype="float32",
-            device="cpu",
-            kv_cache_memory=budget,
-            max_num_seqs=4,
-            max_num_batched_tokens=128,
-            speculative=dict(method="draft", draft_model=tiny_model_factory("mistral"), adaptive=False),
-        )
+    engine = make_tiny_engine(
+        tiny_model_factory("llama"),
+        kv_cache_memory=budget,
+        max_num_seqs=4,
+        max_num_batched_tokens=128,
+        speculative=dict(method="draft", draft_model=tiny_model_factory("mistral"), adaptive=False),
     )
     target, draft = _cache_bytes(engine.runner), _cache_bytes(engine.drafter.runner)
     assert draft > 0 and engine.drafter.runner is not engine.runner

@@ -14,6 +14,7 @@ from batchrun.kernels.target import find_target
 from batchrun.model import quant as mq
 from batchrun.model.gguf import blocks_to_weight, read_gguf_weights, unpermute_rows
 from batchrun.model.prepare import module_weight_bytes, quantize_model
+from tests.support.engines import make_tiny_engine
 
 
 def _weights(n: int = 48, k: int = 128, seed: int = 0) -> torch.Tensor:
@@ -526,19 +527,10 @@ def test_w8a8_calibrated_model_keeps_an_eighth_at_most_in_float(tiny_llama_dir):
 def test_the_quantization_benchmark_measures_summarize_from_an_empty_prefix_cache(tiny_llama_dir, monkeypatch):
     # Its rounds repeat the same prompts: without the reset, a mode whose KV cache keeps more
     # blocks (int8) served later rounds from cached prefixes and showed a false speed-up.
-    from batchrun.engine import Engine, EngineConfig
     from benchmarks.workloads import summarize_tokens_per_s
 
-    engine = Engine(
-        EngineConfig(
-            model=tiny_llama_dir,
-            dtype="float32",
-            device="cpu",
-            kv_cache_memory=16 << 20,
-            max_num_seqs=4,
-            max_num_batched_tokens=256,
-            block_size=16,
-        )
+    engine = make_tiny_engine(
+        tiny_llama_dir, kv_cache_memory=16 << 20, max_num_seqs=4, max_num_batched_tokens=256, block_size=16
     )
     prompts = [[5 + (7 * i + j) % 150 for j in range(40)] for i in range(3)]
     generate = engine.generate

@@ -26,7 +26,8 @@ import sys
 
 import pytest
 
-from tests.support.interpreted import run_interpreted
+from tests.support.engines import make_tiny_engine
+from tests.support.interpreted import interpreted_rows
 
 pytest.importorskip("triton")
 
@@ -38,29 +39,26 @@ def run(model_dir: str, kv_cache_dtype: str) -> dict:
 
     import batchrun.kernels.triton_attention as ta
     import batchrun.kernels.triton_elementwise as tew
-    from batchrun import Engine, EngineConfig, SamplingParams
+    from batchrun import SamplingParams
     from batchrun.engine.runners import GpuRunner
-    from batchrun.engine.startup import start_engine
     from batchrun.kernels.binding import bind_kernels
     from batchrun.kernels.target import find_target
 
     replays = []
 
     def generate(graphs: bool = False) -> list[list[int]]:
-        config = EngineConfig(
-            model=model_dir,
-            dtype="float32",
-            device="cpu",
+        # the GPU path: the Triton kernel set, on CPU tensors (the interpreter's tiles)
+        kernels = None
+        if graphs:
+            kernels = bind_kernels(find_target("cpu"), torch.float32, kv_cache_dtype=kv_cache_dtype, binder="triton")
+        engine = make_tiny_engine(
+            model_dir,
+            kernels=kernels,
             kv_cache_memory=4 << 20,
             max_num_seqs=4,
             max_num_batched_tokens=256,
             kv_cache_dtype=kv_cache_dtype,
         )
-        # the GPU path: the Triton kernel set, on CPU tensors (the interpreter's tiles)
-        kernels = None
-        if graphs:
-            kernels = bind_kernels(find_target("cpu"), torch.float32, kv_cache_dtype=kv_cache_dtype, binder="triton")
-        engine = Engine(config, start_engine(config, kernels=kernels))
         if graphs:
             engine.runner = r = GpuRunner.stand_in(engine.runner, 8)  # EagerReplay standing in for capture
             graph_execute = r.graphs.execute
@@ -97,10 +95,7 @@ CASES = [("qwen3", "int8"), ("gemma3_text", "fp8")]
 def interpreted(tiny_model_factory) -> dict[str, dict]:
     """One child for every case (each child pays torch's and Triton's imports again)."""
     args = [f"{family}:{kv}={tiny_model_factory(family)}" for family, kv in CASES]
-    proc = run_interpreted(__file__, *args, timeout=900)
-    assert proc.returncode == 0, f"child exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    return {row["case"]: row for row in rows}
+    return {row["case"]: row for row in interpreted_rows(__file__, *args, timeout=900)}
 
 
 @pytest.mark.parametrize("family,kv_cache_dtype", CASES)

@@ -1,7 +1,7 @@
-"""Scaffolding the test folders share, written once: running a case in Triton's interpreter and on a
-GPU (interpreted.py), tiny engines (engines.py), a torch mode that finds host syncs (host_sync.py),
-an S3 proxy that loses replies (s3_fault_proxy.py). Fixtures that need pytest's scoping are in
-tests/conftest.py."""
+"""Scaffolding the test folders share, written once: a case run in Triton's interpreter and on a GPU
+(interpreted.py), tiny engines (engines.py), the sampler tests' references and step kinds
+(sampling.py), a torch mode that finds host syncs (host_sync.py), an S3 proxy that loses replies
+(s3_fault_proxy.py). Fixtures that need pytest's scoping are in tests/conftest.py."""
 
 from pathlib import Path
 

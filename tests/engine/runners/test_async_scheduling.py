@@ -16,18 +16,11 @@ from batchrun.engine import Engine, EngineConfig, EngineRequest, SamplingParams
 from batchrun.engine.runners import GpuRunner, kv_bytes_per_block
 from batchrun.engine.runners.cuda_graphs import DecodeGraphs, EagerReplay
 from batchrun.engine.scheduler import PENDING_TOKEN
+from tests.support.engines import tiny_config
 
 
 def _config(model: str, **kw) -> EngineConfig:
-    base = dict(
-        model=model,
-        dtype="float32",
-        device="cpu",
-        kv_cache_memory=16 << 20,
-        max_num_seqs=8,
-        max_num_batched_tokens=256,
-    )
-    return EngineConfig(**{**base, **kw})
+    return tiny_config(model, **{"kv_cache_memory": 16 << 20, "max_num_batched_tokens": 256, **kw})
 
 
 def _with_graphs(engine: Engine, capture=None) -> DecodeGraphs:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from batchrun.engine import Engine, EngineConfig, SamplingParams
+from batchrun.engine import Engine, SamplingParams
 from batchrun.engine.config import SamplingParams as Params
 from batchrun.engine.request import Request
 from batchrun.engine.runners import GpuRunner, ModelRunner
@@ -26,6 +26,7 @@ from batchrun.engine.runners.cuda_graphs import (
     pick_bucket,
 )
 from batchrun.engine.scheduler import ScheduledBatch
+from tests.support.engines import make_tiny_engine
 
 
 def test_buckets_cover_every_batch_size_with_the_smallest_fit():
@@ -79,16 +80,12 @@ def test_packed_rows_match_what_the_runner_prepares(block_size):
 @pytest.fixture(scope="module")
 def tiny_engine_factory(tiny_llama_dir):
     def make(kv_cache_dtype: str = "auto") -> Engine:
-        return Engine(
-            EngineConfig(
-                model=tiny_llama_dir,
-                dtype="float32",
-                device="cpu",
-                kv_cache_memory=16 << 20,
-                max_num_seqs=16,
-                max_num_batched_tokens=256,
-                kv_cache_dtype=kv_cache_dtype,
-            )
+        return make_tiny_engine(
+            tiny_llama_dir,
+            kv_cache_memory=16 << 20,
+            max_num_seqs=16,
+            max_num_batched_tokens=256,
+            kv_cache_dtype=kv_cache_dtype,
         )
 
     return make
@@ -106,16 +103,8 @@ def _attach_graphs(engine: Engine, capture=None, max_batch: int = 16) -> DecodeG
 def test_graph_tables_are_as_wide_as_max_model_len(tiny_llama_dir):
     """The graphs' block tables (whose width sets a graphed decode's split count on a GPU) span the
     engine's max_model_len, which start-up hands the runner, not the model's max_position_embeddings."""
-    engine = Engine(
-        EngineConfig(
-            model=tiny_llama_dir,
-            dtype="float32",
-            device="cpu",
-            kv_cache_memory=16 << 20,
-            max_num_seqs=4,
-            max_num_batched_tokens=64,
-            max_model_len=96,
-        )
+    engine = make_tiny_engine(
+        tiny_llama_dir, kv_cache_memory=16 << 20, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96
     )
     graphs = GpuRunner.stand_in(engine.runner, 4).graphs
     assert engine.model.spec.max_position_embeddings == 512 and engine.runner.max_model_len == 96
@@ -198,21 +187,13 @@ def test_batches_the_graphs_cannot_take_run_eagerly(tiny_engine_factory):
 def test_cuda_graphs_keep_greedy_output_on_gpu(tiny_llama_dir, monkeypatch, kv_cache_dtype):
     prompts = _prompts()
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (12, 3, 8, 20, 5, 1, 9)]
-    cfg = dict(
-        model=tiny_llama_dir,
-        dtype="float32",
-        device="cuda",
-        kv_cache_memory=64 << 20,
-        max_num_seqs=16,
-        max_num_batched_tokens=256,
-        kv_cache_dtype=kv_cache_dtype,
-    )
+    cfg = dict(device="cuda", max_num_seqs=16, max_num_batched_tokens=256, kv_cache_dtype=kv_cache_dtype)
     monkeypatch.setenv("BATCHRUN_CUDA_GRAPHS", "0")
-    eager = Engine(EngineConfig(**cfg))
+    eager = make_tiny_engine(tiny_llama_dir, **cfg)
     assert eager.runner.graphs is None
     want = [o.token_ids for o in eager.generate(prompts, params)]
     monkeypatch.setenv("BATCHRUN_CUDA_GRAPHS", "1")
-    engine = Engine(EngineConfig(**cfg))
+    engine = make_tiny_engine(tiny_llama_dir, **cfg)
     assert engine.runner.graphs is not None
     engine.runner.graphs.capture_all(max_batch=16)
     got = [o.token_ids for o in engine.generate(prompts, params)]

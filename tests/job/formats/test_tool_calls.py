@@ -20,6 +20,7 @@ from batchrun.job.formats.openai_requests import CHAT_URL, COMPLETIONS_URL, Requ
 from batchrun.job.formats.openai_requests import sampling_params as body_params
 from batchrun.job.formats.reader import InputRow
 from batchrun.job.formats.tool_calls import CHATML_TOOLS_TEMPLATE, parse_calls, parse_output, tool_spec
+from tests.support.engines import make_tiny_engine
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -330,26 +331,13 @@ def tool_models(tmp_path_factory) -> dict[str, str]:
     return {"own": str(own), "plain": str(plain)}
 
 
-def tiny_engine(model: str) -> Engine:
-    return Engine(
-        EngineConfig(
-            model=model,
-            dtype="float32",
-            device="cpu",
-            kv_cache_memory=64 << 20,
-            max_num_seqs=8,
-            max_num_batched_tokens=1024,
-        )
-    )
-
-
 @pytest.mark.parametrize("which, template", [("own", None), ("plain", "chatml")])
 def test_every_tool_choice_on_a_tiny_model(tmp_path, tool_models, which, template):
     """The model's own tool template, and a tool-less model given job.tools_chat_template=chatml."""
     requests = tool_batch()
     write_batch(tmp_path / "in" / "batch.jsonl", requests)
     model = tool_models[which]
-    result = run_job(batch_config(tmp_path / "in", tmp_path / "out", model, template), engine=tiny_engine(model))
+    result = run_job(batch_config(tmp_path / "in", tmp_path / "out", model, template), engine=make_tiny_engine(model))
     assert (result.exit_code, [s.status for s in result.shards]) == (0, ["committed"])
     ok = check_tool_run(tmp_path / "out", requests)
     # greedy named call: what the engine writes for the same prompt under the same schema
@@ -362,7 +350,7 @@ def test_a_template_without_tools_gives_a_typed_error_line(tmp_path, tool_models
     requests = [r for r in tool_batch() if r["custom_id"] in ("plain", "none", "required", "auto")]
     write_batch(tmp_path / "in" / "batch.jsonl", requests)
     model = tool_models["plain"]
-    result = run_job(batch_config(tmp_path / "in", tmp_path / "out", model), engine=tiny_engine(model))
+    result = run_job(batch_config(tmp_path / "in", tmp_path / "out", model), engine=make_tiny_engine(model))
     assert result.exit_code == 0
     errors = read_lines(tmp_path / "out" / "errors" / "batch.jsonl")
     assert {x["custom_id"]: x["error"]["code"] for x in errors} == {
@@ -387,7 +375,7 @@ def test_a_bad_tools_template_path_is_one_config_line(tmp_path, tool_models):
     model = tool_models["plain"]
     config = batch_config(tmp_path / "in", tmp_path / "out", model, str(tmp_path / "missing.jinja"))
     with pytest.raises(ConfigError, match="job.tools_chat_template"):
-        run_job(config, engine=tiny_engine(model))
+        run_job(config, engine=make_tiny_engine(model))
 
 
 # ---- units: the body, the prompt, the parse ---------------------------------------------------

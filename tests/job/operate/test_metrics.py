@@ -5,10 +5,11 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-from batchrun.engine import Engine, EngineConfig, EngineStats, RequestMetrics, SamplingParams
+from batchrun.engine import EngineStats, RequestMetrics, SamplingParams
 from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
 from batchrun.job.formats.writer import METRICS_SCHEMA
 from batchrun.job.operate.metrics import ShardTally, metrics_row
+from tests.support.engines import make_tiny_engine
 
 
 def _stats(**kw) -> EngineStats:
@@ -75,16 +76,8 @@ def test_metrics_row_of_an_empty_shard_has_nulls_not_errors():
 
 def test_speculative_engine_fills_the_speculation_columns(tmp_path, make_shards, tiny_llama_dir):
     make_shards(tmp_path / "in", num_shards=1, rows_per_shard=3)
-    engine = Engine(
-        EngineConfig(
-            model=tiny_llama_dir,
-            dtype="float32",
-            device="cpu",
-            max_num_seqs=4,
-            max_num_batched_tokens=1024,
-            kv_cache_memory=16 << 20,
-            speculative={"method": "ngram", "adaptive": False},
-        )
+    engine = make_tiny_engine(
+        tiny_llama_dir, max_num_seqs=4, kv_cache_memory=16 << 20, speculative={"method": "ngram", "adaptive": False}
     )
     config = RunConfig(
         job=JobConfig(prompt_template="{text}"),

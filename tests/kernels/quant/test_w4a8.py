@@ -18,6 +18,7 @@ from batchrun.kernels import quant as qk
 from batchrun.kernels.quant import w4a8 as w4
 from batchrun.model import quant as mq
 from batchrun.model.prepare import quantize_model
+from tests.support.engines import make_tiny_engine
 
 BF16 = torch.bfloat16
 
@@ -323,23 +324,19 @@ def test_w4a8_takes_gguf_q4_blocks_as_they_are(tiny_llama_dir):
 
 @needs_native_w4a8
 def test_a_bf16_w4a8_engine_runs_natively(tiny_llama_dir, monkeypatch):
-    from batchrun.engine import Engine, EngineConfig, SamplingParams
+    from batchrun.engine import SamplingParams
 
     calls = []
     for name in ("w4a8_matmul_native", "w4a8_silu_quant_native"):  # counted as the kernel set binds them
         real = getattr(w4, name)
         monkeypatch.setattr(w4, name, lambda *a, fn=real, name=name: calls.append(name) or fn(*a))
-    engine = Engine(
-        EngineConfig(
-            model=tiny_llama_dir,
-            dtype="bfloat16",
-            device="cpu",
-            quantization="w4a8",
-            kv_cache_memory=16 << 20,
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-            block_size=16,
-        )
+    engine = make_tiny_engine(
+        tiny_llama_dir,
+        dtype="bfloat16",
+        quantization="w4a8",
+        kv_cache_memory=16 << 20,
+        max_num_batched_tokens=64,
+        block_size=16,
     )
     layers = [m for m in engine.model.modules() if isinstance(m, mq.W4A8Linear)]
     assert len(layers) == 4 * engine.model.spec.num_layers and all(m.is_native for m in layers)

@@ -51,7 +51,7 @@ def _quantized(reference, mode: str, **settings):
     engine, seqs, ref = reference
     model = copy.deepcopy(engine.model)
     config = dataclasses.replace(engine.config, quantization=mode, **settings)
-    summary = prepare_linears_for_engine(model, config, engine.tokenizer, None, torch.float32, torch.device("cpu"))
+    summary = prepare_linears_for_engine(model, config, engine.tokenizer, None, engine.model.kernels)
     assert summary.num_quantized == 4 * model.spec.num_layers
     tf = teacher_forced(model, engine.runner, seqs)
     return agreement(ref, tf), tf.perplexity / ref.perplexity - 1.0

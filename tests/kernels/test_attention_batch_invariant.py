@@ -94,21 +94,25 @@ def _cpu_cases() -> dict[str, dict[str, Any]]:
 CPU_CASES = _cpu_cases()
 
 
+def _cpu_attend(*args: Any) -> torch.Tensor:
+    """The CPU attention as the CPU kernel set binds it: the native kernels where they are built and on."""
+    from batchrun.kernels.cpu_attention import paged_attention_cpu
+    from batchrun.kernels.target import find_target
+
+    return paged_attention_cpu(*args, native=find_target(torch.device("cpu")).native_cpu_kernels)
+
+
 @pytest.mark.parametrize("case_id", list(CPU_CASES))
 def test_cpu_attention_rows_do_not_depend_on_chunking_or_batch(case_id):
-    from batchrun.kernels.cpu_attention import paged_attention_cpu
-
-    check_invariance(CPU_CASES[case_id], paged_attention_cpu)
+    check_invariance(CPU_CASES[case_id], _cpu_attend)
 
 
 def test_without_the_flag_decode_rows_differ_from_the_prefill():
     """The comparison above can fail: off, a one-row piece (the one-row chunk, a decode) runs the
     decode kernel, whose softmax and sums differ from the prefill kernel's."""
-    from batchrun.kernels.cpu_attention import paged_attention_cpu
-
     spec = dict(CPU_CASES["d16-winNone-bfloat16"], invariant=False)
     with pytest.raises(AssertionError, match="chunked prefill differs"):
-        check_invariance(spec, paged_attention_cpu)
+        check_invariance(spec, _cpu_attend)
 
 
 def test_without_the_fixed_key_grid_windowed_rows_differ():

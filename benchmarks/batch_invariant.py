@@ -8,7 +8,7 @@ first with the same batch limits and measured in alternating rounds (who runs fi
 drift on a shared machine hits both alike; the ratio is taken per round, then the median.
 
 Also printed, not asserted: how many outputs each engine keeps when its prompts are chunked under a
-64-token budget (the option's purpose; tests/test_batch_invariant.py asserts it).
+64-token budget (the option's purpose; tests/engine/test_batch_invariant.py asserts it).
 """
 
 from __future__ import annotations

@@ -361,7 +361,7 @@ def _offset_checks(
     from batchrun.kernels import triton_attention as ta
     from batchrun.kernels import triton_kv as tk
 
-    # fp16 in the interpreter as tests/test_triton_offsets.py; the production dtype and head size on a GPU
+    # fp16 in the interpreter as tests/kernels/test_triton_offsets.py; the production dtype and head size on a GPU
     gpu = _gpu(device)
     dtype, dim = (torch.float16, 16) if smoke else (torch.bfloat16, 128)
     heads, kv_heads, bs = 6, 3, 16

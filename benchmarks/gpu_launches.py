@@ -20,7 +20,7 @@ step takes the fused projections (kernels/fused_projections.py) unless the model
 bound with `fuse=False`: on a GPU those run where start-up tuning measured them faster.
 
 A library module: `python -m benchmarks.gpu --smoke` prints the figures (`format_figures`), and
-tests/test_gpu_launches.py pins them.
+tests/model/test_gpu_launches.py pins them.
 """
 
 from __future__ import annotations

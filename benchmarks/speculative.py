@@ -14,7 +14,7 @@ Greedy outputs are compared with speculation off and the agreement is printed, n
 engines run in bfloat16 (dtype auto), where verifying k+1 tokens in one forward rounds differently
 from k+1 single-token decode steps (other matmul shapes, the chunk attention path), so a near-tie
 can flip an argmax and the texts part from there on. In float32 the outputs are token-identical
-(tests/test_speculative.py, on tiny models and the real one).
+(tests/engine/test_speculative.py, on tiny models and the real one).
 """
 
 from __future__ import annotations

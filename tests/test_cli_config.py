@@ -15,6 +15,7 @@ import yaml
 from batchrun import cli
 from batchrun.engine import EngineConfig, SamplingParams
 from batchrun.job import DataConfig, LauncherConfig, ModelConfig, OutputConfig, RunConfig, config_fields
+from tests.support import REPO
 
 CONF = Path(cli.CONF_DIR)
 
@@ -25,7 +26,7 @@ def _options(group: str) -> list[str]:
 
 def test_conf_dir_is_the_repository_conf():
     assert (CONF / "config.yaml").is_file()
-    assert CONF == (Path(__file__).parent.parent / "conf").resolve()
+    assert CONF == (REPO / "conf").resolve()
 
 
 @pytest.mark.parametrize("job", _options("job"))

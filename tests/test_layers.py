@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGE = ROOT / "batchrun"
+from tests.support import REPO
+
+PACKAGE = REPO / "batchrun"
 
 
 def _imports(path: Path, source: str | None = None) -> list[tuple[str, int]]:
     """(module, line) of every import in a file, relative imports resolved against its package."""
     tree = ast.parse(path.read_text() if source is None else source, str(path))
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    package = ".".join(path.relative_to(REPO).with_suffix("").parts[:-1])
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -42,14 +43,14 @@ def _imports(path: Path, source: str | None = None) -> list[tuple[str, int]]:
 def test_import_linter_contracts_are_kept():
     exe = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")
     # --no-cache: its cache can miss edits and report contracts for code that is no longer there.
-    proc = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([exe, "--no-cache"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 broken" in proc.stdout
 
 
 def test_job_layer_uses_only_the_engines_public_package():
     offenders = [
-        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        f"{path.relative_to(REPO)}:{line} imports {module}"
         for path in sorted((PACKAGE / "job").rglob("*.py"))
         for module, line in _imports(path)
         if module.startswith("batchrun.engine.")
@@ -59,7 +60,7 @@ def test_job_layer_uses_only_the_engines_public_package():
 
 def test_only_the_cli_imports_hydra_or_omegaconf():
     offenders = [
-        f"{path.relative_to(ROOT)}:{line} imports {module}"
+        f"{path.relative_to(REPO)}:{line} imports {module}"
         for path in sorted(PACKAGE.rglob("*.py"))
         if path.name != "cli.py"
         for module, line in _imports(path)
@@ -88,12 +89,12 @@ def test_tests_import_no_benchmark_script():
     (cases.py, quality.py, workloads.py, ...), not in a script run with `python -m`."""
     scripts = {
         f"benchmarks.{path.stem}"
-        for path in (ROOT / "benchmarks").glob("*.py")
+        for path in (REPO / "benchmarks").glob("*.py")
         if 'if __name__ == "__main__":' in path.read_text()
     }
     assert {"benchmarks.gpu", "benchmarks.quant"} <= scripts
     offenders = []
-    for path in sorted((ROOT / "tests").rglob("*.py")):
+    for path in sorted((REPO / "tests").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 modules = [a.name for a in node.names]
@@ -101,5 +102,5 @@ def test_tests_import_no_benchmark_script():
                 modules = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
             else:
                 continue
-            offenders += [f"{path.relative_to(ROOT)}:{node.lineno} imports {m}" for m in modules if m in scripts]
+            offenders += [f"{path.relative_to(REPO)}:{node.lineno} imports {m}" for m in modules if m in scripts]
     assert offenders == []

@@ -15,7 +15,9 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "jobs" / "nightly" / "nightly.sh"
+from tests.support import REPO
+
+SCRIPT = REPO / "jobs" / "nightly" / "nightly.sh"
 
 
 def test_nightly_run_is_dated_fails_on_a_bad_shard_and_a_rerun_finishes_it(tmp_path, make_shards, tiny_llama_dir):

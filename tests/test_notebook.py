@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import nbclient
 import nbformat
 import pyarrow as pa
@@ -13,8 +11,9 @@ import pytest
 from batchrun.engine import SamplingParams
 from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
 from batchrun.job.formats.writer import METRICS_SCHEMA
+from tests.support import REPO
 
-NOTEBOOK = Path(__file__).resolve().parent.parent / "notebooks" / "analyze_run.ipynb"
+NOTEBOOK = REPO / "notebooks" / "analyze_run.ipynb"
 
 
 def test_notebook_is_saved_without_outputs():

@@ -66,7 +66,7 @@ class EngineConfig:
     # on SmolLM2), 64, 128 or 256
     quant_group_size: int = 32
     # w8a8: input channels per projection kept in float (the largest after SmoothQuant). 0 is the
-    # fastest; 64 keeps SmolLM2 within the int8 quality bound (tests/test_quant_quality.py).
+    # fastest; 64 keeps SmolLM2 within the int8 quality bound (tests/engine/test_quant_quality.py).
     w8a8_outlier_channels: int = 64
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | int8 | fp8, with a scale per token and head
     # Run each kind of step once at start-up (Engine.warmup: compiles every Triton kernel variant and

@@ -12,7 +12,7 @@ U+FFFD, that is, in a character whose remaining bytes are still to come.
 
 A decoder that rewrites text across token boundaries (`clean_up_tokenization_spaces`: " ." -> ".")
 is not incremental this way; `is_incremental` says so, and such a tokenizer's text is decoded whole.
-`tests/test_stop.py` checks over random token sequences that the text this gives is the full
+`tests/engine/test_stop.py` checks over random token sequences that the text this gives is the full
 decode's, for the test tokenizer and SmolLM2's.
 """
 

@@ -515,7 +515,7 @@ def shared_bytes(
     the K and V tiles (BLOCK_N, HEAD_DIM_PAD) as the cache stores them, the probabilities (rows,
     BLOCK_N) staged for the second dot, and a quantized cache's per-token scales. `elem_size` is the
     query's element size (2 or 4). An upper bound of the compiler's figure, checked against every
-    variant tests/test_triton_compile.py compiles."""
+    variant tests/kernels/test_triton_compile.py compiles."""
     kv_size = 1 if is_quant else elem_size
     # Only sm_90's 16-bit prefill (wgmma takes both operands from shared memory) keeps num_stages
     # copies of K and V in flight; the other variants stage one copy of each.

@@ -1,4 +1,4 @@
-"""Test hooks for real worker processes (tests/test_exactly_once.py, tests/test_chaos.py).
+"""Test hooks for real worker processes (tests/job/test_exactly_once.py, tests/job/test_chaos.py).
 
 Loaded by every Python process whose PYTHONPATH holds this directory; inert unless
 BATCHRUN_TEST_HOOKS holds a JSON object:
@@ -48,7 +48,7 @@ if _spec:
 
     _flow.ShardRun.on_output = _on_output
 
-# Checkpoint hooks (tests/test_checkpoints.py), also off unless BATCHRUN_TEST_HOOKS names them:
+# Checkpoint hooks (tests/job/commit/test_checkpoints.py), also off unless BATCHRUN_TEST_HOOKS names them:
 #    record            append each output's input row index to {dir}/outputs-{pid}
 #    kill_after        SIGKILL this process after that many outputs
 #    kill_at           SIGKILL at a point of the commit protocol, the kill_at_count-th time (from 1):

@@ -22,7 +22,7 @@ def split_outlier_channels(
 
     Why: with per-token int8 activations one step serves a whole token, and the few channels that
     stay large after smoothing set that step for all the others. Keeping them in float is what
-    brings W8A8 within the int8 quality bound (tests/test_quant_quality.py, docs/quantization.md).
+    brings W8A8 within the int8 quality bound (tests/engine/test_quant_quality.py, docs/quantization.md).
     """
     k = min(num_channels, max(1, weight.shape[1] // 8))
     index = torch.sort(input_absmax.to(weight.device).topk(k).indices).values

@@ -1,0 +1,275 @@
+"""Start-up measurement of the native CPU kernels against torch's own, for a bf16 model on a CPU
+where the native kernels are built and on (engine/startup.py: tune, with engine.tune_kernels).
+
+For every distinct linear kind and weight shape the model holds in the native tiles (listed by
+model/gemm_shapes.py: cpu_linear_shapes) and for its attention, model-shaped random inputs are
+timed at a decode step's row counts (1 and a decode batch) and at a prefill chunk's: the native
+kernel (csrc/linear.cpp over its tiles; the paged decode and prefill kernels) against torch's
+(oneDNN over its packed weight, bitwise F.linear; the torch attention path), and at the prefill
+rows also torch's over the tiles unpacked per call (kernels/cpu_choices.py: the form a layer
+split by row count would run). Each candidate is timed `REPEATS` times, interleaved with the
+others so a shared machine's drift touches all alike, and its fastest call kept (`best_ms` says
+why); a row count where torch's kernel wins is timed again before that is believed.
+kernels/cpu_choices.py decides from the times. The whole measurement stops at `BUDGET_S` (a shape not reached keeps
+the native kernel, logged) and its seconds are recorded in the Tuning.
+
+The elementwise kernels (norms, rotary, silu-mul, the KV write) and the sampler are not measured:
+they stream memory with no oneDNN/AMX counterpart that could win.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from batchrun.kernels import cpu_linear as ck
+from batchrun.kernels.attention_metadata import AttentionMetadata
+from batchrun.kernels.cpu_attention import paged_attention_cpu, supports, supports_prefill
+from batchrun.kernels.cpu_choices import (
+    TORCH,
+    AttentionChoice,
+    KernelTiming,
+    LinearChoice,
+    choose_attention,
+    choose_linear,
+)
+from batchrun.kernels.elementwise import act_mul_native
+from batchrun.kernels.kernel_set import KernelSet
+from batchrun.kernels.kv_layout import new_kv_cache
+
+log = logging.getLogger(__name__)
+
+DECODE_ROWS = 32  # a decode batch's rows, where engine.max_num_seqs is not given
+PREFILL_ROWS = 256  # a prefill chunk's rows (or the token budget, where smaller)
+DECODE_CONTEXT = 256  # tokens of context per decoding sequence (as the batch-limit profile's)
+REPEATS = 5
+BUDGET_S = 3.0  # the whole measurement stops here; SmolLM2 on 2 cores takes well under a second
+BF16 = torch.bfloat16
+
+Timer = Callable[[dict[str, Callable[[], Any]]], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One linear kind and weight shape held in the native tiles (model/gemm_shapes.py lists them)."""
+
+    kind: str  # kernels/cpu_choices.py: LinearChoice.kind
+    n: int  # output features (a silu gate/up: 2 x intermediate)
+    k: int  # input features
+    silu_mul: bool = False  # the native kernel applies silu(gate) * up in its store; torch's side after it
+    # a tied LM head: torch's layout is the plain weight the embedding shares (F.linear), not a copy
+    tied: bool = False
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The model's attention, as the kernels see it."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    scale: float
+    sliding_window: Optional[int] = None
+    softcap: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class CpuRows:
+    """The row counts timed: a decode batch's and a prefill chunk's (1 row is always timed)."""
+
+    decode: int = DECODE_ROWS
+    prefill: int = PREFILL_ROWS
+
+    @staticmethod
+    def for_limits(max_num_seqs: Optional[int], max_num_batched_tokens: Optional[int]) -> CpuRows:
+        prefill = min(PREFILL_ROWS, max_num_batched_tokens or PREFILL_ROWS)
+        return CpuRows(max(1, min(max_num_seqs or DECODE_ROWS, DECODE_ROWS, prefill)), prefill)
+
+    def of(self, shape: LinearShape) -> list[int]:
+        """An LM head computes one row per sampled sequence: decode row counts only."""
+        counts = {1, self.decode} if shape.kind == "lm_head" else {1, self.decode, self.prefill}
+        return sorted(counts)
+
+
+@dataclass(frozen=True)
+class CpuMeasurement:
+    """What `measure_cpu` found."""
+
+    linears: tuple[LinearChoice, ...]
+    attention: Optional[AttentionChoice]
+    seconds: float
+
+
+def measure_cpu(
+    linears: Iterable[LinearShape],
+    attention: Optional[AttentionShape],
+    rows: CpuRows,
+    budget_s: float = BUDGET_S,
+    timer: Optional[Timer] = None,
+) -> CpuMeasurement:
+    """Time every shape and the attention (module doc) and choose per kind and regime. `timer`:
+    the function that times a dict of candidates (tests inject timings; default: interleaved medians)."""
+    timer = timer or best_ms
+    t0 = time.perf_counter()
+    deadline = t0 + budget_s
+    choices: list[LinearChoice] = []
+    attention_choice = None
+    with torch.inference_mode():
+        if attention is not None:
+            attention_choice = choose_attention(*_time_attention(attention, rows, timer))
+        for shape in dict.fromkeys(linears):
+            if time.perf_counter() > deadline:
+                log.warning(
+                    "CPU kernel measurement over its %.1fs budget: %s %s keeps the native kernel",
+                    budget_s,
+                    shape.kind,
+                    (shape.n, shape.k),
+                )
+                continue
+            choices.append(choose_linear(shape.kind, shape.n, shape.k, _time_linear(shape, rows, timer)))
+    seconds = time.perf_counter() - t0
+    changed = [f"{c.kind} {c.small}/{c.large}" for c in choices if not c.is_native]
+    log.info(
+        "measured the native CPU kernels against torch's in %.2fs: %s; attention decode %s, prefill %s",
+        seconds,
+        ", ".join(changed) or "native linears throughout",
+        attention_choice.decode if attention_choice else "native",
+        attention_choice.prefill if attention_choice else "native",
+    )
+    return CpuMeasurement(tuple(choices), attention_choice, seconds)
+
+
+def best_ms(candidates: dict[str, Callable[[], Any]], repeats: int = REPEATS) -> dict[str, float]:
+    """The fastest of `repeats` calls of each candidate, in milliseconds, the candidates interleaved
+    (one call of each per round) after one untimed call each. The fastest, not the median: on a
+    machine shared with other processes a call is only ever slowed (a thread descheduled mid-call
+    holds up the others at the next barrier, a whole time slice), so the median of a few calls
+    moves with the load and the fastest call is what the kernel itself takes."""
+    for fn in candidates.values():
+        fn()
+    best = dict.fromkeys(candidates, float("inf"))
+    for _ in range(repeats):
+        for name, fn in candidates.items():
+            t = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t)
+    return {name: t * 1e3 for name, t in best.items()}
+
+
+def _confirmed(timer: Timer, candidates: dict[str, Callable[[], Any]], rows: int) -> KernelTiming:
+    """The timing of `candidates` at `rows` rows; where torch's kernel wins (a change from the
+    static choice) they are timed again and each keeps its faster time, so that one run in which
+    the native kernel was slowed does not flip the choice."""
+    ms = timer(candidates)
+    if KernelTiming(rows, ms["native"], ms["torch"]).winner() == TORCH:
+        again = timer(candidates)
+        ms = {name: min(t, again[name]) for name, t in ms.items()}
+    return KernelTiming(rows, ms["native"], ms["torch"], ms.get("unpacked"))
+
+
+def _time_linear(shape: LinearShape, rows: CpuRows, timer: Timer) -> list[KernelTiming]:
+    n, k = shape.n, shape.k
+    w = (torch.randn(n, k) * 0.02).to(BF16)  # (N, K), HF's row order
+    bias = (torch.randn(n) * 0.02).to(BF16) if shape.bias else None
+    tiles = ck.pack_native_weight(w[ck.silu_pair_order(n // 2)] if shape.silu_mul else w)
+    bias_f32 = None if bias is None else bias.float()  # a silu layer has no bias (model/linear.py: pack_silu_mul)
+    after: Callable[[torch.Tensor], torch.Tensor] = (
+        (lambda y: act_mul_native(y, "silu")) if shape.silu_mul else (lambda y: y)
+    )
+    if shape.tied or not ck.packing_available():
+        torch_linear: Callable[[torch.Tensor], torch.Tensor] = lambda x: F.linear(x, w, bias)  # noqa: E731
+    else:
+        packed = ck.mkldnn_pack(w, 32)  # as model/linear.py: pack_linear packs it
+        torch_linear = lambda x: ck.mkldnn_linear(x, packed, bias)  # noqa: E731
+    buffer = torch.empty(n, k, dtype=BF16)
+
+    def candidates(x: torch.Tensor, unpacked: bool) -> dict[str, Callable[[], Any]]:
+        out: dict[str, Callable[[], Any]] = {
+            "native": lambda: ck.native_linear(x, tiles, bias_f32, shape.silu_mul),
+            "torch": lambda: after(torch_linear(x)),
+        }
+        if unpacked:
+            out["unpacked"] = lambda: after(
+                F.linear(x, ck.unpack_native_weight_into(tiles, buffer, shape.silu_mul), bias)
+            )
+        return out
+
+    counts = rows.of(shape)
+    timings = []
+    for m in counts:
+        x = (torch.randn(m, k) * 0.5).to(BF16)  # (M, K)
+        timings.append(_confirmed(timer, candidates(x, m == counts[-1]), m))
+    return timings
+
+
+def _time_attention(
+    shape: AttentionShape, rows: CpuRows, timer: Timer
+) -> tuple[Optional[KernelTiming], Optional[KernelTiming]]:
+    """(decode, prefill) timings of the paged attention: `rows.decode` sequences of DECODE_CONTEXT
+    tokens decoding, and one fresh prompt of `rows.prefill` tokens; None where the native kernel
+    does not take the shape (both would run the torch path)."""
+    bs, kv_heads, head_dim = shape.block_size, shape.num_kv_heads, shape.head_dim
+    per_seq = -(-DECODE_CONTEXT // bs)
+    num_blocks = max(rows.decode * per_seq, -(-rows.prefill // bs))
+    k_cache = new_kv_cache(num_blocks, bs, kv_heads, head_dim, BF16, "cpu")
+    v_cache = new_kv_cache(num_blocks, bs, kv_heads, head_dim, BF16, "cpu")
+    k_cache.normal_()
+    v_cache.normal_()
+    args = (shape.scale, shape.sliding_window, shape.softcap)
+
+    def run(q, meta, native, k_new=None, v_new=None) -> Callable[[], Any]:
+        return lambda: paged_attention_cpu(q, k_cache, v_cache, meta, *args, k_new, v_new, native=native)
+
+    d = rows.decode
+    q = torch.randn(d, shape.num_heads, head_dim).to(BF16)  # (num_seqs, num_heads, head_dim)
+    lens = torch.full((d,), DECODE_CONTEXT, dtype=torch.int64)
+    tables = torch.arange(d * per_seq, dtype=torch.int64).view(d, per_seq)
+    meta = AttentionMetadata(
+        slot_mapping=tables[:, -1] * bs + (DECODE_CONTEXT - 1) % bs,
+        query_start_loc=list(range(d + 1)),
+        seq_lens=[DECODE_CONTEXT] * d,
+        block_tables=tables,
+        block_size=bs,
+        decode_seq_ids=torch.arange(d),
+        decode_seq_lens=lens,
+        prefill_seq_ids=[],
+    )
+    decode = None
+    if supports(q, k_cache):
+        candidates = {"native": run(q, meta, True), "torch": run(q, meta, False)}
+        decode = _confirmed(timer, candidates, d)
+    p = rows.prefill
+    q = torch.randn(p, shape.num_heads, head_dim).to(BF16)  # (num_tokens, num_heads, head_dim)
+    k_new = torch.randn(p, kv_heads, head_dim).to(BF16)
+    v_new = torch.randn(p, kv_heads, head_dim).to(BF16)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(p, dtype=torch.int64),
+        query_start_loc=[0, p],
+        seq_lens=[p],
+        block_tables=torch.arange(-(-p // bs), dtype=torch.int64).view(1, -1),
+        block_size=bs,
+        decode_seq_ids=torch.zeros(0, dtype=torch.int64),
+        decode_seq_lens=torch.zeros(0, dtype=torch.int64),
+        prefill_seq_ids=[0],
+    )
+    prefill = None
+    if supports_prefill(q, k_cache):
+        candidates = {"native": run(q, meta, True, k_new, v_new), "torch": run(q, meta, False, k_new, v_new)}
+        prefill = _confirmed(timer, candidates, p)
+    return decode, prefill
+
+
+def cpu_measurable(kernels: KernelSet) -> bool:
+    """Whether `kernels` has native CPU kernels to measure against torch's: the CPU
+    binder on a CPU, the native kernels built and on, a bf16 model (float32 keeps torch's ops:
+    the path held token-identical to HF)."""
+    target = kernels.target
+    return bool(kernels.binder == "cpu" and target.gpu is None and target.native_cpu_kernels and kernels.dtype == BF16)

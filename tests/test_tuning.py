@@ -124,7 +124,7 @@ def test_the_engine_tunes_before_it_sizes_the_kv_cache_and_records_the_tables_on
         max_num_seqs=4,
         max_num_batched_tokens=64,
         kv_cache_memory=4 << 20,
-        tune_kernels=False,  # the CPU's own measurement: tests/kernels/test_cpu_tuning.py
+        tune_kernels=False,  # the CPU's own measurement: tests/engine/test_cpu_tuned_engine.py
     )
     parts = startup.start_engine(config)
     assert order == ["tune", "plan_kv"]

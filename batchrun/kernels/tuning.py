@@ -1,7 +1,8 @@
 """What start-up tuning decided, as one frozen value the kernel set reads (`Tuning`), and how it is
-made: timed on a real GPU, from the static tables everywhere else.
+made: timed on a real GPU (here) or a bf16 CPU (kernels/cpu_tuning.py), from the static tables
+everywhere else.
 
-Two kinds of choice, each per shape a run can reach (the engine lists them from the model at
+On a GPU two kinds of choice, each per shape a run can reach (the engine lists them from the model at
 start-up, before the KV cache is sized: engine/startup.py, model/gemm_shapes.py):
 
 - fused or not (`FusedChoice`): a bf16/fp16 model's qkv, gate/up and LM-head projections can run

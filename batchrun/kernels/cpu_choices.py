@@ -22,7 +22,9 @@ checked on any timings (tests/kernels/test_cpu_kernel_choice.py):
   twice); the unpacked form is taken where its time is within the margin of the packed one.
 - The threshold is where straight lines through the two measurements around the switch cross
   (the torch side's time with the margin added, as at each row count).
-- Attention: the decode and the prefill kernel are chosen apart (no layout to share).
+- Attention: the decode and the prefill kernel are chosen apart (no layout to share); torch's
+  prefill only where it wins both for a fresh prompt and for a chunk after cached context (a
+  prefix-cache hit, a long prompt's next chunk), which the torch path runs as a masked SDPA.
 """
 
 from __future__ import annotations
@@ -102,14 +104,15 @@ class AttentionChoice:
     decode: str = NATIVE
     prefill: str = NATIVE
     decode_timing: Optional[KernelTiming] = None  # rows: the decoding sequences
-    prefill_timing: Optional[KernelTiming] = None  # rows: the prompt's tokens
+    # rows: the chunk's tokens; a fresh prompt, then the same chunk after a cached context
+    prefill_timings: tuple[KernelTiming, ...] = ()
 
     def describe(self) -> dict[str, Any]:
         return {
             "decode": self.decode,
             "prefill": self.prefill,
             "decode_timing": None if self.decode_timing is None else self.decode_timing.describe(),
-            "prefill_timing": None if self.prefill_timing is None else self.prefill_timing.describe(),
+            "prefill_timings": [t.describe() for t in self.prefill_timings],
         }
 
 
@@ -150,15 +153,12 @@ def crossover_rows(a: KernelTiming, b: KernelTiming, torch_overhead_ms: float = 
 
 
 def choose_attention(
-    decode: Optional[KernelTiming], prefill: Optional[KernelTiming], margin: float = MARGIN
+    decode: Optional[KernelTiming], prefills: Sequence[KernelTiming], margin: float = MARGIN
 ) -> AttentionChoice:
-    """Decode and prefill attention each keep the native kernel unless torch's wins by the margin."""
-    return AttentionChoice(
-        NATIVE if decode is None else decode.winner(margin),
-        NATIVE if prefill is None else prefill.winner(margin),
-        decode,
-        prefill,
-    )
+    """Decode and prefill attention each keep the native kernel unless torch's wins by the margin;
+    prefill only where it wins every prefill timed (a fresh prompt, a chunk after cached context)."""
+    prefill = TORCH if prefills and all(t.winner(margin) == TORCH for t in prefills) else NATIVE
+    return AttentionChoice(NATIVE if decode is None else decode.winner(margin), prefill, decode, tuple(prefills))
 
 
 def _ms(v: float) -> float:

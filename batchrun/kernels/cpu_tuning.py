@@ -23,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Optional
 
 import torch
@@ -212,59 +213,66 @@ def _time_linear(shape: LinearShape, rows: CpuRows, timer: Timer) -> list[Kernel
 
 def _time_attention(
     shape: AttentionShape, rows: CpuRows, timer: Timer
-) -> tuple[Optional[KernelTiming], Optional[KernelTiming]]:
-    """(decode, prefill) timings of the paged attention: `rows.decode` sequences of DECODE_CONTEXT
-    tokens decoding, and one fresh prompt of `rows.prefill` tokens; None where the native kernel
+) -> tuple[Optional[KernelTiming], list[KernelTiming]]:
+    """Timings of the paged attention: (decode: `rows.decode` sequences of DECODE_CONTEXT tokens
+    decoding; prefill: a chunk of `rows.prefill` tokens as a fresh prompt, and after DECODE_CONTEXT
+    cached tokens, as a prefix-cache hit or a long prompt's next chunk runs it, which sends the
+    torch path to a masked SDPA over a copy of the context). None and [] where the native kernel
     does not take the shape (both would run the torch path)."""
     bs, kv_heads, head_dim = shape.block_size, shape.num_kv_heads, shape.head_dim
-    per_seq = -(-DECODE_CONTEXT // bs)
-    num_blocks = max(rows.decode * per_seq, -(-rows.prefill // bs))
+    d, p, context = rows.decode, rows.prefill, DECODE_CONTEXT
+    per_seq = -(-context // bs)
+    num_blocks = max(d * per_seq, -(-(context + p) // bs))
     k_cache = new_kv_cache(num_blocks, bs, kv_heads, head_dim, BF16, "cpu")
     v_cache = new_kv_cache(num_blocks, bs, kv_heads, head_dim, BF16, "cpu")
     k_cache.normal_()
     v_cache.normal_()
     args = (shape.scale, shape.sliding_window, shape.softcap)
 
-    def run(q, meta, native, k_new=None, v_new=None) -> Callable[[], Any]:
-        return lambda: paged_attention_cpu(q, k_cache, v_cache, meta, *args, k_new, v_new, native=native)
+    def timed(
+        q: torch.Tensor, meta: AttentionMetadata, new: Optional[tuple[torch.Tensor, torch.Tensor]]
+    ) -> KernelTiming:
+        k_new, v_new = new if new is not None else (None, None)
+        candidates: dict[str, Callable[[], Any]] = {
+            name: partial(paged_attention_cpu, q, k_cache, v_cache, meta, *args, k_new, v_new, native=native)
+            for name, native in (("native", True), ("torch", False))
+        }
+        return _confirmed(timer, candidates, q.shape[0])
 
-    d = rows.decode
     q = torch.randn(d, shape.num_heads, head_dim).to(BF16)  # (num_seqs, num_heads, head_dim)
-    lens = torch.full((d,), DECODE_CONTEXT, dtype=torch.int64)
     tables = torch.arange(d * per_seq, dtype=torch.int64).view(d, per_seq)
     meta = AttentionMetadata(
-        slot_mapping=tables[:, -1] * bs + (DECODE_CONTEXT - 1) % bs,
+        slot_mapping=tables[:, -1] * bs + (context - 1) % bs,
         query_start_loc=list(range(d + 1)),
-        seq_lens=[DECODE_CONTEXT] * d,
+        seq_lens=[context] * d,
         block_tables=tables,
         block_size=bs,
         decode_seq_ids=torch.arange(d),
-        decode_seq_lens=lens,
+        decode_seq_lens=torch.full((d,), context, dtype=torch.int64),
         prefill_seq_ids=[],
     )
-    decode = None
-    if supports(q, k_cache):
-        candidates = {"native": run(q, meta, True), "torch": run(q, meta, False)}
-        decode = _confirmed(timer, candidates, d)
-    p = rows.prefill
+    decode = timed(q, meta, None) if supports(q, k_cache) else None
     q = torch.randn(p, shape.num_heads, head_dim).to(BF16)  # (num_tokens, num_heads, head_dim)
-    k_new = torch.randn(p, kv_heads, head_dim).to(BF16)
-    v_new = torch.randn(p, kv_heads, head_dim).to(BF16)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(p, dtype=torch.int64),
-        query_start_loc=[0, p],
-        seq_lens=[p],
-        block_tables=torch.arange(-(-p // bs), dtype=torch.int64).view(1, -1),
-        block_size=bs,
-        decode_seq_ids=torch.zeros(0, dtype=torch.int64),
-        decode_seq_lens=torch.zeros(0, dtype=torch.int64),
-        prefill_seq_ids=[0],
-    )
-    prefill = None
+    new = (torch.randn(p, kv_heads, head_dim).to(BF16), torch.randn(p, kv_heads, head_dim).to(BF16))
+    prefills = []
     if supports_prefill(q, k_cache):
-        candidates = {"native": run(q, meta, True, k_new, v_new), "torch": run(q, meta, False, k_new, v_new)}
-        prefill = _confirmed(timer, candidates, p)
-    return decode, prefill
+        for cached in (0, context):
+            table = torch.arange(-(-(cached + p) // bs), dtype=torch.int64).view(1, -1)
+            meta = AttentionMetadata(
+                slot_mapping=torch.arange(cached, cached + p, dtype=torch.int64),  # blocks in order: slot = position
+                query_start_loc=[0, p],
+                seq_lens=[cached + p],
+                block_tables=table,
+                block_size=bs,
+                decode_seq_ids=torch.zeros(0, dtype=torch.int64),
+                decode_seq_lens=torch.zeros(0, dtype=torch.int64),
+                prefill_seq_ids=[0],
+            )
+            slots = meta.slot_mapping
+            k_cache[slots // bs, slots % bs] = new[0]  # this step's keys are in the cache, as the KV write leaves them
+            v_cache[slots // bs, slots % bs] = new[1]
+            prefills.append(timed(q, meta, new))
+    return decode, prefills
 
 
 def cpu_measurable(kernels: KernelSet) -> bool:

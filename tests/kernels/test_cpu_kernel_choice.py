@@ -94,9 +94,14 @@ def test_no_timings_keep_the_native_kernel():
 
 
 def test_attention_chooses_decode_and_prefill_apart():
-    amx = choose_attention(KernelTiming(32, 0.40, 1.60), KernelTiming(256, 3.0, 1.0))
+    fresh, after_context = KernelTiming(256, 3.0, 1.0), KernelTiming(256, 4.0, 2.0)
+    amx = choose_attention(KernelTiming(32, 0.40, 1.60), [fresh, after_context])
     assert (amx.decode, amx.prefill) == (NATIVE, TORCH)
-    zen = choose_attention(KernelTiming(32, 0.40, 1.60), KernelTiming(256, 1.0, 0.95))
+    zen = choose_attention(KernelTiming(32, 0.40, 1.60), [KernelTiming(256, 1.0, 0.95), KernelTiming(256, 1.0, 2.0)])
     assert (zen.decode, zen.prefill) == (NATIVE, NATIVE)
-    unmeasured = choose_attention(None, None)  # the native kernel does not take the shape
+    # torch faster on a fresh prompt only: its masked path after cached context is slower, so native
+    masked_slow = choose_attention(None, [fresh, KernelTiming(256, 4.0, 5.0)])
+    assert (masked_slow.decode, masked_slow.prefill) == (NATIVE, NATIVE)
+    unmeasured = choose_attention(None, [])  # the native kernel does not take the shape
     assert (unmeasured.decode, unmeasured.prefill) == (NATIVE, NATIVE)
+    assert amx.describe()["prefill_timings"][1] == {"rows": 256, "native_ms": 4.0, "torch_ms": 2.0}

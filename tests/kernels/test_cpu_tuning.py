@@ -50,8 +50,9 @@ def test_every_shape_is_timed_at_its_rows_and_a_torch_win_is_timed_again():
     timer = ScriptedTimer(
         [
             native,  # attention decode, 8 sequences
-            torch_wins,  # attention prefill, 64 tokens: torch faster ...
+            torch_wins,  # attention prefill, 64 tokens of a fresh prompt: torch faster ...
             {"native": 0.9, "torch": 1.0},  # ... timed again: native's faster call was noise-free
+            native,  # the same chunk after 256 cached tokens
             native,  # qkv at 1 row
             native,  # qkv at 8 rows
             {**torch_wins, "unpacked": 1.05},  # qkv at 64 rows: torch faster ...
@@ -65,10 +66,16 @@ def test_every_shape_is_timed_at_its_rows_and_a_torch_win_is_timed_again():
     found = measure_cpu(shapes, attention, CpuRows(decode=8, prefill=64), timer=timer)
     assert not timer.script  # every scripted timing used: the duplicate shape timed once
     two, three = ["native", "torch"], ["native", "torch", "unpacked"]  # torch over the tiles unpacked: largest rows
-    assert timer.calls == [two] * 5 + [three] * 2 + [two, three]
-    assert found.attention == AttentionChoice(
-        NATIVE, NATIVE, KernelTiming(8, 1.0, 2.0), KernelTiming(64, 0.9, 1.0)
-    )  # the prefill's torch win not confirmed
+    assert timer.calls == [two] * 6 + [three] * 2 + [two, three]
+    # the fresh prefill's torch win not confirmed
+    want = AttentionChoice(
+        NATIVE, NATIVE, KernelTiming(8, 1.0, 2.0), (KernelTiming(64, 0.9, 1.0), KernelTiming(64, 1, 2))
+    )
+    assert found.attention == want
+    fresh, after_context = timer.outputs[1], timer.outputs[3]  # what each path computed: the same attention
+    for outputs in (fresh, after_context):
+        assert outputs["native"].shape == (64, 4, 16)
+        torch.testing.assert_close(outputs["native"].float(), outputs["torch"].float(), atol=2e-2, rtol=2e-2)
     qkv, head = found.linears
     assert (qkv.kind, qkv.small, qkv.large, qkv.torch_form) == ("qkv", NATIVE, TORCH, UNPACKED)
     assert [t.rows for t in qkv.timings] == [1, 8, 64] and qkv.timings[-1].unpacked_ms == 1.05

@@ -5,13 +5,13 @@ For every distinct linear kind and weight shape the model holds in the native ti
 model/gemm_shapes.py: cpu_linear_shapes) and for its attention, model-shaped random inputs are
 timed at a decode step's row counts (1 and a decode batch) and at a prefill chunk's: the native
 kernel (csrc/linear.cpp over its tiles; the paged decode and prefill kernels) against torch's
-(oneDNN over its packed weight, bitwise F.linear; the torch attention path), and at the prefill
-rows also torch's over the tiles unpacked per call (kernels/cpu_choices.py: the form a layer
-split by row count would run). Each candidate is timed `REPEATS` times, interleaved with the
-others so a shared machine's drift touches all alike, and its fastest call kept (`best_ms` says
-why); a row count where torch's kernel wins is timed again before that is believed.
-kernels/cpu_choices.py decides from the times. The whole measurement stops at `BUDGET_S` (a shape not reached keeps
-the native kernel, logged) and its seconds are recorded in the Tuning.
+(oneDNN over its packed weight, bitwise F.linear; the torch attention path). Each candidate is
+timed `REPEATS` times, interleaved with the others so a shared machine's drift touches all alike,
+and its fastest call kept (`best_ms` says why). A row count where torch's kernel wins is timed
+again before that is believed, at the prefill rows with torch over the tiles unpacked per call
+too (the form a layer split by row count may run: kernels/cpu_choices.py). kernels/cpu_choices.py
+decides from the times. The whole measurement stops at `BUDGET_S` (a shape not reached keeps the
+native kernel, logged) and its seconds are recorded in the Tuning.
 
 The elementwise kernels (norms, rotary, silu-mul, the KV write) and the sampler are not measured:
 they stream memory with no oneDNN/AMX counterpart that could win.
@@ -165,14 +165,18 @@ def best_ms(candidates: dict[str, Callable[[], Any]], repeats: int = REPEATS) ->
     return {name: t * 1e3 for name, t in best.items()}
 
 
-def _confirmed(timer: Timer, candidates: dict[str, Callable[[], Any]], rows: int) -> KernelTiming:
-    """The timing of `candidates` at `rows` rows; where torch's kernel wins (a change from the
-    static choice) they are timed again and each keeps its faster time, so that one run in which
-    the native kernel was slowed does not flip the choice."""
+def _confirmed(
+    timer: Timer, candidates: dict[str, Callable[[], Any]], rows: int, unpacked: Optional[Callable[[], Any]] = None
+) -> KernelTiming:
+    """The timing of `candidates` (native, torch) at `rows` rows. Where torch's kernel wins (a
+    change from the static choice) they are timed again, with `unpacked` (torch over the tiles
+    unpacked per call, the form a layer split by rows may run) where given, and each keeps its
+    faster time: one run in which the native kernel was slowed does not flip the choice, and the
+    unpacked form is timed only where torch's side can serve."""
     ms = timer(candidates)
     if KernelTiming(rows, ms["native"], ms["torch"]).winner() == TORCH:
-        again = timer(candidates)
-        ms = {name: min(t, again[name]) for name, t in ms.items()}
+        again = timer({**candidates, "unpacked": unpacked} if unpacked is not None else candidates)
+        ms = {name: min(t, ms.get(name, t)) for name, t in again.items()}
     return KernelTiming(rows, ms["native"], ms["torch"], ms.get("unpacked"))
 
 
@@ -191,23 +195,18 @@ def _time_linear(shape: LinearShape, rows: CpuRows, timer: Timer) -> list[Kernel
         packed = ck.mkldnn_pack(w, 32)  # as model/linear.py: pack_linear packs it
         torch_linear = lambda x: ck.mkldnn_linear(x, packed, bias)  # noqa: E731
     buffer = torch.empty(n, k, dtype=BF16)
-
-    def candidates(x: torch.Tensor, unpacked: bool) -> dict[str, Callable[[], Any]]:
-        out: dict[str, Callable[[], Any]] = {
-            "native": lambda: ck.native_linear(x, tiles, bias_f32, shape.silu_mul),
-            "torch": lambda: after(torch_linear(x)),
-        }
-        if unpacked:
-            out["unpacked"] = lambda: after(
-                F.linear(x, ck.unpack_native_weight_into(tiles, buffer, shape.silu_mul), bias)
-            )
-        return out
-
     counts = rows.of(shape)
     timings = []
     for m in counts:
         x = (torch.randn(m, k) * 0.5).to(BF16)  # (M, K)
-        timings.append(_confirmed(timer, candidates(x, m == counts[-1]), m))
+        candidates: dict[str, Callable[[], Any]] = {
+            "native": partial(ck.native_linear, x, tiles, bias_f32, shape.silu_mul),
+            "torch": partial(lambda x: after(torch_linear(x)), x),
+        }
+        unpacked = partial(
+            lambda x: after(F.linear(x, ck.unpack_native_weight_into(tiles, buffer, shape.silu_mul), bias)), x
+        )
+        timings.append(_confirmed(timer, candidates, m, unpacked if m == counts[-1] else None))
     return timings
 
 

@@ -55,18 +55,19 @@ def test_every_shape_is_timed_at_its_rows_and_a_torch_win_is_timed_again():
             native,  # the same chunk after 256 cached tokens
             native,  # qkv at 1 row
             native,  # qkv at 8 rows
-            {**torch_wins, "unpacked": 1.05},  # qkv at 64 rows: torch faster ...
-            {**torch_wins, "unpacked": 1.1},  # ... and again
-            {**tie, "unpacked": 2.0},  # lm_head at 1 row
-            {**native, "unpacked": 3.0},  # lm_head at 8 rows: a head's largest is its decode batch
+            torch_wins,  # qkv at 64 rows: torch faster ...
+            {"native": 2.0, "torch": 1.1, "unpacked": 1.05},  # ... and again, torch over unpacked tiles too
+            tie,  # lm_head at 1 row
+            native,  # lm_head at 8 rows: a head's largest is its decode batch
         ]
     )
     shapes = [LinearShape("qkv", 128, 64), LinearShape("lm_head", 512, 64, tied=True), LinearShape("qkv", 128, 64)]
     attention = AttentionShape(num_heads=4, num_kv_heads=2, head_dim=16, block_size=16, scale=0.25)
     found = measure_cpu(shapes, attention, CpuRows(decode=8, prefill=64), timer=timer)
     assert not timer.script  # every scripted timing used: the duplicate shape timed once
-    two, three = ["native", "torch"], ["native", "torch", "unpacked"]  # torch over the tiles unpacked: largest rows
-    assert timer.calls == [two] * 6 + [three] * 2 + [two, three]
+    # torch over the tiles unpacked: at the largest rows, where torch wins
+    two, three = ["native", "torch"], ["native", "torch", "unpacked"]
+    assert timer.calls == [two] * 7 + [three] + [two] * 2
     # the fresh prefill's torch win not confirmed
     want = AttentionChoice(
         NATIVE, NATIVE, KernelTiming(8, 1.0, 2.0), (KernelTiming(64, 0.9, 1.0), KernelTiming(64, 1, 2))
@@ -78,7 +79,8 @@ def test_every_shape_is_timed_at_its_rows_and_a_torch_win_is_timed_again():
         torch.testing.assert_close(outputs["native"].float(), outputs["torch"].float(), atol=2e-2, rtol=2e-2)
     qkv, head = found.linears
     assert (qkv.kind, qkv.small, qkv.large, qkv.torch_form) == ("qkv", NATIVE, TORCH, UNPACKED)
-    assert [t.rows for t in qkv.timings] == [1, 8, 64] and qkv.timings[-1].unpacked_ms == 1.05
+    assert [t.rows for t in qkv.timings] == [1, 8, 64]
+    assert qkv.timings[-1] == KernelTiming(64, 2.0, 1.0, 1.05)  # each candidate's faster time
     assert head.kind == "lm_head" and head.is_native and [t.rows for t in head.timings] == [1, 8]
     # the candidates computed what they stand for: the same product by all three, the head's too
     (qkv_out,) = [o for o, names in zip(timer.outputs, timer.calls) if len(names) == 3][:1]

@@ -134,7 +134,6 @@ def random_engine(
         path=config.model,
         fingerprint="random",
         quantization=summary,
-        num_native_linears=0,
         draft=None,
     )
     return Engine(config, start_engine(config, target))

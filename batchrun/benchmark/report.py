@@ -336,7 +336,9 @@ def _kernel_lines(engine: dict[str, Any]) -> list[str]:
     if not k:
         return []
     native = "on" if k["target"]["native_cpu_kernels"] else "off"
+    # a measured CPU set: the linear kinds torch's kernels serve at some row counts
+    torch_linears = "".join(f"; {c['kind']}: {c['kernels']}" for c in k["linears"]["float"].get("torch_kernels", []))
     return [
         f"kernels: {k['binder']} set for {k['target']['name']} (native CPU kernels {native}), "
-        f"attention {k['kernels']['paged_attention']}, tuning: {k['tuning']['source']}"
+        f"attention {k['kernels']['paged_attention']}, tuning: {k['tuning']['source']}{torch_linears}"
     ]

@@ -86,9 +86,10 @@ class EngineConfig:
     # step, which runs eagerly, so on a GPU admitting in batches leaves fewer such steps. 1: admit
     # at every end (the default; the CPU has no graphs to keep). docs/configuration.md.
     admission_min_slots: int = 1
-    # On a GPU, time at start-up (before the KV cache is sized) the fused projection GEMMs against
-    # cuBLAS and the Triton GEMMs' tiles, per row bucket and shape a run can reach, and keep the
-    # faster (kernels/tuning.py); false: the static tables' choices, nothing timed. The CPU never times.
+    # Time at start-up (before the KV cache is sized) the kernels that compete, per shape a run can
+    # reach, and keep the faster (kernels/tuning.py): on a GPU the fused projection GEMMs against
+    # cuBLAS and the Triton GEMMs' tiles; on a bf16 CPU the native kernels against torch's
+    # (kernels/cpu_tuning.py). false: the static choices, nothing timed.
     tune_kernels: bool = True
 
     def __post_init__(self) -> None:

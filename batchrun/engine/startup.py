@@ -2,7 +2,7 @@
 
     bind               EngineConfig -> KernelSet   the device target found, its kernel set bound (tables)
     load_target        KernelSet -> Target         weights in, linears quantized/packed, draft model
-    tune               Target -> KernelSet         fused-vs-unfused and tiles per shape (timed on a GPU)
+    tune               Target -> KernelSet         GPU: fused or not, tiles; CPU: native or torch per kind and rows
     plan_kv            Target -> KVPlan            KV blocks from the memory budget, max_model_len
     build_cache        KVPlan -> Cache             the KV manager and the runner (CPU or GPU) over its blocks
     pick_batch_limits  Cache -> BatchLimits        max_num_seqs / max_num_batched_tokens (profiled)
@@ -21,6 +21,7 @@ one phase that asks which device the engine runs on (kernels/target.py: find_tar
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -43,15 +44,16 @@ from batchrun.engine.scheduler import Scheduler, SchedulerConfig
 from batchrun.engine.settings import EngineSettings
 from batchrun.engine.warmup import warm_up as run_warm_up
 from batchrun.kernels.binding import bind_kernels, with_tuning
+from batchrun.kernels.cpu_tuning import CpuRows, cpu_measurable, measure_cpu
 from batchrun.kernels.kernel_set import KernelSet
 from batchrun.kernels.target import GpuTarget, find_target
 from batchrun.kernels.tuning import measured_tuning, table_tuning
 from batchrun.kernels.tuning_cases import tuning_cases
 from batchrun.model.decoder import DecoderLM, build_decoder
-from batchrun.model.gemm_shapes import gemm_shapes
-from batchrun.model.linear import NativeLinear
+from batchrun.model.gemm_shapes import attention_shape, cpu_linear_shapes, gemm_shapes
+from batchrun.model.linear import count_native_linears
 from batchrun.model.loader import load_model
-from batchrun.model.prepare import module_weight_bytes
+from batchrun.model.prepare import apply_linear_choices, module_weight_bytes
 from batchrun.model.quant import QuantizationSummary
 
 log = logging.getLogger(__name__)
@@ -69,7 +71,6 @@ class Target:
     path: str  # where the weights were read from
     fingerprint: str  # the weight files' sha256 (the job's model fingerprint)
     quantization: QuantizationSummary  # what prepare_linears did: formats per kind, packed count
-    num_native_linears: int  # linears csrc/linear.cpp runs (bf16 CPU packing), the others oneDNN
     draft: Optional[tuple[DecoderLM, str]]  # speculative.method=draft: the draft model and its path
 
     def eos_token_ids(self) -> set[int]:
@@ -158,7 +159,6 @@ def load_target(config: EngineConfig, kernels: Optional[KernelSet] = None) -> Ta
     tokenizer, hf_config, path, fingerprint = loaded.tokenizer, loaded.config, loaded.path, loaded.fingerprint
     model = build_decoder(hf_config, loaded.state_dict, dtype, device, kernels)
     quantization = prepare_linears_for_engine(model, config, tokenizer, loaded.quantized_weights, kernels)
-    num_native = sum(isinstance(m, NativeLinear) for m in model.modules())
     del loaded  # the loaded tensors go before the draft model comes and before free memory is measured
     spec = config.speculative
     draft = load_draft_model(spec, tokenizer, kernels, config.cache_dir) if spec.method == "draft" else None
@@ -171,16 +171,18 @@ def load_target(config: EngineConfig, kernels: Optional[KernelSet] = None) -> Ta
         path=path,
         fingerprint=fingerprint,
         quantization=quantization,
-        num_native_linears=num_native,
         draft=draft,
     )
 
 
 def tune(config: EngineConfig, target: Target) -> KernelSet:
-    """Start-up tuning (kernels/tuning.py): for every GEMM shape the models run through a Triton
-    kernel (model/gemm_shapes.py) and every row bucket up to the token budget (the profile's largest
-    where it is profiled), fused or not and the tile; timed on a real GPU with engine.tune_kernels,
-    the static tables' elsewhere. Every model gets the kernel set bound with the result."""
+    """Start-up tuning (kernels/tuning.py), with engine.tune_kernels: on a real GPU, for every GEMM
+    shape the models run through a Triton kernel (model/gemm_shapes.py) and every row bucket up to
+    the token budget (the profile's largest where it is profiled), fused or not and the tile; on a
+    bf16 CPU with the native kernels, native or torch's kernel per linear kind and row count and
+    for decode and prefill attention (kernels/cpu_tuning.py; not under engine.batch_invariant,
+    whose rows rely on the native kernels' per-row sums). Elsewhere the static tables'. Every
+    model gets the kernel set bound with the result, and its linears the layout it chose."""
     kernels = target.model.kernels
     models = [target.model] + ([target.draft[0]] if target.draft is not None else [])
     max_rows = config.max_num_batched_tokens or max(profiler.PREFILL_SIZES)
@@ -189,8 +191,16 @@ def tune(config: EngineConfig, target: Target) -> KernelSet:
         tuning = measured_tuning(kernels.target, cases)
     else:
         tuning = table_tuning(kernels.target.gpu, cases)
+    if config.tune_kernels and cpu_measurable(kernels) and not config.batch_invariant:
+        rows = CpuRows.for_limits(config.max_num_seqs, config.max_num_batched_tokens)
+        linears = [s for m in models for s in cpu_linear_shapes(m)]
+        found = measure_cpu(linears, attention_shape(target.model, config.block_size), rows)
+        tuning = dataclasses.replace(
+            tuning, source="measured", cpu_linears=found.linears, cpu_attention=found.attention, seconds=found.seconds
+        )
     for model in models:
         model.use_kernels(with_tuning(model.kernels, tuning))
+        apply_linear_choices(model, model.kernels)
     return target.model.kernels
 
 
@@ -309,7 +319,7 @@ def describe(
         batch_limits_profile=limits.profile,
         native_cpu_kernels=kernels.target.native_cpu_kernels,
         packed_linears=target.quantization.num_packed,
-        native_linears=target.num_native_linears,
+        native_linears=count_native_linears(target.model),
         quantization=config.quantization,
         quant_group_size=config.quant_group_size,
         w8a8_outlier_channels=config.w8a8_outlier_channels if config.quantization == "w8a8" else None,

@@ -3,6 +3,11 @@ paths): the native csrc kernels where they are built and on and the dtype is the
 attention, KV-write and W8A8/W4A8 quantization kernels take float32 too), the plain-torch
 references elsewhere. float32 keeps torch's ops for everything the native kernels would change by
 a rounding: that path is the one held token-identical to HF transformers.
+
+Where start-up tuning measured torch's kernels against the native ones (bf16, engine.tune_kernels:
+kernels/cpu_tuning.py), the set binds the winners: decode and prefill attention apart, and per
+linear kind the kernels by row count (`FloatLinears.choices`, which model/prepare.py lays the
+layers out for). Without a measurement, the native kernels wherever they serve.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import torch
 
 from batchrun.kernels import attention, attention_torch, cpu_attention, fused_projections
 from batchrun.kernels import elementwise as ew
+from batchrun.kernels.cpu_choices import NATIVE, LinearChoice
 from batchrun.kernels.kernel_set import BindOptions, FloatLinears, KernelSet, LinearKernel
 from batchrun.kernels.moe import grouped_gemm_reference
 from batchrun.kernels.quant import linears, w4a8, w8a8, weight_only
@@ -33,8 +39,8 @@ def _one_split(num_decodes: int, num_kv_heads: int, max_context: int) -> int:
 
 
 def bind_cpu(target: DeviceTarget, dtype: torch.dtype, tuning: Tuning, options: BindOptions) -> KernelSet:
-    """The CPU kernel set for `target` and the model dtype (module doc). `tuning` is recorded only:
-    no CPU kernel reads a tuned choice."""
+    """The CPU kernel set for `target` and the model dtype (module doc), with `tuning`'s measured
+    CPU choices where the native kernels serve."""
     on_cpu = target.gpu is None  # a GPU without Triton: CUDA tensors, torch paths only
     native = target.native_cpu_kernels and on_cpu
     native_bf16 = native and dtype == torch.bfloat16
@@ -67,6 +73,17 @@ def bind_cpu(target: DeviceTarget, dtype: torch.dtype, tuning: Tuning, options: 
             pack=w4a8.pack_w4a8_weight,
             fused_silu=w4a8.w4a8_silu_quant_native,
         )
+    paged_attention = partial(cpu_attention.paged_attention_cpu, native=native)
+    linear_choices: tuple[LinearChoice, ...] = ()
+    if native_bf16:
+        measured = tuning.cpu_attention
+        if measured is not None and (measured.decode, measured.prefill) != (NATIVE, NATIVE):
+            paged_attention = partial(
+                cpu_attention.paged_attention_cpu,
+                native=measured.decode == NATIVE,
+                native_prefill=measured.prefill == NATIVE,
+            )
+        linear_choices = tuple(c for c in tuning.cpu_linears if not c.is_native)
     gpu = target.gpu
     fp8 = weight_only.fp8_scaled_matmul if gpu is not None and gpu.has_fp8 else weight_only.fp8_weight_matmul
     packing = "none"
@@ -84,7 +101,7 @@ def bind_cpu(target: DeviceTarget, dtype: torch.dtype, tuning: Tuning, options: 
         act_mul=act_mul,
         write_kv_cache=write_kv_cache,
         qkv_norm_rope_write=qkv_norm_rope_write,
-        paged_attention=partial(cpu_attention.paged_attention_cpu, native=native),
+        paged_attention=paged_attention,
         rope_reads_tables=False,
         decode_num_splits=_one_split,
         qkv_project=partial(fused_projections.qkv_project_separate, qkv_norm_rope_write=qkv_norm_rope_write),
@@ -96,7 +113,7 @@ def bind_cpu(target: DeviceTarget, dtype: torch.dtype, tuning: Tuning, options: 
         gather_in_place=gather_in_place_reference,
         moe_grouped_gemm=grouped_gemm_reference,
         invariant_matmul=None,
-        linear_float=FloatLinears(packing),
+        linear_float=FloatLinears(packing, linear_choices),
         linear_int8=LinearKernel(linears.int8_linear_cpu if cpu_bf16 else linears.int8_linear_reference),
         linear_int4=int4,
         linear_w8a8=w8a8_kernel,

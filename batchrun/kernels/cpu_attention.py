@@ -271,18 +271,21 @@ def paged_attention_cpu(
     v_new: Optional[torch.Tensor] = None,
     *,
     native: bool,
+    native_prefill: Optional[bool] = None,
 ) -> torch.Tensor:
     """kernels/attention.py's paged_attention on the CPU (the cache may be a QuantizedKVCache): with
     `native` (the kernels built and on: bound once by the kernel set) decodes and prefills run the
     native kernels where they take the cache's dtype and shape (`supports`, `supports_prefill`), the
-    rest the torch path; without, all of it the torch path.
+    rest the torch path; without, all of it the torch path. `native_prefill`: the prefills' choice
+    where start-up tuning measured it apart from the decodes' (None: `native`).
 
     meta.batch_invariant (every sequence then counts as a prefill): the prefill kernel on its fixed
     key grid, whose per-row result depends only on the row's query and keys, or where it does not
     serve, the torch path's float64 `attend_rows_invariant`."""
+    prefill_native = native if native_prefill is None else native_prefill
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (num_tokens, num_heads, head_dim)
     if meta.batch_invariant:
-        if native and supports_prefill(q, k_cache):
+        if prefill_native and supports_prefill(q, k_cache):
             args = meta.prefill_native_inputs()
             paged_prefill_attention(q.contiguous(), k_cache, v_cache, *args, out, scale, sliding_window, softcap, True)
         else:
@@ -292,7 +295,7 @@ def paged_attention_cpu(
         # A prefix served from the cache is read quantized; a fresh prompt must see its own keys the
         # same way (not this step's float K/V), or prefix caching would change its outputs.
         k_new = v_new = None
-    if native and meta.prefill_seq_ids and supports_prefill(q, k_cache):
+    if prefill_native and meta.prefill_seq_ids and supports_prefill(q, k_cache):
         paged_prefill_attention(
             q.contiguous(), k_cache, v_cache, *meta.prefill_native_inputs(), out, scale, sliding_window, softcap
         )

@@ -77,6 +77,22 @@ def unpack_native_weight(packed: torch.Tensor) -> torch.Tensor:
     return unpack_tiles(packed, 2)
 
 
+def unpack_native_weight_into(packed: torch.Tensor, out: torch.Tensor, silu_pairs: bool = False) -> torch.Tensor:
+    """pack_native_weight's tiles (N, K) unpacked into `out` (N, K), the plain weight, and returned.
+    `silu_pairs`: the tiles hold a gate/up weight in silu_pair_order, and `out` gets HF's order
+    (gate rows, then up rows). One pass that moves each k pair as one 32-bit word (the tiles'
+    unit), several times faster than permuting bf16 elements."""
+    n, k = packed.shape
+    assert out.shape == packed.shape and out.dtype == packed.dtype == torch.bfloat16 and out.is_contiguous()
+    words = packed.view(torch.int32).view(n // TILE_N, k // 2, TILE_N)  # [tile][k pair][column]
+    if silu_pairs:  # tile 2j holds gate rows 32j.., tile 2j + 1 the same up rows
+        src = words.view(n // (2 * TILE_N), 2, k // 2, TILE_N).permute(1, 0, 3, 2)  # [gate|up][j][column][k pair]
+        out.view(torch.int32).view(2, n // (2 * TILE_N), TILE_N, k // 2).copy_(src)
+    else:
+        out.view(torch.int32).view(n // TILE_N, TILE_N, k // 2).copy_(words.transpose(1, 2))
+    return out
+
+
 def tiled_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` (flat int64) of a pack_native_weight matrix (N, K): (num_ids, K), the same values."""
     n, k = packed.shape

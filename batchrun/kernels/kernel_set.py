@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import torch
 
+from batchrun.kernels.cpu_choices import LinearChoice
 from batchrun.kernels.target import DeviceTarget
 from batchrun.kernels.tuning import Tuning
 
@@ -74,14 +75,40 @@ class LinearKernel:
 @dataclass(frozen=True)
 class FloatLinears:
     """How the float (unquantized) projections are held and run: plain nn.Linear (F.linear: cuBLAS,
-    oneDNN), or on a bf16 CPU packed once at load (model/linear.py: pack_linear)."""
+    oneDNN), or on a bf16 CPU packed once at load (model/linear.py: pack_linear). With "native"
+    packing, start-up tuning may have measured torch's kernel faster for some kinds and row counts
+    (`choices`): those layers are held for it, or for both kernels split by row count
+    (model/prepare.py: apply_linear_choices)."""
 
     packing: (
         str  # "none" | "onednn" (PackedLinear) | "native" (NativeLinear where the kernel takes the shape, else oneDNN)
     )
+    choices: tuple[LinearChoice, ...] = ()  # the measured ones that are not native throughout
+
+    def choice(self, kind: str, n: int, k: int) -> Optional[LinearChoice]:
+        """What serves a native-packed layer of `kind` over an (n, k) weight; None: the native kernel."""
+        return next((c for c in self.choices if (c.kind, c.n, c.k) == (kind, n, k)), None)
 
     def describe(self) -> dict[str, Any]:
-        return {"packing": self.packing}
+        out: dict[str, Any] = {"packing": self.packing}
+        if self.choices:
+            out["torch_kernels"] = [_layout(c) for c in self.choices]
+        return out
+
+
+_TORCH_FORMS = {"unpacked": "over the tiles unpacked per call", "packed": "over oneDNN's copy beside the tiles"}
+
+
+def _layout(c: LinearChoice) -> dict[str, Any]:
+    """One kind's kernels by row count, e.g. {"kind": "down", "weight": [576, 1536], "kernels":
+    "native below 97 rows, torch from 97 (over the tiles unpacked per call)"}."""
+    if c.split_rows is None:
+        kernels = c.small
+    else:
+        kernels = f"{c.small} below {c.split_rows} rows, {c.large} from {c.split_rows}"
+        if c.torch_form is not None:
+            kernels += f" (torch {_TORCH_FORMS[c.torch_form]})"
+    return {"kind": c.kind, "weight": [c.n, c.k], "kernels": kernels}
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """What start-up tuning decided, as one frozen value the kernel set reads (`Tuning`), and how it is
-made: timed on a real GPU, from the static tables everywhere else.
+made: timed on a real GPU (here) or a bf16 CPU (kernels/cpu_tuning.py), from the static tables
+everywhere else.
 
-Two kinds of choice, each per shape a run can reach (the engine lists them from the model at
+On a GPU two kinds of choice, each per shape a run can reach (the engine lists them from the model at
 start-up, before the KV cache is sized: engine/startup.py, model/gemm_shapes.py):
 
 - fused or not (`FusedChoice`): a bf16/fp16 model's qkv, gate/up and LM-head projections can run
@@ -11,9 +12,14 @@ start-up, before the KV cache is sized: engine/startup.py, model/gemm_shapes.py)
   of a few tile shapes around the table's (kernels/gemm_tiles.py: candidates), all with the
   table's split count, so a run's sums never depend on which tile won.
 
-On the CPU, in Triton's interpreter and for a simulated GPU nothing is timed: the choices are the
-tables' (fused wherever the fused kernel serves, the table's tiles) and `source` says "table".
-A shape the tuning never saw gets the same: nothing is timed after start-up.
+On a bf16 CPU with the native kernels a third kind of choice is made: native kernel or torch's
+(oneDNN) per linear kind and row count, and for decode and prefill attention (`LinearChoice`,
+`AttentionChoice`; timed by kernels/cpu_tuning.py, decided by kernels/cpu_choices.py).
+
+In Triton's interpreter and for a simulated GPU nothing is timed: the choices are the tables'
+(fused wherever the fused kernel serves, the table's tiles, the native CPU kernels wherever they
+serve) and `source` says "table"; so does every target with engine.tune_kernels=false. A shape the
+tuning never saw gets the same: nothing is timed after start-up.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any, Optional
 
 import torch
 
+from batchrun.kernels.cpu_choices import AttentionChoice, LinearChoice
 from batchrun.kernels.gemm_tiles import GemmConfig, candidates, default_config, fastest, m_bucket, row_bucket
 from batchrun.kernels.target import DeviceTarget, GpuTarget
 
@@ -72,17 +79,28 @@ class TileChoice:
 class Tuning:
     """Start-up's choices; a lookup of a shape it holds no choice for gets the table's."""
 
-    source: str = "table"  # "table" (nothing timed) or "measured" (timed on this GPU at start-up)
+    source: str = "table"  # "table" (nothing timed) or "measured" (timed on this GPU or CPU at start-up)
     fused: tuple[FusedChoice, ...] = ()
     tiles: tuple[TileChoice, ...] = ()
+    # the CPU's: per bf16 linear kind and weight shape, and for attention (none: native wherever it serves)
+    cpu_linears: tuple[LinearChoice, ...] = ()
+    cpu_attention: Optional[AttentionChoice] = None
+    seconds: Optional[float] = None  # how long the CPU measurement took
     _fused_by_key: dict[tuple, bool] = field(init=False, repr=False, compare=False)
     _tiles_by_key: dict[tuple, GemmConfig] = field(init=False, repr=False, compare=False)
+    _linears_by_key: dict[tuple, LinearChoice] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         fused = {(c.kind, c.rows, c.n, c.k, c.dtype): c.fused for c in self.fused}
         tiles = {(c.kernel, c.rows, c.n, c.k, c.group, c.dtype): c.config for c in self.tiles}
         object.__setattr__(self, "_fused_by_key", fused)
         object.__setattr__(self, "_tiles_by_key", tiles)
+        object.__setattr__(self, "_linears_by_key", {(c.kind, c.n, c.k): c for c in self.cpu_linears})
+
+    def cpu_linear(self, kind: str, n: int, k: int) -> Optional[LinearChoice]:
+        """The measured choice for a bf16 CPU linear of `kind` over an (n, k) weight; None: the
+        static one (the native kernel wherever it serves)."""
+        return self._linears_by_key.get((kind, n, k))
 
     def is_fused(self, kind: str, m: int, n: int, k: int, dtype: torch.dtype) -> bool:
         """Whether a call of `kind` at m rows over an (n, k) weight takes the fused GEMM (the table's
@@ -106,6 +124,13 @@ class Tuning:
         def ms(v: Optional[float]) -> Optional[float]:
             return None if v is None else round(v, 4)
 
+        cpu: dict[str, Any] = {}
+        if self.cpu_linears or self.cpu_attention is not None:
+            cpu = {
+                "cpu_seconds": None if self.seconds is None else round(self.seconds, 3),
+                "cpu_linears": [c.describe() for c in self.cpu_linears],
+                "cpu_attention": None if self.cpu_attention is None else self.cpu_attention.describe(),
+            }
         return {
             "source": self.source,
             "fused": [
@@ -132,6 +157,7 @@ class Tuning:
                 }
                 for c in self.tiles
             ],
+            **cpu,
         }
 
 

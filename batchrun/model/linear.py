@@ -167,6 +167,69 @@ class NativeSiluMulLinear(NativeLinear):
         return super().extra_repr() + ", fused=silu_mul"
 
 
+class RowSplitLinear(PackedWeightLinear):
+    """A float linear held for two kernels, each serving the row counts start-up tuning measured it
+    faster at (kernels/cpu_choices.py): `small` below `split_rows` rows (decode steps), `large` from
+    there (prefill chunks). `small` is the NativeLinear (or NativeSiluMulLinear) over the tiles;
+    `large` runs torch's kernel over oneDNN's packed copy (PackedLinear, the weight held twice) or
+    over the tiles unpacked per call (UnpackedTilesLinear, no second copy). Both give the same
+    result up to the kernels' float32 sum order: silu(gate) * up already applied where `small` does."""
+
+    def __init__(self, small: NativeLinear, large: nn.Module, split_rows: int) -> None:
+        super().__init__(small.in_features, small.out_features)
+        self.small = small
+        self.large = large
+        self.split_rows = split_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return self.large(x) if rows >= self.split_rows else self.small(x)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", split_rows={self.split_rows}"
+
+
+class SiluMulAfter(nn.Module):
+    """silu(gate) * up after a gate/up projection that does not apply it itself (the torch side of
+    a split NativeSiluMulLinear): the native elementwise pass, as the unfused pair runs it."""
+
+    def __init__(self, linear: nn.Module) -> None:
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return act_mul_native(self.linear(x), "silu")
+
+
+class UnpackedTilesLinear(nn.Module):
+    """torch's kernel (F.linear: oneDNN, AMX where the CPU has it) over a NativeLinear's weight,
+    unpacked from its tiles into `buffer` on every call: the large-row side of a RowSplitLinear
+    without a second copy of the weight. `buffer` (flat bf16, at least the weight's size) is one
+    tensor shared by every such layer of a model; the tiles' layer is referenced, not registered
+    (the RowSplitLinear holds it). A NativeSiluMulLinear's tiles unpack into HF's gate/up order and
+    silu(gate) * up follows (the native elementwise pass)."""
+
+    buffer: torch.Tensor
+
+    def __init__(self, tiles: NativeLinear, buffer: torch.Tensor) -> None:
+        super().__init__()
+        self._tiles: NativeLinear
+        object.__setattr__(self, "_tiles", tiles)
+        self.register_buffer("buffer", buffer, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = self._tiles
+        n, k = t.packed_weight.shape
+        weight = ck.unpack_native_weight_into(t.packed_weight, self.buffer[: n * k].view(n, k), t.silu_mul)
+        y = F.linear(x, weight, t.plain_bias())
+        return act_mul_native(y, "silu") if t.silu_mul else y
+
+
+def count_native_linears(model: nn.Module) -> int:
+    """Linears csrc/linear.cpp runs, at least at some row counts (a RowSplitLinear's small side)."""
+    return sum(isinstance(m, NativeLinear) for m in model.modules())
+
+
 class NativeEmbedding(nn.Module):
     """A token embedding tied to a NativeLinear LM head: rows are read out of the head's tiled
     weight, so the vocabulary matrix is held once (the values are the same bf16 numbers). The head

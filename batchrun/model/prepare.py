@@ -20,11 +20,24 @@ from typing import Optional, TypeGuard, Union
 import torch
 from torch import nn
 
+from batchrun.kernels import cpu_linear as ck
 from batchrun.kernels.binding import default_kernels
+from batchrun.kernels.cpu_choices import UNPACKED
 from batchrun.kernels.kernel_set import KernelSet
 from batchrun.kernels.quant import w4a8 as w4
 from batchrun.model.decoder import MLP
-from batchrun.model.linear import NativeEmbedding, NativeLinear, pack_linear, pack_silu_mul
+from batchrun.model.gemm_shapes import linear_kind
+from batchrun.model.linear import (
+    NativeEmbedding,
+    NativeLinear,
+    NativeSiluMulLinear,
+    PackedLinear,
+    RowSplitLinear,
+    SiluMulAfter,
+    UnpackedTilesLinear,
+    pack_linear,
+    pack_silu_mul,
+)
 from batchrun.model.quant.layers import W4A8Linear, W4A8SiluMulLinear
 from batchrun.model.quant.smoothquant import PROJECTION_NAMES
 from batchrun.model.quant.surgery import QUANT_MODES, ProjectionQuantizer, QuantizationSummary
@@ -127,7 +140,63 @@ def prepare_linears(
             f"; {len(summary.notes)} notes" if summary.notes else "",
         )
     log.debug("packed %d float linears", summary.num_packed)
+    if kernels is not None:
+        apply_linear_choices(model, kernels, batch_hint)
     return summary
+
+
+def apply_linear_choices(model: nn.Module, kernels: KernelSet, batch_hint: int = 32) -> None:
+    """Lay out the linears held in the native tiles for the kernels start-up tuning chose
+    (KernelSet.linear_float.choices; kernels/cpu_choices.py), in place; a layer of a kind the native
+    kernel won at every row count keeps its tiles. Torch's kernel throughout: oneDNN's packed weight
+    (PackedLinear; a silu gate/up projection unfused again, its MLP applying the activation; a tied
+    LM head the plain weight the embedding shares again). Both, by row count: a RowSplitLinear over
+    the tiles and torch's side, oneDNN's copy ("packed") or the tiles unpacked per call into one
+    buffer the model's layers share, as large as the largest of them ("unpacked")."""
+    float_linears = kernels.linear_float
+    if not float_linears.choices:
+        return
+    todo = []
+    for _, parent in model.named_modules():
+        for name, child in parent.named_children():
+            if type(child) in (NativeLinear, NativeSiluMulLinear) and not isinstance(parent, RowSplitLinear):
+                assert isinstance(child, NativeLinear)
+                n, k = child.packed_weight.shape
+                choice = float_linears.choice(linear_kind(name, child), n, k)
+                if choice is not None and not choice.is_native:
+                    todo.append((parent, name, child, choice))
+    unpacked = [c.packed_weight.numel() for _, _, c, choice in todo if choice.torch_form == UNPACKED]
+    buffer = torch.empty(max(unpacked), dtype=torch.bfloat16) if unpacked else None
+    for parent, name, child, choice in todo:
+        embedding = getattr(model, "embed_tokens", None)
+        tied = child is getattr(model, "lm_head", None) and isinstance(embedding, NativeEmbedding)
+        if choice.split_rows is None:  # torch's kernel at every row count
+            bias = child.plain_bias()
+            plain = nn.Linear(child.in_features, child.out_features, bias=bias is not None)
+            plain.weight = nn.Parameter(child.weight(), requires_grad=False)
+            if bias is not None:
+                plain.bias = nn.Parameter(bias.clone(), requires_grad=False)
+            if tied:
+                embed = nn.Embedding(plain.out_features, plain.in_features)
+                embed.weight = plain.weight
+                model.embed_tokens = embed
+                setattr(parent, name, plain)
+                continue
+            packed = pack_linear(plain, batch_hint, native=False)
+            setattr(parent, name, packed if packed is not None else plain)
+            if child.silu_mul and isinstance(parent, MLP):
+                parent.fused_act = False  # the MLP applies silu(gate) * up after it again
+            continue
+        large: nn.Module
+        if choice.torch_form == UNPACKED:
+            assert buffer is not None
+            large = UnpackedTilesLinear(child, buffer)
+        else:
+            weight = ck.mkldnn_pack(child.weight(), batch_hint)
+            packed = PackedLinear(weight, child.plain_bias(), child.in_features, child.out_features)
+            large = SiluMulAfter(packed) if child.silu_mul else packed
+        setattr(parent, name, RowSplitLinear(child, large, choice.split_rows))
+    log.info("%d linears laid out for the kernels start-up tuning chose", len(todo))
 
 
 def _fuse_mlp(

@@ -188,7 +188,7 @@ def _engine_settings(tiny_llama_dir: str, simulate=None, **config):
 
 
 def test_the_engine_records_its_kernel_set_in_its_settings(tiny_llama_dir):
-    engine, kernels = _engine_settings(tiny_llama_dir)
+    engine, kernels = _engine_settings(tiny_llama_dir, tune_kernels=False)  # measured: tests/engine/
     assert kernels == engine.model.kernels.describe()
     assert json.loads(json.dumps(kernels)) == kernels  # JSON as it is, for the manifest
     assert kernels["binder"] == "cpu" and kernels["tuning"] == {"source": "table", "fused": [], "tiles": []}

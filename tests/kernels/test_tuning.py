@@ -118,7 +118,12 @@ def test_the_engine_tunes_before_it_sizes_the_kv_cache_and_records_the_tables_on
         monkeypatch.setattr(startup, phase, lambda *a, _real=real, _name=phase: order.append(_name) or _real(*a))
     monkeypatch.setattr(tuning, "measured_tuning", lambda *a: pytest.fail("nothing is timed off a GPU"))
     config = tiny_config(
-        tiny_llama_dir, dtype="bfloat16", max_num_seqs=4, max_num_batched_tokens=64, kv_cache_memory=4 << 20
+        tiny_llama_dir,
+        dtype="bfloat16",
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        kv_cache_memory=4 << 20,
+        tune_kernels=False,  # the CPU's own measurement: tests/engine/test_cpu_tuned_engine.py
     )
     parts = startup.start_engine(config)
     assert order == ["tune", "plan_kv"]

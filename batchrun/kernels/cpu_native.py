@@ -173,4 +173,11 @@ def available() -> bool:
     return library() is not None
 
 
+def on_host(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether the kernels can read these tensors' memory (None skipped): they read host memory
+    only. A layer checks its buffers when it is built or refreshed (a later `.to()` may move them),
+    never per call."""
+    return all(t is None or t.device.type == "cpu" for t in tensors)
+
+
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}

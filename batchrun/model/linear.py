@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from batchrun.kernels import cpu_linear as ck
+from batchrun.kernels.cpu_native import on_host
 from batchrun.kernels.elementwise import act_mul_native, act_mul_reference
 
 log = logging.getLogger(__name__)
@@ -102,12 +103,7 @@ class NativeLinear(PackedWeightLinear):
         w, b = self.packed_weight, self.bias
         # The kernel adds the bias in float32 before its one rounding, as F.linear does.
         self._bias_f32 = None if b is None else b.detach().float().contiguous()
-        self._kernel_ok = (
-            w.dtype == torch.bfloat16
-            and w.device.type == "cpu"
-            and w.is_contiguous()
-            and (b is None or b.device.type == "cpu")
-        )
+        self._kernel_ok = w.dtype == torch.bfloat16 and on_host(w, b) and w.is_contiguous()
 
     def weight(self) -> torch.Tensor:
         """The plain (out_features, in_features) weight (a copy)."""
@@ -272,7 +268,7 @@ def pack_silu_mul(linear: nn.Linear) -> Optional[NativeSiluMulLinear]:
     if not (
         type(linear) is nn.Linear
         and w.dtype == torch.bfloat16
-        and w.device.type == "cpu"
+        and on_host(w)
         and linear.out_features == 2 * n
         and n % ck.TILE_N == 0
         and ck.native_supported(2 * n, linear.in_features)
@@ -299,7 +295,7 @@ def pack_linear(linear: nn.Linear, batch_hint: int = 32, native: bool = True) ->
     oneDNN's, within bf16 rounding for the native kernel). `batch_hint`: the row count oneDNN
     picks its layout for."""
     w = linear.weight
-    if not (type(linear) is nn.Linear and w.dtype == torch.bfloat16 and w.device.type == "cpu"):
+    if not (type(linear) is nn.Linear and w.dtype == torch.bfloat16 and on_host(w)):
         return None
     bias = None if linear.bias is None else linear.bias.detach()
     probe = _probe(linear)

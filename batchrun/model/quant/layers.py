@@ -21,6 +21,7 @@ from batchrun.kernels import elementwise as ew
 from batchrun.kernels import quant as qk
 from batchrun.kernels.binding import default_kernels
 from batchrun.kernels.cpu_linear import pack_native_weight, silu_pair_order, unpack_native_weight
+from batchrun.kernels.cpu_native import on_host
 from batchrun.kernels.kernel_set import KernelSet, LinearKernel
 from batchrun.kernels.quant import w4a8 as w4
 from batchrun.kernels.quant.act import INT_MM_MIN_ROWS, ActQuant, QuantizedRows
@@ -173,9 +174,8 @@ class W8A8Linear(QuantLinear):
             out = self.packed_outlier_weight
             self._kernel_ok = (
                 self.packed_qweight.dtype == torch.uint8
-                and self.packed_qweight.device.type == "cpu"
-                and self.scales.device.type == "cpu"
-                and (out is None or (out.dtype == torch.bfloat16 and out.device.type == "cpu"))
+                and on_host(self.packed_qweight, self.scales, out)
+                and (out is None or out.dtype == torch.bfloat16)
             )
 
     def input_quant(self, x: torch.Tensor) -> Optional[ActQuant]:
@@ -315,7 +315,7 @@ class W4A8Linear(QuantLinear):
             self._bias_f32 = None if self.bias is None else self.bias.detach().float().contiguous()
             self._kernel_ok = (
                 all(
-                    t.device.type == "cpu" and t.is_contiguous()
+                    on_host(t) and t.is_contiguous()
                     for t in (self.packed_qweight, self.packed_scales, self.packed_mins)
                 )
                 and self.packed_qweight.dtype == torch.uint8

@@ -17,6 +17,7 @@ import torch
 from batchrun.kernels import cpu_native
 from batchrun.kernels import elementwise as ew
 from tests.support.engines import make_tiny_engine
+from tests.support.models import tied_decoder
 
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="no C++ compiler: the native kernels are not built")
 
@@ -296,20 +297,8 @@ def test_a_tied_lm_head_is_not_packed_for_onednn(monkeypatch):
     from batchrun.kernels import cpu_linear
 
     monkeypatch.setattr(cpu_linear, "native_supported", lambda *shape: False)
-    from transformers import LlamaConfig
-
-    from batchrun.model.decoder import DecoderLM
     from batchrun.model.prepare import prepare_linears
 
-    config = LlamaConfig(
-        vocab_size=300,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    model = DecoderLM(config).to(BF16)
+    model = tied_decoder(vocab_size=300)
     assert prepare_linears(model, "none", "cpu", BF16).num_packed == 4 * 2
     assert model.lm_head.weight is model.embed_tokens.weight

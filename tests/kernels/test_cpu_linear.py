@@ -17,6 +17,7 @@ from batchrun.kernels.cpu_linear import NATIVE_MAX_IN_FEATURES, pack_native_weig
 from batchrun.model.linear import NativeEmbedding, NativeLinear, NativeSiluMulLinear, pack_linear, pack_silu_mul
 from batchrun.model.prepare import prepare_linears
 from tests.support.engines import make_tiny_engine
+from tests.support.models import tied_decoder
 
 BF16 = torch.bfloat16
 
@@ -141,22 +142,9 @@ def test_pack_linear_chooses_by_shape():
 
 
 def test_a_tied_lm_head_is_packed_once_and_the_embedding_reads_it():
-    from transformers import LlamaConfig
-
-    from batchrun.model.decoder import DecoderLM
     from batchrun.model.prepare import module_weight_bytes
 
-    config = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = DecoderLM(config).to(BF16)
+    model = tied_decoder()
     table = model.embed_tokens.weight.detach().clone()
     bytes_before = module_weight_bytes(model)
     assert prepare_linears(model, "none", "cpu", BF16).num_packed == 4 * 2 + 1
@@ -515,20 +503,14 @@ def test_load_state_dict_refreshes_the_native_w8a8_scales():
 
 
 def test_the_tied_embedding_refuses_negative_ids_and_packing_twice_is_harmless():
-    from transformers import LlamaConfig
-
-    from batchrun.model.decoder import DecoderLM
-
-    config = LlamaConfig(
+    model = tied_decoder(
         vocab_size=64,
         hidden_size=32,
         intermediate_size=64,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
-        tie_word_embeddings=True,
     )
-    model = DecoderLM(config).to(BF16)
     assert prepare_linears(model, "none", "cpu", BF16).num_packed == 4 + 1
     assert prepare_linears(model, "none", "cpu", BF16).num_packed == 0  # nothing left to pack
     with pytest.raises(IndexError):

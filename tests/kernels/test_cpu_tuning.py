@@ -17,6 +17,7 @@ from batchrun.kernels.cpu_tuning import AttentionShape, CpuRows, LinearShape, me
 from batchrun.kernels.elementwise import act_mul_native
 from batchrun.kernels.target import DeviceTarget
 from batchrun.kernels.tuning import Tuning
+from tests.support.models import tied_decoder
 
 BF16 = torch.bfloat16
 CPU_NATIVE = DeviceTarget(torch.device("cpu"), None, False, True, False)  # csrc kernels built and on
@@ -143,22 +144,9 @@ def function_name(fn) -> str:
 
 
 def _tied_model():
-    from transformers import LlamaConfig
-
-    from batchrun.model.decoder import DecoderLM
     from batchrun.model.prepare import prepare_linears
 
-    config = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = DecoderLM(config).to(BF16)
+    model = tied_decoder()
     kernels = bind_kernels(CPU_NATIVE, BF16)
     prepare_linears(model, "none", kernels=kernels)
     return model, kernels

@@ -12,6 +12,7 @@ import torch
 from batchrun.kernels import cpu_linear, cpu_tuning
 from batchrun.kernels.cpu_choices import NATIVE, PACKED, TORCH, AttentionChoice, LinearChoice
 from batchrun.kernels.cpu_tuning import CpuMeasurement
+from tests.support.engines import make_tiny_engine
 
 pytestmark = pytest.mark.skipif(
     not cpu_linear.native_supported(32, 64), reason="native kernels not built here, or built without AVX512-BF16"
@@ -21,10 +22,8 @@ PROMPTS = [[5 + (3 * i + j) % 150 for j in range(10 + 9 * i)] for i in range(4)]
 
 
 def _engine(model_dir: str, **config):
-    from batchrun.engine import Engine, EngineConfig
-
-    base = dict(model=model_dir, dtype="bfloat16", device="cpu", kv_cache_memory=8 << 20, max_num_seqs=4)
-    return Engine(EngineConfig(**{**base, "max_num_batched_tokens": 64, **config}))
+    base = dict(dtype="bfloat16", kv_cache_memory=8 << 20, max_num_seqs=4, max_num_batched_tokens=64)
+    return make_tiny_engine(model_dir, **{**base, **config})
 
 
 def _generate(engine) -> list[tuple[list[int], list]]:

@@ -49,23 +49,18 @@ def bind_triton(target: DeviceTarget, dtype: torch.dtype, tuning: Tuning, option
     has_fp8 = gpu is None or gpu.has_fp8  # the interpreter holds e4m3 values anywhere
     rms_norm = ew.rms_norm_triton
     triton_cache = not (options.kv_cache_dtype == "fp8" and not has_fp8)
-    if not triton_cache:  # the torch paths for the cache (module doc)
-        write_kv_cache = attention_torch.write_kv_cache_reference
-        qkv_norm_rope_write = partial(
-            attention.qkv_norm_rope_write_separate,
-            rms_norm=rms_norm,
-            apply_rotary=ew.apply_rotary_reference,
-            write_kv_cache=write_kv_cache,
-        )
+    # the torch paths for the cache where Triton's cannot hold it (module doc)
+    write_kv_cache = triton_kv.write_kv_cache if triton_cache else attention_torch.write_kv_cache_reference
+    separate = partial(
+        attention.qkv_norm_rope_write_separate,
+        rms_norm=rms_norm,
+        apply_rotary=ew.apply_rotary_reference,
+        write_kv_cache=write_kv_cache,
+    )
+    if not triton_cache:
+        qkv_norm_rope_write = separate
         paged_attention = partial(cpu_attention.paged_attention_cpu, native=False)
     else:
-        write_kv_cache = triton_kv.write_kv_cache
-        separate = partial(
-            attention.qkv_norm_rope_write_separate,
-            rms_norm=rms_norm,
-            apply_rotary=ew.apply_rotary_reference,
-            write_kv_cache=write_kv_cache,
-        )
         qkv_norm_rope_write = partial(attention.qkv_norm_rope_write_triton, separate=separate)
         paged_attention = partial(triton_attention.paged_attention, gpu=gpu)
     qkv_separate = partial(fused_projections.qkv_project_separate, qkv_norm_rope_write=qkv_norm_rope_write)

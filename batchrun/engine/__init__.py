@@ -1,6 +1,7 @@
 """The inference engine: its public API is what this module exports, nothing deeper."""
 
-from batchrun.engine.config import EngineConfig, SamplingParams, SpeculativeConfig
+from batchrun.engine.config import EngineConfig, EngineConfigError, SamplingParams, SpeculativeConfig
+from batchrun.engine.group import TensorParallelError
 from batchrun.engine.engine import Engine
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestMetrics, RequestOutput, ThroughputProfile
 from batchrun.engine.settings import EngineSettings
@@ -8,6 +9,7 @@ from batchrun.engine.settings import EngineSettings
 __all__ = [
     "Engine",
     "EngineConfig",
+    "EngineConfigError",
     "EngineRequest",
     "EngineSettings",
     "EngineStats",
@@ -15,5 +17,6 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SpeculativeConfig",
+    "TensorParallelError",
     "ThroughputProfile",
 ]

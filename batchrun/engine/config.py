@@ -9,6 +9,12 @@ from typing import Any, Optional, Union
 QUANTIZATION_MODES = ("none", "int8", "w8a8", "int4", "w4a8", "fp8", "gguf")
 
 
+class EngineConfigError(ValueError):
+    """A configuration the engine finds it cannot run only once it sees the model or the machine
+    (tensor_parallel_size against the head counts or the visible GPUs); the message names the key.
+    A job reports it as a configuration error (exit 2) before anything is committed."""
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: propose tokens cheaply, verify them in one target forward, lossless."""
@@ -91,6 +97,10 @@ class EngineConfig:
     # cuBLAS and the Triton GEMMs' tiles; on a bf16 CPU the native kernels against torch's
     # (kernels/cpu_tuning.py). false: the static choices, nothing timed.
     tune_kernels: bool = True
+    # Ranks of one worker's tensor-parallel group (engine/group.py): the model's heads, MLP and
+    # vocabulary split over this many GPUs (one process each, NCCL), or CPU processes (gloo, the
+    # threads split between them). 1: the whole model in this process.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.speculative, dict):  # accepted from plain configs
@@ -144,6 +154,41 @@ class EngineConfig:
             raise ValueError(f"engine.warmup must be true, false or null, got {self.warmup!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"engine.max_model_len must be positive, got {self.max_model_len!r}")
+        tp = self.tensor_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"engine.tensor_parallel_size must be a whole number >= 1, got {tp!r}")
+        if tp > 1:
+            self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """The settings a tensor-parallel group cannot run, each refused naming both keys."""
+        tp = f"engine.tensor_parallel_size={self.tensor_parallel_size}"
+        refused = (
+            (
+                self.quantization in ("w8a8", "w4a8"),
+                f"engine.quantization={self.quantization}",
+                "its activation scales span whole input rows, which no rank holds (int8, int4 and fp8 shard)",
+            ),
+            (
+                self.quantization == "gguf",
+                "engine.quantization=gguf",
+                "the file's blocks are not sliced per rank; int8 or int4 quantize the same weights in the same groups",
+            ),
+            (self.async_scheduling, "engine.async_scheduling", "a group runs every step eagerly, none ahead"),
+            (
+                self.speculative.method == "draft",
+                "engine.speculative.method=draft",
+                "the draft model is not sharded (ngram and self speculation work)",
+            ),
+            (
+                self.batch_invariant,
+                "engine.batch_invariant",
+                "a group's all-reduce order is not one process's, so it cannot promise one process's bits",
+            ),
+        )
+        for is_set, key, why in refused:
+            if is_set:
+                raise ValueError(f"{tp} cannot run with {key}: {why}")
 
 
 @dataclass(frozen=True)

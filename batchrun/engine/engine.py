@@ -44,6 +44,8 @@ class Engine:
         self.admission, self.drafter = core.admission, core.drafter
         self.settings: EngineSettings = parts.settings
         self.startup_s, self._profile = parts.startup_s, parts.limits.profile
+        # engine.tensor_parallel_size > 1: the followers this process leads (engine/group.py); `close` ends them.
+        self.group = parts.group
         self._num_steps = 0
         # engine.async_scheduling (engine/runners/gpu.py): the step launched ahead in one call of
         # `step`, its tokens still on their way to the host, and how many were.
@@ -174,6 +176,18 @@ class Engine:
         self.runner.run_ahead = on and self.drafter is None
         self._num_ahead = 0
         return self.runner.run_ahead
+
+    def close(self) -> None:
+        """End a tensor-parallel group's followers (a no-op for a one-process engine; idempotent).
+        A job closes its engine when it ends; the followers also end when this process does."""
+        if self.group is not None:
+            self.group.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def reset_peak_stats(self) -> None:
         self.kv.reset_peak()

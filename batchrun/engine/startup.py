@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
@@ -35,6 +36,8 @@ from batchrun.engine.config import EngineConfig
 from batchrun.engine.device import available_memory, resolve_device, resolve_dtype
 from batchrun.engine.drafter import Drafter, build_drafter, load_draft_model
 from batchrun.engine.grammar import GrammarCompiler
+from batchrun.engine.group import FollowerReport, Group
+from batchrun.engine.group_startup import open_group
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.profiler import BatchLimits, default_kv_bytes
 from batchrun.engine.quantization import prepare_linears_for_engine
@@ -55,6 +58,7 @@ from batchrun.model.linear import count_native_linears
 from batchrun.model.loader import load_model
 from batchrun.model.prepare import apply_linear_choices, module_weight_bytes
 from batchrun.model.quant import QuantizationSummary
+from batchrun.model.tensor_parallel import TensorParallel, owned_weight_bytes
 
 log = logging.getLogger(__name__)
 
@@ -131,22 +135,29 @@ class EngineParts:
     core: Core
     settings: EngineSettings
     startup_s: float  # seconds from the first phase to the end of the warm-up
+    group: Optional[Group] = None  # a tensor-parallel worker's followers (engine/group.py); None alone
 
 
-def bind(config: EngineConfig, simulate: Optional[GpuTarget] = None) -> KernelSet:
+def bind(
+    config: EngineConfig, simulate: Optional[GpuTarget] = None, device: Optional[torch.device] = None
+) -> KernelSet:
     """Find the device target (engine.device; the CPU's native kernels switched on or not) and bind
     its kernel set for the resolved dtype and engine.kv_cache_dtype, with the static tables' choices.
-    `simulate`: a GPU the CPU engine's kernel set is sized for instead (checks, launch counts)."""
-    target = find_target(resolve_device(config.device), simulate=simulate)
+    `simulate`: a GPU the CPU engine's kernel set is sized for instead (checks, launch counts);
+    `device`: a tensor-parallel rank's own device instead of engine.device's."""
+    target = find_target(device if device is not None else resolve_device(config.device), simulate=simulate)
     return bind_kernels(target, resolve_dtype(config.dtype, target), kv_cache_dtype=config.kv_cache_dtype)
 
 
-def load_target(config: EngineConfig, kernels: Optional[KernelSet] = None) -> Target:
+def load_target(
+    config: EngineConfig, kernels: Optional[KernelSet] = None, tp: Optional[TensorParallel] = None
+) -> Target:
     """Load the weights, give every linear its backend in one pass (quantized per
     engine.quantization, over `kernels`' kernel per format, and on a bf16 CPU the float ones packed
     once, for the native kernel or oneDNN, instead of reordered on every call), and load the draft
-    model when there is one. `kernels`: None binds the config's (`bind`)."""
-    if config.num_threads:
+    model when there is one. `kernels`: None binds the config's (`bind`); `tp`: a rank of a
+    tensor-parallel group, which reads and holds only its slices (its threads are set already)."""
+    if config.num_threads and tp is None:
         torch.set_num_threads(config.num_threads)
     kernels = kernels if kernels is not None else bind(config)
     device, dtype = kernels.target.device, kernels.dtype
@@ -155,9 +166,10 @@ def load_target(config: EngineConfig, kernels: Optional[KernelSet] = None) -> Ta
         dtype=dtype,
         cache_dir=config.cache_dir,
         keep_gguf_quantization=config.quantization in ("gguf", "w4a8"),
+        tp_shard=tp.shard if tp is not None else None,
     )
     tokenizer, hf_config, path, fingerprint = loaded.tokenizer, loaded.config, loaded.path, loaded.fingerprint
-    model = build_decoder(hf_config, loaded.state_dict, dtype, device, kernels)
+    model = build_decoder(hf_config, loaded.state_dict, dtype, device, kernels, tp)
     quantization = prepare_linears_for_engine(model, config, tokenizer, loaded.quantized_weights, kernels)
     del loaded  # the loaded tensors go before the draft model comes and before free memory is measured
     spec = config.speculative
@@ -204,18 +216,21 @@ def tune(config: EngineConfig, target: Target) -> KernelSet:
     return target.model.kernels
 
 
-def plan_kv(config: EngineConfig, target: Target) -> KVPlan:
+def plan_kv(config: EngineConfig, target: Target, others_available: Sequence[int] = ()) -> KVPlan:
     """Size the KV cache from engine.kv_cache_memory (bytes, a fraction of free memory, or the
-    device's default share of it), measured now, with every model's weights in place."""
+    device's default share of it), measured now, with every model's weights in place.
+    `others_available`: a group's followers' free memory; the group's block count is the smallest
+    any rank can hold (every rank holds the same blocks, of its own heads)."""
     per_block = kv_bytes_per_block(target.model, config.block_size, target.dtype, config.kv_cache_dtype)
     if target.draft is not None:
         per_block += kv_bytes_per_block(target.draft[0], config.block_size, target.dtype)
     device_target = target.model.kernels.target
     kv_bytes = config.kv_cache_memory
+    available = min([available_memory(device_target), *others_available]) if kv_bytes is None or kv_bytes <= 1 else 0
     if kv_bytes is None:
-        kv_bytes = default_kv_bytes(device_target.is_gpu, available_memory(device_target))
+        kv_bytes = default_kv_bytes(device_target.is_gpu, available)
     elif kv_bytes <= 1:
-        kv_bytes = kv_bytes * available_memory(device_target)
+        kv_bytes = kv_bytes * available
     num_blocks = int(kv_bytes // per_block)
     if num_blocks < 1:
         raise ValueError(
@@ -301,10 +316,22 @@ def build_core(config: EngineConfig, target: Target, kv_plan: KVPlan, cache: Cac
 
 
 def describe(
-    config: EngineConfig, kernels: KernelSet, target: Target, kv_plan: KVPlan, limits: BatchLimits, core: Core
+    config: EngineConfig,
+    kernels: KernelSet,
+    target: Target,
+    kv_plan: KVPlan,
+    limits: BatchLimits,
+    core: Core,
+    followers: Sequence[FollowerReport] = (),
 ) -> EngineSettings:
-    """What start-up resolved, for logs, run manifests and benchmark tables."""
+    """What start-up resolved, for logs, run manifests and benchmark tables. `followers`: a
+    tensor-parallel group's reports; weight_bytes is then the whole model's (each tensor once),
+    rank_weight_bytes what each rank holds."""
     device = target.device
+    rank_bytes = [module_weight_bytes(target.model), *(r.weight_bytes for r in followers)]
+    weight_bytes = rank_bytes[0]
+    if followers:
+        weight_bytes = round(owned_weight_bytes(target.model) + sum(r.owned_weight_bytes for r in followers))
     return EngineSettings(
         model_type=target.model.spec.model_type,
         device=str(device),
@@ -324,13 +351,15 @@ def describe(
         quant_group_size=config.quant_group_size,
         w8a8_outlier_channels=config.w8a8_outlier_channels if config.quantization == "w8a8" else None,
         quant_formats=dict(target.quantization.formats),
-        weight_bytes=module_weight_bytes(target.model),
+        weight_bytes=weight_bytes,
         kv_cache_dtype=config.kv_cache_dtype,
         async_scheduling=config.async_scheduling,
         admission_min_slots=config.admission_min_slots,
         kernels=kernels.describe(),
         speculative=core.speculative,
         draft_model=target.draft[1] if target.draft is not None else None,
+        tensor_parallel_size=config.tensor_parallel_size,
+        rank_weight_bytes=tuple(rank_bytes),
     )
 
 
@@ -366,18 +395,29 @@ def start_engine(
     CPU: the interpreter's tiles) instead of `bind(config)`; `simulate`: a GPU the CPU engine's
     kernel set is sized for (`bind`). The last two are for checks and launch counts."""
     t0 = time.perf_counter()
-    if target is None:
-        target = load_target(config, kernels if kernels is not None else bind(config, simulate))
-    kernels = tune(config, target)
-    kv_plan = plan_kv(config, target)
-    cache = build_cache(config, target, kv_plan)
-    limits = pick_batch_limits(config, cache, kv_plan)
-    core = build_core(config, target, kv_plan, cache, limits)
-    settings = describe(config, kernels, target, kv_plan, limits, core)
-    target.model.reset_expert_token_counts()  # start-up profiling forwards are not real tokens
-    if config.warmup or (config.warmup is None and kernels.target.is_gpu):
-        sizes = (kv_plan.max_model_len, limits.max_num_batched_tokens, limits.max_num_seqs)
-        settings = settings.with_warmup(warm_up(cache.kv, cache.runner, core.drafter, core.sampler, *sizes))
+    opened = open_group(config) if target is None and config.tensor_parallel_size > 1 else None
+    try:
+        if target is None:
+            if kernels is None:
+                kernels = bind(config, simulate, opened.device if opened is not None else None)
+            target = load_target(config, kernels, opened.tp if opened is not None else None)
+        followers = opened.group.wait_loaded() if opened is not None else []
+        kernels = tune(config, target)
+        kv_plan = plan_kv(config, target, [r.available_memory for r in followers])
+        if opened is not None:  # the followers take rank 0's tuning and its block count
+            opened.group.set_up(kernels.tuning, kv_plan.num_blocks, kv_plan.block_size, kv_plan.max_model_len)
+        cache = build_cache(config, target, kv_plan)
+        limits = pick_batch_limits(config, cache, kv_plan)
+        core = build_core(config, target, kv_plan, cache, limits)
+        settings = describe(config, kernels, target, kv_plan, limits, core, followers)
+        target.model.reset_expert_token_counts()  # start-up profiling forwards are not real tokens
+        if config.warmup or (config.warmup is None and kernels.target.is_gpu):
+            sizes = (kv_plan.max_model_len, limits.max_num_batched_tokens, limits.max_num_seqs)
+            settings = settings.with_warmup(warm_up(cache.kv, cache.runner, core.drafter, core.sampler, *sizes))
+    except BaseException:
+        if opened is not None:
+            opened.group.close()
+        raise
     startup_s = time.perf_counter() - t0
     log.info(
         "engine ready in %.1fs: %s (%s) on %s/%s, %d KV blocks x %d tokens, max_model_len %d, "
@@ -394,4 +434,5 @@ def start_engine(
         limits.max_num_batched_tokens,
         f" (profiled: {limits.profile})" if limits.profile else "",
     )
-    return EngineParts(config, kernels, target, kv_plan, cache, limits, core, settings, startup_s)
+    group = opened.group if opened is not None else None
+    return EngineParts(config, kernels, target, kv_plan, cache, limits, core, settings, startup_s, group)

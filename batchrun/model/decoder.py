@@ -27,6 +27,7 @@ from batchrun.kernels.binding import default_kernels, reference_kernels
 from batchrun.kernels.kernel_set import KernelSet
 from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.model.kernel_user import KernelUser
+from batchrun.model.tensor_parallel import TensorParallel, local_spec, local_vocab_size
 from batchrun.model.moe import (
     SparseMoeBlock,
     expert_token_counts,
@@ -70,6 +71,11 @@ class DecoderSpec:
     moe_weights_fp32: bool = False  # keep routing weights in float32 (Mixtral) instead of the model dtype
     moe_layers: tuple[bool, ...] = ()  # per layer: sparse MoE block (True) or dense MLP
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's always-on shared expert; 0 = none
+    # Tensor parallelism (model/tensor_parallel.py: local_spec): this rank of a group of tp_size. A
+    # rank's spec counts its own heads and MLP slice; vocab_size stays the whole vocabulary.
+    tp_rank: int = 0
+    tp_size: int = 1
+    tp_kv_copies: int = 1  # ranks that hold each KV head (more than 1 with fewer KV heads than ranks)
 
     @staticmethod
     def from_hf(config: Any) -> DecoderSpec:
@@ -236,6 +242,8 @@ class Rope:
 
 
 class Attention(KernelUser):
+    tp: Optional[TensorParallel] = None  # a rank of a group: o_proj's partial sums are all-reduced
+
     def __init__(self, spec: DecoderSpec, layer_idx: int, kernels: Optional[KernelSet] = None) -> None:
         super().__init__(kernels)
         self.spec = spec
@@ -266,12 +274,16 @@ class Attention(KernelUser):
             x, self.qkv_proj, self._heads(), rope.cos, rope.sin, k_cache, v_cache, meta.slot_mapping, rope.positions
         )
         o = ks.paged_attention(q, k_cache, v_cache, meta, s.attn_scale, self.window, s.attn_logit_softcap, k, v)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        out = self.o_proj(o.reshape(-1, self.q_size))  # (num_tokens, hidden_size); a partial sum in a group
+        if self.tp is not None:
+            self.tp.comm.all_reduce(out)
+        return out
 
 
 class MLP(KernelUser):
     gate_up_proj: nn.Module  # nn.Linear, or the packed/quantized module model/prepare.py puts there
     down_proj: nn.Module
+    tp: Optional[TensorParallel] = None  # a rank of a group: down_proj's partial sums are all-reduced
 
     def __init__(self, spec: DecoderSpec, kernels: Optional[KernelSet] = None) -> None:
         super().__init__(kernels)
@@ -283,8 +295,12 @@ class MLP(KernelUser):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fused_act:
-            return self.down_proj(self.gate_up_proj(x))
-        return self.down_proj(self.kernels.gate_up_act(x, self.gate_up_proj, self.activation))
+            out = self.down_proj(self.gate_up_proj(x))
+        else:
+            out = self.down_proj(self.kernels.gate_up_act(x, self.gate_up_proj, self.activation))
+        if self.tp is not None:
+            self.tp.comm.all_reduce(out)
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -327,15 +343,17 @@ def build_decoder(
     dtype: torch.dtype,
     device: Any,
     kernels: Optional[KernelSet] = None,
+    tp: Optional[TensorParallel] = None,
 ) -> DecoderLM:
     """The model with its weights from an HF-named `state_dict` (emptied as it is copied in), each
     allocated once, in `dtype` on `device`, running `kernels` (None: the set bound for `device` and
-    `dtype`). It is built on the meta device (no memory, no random init) and then given storage: a
+    `dtype`). `tp`: this rank's part of a tensor-parallel group; `state_dict` then holds this
+    rank's slices (model/tensor_parallel.py: ShardSlicer). It is built on the meta device (no memory, no random init) and then given storage: a
     model built in float32 and cast afterwards holds a float32 copy of every weight on the way,
     which on a GPU stays in the allocator's cache, out of the KV cache's reach."""
     kernels = kernels if kernels is not None else default_kernels(device, dtype)
     with torch.device("meta"):
-        model = DecoderLM(config, kernels)
+        model = DecoderLM(config, kernels, tp)
     model = model.to(dtype).to_empty(device=device)
     for buf in model.buffers():
         buf.zero_()  # the buffers made at construction are counters that start at zero
@@ -352,15 +370,23 @@ def build_decoder(
 class DecoderLM(nn.Module):
     """The whole model: embeddings, decoder layers, final norm and LM head."""
 
-    def __init__(self, config: Any, kernels: Optional[KernelSet] = None) -> None:
-        """`kernels`: the kernel set every module runs (None: the references, until `use_kernels`)."""
+    def __init__(self, config: Any, kernels: Optional[KernelSet] = None, tp: Optional[TensorParallel] = None) -> None:
+        """`kernels`: the kernel set every module runs (None: the references, until `use_kernels`);
+        `tp`: this rank's part of a tensor-parallel group (None: the whole model in one process)."""
         super().__init__()
         self.kernels = kernels if kernels is not None else reference_kernels()
-        self.spec = spec = DecoderSpec.from_hf(config)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        spec = DecoderSpec.from_hf(config)
+        self.spec = spec = local_spec(spec, tp.shard) if tp is not None else spec
+        self.tp = tp
+        vocab_rows = local_vocab_size(spec.vocab_size, spec.tp_size)  # this rank's slice, padded
+        self.embed_tokens = nn.Embedding(vocab_rows, spec.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(spec, i, self.kernels) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, spec.gemma_norms, self.kernels)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = nn.Linear(spec.hidden_size, vocab_rows, bias=False)
+        if tp is not None:
+            for layer in self.layers:
+                layer.self_attn.tp = tp
+                layer.mlp.tp = tp
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.rope = RotaryTables(config, spec)
@@ -383,6 +409,9 @@ class DecoderLM(nn.Module):
         meta: AttentionMetadata,
         num_layers: Optional[int] = None,  # run only the first layers (self-speculative drafts)
     ) -> torch.Tensor:
+        tp = self.tp
+        if tp is not None and tp.link is not None:
+            tp.link.ship_forward(input_ids, positions, meta, num_layers)  # the followers run it beside us
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         # Layer 0's norm with the embedding gather in one kernel where the kernel set has one: (normed,
         # x), each (num_tokens, hidden_size). Not Gemma's (its embedding is scaled in between), and only
@@ -391,6 +420,7 @@ class DecoderLM(nn.Module):
         embed_norm = self.kernels.embed_norm
         if (
             embed_norm is not None
+            and tp is None
             and not self.spec.gemma_norms
             and len(layers) > 0
             and type(layers[0].input_layernorm) is RMSNorm
@@ -400,6 +430,8 @@ class DecoderLM(nn.Module):
             fused = embed_norm(input_ids, self.embed_tokens, norm.weight, norm.eps)
         if fused is not None:
             normed, x = fused
+        elif tp is not None:
+            normed, x = None, tp.vocab_parallel_embedding(self.embed_tokens.weight, input_ids)
         else:
             normed, x = None, self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
         if self.spec.gemma_norms:
@@ -413,7 +445,20 @@ class DecoderLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.kernels.lm_head_logits(hidden, self.lm_head)  # (num_rows, vocab_size) float32
+        """(num_rows, vocab_size) float32 logits of `hidden` (num_rows, hidden_size). In a group every
+        rank computes its vocabulary slice of rank 0's rows, gathered on rank 0; a follower gets None
+        (typed as a tensor: only rank 0's callers read it)."""
+        tp = self.tp
+        if tp is not None and tp.link is not None:
+            tp.link.ship_logits(hidden.shape[0])
+            hidden = hidden.contiguous()
+            tp.comm.broadcast(hidden)
+        logits = self.kernels.lm_head_logits(hidden, self.lm_head)  # (num_rows, vocab rows held) float32
+        if tp is not None:
+            gathered = tp.gather_logits(logits, self.spec.vocab_size)
+            if gathered is None:
+                return logits  # a follower's slice: nobody reads it
+            logits = gathered
         cap = self.spec.final_logit_softcap
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap

@@ -14,13 +14,14 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from batchrun.model.tensor_parallel import ShardSlicer, TPShard
 from batchrun.utils.private_dir import check_private, private_dir
 
 if TYPE_CHECKING:
@@ -302,10 +303,15 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _read_safetensors(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _read_safetensors(
+    path: str, dtype: torch.dtype, slicer: ShardSlicer | None = None, keep: Callable[[str], bool] | None = None
+) -> dict[str, torch.Tensor]:
     """A .safetensors file's tensors, floats cast to `dtype` one tensor at a time: a float32
     checkpoint loaded in bf16 holds at most one float32 tensor at once (safetensors' own loader
-    holds the whole file as a storage while the tensors are cast)."""
+    holds the whole file as a storage while the tensors are cast). `slicer`: a tensor-parallel
+    rank's, which keeps only its slice of each tensor: where that slice is rows only their bytes are
+    read, else the tensor is read whole and cut (a rank's peak is its shard plus the largest
+    tensor). `keep`: the names to read (None: all)."""
     out: dict[str, torch.Tensor] = {}
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
@@ -314,30 +320,47 @@ def _read_safetensors(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         base = 8 + header_len
         # In file order, so the reads are sequential.
         for name, info in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            if keep is not None and not keep(name):
+                continue
             start, end = info["data_offsets"]
+            shape = list(info["shape"])
+            rows = slicer.row_range(name) if slicer is not None and shape else None
+            if rows is not None:  # only this rank's rows: contiguous bytes of a row-major tensor
+                row_bytes = (end - start) // max(shape[0], 1)
+                start, end = start + rows[0] * row_bytes, start + rows[1] * row_bytes
+                shape[0] = rows[1] - rows[0]
             raw = torch.empty(end - start, dtype=torch.uint8)  # (nbytes,)
             f.seek(base + start)
             if end > start and f.readinto(raw.numpy().data) != end - start:
                 raise ValueError(f"{path}: tensor {name} is truncated")
-            tensor = raw.view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(info["shape"])
+            tensor = raw.view(_SAFETENSORS_DTYPES[info["dtype"]]).reshape(shape)
+            if slicer is not None:
+                tensor = slicer.pad_rows(name, tensor) if rows is not None else slicer(name, tensor)
             out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return out
 
 
 def _load_hf_dir(
-    directory: str, files: list[str], dtype: torch.dtype
+    directory: str, files: list[str], dtype: torch.dtype, tp_shard: TPShard | None = None
 ) -> tuple[PretrainedConfig, dict[str, torch.Tensor], PreTrainedTokenizerBase]:
-    """Config, state dict with floats in `dtype`, tokenizer."""
+    """Config, state dict with floats in `dtype` (`tp_shard`: only that rank's slices), tokenizer."""
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    text_config = getattr(config, "text_config", None)
+    is_wrapper = text_config is not None and text_config is not config
+    slicer = None
+    if tp_shard is not None and tp_shard.size > 1:
+        from batchrun.model.decoder import DecoderSpec
+
+        slicer = ShardSlicer(DecoderSpec.from_hf(text_config if is_wrapper else config), tp_shard)
+    keep = (lambda name: _text_model_name(name) is not None) if is_wrapper else None
     state_dict: dict[str, torch.Tensor] = {}
     for f in files:
-        shard = _read_safetensors(f, dtype)
+        shard = _read_safetensors(f, dtype, slicer, keep)
         assert not (shard.keys() & state_dict.keys()), f"{f} repeats tensors of another shard"
         state_dict.update(shard)
-    text_config = getattr(config, "text_config", None)
-    if text_config is not None and text_config is not config:
+    if is_wrapper:
         renamed = {_text_model_name(k): v for k, v in state_dict.items()}
         renamed.pop(None, None)
         state_dict = renamed  # type: ignore[assignment]
@@ -416,10 +439,35 @@ def _convert_gguf(directory: str, gguf_file: str, entry: Path) -> None:
 # entry point
 
 
+def model_config(spec: str, cache_dir: str | None = None) -> PretrainedConfig:
+    """The model's HF (text) config, without its weights. A GGUF file is converted into the
+    converted-weights cache first if it is not there yet: a tensor-parallel group's rank 0 calls
+    this before its followers start, so the group converts once and every rank reads the cache."""
+    from transformers import AutoConfig
+
+    directory, gguf_file = resolve_model(spec)
+    if gguf_file is not None:
+        cache_root = private_dir(default_cache_dir(cache_dir), "model cache", "BATCHRUN_CACHE or engine.cache_dir")
+        entry = cache_root / "converted" / file_sha256(os.path.join(directory, gguf_file), cache_root)[:16]
+        if not _is_complete(entry):
+            _convert_gguf(directory, gguf_file, entry)
+        directory = str(entry)
+    config = AutoConfig.from_pretrained(directory, local_files_only=True)
+    text_config = getattr(config, "text_config", None)
+    return text_config if text_config is not None else config
+
+
 def load_model(
-    spec: str, dtype: torch.dtype = torch.float32, cache_dir: str | None = None, keep_gguf_quantization: bool = False
+    spec: str,
+    dtype: torch.dtype = torch.float32,
+    cache_dir: str | None = None,
+    keep_gguf_quantization: bool = False,
+    tp_shard: TPShard | None = None,
 ) -> LoadedModel:
     """Load config, state dict (floats cast to `dtype`) and tokenizer for a registered name, dir or .gguf.
+    `tp_shard`: a rank of a tensor-parallel group reads only its slices (model/tensor_parallel.py);
+    a GGUF file is converted first if it is not yet (the group's rank 0 does it before the others
+    start: `model_config`).
 
     With `keep_gguf_quantization`, a GGUF file's Q8_0/Q4_0/Q4_1 tensors are also returned in their
     own blocks (`quantized_weights`) for `prepare_linears(mode="gguf")`.
@@ -430,7 +478,7 @@ def load_model(
     if gguf_file is None:
         weight_files = _safetensors_files(directory)
         fingerprint = _files_fingerprint([os.path.join(directory, "config.json"), *weight_files], cache_root)
-        config, state_dict, tokenizer = _load_hf_dir(directory, weight_files, dtype)
+        config, state_dict, tokenizer = _load_hf_dir(directory, weight_files, dtype, tp_shard)
         path = directory
     else:
         path = os.path.join(directory, gguf_file)
@@ -441,7 +489,7 @@ def load_model(
         for item in (entry, *entry.iterdir()):
             check_private(item, "converted-weights cache", "BATCHRUN_CACHE or engine.cache_dir")
         # Always read back from the cache so the first load returns exactly what later loads will.
-        config, state_dict, tokenizer = _load_hf_dir(str(entry), _safetensors_files(str(entry)), dtype)
+        config, state_dict, tokenizer = _load_hf_dir(str(entry), _safetensors_files(str(entry)), dtype, tp_shard)
     quantized_weights = None
     if keep_gguf_quantization and gguf_file is not None:
         from batchrun.model.gguf import read_gguf_weights

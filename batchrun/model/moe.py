@@ -143,6 +143,9 @@ class SparseMoeBlock(KernelUser):
     token_counts: torch.Tensor  # (num_experts,) int64, cumulative tokens routed to each expert
     # engine.batch_invariant (model/invariant.py sets it): sums over a token's k experts in a fixed order
     batch_invariant: bool = False
+    # A rank of a tensor-parallel group (model/tensor_parallel.py): every expert's slice of the
+    # intermediate size, the router whole; the block's partial sums are all-reduced.
+    tp: Optional[Any] = None
 
     def __init__(
         self, spec: Any, act: Callable[[torch.Tensor], torch.Tensor], kernels: Optional[KernelSet] = None
@@ -182,6 +185,8 @@ class SparseMoeBlock(KernelUser):
         )
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.tp is not None:
+            self.tp.comm.all_reduce(out)
         return out
 
 

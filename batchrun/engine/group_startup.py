@@ -1,0 +1,65 @@
+"""Start-up of a tensor-parallel worker's group (engine.tensor_parallel_size > 1), before any weight
+is read: the checks that need the model's config or the machine, the threads each rank gets, the
+devices, and the followers started (engine/group.py)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from batchrun.engine.config import EngineConfig, EngineConfigError
+from batchrun.engine.device import resolve_device
+from batchrun.engine.group import Group, start_group
+from batchrun.model.decoder import DecoderSpec
+from batchrun.model.loader import model_config
+from batchrun.model.tensor_parallel import TensorParallel, head_split_error, size_split_error
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OpenGroup:
+    """Rank 0's view of a group that has started: its followers load their shards meanwhile."""
+
+    group: Group
+    tp: TensorParallel  # what rank 0's model holds
+    device: torch.device  # rank 0's
+    threads_per_rank: int  # torch intra-op threads of each rank (CPU)
+
+
+def check_group(size: int, hf_config: Any, num_gpus: int, device: torch.device) -> None:
+    """EngineConfigError naming engine.tensor_parallel_size where the model's heads or MLP do not
+    split in `size` ranks, or a GPU group has fewer GPUs than ranks."""
+    key = f"engine.tensor_parallel_size={size}"
+    spec = DecoderSpec.from_hf(hf_config)
+    why = head_split_error(spec.num_heads, spec.num_kv_heads, size) or size_split_error(spec, size)
+    if why is not None:
+        raise EngineConfigError(
+            f"{key} does not fit {spec.model_type} ({spec.num_heads} attention heads, {spec.num_kv_heads} KV heads): "
+            f"{why}"
+        )
+    if device.type == "cuda" and size > num_gpus:
+        raise EngineConfigError(f"{key} needs {size} GPUs, but this worker sees {num_gpus} (CUDA_VISIBLE_DEVICES)")
+
+
+def open_group(config: EngineConfig) -> OpenGroup:
+    """Check the group against the model and machine, convert a GGUF file once, split the CPU's
+    threads between the ranks and start the followers (ranks 1..N-1)."""
+    size = config.tensor_parallel_size
+    device = resolve_device(config.device)
+    num_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+    check_group(size, model_config(config.model, config.cache_dir), num_gpus, device)
+    total_threads = config.num_threads or torch.get_num_threads()
+    threads = max(1, total_threads // size)
+    if device.type == "cpu":
+        torch.set_num_threads(threads)
+        devices = ["cpu"] * size
+    else:
+        device = torch.device("cuda", 0)
+        devices = [f"cuda:{r}" for r in range(size)]
+    group = start_group(size, device, config, threads if device.type == "cpu" else None, devices)
+    log.info("tensor-parallel group of %d ranks on %s started (%d threads each)", size, ", ".join(devices), threads)
+    return OpenGroup(group, group.tensor_parallel(), device, threads)

@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Iterator
 from typing import Optional, TypeVar
 
-from batchrun.engine import Engine, EngineRequest, RequestOutput
+from batchrun.engine import Engine, EngineRequest, RequestOutput, TensorParallelError
 from batchrun.job.commit.checkpoints import PartLost
 from batchrun.job.commit.claims import ShardQueue
 from batchrun.job.commit.fence import FingerprintFence
@@ -69,7 +69,9 @@ class ShardFlow:
     def run(self) -> None:
         try:
             self._run()
-        except ConfigError:  # the run's fingerprint changed under it: nothing more is committed
+        # The run's fingerprint changed under it, or the engine's tensor-parallel group lost a rank:
+        # nothing more is committed (the open shards' claims are released as the error unwinds).
+        except (ConfigError, TensorParallelError):
             for run in list(self.open.values()):
                 self._close(run, ShardSummary(run.shard.name, "interrupted"))
             raise
@@ -89,7 +91,7 @@ class ShardFlow:
                     self._settle()
                     if self.stop.requested:
                         break
-            except ConfigError:
+            except (ConfigError, TensorParallelError):
                 raise
             except Exception as e:  # the engine itself: it cannot say whose row broke it
                 log.exception("the engine failed with %d shard(s) open", len(self.open))

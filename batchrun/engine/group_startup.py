@@ -30,9 +30,12 @@ class OpenGroup:
     threads_per_rank: int  # torch intra-op threads of each rank (CPU)
 
 
-def check_group(size: int, hf_config: Any, num_gpus: int, device: torch.device) -> None:
+def check_group(config: EngineConfig, hf_config: Any, num_gpus: int, device: torch.device) -> None:
     """EngineConfigError naming engine.tensor_parallel_size where the model's heads or MLP do not
-    split in `size` ranks, or a GPU group has fewer GPUs than ranks."""
+    split in its ranks, where a grouped quantization's groups would straddle two ranks (a rank's
+    slice of a row-parallel projection's inputs must be whole groups, so that each rank quantizes
+    exactly its slice of one process's weights), or where a GPU group has fewer GPUs than ranks."""
+    size = config.tensor_parallel_size
     key = f"engine.tensor_parallel_size={size}"
     spec = DecoderSpec.from_hf(hf_config)
     why = head_split_error(spec.num_heads, spec.num_kv_heads, size) or size_split_error(spec, size)
@@ -41,6 +44,20 @@ def check_group(size: int, hf_config: Any, num_gpus: int, device: torch.device) 
             f"{key} does not fit {spec.model_type} ({spec.num_heads} attention heads, {spec.num_kv_heads} KV heads): "
             f"{why}"
         )
+    if config.quantization in ("int8", "int4"):
+        group = config.quant_group_size
+        inputs = {
+            "o_proj": spec.num_heads * spec.head_dim,
+            "down_proj": spec.intermediate_size,
+            "experts' down_proj": spec.moe_intermediate_size,
+            "shared expert's down_proj": spec.shared_expert_intermediate_size,
+        }
+        for name, total in inputs.items():
+            if total and total % group == 0 and (total // size) % group:
+                raise EngineConfigError(
+                    f"{key} gives each rank {total // size} of {name}'s {total} inputs, not whole groups of "
+                    f"engine.quant_group_size={group}: pick a group size that divides {total // size}"
+                )
     if device.type == "cuda" and size > num_gpus:
         raise EngineConfigError(f"{key} needs {size} GPUs, but this worker sees {num_gpus} (CUDA_VISIBLE_DEVICES)")
 
@@ -51,7 +68,7 @@ def open_group(config: EngineConfig) -> OpenGroup:
     size = config.tensor_parallel_size
     device = resolve_device(config.device)
     num_gpus = torch.cuda.device_count() if device.type == "cuda" else 0
-    check_group(size, model_config(config.model, config.cache_dir), num_gpus, device)
+    check_group(config, model_config(config.model, config.cache_dir), num_gpus, device)
     total_threads = config.num_threads or torch.get_num_threads()
     threads = max(1, total_threads // size)
     if device.type == "cpu":

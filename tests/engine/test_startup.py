@@ -105,6 +105,8 @@ def test_engine_settings_are_frozen_and_serialise_in_the_manifests_key_order(tin
         "async_scheduling": False,
         "admission_min_slots": 1,
         "kernels": None,
+        "tensor_parallel_size": 1,
+        "rank_weight_bytes": [437888],  # one process holds the whole model
     }
     expected.update(_machine(engine))
     assert json.dumps(engine.settings.as_dict()) == json.dumps(expected)  # same keys, order and values
@@ -185,6 +187,8 @@ def test_the_job_manifest_and_fingerprint_record_the_settings_as_before(
         "async_scheduling": False,
         "admission_min_slots": 1,
         "kernels": None,
+        "tensor_parallel_size": 1,
+        "rank_weight_bytes": [388352],  # one process holds the whole model
     }
     expected.update(_machine(engine))
     # The manifest is written with indent=2: its engine_settings block is the dict's text at that indent.

@@ -27,7 +27,8 @@ TP2 = ("engine.tensor_parallel_size=2", "engine.num_threads=2")
 WORKER = r"""
 import os, pathlib, time
 from batchrun.job.run import flow
-ready, go, shard = pathlib.Path(os.environ["TEST_READY"]), pathlib.Path(os.environ["TEST_GO"]), os.environ["TEST_PAUSE_SHARD"]
+ready, go = pathlib.Path(os.environ["TEST_READY"]), pathlib.Path(os.environ["TEST_GO"])
+shard = os.environ["TEST_PAUSE_SHARD"]
 outputs = {}
 real_on_output = flow.ShardRun.on_output
 def on_output(self, out):

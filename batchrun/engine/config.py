@@ -54,6 +54,7 @@ class EngineConfig:
     max_num_batched_tokens: Optional[int] = None  # token budget of one step (prefill chunks + decodes)
     # Bytes for the KV cache, or a fraction (0, 1] of free device memory (of available RAM on CPU).
     # None: 90% of free GPU memory after the weights, or on CPU 25% of available RAM capped at 1 GiB.
+    # Bytes are each rank's in a tensor-parallel group; a CPU group shares a fraction or the default.
     kv_cache_memory: Optional[float] = None
     max_model_len: Optional[int] = None  # prompt + output; None means the model's own limit
     enable_prefix_caching: bool = True

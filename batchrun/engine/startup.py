@@ -231,6 +231,10 @@ def plan_kv(config: EngineConfig, target: Target, others_available: Sequence[int
         kv_bytes = default_kv_bytes(device_target.is_gpu, available)
     elif kv_bytes <= 1:
         kv_bytes = kv_bytes * available
+    if not device_target.is_gpu and (config.kv_cache_memory is None or config.kv_cache_memory <= 1):
+        # A CPU group's ranks share one host's memory: a share of it is the group's, each rank's
+        # 1/N of it (its blocks hold 1/N of the heads, so the group holds one process's blocks).
+        kv_bytes = kv_bytes / config.tensor_parallel_size
     num_blocks = int(kv_bytes // per_block)
     if num_blocks < 1:
         raise ValueError(

@@ -343,4 +343,3 @@ def start_group(
 
 def _one_line(e: BaseException) -> str:
     return " ".join(str(e).split())[:300]
-

@@ -27,7 +27,6 @@ from batchrun.kernels.binding import default_kernels, reference_kernels
 from batchrun.kernels.kernel_set import KernelSet
 from batchrun.kernels.qkv_heads import QKVHeads
 from batchrun.model.kernel_user import KernelUser
-from batchrun.model.tensor_parallel import TensorParallel, local_spec, local_vocab_size
 from batchrun.model.moe import (
     SparseMoeBlock,
     expert_token_counts,
@@ -35,6 +34,7 @@ from batchrun.model.moe import (
     moe_config_fields,
     reset_expert_token_counts,
 )
+from batchrun.model.tensor_parallel import TensorParallel, local_spec, local_vocab_size
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe")
 
@@ -348,9 +348,10 @@ def build_decoder(
     """The model with its weights from an HF-named `state_dict` (emptied as it is copied in), each
     allocated once, in `dtype` on `device`, running `kernels` (None: the set bound for `device` and
     `dtype`). `tp`: this rank's part of a tensor-parallel group; `state_dict` then holds this
-    rank's slices (model/tensor_parallel.py: ShardSlicer). It is built on the meta device (no memory, no random init) and then given storage: a
-    model built in float32 and cast afterwards holds a float32 copy of every weight on the way,
-    which on a GPU stays in the allocator's cache, out of the KV cache's reach."""
+    rank's slices (model/tensor_parallel.py: ShardSlicer). It is built on the meta device (no
+    memory, no random init) and then given storage: a model built in float32 and cast afterwards
+    holds a float32 copy of every weight on the way, which on a GPU stays in the allocator's cache,
+    out of the KV cache's reach."""
     kernels = kernels if kernels is not None else default_kernels(device, dtype)
     with torch.device("meta"):
         model = DecoderLM(config, kernels, tp)

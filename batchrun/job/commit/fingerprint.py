@@ -31,8 +31,9 @@ from batchrun.job.shards import Shard
 from batchrun.utils.redact import redact
 
 # Engine settings that change what a row says; the rest (batch sizes, threads, caches, which kernels
-# serve: engine.tune_kernels, BATCHRUN_CPU_KERNELS, engine.tensor_parallel_size) only change speed (and in bf16 the last bits of a
-# logit, so an occasional near-tied token, which any batching engine does; the manifest names the kernels).
+# serve: engine.tune_kernels, BATCHRUN_CPU_KERNELS, engine.tensor_parallel_size) only change speed
+# (and in bf16 the last bits of a logit, so an occasional near-tied token, which any batching engine
+# does; the manifest names the kernels).
 _ENGINE_KEYS = (
     "dtype",
     "quantization",

@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping
 from typing import Optional
 
-from batchrun.engine import Engine, EngineConfig
+from batchrun.engine import Engine, EngineConfig, EngineConfigError
 from batchrun.job.commit.claims import ShardQueue
 from batchrun.job.commit.fence import FingerprintFence
 from batchrun.job.commit.fingerprint import settings_fingerprint
@@ -52,6 +52,11 @@ def run_worker(
 def load_engine(config: EngineConfig) -> Engine:
     try:
         return Engine(config)
+    except EngineConfigError as e:
+        # The engine saw the model or the machine and refused the settings (a tensor-parallel group
+        # that does not split the model's heads, or more ranks than GPUs): a config error, exit 2.
+        # Its message names the key already.
+        raise ConfigError("", " ".join(str(e).split())) from None
     except Exception as e:  # a missing file, an unknown model name or format: the user must fix the path
         log.debug("engine construction failed", exc_info=True)
         raise JobError(f"cannot load model {config.model!r}: {type(e).__name__}: {' '.join(str(e).split())}") from None

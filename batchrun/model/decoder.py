@@ -386,6 +386,7 @@ class DecoderLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, vocab_rows, bias=False)
         if tp is not None:
             for layer in self.layers:
+                assert isinstance(layer, DecoderLayer)  # the ModuleList's items are Modules to a type checker
                 layer.self_attn.tp = tp
                 layer.mlp.tp = tp
         if spec.tie_word_embeddings:

@@ -172,7 +172,7 @@ def owned_weight_bytes(model: torch.nn.Module) -> float:
     """This rank's share of the whole model's weight bytes: what it holds, a tensor every rank holds
     counted 1/N, the KV rows of qkv_proj that `tp_kv_copies` ranks hold counted 1/copies. Summed over
     the ranks of a group: the model's bytes held once (one process's `weight_bytes`)."""
-    spec: Any = model.spec
+    spec: Any = model.spec  # a DecoderSpec, which this module cannot import (decoder.py imports it)
     q, kv = spec.num_heads * spec.head_dim, 2 * spec.num_kv_heads * spec.head_dim
     qkv_share = (q + kv / spec.tp_kv_copies) / (q + kv)
     seen: set[int] = set()

@@ -13,7 +13,10 @@ The time estimate is the profile's rates applied to the counts: prompt tokens no
 prefix at the prefill rate of the engine's chunk size, and every row's max_tokens x n output tokens
 at the decode rate of a full batch. Rows that stop before max_tokens make the run faster; long
 contexts and preemptions slower. With several workers the shards are dealt out longest first
-(what work stealing approaches); on a CPU the workers split the cores, so each runs slower.
+(what work stealing approaches); on a CPU the workers split the cores, so each runs slower. A
+worker that is a tensor-parallel group (engine.tensor_parallel_size) holds that many devices for
+its whole run: its rates are the group's (the engine loaded here is one), and its device-hours
+count every rank.
 """
 
 from __future__ import annotations
@@ -57,8 +60,10 @@ class ShardPlan:
 class Estimate:
     num_workers: int
     wall_s: float  # engine start-up plus the busiest worker's share
-    device_hours: float  # GPU-hours (one GPU per worker), or CPU core-hours
+    # GPU-hours (tensor_parallel_size GPUs per worker), or CPU core-hours (every rank's threads)
+    device_hours: float
     device_unit: str  # "GPU" or "CPU core"
+    tensor_parallel_size: int = 1  # engine.tensor_parallel_size: devices (ranks) per worker
 
 
 @dataclass(frozen=True)
@@ -235,7 +240,8 @@ class _Counter:
         num_results = sum(p.num_result_rows for p in plans)
         num_ok_results = num_results - sum(errors.values())
         rates = _rates(profile, num_ok_results)
-        estimates = tuple(_estimate(plans, profile, rates, w) for w in sorted({1, num_workers}))
+        tp = config.engine.tensor_parallel_size
+        estimates = tuple(_estimate(plans, profile, rates, w, tp) for w in sorted({1, num_workers}))
         return RunPlan(
             data_uri=config.data.uri or "",
             model=engine.model_path,
@@ -305,7 +311,10 @@ def _rates(profile: ThroughputProfile, num_ok_results: int) -> dict[str, Any]:
     }
 
 
-def _estimate(plans: list[ShardPlan], profile: ThroughputProfile, rates: dict[str, Any], workers: int) -> Estimate:
+def _estimate(
+    plans: list[ShardPlan], profile: ThroughputProfile, rates: dict[str, Any], workers: int, tp: int = 1
+) -> Estimate:
+    """`workers` engines of `tp` ranks each, at the profile's rates (a group's, when `tp` > 1)."""
     # On a CPU the workers split the cores (pool.worker_configs): each goes at 1/workers of the rate.
     slowdown = workers if profile.device == "cpu" else 1
     times = sorted(
@@ -320,8 +329,10 @@ def _estimate(plans: list[ShardPlan], profile: ThroughputProfile, rates: dict[st
         heapq.heapreplace(loads, loads[0] + t)
     wall = profile.startup_s + max(loads)
     if profile.device == "cpu":
-        return Estimate(workers, wall, wall * profile.num_threads / 3600, "CPU core")
-    return Estimate(workers, wall, wall * workers / 3600, "GPU")
+        # The profile's threads are one rank's (a group splits its threads between its ranks).
+        return Estimate(workers, wall, wall * profile.num_threads * tp / 3600, "CPU core", tp)
+    # A worker holds its group's GPUs from start to end, idle ranks included.
+    return Estimate(workers, wall, wall * workers * tp / 3600, "GPU", tp)
 
 
 def format_plan(plan: RunPlan, max_shards: int = 20) -> str:
@@ -356,8 +367,9 @@ def format_plan(plan: RunPlan, max_shards: int = 20) -> str:
             f"KV cache {k['kv_cache_dtype']}), tuning: {k['tuning']['source']}"
         )
     for e in plan.estimates:
+        group = f" of tensor_parallel_size {e.tensor_parallel_size}" if e.tensor_parallel_size > 1 else ""
         lines.append(
-            f"estimate:       {e.num_workers} worker(s): {_duration(e.wall_s)} wall, "
+            f"estimate:       {e.num_workers} worker(s){group}: {_duration(e.wall_s)} wall, "
             f"{e.device_hours:.3f} {e.device_unit}-hours (every row to max_tokens: an upper bound)"
         )
     failed = [p for p in plan.shards if p.error]

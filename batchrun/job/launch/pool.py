@@ -2,8 +2,10 @@
 
 Each worker is a real subprocess (`python -m batchrun.job.launch.pool CONFIG.json`) running run_job as
 rank r of N: its own shards first (round-robin), then, with launcher.work_stealing, other workers'
-unstarted shards and those of workers that died (claims.py). On a GPU machine each worker sees one
-GPU (CUDA_VISIBLE_DEVICES); on CPU the cores are split between them (engine.num_threads).
+unstarted shards and those of workers that died (claims.py). On a GPU machine each worker sees its
+own engine.tensor_parallel_size GPUs (CUDA_VISIBLE_DEVICES; one, unless the worker is a
+tensor-parallel group); on CPU the cores are split between them (engine.num_threads), by rank of
+every worker's group (cpu_threads_per_worker).
 
 The launcher forwards SIGTERM/SIGINT to the workers (each stops and commits nothing partial), waits
 for all of them, merges their manifests with the commit markers into `_manifest.json`, and reports
@@ -41,26 +43,38 @@ POLL_S = 0.2
 
 
 def num_local_workers(config: RunConfig, env: Mapping[str, str], device_count: Optional[int] = None) -> int:
-    """launcher.num_workers, or where it is null one worker per visible GPU: one where a scheduler
-    (or the config) gives this process its rank, on the CPU, and where no GPU is visible.
-    `device_count`: the GPUs torch would see (tests simulate a GPU host with it)."""
+    """launcher.num_workers, or where it is null one worker per engine.tensor_parallel_size visible
+    GPUs: one where a scheduler (or the config) gives this process its rank, on the CPU, and where
+    no GPU is visible. `device_count`: the GPUs torch would see (tests simulate a GPU host with it)."""
     if config.launcher.num_workers is not None:
         return config.launcher.num_workers
     if config.launcher.rank is not None or resolve_worker(config.launcher, env).source != "default":
         return 1
     gpu_ids = _gpu_ids(config, env, device_count)
-    return max(1, len(gpu_ids)) if gpu_ids is not None else 1
+    if gpu_ids is None:
+        return 1
+    _check_group_fits(config, gpu_ids)
+    return max(1, len(gpu_ids) // config.engine.tensor_parallel_size)
 
 
-def worker_configs(config: RunConfig, env: Mapping[str, str]) -> list[tuple[RunConfig, dict[str, str]]]:
-    """Each worker's config (its rank, its share of the CPU threads) and environment (its GPU)."""
-    n = num_local_workers(config, env)
-    gpu_ids = _gpu_ids(config, env)
-    if gpu_ids is not None and len(gpu_ids) < n:
-        raise ConfigError("launcher.num_workers", f"{n} workers need {n} GPUs; {len(gpu_ids)} visible")
+def worker_configs(
+    config: RunConfig, env: Mapping[str, str], device_count: Optional[int] = None
+) -> list[tuple[RunConfig, dict[str, str]]]:
+    """Each worker's config (its rank, its share of the CPU threads) and environment (its GPUs:
+    engine.tensor_parallel_size of them, one per rank of its group). `device_count` as in
+    num_local_workers."""
+    n = num_local_workers(config, env, device_count)
+    gpu_ids = _gpu_ids(config, env, device_count)
+    tp = config.engine.tensor_parallel_size
+    if gpu_ids is not None:
+        _check_group_fits(config, gpu_ids)
+        if n * tp > len(gpu_ids):
+            each = "" if tp == 1 else f" of engine.tensor_parallel_size={tp} GPUs each"
+            need = f"{n} workers{each} need {n * tp} GPUs"
+            raise ConfigError("launcher.num_workers", f"{need}; {len(gpu_ids)} visible")
     threads = config.engine.num_threads
     if gpu_ids is None and threads is None:
-        threads = max(1, (os.cpu_count() or 1) // n)  # N engines on one CPU must not oversubscribe it
+        threads = cpu_threads_per_worker(os.cpu_count() or 1, n, tp)
     out = []
     for rank in range(n):
         launcher = dataclasses.replace(config.launcher, rank=rank, world_size=n, num_workers=1)
@@ -72,9 +86,30 @@ def worker_configs(config: RunConfig, env: Mapping[str, str]) -> list[tuple[RunC
         )
         worker_env = {**env, "BATCHRUN_WORKER_RANK": str(rank)}
         if gpu_ids is not None:
-            worker_env["CUDA_VISIBLE_DEVICES"] = gpu_ids[rank]
+            # The group's rank r takes cuda:r of these (engine/group_startup.py): rank 0 the first.
+            worker_env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids[rank * tp : (rank + 1) * tp])
         out.append((cfg, worker_env))
     return out
+
+
+def cpu_threads_per_worker(num_cores: int, num_workers: int, tensor_parallel_size: int) -> int:
+    """engine.num_threads for each of `num_workers` engines sharing `num_cores`, each a group of
+    `tensor_parallel_size` processes. The cores are shared out per rank (every rank is a process
+    with its own torch threads) and a worker gets its ranks' share: a whole multiple of its group
+    size, so the engine's own split (num_threads // tensor_parallel_size per rank) leaves no core
+    idle by rounding twice. At least one thread per rank, even where the ranks outnumber the
+    cores: a rank cannot run on none."""
+    return max(1, num_cores // (num_workers * tensor_parallel_size)) * tensor_parallel_size
+
+
+def _check_group_fits(config: RunConfig, gpu_ids: list[str]) -> None:
+    """Refused here, before any process starts, rather than by each worker's engine at its load."""
+    tp = config.engine.tensor_parallel_size
+    if len(gpu_ids) < tp:
+        raise ConfigError(
+            "engine.tensor_parallel_size",
+            f"a group of {tp} ranks needs {tp} GPUs, one per rank; {len(gpu_ids)} visible",
+        )
 
 
 def _gpu_ids(config: RunConfig, env: Mapping[str, str], device_count: Optional[int] = None) -> Optional[list[str]]:

@@ -1,10 +1,12 @@
 """launcher=ray: the run's workers as Ray actors, exactly once kept by the store, not by Ray.
 
 `python -m batchrun job=summarize launcher=ray launcher.num_workers=N [launcher.ray_address=auto]`
-starts N actors, one GPU each where the cluster has GPUs (engine.num_threads cores each on a CPU
-cluster). Each actor is a normal worker (runner.run_worker) as rank r of N (BATCHRUN_RANK /
-BATCHRUN_WORLD_SIZE, shards.resolve_worker): its own shards first, then others' through the claims,
-every shard committed once by its marker (store.py). Ray adds placement and restarts only:
+starts N actors, each asking for engine.tensor_parallel_size GPUs where the cluster has GPUs (one
+per rank of its tensor-parallel group; by default one actor per that many GPUs on each node), or
+the CPU cores its ranks' threads run on (engine.num_threads) on a CPU cluster. Each actor is a
+normal worker (runner.run_worker) as rank r of N (BATCHRUN_RANK / BATCHRUN_WORLD_SIZE,
+shards.resolve_worker): its own shards first, then others' through the claims, every shard
+committed once by its marker (store.py). Ray adds placement and restarts only:
 
 - an actor whose process dies (SIGKILL, OOM, a lost node) is restarted by Ray up to
   launcher.max_restarts times and runs its worker again; meanwhile, and after, its shards are
@@ -34,7 +36,7 @@ import signal
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from tqdm import tqdm
@@ -42,7 +44,7 @@ from tqdm import tqdm
 from batchrun.job.commit.manifest import utc_now
 from batchrun.job.config import RunConfig, build_run_config
 from batchrun.job.errors import ConfigError, JobError
-from batchrun.job.launch.pool import launcher_result, open_run
+from batchrun.job.launch.pool import cpu_threads_per_worker, launcher_result, open_run
 from batchrun.job.operate.textfile import textfile_path
 from batchrun.job.results import RunResult
 from batchrun.job.run.runner import run_worker
@@ -91,25 +93,46 @@ def run_ray_workers(config: RunConfig, env: Mapping[str, str]) -> RunResult:
     return launcher_result(config, store, shards, started_at, t0, codes, stop, "Ray workers")
 
 
-def placement(config: RunConfig, resources: Mapping[str, float]) -> tuple[int, dict[str, float], Optional[int]]:
+def placement(
+    config: RunConfig, resources: Mapping[str, float], node_gpus: Optional[Sequence[int]] = None
+) -> tuple[int, dict[str, float], Optional[int]]:
     """(workers, each actor's Ray resources, each engine's CPU threads) on a cluster with
-    `resources` (ray.cluster_resources()): one GPU per actor where the cluster has GPUs and the
-    engine may use one; else engine.num_threads cores each (null: the cluster's CPUs shared out)."""
+    `resources` (ray.cluster_resources()): engine.tensor_parallel_size GPUs per actor (one per rank
+    of its group) where the cluster has GPUs and the engine may use one; else the threads of its
+    ranks (engine.num_threads; null: the cluster's CPUs shared out per rank, pool.cpu_threads_per_worker).
+    `node_gpus`: the GPUs of each live node (an actor's GPUs are all on one node, so a group fits
+    only a node with as many; null: the cluster's total counts, as if on one node)."""
     gpus = int(resources.get("GPU", 0))
+    tp = config.engine.tensor_parallel_size
     use_gpu = config.engine.device != "cpu" and gpus > 0
     if config.engine.device == "cuda" and not use_gpu:
         raise ConfigError("engine.device", "cuda requested but the Ray cluster has no GPU")
-    n = config.launcher.num_workers or (gpus if use_gpu else 1)
     if use_gpu:
-        return n, {"num_gpus": 1, "num_cpus": 1}, config.engine.num_threads
-    threads = config.engine.num_threads or max(1, int(resources.get("CPU", 1)) // n)
-    return n, {"num_gpus": 0, "num_cpus": threads}, threads
+        per_node = list(node_gpus) if node_gpus is not None else [gpus]
+        if max(per_node, default=0) < tp:
+            raise ConfigError(
+                "engine.tensor_parallel_size",
+                f"a group of {tp} ranks needs {tp} GPUs on one node; the Ray cluster's nodes have at most "
+                f"{max(per_node, default=0)}",
+            )
+        n = config.launcher.num_workers or sum(g // tp for g in per_node)
+        # One CPU per process of the group: rank 0 is the actor, the followers its child processes.
+        return n, {"num_gpus": tp, "num_cpus": tp}, config.engine.num_threads
+    n = config.launcher.num_workers or 1
+    threads = config.engine.num_threads or cpu_threads_per_worker(int(resources.get("CPU", 1)), n, tp)
+    # Ray reserves what the group's ranks run on: the engine gives each rank threads // tp, at least one.
+    return n, {"num_gpus": 0, "num_cpus": max(1, threads // tp) * tp}, threads
+
+
+def node_gpu_counts(nodes: Sequence[Mapping[str, Any]]) -> list[int]:
+    """The GPUs of each live node of ray.nodes()."""
+    return [int((node.get("Resources") or {}).get("GPU", 0)) for node in nodes if node.get("Alive")]
 
 
 def _run_actors(
     ray: Any, config: RunConfig, env: Mapping[str, str], num_shards: int, stop: StopRequest
 ) -> tuple[list[int], list[Optional[str]]]:
-    n, resources, threads = placement(config, ray.cluster_resources())
+    n, resources, threads = placement(config, ray.cluster_resources(), node_gpu_counts(ray.nodes()))
     log.info("starting %d Ray workers over %d shards (%s each)", n, num_shards, resources)
     board = ray.remote(num_cpus=0)(ProgressBoard).remote()
     worker_cls = ray.remote(RayWorker).options(

@@ -391,6 +391,14 @@ def _provably_dead(claim: Mapping[str, Any], identity: Mapping[str, Any]) -> boo
 
 def _worker_summary(doc: Mapping[str, Any]) -> dict[str, Any]:
     worker = doc.get("worker") or {}
+    settings = doc.get("engine_settings")
+    settings = settings if isinstance(settings, dict) else {}
+    engine = (doc.get("config") or {}).get("engine")
+    # A manifest from before tensor parallelism has no such key: its worker was one process.
+    tp = settings.get("tensor_parallel_size") or (engine or {}).get("tensor_parallel_size") or 1
+    rank_bytes = settings.get("rank_weight_bytes") or None
+    if rank_bytes is None and isinstance(settings.get("weight_bytes"), int) and tp == 1:
+        rank_bytes = [settings["weight_bytes"]]
     return {
         "rank": worker.get("rank"),
         "hostname": worker.get("hostname"),
@@ -398,6 +406,9 @@ def _worker_summary(doc: Mapping[str, Any]) -> dict[str, Any]:
         "status": doc.get("status"),
         "started_at": doc.get("started_at"),
         "finished_at": doc.get("finished_at"),
+        "device": worker.get("device"),
+        "tensor_parallel_size": _int(tp) or 1,
+        "rank_weight_bytes": [_int(b) for b in rank_bytes] if isinstance(rank_bytes, list) else None,
     }
 
 
@@ -475,6 +486,8 @@ def format_status(report: StatusReport, max_shards: int = 50) -> str:
         f"eta:         {_duration(report.eta_s)}",
         f"exit status: {report.exit_status}",
     ]
+    if report.workers:
+        lines.insert(2, f"workers:     {_workers_line(report.workers)}")
     order = sorted(report.shards, key=lambda s: (s.state == COMMITTED, STATES.index(s.state), s.name))
     shown = order[:max_shards]
     if shown:
@@ -495,6 +508,33 @@ def format_status(report: StatusReport, max_shards: int = 50) -> str:
         if len(order) > len(shown):
             lines.append(f"... {len(order) - len(shown)} more (--json lists all)")
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _workers_line(workers: Sequence[Mapping[str, Any]]) -> str:
+    """How many workers in which states, each a group of how many ranks (tp) on which devices, and
+    the weights each rank holds (the first worker's that knows: every worker loads the same model)."""
+    states: dict[str, int] = {}
+    for w in workers:
+        states[str(w.get("status") or "?")] = states.get(str(w.get("status") or "?"), 0) + 1
+    sizes = sorted({int(w.get("tensor_parallel_size") or 1) for w in workers})
+    line = f"{len(workers)} (" + ", ".join(f"{n} {state}" for state, n in sorted(states.items())) + ")"
+    line += f", tp={'/'.join(map(str, sizes))} each"
+    devices = [str(w["device"]) for w in sorted(workers, key=lambda w: w.get("rank") or 0) if w.get("device")]
+    if devices:
+        line += f" on GPUs {' | '.join(devices)}"
+    rank_bytes = next((w["rank_weight_bytes"] for w in workers if w.get("rank_weight_bytes")), None)
+    if rank_bytes:
+        line += "; weights per rank " + ", ".join(_size(b) for b in rank_bytes)
+    return line
+
+
+def _size(num_bytes: int) -> str:
+    value, unit = float(num_bytes), "B"
+    for next_unit in ("KiB", "MiB", "GiB", "TiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, next_unit
+    return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def _duration(seconds: Optional[float]) -> str:

@@ -52,8 +52,11 @@ def run_worker(
 def load_engine(config: EngineConfig) -> Engine:
     try:
         return Engine(config)
-    except EngineConfigError as e:  # the model or machine cannot run this configuration: its key is named
-        raise ConfigError("", str(e)) from None
+    except EngineConfigError as e:
+        # The engine saw the model or the machine and refused the settings (a tensor-parallel group
+        # that does not split the model's heads, or more ranks than GPUs): a config error, exit 2.
+        # Its message names the key already.
+        raise ConfigError("", " ".join(str(e).split())) from None
     except Exception as e:  # a missing file, an unknown model name or format: the user must fix the path
         log.debug("engine construction failed", exc_info=True)
         raise JobError(f"cannot load model {config.model!r}: {type(e).__name__}: {' '.join(str(e).split())}") from None

@@ -157,3 +157,33 @@ def test_plan_of_the_bundled_sample_counts_what_the_run_does(tmp_path, smollm2_c
     assert sum(m["num_rows"] for m in markers.values()) == plan.num_result_rows
     assert sum(sum(m["error_counts"].values()) for m in markers.values()) == sum(plan.error_counts.values())
     assert sum(m["metrics"]["num_prompt_tokens"] for m in markers.values()) == plan.num_prompt_tokens
+
+
+def test_the_estimate_counts_every_gpu_of_a_tensor_parallel_worker(tmp_path, make_shards, tiny_engine, job_overrides):
+    """engine.tensor_parallel_size=2 on a machine of 4 (simulated) GPUs: 2 workers, each holding 2
+    GPUs for the whole run, so GPU-hours = wall x workers x 2; the rates are the group's own."""
+    from batchrun.engine import ThroughputProfile
+    from batchrun.job.launch.dry_run import ShardPlan, _estimate, _rates, format_plan
+
+    gpu = ThroughputProfile({512: 4000.0}, {8: 400.0}, 8, 512, 30.0, "cuda", 1)
+    plans = [ShardPlan(f"s{i}", f"s{i}.parquet", 10, 10, {}, 0, 4000, 8000, None) for i in range(4)]
+    rates = _rates(gpu, 40)
+    one, group = _estimate(plans, gpu, rates, 2), _estimate(plans, gpu, rates, 2, 2)
+    assert group.wall_s == one.wall_s == 30.0 + 2 * (1.0 + 20.0)  # two shards per worker
+    assert group.device_hours == pytest.approx(group.wall_s * 2 * 2 / 3600)
+    assert group.device_hours == pytest.approx(2 * one.device_hours)
+    assert (group.device_unit, group.tensor_parallel_size) == ("GPU", 2)
+    # On the CPU the profile's threads are one rank's: core-hours count both ranks' threads.
+    cpu = ThroughputProfile({512: 4000.0}, {8: 400.0}, 8, 512, 30.0, "cpu", 3)
+    assert _estimate(plans, cpu, rates, 1, 2).device_hours == pytest.approx(
+        _estimate(plans, cpu, rates, 1).device_hours * 2
+    )
+
+    # The workers a launch would start: 4 visible GPUs // 2 per group.
+    make_shards(tmp_path / "in", num_shards=2, rows_per_shard=2)
+    overrides = job_overrides(tmp_path / "in", tmp_path / "out", "engine.device=auto", "engine.tensor_parallel_size=2")
+    plan = plan_run(cli.load_config(overrides), engine=tiny_engine, env={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})
+    assert [(e.num_workers, e.tensor_parallel_size) for e in plan.estimates] == [(1, 2), (2, 2)]
+    assert "estimate:       2 worker(s) of tensor_parallel_size 2:" in format_plan(plan)
+    with pytest.raises(ConfigError, match="^engine.tensor_parallel_size: .*; 1 visible$"):
+        plan_run(cli.load_config(overrides), engine=tiny_engine, env={"CUDA_VISIBLE_DEVICES": "0"})

@@ -25,7 +25,13 @@ def test_the_indexed_job_manifest_has_the_fields_a_run_relies_on():
     pod = spec["template"]["spec"]
     assert pod["restartPolicy"] == "Never"  # required with backoffLimitPerIndex
     (container,) = pod["containers"]
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # One pod per worker, with one GPU per rank of its group (engine.tensor_parallel_size), and a
+    # memory-backed /dev/shm for NCCL between the group's processes.
+    tp = [int(a.split("=", 1)[1]) for a in container["args"] if a.startswith("engine.tensor_parallel_size=")]
+    assert tp == [1] and container["resources"]["limits"]["nvidia.com/gpu"] == tp[0]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory"
     env = {e["name"]: e for e in container.get("env", [])}
     assert int(env["BATCHRUN_WORLD_SIZE"]["value"]) == spec["completions"]
     # Credentials come from a Secret, never from the arguments (they would land in the manifest).

@@ -283,6 +283,50 @@ def test_placement_one_gpu_per_actor_or_the_cpus_shared_out(job_overrides, tmp_p
         placement(config("cuda"), {"CPU": 8.0})
 
 
+def test_placement_of_tensor_parallel_groups(job_overrides, tmp_path):
+    """engine.tensor_parallel_size=2: each actor asks for its group's GPUs (or its ranks' cores),
+    and a group must fit one node (Ray places an actor's GPUs on one node)."""
+    import dataclasses
+
+    from batchrun.job.errors import ConfigError
+    from batchrun.job.launch.ray_launch import node_gpu_counts, placement
+
+    def config(device, num_workers=None, num_threads=None):
+        overrides = ["launcher=ray", f"engine.device={device}", "engine.tensor_parallel_size=2"]
+        c = cli.load_config(job_overrides(tmp_path, tmp_path / "out", *overrides))
+        return dataclasses.replace(
+            c,
+            engine=dataclasses.replace(c.engine, num_threads=num_threads),
+            launcher=dataclasses.replace(c.launcher, num_workers=num_workers),
+        )
+
+    gpu_host = {"CPU": 32.0, "GPU": 4.0}
+    assert placement(config("auto"), gpu_host) == (2, {"num_gpus": 2, "num_cpus": 2}, None)
+    assert placement(config("auto"), gpu_host, [4]) == (2, {"num_gpus": 2, "num_cpus": 2}, None)
+    assert placement(config("cuda", num_workers=1), gpu_host) == (1, {"num_gpus": 2, "num_cpus": 2}, None)
+    # Three nodes of 3, 2 and 1 GPUs: a group on the first and one on the second; 6 // 2 would be 3.
+    assert placement(config("auto"), {"CPU": 48.0, "GPU": 6.0}, [3, 2, 1])[0] == 2
+    with pytest.raises(ConfigError, match=r"^engine.tensor_parallel_size: a group of 2 ranks needs 2 GPUs on one node"):
+        placement(config("auto"), {"CPU": 16.0, "GPU": 2.0}, [1, 1])
+    with pytest.raises(ConfigError, match=r"^engine.tensor_parallel_size: .*nodes have at most 1$"):
+        placement(config("cuda"), {"CPU": 16.0, "GPU": 1.0})
+    # On the CPU: each actor reserves its ranks' threads, whole threads per rank.
+    assert placement(config("cpu"), gpu_host) == (1, {"num_gpus": 0, "num_cpus": 32}, 32)
+    assert placement(config("cpu", num_workers=3), gpu_host) == (3, {"num_gpus": 0, "num_cpus": 10}, 10)
+    assert placement(config("auto", num_workers=2, num_threads=5), {"CPU": 8.0}) == (
+        2,
+        {"num_gpus": 0, "num_cpus": 4},  # the engine runs 5 // 2 = 2 threads on each of its 2 ranks
+        5,
+    )
+    assert placement(config("cpu", num_workers=2, num_threads=1), {"CPU": 8.0})[1] == {"num_gpus": 0, "num_cpus": 2}
+    nodes = [
+        {"Alive": True, "Resources": {"CPU": 8.0, "GPU": 4.0}},
+        {"Alive": False, "Resources": {"CPU": 8.0, "GPU": 4.0}},
+        {"Alive": True, "Resources": {"CPU": 8.0}},
+    ]
+    assert node_gpu_counts(nodes) == [4, 0]
+
+
 @pytest.mark.parametrize("on_too_long", ["error", "truncate"])
 def test_the_ray_data_stage_gives_the_jobs_greedy_outputs(ray_cluster, tmp_path, job_overrides, on_too_long):
     """ray.data.read_parquet of the bundled sample and of a file of bad rows, through the stage,

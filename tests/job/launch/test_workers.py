@@ -421,14 +421,20 @@ def test_prefix_affinity_puts_a_group_on_one_worker(tmp_path):
     assert {s.name for s in assign_shards(shards, Worker(1, 2, "t"))} & {"a1", "a2", "a3"}
 
 
-def _compose_slurm_preset(output_uri: str):
+def _compose_slurm_preset(output_uri: str, *extra: str):
     from hydra import compose, initialize_config_dir
 
     with initialize_config_dir(config_dir=str(cli.CONF_DIR), version_base="1.3"):
         return compose(
             config_name="config",
             return_hydra_config=True,
-            overrides=["hydra/launcher=slurm", f"output.uri={output_uri}", "launcher.world_size=4", "launcher.rank=3"],
+            overrides=[
+                "hydra/launcher=slurm",
+                f"output.uri={output_uri}",
+                "launcher.world_size=4",
+                "launcher.rank=3",
+                *extra,
+            ],
         )
 
 
@@ -442,6 +448,10 @@ def test_the_slurm_launcher_preset_composes(tmp_path, monkeypatch):
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.signal_delay_s, launcher.tasks_per_node, launcher.max_num_timeout) == (90, 1, 20)
     assert cfg.hydra.sweep.subdir == "rank3"
+    # One task per worker, with a GPU for each rank of its tensor-parallel group.
+    assert launcher.gpus_per_node == 1
+    grouped = _compose_slurm_preset(str(tmp_path / "run"), "engine.tensor_parallel_size=2").hydra.launcher
+    assert (grouped.tasks_per_node, grouped.gpus_per_node) == (1, 2)
     assert cfg.launcher.rank == 3 and cfg.launcher.world_size == 4  # the batchrun side is untouched
 
     # submitit's pickles (credentials included, unpickled on the compute node) live in a private

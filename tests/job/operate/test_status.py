@@ -15,7 +15,7 @@ import pytest
 
 from batchrun.job.commit.checkpoints import committed_parts
 from batchrun.job.commit.store import RunStore
-from batchrun.job.operate.status import read_status, status_schema
+from batchrun.job.operate.status import format_status, read_status, status_schema
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::DeprecationWarning")
 
@@ -137,3 +137,48 @@ def test_shards_nobody_named_are_counted_and_listed_with_data(tmp_path, make_sha
     jsonschema.validate(listed.to_json(), status_schema())
     missing = _status(str(tmp_path / "nothing"))
     assert missing.returncode == 1 and "no batchrun run" in missing.stderr
+
+
+def _worker_manifest(rank: int, world_size: int, device, settings, config_engine=None) -> dict:
+    """A worker's manifest as manifest.Manifest writes it, cut to what status reads."""
+    return {
+        "status": "completed",
+        "started_at": "2026-01-01T00:00:00.000Z",
+        "finished_at": "2026-01-01T00:01:00.000Z",
+        "worker": {"rank": rank, "world_size": world_size, "device": device, "hostname": "h", "pid": 100 + rank},
+        "num_shards_total": 1,
+        "engine_settings": settings,
+        "config": {"engine": config_engine} if config_engine is not None else {},
+        "shards": [],
+    }
+
+
+def test_status_shows_each_workers_group_and_reads_manifests_from_before_tensor_parallelism(tmp_path):
+    """A run of two tensor-parallel workers (2 GPUs each) shows tp=2, its GPUs and each rank's
+    weights; a manifest without tensor_parallel_size (an older batchrun's) is one rank holding
+    weight_bytes; a worker whose engine has not loaded yet takes the size from its config."""
+    new, old = tmp_path / "new", tmp_path / "old"
+    for out in (new, old):
+        (out / "_commits").mkdir(parents=True)
+    group = {"weight_bytes": 706304, "tensor_parallel_size": 2, "rank_weight_bytes": [354048, 354048]}
+    (new / "_manifest.rank0.json").write_text(json.dumps(_worker_manifest(0, 2, "0,1", group)))
+    loading = _worker_manifest(1, 2, "2,3", None, {"tensor_parallel_size": 2})
+    (new / "_manifest.rank1.json").write_text(json.dumps({**loading, "status": "running", "finished_at": None}))
+    (old / "_manifest.json").write_text(json.dumps(_worker_manifest(0, 1, None, {"weight_bytes": 2048})))
+
+    report = read_status(str(new), now=time.time() + 3600)  # the running manifest: out of its lease
+    jsonschema.validate(report.to_json(), status_schema())
+    assert [(w["device"], w["tensor_parallel_size"], w["rank_weight_bytes"]) for w in report.workers] == [
+        ("0,1", 2, [354048, 354048]),
+        ("2,3", 2, None),
+    ]
+    assert (
+        "workers:     2 (1 completed, 1 running), tp=2 each on GPUs 0,1 | 2,3; weights per rank 345.8 KiB, 345.8 KiB"
+        in format_status(report)
+    )
+    report = read_status(str(old))
+    jsonschema.validate(report.to_json(), status_schema())
+    assert [(w["device"], w["tensor_parallel_size"], w["rank_weight_bytes"]) for w in report.workers] == [
+        (None, 1, [2048])
+    ]
+    assert "workers:     1 (1 completed), tp=1 each; weights per rank 2.0 KiB" in format_status(report)

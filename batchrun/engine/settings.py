@@ -46,12 +46,12 @@ class EngineSettings:
     # function serving each kernel and linear format, and the tuning's choices (source "table" or
     # "measured"); docs/kernels.md says how to read it
     kernels: Mapping[str, Any]
-    speculative: Optional[Mapping[str, Any]] = None  # the drafter's method, k, self_layers, adaptive
-    draft_model: Optional[str] = None  # speculative.method=draft: the draft model's path
-    warmup: Optional[Mapping[str, Any]] = None  # the last warm-up's {"num_steps", "graph_buckets", "seconds"}
     tensor_parallel_size: int = 1  # engine.tensor_parallel_size: ranks (devices) of this worker's group
     # bytes of the weights each rank holds, rank 0 first (weight_bytes: the whole model's, each tensor once)
     rank_weight_bytes: tuple[int, ...] = ()
+    speculative: Optional[Mapping[str, Any]] = None  # the drafter's method, k, self_layers, adaptive
+    draft_model: Optional[str] = None  # speculative.method=draft: the draft model's path
+    warmup: Optional[Mapping[str, Any]] = None  # the last warm-up's {"num_steps", "graph_buckets", "seconds"}
 
     def as_dict(self) -> dict[str, Any]:
         """A plain dict for JSON (copies: changing it changes nothing here)."""

@@ -18,8 +18,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -124,6 +125,11 @@ def _assert_same_as_tp1(one: Run, many: Run) -> None:
 
 # ---- models ----------------------------------------------------------------------------------------
 
+# Qwen2-MoE (not in FAMILIES): shared expert with a sigmoid gate, QKV bias, a dense layer between the
+# sparse ones. Its vocabulary of 515 ids divides by neither 2, 3 nor 4, so the last rank's slice of
+# the embedding and LM head is padded (258 rows a rank at tp=2, one of rank 1's padding): it checks
+# the padding at no extra engine's cost (the model is built here anyway).
+ODD_VOCAB = 515
 QWEN2_MOE = dict(
     model_type="qwen2_moe",
     num_experts=4,
@@ -131,28 +137,39 @@ QWEN2_MOE = dict(
     moe_intermediate_size=64,
     shared_expert_intermediate_size=96,
     norm_topk_prob=False,
-    mlp_only_layers=[1],  # a dense layer between the sparse ones
+    mlp_only_layers=[1],
+    vocab_size=ODD_VOCAB,
 )
-ODD_VOCAB = 515  # divides by neither 2, 3 nor 4: the last rank's vocabulary slice is padded
+HIDDEN_SIZE = 64  # batchrun.testing's tiny models
+MODELS = sorted(FAMILIES) + ["qwen2_moe"]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_factory, tmp_path_factory) -> Callable[[str], str]:
-    """name -> a tiny model directory: a family of FAMILIES (the session's), "qwen2_moe" (a shared
-    expert, QKV bias, not in FAMILIES) or "odd_vocab" (the tiny llama with ODD_VOCAB ids)."""
-    root = tmp_path_factory.mktemp("tp_models")
-    extra: dict[str, Callable[[Path], Path]] = {
-        "qwen2_moe": lambda d: make_tiny_model(d, "qwen2", **QWEN2_MOE),
-        "odd_vocab": lambda d: make_tiny_model(d, "llama", vocab_size=ODD_VOCAB),
-    }
+    """name -> a tiny model directory: a family of FAMILIES (the session's), or "qwen2_moe"."""
     built: dict[str, str] = {}
 
     def get(name: str) -> str:
         if name in FAMILIES:
             return tiny_model_factory(name)  # type: ignore[no-any-return]
         if name not in built:
-            built[name] = str(extra[name](root / name))
+            assert name == "qwen2_moe", name
+            built[name] = str(make_tiny_model(tmp_path_factory.mktemp("tp_models") / name, "qwen2", **QWEN2_MOE))
         return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir) -> Callable[[str, int], Run]:
+    """(model name, tp) -> the run of `_requests()` on that model at tp ranks, made once for the
+    module: the tests that compare against a run share it instead of each starting a group."""
+    cache: dict[tuple[str, int], Run] = {}
+
+    def get(name: str, tp: int) -> Run:
+        if (name, tp) not in cache:
+            cache[name, tp] = _run(model_dir(name), tp, *_requests())
+        return cache[name, tp]
 
     return get
 
@@ -160,16 +177,14 @@ def model_dir(tiny_model_factory, tmp_path_factory) -> Callable[[str], str]:
 # ---- every family at tp=2 against tp=1 and HF --------------------------------------------------
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES) + ["qwen2_moe"])
-def test_tp2_matches_tp1_and_hf(family, model_dir, one_torch_thread):
+@pytest.mark.parametrize("family", MODELS)
+def test_tp2_matches_tp1_and_hf(family, model_dir, runs, one_torch_thread):
     """Greedy tokens equal HF's and tp=1's, logprobs and prompt logprobs close to tp=1's, the seeded
     sample equal to tp=1's, with chunked prefill and a prefix-cache hit; weight bytes split in two."""
-    model = model_dir(family)
-    prompts, params = _requests()
-    one = _run(model, 1, prompts, params)
-    two = _run(model, 2, prompts, params)
+    prompts, _ = _requests()
+    one, two = runs(family, 1), runs(family, 2)
     _assert_same_as_tp1(one, two)
-    hf = identity._hf_greedy(model, prompts[:NUM_GREEDY], MAX_TOKENS)
+    hf = identity._hf_greedy(model_dir(family), prompts[:NUM_GREEDY], MAX_TOKENS)
     for i in range(NUM_GREEDY):
         assert two.outputs[i].token_ids == hf[i], f"prompt {i}: tp=2 {two.outputs[i].token_ids} != hf {hf[i]}"
     assert one.outputs[SAMPLED].token_ids != one.outputs[1].token_ids, "the sampled request should not be greedy"
@@ -179,33 +194,32 @@ def test_tp2_matches_tp1_and_hf(family, model_dir, one_torch_thread):
     assert two.outputs[8].metrics.num_cached_tokens > 0
     assert two.stats.num_steps == one.stats.num_steps  # rank 0 schedules as one process does
 
-    # Each tensor counted once over the group: exactly tp=1's bytes (the vocabulary divides by 2, and
-    # each replicated tensor's bytes by 2). A rank holds half, plus its share of what both hold: its
-    # norms and router whole, and with Gemma 3's one KV head, that head's K and V projections.
-    assert two.settings.weight_bytes == one.settings.weight_bytes
+    # Each tensor counted once over the group: tp=1's bytes (each replicated tensor's bytes divide by
+    # 2), plus, with the odd vocabulary, the padding row of the embedding and of the LM head.
+    padding_bytes = 2 * HIDDEN_SIZE * 4 if family == "qwen2_moe" else 0
+    assert two.settings.weight_bytes == one.settings.weight_bytes + padding_bytes
     assert one.settings.rank_weight_bytes == (one.settings.weight_bytes,)
+    # A rank holds half, plus its share of what both hold: norms and router whole, and with Gemma 3's
+    # one KV head, that head's K and V projections (a sixth of its attention weights).
     half = two.settings.weight_bytes / 2
     replicated_share = 0.07 if family == "gemma3_text" else 0.01
     assert len(two.settings.rank_weight_bytes) == 2
     for rank_bytes in two.settings.rank_weight_bytes:
         assert half <= rank_bytes <= half * (1 + replicated_share)
+    if family == "qwen2_moe":  # the padded rows are cut off: ids past the tokenizer's are real rows
+        assert any(t >= 512 for o in two.outputs for t in o.token_ids), "no id past 512: the last rows unused"
 
 
-# ---- bitwise repeatability, a padded vocabulary, a follower that dies between calls ---------------
+# ---- bitwise repeatability, a follower that dies between calls -----------------------------------
 
 
-def test_odd_vocabulary_runs_are_bitwise_repeatable_and_a_death_between_calls_ends_the_group(
-    model_dir, one_torch_thread
-):
-    """A vocabulary of 515 ids at tp=2: 258 rows a rank, the last rank's one padding row cut off after
-    the gather. Two tp=2 runs give the same bits; tokens equal tp=1's. Then, on the second run's
-    engine (one start saved), a follower killed between two generate calls fails the next call."""
-    model = model_dir("odd_vocab")
+def test_two_tp2_runs_are_bitwise_equal_and_a_death_between_calls_ends_the_group(model_dir, runs, one_torch_thread):
+    """A second tp=2 run gives the first one's bits (same all-reduce order). Then, on its engine (one
+    start saved), a follower killed between two generate calls fails the next call."""
     prompts, params = _requests()
-    one = _run(model, 1, prompts, params)
-    first = _run(model, 2, prompts, params)
-    with Engine(EngineConfig(model=model, tensor_parallel_size=2, **ENGINE)) as engine:
-        second = Run(engine.generate(prompts, params), engine.settings, engine.stats())
+    first = runs("qwen2_moe", 2)
+    with Engine(EngineConfig(model=model_dir("qwen2_moe"), tensor_parallel_size=2, **ENGINE)) as engine:
+        outputs = engine.generate(prompts, params)
 
         follower = engine.group.processes[0]
         os.kill(follower.pid, signal.SIGKILL)
@@ -214,14 +228,8 @@ def test_odd_vocabulary_runs_are_bitwise_repeatable_and_a_death_between_calls_en
             engine.generate(prompts[:1], GREEDY)
     _assert_group_ended(engine)
 
-    _assert_same_as_tp1(one, first)
-    assert any(t >= 512 for o in first.outputs for t in o.token_ids), "no id past the tokenizer's: rows 512+ unused"
-    for i, (a, b) in enumerate(zip(first.outputs, second.outputs, strict=True)):
+    for i, (a, b) in enumerate(zip(first.outputs, outputs, strict=True)):
         assert (a.token_ids, a.logprobs, a.prompt_logprobs) == (b.token_ids, b.logprobs, b.prompt_logprobs), i
-    # Each rank's embedding and LM head hold ceil(515 / 2) = 258 rows: the padding row of both
-    # (hidden_size 64, float32) is the only byte the group holds beyond one process's.
-    padding_bytes = 2 * 64 * 4
-    assert first.settings.weight_bytes == one.settings.weight_bytes + padding_bytes
 
 
 # ---- followers that die, and a start-up that fails -------------------------------------------------
@@ -319,9 +327,7 @@ def test_tensor_parallel_size_must_be_a_whole_number_from_1(size):
 # ---- quantized shards, speculative decoding ------------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    "quantization, method", [("int8", "ngram"), ("int4", "self")], ids=["int8-ngram", "int4-self"]
-)
+@pytest.mark.parametrize("quantization, method", [("int8", "ngram"), ("int4", "self")], ids=["int8-ngram", "int4-self"])
 def test_quantized_speculating_tp2_gives_tp1_greedy_tokens(quantization, method, tiny_llama_dir, one_torch_thread):
     """int8 and int4 (groups of 32) at tp=2 give tp=1's greedy tokens for the same quantization, with
     ngram or self speculation on (it must not change greedy tokens; the follower runs the verify
@@ -438,14 +444,12 @@ def test_quantized_shards_are_slices_of_the_one_process_weights(family, quantiza
 
 
 @pytest.mark.slow
-def test_tp4_matches_tp1(model_dir, one_torch_thread):
-    """Four ranks on the odd vocabulary (129 rows a rank, the last one padded) and two KV heads, each
-    held by two ranks: the same requests as at tp=2, the same tokens and logprobs as tp=1."""
-    model = model_dir("odd_vocab")
-    prompts, params = _requests()
-    one = _run(model, 1, prompts, params)
-    four = _run(model, 4, prompts, params)
-    _assert_same_as_tp1(one, four)
+def test_tp4_matches_tp1(runs, one_torch_thread):
+    """Four ranks on Qwen2-MoE: one query head a rank, each of the two KV heads on two ranks, 129
+    vocabulary rows a rank (the last one padded), slices of 32, 16 and 24 of the MLP, experts and
+    shared expert: the same requests as at tp=2, the same tokens and logprobs as tp=1."""
+    four = runs("qwen2_moe", 4)
+    _assert_same_as_tp1(runs("qwen2_moe", 1), four)
     assert len(four.settings.rank_weight_bytes) == 4
 
 

@@ -359,7 +359,7 @@ class _NoCollectives:
         return None
 
 
-def _engine_model(model: str, quantization: str, rank: Optional[int], size: int) -> torch.nn.Module:
+def _engine_model(model: str, quantization: str, group_size: int, rank: Optional[int], size: int) -> Any:
     """The model start-up builds (engine/startup.py: load_target's steps): the checkpoint read whole,
     or rank `rank`'s slices of it, then the engine's quantization prep."""
     from batchrun.engine.quantization import prepare_linears_for_engine
@@ -368,7 +368,9 @@ def _engine_model(model: str, quantization: str, rank: Optional[int], size: int)
     from batchrun.model.loader import load_model
     from batchrun.model.tensor_parallel import TensorParallel, TPShard
 
-    config = EngineConfig(model=model, dtype="float32", device="cpu", quantization=quantization, quant_group_size=32)
+    config = EngineConfig(
+        model=model, dtype="float32", device="cpu", quantization=quantization, quant_group_size=group_size
+    )
     kernels = bind(config)
     shard = TPShard(rank, size) if rank is not None else None
     loaded = load_model(model, torch.float32, tp_shard=shard)
@@ -401,43 +403,81 @@ def _columns(spec: Any, proj: str, rank: int, size: int) -> tuple[int, int]:
     return rank * width, (rank + 1) * width
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4"])
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])
-def test_quantized_shards_are_slices_of_the_one_process_weights(family, quantization, tiny_model_factory):
-    """At tp=2, each rank's quantized projections hold exactly the one-process model's quantized
-    tensors (codes, scales, mins, bias) cut as the rank's float weights are: column-parallel qkv and
-    gate/up by output rows, row-parallel o_proj and down_proj by input columns, whole groups of 32
-    (Qwen2's QKV bias rides along; Gemma 3's one KV head is on both ranks)."""
+PROJECTIONS = ("self_attn.qkv_proj", "mlp.gate_up_proj", "self_attn.o_proj", "mlp.down_proj")
+
+
+def _sharding_mismatches(model: str, quantization: str, group_size: int, size: int = 2) -> tuple[list[str], int]:
+    """(the quantized tensors some rank holds that are not its slice of the one-process model's
+    quantized tensor, the number compared). A rank's slice: column-parallel qkv and gate/up by output
+    rows, row-parallel o_proj and down_proj by input columns, in the tensor's own units (2 codes a
+    byte for int4, one scale a group)."""
     from batchrun.model.quant.layers import QuantLinear
 
-    model = tiny_model_factory(family)
-    whole = _engine_model(model, quantization, None, 1)
+    whole = _engine_model(model, quantization, group_size, None, 1)
     spec = whole.spec
-    for rank in range(2):
-        shard = _engine_model(model, quantization, rank, 2)
-        num_compared = 0
+    mismatches, num_compared = [], 0
+    for rank in range(size):
+        shard = _engine_model(model, quantization, group_size, rank, size)
         for name, module in whole.named_modules():
-            proj = name.split(".", 2)[-1] if name.startswith("layers.") else None
-            if proj not in ("self_attn.qkv_proj", "mlp.gate_up_proj", "self_attn.o_proj", "mlp.down_proj"):
+            if not name.startswith("layers.") or name.split(".", 2)[-1] not in PROJECTIONS:
                 continue
-            part = shard.get_submodule(name)
+            proj, part = name.split(".", 2)[-1], shard.get_submodule(name)
             assert isinstance(module, QuantLinear) and type(part) is type(module), name
             buffers = dict(module.named_buffers())
-            assert buffers.keys() == dict(part.named_buffers()).keys() and "qweight" in buffers and "scales" in buffers
+            assert buffers.keys() == dict(part.named_buffers()).keys() and {"qweight", "scales"} <= buffers.keys()
             # A row-parallel bias would be added on every rank before the all-reduce: none is built.
             assert proj not in ("self_attn.o_proj", "mlp.down_proj") or "bias" not in buffers, name
             for key, tensor in buffers.items():
-                got = getattr(part, key)
                 if proj in ("self_attn.qkv_proj", "mlp.gate_up_proj"):
-                    expected = tensor[_rows(spec, proj, rank, 2)]
-                else:  # columns in the tensor's own units: codes (2 per byte for int4) or groups
-                    lo, hi = _columns(spec, proj, rank, 2)
+                    expected = tensor[_rows(spec, proj, rank, size)]
+                else:
+                    lo, hi = _columns(spec, proj, rank, size)
                     per_column = tensor.shape[1] / module.in_features
-                    assert (lo * per_column).is_integer() and (hi * per_column).is_integer(), (name, key)
-                    expected = tensor[:, int(lo * per_column) : int(hi * per_column)]
-                assert got.dtype == expected.dtype and torch.equal(got, expected), (rank, name, key)
+                    is_whole = (lo * per_column).is_integer() and (hi * per_column).is_integer()
+                    expected = tensor[:, int(lo * per_column) : int(hi * per_column)] if is_whole else None
+                got = getattr(part, key)
                 num_compared += 1
-        assert num_compared >= 4 * spec.num_layers * 2, "fewer quantized tensors than the projections hold"
+                if expected is None or got.dtype != expected.dtype or not torch.equal(got, expected):
+                    mismatches.append(f"rank {rank} {name}.{key}")
+    return mismatches, num_compared
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3_text"])
+def test_quantized_shards_are_slices_of_the_one_process_weights(family, quantization, tiny_model_factory):
+    """At tp=2, in groups of 32, each rank's quantized projections hold exactly its slice of the
+    one-process model's quantized tensors (codes, scales, mins, bias): Qwen2's QKV bias rides along,
+    Gemma 3's one KV head is on both ranks."""
+    mismatches, num_compared = _sharding_mismatches(tiny_model_factory(family), quantization, 32)
+    assert mismatches == []
+    assert num_compared >= 2 * 3 * len(PROJECTIONS) * 2, "fewer quantized tensors than 2 ranks' projections hold"
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("group_size", [32, 64, 128, 256])
+def test_the_group_check_refuses_exactly_the_group_sizes_whose_shards_would_not_be_slices(
+    group_size, quantization, tiny_llama_dir
+):
+    """Start-up's check (engine/group_startup.py: check_group) refuses a grouped quantization at tp=2
+    where, and only where, a rank's quantized weights would not be its slice of one process's. The
+    tiny llama's row-parallel inputs are 64 (o_proj) and 128 (down_proj) wide: groups of 32 split
+    both; a group size above an input's width is the width (a layer quantizes in the largest group
+    that divides it), and a rank's half then quantizes in groups of its own."""
+    from batchrun.engine.group_startup import check_group
+    from batchrun.model.loader import model_config
+
+    config = EngineConfig(
+        model=tiny_llama_dir, quantization=quantization, quant_group_size=group_size, tensor_parallel_size=2
+    )
+    try:
+        check_group(config, model_config(tiny_llama_dir), 0, torch.device("cpu"))
+        refused = None
+    except EngineConfigError as e:
+        refused = str(e)
+        assert "engine.tensor_parallel_size=2" in refused and f"engine.quant_group_size={group_size}" in refused
+    mismatches, _ = _sharding_mismatches(tiny_llama_dir, quantization, group_size)
+    assert (refused is not None) == bool(mismatches), refused or mismatches
+    assert (refused is None) == (group_size <= 32), "the tiny llama's o_proj halves are 32 inputs wide"
 
 
 # ---- more ranks: tp=4, and the real model at tp=3 ------------------------------------------------

@@ -99,10 +99,12 @@ def make_tiny_model(out_dir: str | os.PathLike, family: str = "llama", seed: int
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
-    kw = {**_BASE, **FAMILIES[family], **overrides}
+    # vocab_size may be overridden: a model vocabulary larger than the tokenizer's (the extra ids
+    # decode to nothing) gives a test a size of its choosing, e.g. one no tensor-parallel group divides.
+    kw = {"vocab_size": len(tokenizer), **_BASE, **FAMILIES[family], **overrides}
     model_type = kw.pop("model_type")
+    assert kw["vocab_size"] >= len(tokenizer), "a vocabulary smaller than the tokenizer's cannot embed its ids"
     kw.update(
-        vocab_size=len(tokenizer),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,

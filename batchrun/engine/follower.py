@@ -65,7 +65,8 @@ def _serve(conn: Connection, model: Any, kv_caches: Any, comm: ProcessCollective
 
 
 def run(spec: dict[str, Any]) -> None:
-    """Join the group described by `spec`, load, set up and serve."""
+    """Join the group described by `spec`, load, set up and serve (or stop: rank 0's start-up may
+    fail after this rank loaded, and then it says exit instead of sending the KV plan)."""
     from datetime import timedelta
 
     from batchrun.engine.device import available_memory
@@ -107,6 +108,8 @@ def run(spec: dict[str, Any]) -> None:
             )
         )
         kind, setup = conn.recv()
+        if kind == "exit":  # rank 0 failed after we loaded: its error is the one to report, not ours
+            return
         assert kind == "setup", kind
         model.use_kernels(with_tuning(model.kernels, setup["tuning"]))
         apply_linear_choices(model, model.kernels)

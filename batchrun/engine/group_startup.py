@@ -15,6 +15,7 @@ from batchrun.engine.device import resolve_device
 from batchrun.engine.group import Group, start_group
 from batchrun.model.decoder import DecoderSpec
 from batchrun.model.loader import model_config
+from batchrun.model.quant import effective_group_size
 from batchrun.model.tensor_parallel import TensorParallel, head_split_error, size_split_error
 
 log = logging.getLogger(__name__)
@@ -53,10 +54,14 @@ def check_group(config: EngineConfig, hf_config: Any, num_gpus: int, device: tor
             "shared expert's down_proj": spec.shared_expert_intermediate_size,
         }
         for name, total in inputs.items():
-            if total and total % group == 0 and (total // size) % group:
+            # The groups one process quantizes this layer in: quant_group_size, or where that does not
+            # divide the inputs, the largest half of it that does (model/quant: effective_group_size).
+            # A group size above the inputs' width is not exempt: the whole row is then one group.
+            layer_group = effective_group_size(total, group) if total else group
+            if total and (total // size) % layer_group:
                 raise EngineConfigError(
                     f"{key} gives each rank {total // size} of {name}'s {total} inputs, not whole groups of "
-                    f"engine.quant_group_size={group}: pick a group size that divides {total // size}"
+                    f"{layer_group} (engine.quant_group_size={group}): pick a group size that divides {total // size}"
                 )
     if device.type == "cuda" and size > num_gpus:
         raise EngineConfigError(f"{key} needs {size} GPUs, but this worker sees {num_gpus} (CUDA_VISIBLE_DEVICES)")

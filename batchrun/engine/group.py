@@ -40,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener
 from typing import Any, Optional
@@ -69,14 +69,18 @@ class ProcessCollectives:
     """The model's Collectives (model/tensor_parallel.py) over a torch.distributed process group;
     a failed or timed-out collective raises TensorParallelError."""
 
-    def __init__(self, pg: Any, rank: int, size: int) -> None:
+    def __init__(self, pg: Any, rank: int, size: int, find_dead: Optional[Callable[[], Optional[str]]] = None) -> None:
+        """`find_dead`: rank 0's way to name the rank whose death failed a collective."""
         self.pg, self.rank, self.size = pg, rank, size
+        self.find_dead = find_dead
 
     def _wait(self, work: Any, what: str) -> None:
         try:
             work.wait()
         except RuntimeError as e:
-            raise TensorParallelError(f"tensor-parallel {what} failed on rank {self.rank}: {_one_line(e)}") from e
+            dead = self.find_dead() if self.find_dead is not None else None
+            why = dead or _one_line(e)
+            raise TensorParallelError(f"tensor-parallel {what} failed on rank {self.rank}: {why}") from e
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         self._wait(self.pg.allreduce([tensor]), "all-reduce")
@@ -192,7 +196,7 @@ class Group:
         for conn in self.conns:
             conn.send(("start", start_message))
         self._store = store
-        self.comm = ProcessCollectives(process_group(backend, store, 0, self.size), 0, self.size)
+        self.comm = ProcessCollectives(process_group(backend, store, 0, self.size), 0, self.size, self._await_death)
         self._monitor.start()
 
     def tensor_parallel(self) -> TensorParallel:
@@ -280,6 +284,15 @@ class Group:
             if code is not None:
                 return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
         return None
+
+    def _await_death(self) -> Optional[str]:
+        """The rank whose death failed a collective: its process may take a moment to be reaped."""
+        deadline = time.monotonic() + 2.0
+        while (dead := self._dead()) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if dead is not None:
+            self.failure = self.failure or dead
+        return dead
 
     def _check_alive(self, when: str) -> None:
         dead = self._dead()

@@ -49,8 +49,7 @@ def check_group(config: EngineConfig, hf_config: Any, num_gpus: int, device: tor
         group = config.quant_group_size
         inputs = {
             "o_proj": spec.num_heads * spec.head_dim,
-            "down_proj": spec.intermediate_size,
-            "experts' down_proj": spec.moe_intermediate_size,
+            "down_proj": spec.intermediate_size,  # the experts' are not quantized, their shared expert's is
             "shared expert's down_proj": spec.shared_expert_intermediate_size,
         }
         for name, total in inputs.items():

@@ -228,7 +228,7 @@ def test_two_tp2_runs_are_bitwise_equal_and_a_death_between_calls_ends_the_group
         follower = engine.group.processes[0]
         os.kill(follower.pid, signal.SIGKILL)
         follower.wait()
-        with pytest.raises(TensorParallelError):
+        with pytest.raises(TensorParallelError, match="rank 1"):
             engine.generate(prompts[:1], GREEDY)
     _assert_group_ended(engine)
 
@@ -254,7 +254,7 @@ def test_a_follower_killed_during_generate_fails_it_and_leaves_no_process(tiny_l
         killer = threading.Thread(target=kill_once_running, daemon=True)
         killer.start()
         try:
-            with pytest.raises(TensorParallelError):
+            with pytest.raises(TensorParallelError, match="rank 1"):
                 engine.generate(["The quick brown fox"] * 4, long)
         finally:
             killed.set()

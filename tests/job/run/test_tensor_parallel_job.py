@@ -137,7 +137,7 @@ def _kill_at_pause(tmp_path: Path, overrides: list[str], marker: dict[str, str],
     if victim == "follower":
         # rank 0's next step fails at once: one line, exit 1, the open shard not committed
         assert proc.returncode == 1, stderr
-        assert "tensor-parallel" in stderr and "Traceback" not in stderr
+        assert "tensor-parallel rank 1" in stderr and "Traceback" not in stderr  # names the dead rank
     else:
         assert proc.returncode == -signal.SIGKILL
     assert wait_until_no_followers(marker) == []  # a follower outlives neither its peer nor rank 0

@@ -45,9 +45,11 @@ def _watch_parent(parent: int) -> None:
         time.sleep(0.5)
 
 
-def _serve(conn: Connection, model: Any, kv_caches: Any, comm: ProcessCollectives, device: torch.device) -> None:
-    """Run what rank 0 ships until it says exit."""
-    hidden_size, dtype = model.spec.hidden_size, model.embed_tokens.weight.dtype
+def _serve(
+    conn: Connection, model: Any, kv_caches: Any, comm: ProcessCollectives, device: torch.device, dtype: torch.dtype
+) -> None:
+    """Run what rank 0 ships until it says exit; `dtype`: the hidden rows' (the engine's activations)."""
+    hidden_size = model.spec.hidden_size
     while True:
         kind, payload = conn.recv()
         if kind == "forward":
@@ -129,7 +131,7 @@ def run(spec: dict[str, Any]) -> None:
         log.exception("rank %d could not start", rank)
         conn.send(("error", {"rank": rank, "message": f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"}))
         raise SystemExit(1) from None
-    _serve(conn, model, cache.kv_caches, comm, device)
+    _serve(conn, model, cache.kv_caches, comm, device, target.dtype)
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ fields: no module asks which device it runs on.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -377,7 +378,10 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.kernels = kernels if kernels is not None else reference_kernels()
         spec = DecoderSpec.from_hf(config)
-        self.spec = spec = local_spec(spec, tp.shard) if tp is not None else spec
+        if tp is not None:
+            tp = dataclasses.replace(tp, vocab_size=spec.vocab_size)
+            spec = local_spec(spec, tp.shard)
+        self.spec = spec
         self.tp = tp
         vocab_rows = local_vocab_size(spec.vocab_size, spec.tp_size)  # this rank's slice, padded
         self.embed_tokens = nn.Embedding(vocab_rows, spec.hidden_size)
@@ -432,7 +436,7 @@ class DecoderLM(nn.Module):
         if fused is not None:
             normed, x = fused
         elif tp is not None:
-            normed, x = None, tp.vocab_parallel_embedding(self.embed_tokens.weight, input_ids)
+            normed, x = None, tp.vocab_parallel_embedding(self.embed_tokens, input_ids)
         else:
             normed, x = None, self.embed_tokens(input_ids)  # (num_tokens, hidden_size)
         if self.spec.gemma_norms:

@@ -228,15 +228,16 @@ class TensorParallel:
     shard: TPShard
     comm: Collectives
     link: Optional[StepLink]
+    vocab_size: int = 0  # the whole vocabulary (set by the model that takes this: DecoderLM)
 
-    def vocab_parallel_embedding(self, weight: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """(num_tokens, hidden_size): the rows of `weight` (this rank's vocabulary slice) for the ids in
-        it, zeros for the others, summed over the ranks."""
-        vocab = weight.shape[0]
+    def vocab_parallel_embedding(self, embed: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+        """(num_tokens, hidden_size): `embed`'s rows (this rank's vocabulary slice, whatever module
+        holds it: a plain, quantized or packed embedding) for the ids in the slice, zeros for the
+        others, summed over the ranks."""
+        vocab = local_vocab_size(self.vocab_size, self.shard.size)
         local = input_ids - self.shard.rank * vocab
         outside = (local < 0) | (local >= vocab)  # (num_tokens,)
-        rows = torch.nn.functional.embedding(local.masked_fill(outside, 0), weight)  # (num_tokens, hidden)
-        rows = rows.masked_fill(outside[:, None], 0)
+        rows = embed(local.masked_fill(outside, 0)).masked_fill(outside[:, None], 0)  # (num_tokens, hidden)
         self.comm.all_reduce(rows)
         return rows
 

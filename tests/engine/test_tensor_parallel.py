@@ -518,3 +518,25 @@ def test_smollm2_at_tp3_gives_tp1_greedy_tokens(smollm2_cache_dir, one_torch_thr
     # Each rank holds a third of the weights (+ its share of the norms, which all three hold).
     third = three.settings.weight_bytes / 3
     assert all(third <= b <= third * 1.01 for b in three.settings.rank_weight_bytes)
+
+
+# ---- bf16 on the CPU: the packed and native layers -------------------------------------------------
+
+
+def test_a_bf16_group_runs_the_packed_cpu_layers(tmp_path, one_torch_thread):
+    """bf16 on the CPU packs the linears (and with the native kernels reads a tied embedding out of
+    the LM head's tiles: NativeEmbedding, which has no `.weight`), on every rank: the group must run
+    whichever module holds a rank's vocabulary slice. bf16 sums in another order than one process,
+    so only each prompt's first token is compared (one step from the same prompt, no near tie in
+    this model's logits there), and every output must be its full length."""
+    model_dir = str(make_tiny_model(tmp_path / "tied", "llama", tie_word_embeddings=True))
+    config = dict(ENGINE, dtype="bfloat16")
+    prompts = identity._prompts()[:4]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    with Engine(EngineConfig(model=model_dir, **config)) as one:
+        want = one.generate(prompts, params)
+    with Engine(EngineConfig(model=model_dir, tensor_parallel_size=2, **config)) as group:
+        assert group.settings.packed_linears > 0  # the bf16 CPU path, not float32's plain linears
+        got = group.generate(prompts, params)
+    assert [o.token_ids[0] for o in got] == [o.token_ids[0] for o in want]
+    assert all(len(o.token_ids) == 6 for o in got)

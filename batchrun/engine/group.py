@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 
 ENV_KEY = "BATCHRUN_TP_GROUP"  # the follower's rendezvous: rank, size, addresses, authkey (hex)
 COLLECTIVE_TIMEOUT_S = 120.0  # a rank waiting longer for another inside one step ends the group
-GRACE_S = 10.0  # after a follower's death, rank 0's own stop path gets this long before the monitor exits
+GRACE_S = 20.0  # after a follower's death, rank 0's own stop path gets this long before the monitor exits
 START_TIMEOUT_S = 600.0  # a follower not connected by then is not coming (a missing interpreter, a crash)
 DEATH_EXIT_CODE = 70
 

@@ -168,12 +168,7 @@ class EngineConfig:
             (
                 self.quantization in ("w8a8", "w4a8"),
                 f"engine.quantization={self.quantization}",
-                "its activation scales span whole input rows, which no rank holds (int8, int4 and fp8 shard)",
-            ),
-            (
-                self.quantization == "gguf",
-                "engine.quantization=gguf",
-                "the file's blocks are not sliced per rank; int8 or int4 quantize the same weights in the same groups",
+                "its activation scales span whole input rows, which no rank holds (int8, int4, fp8 and gguf shard)",
             ),
             (self.async_scheduling, "engine.async_scheduling", "a group runs every step eagerly, none ahead"),
             (

@@ -14,6 +14,7 @@ from batchrun.engine.config import EngineConfig, EngineConfigError
 from batchrun.engine.device import resolve_device
 from batchrun.engine.group import Group, start_group
 from batchrun.model.decoder import DecoderSpec
+from batchrun.model.gguf import GGUF_BLOCK_SIZE
 from batchrun.model.loader import model_config
 from batchrun.model.quant import effective_group_size
 from batchrun.model.tensor_parallel import TensorParallel, head_split_error, size_split_error
@@ -45,23 +46,29 @@ def check_group(config: EngineConfig, hf_config: Any, num_gpus: int, device: tor
             f"{key} does not fit {spec.model_type} ({spec.num_heads} attention heads, {spec.num_kv_heads} KV heads): "
             f"{why}"
         )
-    if config.quantization in ("int8", "int4"):
-        group = config.quant_group_size
+    if config.quantization in ("int8", "int4", "gguf"):
+        # gguf: the file's Q8_0/Q4 blocks of 32 where it has them, int8 in quant_group_size elsewhere
+        groups = (
+            (config.quant_group_size, GGUF_BLOCK_SIZE) if config.quantization == "gguf" else (config.quant_group_size,)
+        )
         inputs = {
             "o_proj": spec.num_heads * spec.head_dim,
             "down_proj": spec.intermediate_size,  # the experts' are not quantized, their shared expert's is
             "shared expert's down_proj": spec.shared_expert_intermediate_size,
         }
-        for name, total in inputs.items():
-            # The groups one process quantizes this layer in: quant_group_size, or where that does not
-            # divide the inputs, the largest half of it that does (model/quant: effective_group_size).
-            # A group size above the inputs' width is not exempt: the whole row is then one group.
-            layer_group = effective_group_size(total, group) if total else group
-            if total and (total // size) % layer_group:
-                raise EngineConfigError(
-                    f"{key} gives each rank {total // size} of {name}'s {total} inputs, not whole groups of "
-                    f"{layer_group} (engine.quant_group_size={group}): pick a group size that divides {total // size}"
-                )
+        for group in groups:
+            for name, total in inputs.items():
+                # The groups one process quantizes this layer in: quant_group_size, or where that does not
+                # divide the inputs, the largest half of it that does (model/quant: effective_group_size).
+                # A group size above the inputs' width is not exempt: the whole row is then one group.
+                layer_group = effective_group_size(total, group) if total else group
+                if total and (total // size) % layer_group:
+                    raise EngineConfigError(
+                        f"{key} gives each rank {total // size} of {name}'s {total} inputs, not whole groups of "
+                        f"{layer_group} (engine.quant_group_size={config.quant_group_size}"
+                        f"{', GGUF blocks of 32' if group == GGUF_BLOCK_SIZE else ''}): "
+                        f"pick a size whose share of them is whole groups"
+                    )
     if device.type == "cuda" and size > num_gpus:
         raise EngineConfigError(f"{key} needs {size} GPUs, but this worker sees {num_gpus} (CUDA_VISIBLE_DEVICES)")
 

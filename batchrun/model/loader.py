@@ -492,9 +492,13 @@ def load_model(
         config, state_dict, tokenizer = _load_hf_dir(str(entry), _safetensors_files(str(entry)), dtype, tp_shard)
     quantized_weights = None
     if keep_gguf_quantization and gguf_file is not None:
+        from batchrun.model.decoder import DecoderSpec
         from batchrun.model.gguf import read_gguf_weights
 
         quantized_weights = read_gguf_weights(path)
+        if tp_shard is not None and tp_shard.size > 1:  # this rank's blocks only
+            slicer = ShardSlicer(DecoderSpec.from_hf(config), tp_shard)
+            quantized_weights = {n: slicer.slice_quantized(n, w) for n, w in quantized_weights.items()}
     return LoadedModel(
         config=config,
         state_dict=state_dict,

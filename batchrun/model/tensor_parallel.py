@@ -27,6 +27,8 @@ from typing import Any, Optional, Protocol
 
 import torch
 
+from batchrun.model.quant.weights import QuantizedWeight
+
 
 @dataclass(frozen=True)
 class TPShard:
@@ -143,6 +145,33 @@ class ShardSlicer:
             pad = torch.zeros((self.vocab - rows.shape[0],) + tuple(rows.shape[1:]), dtype=rows.dtype)
             return torch.cat([rows, pad], dim=0)
         return rows
+
+    def slice_quantized(self, name: str, weight: QuantizedWeight) -> QuantizedWeight:
+        """This rank's slice of a weight already quantized (a GGUF file's blocks), `name` its HF
+        module name: output rows whole, or input columns at group boundaries (start-up checks the
+        split aligns; engine/group_startup.py), so it is bitwise the blocks one process holds there."""
+        rule = self._rule(name + ".weight")
+        if self.shard.size == 1 or rule is None:
+            return weight
+        dim, (lo, hi) = rule
+        if dim == 0:
+            rows = slice(lo, hi)
+            mins = weight.mins[rows].clone() if weight.mins is not None else None
+            return QuantizedWeight(
+                weight.format, weight.qweight[rows].clone(), weight.scales[rows].clone(), mins, weight.in_features
+            )
+        group = weight.group_size
+        assert lo % group == 0 and hi % group == 0, f"{name}: columns {lo}:{hi} straddle groups of {group}"
+        per_byte = 2 if weight.format == "int4" else 1  # int4: two columns a byte, even column low
+        groups = slice(lo // group, hi // group)
+        mins = weight.mins[:, groups].clone() if weight.mins is not None else None
+        return QuantizedWeight(
+            weight.format,
+            weight.qweight[:, lo // per_byte : hi // per_byte].clone(),
+            weight.scales[:, groups].clone(),
+            mins,
+            hi - lo,
+        )
 
     def __call__(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's slice of `tensor`, contiguous, its own storage (the whole may be freed)."""

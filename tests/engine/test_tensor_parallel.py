@@ -307,7 +307,6 @@ def test_heads_that_do_not_split_raise_before_any_follower_starts(tiny_llama_dir
     [
         (dict(quantization="w8a8"), "engine.quantization=w8a8"),
         (dict(quantization="w4a8"), "engine.quantization=w4a8"),
-        (dict(quantization="gguf"), "engine.quantization=gguf"),
         (dict(async_scheduling=True), "engine.async_scheduling"),
         (dict(speculative=dict(method="draft", draft_model="some-draft")), "engine.speculative.method=draft"),
         (dict(batch_invariant=True), "engine.batch_invariant"),
@@ -518,6 +517,30 @@ def test_smollm2_at_tp3_gives_tp1_greedy_tokens(smollm2_cache_dir, one_torch_thr
     # Each rank holds a third of the weights (+ its share of the norms, which all three hold).
     third = three.settings.weight_bytes / 3
     assert all(third <= b <= third * 1.01 for b in three.settings.rank_weight_bytes)
+
+
+def test_smollm2_gguf_blocks_at_tp3_are_one_process_blocks_sliced(smollm2_cache_dir, one_torch_thread):
+    """engine.quantization=gguf keeps the file's Q4_1 blocks: each rank slices them (output rows, or
+    input columns at block boundaries), so rank 0's blocks are bitwise one process's, sliced, and
+    the group's float32 greedy tokens are one process's."""
+    config = dict(cache_dir=smollm2_cache_dir, max_num_seqs=4, max_num_batched_tokens=256, quantization="gguf")
+    prompts = ["The capital of France is", "def fibonacci(n):", "Primary colors are"]
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    with Engine(EngineConfig(model="smollm2-135m", **{**ENGINE, **config})) as one_engine:
+        one = one_engine.generate(prompts, params)
+        whole = {n: b.clone() for n, b in one_engine.model.layers[0].named_buffers()}
+    with Engine(EngineConfig(model="smollm2-135m", tensor_parallel_size=3, **{**ENGINE, **config})) as group:
+        assert group.settings.quant_formats == one_engine.settings.quant_formats
+        three = group.generate(prompts, params)
+        rank0 = dict(group.model.layers[0].named_buffers())
+    assert [o.token_ids for o in three] == [o.token_ids for o in one]
+    # o_proj: 576 inputs, rank 0 the first 192 (6 blocks of 32; int4: two columns a byte)
+    assert torch.equal(rank0["self_attn.o_proj.qweight"], whole["self_attn.o_proj.qweight"][:, :96])
+    assert torch.equal(rank0["self_attn.o_proj.scales"], whole["self_attn.o_proj.scales"][:, :6])
+    # gate_up: rank 0's first third of the gate rows, then of the up rows
+    gate_up = whole["mlp.gate_up_proj.qweight"]
+    want = torch.cat([gate_up[:512], gate_up[1536 : 1536 + 512]])
+    assert torch.equal(rank0["mlp.gate_up_proj.qweight"], want)
 
 
 # ---- bf16 on the CPU: the packed and native layers -------------------------------------------------

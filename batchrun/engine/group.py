@@ -85,6 +85,11 @@ class ProcessCollectives:
     def all_reduce(self, tensor: torch.Tensor) -> None:
         self._wait(self.pg.allreduce([tensor]), "all-reduce")
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
+        self._wait(self.pg.allreduce([tensor], opts), "all-reduce (max)")
+
     def broadcast(self, tensor: torch.Tensor) -> None:
         opts = dist.BroadcastOptions()
         opts.rootRank = 0

@@ -230,6 +230,9 @@ class Collectives(Protocol):
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over the ranks, in place; every rank gets the same bits."""
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> None:
+        """The elementwise largest of `tensor` over the ranks, in place (load time only)."""
+
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Rank 0's `tensor` into every rank's, in place."""
 

@@ -348,6 +348,28 @@ def test_quantized_speculating_tp2_gives_tp1_greedy_tokens(quantization, method,
     assert two.stats.num_spec_proposed > 0 and two.stats.num_spec_accepted > 0, "speculation never ran"
 
 
+def test_fp8_shards_are_one_process_codes_sliced_and_give_tp1_tokens(tiny_llama_dir, one_torch_thread):
+    """fp8 scales are per output channel: a row-parallel projection's (o_proj, down_proj) rank holds
+    only some columns of each row, so the ranks agree on each row's magnitude (an all-reduce of the
+    maxima at load) and rank 0's codes and scales are one process's, sliced; tokens are tp=1's."""
+    prompts = [t[:n] for t, n in zip(sample_texts(), (60, 200, 25))]
+    greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    config = dict(ENGINE, quantization="fp8")
+    with Engine(EngineConfig(model=tiny_llama_dir, **config)) as one_engine:
+        one = one_engine.generate(prompts, greedy)
+        whole = {n: b.clone() for n, b in one_engine.model.layers[0].named_buffers()}
+    with Engine(EngineConfig(model=tiny_llama_dir, tensor_parallel_size=2, **config)) as group:
+        two = group.generate(prompts, greedy)
+        rank0 = dict(group.model.layers[0].named_buffers())
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    for name, cols in (("self_attn.o_proj", 32), ("mlp.down_proj", 64)):  # 64 and 128 inputs, half each
+        assert whole[f"{name}.qweight"].dtype == torch.float8_e4m3fn
+        assert torch.equal(rank0[f"{name}.scales"], whole[f"{name}.scales"])  # whole rows' magnitudes
+        assert torch.equal(
+            rank0[f"{name}.qweight"].view(torch.uint8), whole[f"{name}.qweight"][:, :cols].view(torch.uint8)
+        )
+
+
 class _NoCollectives:
     """Collectives that do nothing: enough to build one rank's model in this process (no forward)."""
 

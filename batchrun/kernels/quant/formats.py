@@ -87,9 +87,13 @@ def dequantize_int4(
     return w.reshape(n, -1).to(dtype)  # (N, K)
 
 
-def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-output-channel e4m3: (qweight float8_e4m3fn (N, K), scales float32 (N, 1))."""
-    scales = (w.float().abs().amax(dim=1, keepdim=True) / FP8_E4M3_MAX).clamp_(min=MIN_SCALE)
+def quantize_fp8(w: torch.Tensor, row_absmax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel e4m3: (qweight float8_e4m3fn (N, K), scales float32 (N, 1)). `row_absmax`
+    (N, 1): each row's largest magnitude over the whole row, where `w` holds only some of its
+    columns (a tensor-parallel rank's slice: its codes are then one process's, sliced)."""
+    if row_absmax is None:
+        row_absmax = w.float().abs().amax(dim=1, keepdim=True)
+    scales = (row_absmax.float() / FP8_E4M3_MAX).clamp_(min=MIN_SCALE)
     return (w.float() / scales).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scales
 
 

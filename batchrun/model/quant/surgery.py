@@ -83,6 +83,7 @@ class ProjectionQuantizer:
         self.prequantized = prequantized or {}
         self.outlier_channels = outlier_channels
         self.kernels = kernels
+        self.tp = getattr(model, "tp", None)  # a tensor-parallel rank's model (model/tensor_parallel.py)
         self.fmt = "int8" if mode == "gguf" else _weight_format(mode)
         self.smoothed: dict[str, torch.Tensor] = {}
         if mode == "w8a8" and input_absmax:
@@ -112,7 +113,10 @@ class ProjectionQuantizer:
                 weight, outliers = split_outlier_channels(weight, self.smoothed[name], self.outlier_channels)
             # W8A8's single integer GEMM needs per-channel weight scales; fp8 is per channel.
             grouped = mode in ("int8", "int4", "gguf")
-            qw = quantize_weight(weight, self.fmt, w4.W4A8_GROUP if mode == "w4a8" else group_size if grouped else None)
+            row_absmax = self._row_absmax(name, weight) if self.fmt == "fp8" else None
+            qw = quantize_weight(
+                weight, self.fmt, w4.W4A8_GROUP if mode == "w4a8" else group_size if grouped else None, row_absmax
+            )
             if mode == "w4a8" and qw.group_size != w4.W4A8_GROUP:
                 summary.notes.append(
                     f"{name}: int4 weight-only in groups of {qw.group_size} ({linear.in_features} "
@@ -126,6 +130,17 @@ class ProjectionQuantizer:
         module = make_linear(qw, mode, linear.bias, dtype, outliers, kernels=self.kernels)
         self.record(module, from_gguf)
         return module
+
+    def _row_absmax(self, name: str, weight: torch.Tensor) -> Optional[torch.Tensor]:
+        """(N, 1): a row-parallel projection's row magnitudes over every rank's columns, so a
+        tensor-parallel rank's per-channel fp8 scales are one process's (None: no group, or a
+        projection whose rows a rank holds whole). Every rank quantizes its projections in the same
+        order, so the all-reduces pair up."""
+        if self.tp is None or not name.endswith(("o_proj", "down_proj")):
+            return None
+        absmax = weight.float().abs().amax(dim=1, keepdim=True)
+        self.tp.comm.all_reduce_max(absmax)
+        return absmax
 
     def quantize_embeddings(self, model: nn.Module) -> None:
         """Embedding and LM head as one per-row 8-bit matrix (fp8 in fp8 mode), shared when tied."""

@@ -67,8 +67,11 @@ def effective_group_size(in_features: int, group_size: int) -> int:
     return g if in_features % g == 0 else in_features
 
 
-def quantize_weight(w: torch.Tensor, fmt: str, group_size: Optional[int] = None) -> QuantizedWeight:
-    """Float (N, K) -> QuantizedWeight; int8 is per channel unless `group_size` is given."""
+def quantize_weight(
+    w: torch.Tensor, fmt: str, group_size: Optional[int] = None, row_absmax: Optional[torch.Tensor] = None
+) -> QuantizedWeight:
+    """Float (N, K) -> QuantizedWeight; int8 is per channel unless `group_size` is given. `row_absmax`
+    (fp8): the rows' magnitudes over more columns than `w` holds (formats.quantize_fp8)."""
     k = w.shape[1]
     if fmt == "int8":
         qw, s = qk.quantize_int8(w, effective_group_size(k, group_size) if group_size else None)
@@ -77,7 +80,7 @@ def quantize_weight(w: torch.Tensor, fmt: str, group_size: Optional[int] = None)
         qw, s, m = qk.quantize_int4(w, effective_group_size(k, group_size or 32))
         return QuantizedWeight("int4", qw, s, m, k)
     if fmt == "fp8":
-        qw, s = qk.quantize_fp8(w)
+        qw, s = qk.quantize_fp8(w, row_absmax)
         return QuantizedWeight("fp8", qw, s, None, k)
     raise ValueError(f"unknown weight format {fmt!r}")
 

@@ -585,3 +585,23 @@ def test_a_bf16_group_runs_the_packed_cpu_layers(tmp_path, one_torch_thread):
         got = group.generate(prompts, params)
     assert [o.token_ids[0] for o in got] == [o.token_ids[0] for o in want]
     assert all(len(o.token_ids) == 6 for o in got)
+
+
+def test_a_cpu_group_shares_a_fraction_of_the_hosts_memory(tiny_llama_dir):
+    """KV budget as a fraction of free memory (or the default share): a CPU group's ranks sit on one
+    host, so each takes 1/N of the share (its blocks hold 1/N of the heads: the group holds one
+    process's blocks); bytes given outright are each rank's. No processes: plan_kv alone."""
+    from batchrun.engine import startup
+
+    target = startup.load_target(EngineConfig(model=tiny_llama_dir, dtype="float32"))
+    for memory in (0.05, None):
+        alone = startup.plan_kv(EngineConfig(model=tiny_llama_dir, kv_cache_memory=memory), target)
+        shared = startup.plan_kv(
+            EngineConfig(model=tiny_llama_dir, kv_cache_memory=memory, tensor_parallel_size=2), target
+        )
+        assert shared.num_blocks == pytest.approx(alone.num_blocks / 2, rel=0.05), memory  # free memory moves a little
+    fixed = dict(model=tiny_llama_dir, kv_cache_memory=8 << 20)
+    assert (
+        startup.plan_kv(EngineConfig(**fixed, tensor_parallel_size=2), target).num_blocks
+        == startup.plan_kv(EngineConfig(**fixed), target).num_blocks
+    )

@@ -75,8 +75,7 @@ def run(spec: dict[str, Any]) -> None:
     from batchrun.engine.runners.base import ModelRunner
     from batchrun.engine.startup import bind, load_target
     from batchrun.kernels.binding import with_tuning
-    from batchrun.model.prepare import apply_linear_choices, module_weight_bytes
-    from batchrun.model.tensor_parallel import owned_weight_bytes
+    from batchrun.model.prepare import apply_linear_choices, module_weight_bytes, owned_weight_bytes
 
     rank, size = int(spec["rank"]), int(spec["size"])
     conn = Client(tuple(spec["control"]), authkey=bytes.fromhex(spec["authkey"]))

@@ -56,9 +56,9 @@ from batchrun.model.decoder import DecoderLM, build_decoder
 from batchrun.model.gemm_shapes import attention_shape, cpu_linear_shapes, gemm_shapes
 from batchrun.model.linear import count_native_linears
 from batchrun.model.loader import load_model
-from batchrun.model.prepare import apply_linear_choices, module_weight_bytes
+from batchrun.model.prepare import apply_linear_choices, module_weight_bytes, owned_weight_bytes
 from batchrun.model.quant import QuantizationSummary
-from batchrun.model.tensor_parallel import TensorParallel, owned_weight_bytes
+from batchrun.model.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 

@@ -15,6 +15,7 @@ way, and packing it there would keep a second copy of the vocabulary matrix.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Optional, TypeGuard, Union
 
 import torch
@@ -25,7 +26,7 @@ from batchrun.kernels.binding import default_kernels
 from batchrun.kernels.cpu_choices import UNPACKED
 from batchrun.kernels.kernel_set import KernelSet
 from batchrun.kernels.quant import w4a8 as w4
-from batchrun.model.decoder import MLP
+from batchrun.model.decoder import MLP, DecoderLM
 from batchrun.model.gemm_shapes import linear_kind
 from batchrun.model.linear import (
     NativeEmbedding,
@@ -42,6 +43,7 @@ from batchrun.model.quant.layers import W4A8Linear, W4A8SiluMulLinear
 from batchrun.model.quant.smoothquant import PROJECTION_NAMES
 from batchrun.model.quant.surgery import QUANT_MODES, ProjectionQuantizer, QuantizationSummary
 from batchrun.model.quant.weights import QuantizedWeight
+from batchrun.model.tensor_parallel import is_replicated
 
 log = logging.getLogger(__name__)
 
@@ -254,17 +256,38 @@ def quantize_model(
     )
 
 
-def module_weight_bytes(model: nn.Module) -> int:
-    """Bytes of parameters and buffers, counting shared storage once (tied embeddings)."""
+def _stored_tensors(model: nn.Module) -> Iterator[tuple[str, int]]:
+    """(name, bytes) of each parameter and buffer, shared storage once (tied embeddings)."""
     seen: set[int] = set()
-    total = 0
-    for t in list(model.parameters()) + list(model.buffers()):
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if t.is_mkldnn:  # oneDNN-packed weights (model/linear.py: PackedLinear): opaque, never shared
-            total += t.numel() * t.element_size()
+            yield name, t.numel() * t.element_size()
             continue
         ptr = t.untyped_storage().data_ptr()
         if ptr in seen:
             continue
         seen.add(ptr)
-        total += t.untyped_storage().nbytes()
+        yield name, t.untyped_storage().nbytes()
+
+
+def module_weight_bytes(model: nn.Module) -> int:
+    """Bytes of parameters and buffers, counting shared storage once (tied embeddings)."""
+    return sum(nbytes for _, nbytes in _stored_tensors(model))
+
+
+def owned_weight_bytes(model: DecoderLM) -> float:
+    """A tensor-parallel rank's share of the whole model's weight bytes (model/tensor_parallel.py):
+    what it holds, a tensor every rank holds counted 1/N, the KV rows of qkv_proj that `tp_kv_copies`
+    ranks hold counted 1/copies. Summed over the ranks of a group: one process's `module_weight_bytes`."""
+    spec = model.spec
+    q, kv = spec.num_heads * spec.head_dim, 2 * spec.num_kv_heads * spec.head_dim
+    qkv_share = (q + kv / spec.tp_kv_copies) / (q + kv)
+    total = 0.0
+    for name, nbytes in _stored_tensors(model):
+        if is_replicated(name):
+            total += nbytes / spec.tp_size
+        elif "qkv_proj" in name:
+            total += nbytes * qkv_share
+        else:
+            total += nbytes
     return total

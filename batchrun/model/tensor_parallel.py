@@ -191,37 +191,10 @@ class ShardSlicer:
         return self.pad_rows(name, tensor.narrow(dim, lo, hi - lo).clone(memory_format=torch.contiguous_format))
 
 
-def _is_replicated(name: str) -> bool:
+def is_replicated(name: str) -> bool:
     """Whether every rank holds the parameter or buffer `name` whole: norms, the MoE router and
     shared-expert gate, counters."""
     return "norm" in name or name.endswith(("mlp.gate.weight", "shared_expert_gate.weight", "token_counts"))
-
-
-def owned_weight_bytes(model: torch.nn.Module) -> float:
-    """This rank's share of the whole model's weight bytes: what it holds, a tensor every rank holds
-    counted 1/N, the KV rows of qkv_proj that `tp_kv_copies` ranks hold counted 1/copies. Summed over
-    the ranks of a group: the model's bytes held once (one process's `weight_bytes`)."""
-    spec: Any = model.spec  # a DecoderSpec, which this module cannot import (decoder.py imports it)
-    q, kv = spec.num_heads * spec.head_dim, 2 * spec.num_kv_heads * spec.head_dim
-    qkv_share = (q + kv / spec.tp_kv_copies) / (q + kv)
-    seen: set[int] = set()
-    total = 0.0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if t.is_mkldnn:  # oneDNN-packed weights: opaque, never shared
-            nbytes = t.numel() * t.element_size()
-        else:
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in seen:
-                continue
-            seen.add(ptr)
-            nbytes = t.untyped_storage().nbytes()
-        if _is_replicated(name):
-            total += nbytes / spec.tp_size
-        elif "qkv_proj" in name:
-            total += nbytes * qkv_share
-        else:
-            total += nbytes
-    return total
 
 
 class Collectives(Protocol):

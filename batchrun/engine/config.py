@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 QUANTIZATION_MODES = ("none", "int8", "w8a8", "int4", "w4a8", "fp8", "gguf")
+TASKS = ("auto", "generate", "embed", "score")
 
 
 class EngineConfigError(ValueError):
@@ -102,8 +103,15 @@ class EngineConfig:
     # vocabulary split over this many GPUs (one process each, NCCL), or CPU processes (gloo, the
     # threads split between them). 1: the whole model in this process.
     tensor_parallel_size: int = 1
+    # What the model is served as (engine/tasks.py): generate (sample tokens), embed (a pooled
+    # vector per prompt) or score (a classification / reward head's logits per prompt). auto: from
+    # the model directory (sentence-transformers files mean embed, a *ForSequenceClassification
+    # architecture means score, else generate).
+    task: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"engine.task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if isinstance(self.speculative, dict):  # accepted from plain configs
             object.__setattr__(self, "speculative", SpeculativeConfig(**self.speculative))
         if self.quantization not in QUANTIZATION_MODES:

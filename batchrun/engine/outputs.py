@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import numpy as np
+
 
 @dataclass
 class RequestMetrics:
@@ -22,6 +24,9 @@ class RequestMetrics:
     num_spec_proposed: int = 0  # draft tokens proposed for it
     num_spec_accepted: int = 0  # of those, accepted by verification
     num_spec_steps: int = 0  # steps in which it carried drafts
+    # embed/score: prompt tokens cut off because the prompt was longer than the model's input limit
+    # (max_seq_length), as sentence-transformers truncates (the tokenizer's special tokens kept)
+    num_truncated_tokens: int = 0
 
 
 @dataclass
@@ -30,7 +35,7 @@ class RequestOutput:
     prompt_token_ids: list[int]  # the prompt as tokenized
     token_ids: list[int]  # generated tokens only (after stop-string trimming)
     text: str  # decoded generated text, without stop strings
-    finish_reason: str  # "stop" | "length" | "error"
+    finish_reason: str  # "stop" | "length" | "error" | "pooled" (embed/score)
     error: Optional[str] = None  # message when finish_reason == "error"
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # Per generated token: {token_id: logprob} of the token itself and the top-N candidates (N or
@@ -43,6 +48,9 @@ class RequestOutput:
     # Its params had a json_schema, regex or choice: with finish_reason "length" the output is cut
     # inside its grammar, so it does not satisfy the constraint.
     constrained: bool = False
+    # engine.task embed: the embedding, (dim,) float32; score: the head's logits, (num_labels,)
+    # float32. None for generation (token_ids and text are empty and finish_reason "pooled" here).
+    pooled: Optional[np.ndarray] = None
 
 
 @dataclass

@@ -50,6 +50,7 @@ import pyarrow.parquet as pq
 from batchrun.job.commit.fingerprint import fingerprint_changes
 from batchrun.job.commit.store import Attempt, RunStore, checked_name, committed_files
 from batchrun.job.errors import ShardError
+from batchrun.job.formats.writer import read_result_columns
 
 PARTS_DIR = "_parts"
 PART_PROTOCOL = 1
@@ -57,7 +58,17 @@ ROWS_PER_ROW_GROUP = 1024
 SPILL_ROWS = 16384  # result rows held in memory before an uncommitted spill (checkpoints off)
 # The result columns a resumed attempt reads back from its committed parts to count them in the
 # shard's metrics (metrics.ShardTally.add).
-TALLY_COLUMNS = ("error_type", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "ttft_s", "itl_s")
+# An embed or score run's files lack the generation columns: they read as null (writer.read_result_columns).
+TALLY_COLUMNS = (
+    "error_type",
+    "num_prompt_tokens",
+    "num_output_tokens",
+    "num_cached_tokens",
+    "ttft_s",
+    "itl_s",
+    "latency_s",
+    "num_truncated_tokens",
+)
 # The engine's per-request counters (RequestMetrics fields) a part's marker sums over its rows, and
 # a shard's metrics over all of its rows (metrics.ShardTally): the rows themselves do not hold them.
 REQUEST_COUNTERS = ("num_preemptions", "num_spec_proposed", "num_spec_accepted")
@@ -208,8 +219,7 @@ def tally_rows(store: RunStore, parts: Sequence[Part]) -> Iterator[dict[str, Any
     """The committed parts' result rows, as far as the shard's metrics need them."""
     for part in parts:
         with store.fs.open(part.results_path, "rb") as f:
-            table = pq.read_table(f, columns=list(TALLY_COLUMNS))
-        yield from table.to_pylist()
+            yield from read_result_columns(f, TALLY_COLUMNS)
 
 
 def committed_parts(store: RunStore) -> dict[str, list[Part]]:

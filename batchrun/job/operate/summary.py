@@ -49,6 +49,7 @@ def format_summary(result: RunResult) -> str:
             *table,
             "shard tok/s: a shard's output tokens over its own open time (shards overlap: these do not add up)",
             *_run_line(run, result.num_output_tokens),
+            *_rows_line(metrics, run["wall_s"], result.num_output_tokens),
             "",
             f"{result.status}: {result.message}",
         ]
@@ -78,6 +79,18 @@ def _run_line(run: dict[str, Any], num_output_tokens: Optional[int]) -> list[str
     if run["engine_output_tokens_per_s"] is not None:
         line += f"; {run['engine_output_tokens_per_s']:.1f} tok/s over its {run['engine_s']:.1f}s in the engine"
     return [line]
+
+
+def _rows_line(metrics: list[dict[str, Any]], wall_s: Optional[float], num_output_tokens: Optional[int]) -> list[str]:
+    """Runs that generate nothing (embed, score): their rate is rows and prompt tokens per second."""
+    num_rows = sum(m["num_rows"] for m in metrics)
+    if num_output_tokens or not num_rows or not wall_s:
+        return []
+    num_prompt = sum(m.get("num_prompt_tokens") or 0 for m in metrics)
+    truncated = sum(m.get("num_truncated_rows") or 0 for m in metrics)
+    line = f"rows/s: {num_rows / wall_s:.1f} ({num_rows} rows, {num_prompt / wall_s:.1f} prompt tok/s"
+    line += f" over {wall_s:.1f}s)"
+    return [line + (f"; {truncated} rows truncated to the model's input limit" if truncated else "")]
 
 
 def _num(value: Optional[float], fmt: str) -> str:

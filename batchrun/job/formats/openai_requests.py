@@ -407,9 +407,10 @@ class RequestBuilder:
             return _failed(request), None, None
         wanted = "embed" if request.is_embeddings else "generate"
         if wanted != self.task:
-            serves = f"serves {self.task}" + ("" if self.task != "embed" else f"; use {EMBEDDINGS_URL}")
+            hint = f"; use {EMBEDDINGS_URL}" if self.task == "embed" else ""
+            message = f"{request.url} is for {wanted} models; this engine serves {self.task} (engine.task){hint}"
             return (
-                _failed(RequestError(INVALID_REQUEST, f"{request.url} needs a {wanted} model; this engine {serves}")),
+                _failed(RequestError(INVALID_REQUEST, message)),
                 None,
                 request,
             )

@@ -192,6 +192,18 @@ def _decoder_score_head(weights: dict[str, torch.Tensor], device: torch.device, 
     return head
 
 
+def _cls_head(classifier: nn.Module) -> Head:
+    """BERT's classification head: its pooler and classifier over each row's first ([CLS]) token."""
+
+    def head(hidden: torch.Tensor, seq_lens: list[int], input_ids: torch.Tensor) -> torch.Tensor:
+        lens = torch.tensor(seq_lens, dtype=torch.long, device=hidden.device)  # (num_rows,)
+        cls_rows = hidden.index_select(0, torch.cumsum(lens, 0) - lens)  # (num_rows, hidden)
+        out: torch.Tensor = classifier(cls_rows)  # (num_rows, num_labels)
+        return out
+
+    return head
+
+
 def load_decoder(config: EngineConfig, resolved: ResolvedTask, kernels: KernelSet) -> PoolingModel:
     """A decoder family loaded as generation loads it (dtype, threads, packed linears, tuning),
     with the score head read beside it and no vocab x hidden LM head kept."""
@@ -257,18 +269,12 @@ def load_encoder(config: EngineConfig, resolved: ResolvedTask, kernels: KernelSe
     attention = getattr(kernels, "varlen_attention", None)  # None: the encoder's reference attention
     labels: Optional[list[str]] = None
     dim: Optional[int] = None
+    head: Head
     if resolved.task == "score":
         classifier = BertClassifier(hf_config)
         classifier.load_hf_state_dict(dict(state_dict))
-        classifier = classifier.to(device=device, dtype=dtype).eval()
+        head = _cls_head(classifier.to(device=device, dtype=dtype).eval())
         labels = _labels(hf_config)
-
-        def head(hidden: torch.Tensor, seq_lens: list[int], input_ids: torch.Tensor) -> torch.Tensor:
-            lens = torch.tensor(seq_lens, dtype=torch.long, device=hidden.device)
-            cls_rows = hidden.index_select(0, torch.cumsum(lens, 0) - lens)  # (num_rows, hidden): each [CLS]
-            out: torch.Tensor = classifier(cls_rows)  # (num_rows, num_labels)
-            return out
-
     else:
         head = embed_head(resolved.pipeline)
         dim = (resolved.pipeline.dense_out if resolved.pipeline else None) or int(hf_config.hidden_size)

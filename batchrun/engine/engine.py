@@ -35,8 +35,10 @@ class Engine:
     `max_in_flight` in the engine.
     """
 
-    # engine.task embed/score: the pooling engine every call goes to; None for generation
-    pooling: Optional[Pooling] = None
+    pooling: Optional[Pooling] = None  # engine.task embed/score: the pooling engine every call goes to
+    task = "generate"  # what it serves: "generate", "embed" or "score" (engine.task resolved: engine/tasks.py)
+    labels: Optional[list[str]] = None  # score: the head's label names (id2label) in label order
+    embedding_dim: Optional[int] = None  # embed: the length of every embedding
 
     def __init__(self, config: EngineConfig, parts: Optional[EngineParts] = None) -> None:
         """Assign what start-up built: `parts`, or the phases of engine/startup.py run on `config`
@@ -75,7 +77,8 @@ class Engine:
 
     def _assign_pooling(self, pooling: Pooling) -> None:
         model = pooling.model
-        self.pooling = pooling
+        self.pooling, self.task = pooling, pooling.task
+        self.labels, self.embedding_dim = model.labels, model.embedding_dim
         self.device, self.dtype, self.tokenizer = model.device, model.dtype, model.tokenizer
         self.model_path, self.model_fingerprint, self.hf_config = model.path, model.fingerprint, model.hf_config
         self.model = model.model  # type: ignore[assignment]
@@ -84,29 +87,14 @@ class Engine:
         self.max_num_batched_tokens = pooling.max_num_batched_tokens
         self.settings, self.startup_s, self.group = pooling.settings, pooling.startup_s, None
 
-    @property
-    def task(self) -> str:
-        """What this engine serves: "generate", "embed" or "score" (engine.task as resolved)."""
-        return self.pooling.task if self.pooling is not None else "generate"
-
-    @property
-    def labels(self) -> Optional[list[str]]:
-        """score: the head's label names (id2label) in label order; None for embed and generate."""
-        return list(self.pooling.model.labels) if self.pooling and self.pooling.model.labels else None
-
-    @property
-    def embedding_dim(self) -> Optional[int]:
-        """embed: the length of every embedding; None for score and generate."""
-        return self.pooling.model.embedding_dim if self.pooling is not None else None
-
     def embed(self, prompts: Sequence[Union[str, list[int]]]) -> list[np.ndarray]:
-        """One (embedding_dim,) float32 embedding per prompt (text or token ids), in input order;
-        ValueError for a prompt that cannot run (empty, bad ids) or an engine not serving embed."""
+        """One (embedding_dim,) float32 embedding per prompt (text or token ids), in input order.
+        ValueError for a prompt that cannot run (empty, bad ids) and on an engine not serving embed."""
         return self._pooled("embed", prompts)
 
     def score(self, prompts: Sequence[Union[str, list[int]]]) -> list[np.ndarray]:
-        """One (num_labels,) float32 array of the head's logits per prompt, in input order;
-        ValueError for a prompt that cannot run (empty, over max_model_len) or an engine not serving score."""
+        """One (num_labels,) float32 array of the head's logits per prompt, in input order.
+        ValueError for a prompt that cannot run (empty, over max_model_len) and on an engine not serving score."""
         return self._pooled("score", prompts)
 
     def _pooled(self, task: str, prompts: Sequence[Union[str, list[int]]]) -> list[np.ndarray]:

@@ -49,8 +49,8 @@ def encode_text(tokenizer: Any, text: str, renders_chat: bool) -> list[int]:
         rendered = tokenizer.apply_chat_template(
             [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=False
         )
-        return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        return list(tokenizer(rendered, add_special_tokens=False, verbose=False)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
 
 
 def special_suffix(tokenizer: Any, renders_chat: bool = False) -> list[int]:

@@ -5,31 +5,27 @@ with the tiny ChatML tokenizer of batchrun.testing."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
 from batchrun.testing import build_tokenizer, make_tiny_model
 
 
-def make_tiny_sentence_model(out_dir: str | Path, pooling: str = "lasttoken", max_seq_length: int = 64) -> Path:
-    """A Qwen3 directory with sentence-transformers files: Transformer -> Pooling -> Normalize."""
-    out = make_tiny_model(out_dir, "qwen3", num_hidden_layers=2)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-    ]
-    (out / "modules.json").write_text(json.dumps(modules))
-    (out / "sentence_bert_config.json").write_text(
-        json.dumps({"max_seq_length": max_seq_length, "do_lower_case": False})
-    )
-    (out / "1_Pooling").mkdir(exist_ok=True)
-    modes = {f"pooling_mode_{m}": False for m in ("cls_token", "mean_tokens", "max_tokens", "mean_sqrt_len_tokens")}
-    modes["pooling_mode_lasttoken"] = pooling == "lasttoken"
-    modes["pooling_mode_mean_tokens"] = pooling == "mean"
-    (out / "1_Pooling" / "config.json").write_text(json.dumps({"word_embedding_dimension": 64, **modes}))
-    (out / "2_Normalize").mkdir(exist_ok=True)
+def make_tiny_sentence_model(out_dir: str | Path, pooling: str = "lasttoken", max_seq_length: int = 200) -> Path:
+    """A tiny Qwen3 (2 layers) saved by sentence-transformers: Transformer -> Pooling -> Normalize.
+    Its tokenizer has a chat template, so sentence-transformers 6 embeds a text as a user turn
+    rendered through it (the "message" modality): what the job's own tokenizing must match."""
+    import warnings
+
+    from sentence_transformers import SentenceTransformer, models
+
+    out = Path(out_dir)
+    base = make_tiny_model(out.parent / f"{out.name}-base", "qwen3", num_hidden_layers=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        modules: list[Any] = [models.Transformer(str(base), max_seq_length=max_seq_length)]
+        modules += [models.Pooling(64, pooling_mode=pooling), models.Normalize()]
+        SentenceTransformer(modules=modules, device="cpu").save(str(out))
     return out
 
 

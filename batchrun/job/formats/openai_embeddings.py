@@ -33,9 +33,10 @@ _FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
 
 
 def embedding_inputs(
-    body: dict[str, Any], tokenizer: Any, lowercase: bool, embedding_dim: Optional[int]
+    body: dict[str, Any], tokenizer: Any, lowercase: bool, embedding_dim: Optional[int], renders_chat: bool = False
 ) -> Union[list[list[int]], tuple[str, str]]:
-    """The request's inputs as token ids, or (error code, message) of a body batchrun cannot answer."""
+    """The request's inputs as token ids, or (error code, message) of a body batchrun cannot answer.
+    Texts as the embed engine tokenizes them (shard_format.text_encoding)."""
     unknown = sorted(k for k, v in body.items() if k not in _FIELDS and v is not None)
     if unknown:
         return "unsupported_parameter", f"body field(s) {', '.join(unknown)} are not supported for {EMBEDDINGS_URL}"
@@ -62,7 +63,7 @@ def embedding_inputs(
         if isinstance(item, str):
             if not item.strip():
                 return "invalid_request", f"body.input[{i}] is empty"
-            out.append(list(tokenizer.encode(item.lower() if lowercase else item, add_special_tokens=True)))
+            out.append(encode_text(tokenizer, item.lower() if lowercase else item, renders_chat))
         elif isinstance(item, list) and item and all(_is_int(t) for t in item):
             if not all(0 <= t < vocab_size for t in item):
                 return "invalid_request", f"body.input[{i}] has token ids outside [0, {vocab_size})"
@@ -89,6 +90,17 @@ def embedding_body(model: str, encoding_format: Optional[str], outs: Sequence[Re
         "model": model,
         "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt},
     }
+
+
+def encode_text(tokenizer: Any, text: str, renders_chat: bool) -> list[int]:
+    """A text's token ids as sentence-transformers makes them: with the tokenizer's special
+    tokens, or (`renders_chat`) as a user turn through the chat template."""
+    if renders_chat:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=False
+        )
+        return list(tokenizer.encode(rendered, add_special_tokens=False))
+    return list(tokenizer.encode(text, add_special_tokens=True))
 
 
 def _is_int(value: Any) -> bool:

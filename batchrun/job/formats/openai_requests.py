@@ -366,6 +366,7 @@ class RequestBuilder:
         task: str = "generate",
         lowercase: bool = False,
         embedding_dim: Optional[int] = None,
+        renders_chat: bool = False,
     ) -> None:
         """`tools_template`: the chat template text for requests with tools (job.tools_chat_template
         resolved by tool_calls.resolve_template); None renders them with the model's own. `task`:
@@ -374,6 +375,7 @@ class RequestBuilder:
         self.task = task
         self.lowercase = lowercase
         self.embedding_dim = embedding_dim
+        self.renders_chat = renders_chat
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.model_names = model_names
@@ -415,7 +417,9 @@ class RequestBuilder:
                 request,
             )
         if request.is_embeddings:
-            inputs = embedding_inputs(request.body, self.tokenizer, self.lowercase, self.embedding_dim)
+            inputs = embedding_inputs(
+                request.body, self.tokenizer, self.lowercase, self.embedding_dim, self.renders_chat
+            )
             if isinstance(inputs, tuple):
                 return _failed(RequestError(*inputs)), None, request
             num_tokens = sum(len(ids) for ids in inputs)

@@ -56,10 +56,13 @@ class PromptBuilder:
         max_prompt_tokens: Optional[int],
         task: str = "generate",
         lowercase: bool = False,
+        renders_chat: bool = False,
     ) -> None:
         """`max_prompt_tokens`: None for no limit (embed: the engine truncates); `task`: the
         engine's (generate, embed, score); `lowercase`: the sentence-transformers pipeline's
-        do_lower_case (embed)."""
+        do_lower_case, `renders_chat`: its "message" modality, a text as a user turn through the
+        chat template (embed: shard_format.text_encoding)."""
+        self.renders_chat = renders_chat
         assert max_prompt_tokens is None or max_prompt_tokens > 0
         self.job = job
         self.text_column = data.text_column
@@ -106,7 +109,10 @@ class PromptBuilder:
     def _render_text(self, row: InputRow, body: str) -> list[int]:
         text = self._templated(row, body)
         if self.is_pooling:  # as sentence-transformers: tokenizer(text), its special tokens included
-            return list(self.tokenizer.encode(text.lower() if self.lowercase else text, add_special_tokens=True))
+            text = text.lower() if self.lowercase else text
+            if self.renders_chat:
+                return self._apply_chat_template([{"role": "user", "content": text}])
+            return list(self.tokenizer.encode(text, add_special_tokens=True))
         if self.use_chat_template:
             messages = [{"role": "user", "content": text}]
             if self.job.system_prompt:

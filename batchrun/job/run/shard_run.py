@@ -150,8 +150,8 @@ class ShardRun:
         self.num_result_rows = 0
         # embed/score: the engine's vectors instead of text (writer.pooled_fields); no optional columns
         # but a batch file's sample_index (an embeddings request's inputs)
-        self.task: str = getattr(engine, "task", "generate")
-        self.labels: Optional[list[str]] = getattr(engine, "labels", None)
+        self.task: str = engine.task
+        self.labels: Optional[list[str]] = engine.labels
         self.optional_columns = self.format.optional_columns()
         self.fixed_fields: Optional[list[pa.Field]] = None
         if self.task != "generate":

@@ -14,6 +14,8 @@ import pytest
 
 from batchrun.engine import Engine, EngineConfig, SamplingParams
 from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, format_summary, run_job
+from batchrun.job.config import PlannerConfig
+from batchrun.job.launch.dry_run import plan_run
 from batchrun.job.operate.report import write_report
 from batchrun.job.operate.status import main as status_main
 from tests.support.pooling_models import make_tiny_classifier, make_tiny_sentence_model
@@ -82,7 +84,11 @@ def test_embed_job_writes_the_engines_embeddings_typed_error_rows_and_resumes(
         data / "part-02.parquet",
     )
     out = tmp_path / "out"
-    cfg = config(embed_engine, data, out, "embed", output={"keep_columns": ("title",)})
+    prom = tmp_path / "embed.prom"
+    cfg = config(embed_engine, data, out, "embed", output={"keep_columns": ("title",), "metrics_textfile": str(prom)})
+    plan = plan_run(cfg, engine=embed_engine)  # the dry run: no prompt_too_long for embed, no output tokens
+    assert (plan.num_rows, plan.num_ok, plan.max_output_tokens) == (9, 7, 0)
+    assert plan.error_counts == {"empty_prompt": 1, "null_prompt": 1}
     result = run_job(cfg, engine=embed_engine)
     assert (result.exit_code, result.status) == (0, "completed")
 
@@ -116,6 +122,10 @@ def test_embed_job_writes_the_engines_embeddings_typed_error_rows_and_resumes(
     status = json.loads(capsys.readouterr().out)
     assert (status["num_rows_done"], status["num_errors"], status["num_output_tokens"]) == (9, 2, 0)
     write_report(str(out), out=str(tmp_path / "report.html"))
+    prom_values = {
+        line.split("{")[0]: line.rsplit(" ", 1)[1] for line in prom.read_text().splitlines() if line[0] != "#"
+    }
+    assert prom_values["batchrun_rows_done_total"] == "9" and float(prom_values["batchrun_rows_per_second"]) > 0
 
     # A rerun finds every shard committed and runs nothing.
     before = embed_engine.stats().num_prompt_tokens
@@ -318,3 +328,41 @@ def test_config_refuses_keys_a_pooling_job_cannot_use():
         build(sampling=SamplingParams(n=2, temperature=1.0))
     with pytest.raises(ConfigError, match="^data.response_column"):
         build(task="generate", data={"response_column": "answer"})
+
+
+def test_a_stopped_embed_run_resumes_from_its_committed_parts(tmp_path, make_shards, embed_engine, monkeypatch):
+    """Checkpoints inside a shard: a stop commits the finished rows as a part; the rerun reads the
+    part's pooled rows back (no output-token columns) and embeds only the rest."""
+    import os
+    import signal
+
+    from batchrun.job.run import flow
+
+    ids = make_shards(tmp_path / "in", num_shards=2, rows_per_shard=3)
+    out = tmp_path / "out"
+    cfg = dataclasses.replace(
+        config(embed_engine, tmp_path / "in", out, "embed", output={"checkpoint_rows": 1}),
+        planner=PlannerConfig(max_open_shards=1),
+    )
+    real_on_output = flow.ShardRun.on_output
+
+    def on_output(self, out):
+        real_on_output(self, out)
+        if self.key == 1 and len(self.in_flight) == 2:  # the second shard's first row
+            os.kill(os.getpid(), signal.SIGINT)
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        monkeypatch.setattr(flow.ShardRun, "on_output", on_output)
+        stopped = run_job(cfg, engine=embed_engine)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert [s.status for s in stopped.shards] == ["committed", "interrupted"]
+    assert list((out / "_parts" / "part-01").glob("*.json"))  # its finished rows, committed
+
+    monkeypatch.setattr(flow.ShardRun, "on_output", real_on_output)
+    assert run_job(cfg, engine=embed_engine).exit_code == 0
+    rows = pq.read_table(out / "results" / "part-01.parquet").to_pylist()
+    assert [r["id"] for r in rows] == ids[1] and all(r["embedding"] is not None for r in rows)
+    metrics = pq.read_table(out / "metrics" / "part-01.parquet").to_pylist()[0]
+    assert metrics["num_rows"] == 3 and metrics["num_prompt_tokens"] == sum(r["num_prompt_tokens"] for r in rows)

@@ -194,7 +194,7 @@ def test_generate_then_score_reads_the_first_runs_committed_rows_once(
         job=JobConfig(name="generate", task="generate", chat_template="never"),
         model=ModelConfig(path=tiny_llama_dir),
         engine=EngineConfig(model=tiny_llama_dir, max_num_seqs=4),
-        sampling=SamplingParams(temperature=0.0, max_tokens=8),
+        sampling=SamplingParams(temperature=0.8, max_tokens=8, n=2, seed=0),  # best-of-2, to pick by reward
         data=DataConfig(uri=str(data), text_column="prompt"),
         output=OutputConfig(uri=str(answers), keep_columns=("prompt",)),
         quiet=True,
@@ -209,7 +209,9 @@ def test_generate_then_score_reads_the_first_runs_committed_rows_once(
     second = {p.stem: pq.read_table(p).to_pylist() for p in sorted((scores / "results").glob("*.parquet"))}
     assert sorted(second) == sorted(first) == ["p0", "p1"]
     for shard, rows in second.items():
-        assert [r["id"] for r in rows] == [r["id"] for r in first[shard]]  # each row once, in order
+        # each row (id, sample) once, in order, its sample_index carried along
+        assert [(r["id"], r["sample_index"]) for r in rows] == [(r["id"], r["sample_index"]) for r in first[shard]]
+        assert len(rows) == 6
         assert "label" not in rows[0]  # one label: a reward, no argmax name
         for before, row in zip(first[shard], rows, strict=True):
             if before["error_type"] is not None:
@@ -218,7 +220,7 @@ def test_generate_then_score_reads_the_first_runs_committed_rows_once(
                 assert row["error_type"] is None and len(row["score"]) == 1
             else:
                 assert row["error_type"] == "empty_prompt"
-    assert second["p1"][1]["error_type"] == "upstream_error"
+    assert second["p1"][2]["error_type"] == second["p1"][3]["error_type"] == "upstream_error"
 
 
 def test_openai_embeddings_lines_are_answered_in_openais_shape(tmp_path, embed_engine, tiny_engine, tiny_llama_dir):

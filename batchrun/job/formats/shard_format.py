@@ -15,6 +15,7 @@ instance (`select_format`) holds what turns rows into prompts with the loaded en
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -137,6 +138,11 @@ class ShardFormat(ABC):
         """A row a committed part holds: its id counts for the duplicate check of the rows after it."""
         check_row(row, seen_ids, self.config.data.id_column)
 
+    def carries_sample_index(self, reader: RowReader) -> bool:
+        """The shard's rows are samples of a previous run (its results with sample_index): each
+        result row carries its input row's sample_index."""
+        return False
+
     def num_samples(self, prompt: Prompt, params: Optional[SamplingParams]) -> int:
         """Result rows of a row whose prompt and final params (seed, schema) are these."""
         return self.config.sampling.n
@@ -193,13 +199,32 @@ class ParquetFormat(ShardFormat):
 
     def open_reader(self, shard: Shard, fs: Any) -> RowReader:
         reader = ShardReader(shard, fs, self.config.data, self.columns)
-        if not is_results_file(reader.schema) or all(c in self.columns for c in UPSTREAM_COLUMNS):
+        if not is_results_file(reader.schema):
             return reader
-        reader.close()  # a previous run's results: its error rows must be read too
-        return ShardReader(shard, fs, self.config.data, [*self.columns, *UPSTREAM_COLUMNS])
+        # A previous run's results: its error rows and sample indices must be read too.
+        extra = [c for c in (*UPSTREAM_COLUMNS, SAMPLE_INDEX) if c in reader.schema.names and c not in self.columns]
+        if not extra:
+            return reader
+        reader.close()
+        return ShardReader(shard, fs, self.config.data, [*self.columns, *extra])
+
+    def carries_sample_index(self, reader: RowReader) -> bool:
+        schema = getattr(reader, "schema", None)
+        if self.config.sampling.n > 1:  # this run's own samples number the result rows
+            return False
+        return isinstance(schema, pa.Schema) and is_results_file(schema) and SAMPLE_INDEX in schema.names
+
+    def _identity(self, row: InputRow) -> InputRow:
+        """A previous run's row is (id, sample_index) with sampling.n > 1: its samples share an id."""
+        if SAMPLE_INDEX in row.values and SAMPLE_INDEX not in self.columns and row.id is not None:
+            return dataclasses.replace(row, id=(row.id, row.values[SAMPLE_INDEX]))
+        return row
+
+    def see(self, row: InputRow, seen_ids: set[Any]) -> None:
+        check_row(self._identity(row), seen_ids, self.config.data.id_column)
 
     def build(self, row: InputRow, seen_ids: set[Any]) -> RowPrompt:
-        checked = check_row(row, seen_ids, self.config.data.id_column)
+        checked = check_row(self._identity(row), seen_ids, self.config.data.id_column)
         if checked is not None:
             return RowPrompt(checked)
         upstream = row.values.get(UPSTREAM_COLUMNS[0])
@@ -305,6 +330,7 @@ def format_class(config: RunConfig) -> type[ShardFormat]:
 
 # A results file of a batchrun run (writer.py) has these; a previous run's output as data.uri.
 UPSTREAM_COLUMNS = ("error_type", "error_message")
+SAMPLE_INDEX = "sample_index"  # a previous run's with sampling.n > 1: its rows are (id, sample_index)
 
 
 def is_results_file(schema: pa.Schema) -> bool:

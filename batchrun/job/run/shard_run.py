@@ -178,6 +178,10 @@ class ShardRun:
             self.reader = self.format.open_reader(self.shard, context.data_fs)
             try:
                 keep_fields = [self.reader.field(c) for c in self.config.output.keep_columns]
+                # A previous run's samples as input: each result row carries its sample_index.
+                self.carries_sample_index = self.format.carries_sample_index(self.reader)
+                if self.carries_sample_index and "sample_index" not in self.optional_columns:
+                    self.optional_columns = [*self.optional_columns, "sample_index"]
                 schema = result_schema(keep_fields, self.reader.id_type, self.optional_columns, self.fixed_fields)
                 self.resume = self._resume()
                 output = self.config.output
@@ -276,6 +280,8 @@ class ShardRun:
                     self._skip_done(row, done)
                     continue
                 keep = {c: row.values[c] for c in keep_columns}
+                if self.carries_sample_index:
+                    keep["sample_index"] = row.values.get("sample_index")
                 built = self.format.build(row, self.seen_ids)
                 prompt, params = self._final_params(row, built)
                 num_samples = self.format.num_samples(prompt, params)
@@ -436,7 +442,7 @@ class ShardRun:
     ) -> None:
         """One result row, at its place: rows in input order, a row's samples in sample order."""
         if "sample_index" in self.optional_columns:
-            result["sample_index"] = sample
+            result.setdefault("sample_index", sample)  # a previous run's sample keeps its own
         self.output.put(row, sample, result, metrics)
         self.tally.add(result)
         self.progress.advance(1, result.get("num_output_tokens") or 0, result)

@@ -10,9 +10,9 @@ line answers them together in OpenAI's shape:
     {"object": "list", "data": [{"object": "embedding", "index": 0, "embedding": [...]}, ...],
      "model": "...", "usage": {"prompt_tokens": N, "total_tokens": N}}
 
-Text inputs are tokenized as sentence-transformers does (the tokenizer's special tokens, the
-pipeline's do_lower_case); an input longer than the model's limit is truncated by the engine, as
-sentence-transformers and OpenAI's API truncate. encoding_format base64 gives each embedding as
+Text inputs go to the engine as text: it tokenizes them as sentence-transformers does (the
+pipeline's do_lower_case, default prompt and chat modality), and truncates an input longer than
+the model's limit as sentence-transformers and OpenAI's API truncate. encoding_format base64 gives each embedding as
 the base64 of its little-endian float32 bytes (what OpenAI's clients decode); `dimensions` is
 accepted only at the model's own dimension (batchrun does not shorten embeddings).
 """
@@ -33,10 +33,10 @@ _FIELDS = frozenset({"model", "input", "encoding_format", "dimensions", "user"})
 
 
 def embedding_inputs(
-    body: dict[str, Any], tokenizer: Any, lowercase: bool, embedding_dim: Optional[int], renders_chat: bool = False
-) -> Union[list[list[int]], tuple[str, str]]:
-    """The request's inputs as token ids, or (error code, message) of a body batchrun cannot answer.
-    Texts as the embed engine tokenizes them (shard_format.text_encoding)."""
+    body: dict[str, Any], vocab_size: int, embedding_dim: Optional[int]
+) -> Union[list[Union[str, list[int]]], tuple[str, str]]:
+    """The request's inputs (texts, or token ids), or (error code, message) of a body batchrun
+    cannot answer."""
     unknown = sorted(k for k, v in body.items() if k not in _FIELDS and v is not None)
     if unknown:
         return "unsupported_parameter", f"body field(s) {', '.join(unknown)} are not supported for {EMBEDDINGS_URL}"
@@ -47,7 +47,6 @@ def embedding_inputs(
     if dimensions is not None and dimensions != embedding_dim:
         return "unsupported_parameter", f"body.dimensions: the model's embeddings have {embedding_dim} dimensions"
     value = body.get("input")
-    vocab_size = len(tokenizer)
     if isinstance(value, str):
         items: list[Any] = [value]
     elif isinstance(value, list) and value and all(_is_int(t) for t in value):
@@ -58,12 +57,12 @@ def embedding_inputs(
         return "invalid_request", "body.input must be a string, a list of strings or token ids, or a list of those"
     if len(items) > MAX_INPUTS:
         return "invalid_request", f"body.input has {len(items)} inputs; at most {MAX_INPUTS} per request"
-    out: list[list[int]] = []
+    out: list[Union[str, list[int]]] = []
     for i, item in enumerate(items):
         if isinstance(item, str):
             if not item.strip():
                 return "invalid_request", f"body.input[{i}] is empty"
-            out.append(encode_text(tokenizer, item.lower() if lowercase else item, renders_chat))
+            out.append(item)
         elif isinstance(item, list) and item and all(_is_int(t) for t in item):
             if not all(0 <= t < vocab_size for t in item):
                 return "invalid_request", f"body.input[{i}] has token ids outside [0, {vocab_size})"
@@ -90,17 +89,6 @@ def embedding_body(model: str, encoding_format: Optional[str], outs: Sequence[Re
         "model": model,
         "usage": {"prompt_tokens": num_prompt, "total_tokens": num_prompt},
     }
-
-
-def encode_text(tokenizer: Any, text: str, renders_chat: bool) -> list[int]:
-    """A text's token ids as sentence-transformers makes them: with the tokenizer's special
-    tokens, or (`renders_chat`) as a user turn through the chat template."""
-    if renders_chat:
-        rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=False
-        )
-        return list(tokenizer.encode(rendered, add_special_tokens=False))
-    return list(tokenizer.encode(text, add_special_tokens=True))
 
 
 def _is_int(value: Any) -> bool:

@@ -364,18 +364,13 @@ class RequestBuilder:
         system_prompt: Optional[str] = None,
         tools_template: Optional[str] = None,
         task: str = "generate",
-        lowercase: bool = False,
         embedding_dim: Optional[int] = None,
-        renders_chat: bool = False,
     ) -> None:
         """`tools_template`: the chat template text for requests with tools (job.tools_chat_template
         resolved by tool_calls.resolve_template); None renders them with the model's own. `task`:
-        what the engine serves (embed answers /v1/embeddings lines, generate the others);
-        `lowercase`: its sentence-transformers pipeline's do_lower_case."""
+        what the engine serves (embed answers /v1/embeddings lines, generate the others)."""
         self.task = task
-        self.lowercase = lowercase
         self.embedding_dim = embedding_dim
-        self.renders_chat = renders_chat
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.model_names = model_names
@@ -417,13 +412,13 @@ class RequestBuilder:
                 request,
             )
         if request.is_embeddings:
-            inputs = embedding_inputs(
-                request.body, self.tokenizer, self.lowercase, self.embedding_dim, self.renders_chat
-            )
+            inputs = embedding_inputs(request.body, len(self.tokenizer), self.embedding_dim)
             if isinstance(inputs, tuple):
                 return _failed(RequestError(*inputs)), None, request
-            num_tokens = sum(len(ids) for ids in inputs)
-            return Prompt(token_ids=inputs[0], num_prompt_tokens=num_tokens, inputs=tuple(inputs)), None, request
+            counts = [len(x) if isinstance(x, list) else len(self.tokenizer.encode(x, verbose=False)) for x in inputs]
+            first = inputs[0] if isinstance(inputs[0], list) else list(self.tokenizer.encode(inputs[0], verbose=False))
+            prompt = Prompt(token_ids=first, num_prompt_tokens=sum(counts), engine_prompts=tuple(inputs))
+            return prompt, None, request
         params = sampling_params(request, self.defaults)
         if isinstance(params, RequestError):
             return _failed(params), None, request

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from batchrun.job.config import DataConfig, JobConfig
 from batchrun.job.errors import JobError
@@ -42,9 +42,12 @@ class Prompt:
     error_type: Optional[str] = None
     error_message: Optional[str] = None  # for ok rows: a note such as a truncation
     num_prompt_tokens: Optional[int] = None  # known also for prompt_too_long rows
-    # A row of several prompts (an OpenAI /v1/embeddings request's list input): each its own engine
-    # request and result row (sample_index = its position); token_ids is the first.
-    inputs: tuple[list[int], ...] = ()
+    # What the engine is sent instead of token_ids, one request and result row each (sample_index
+    # its position): an embed text, which the engine tokenizes as sentence-transformers does (the
+    # pipeline's do_lower_case, default prompt and chat modality, truncation), or an OpenAI
+    # /v1/embeddings request's inputs. token_ids is then the job's own tokenizing of the first,
+    # for planning and the dry run's counts; result rows count the engine's tokens.
+    engine_prompts: tuple[Union[str, list[int]], ...] = ()
 
 
 class PromptBuilder:
@@ -55,14 +58,10 @@ class PromptBuilder:
         tokenizer: Any,
         max_prompt_tokens: Optional[int],
         task: str = "generate",
-        lowercase: bool = False,
-        renders_chat: bool = False,
     ) -> None:
         """`max_prompt_tokens`: None for no limit (embed: the engine truncates); `task`: the
-        engine's (generate, embed, score); `lowercase`: the sentence-transformers pipeline's
-        do_lower_case, `renders_chat`: its "message" modality, a text as a user turn through the
-        chat template (embed: shard_format.text_encoding)."""
-        self.renders_chat = renders_chat
+        engine's (generate, embed, score)."""
+        self.embeds_text = task == "embed"
         assert max_prompt_tokens is None or max_prompt_tokens > 0
         self.job = job
         self.text_column = data.text_column
@@ -71,7 +70,6 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.is_pooling = task != "generate"
-        self.lowercase = lowercase
         has_chat_template = bool(getattr(tokenizer, "chat_template", None))
         if job.chat_template == "always" and not has_chat_template:
             raise JobError("job.chat_template is 'always' but the model's tokenizer has no chat template")
@@ -87,6 +85,8 @@ class PromptBuilder:
                 return Prompt(error_type=EMPTY_PROMPT, error_message=f"column {self.text_column!r} is empty")
             if self.response_column is not None:
                 return self._build_pair(row, value)
+            if self.embeds_text:
+                return self._embed_text(row, value)
             return self._fit(lambda body: self._render_text(row, body), value)
         if isinstance(value, (list, tuple)):
             return self._build_messages(list(value))
@@ -108,10 +108,7 @@ class PromptBuilder:
 
     def _render_text(self, row: InputRow, body: str) -> list[int]:
         text = self._templated(row, body)
-        if self.is_pooling:  # as sentence-transformers: tokenizer(text), its special tokens included
-            text = text.lower() if self.lowercase else text
-            if self.renders_chat:
-                return self._apply_chat_template([{"role": "user", "content": text}])
+        if self.is_pooling:  # as a classifier reads a text: tokenizer(text), its special tokens included
             return list(self.tokenizer.encode(text, add_special_tokens=True))
         if self.use_chat_template:
             messages = [{"role": "user", "content": text}]
@@ -121,6 +118,16 @@ class PromptBuilder:
         if self.job.system_prompt:
             text = f"{self.job.system_prompt}\n\n{text}"
         return list(self.tokenizer.encode(text, add_special_tokens=True))
+
+    def _embed_text(self, row: InputRow, body: str) -> Prompt:
+        """An embed text row: the text goes to the engine, which tokenizes it as sentence-transformers
+        does and truncates it to the model's limit."""
+        try:
+            text = self._templated(row, body)
+        except Exception as e:  # str.format raises many kinds
+            return Prompt(error_type=TEMPLATE_ERROR, error_message=f"{type(e).__name__}: {_short(e)}")
+        ids = list(self.tokenizer.encode(text, add_special_tokens=True, verbose=False))
+        return Prompt(token_ids=ids, num_prompt_tokens=len(ids), engine_prompts=(text,))
 
     def _build_pair(self, row: InputRow, text: str) -> Prompt:
         """A (prompt, response) row as a conversation: what a reward model scores."""

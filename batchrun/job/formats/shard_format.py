@@ -277,8 +277,8 @@ class OpenAIBatchFormat(ShardFormat):
             check_row(row, seen_ids, self.config.data.id_column)
 
     def num_samples(self, prompt: Prompt, params: Optional[SamplingParams]) -> int:
-        if prompt.inputs:  # an embeddings request: one result row per input
-            return len(prompt.inputs)
+        if prompt.engine_prompts:  # an embeddings request: one result row per input
+            return len(prompt.engine_prompts)
         if prompt.token_ids is None or params is None:
             return 1  # an error line answers the request once, whatever n it asked for
         return params.n
@@ -343,20 +343,10 @@ def engine_task(engine: Engine) -> str:
     return engine.task
 
 
-def text_encoding(engine: Engine) -> tuple[bool, bool]:
-    """How an embed engine turns a text into token ids, as sentence-transformers does: (lowercase
-    it first: the pipeline's do_lower_case; render it as a user turn through the chat template:
-    sentence-transformers 6's "message" modality). The job tokenizes text rows itself (the planner
-    orders them by length), so it must do what the engine does with a text prompt."""
-    pooling = engine.pooling
-    return bool(getattr(pooling, "do_lower_case", False)), bool(getattr(pooling, "renders_chat", False))
-
-
 def prompt_builders(config: RunConfig, engine: Engine) -> tuple[PromptBuilder, Optional[RequestBuilder]]:
     """What turns rows into prompts for this engine (a real run and a dry run alike): the
     PromptBuilder, and for batch files the RequestBuilder of their lines."""
     task = engine_task(engine)
-    lowercase, renders_chat = text_encoding(engine)
     max_prompt_tokens: Optional[int] = None  # embed: the engine truncates to its limit itself
     if task == "score":
         max_prompt_tokens = engine.max_model_len
@@ -367,7 +357,7 @@ def prompt_builders(config: RunConfig, engine: Engine) -> tuple[PromptBuilder, O
                 f"sampling.max_tokens={config.sampling.max_tokens} leaves no room for a prompt "
                 f"within the engine's max_model_len={engine.max_model_len}"
             )
-    builder = PromptBuilder(config.job, config.data, engine.tokenizer, max_prompt_tokens, task, lowercase, renders_chat)
+    builder = PromptBuilder(config.job, config.data, engine.tokenizer, max_prompt_tokens, task)
     requests = None
     if format_class(config) is OpenAIBatchFormat:
         alias = config.data.openai_model_name
@@ -379,9 +369,7 @@ def prompt_builders(config: RunConfig, engine: Engine) -> tuple[PromptBuilder, O
             config.job.system_prompt,
             resolve_template(config.job.tools_chat_template),
             task,
-            lowercase,
             engine.embedding_dim,
-            renders_chat,
         )
     return builder, requests
 

@@ -302,9 +302,9 @@ class ShardRun:
                 self.in_flight[row.index] = RowOutputs(
                     row, prompt, keep, built.request, params or self.context.sampling, num_samples
                 )
-                if prompt.inputs:  # several prompts, one result row each (an embeddings request's inputs)
-                    for i, token_ids in enumerate(prompt.inputs):
-                        yield EngineRequest(request_id=(self.key, row.index, i), prompt=token_ids, params=params)
+                if prompt.engine_prompts:  # an embed text, an embeddings request's inputs: one result row each
+                    for i, engine_prompt in enumerate(prompt.engine_prompts):
+                        yield EngineRequest(request_id=(self.key, row.index, i), prompt=engine_prompt, params=params)
                     continue
                 yield EngineRequest(request_id=(self.key, row.index), prompt=prompt.token_ids, params=params)
             self.is_read = True

@@ -58,10 +58,13 @@ class PromptBuilder:
         tokenizer: Any,
         max_prompt_tokens: Optional[int],
         task: str = "generate",
+        embed_limit: Optional[int] = None,
     ) -> None:
         """`max_prompt_tokens`: None for no limit (embed: the engine truncates); `task`: the
-        engine's (generate, embed, score)."""
+        engine's (generate, embed, score); `embed_limit`: the embed engine's input limit, where
+        the job's own count of an embed text stops (the engine cuts the text there)."""
         self.embeds_text = task == "embed"
+        self.embed_limit = embed_limit
         assert max_prompt_tokens is None or max_prompt_tokens > 0
         self.job = job
         self.text_column = data.text_column
@@ -127,7 +130,11 @@ class PromptBuilder:
         except Exception as e:  # str.format raises many kinds
             return Prompt(error_type=TEMPLATE_ERROR, error_message=f"{type(e).__name__}: {_short(e)}")
         ids = list(self.tokenizer.encode(text, add_special_tokens=True, verbose=False))
-        return Prompt(token_ids=ids, num_prompt_tokens=len(ids), engine_prompts=(text,))
+        note = None
+        if self.embed_limit is not None and len(ids) > self.embed_limit:
+            note = f"about {len(ids)} tokens: the engine truncates it to the model's limit of {self.embed_limit}"
+            ids = ids[: self.embed_limit]
+        return Prompt(token_ids=ids, error_message=note, num_prompt_tokens=len(ids), engine_prompts=(text,))
 
     def _build_pair(self, row: InputRow, text: str) -> Prompt:
         """A (prompt, response) row as a conversation: what a reward model scores."""

@@ -357,7 +357,8 @@ def prompt_builders(config: RunConfig, engine: Engine) -> tuple[PromptBuilder, O
                 f"sampling.max_tokens={config.sampling.max_tokens} leaves no room for a prompt "
                 f"within the engine's max_model_len={engine.max_model_len}"
             )
-    builder = PromptBuilder(config.job, config.data, engine.tokenizer, max_prompt_tokens, task)
+    embed_limit = engine.max_model_len if task == "embed" else None
+    builder = PromptBuilder(config.job, config.data, engine.tokenizer, max_prompt_tokens, task, embed_limit)
     requests = None
     if format_class(config) is OpenAIBatchFormat:
         alias = config.data.openai_model_name

@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from batchrun.job.results import RunResult, run_throughput
 
+_TOK_NOTE = ["shard tok/s: a shard's output tokens over its own open time (shards overlap: these do not add up)"]
 _COLUMNS = ("shard", "status", "rows", "ok", "errors", "out tok", "shard tok/s", "TTFT p50")
 
 
@@ -25,6 +26,8 @@ def format_summary(result: RunResult) -> str:
         "output_tokens_per_s": run["output_tokens_per_s"] if result.num_output_tokens is not None else None,
         "ttft_p50_s": result.ttft_p50_s,
     }
+    # Runs that generate nothing (embed, score) are rated in rows/s; their tok/s lines would say 0.
+    rows_line = _rows_line(metrics, run["wall_s"], result.num_output_tokens)
     done = sum(s.status in ("committed", "skipped") for s in result.shards)
     rows.append(_row("total", f"{done}/{len(result.shards)} done", totals if metrics else None))
     widths = [max(len(r[i]) for r in [_COLUMNS, *rows]) for i in range(len(_COLUMNS))]
@@ -47,9 +50,8 @@ def format_summary(result: RunResult) -> str:
             f"manifest: {result.manifest_url}",
             "",
             *table,
-            "shard tok/s: a shard's output tokens over its own open time (shards overlap: these do not add up)",
-            *_run_line(run, result.num_output_tokens),
-            *_rows_line(metrics, run["wall_s"], result.num_output_tokens),
+            *(rows_line or _TOK_NOTE),
+            *([] if rows_line else _run_line(run, result.num_output_tokens)),
             "",
             f"{result.status}: {result.message}",
         ]

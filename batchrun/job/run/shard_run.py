@@ -334,7 +334,9 @@ class ShardRun:
         if entry.is_complete:
             del self.in_flight[entry.row.index]
         if self.task != "generate":
-            result = pooled_result(entry.row.id, out, entry.prompt.error_message, entry.keep, self.labels)
+            # A text the engine tokenized: its own truncation count is the row's note, not the job's estimate.
+            note = None if entry.prompt.engine_prompts else entry.prompt.error_message
+            result = pooled_result(entry.row.id, out, note, entry.keep, self.labels)
         else:
             result = output_result(entry.row.id, out, entry.prompt.error_message, entry.keep)
             result.update(logprob_columns(out, entry.params, self.token_texts))

@@ -191,8 +191,6 @@ def previous_run_shards(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> O
         names = sorted(posixpath.basename(p) for p in fs.ls(commits, detail=False))
     except (OSError, PermissionError) as e:
         raise JobError(f"data.uri: cannot list {uri}: {e}") from None
-    from batchrun.job.commit.store import marker_files  # the commit layer builds on this module
-
     shards = []
     for file_name in names:
         name = file_name[: -len(".json")]
@@ -202,8 +200,9 @@ def previous_run_shards(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> O
             marker = json.loads(fs.cat_file(posixpath.join(commits, file_name)))
         except (OSError, ValueError):
             continue  # vanished or torn: not a committed shard that could be read
-        if not isinstance(marker, dict) or "results.parquet" not in marker_files(marker):
-            continue
+        files = marker.get("files") if isinstance(marker, dict) else None
+        if not isinstance(marker, dict) or (isinstance(files, list) and "results.parquet" not in files):
+            continue  # not a marker, or one without results (a marker without "files" has them)
         results = posixpath.join(path, "results", f"{name}.parquet")
         attempt_dir = marker.get("attempt_dir")
         if not fs.exists(results) and isinstance(attempt_dir, str):  # its publication is pending

@@ -50,7 +50,6 @@ import pyarrow.parquet as pq
 from batchrun.job.commit.fingerprint import fingerprint_changes
 from batchrun.job.commit.store import Attempt, RunStore, checked_name, committed_files
 from batchrun.job.errors import ShardError
-from batchrun.job.formats.writer import read_result_columns
 
 PARTS_DIR = "_parts"
 PART_PROTOCOL = 1
@@ -74,6 +73,20 @@ TALLY_COLUMNS = (
 REQUEST_COUNTERS = ("num_preemptions", "num_spec_proposed", "num_spec_accepted")
 
 RowRuns = list[tuple[int, int, int]]  # [(first input row, end input row, result rows per row)], sorted
+
+
+def read_result_columns(source: Any, columns: Sequence[str]) -> list[dict[str, Any]]:
+    """Rows of a results file (a path or an open file), `columns` only; a column the file lacks
+    (an embed or score run has no output tokens) reads as null."""
+    parquet = pq.ParquetFile(source)
+    names = set(parquet.schema_arrow.names)
+    table = parquet.read(columns=[c for c in columns if c in names])
+    rows: list[dict[str, Any]] = table.to_pylist()
+    missing = [c for c in columns if c not in names]
+    if missing:
+        for row in rows:
+            row.update(dict.fromkeys(missing))
+    return rows
 
 
 class PartLost(ShardError):

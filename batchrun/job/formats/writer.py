@@ -248,20 +248,6 @@ def result_schema(
     return pa.schema([*fields, *extra, *keep_fields])
 
 
-def read_result_columns(source: Any, columns: Sequence[str]) -> list[dict[str, Any]]:
-    """Rows of a results file (a path or an open file), `columns` only; a column the file lacks
-    (an embed or score run has no output tokens) reads as null."""
-    parquet = pq.ParquetFile(source)
-    names = set(parquet.schema_arrow.names)
-    table = parquet.read(columns=[c for c in columns if c in names])
-    rows: list[dict[str, Any]] = table.to_pylist()
-    missing = [c for c in columns if c not in names]
-    if missing:
-        for row in rows:
-            row.update(dict.fromkeys(missing))
-    return rows
-
-
 class ResultWriter:
     """Writes one results file; `put` takes rows in any order, the file gets them in input order."""
 

@@ -47,12 +47,11 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Optional, Union
 
-from batchrun.job.commit.checkpoints import Part, committed_parts
+from batchrun.job.commit.checkpoints import Part, committed_parts, read_result_columns
 from batchrun.job.commit.claims import FAILED, QUARANTINED, RUNNING, process_identity, process_start_time, store_mtime
 from batchrun.job.commit.fence import FENCE_FILE
 from batchrun.job.commit.manifest import STATUS_RANK, read_worker_manifests
 from batchrun.job.commit.store import RunStore
-from batchrun.job.formats.writer import read_result_columns
 from batchrun.job.shards import discover_shards, is_safe_name, open_filesystem
 from batchrun.utils.redact import redact_text
 

@@ -263,7 +263,7 @@ def test_encoders_embed_and_score_through_the_engine(tmp_path, one_torch_thread)
     texts = _texts() + ["Mixed CASE Words"]
     for pooling, lower in (("mean", False), ("cls", True)):
         directory = str(
-            testing.make_tiny_bert(  # type: ignore[attr-defined]
+            testing.make_tiny_bert(
                 tmp_path / pooling, pooling=pooling, max_seq_length=48, do_lower_case=lower, tokenizer_lower_case=False
             )
         )
@@ -277,7 +277,7 @@ def test_encoders_embed_and_score_through_the_engine(tmp_path, one_torch_thread)
         assert (
             outs[1].metrics.num_truncated_tokens > 0 and outs[1].prompt_token_ids[-1] == engine.tokenizer.sep_token_id
         )
-    bare = str(testing.make_tiny_bert(tmp_path / "bare"))  # type: ignore[attr-defined]
+    bare = str(testing.make_tiny_bert(tmp_path / "bare"))
     engine = Engine(EngineConfig(model=bare, **FP32))
     assert engine.task == "embed"  # an encoder without a pipeline: mean pooling
     hf, tokenizer = AutoModel.from_pretrained(bare).eval(), AutoTokenizer.from_pretrained(bare)
@@ -285,7 +285,7 @@ def test_encoders_embed_and_score_through_the_engine(tmp_path, one_torch_thread)
         rows = [tokenizer(t, truncation=True, max_length=engine.max_model_len)["input_ids"] for t in texts]
         want = [hf(torch.tensor([r])).last_hidden_state[0].mean(0).numpy() for r in rows]
     assert min(_cosines(engine.embed(texts), np.asarray(want))) >= 0.99999
-    classifier = str(testing.make_tiny_bert(tmp_path / "classifier", num_labels=3))  # type: ignore[attr-defined]
+    classifier = str(testing.make_tiny_bert(tmp_path / "classifier", num_labels=3))
     engine = Engine(EngineConfig(model=classifier, **FP32))
     assert engine.task == "score" and engine.labels == ["LABEL_0", "LABEL_1", "LABEL_2"]
     hf = AutoModelForSequenceClassification.from_pretrained(classifier).eval()

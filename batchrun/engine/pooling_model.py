@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.engine.config import EngineConfig
+from batchrun.engine.config import EngineConfig, EngineConfigError
 from batchrun.engine.startup import bind, load_target, tune
 from batchrun.engine.tasks import ResolvedTask
 from batchrun.kernels.attention_metadata import AttentionMetadata
@@ -207,8 +207,6 @@ def load_decoder(config: EngineConfig, resolved: ResolvedTask, kernels: KernelSe
     if resolved.task == "score":
         weights = _safetensors_tensor(resolved.path, ("score.weight", "score.bias"))
         if "score.weight" not in weights:
-            from batchrun.engine.config import EngineConfigError
-
             raise EngineConfigError(
                 f"engine.task=score: {resolved.path} declares a classifier but holds no score.weight"
             )

@@ -42,15 +42,17 @@ class _Pending:
     metrics: RequestMetrics
 
 
-def encode_text(tokenizer: Any, text: str, renders_chat: bool) -> list[int]:
-    """A text's token ids as sentence-transformers makes them: the tokenizer with its special
-    tokens, or (`renders_chat`) the text as a user turn rendered through the chat template."""
+def encode_text(tokenizer: Any, text: str, renders_chat: bool, prompt: str = "") -> list[int]:
+    """A text's token ids as sentence-transformers makes them: `prompt` + text through the tokenizer
+    with its special tokens, or (`renders_chat`) the text as a user turn rendered through the chat
+    template, after `prompt` as a system turn."""
     if renders_chat:
+        system = [{"role": "system", "content": prompt}] if prompt else []
         rendered = tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=False
+            [*system, {"role": "user", "content": text}], tokenize=False, add_generation_prompt=False
         )
         return list(tokenizer(rendered, add_special_tokens=False, verbose=False)["input_ids"])
-    return list(tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
+    return list(tokenizer(prompt + text, add_special_tokens=True, verbose=False)["input_ids"])
 
 
 def special_suffix(tokenizer: Any, renders_chat: bool = False) -> list[int]:
@@ -88,6 +90,8 @@ class Pooling:
         self.model = model if model is not None else load_pooling_model(config, resolved)
         self.do_lower_case = resolved.pipeline.do_lower_case if resolved.pipeline is not None else False
         self.renders_chat = resolved.renders_chat
+        # the pipeline's default prompt (config_sentence_transformers.json), put before every text
+        self.text_prompt = str(getattr(resolved.pipeline, "prompt", "") or "")
         self.max_model_len = input_limit(config, resolved, self.model)
         self.max_num_seqs = config.max_num_seqs or DEFAULT_WINDOW
         self.max_num_batched_tokens = config.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET.get(
@@ -154,8 +158,10 @@ class Pooling:
     def _tokenize(self, prompt: Any) -> tuple[list[int], int, Optional[str]]:
         """(token ids as they run, tokens truncated, None), or (ids, 0, why the prompt cannot run)."""
         if isinstance(prompt, str):
-            text = prompt.lower() if self.do_lower_case else prompt
-            token_ids = encode_text(self.model.tokenizer, text, self.renders_chat) if text else []
+            text, before = (
+                (prompt.lower(), self.text_prompt.lower()) if self.do_lower_case else (prompt, self.text_prompt)
+            )
+            token_ids = encode_text(self.model.tokenizer, text, self.renders_chat, before) if text else []
         elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
             token_ids = list(prompt)
             if any(t < 0 or t >= self.vocab_size for t in token_ids):

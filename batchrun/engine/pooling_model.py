@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from batchrun.engine.config import EngineConfig
+from batchrun.engine.config import EngineConfig, EngineConfigError
 from batchrun.engine.startup import bind, load_target, tune
 from batchrun.engine.tasks import ResolvedTask
 from batchrun.kernels.attention_metadata import AttentionMetadata
@@ -38,9 +38,9 @@ from batchrun.model.sentence import SentencePipeline, pool
 
 log = logging.getLogger(__name__)
 
-# (num_tokens,) ids, [row lengths] -> (num_tokens, hidden) final hidden states in the model dtype
-Backbone = Callable[[torch.Tensor, list[int]], torch.Tensor]
-# (num_tokens, hidden) hidden, [row lengths], (num_tokens,) ids -> (num_rows, dim) float32
+# (num_tokens,) packed ids, [row lengths] -> (num_rows, dim): the model with its head
+RowsForward = Callable[[torch.Tensor, list[int]], torch.Tensor]
+# (num_tokens, hidden) final hidden states, [row lengths], (num_tokens,) ids -> (num_rows, dim) float32
 Head = Callable[[torch.Tensor, list[int], torch.Tensor], torch.Tensor]
 
 
@@ -48,9 +48,8 @@ Head = Callable[[torch.Tensor, list[int], torch.Tensor], torch.Tensor]
 class PoolingModel:
     """A loaded pooling model: `run` maps packed rows to their vectors."""
 
-    model: nn.Module  # the backbone's module (DecoderLM or BertEncoder), for weight bytes and kernels
-    backbone: Backbone
-    head: Head
+    model: nn.Module  # the backbone's module (DecoderLM, BertEncoder or BertClassifier): weight bytes, kernels
+    forward: RowsForward  # packed rows -> their vectors
     tokenizer: Any  # the model's Hugging Face tokenizer
     hf_config: Any  # its transformers config
     path: str  # where the weights were read from
@@ -74,8 +73,7 @@ class PoolingModel:
         assert rows and all(rows), "every row needs at least one token"
         seq_lens = [len(r) for r in rows]
         input_ids = torch.tensor([t for r in rows for t in r], dtype=torch.long, device=self.device)  # (num_tokens,)
-        hidden = self.backbone(input_ids, seq_lens)  # (num_tokens, hidden)
-        return self.head(hidden, seq_lens, input_ids).float()
+        return self.forward(input_ids, seq_lens).float()  # (num_rows, dim)
 
 
 class ScratchKV:
@@ -192,18 +190,6 @@ def _decoder_score_head(weights: dict[str, torch.Tensor], device: torch.device, 
     return head
 
 
-def _cls_head(classifier: nn.Module) -> Head:
-    """BERT's classification head: its pooler and classifier over each row's first ([CLS]) token."""
-
-    def head(hidden: torch.Tensor, seq_lens: list[int], input_ids: torch.Tensor) -> torch.Tensor:
-        lens = torch.tensor(seq_lens, dtype=torch.long, device=hidden.device)  # (num_rows,)
-        cls_rows = hidden.index_select(0, torch.cumsum(lens, 0) - lens)  # (num_rows, hidden)
-        out: torch.Tensor = classifier(cls_rows)  # (num_rows, num_labels)
-        return out
-
-    return head
-
-
 def load_decoder(config: EngineConfig, resolved: ResolvedTask, kernels: KernelSet) -> PoolingModel:
     """A decoder family loaded as generation loads it (dtype, threads, packed linears, tuning),
     with the score head read beside it and no vocab x hidden LM head kept."""
@@ -221,8 +207,6 @@ def load_decoder(config: EngineConfig, resolved: ResolvedTask, kernels: KernelSe
     if resolved.task == "score":
         weights = _safetensors_tensor(resolved.path, ("score.weight", "score.bias"))
         if "score.weight" not in weights:
-            from batchrun.engine.config import EngineConfigError
-
             raise EngineConfigError(
                 f"engine.task=score: {resolved.path} declares a classifier but holds no score.weight"
             )
@@ -234,13 +218,12 @@ def load_decoder(config: EngineConfig, resolved: ResolvedTask, kernels: KernelSe
         dim = (resolved.pipeline.dense_out if resolved.pipeline else None) or model.spec.hidden_size
     scratch = ScratchKV(model, config.block_size, target.dtype, target.device)
 
-    def backbone(input_ids: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        return scratch.forward(input_ids, seq_lens, config.batch_invariant)
+    def forward(input_ids: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        return head(scratch.forward(input_ids, seq_lens, config.batch_invariant), seq_lens, input_ids)
 
     return PoolingModel(
         model=model,
-        backbone=backbone,
-        head=head,
+        forward=forward,
         tokenizer=target.tokenizer,
         hf_config=hf_config,
         path=target.path,
@@ -257,39 +240,30 @@ def load_decoder(config: EngineConfig, resolved: ResolvedTask, kernels: KernelSe
 
 
 def load_encoder(config: EngineConfig, resolved: ResolvedTask, kernels: KernelSet) -> PoolingModel:
-    """An encoder family (model/encoder.py: build_encoder; BertClassifier for a classifier)."""
-    from batchrun.model.encoder import BertClassifier, build_encoder
+    """An encoder family (model/encoder.py: build_encoder): a BertEncoder under the pipeline's
+    pooling, or a BertClassifier (pooler and classifier on each row's [CLS]) for score."""
+    from batchrun.model.encoder import build_encoder
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
     device, dtype = kernels.target.device, kernels.dtype
     loaded = load_model(config.model, dtype=dtype, cache_dir=config.cache_dir)
-    hf_config = loaded.config
-    state_dict = dict(loaded.state_dict)
+    hf_config, is_score = loaded.config, resolved.task == "score"
     attention = getattr(kernels, "varlen_attention", None)  # None: the encoder's reference attention
-    labels: Optional[list[str]] = None
-    dim: Optional[int] = None
-    head: Head
-    if resolved.task == "score":
-        classifier = BertClassifier(hf_config)
-        classifier.load_hf_state_dict(dict(state_dict))
-        head = _cls_head(classifier.to(device=device, dtype=dtype).eval())
-        labels = _labels(hf_config)
-    else:
-        head = embed_head(resolved.pipeline)
-        dim = (resolved.pipeline.dense_out if resolved.pipeline else None) or int(hf_config.hidden_size)
-    encoder = build_encoder(hf_config, state_dict, dtype, attention=attention).to(device).eval()
+    module = build_encoder(hf_config, loaded.state_dict, dtype, attention=attention, classifier=is_score)
+    module = module.to(device)
     tokenizer, path, fingerprint = loaded.tokenizer, loaded.path, loaded.fingerprint
-    del loaded, state_dict
+    del loaded
+    head = embed_head(resolved.pipeline)
 
-    def backbone(input_ids: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
-        out: torch.Tensor = encoder(input_ids, None, seq_lens)
-        return out
+    def forward(input_ids: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
+        out: torch.Tensor = module(input_ids, None, seq_lens)  # score: (num_rows, num_labels) logits
+        return out if is_score else head(out, seq_lens, input_ids)  # embed: (num_tokens, hidden) pooled
 
+    dim = None if is_score else (resolved.pipeline.dense_out if resolved.pipeline else None) or hf_config.hidden_size
     return PoolingModel(
-        model=encoder,
-        backbone=backbone,
-        head=head,
+        model=module,
+        forward=forward,
         tokenizer=tokenizer,
         hf_config=hf_config,
         path=path,
@@ -298,8 +272,8 @@ def load_encoder(config: EngineConfig, resolved: ResolvedTask, kernels: KernelSe
         dtype=dtype,
         kernels=kernels,
         model_type=str(hf_config.model_type),
-        labels=labels,
-        embedding_dim=dim,
+        labels=_labels(hf_config) if is_score else None,
+        embedding_dim=int(dim) if dim is not None else None,
         position_limit=int(hf_config.max_position_embeddings),
     )
 

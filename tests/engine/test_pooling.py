@@ -249,3 +249,50 @@ def test_each_engine_refuses_the_other_tasks_calls(models_dir, tiny_engine):
     assert tiny_engine.task == "generate" and tiny_engine.labels is None and tiny_engine.embedding_dim is None
     assert "task" not in tiny_engine.settings.as_dict()  # a generation manifest reads as before
     assert os.path.isdir(embedder.model_path) and embedder.model_fingerprint and embedder.max_num_seqs > 0
+
+
+def test_encoders_embed_and_score_through_the_engine(tmp_path, one_torch_thread):
+    """A tiny BERT (model/encoder.py) as sentence-transformers pipelines (mean and lowercased cls,
+    [SEP] kept at a cut), bare (mean pooling) and as BertForSequenceClassification."""
+    pytest.importorskip("batchrun.model.encoder")
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel, AutoModelForSequenceClassification, AutoTokenizer
+
+    import batchrun.testing as testing
+
+    texts = _texts() + ["Mixed CASE Words"]
+    for pooling, lower in (("mean", False), ("cls", True)):
+        directory = str(
+            testing.make_tiny_bert(
+                tmp_path / pooling, pooling=pooling, max_seq_length=48, do_lower_case=lower, tokenizer_lower_case=False
+            )
+        )
+        engine = Engine(EngineConfig(model=directory, **FP32))
+        assert engine.task == "embed" and engine.max_model_len == 48 and engine.embedding_dim == 32
+        outs = sorted(engine.stream(texts), key=lambda o: o.request_id)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = SentenceTransformer(directory, device="cpu").encode(texts)
+        assert min(_cosines([o.pooled for o in outs], want)) >= 0.99999
+        assert (
+            outs[1].metrics.num_truncated_tokens > 0 and outs[1].prompt_token_ids[-1] == engine.tokenizer.sep_token_id
+        )
+    bare = str(testing.make_tiny_bert(tmp_path / "bare"))
+    engine = Engine(EngineConfig(model=bare, **FP32))
+    assert engine.task == "embed"  # an encoder without a pipeline: mean pooling
+    hf, tokenizer = AutoModel.from_pretrained(bare).eval(), AutoTokenizer.from_pretrained(bare)
+    with torch.no_grad():
+        rows = [tokenizer(t, truncation=True, max_length=engine.max_model_len)["input_ids"] for t in texts]
+        want = [hf(torch.tensor([r])).last_hidden_state[0].mean(0).numpy() for r in rows]
+    assert min(_cosines(engine.embed(texts), np.asarray(want))) >= 0.99999
+    classifier = str(testing.make_tiny_bert(tmp_path / "classifier", num_labels=3))
+    engine = Engine(EngineConfig(model=classifier, **FP32))
+    assert engine.task == "score" and engine.labels == ["LABEL_0", "LABEL_1", "LABEL_2"]
+    hf = AutoModelForSequenceClassification.from_pretrained(classifier).eval()
+    tokenizer = AutoTokenizer.from_pretrained(classifier)
+    with torch.no_grad():
+        want = [hf(torch.tensor([tokenizer(t)["input_ids"]])).logits[0].numpy() for t in texts[2:]]
+    for got, w in zip(engine.score(texts[2:]), want):
+        np.testing.assert_allclose(got, w, atol=1e-4, rtol=0)
+    with pytest.raises(EngineConfigError, match=r"engine\.task=generate: .*encoder"):
+        Engine(EngineConfig(model=bare, task="generate", **FP32))

@@ -368,3 +368,21 @@ def test_a_stopped_embed_run_resumes_from_its_committed_parts(tmp_path, make_sha
     assert [r["id"] for r in rows] == ids[1] and all(r["embedding"] is not None for r in rows)
     metrics = pq.read_table(out / "metrics" / "part-01.parquet").to_pylist()[0]
     assert metrics["num_rows"] == 3 and metrics["num_prompt_tokens"] == sum(r["num_prompt_tokens"] for r in rows)
+
+
+def test_pooling_prompts_render_conversations_without_a_generation_prompt():
+    from batchrun.job.formats.prompts import PromptBuilder
+    from batchrun.job.formats.reader import InputRow
+    from batchrun.testing import build_tokenizer
+
+    tok = build_tokenizer()
+    messages = [{"role": "user", "content": "Is 2 prime?"}, {"role": "assistant", "content": "Yes."}]
+    score = PromptBuilder(JobConfig(task="score"), DataConfig(uri="/in"), tok, 512, task="score")
+    expected = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=False))
+    assert score.build(InputRow(0, "a", {"text": messages})).token_ids == expected
+    assert score.build(InputRow(1, "b", {"text": "plain text"})).token_ids == tok.encode("plain text")
+    # embed: the text itself goes to the engine, which tokenizes it as sentence-transformers does
+    embed = PromptBuilder(JobConfig(task="embed"), DataConfig(uri="/in"), tok, None, task="embed", embed_limit=4)
+    prompt = embed.build(InputRow(0, "a", {"text": "a text longer than four tokens"}))
+    assert prompt.engine_prompts == ("a text longer than four tokens",) and len(prompt.token_ids or []) == 4
+    assert embed.build(InputRow(1, "b", {"text": None})).error_type == "null_prompt"

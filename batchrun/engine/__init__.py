@@ -1,10 +1,11 @@
 """The inference engine: its public API is what this module exports, nothing deeper."""
 
-from batchrun.engine.config import EngineConfig, EngineConfigError, SamplingParams, SpeculativeConfig
+from batchrun.engine.config import TASKS, EngineConfig, EngineConfigError, SamplingParams, SpeculativeConfig
 from batchrun.engine.engine import Engine
 from batchrun.engine.group import TensorParallelError
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestMetrics, RequestOutput, ThroughputProfile
 from batchrun.engine.settings import EngineSettings
+from batchrun.engine.tasks import ResolvedTask, resolve_task
 
 __all__ = [
     "Engine",
@@ -15,8 +16,11 @@ __all__ = [
     "EngineStats",
     "RequestMetrics",
     "RequestOutput",
+    "ResolvedTask",
     "SamplingParams",
     "SpeculativeConfig",
+    "TASKS",
     "TensorParallelError",
     "ThroughputProfile",
+    "resolve_task",
 ]

@@ -39,6 +39,22 @@ RESULT_COLUMNS = [
 # sample_index, logprobs adds cumulative_logprob and logprobs, prompt_logprobs adds prompt_logprobs.
 # With none of these, a results file is what it was before they existed.
 OPTIONAL_RESULT_COLUMNS = ["sample_index", "cumulative_logprob", "logprobs", "prompt_logprobs", "tool_calls"]
+# What an embed or score run writes instead (writer.pooled_fields): no generated text, no output
+# tokens, no time to first token. `label` only when the score model has more than one label.
+POOLED_RESULT_COLUMNS = [
+    "id",
+    "embedding",
+    "score",
+    "label",
+    "finish_reason",
+    "error_type",
+    "error_message",
+    "num_prompt_tokens",
+    "num_truncated_tokens",
+    "latency_s",
+]
+# What a job does with each prompt; `engine.task` serves it (auto: from the model directory).
+JOB_TASKS = ("generate", "embed", "score")
 PlanOrder = Literal["longest_first", "shortest_first", "input"]
 DataFormat = Literal["parquet", "openai_batch"]
 
@@ -68,6 +84,10 @@ class DataConfig:
     # output; overrides sampling.json_schema, which null rows keep). A row whose schema is not valid
     # ends as an invalid_schema error row; the others go on.
     schema_column: Optional[str] = None
+    # embed/score: a column of responses. Each row becomes a conversation, text_column the user turn
+    # and this column the assistant turn (a system turn only with job.system_prompt), rendered with
+    # the chat template without a generation prompt: what a reward model scores.
+    response_column: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.uri:
@@ -99,6 +119,10 @@ class JobConfig:
     # line); `chatml` is batchrun's ChatML template with a Hermes-style tools section
     # (job/formats/tool_calls.py); anything else is the path of a Jinja template file.
     tools_chat_template: Optional[str] = None
+    # generate | embed (an `embedding` per row) | score (a classifier's or reward model's `score`
+    # per row, and its `label`). It sets engine.task when that is auto; a model that cannot serve it
+    # stops the run (exit 2). null: whatever the engine serves (engine.task, auto: the model's).
+    task: Optional[Literal["generate", "embed", "score"]] = None
 
     def __post_init__(self) -> None:
         if self.prompt_template is not None:
@@ -109,6 +133,8 @@ class JobConfig:
         extra = [] if self.prompt_template is None else template_fields(self.prompt_template)
         if data.schema_column is not None:
             extra.append(data.schema_column)
+        if data.response_column is not None:
+            extra.append(data.response_column)
         return list(dict.fromkeys([data.text_column, *(c for c in extra if c != "text")]))
 
 
@@ -158,7 +184,11 @@ class OutputConfig:
             raise ValueError(f"output.checkpoint_rows: must be >= 0, got {self.checkpoint_rows}")
         if self.checkpoint_s < 0:
             raise ValueError(f"output.checkpoint_s: must be >= 0, got {self.checkpoint_s}")
-        clash = [c for c in self.keep_columns if c in RESULT_COLUMNS or c in OPTIONAL_RESULT_COLUMNS]
+        clash = [
+            c
+            for c in self.keep_columns
+            if c in RESULT_COLUMNS or c in OPTIONAL_RESULT_COLUMNS or c in POOLED_RESULT_COLUMNS
+        ]
         if clash:
             raise ValueError(f"output.keep_columns: {', '.join(clash)} would overwrite a result column")
 
@@ -250,12 +280,54 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.engine.model != self.model.path:
             object.__setattr__(self, "engine", dataclasses.replace(self.engine, model=self.model.path))
+        task = self.job.task
+        if task is not None and self.engine.task == "auto":
+            object.__setattr__(self, "engine", dataclasses.replace(self.engine, task=task))
+        elif task is not None and self.engine.task != task:
+            raise ConfigError("engine.task", f"is {self.engine.task} but job.task is {task}; set one of them only")
+        configured = self.job.task or self.engine.task
+        if configured != "auto":
+            check_task(self, configured)
+
+    @property
+    def task(self) -> str:
+        """The task as configured: job.task, else engine.task (auto: known once the engine loads,
+        taken as generate until then; check_task runs again with the engine's)."""
+        configured = self.job.task or self.engine.task
+        return "generate" if configured == "auto" else configured
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form, as written to the manifest (engine.model omitted: it is model.path)."""
         out = dataclasses.asdict(self)
         out["engine"].pop("model")
         return out
+
+
+def check_task(config: RunConfig, task: str) -> None:
+    """Keys that mean nothing for `task` (the configured one, and again the one the engine
+    resolved): one ConfigError naming the key."""
+    if config.job.task is not None and task != config.job.task:
+        raise ConfigError(
+            "job.task",
+            f"the job is {config.job.task} but the engine serves {config.model.path} as {task} (engine.task); "
+            f"use a model that can {config.job.task}, or another job",
+        )
+    if task == "generate":
+        if config.data.response_column is not None:
+            raise ConfigError(
+                "data.response_column", "is for embed and score jobs (job.task); a generation job has no responses"
+            )
+        return
+    if config.sampling.n != 1:
+        raise ConfigError("sampling.n", f"must be 1 for a {task} job (one vector per row)")
+    if config.data.schema_column is not None:
+        raise ConfigError("data.schema_column", f"structured output means nothing for a {task} job")
+    if config.job.chat_template == "always" and config.data.response_column is None:
+        raise ConfigError(
+            "job.chat_template",
+            f"a {task} job tokenizes text rows as they are (as sentence-transformers does); chat templates "
+            "apply to message rows and to data.response_column",
+        )
 
 
 # Every config group's dataclass; `engine.model` is filled from `model.path`.

@@ -20,6 +20,12 @@ files with data.format=openai_batch; the Parquet reader checks the magic bytes),
 and `_`-prefixed files (Spark's `_SUCCESS`, checksums, our own output), and never takes files under
 the run's own output directory when that lies inside the input.
 
+A previous run's output directory (it has `_commits/`) as data.uri is read through its commit
+markers: one shard per committed shard, named as there, its committed results file (published, or
+the attempt the marker names while publication is pending), each row once; never metrics/,
+_attempts/, _parts/ or anything uncommitted. Shards of that run that are not committed yet are not
+inputs (a rerun after they commit takes them).
+
 Assignment is round-robin over shards sorted by name: worker `rank` of `world_size` takes shards
 rank, rank + world_size, ... It needs no file sizes (no extra listing on object stores) and every
 worker computes the same split independently; with many similar shards it balances well enough.
@@ -30,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as dt
 import hashlib
+import json
 import logging
 import posixpath
 import re
@@ -95,6 +102,10 @@ def discover_shards(
     ConfigError naming data.uri.
     """
     path = path.rstrip("/") or path
+    if data_format == "parquet" and not _GLOB_CHARS.search(path):
+        previous = previous_run_shards(fs, path, uri)
+        if previous is not None:
+            return previous
     try:
         if _GLOB_CHARS.search(path):
             root = _glob_root(path)
@@ -167,6 +178,44 @@ def shard_name(path: str, root: str) -> str:
 def is_safe_name(name: str) -> bool:
     """True for names shard_name can produce: a plain file name that cannot leave its directory."""
     return bool(_SAFE_NAME.fullmatch(name)) and len(name.encode()) <= NAME_MAX_BYTES
+
+
+def previous_run_shards(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> Optional[list[Shard]]:
+    """The committed results files of the run whose output directory is `path`, one shard each
+    (see the module's note); None when `path` is no run's output directory."""
+    commits = posixpath.join(path, "_commits")
+    try:
+        if not fs.isdir(commits):
+            return None
+        fs.invalidate_cache(commits)
+        names = sorted(posixpath.basename(p) for p in fs.ls(commits, detail=False))
+    except (OSError, PermissionError) as e:
+        raise JobError(f"data.uri: cannot list {uri}: {e}") from None
+    shards = []
+    for file_name in names:
+        name = file_name[: -len(".json")]
+        if not file_name.endswith(".json") or not is_safe_name(name):
+            continue
+        try:
+            marker = json.loads(fs.cat_file(posixpath.join(commits, file_name)))
+        except (OSError, ValueError):
+            continue  # vanished or torn: not a committed shard that could be read
+        files = marker.get("files") if isinstance(marker, dict) else None
+        if not isinstance(marker, dict) or (isinstance(files, list) and "results.parquet" not in files):
+            continue  # not a marker, or one without results (a marker without "files" has them)
+        results = posixpath.join(path, "results", f"{name}.parquet")
+        attempt_dir = marker.get("attempt_dir")
+        if not fs.exists(results) and isinstance(attempt_dir, str):  # its publication is pending
+            results = posixpath.join(path, *attempt_dir.split("/"), "results.parquet")
+        try:
+            info = fs.info(results)
+        except FileNotFoundError:
+            continue
+        shards.append(Shard(name, results, fs.unstrip_protocol(results), info.get("size"), _version(info)))
+    if not shards:
+        raise ConfigError("data.uri", f"{uri} is a run's output directory with no committed shard yet")
+    log.info("data.uri: %s is a run's output directory: its %d committed shard(s)", uri, len(shards))
+    return shards
 
 
 def refreshed(shard: Shard, fs: fsspec.AbstractFileSystem) -> Shard:

@@ -57,12 +57,36 @@ ROWS_PER_ROW_GROUP = 1024
 SPILL_ROWS = 16384  # result rows held in memory before an uncommitted spill (checkpoints off)
 # The result columns a resumed attempt reads back from its committed parts to count them in the
 # shard's metrics (metrics.ShardTally.add).
-TALLY_COLUMNS = ("error_type", "num_prompt_tokens", "num_output_tokens", "num_cached_tokens", "ttft_s", "itl_s")
+# An embed or score run's files lack the generation columns: they read as null (writer.read_result_columns).
+TALLY_COLUMNS = (
+    "error_type",
+    "num_prompt_tokens",
+    "num_output_tokens",
+    "num_cached_tokens",
+    "ttft_s",
+    "itl_s",
+    "latency_s",
+    "num_truncated_tokens",
+)
 # The engine's per-request counters (RequestMetrics fields) a part's marker sums over its rows, and
 # a shard's metrics over all of its rows (metrics.ShardTally): the rows themselves do not hold them.
 REQUEST_COUNTERS = ("num_preemptions", "num_spec_proposed", "num_spec_accepted")
 
 RowRuns = list[tuple[int, int, int]]  # [(first input row, end input row, result rows per row)], sorted
+
+
+def read_result_columns(source: Any, columns: Sequence[str]) -> list[dict[str, Any]]:
+    """Rows of a results file (a path or an open file), `columns` only; a column the file lacks
+    (an embed or score run has no output tokens) reads as null."""
+    parquet = pq.ParquetFile(source)
+    names = set(parquet.schema_arrow.names)
+    table = parquet.read(columns=[c for c in columns if c in names])
+    rows: list[dict[str, Any]] = table.to_pylist()
+    missing = [c for c in columns if c not in names]
+    if missing:
+        for row in rows:
+            row.update(dict.fromkeys(missing))
+    return rows
 
 
 class PartLost(ShardError):
@@ -208,8 +232,7 @@ def tally_rows(store: RunStore, parts: Sequence[Part]) -> Iterator[dict[str, Any
     """The committed parts' result rows, as far as the shard's metrics need them."""
     for part in parts:
         with store.fs.open(part.results_path, "rb") as f:
-            table = pq.read_table(f, columns=list(TALLY_COLUMNS))
-        yield from table.to_pylist()
+            yield from read_result_columns(f, TALLY_COLUMNS)
 
 
 def committed_parts(store: RunStore) -> dict[str, list[Part]]:

@@ -45,6 +45,7 @@ _ENGINE_KEYS = (
     # bf16 rows computed with and without it may differ by a near-tied token; a run that turns it on
     # promises every row the same reduction order, so rows of both kinds must not mix
     "batch_invariant",
+    "task",  # an embedding and a generation from one model directory are different rows
 )
 
 
@@ -52,7 +53,15 @@ def settings_fingerprint(config: RunConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
     _flatten("job", {k: v for k, v in dataclasses.asdict(config.job).items() if k != "name"}, out)
     _flatten("sampling", dataclasses.asdict(config.sampling), out)
-    data_keys = ("id_column", "text_column", "on_too_long", "format", "openai_model_name", "schema_column")
+    data_keys = (
+        "id_column",
+        "text_column",
+        "on_too_long",
+        "format",
+        "openai_model_name",
+        "schema_column",
+        "response_column",
+    )
     _flatten("data", {k: getattr(config.data, k) for k in data_keys}, out)
     out["output.keep_columns"] = list(config.output.keep_columns)
     _flatten("engine", {k: getattr(config.engine, k) for k in _ENGINE_KEYS}, out)

@@ -6,7 +6,9 @@ Input (one JSON object per line, as OpenAI's Batch API takes it):
      "body": {"model": "...", "messages": [{"role": "user", "content": "..."}], "max_tokens": 32}}
 
 `url` is /v1/chat/completions (body.messages, rendered with the model's chat template) or
-/v1/completions (body.prompt: a string, one-string list or token ids, sent as is). Body fields that
+/v1/completions (body.prompt: a string, one-string list or token ids, sent as is) for a generation
+engine, /v1/embeddings (openai_embeddings.py) for an embed engine; a line for the other kind of
+engine is that line's error, the rest go on. Body fields that
 batchrun honors override the job's `sampling.*` for that request: max_tokens /
 max_completion_tokens, temperature, top_p, stop, seed, n (that many choices in the one output line,
 sampled from one prefill) and response_format (json_schema / json_object as structured output).
@@ -39,6 +41,7 @@ from typing import Any, Optional, Union
 
 from batchrun.engine import RequestOutput, SamplingParams
 from batchrun.job.formats.logprobs import TokenTexts, logprob_entries
+from batchrun.job.formats.openai_embeddings import EMBEDDINGS_URL, embedding_body, embedding_inputs
 from batchrun.job.formats.prompts import Prompt
 from batchrun.job.formats.reader import InputRow
 from batchrun.job.formats.tool_calls import (
@@ -94,7 +97,7 @@ class BatchRequest:
     """One well-formed request line."""
 
     custom_id: str
-    url: str  # CHAT_URL or COMPLETIONS_URL
+    url: str  # CHAT_URL, COMPLETIONS_URL or EMBEDDINGS_URL
     model: str  # as the request names it; echoed in the response
     body: dict[str, Any]
     # a chat request's tools (tool_calls.tool_spec of its body), set once its body was checked
@@ -103,6 +106,10 @@ class BatchRequest:
     @property
     def is_chat(self) -> bool:
         return self.url == CHAT_URL
+
+    @property
+    def is_embeddings(self) -> bool:
+        return self.url == EMBEDDINGS_URL
 
 
 def parse_line(line: bytes) -> tuple[Optional[dict[str, Any]], Optional[RequestError]]:
@@ -132,8 +139,10 @@ def check_request(obj: Mapping[str, Any], model_names: frozenset[str]) -> Union[
     if obj.get("method") != "POST":
         return RequestError(INVALID_REQUEST, f"method must be POST, got {_short(obj.get('method'))}")
     url = obj.get("url")
-    if url not in (CHAT_URL, COMPLETIONS_URL):
-        return RequestError(INVALID_REQUEST, f"url must be {CHAT_URL} or {COMPLETIONS_URL}, got {_short(url)}")
+    if url not in (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL):
+        return RequestError(
+            INVALID_REQUEST, f"url must be {CHAT_URL}, {COMPLETIONS_URL} or {EMBEDDINGS_URL}, got {_short(url)}"
+        )
     body = obj.get("body")
     if not isinstance(body, dict):
         return RequestError(INVALID_REQUEST, f"body must be an object, got {type(body).__name__}")
@@ -144,7 +153,7 @@ def check_request(obj: Mapping[str, Any], model_names: frozenset[str]) -> Union[
         return RequestError(
             MODEL_NOT_FOUND, f"model {model!r} is not the loaded model (accepted: {', '.join(sorted(model_names))})"
         )
-    key = "messages" if url == CHAT_URL else "prompt"
+    key = {CHAT_URL: "messages", COMPLETIONS_URL: "prompt", EMBEDDINGS_URL: "input"}[url]
     if body.get(key) is None:
         return RequestError(INVALID_REQUEST, f"body.{key} is required for {url}")
     return BatchRequest(custom_id, url, model, dict(body))
@@ -354,9 +363,14 @@ class RequestBuilder:
         defaults: SamplingParams,
         system_prompt: Optional[str] = None,
         tools_template: Optional[str] = None,
+        task: str = "generate",
+        embedding_dim: Optional[int] = None,
     ) -> None:
         """`tools_template`: the chat template text for requests with tools (job.tools_chat_template
-        resolved by tool_calls.resolve_template); None renders them with the model's own."""
+        resolved by tool_calls.resolve_template); None renders them with the model's own. `task`:
+        what the engine serves (embed answers /v1/embeddings lines, generate the others)."""
+        self.task = task
+        self.embedding_dim = embedding_dim
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.model_names = model_names
@@ -388,6 +402,23 @@ class RequestBuilder:
         request = check_request(row.values["line"], self.model_names)
         if isinstance(request, RequestError):
             return _failed(request), None, None
+        wanted = "embed" if request.is_embeddings else "generate"
+        if wanted != self.task:
+            hint = f"; use {EMBEDDINGS_URL}" if self.task == "embed" else ""
+            message = f"{request.url} is for {wanted} models; this engine serves {self.task} (engine.task){hint}"
+            return (
+                _failed(RequestError(INVALID_REQUEST, message)),
+                None,
+                request,
+            )
+        if request.is_embeddings:
+            inputs = embedding_inputs(request.body, len(self.tokenizer), self.embedding_dim)
+            if isinstance(inputs, tuple):
+                return _failed(RequestError(*inputs)), None, request
+            counts = [len(x) if isinstance(x, list) else len(self.tokenizer.encode(x, verbose=False)) for x in inputs]
+            first = inputs[0] if isinstance(inputs[0], list) else list(self.tokenizer.encode(inputs[0], verbose=False))
+            prompt = Prompt(token_ids=first, num_prompt_tokens=sum(counts), engine_prompts=tuple(inputs))
+            return prompt, None, request
         params = sampling_params(request, self.defaults)
         if isinstance(params, RequestError):
             return _failed(params), None, request
@@ -496,6 +527,18 @@ def response_line(
             "prompt_tokens_details": {"cached_tokens": outs[0].metrics.num_cached_tokens or 0},
         },
     )
+    return {
+        "id": line_id,
+        "custom_id": request.custom_id,
+        "response": {"status_code": 200, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+def embeddings_line(shard: str, index: int, request: BatchRequest, outs: Sequence[RequestOutput]) -> dict[str, Any]:
+    """The output-file line of an embeddings request: one embedding per input, in input order."""
+    line_id, request_id, _ = line_ids(shard, index)
+    body = embedding_body(request.model, request.body.get("encoding_format"), outs)
     return {
         "id": line_id,
         "custom_id": request.custom_id,

@@ -15,6 +15,7 @@ instance (`select_format`) holds what turns rows into prompts with the loaded en
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,8 +30,15 @@ from batchrun.job.config import RunConfig
 from batchrun.job.errors import ConfigError, JobError, ShardError
 from batchrun.job.formats.logprobs import TokenTexts
 from batchrun.job.formats.openai_files import BatchFileReader
-from batchrun.job.formats.openai_requests import BatchRequest, RequestBuilder, error_line, response_line, tool_columns
-from batchrun.job.formats.prompts import Prompt, PromptBuilder
+from batchrun.job.formats.openai_requests import (
+    BatchRequest,
+    RequestBuilder,
+    embeddings_line,
+    error_line,
+    response_line,
+    tool_columns,
+)
+from batchrun.job.formats.prompts import UPSTREAM_ERROR, Prompt, PromptBuilder
 from batchrun.job.formats.reader import InputRow, ShardReader
 from batchrun.job.formats.rows import check_row
 from batchrun.job.formats.tool_calls import resolve_template
@@ -130,6 +138,11 @@ class ShardFormat(ABC):
         """A row a committed part holds: its id counts for the duplicate check of the rows after it."""
         check_row(row, seen_ids, self.config.data.id_column)
 
+    def carries_sample_index(self, reader: RowReader) -> bool:
+        """The shard's rows are samples of a previous run (its results with sample_index): each
+        result row carries its input row's sample_index."""
+        return False
+
     def num_samples(self, prompt: Prompt, params: Optional[SamplingParams]) -> int:
         """Result rows of a row whose prompt and final params (seed, schema) are these."""
         return self.config.sampling.n
@@ -185,10 +198,42 @@ class ParquetFormat(ShardFormat):
             )
 
     def open_reader(self, shard: Shard, fs: Any) -> RowReader:
-        return ShardReader(shard, fs, self.config.data, self.columns)
+        reader = ShardReader(shard, fs, self.config.data, self.columns)
+        if not is_results_file(reader.schema):
+            return reader
+        # A previous run's results: its error rows and sample indices must be read too.
+        extra = [c for c in (*UPSTREAM_COLUMNS, SAMPLE_INDEX) if c in reader.schema.names and c not in self.columns]
+        if not extra:
+            return reader
+        reader.close()
+        return ShardReader(shard, fs, self.config.data, [*self.columns, *extra])
+
+    def carries_sample_index(self, reader: RowReader) -> bool:
+        schema = getattr(reader, "schema", None)
+        if self.config.sampling.n > 1:  # this run's own samples number the result rows
+            return False
+        return isinstance(schema, pa.Schema) and is_results_file(schema) and SAMPLE_INDEX in schema.names
+
+    def _identity(self, row: InputRow) -> InputRow:
+        """A previous run's row is (id, sample_index) with sampling.n > 1: its samples share an id."""
+        if SAMPLE_INDEX in row.values and SAMPLE_INDEX not in self.columns and row.id is not None:
+            return dataclasses.replace(row, id=(row.id, row.values[SAMPLE_INDEX]))
+        return row
+
+    def see(self, row: InputRow, seen_ids: set[Any]) -> None:
+        check_row(self._identity(row), seen_ids, self.config.data.id_column)
 
     def build(self, row: InputRow, seen_ids: set[Any]) -> RowPrompt:
-        return RowPrompt(check_row(row, seen_ids, self.config.data.id_column) or self.prompts.build(row))
+        checked = check_row(self._identity(row), seen_ids, self.config.data.id_column)
+        if checked is not None:
+            return RowPrompt(checked)
+        upstream = row.values.get(UPSTREAM_COLUMNS[0])
+        if upstream is not None and UPSTREAM_COLUMNS[0] not in self.columns:
+            # A previous run's error row has nothing to run on: it stays an error row, typed as
+            # such, so that every row of that run has one row here.
+            message = f"the input run's row failed: {upstream}: {row.values.get(UPSTREAM_COLUMNS[1]) or ''}"
+            return RowPrompt(Prompt(error_type=UPSTREAM_ERROR, error_message=message.rstrip(": ")))
+        return RowPrompt(self.prompts.build(row))
 
 
 class OpenAIBatchFormat(ShardFormat):
@@ -232,6 +277,8 @@ class OpenAIBatchFormat(ShardFormat):
             check_row(row, seen_ids, self.config.data.id_column)
 
     def num_samples(self, prompt: Prompt, params: Optional[SamplingParams]) -> int:
+        if prompt.engine_prompts:  # an embeddings request: one result row per input
+            return len(prompt.engine_prompts)
         if prompt.token_ids is None or params is None:
             return 1  # an error line answers the request once, whatever n it asked for
         return params.n
@@ -239,7 +286,9 @@ class OpenAIBatchFormat(ShardFormat):
     def sample_columns(self, entry: RowOutputs, out: RequestOutput, shard: str) -> dict[str, Any]:
         """A chat choice's parsed tool calls."""
         request: Optional[BatchRequest] = entry.request
-        return {} if request is None else tool_columns(request, out, shard, entry.row.index)
+        if request is None or request.is_embeddings:
+            return {}
+        return tool_columns(request, out, shard, entry.row.index)
 
     def error_line(self, shard: str, row: InputRow, error_type: str, prompt: Prompt) -> Optional[dict[str, Any]]:
         message = prompt.error_message or prompt.error_type or ""
@@ -253,6 +302,8 @@ class OpenAIBatchFormat(ShardFormat):
         request: Optional[BatchRequest] = entry.request
         if request is None:  # rows in flight are requests that built: never
             return None
+        if failed is None and request.is_embeddings:
+            return embeddings_line(shard, entry.row.index, request, outs)
         if failed is None:
             return response_line(shard, entry.row.index, request, outs, entry.params.logprobs, texts)
         return error_line(shard, entry.row.index, request.custom_id, ENGINE_ERROR, failed.error or "engine error")
@@ -277,16 +328,37 @@ def format_class(config: RunConfig) -> type[ShardFormat]:
     return FORMATS[config.data.format]
 
 
+# A results file of a batchrun run (writer.py) has these; a previous run's output as data.uri.
+UPSTREAM_COLUMNS = ("error_type", "error_message")
+SAMPLE_INDEX = "sample_index"  # a previous run's with sampling.n > 1: its rows are (id, sample_index)
+
+
+def is_results_file(schema: pa.Schema) -> bool:
+    """`schema` is a batchrun results file's: its error rows are error rows here too."""
+    return {"id", "finish_reason", *UPSTREAM_COLUMNS} <= set(schema.names)
+
+
+def engine_task(engine: Engine) -> str:
+    """What the engine serves (generate, embed, score)."""
+    return engine.task
+
+
 def prompt_builders(config: RunConfig, engine: Engine) -> tuple[PromptBuilder, Optional[RequestBuilder]]:
     """What turns rows into prompts for this engine (a real run and a dry run alike): the
     PromptBuilder, and for batch files the RequestBuilder of their lines."""
-    max_prompt_tokens = engine.max_model_len - config.sampling.max_tokens
-    if max_prompt_tokens <= 0:
-        raise JobError(
-            f"sampling.max_tokens={config.sampling.max_tokens} leaves no room for a prompt "
-            f"within the engine's max_model_len={engine.max_model_len}"
-        )
-    builder = PromptBuilder(config.job, config.data, engine.tokenizer, max_prompt_tokens)
+    task = engine_task(engine)
+    max_prompt_tokens: Optional[int] = None  # embed: the engine truncates to its limit itself
+    if task == "score":
+        max_prompt_tokens = engine.max_model_len
+    elif task == "generate":
+        max_prompt_tokens = engine.max_model_len - config.sampling.max_tokens
+        if max_prompt_tokens <= 0:
+            raise JobError(
+                f"sampling.max_tokens={config.sampling.max_tokens} leaves no room for a prompt "
+                f"within the engine's max_model_len={engine.max_model_len}"
+            )
+    embed_limit = engine.max_model_len if task == "embed" else None
+    builder = PromptBuilder(config.job, config.data, engine.tokenizer, max_prompt_tokens, task, embed_limit)
     requests = None
     if format_class(config) is OpenAIBatchFormat:
         alias = config.data.openai_model_name
@@ -297,6 +369,8 @@ def prompt_builders(config: RunConfig, engine: Engine) -> tuple[PromptBuilder, O
             config.sampling,
             config.job.system_prompt,
             resolve_template(config.job.tools_chat_template),
+            task,
+            engine.embedding_dim,
         )
     return builder, requests
 

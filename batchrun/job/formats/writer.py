@@ -10,11 +10,12 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import fsspec
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.engine import RequestOutput, SamplingParams
-from batchrun.job.config import OPTIONAL_RESULT_COLUMNS, RESULT_COLUMNS
+from batchrun.job.config import OPTIONAL_RESULT_COLUMNS, POOLED_RESULT_COLUMNS, RESULT_COLUMNS
 from batchrun.job.formats.logprobs import LOGPROBS_TYPE, TokenTexts, cumulative_logprob, logprob_entries
 from batchrun.job.formats.tool_calls import TOOL_CALLS_TYPE
 
@@ -49,6 +50,25 @@ OPTIONAL_RESULT_FIELDS: list[pa.Field] = [
 ]
 assert [f.name for f in OPTIONAL_RESULT_FIELDS] == OPTIONAL_RESULT_COLUMNS
 
+# embed and score runs (job.task): one vector per row where a generation run has its text and tokens.
+POOLED_RESULT_FIELDS: list[pa.Field] = [
+    pa.field("id", pa.string()),  # as in RESULT_FIELDS
+    pa.field("embedding", pa.list_(pa.float32())),  # embed: the row's embedding; null for error rows
+    # score: the head's output per label (a classifier's logits, a reward model's reward), in
+    # label index order; null for error rows
+    pa.field("score", pa.list_(pa.float32())),
+    pa.field("label", pa.string()),  # score, num_labels > 1: the id2label name of the highest score
+    pa.field("finish_reason", pa.string()),  # pooled | error
+    pa.field("error_type", pa.string()),
+    pa.field("error_message", pa.string()),
+    pa.field("num_prompt_tokens", pa.int64()),  # tokens the model read (after truncation)
+    # tokens cut off a prompt longer than the model's input limit (max_seq_length), as
+    # sentence-transformers truncates; 0 when it fitted, null for rows the engine never ran
+    pa.field("num_truncated_tokens", pa.int64()),
+    pa.field("latency_s", pa.float64()),  # admission to finish
+]
+assert [f.name for f in POOLED_RESULT_FIELDS] == POOLED_RESULT_COLUMNS
+
 METRICS_SCHEMA = pa.schema(
     [
         pa.field("shard", pa.string()),
@@ -76,6 +96,13 @@ METRICS_SCHEMA = pa.schema(
         pa.field("spec_acceptance_rate", pa.float64()),  # accepted / proposed; null with speculation off
         # MoE models (null for dense): per MoE layer, the tokens routed to each expert during the shard.
         pa.field("expert_token_counts", pa.list_(pa.list_(pa.int64()))),
+        # Rows per second of wall time (every task; embed and score runs have no output tokens) and
+        # prompt tokens per second; rows whose prompt was cut to the model's input limit (embed,
+        # score) and the tokens cut.
+        pa.field("rows_per_s", pa.float64()),
+        pa.field("prompt_tokens_per_s", pa.float64()),
+        pa.field("num_truncated_rows", pa.int64()),
+        pa.field("num_truncated_tokens", pa.int64()),
     ]
 )
 
@@ -164,12 +191,59 @@ def output_result(row_id: Any, out: RequestOutput, note: Optional[str], keep: di
     }
 
 
+def pooled_result(
+    row_id: Any, out: RequestOutput, note: Optional[str], keep: dict[str, Any], labels: Optional[Sequence[str]]
+) -> dict[str, Any]:
+    """The result row of an embed or score output (both vector columns filled with it: the schema
+    keeps the task's). The generation keys are set for the tallies (metrics.ShardTally) and left
+    out of the file by its schema."""
+    failed = out.finish_reason == "error" or out.pooled is None
+    vector = None if failed else np.asarray(out.pooled, dtype=np.float32).reshape(-1).tolist()
+    label = None
+    if vector is not None and labels is not None and len(labels) > 1:
+        label = labels[int(np.argmax(np.asarray(vector)))]
+    m = out.metrics
+    truncated = None if failed else m.num_truncated_tokens
+    if truncated:
+        note = note or f"truncated by {truncated} tokens to the model's input limit"
+    return {
+        "id": row_id,
+        "embedding": vector,
+        "score": vector,
+        "label": label,
+        "finish_reason": "error" if failed else out.finish_reason,
+        "error_type": ENGINE_ERROR if failed else None,
+        "error_message": (out.error or "engine error") if failed else note,
+        "num_prompt_tokens": len(out.prompt_token_ids) if out.prompt_token_ids else None,
+        "num_truncated_tokens": truncated,
+        "latency_s": m.latency_s,
+        "output": None,
+        "num_output_tokens": 0,
+        "num_cached_tokens": m.num_cached_tokens,
+        "ttft_s": None,
+        "itl_s": None,
+        **keep,
+    }
+
+
+def pooled_fields(task: str, has_label: bool) -> list[pa.Field]:
+    """The fixed columns of an embed or score run: the task's vector column, `label` with labels."""
+    assert task in ("embed", "score"), task
+    drop = {"score", "label"} if task == "embed" else {"embedding"} | (set() if has_label else {"label"})
+    return [f for f in POOLED_RESULT_FIELDS if f.name not in drop]
+
+
 def result_schema(
-    keep_fields: Sequence[pa.Field], id_type: Optional[pa.DataType] = None, optional: Sequence[str] = ()
+    keep_fields: Sequence[pa.Field],
+    id_type: Optional[pa.DataType] = None,
+    optional: Sequence[str] = (),
+    fixed: Optional[Sequence[pa.Field]] = None,
 ) -> pa.Schema:
     """The results schema: the fixed columns (`id` in the input's id type; text by default), the
-    `optional` columns asked for (optional_columns), then the kept input columns."""
-    fields = [f.with_type(id_type) if f.name == "id" and id_type is not None else f for f in RESULT_FIELDS]
+    `optional` columns asked for (optional_columns), then the kept input columns. `fixed`: an embed
+    or score run's (pooled_fields) instead of the generation columns."""
+    base = RESULT_FIELDS if fixed is None else fixed
+    fields = [f.with_type(id_type) if f.name == "id" and id_type is not None else f for f in base]
     extra = [f for f in OPTIONAL_RESULT_FIELDS if f.name in optional]
     return pa.schema([*fields, *extra, *keep_fields])
 

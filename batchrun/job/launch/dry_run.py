@@ -32,12 +32,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from batchrun.engine import Engine, SamplingParams, ThroughputProfile
-from batchrun.job.config import RunConfig
+from batchrun.job.config import RunConfig, check_task
 from batchrun.job.errors import ConfigError, ShardError
 from batchrun.job.formats.prompts import Prompt
 from batchrun.job.formats.reader import InputRow
 from batchrun.job.formats.rows import INVALID_SCHEMA, with_row_schema
-from batchrun.job.formats.shard_format import RowReader, ShardFormat, format_class, select_format
+from batchrun.job.formats.shard_format import RowReader, ShardFormat, engine_task, format_class, select_format
 from batchrun.job.launch.pool import num_local_workers
 from batchrun.job.run.runner import load_engine
 from batchrun.job.shards import Shard, discover_shards, open_filesystem, resolve_worker
@@ -121,8 +121,9 @@ def plan_run(config: RunConfig, engine: Optional[Engine] = None, env: Optional[M
     num_workers = local if local > 1 else worker.world_size
 
     engine = engine or load_engine(config.engine)
+    check_task(config, engine_task(engine))  # as a run would refuse it
     profile = engine.throughput_profile()
-    counter = _Counter(config, select_format(config, engine), engine.config.block_size)
+    counter = _Counter(config, select_format(config, engine), engine.config.block_size, engine_task(engine))
     plans = [counter.shard(shard, data_fs) for shard in shards]
     return counter.result(config, engine, profile, plans, num_workers)
 
@@ -148,8 +149,9 @@ def write_plan_json(plan: RunPlan, path: str, output_uri: str) -> None:
 class _Counter:
     """Counts rows shard by shard; the planner windows run across shard boundaries, as in a run."""
 
-    def __init__(self, config: RunConfig, input_format: ShardFormat, block_size: int) -> None:
+    def __init__(self, config: RunConfig, input_format: ShardFormat, block_size: int, task: str = "generate") -> None:
         self.config = config
+        self.is_pooling = task != "generate"  # embed/score: no output tokens
         self.format = input_format
         self.block_size = block_size
         self.lengths: Counter[int] = Counter()  # prompt length -> rows: percentiles in memory bounded by max_model_len
@@ -182,7 +184,8 @@ class _Counter:
                 self.num_truncated += prompt.error_message is not None
                 totals["prompt"] += length * n
                 totals["prefill"] += length - self._shared(prompt.token_ids)  # samples share one prefill
-                totals["output"] += (params or self.config.sampling).max_tokens * n
+                if not self.is_pooling:
+                    totals["output"] += (params or self.config.sampling).max_tokens * n
         except ShardError as e:
             failure = str(e)
         finally:

@@ -27,20 +27,31 @@ class ShardTally:
     num_preemptions: int = 0
     num_spec_proposed: int = 0
     num_spec_accepted: int = 0
+    # embed/score: rows cut to the model's input limit, and the tokens cut
+    num_truncated_rows: int = 0
+    num_truncated_tokens: int = 0
 
     def add(self, row: dict[str, Any]) -> None:
+        """One result row (generation or embed/score: writer.output_result, pooled_result,
+        error_result; or a committed part's row, its missing columns null)."""
         self.num_rows += 1
         if row["error_type"] is None:
             self.num_ok += 1
         else:
             self.error_counts[row["error_type"]] = self.error_counts.get(row["error_type"], 0) + 1
-        if row["num_output_tokens"] is not None:  # the engine saw this row
+        # The engine saw this row: it has output tokens (generation) or a latency (embed/score,
+        # whose files have no output tokens).
+        if row.get("num_output_tokens") is not None or row.get("latency_s") is not None:
             self.num_prompt_tokens += row["num_prompt_tokens"] or 0
-            self.num_output_tokens += row["num_output_tokens"]
-            self.num_cached_tokens += row["num_cached_tokens"] or 0
-        if row["ttft_s"] is not None:
+            self.num_output_tokens += row.get("num_output_tokens") or 0
+            self.num_cached_tokens += row.get("num_cached_tokens") or 0
+        truncated = row.get("num_truncated_tokens") or 0
+        if truncated:
+            self.num_truncated_rows += 1
+            self.num_truncated_tokens += truncated
+        if row.get("ttft_s") is not None:
             self.ttfts.append(row["ttft_s"])
-        if row["itl_s"] is not None:
+        if row.get("itl_s") is not None:
             self.itls.append(row["itl_s"])
 
     def add_request(self, metrics: RequestMetrics) -> None:
@@ -93,6 +104,10 @@ def metrics_row(
         "num_spec_accepted": accepted,
         "spec_acceptance_rate": accepted / proposed if proposed and accepted is not None else None,
         "expert_token_counts": _expert_delta(after.expert_token_counts, before.expert_token_counts),
+        "rows_per_s": tally.num_rows / wall,
+        "prompt_tokens_per_s": tally.num_prompt_tokens / wall,
+        "num_truncated_rows": tally.num_truncated_rows,
+        "num_truncated_tokens": tally.num_truncated_tokens,
     }
 
 

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
@@ -180,7 +181,13 @@ def _read_results(store: RunStore, shard: str, path: str, data: _RunData) -> Non
 
 def _read_table(store: RunStore, path: str) -> Any:
     with store.fs.open(path, "rb") as f:
-        return pq.read_table(f, columns=_RESULT_COLUMNS)  # fixed columns: every results file has them
+        parquet = pq.ParquetFile(f)
+        names = set(parquet.schema_arrow.names)
+        table = parquet.read(columns=[c for c in _RESULT_COLUMNS if c in names])
+    for column in _RESULT_COLUMNS:  # an embed or score run has no ttft_s or itl_s: empty samples
+        if column not in names:
+            table = table.append_column(column, pa.nulls(table.num_rows, pa.float64()))
+    return table
 
 
 def _parse_time(value: Any) -> Optional[dt.datetime]:

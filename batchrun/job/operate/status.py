@@ -47,9 +47,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any, Optional, Union
 
-import pyarrow.parquet as pq
-
-from batchrun.job.commit.checkpoints import Part, committed_parts
+from batchrun.job.commit.checkpoints import Part, committed_parts, read_result_columns
 from batchrun.job.commit.claims import FAILED, QUARANTINED, RUNNING, process_identity, process_start_time, store_mtime
 from batchrun.job.commit.fence import FENCE_FILE
 from batchrun.job.commit.manifest import STATUS_RANK, read_worker_manifests
@@ -340,10 +338,10 @@ def _parts_tally(store: RunStore, parts: Sequence[Part]) -> tuple[int, int, int,
     for part in parts:
         try:
             with store.fs.open(part.results_path, "rb") as f:
-                table = pq.read_table(f, columns=["error_type", "num_prompt_tokens", "num_output_tokens"])
+                part_rows = read_result_columns(f, ["error_type", "num_prompt_tokens", "num_output_tokens"])
         except (FileNotFoundError, OSError):
             continue
-        for row in table.to_pylist():
+        for row in part_rows:
             prompt += row["num_prompt_tokens"] or 0
             output += row["num_output_tokens"] or 0
             if row["error_type"] is not None:

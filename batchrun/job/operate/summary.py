@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from batchrun.job.results import RunResult, run_throughput
 
+_TOK_NOTE = ["shard tok/s: a shard's output tokens over its own open time (shards overlap: these do not add up)"]
 _COLUMNS = ("shard", "status", "rows", "ok", "errors", "out tok", "shard tok/s", "TTFT p50")
 
 
@@ -25,6 +26,8 @@ def format_summary(result: RunResult) -> str:
         "output_tokens_per_s": run["output_tokens_per_s"] if result.num_output_tokens is not None else None,
         "ttft_p50_s": result.ttft_p50_s,
     }
+    # Runs that generate nothing (embed, score) are rated in rows/s; their tok/s lines would say 0.
+    rows_line = _rows_line(metrics, run["wall_s"], result.num_output_tokens)
     done = sum(s.status in ("committed", "skipped") for s in result.shards)
     rows.append(_row("total", f"{done}/{len(result.shards)} done", totals if metrics else None))
     widths = [max(len(r[i]) for r in [_COLUMNS, *rows]) for i in range(len(_COLUMNS))]
@@ -47,8 +50,8 @@ def format_summary(result: RunResult) -> str:
             f"manifest: {result.manifest_url}",
             "",
             *table,
-            "shard tok/s: a shard's output tokens over its own open time (shards overlap: these do not add up)",
-            *_run_line(run, result.num_output_tokens),
+            *(rows_line or _TOK_NOTE),
+            *([] if rows_line else _run_line(run, result.num_output_tokens)),
             "",
             f"{result.status}: {result.message}",
         ]
@@ -78,6 +81,18 @@ def _run_line(run: dict[str, Any], num_output_tokens: Optional[int]) -> list[str
     if run["engine_output_tokens_per_s"] is not None:
         line += f"; {run['engine_output_tokens_per_s']:.1f} tok/s over its {run['engine_s']:.1f}s in the engine"
     return [line]
+
+
+def _rows_line(metrics: list[dict[str, Any]], wall_s: Optional[float], num_output_tokens: Optional[int]) -> list[str]:
+    """Runs that generate nothing (embed, score): their rate is rows and prompt tokens per second."""
+    num_rows = sum(m["num_rows"] for m in metrics)
+    if num_output_tokens or not num_rows or not wall_s:
+        return []
+    num_prompt = sum(m.get("num_prompt_tokens") or 0 for m in metrics)
+    truncated = sum(m.get("num_truncated_rows") or 0 for m in metrics)
+    line = f"rows/s: {num_rows / wall_s:.1f} ({num_rows} rows, {num_prompt / wall_s:.1f} prompt tok/s"
+    line += f" over {wall_s:.1f}s)"
+    return [line + (f"; {truncated} rows truncated to the model's input limit" if truncated else "")]
 
 
 def _num(value: Optional[float], fmt: str) -> str:

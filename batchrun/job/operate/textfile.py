@@ -18,6 +18,7 @@ one run's workers add up in PromQL without clashing.
     batchrun_prompt_tokens_total, batchrun_output_tokens_total
     batchrun_shards{state}                 this worker's shards by manifest status
     batchrun_output_tokens_per_second      output tokens over the time since the worker started
+    batchrun_rows_per_second               result rows over the same time (embed and score runs too)
     batchrun_ttft_seconds{quantile}        summary: p50, p95, p99 of its rows' time to first token
     batchrun_running                       1 while the worker runs, 0 once it has ended
     batchrun_last_exit_code                the worker's exit status, once it has ended
@@ -169,6 +170,12 @@ class MetricsTextfile:
             "gauge",
             "Output tokens over the time since this worker started.",
             [("batchrun_output_tokens_per_second", {}, self.output_tokens / elapsed)],
+        )
+        family(  # every task's rate: embed and score runs generate no tokens
+            "batchrun_rows_per_second",
+            "gauge",
+            "Result rows over the time since this worker started.",
+            [("batchrun_rows_per_second", {}, self.rows / elapsed)],
         )
         ttfts = np.asarray(self.ttfts, dtype=np.float64)
         quantiles = np.quantile(ttfts, QUANTILES) if len(ttfts) else [math.nan] * len(QUANTILES)

@@ -25,9 +25,9 @@ from batchrun.job.commit.fence import FingerprintFence
 from batchrun.job.commit.fingerprint import settings_fingerprint
 from batchrun.job.commit.manifest import write_merged_manifest
 from batchrun.job.commit.store import RunStore
-from batchrun.job.config import RunConfig
+from batchrun.job.config import RunConfig, check_task
 from batchrun.job.errors import ConfigError, JobError
-from batchrun.job.formats.shard_format import format_class, select_format
+from batchrun.job.formats.shard_format import engine_task, format_class, select_format
 from batchrun.job.operate.progress import Progress
 from batchrun.job.operate.textfile import MetricsTextfile, textfile_path
 from batchrun.job.results import RunResult, run_throughput
@@ -139,6 +139,7 @@ class _JobRun:
                 try:
                     if engine is None:
                         engine = self._owned_engine = load_engine(self.config.engine)
+                    check_task(self.config, engine_task(engine))  # engine.task auto: the model's
                     context = shard_context(self.config, self.store, self.data_fs, self.plan, engine)
                     self.manifest.set_engine(context.model_path, context.model_fingerprint, context.engine_settings)
                     self.ledger.recompute(model_changes(self.config, self.plan, context.model))

@@ -23,6 +23,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import pyarrow as pa
+
 from batchrun.engine import (
     Engine,
     EngineRequest,
@@ -54,7 +56,15 @@ from batchrun.job.formats.prompts import Prompt
 from batchrun.job.formats.reader import InputRow
 from batchrun.job.formats.rows import INVALID_SCHEMA, with_row_schema
 from batchrun.job.formats.shard_format import RowOutputs, RowPrompt, ShardFormat
-from batchrun.job.formats.writer import error_result, logprob_columns, output_result, result_schema, write_metrics
+from batchrun.job.formats.writer import (
+    error_result,
+    logprob_columns,
+    output_result,
+    pooled_fields,
+    pooled_result,
+    result_schema,
+    write_metrics,
+)
 from batchrun.job.operate.metrics import ShardTally, metrics_row
 from batchrun.job.operate.progress import Progress
 from batchrun.job.results import ShardSummary
@@ -138,7 +148,15 @@ class ShardRun:
         self.in_flight: dict[int, RowOutputs] = {}  # row index -> the row while its samples run
         # Result rows of the rows read so far (the format says how many per row): the next row's first index.
         self.num_result_rows = 0
+        # embed/score: the engine's vectors instead of text (writer.pooled_fields); no optional columns
+        # but a batch file's sample_index (an embeddings request's inputs)
+        self.task: str = engine.task
+        self.labels: Optional[list[str]] = engine.labels
         self.optional_columns = self.format.optional_columns()
+        self.fixed_fields: Optional[list[pa.Field]] = None
+        if self.task != "generate":
+            self.fixed_fields = pooled_fields(self.task, self.labels is not None and len(self.labels) > 1)
+            self.optional_columns = [c for c in self.optional_columns if c == "sample_index"]
         self.token_texts = TokenTexts(engine.tokenizer)
         self.seen_ids: set[Any] = set()
         self.is_read = False  # every row was read and either admitted or written as an error row
@@ -160,7 +178,11 @@ class ShardRun:
             self.reader = self.format.open_reader(self.shard, context.data_fs)
             try:
                 keep_fields = [self.reader.field(c) for c in self.config.output.keep_columns]
-                schema = result_schema(keep_fields, self.reader.id_type, self.optional_columns)
+                # A previous run's samples as input: each result row carries its sample_index.
+                self.carries_sample_index = self.format.carries_sample_index(self.reader)
+                if self.carries_sample_index and "sample_index" not in self.optional_columns:
+                    self.optional_columns = [*self.optional_columns, "sample_index"]
+                schema = result_schema(keep_fields, self.reader.id_type, self.optional_columns, self.fixed_fields)
                 self.resume = self._resume()
                 output = self.config.output
                 self.output = ShardOutput(
@@ -258,6 +280,8 @@ class ShardRun:
                     self._skip_done(row, done)
                     continue
                 keep = {c: row.values[c] for c in keep_columns}
+                if self.carries_sample_index:
+                    keep["sample_index"] = row.values.get("sample_index")
                 built = self.format.build(row, self.seen_ids)
                 prompt, params = self._final_params(row, built)
                 num_samples = self.format.num_samples(prompt, params)
@@ -278,6 +302,10 @@ class ShardRun:
                 self.in_flight[row.index] = RowOutputs(
                     row, prompt, keep, built.request, params or self.context.sampling, num_samples
                 )
+                if prompt.engine_prompts:  # an embed text, an embeddings request's inputs: one result row each
+                    for i, engine_prompt in enumerate(prompt.engine_prompts):
+                        yield EngineRequest(request_id=(self.key, row.index, i), prompt=engine_prompt, params=params)
+                    continue
                 yield EngineRequest(request_id=(self.key, row.index), prompt=prompt.token_ids, params=params)
             self.is_read = True
         except Exception as e:
@@ -300,13 +328,20 @@ class ShardRun:
         """One sample of a row in flight is done: its result row now, the row's line (formats
         with lines) once every sample is in."""
         entry = self.in_flight[out.request_id[1]]
-        entry.outputs[out.sample_index] = out
+        # A row of several prompts numbers them in its request ids; samples of one prompt, the engine.
+        sample = out.request_id[2] if len(out.request_id) > 2 else out.sample_index
+        entry.outputs[sample] = out
         if entry.is_complete:
             del self.in_flight[entry.row.index]
-        result = output_result(entry.row.id, out, entry.prompt.error_message, entry.keep)
-        result.update(logprob_columns(out, entry.params, self.token_texts))
+        if self.task != "generate":
+            # A text the engine tokenized: its own truncation count is the row's note, not the job's estimate.
+            note = None if entry.prompt.engine_prompts else entry.prompt.error_message
+            result = pooled_result(entry.row.id, out, note, entry.keep, self.labels)
+        else:
+            result = output_result(entry.row.id, out, entry.prompt.error_message, entry.keep)
+            result.update(logprob_columns(out, entry.params, self.token_texts))
         result.update(self.format.sample_columns(entry, out, self.shard.name))
-        self._emit_row(entry.row.index, out.sample_index, result, out.metrics)
+        self._emit_row(entry.row.index, sample, result, out.metrics)
         self.tally.add_request(out.metrics)
         if entry.is_complete:
             line = self.format.row_line(self.shard.name, entry, self.token_texts)
@@ -409,7 +444,7 @@ class ShardRun:
     ) -> None:
         """One result row, at its place: rows in input order, a row's samples in sample order."""
         if "sample_index" in self.optional_columns:
-            result["sample_index"] = sample
+            result.setdefault("sample_index", sample)  # a previous run's sample keeps its own
         self.output.put(row, sample, result, metrics)
         self.tally.add(result)
-        self.progress.advance(1, result["num_output_tokens"] or 0, result)
+        self.progress.advance(1, result.get("num_output_tokens") or 0, result)

@@ -195,7 +195,7 @@ def test_bad_or_unsupported_body_fields_are_typed_errors(body, url, code, words)
     "change, code, words",
     [
         ({"method": "GET"}, "invalid_request", "method"),
-        ({"url": "/v1/embeddings"}, "invalid_request", "url"),
+        ({"url": "/v1/audio/speech"}, "invalid_request", "url"),
         ({"body": "text"}, "invalid_request", "body must be an object"),
         ({"body": {"model": ALIAS}}, "invalid_request", "body.messages is required"),
         ({"url": COMPLETIONS, "body": {"model": ALIAS}}, "invalid_request", "body.prompt is required"),

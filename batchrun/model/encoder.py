@@ -57,17 +57,24 @@ def check_encoder_config(config: Any) -> None:
         raise ValueError(f"embedding_size={embedding_size}: embeddings narrower than hidden_size are not supported")
 
 
-def _linear(in_features: int, out_features: int) -> nn.Linear:
+def _empty(*shape: int) -> nn.Parameter:
     # Uninitialized: every parameter is filled by load_hf_state_dict, and init costs seconds on large models.
-    return nn.Linear(in_features, out_features, device="meta").to_empty(device="cpu")
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-def _layer_norm(size: int, eps: float) -> nn.LayerNorm:
-    return nn.LayerNorm(size, eps=eps, device="meta").to_empty(device="cpu")
+class _Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = _empty(out_features, in_features)
+        self.bias = _empty(out_features)
 
 
-def _embedding(num: int, size: int) -> nn.Embedding:
-    return nn.Embedding(num, size, device="meta").to_empty(device="cpu")
+class _LayerNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _empty(size)
+        self.bias = _empty(size)
+        self.eps = float(eps)
 
 
 class BertLayer(nn.Module):
@@ -81,12 +88,12 @@ class BertLayer(nn.Module):
         self.scale = self.head_dim**-0.5
         self.attention = attention
         self.act = _ACTIVATIONS[config.hidden_act]
-        self.qkv = _linear(hidden, 3 * hidden)  # rows: q, then k, then v
-        self.attn_out = _linear(hidden, hidden)
-        self.attn_norm = _layer_norm(hidden, eps)
-        self.up = _linear(hidden, config.intermediate_size)
-        self.down = _linear(config.intermediate_size, hidden)
-        self.out_norm = _layer_norm(hidden, eps)
+        self.qkv = _Linear(hidden, 3 * hidden)  # rows: q, then k, then v
+        self.attn_out = _Linear(hidden, hidden)
+        self.attn_norm = _LayerNorm(hidden, eps)
+        self.up = _Linear(hidden, config.intermediate_size)
+        self.down = _Linear(config.intermediate_size, hidden)
+        self.out_norm = _LayerNorm(hidden, eps)
 
     def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         """(num_tokens, hidden) -> (num_tokens, hidden)."""
@@ -122,10 +129,10 @@ class BertEncoder(nn.Module):
         check_encoder_config(config)
         self.config = config
         hidden = config.hidden_size
-        self.word_embeddings = _embedding(config.vocab_size, hidden)
-        self.position_embeddings = _embedding(config.max_position_embeddings, hidden)
-        self.token_type_embeddings = _embedding(config.type_vocab_size, hidden)
-        self.embed_norm = _layer_norm(hidden, config.layer_norm_eps)
+        self.word_embeddings = _empty(config.vocab_size, hidden)
+        self.position_embeddings = _empty(config.max_position_embeddings, hidden)
+        self.token_type_embeddings = _empty(config.type_vocab_size, hidden)
+        self.embed_norm = _LayerNorm(hidden, config.layer_norm_eps)
         attend = attention if attention is not None else varlen_attention
         self.layers = nn.ModuleList(BertLayer(config, attend) for _ in range(config.num_hidden_layers))
 
@@ -136,9 +143,9 @@ class BertEncoder(nn.Module):
     def _hf_names(self) -> dict[str, list[str]]:
         """Own parameter name -> the HF names that fill it (several: concatenated along dim 0)."""
         names = {
-            "word_embeddings.weight": ["embeddings.word_embeddings.weight"],
-            "position_embeddings.weight": ["embeddings.position_embeddings.weight"],
-            "token_type_embeddings.weight": ["embeddings.token_type_embeddings.weight"],
+            "word_embeddings": ["embeddings.word_embeddings.weight"],
+            "position_embeddings": ["embeddings.position_embeddings.weight"],
+            "token_type_embeddings": ["embeddings.token_type_embeddings.weight"],
             "embed_norm.weight": ["embeddings.LayerNorm.weight"],
             "embed_norm.bias": ["embeddings.LayerNorm.bias"],
         }
@@ -195,13 +202,11 @@ class BertEncoder(nn.Module):
         lens = torch.tensor(seq_lens, dtype=torch.long, device=device)  # (num_rows,)
         row_starts = torch.cumsum(lens, 0) - lens  # (num_rows,)
         positions = torch.arange(num_tokens, device=device) - torch.repeat_interleave(row_starts, lens)  # (T,)
-        x = F.embedding(input_ids, self.word_embeddings.weight) + F.embedding(
-            positions, self.position_embeddings.weight
-        )  # (num_tokens, hidden)
+        x = F.embedding(input_ids, self.word_embeddings) + F.embedding(positions, self.position_embeddings)
         if token_type_ids is None:
-            x = x + self.token_type_embeddings.weight[0]
+            x = x + self.token_type_embeddings[0]
         else:
-            x = x + F.embedding(token_type_ids, self.token_type_embeddings.weight)
+            x = x + F.embedding(token_type_ids, self.token_type_embeddings)  # (num_tokens, hidden)
         norm = self.embed_norm
         x = F.layer_norm(x, (x.shape[1],), norm.weight, norm.bias, norm.eps)
         for layer in self.layers:
@@ -216,8 +221,8 @@ class BertClassifier(nn.Module):
     def __init__(self, config: Any, attention: Optional[VarlenAttention] = None) -> None:
         super().__init__()
         self.encoder = BertEncoder(config, attention)
-        self.pooler = _linear(config.hidden_size, config.hidden_size)
-        self.classifier = _linear(config.hidden_size, config.num_labels)
+        self.pooler = _Linear(config.hidden_size, config.hidden_size)
+        self.classifier = _Linear(config.hidden_size, config.num_labels)
 
     @property
     def num_labels(self) -> int:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from batchrun.kernels import cpu_linear as ck
 from batchrun.kernels.varlen_attention import varlen_attention
 
 # (q, k, v, seq_lens, scale, causal) -> out: kernels/varlen_attention.py's signature
@@ -32,6 +33,14 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
 }
 ENCODER_MODEL_TYPES = ("bert",)
+# config.hidden_act -> oneDNN's (attr, algorithm) post-op of the same function
+_ONEDNN_ACTIVATIONS = {
+    "gelu": ("gelu", "none"),
+    "gelu_new": ("gelu", "tanh"),
+    "gelu_pytorch_tanh": ("gelu", "tanh"),
+    "gelu_fast": ("gelu", "tanh"),
+    "relu": ("relu", ""),
+}
 _IGNORED_PREFIXES = ("cls.", "pooler.", "classifier.")  # heads a bare encoder does not run
 
 
@@ -68,6 +77,23 @@ class _Linear(nn.Module):
         self.weight = _empty(out_features, in_features)
         self.bias = _empty(out_features)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class _OneDNNLinear(nn.Module):
+    """y = post_op(x @ W.T + b) with W packed once in oneDNN's layout (kernels/cpu_linear.py): no
+    reorder of the weight per call, and the activation applied in the GEMM's store (bf16 on a CPU)."""
+
+    def __init__(self, linear: _Linear, batch_hint: int, post_op: tuple[str, str] = ("none", "")) -> None:
+        super().__init__()
+        self.register_buffer("packed_weight", ck.mkldnn_pack(linear.weight.detach(), batch_hint))
+        self.register_buffer("bias", linear.bias.detach())  # (out_features,)
+        self.attr, self.algorithm = post_op
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, self.attr, [], self.algorithm)
+
 
 class _LayerNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -87,24 +113,37 @@ class BertLayer(nn.Module):
         self.head_dim = hidden // self.num_heads
         self.scale = self.head_dim**-0.5
         self.attention = attention
-        self.act = _ACTIVATIONS[config.hidden_act]
-        self.qkv = _Linear(hidden, 3 * hidden)  # rows: q, then k, then v
-        self.attn_out = _Linear(hidden, hidden)
+        self.hidden_act = config.hidden_act
+        # None once `up` applies the activation itself (pack_onednn)
+        self.act: Optional[Callable[[torch.Tensor], torch.Tensor]] = _ACTIVATIONS[config.hidden_act]
+        self.qkv: nn.Module = _Linear(hidden, 3 * hidden)  # rows: q, then k, then v
+        self.attn_out: nn.Module = _Linear(hidden, hidden)
         self.attn_norm = _LayerNorm(hidden, eps)
-        self.up = _Linear(hidden, config.intermediate_size)
-        self.down = _Linear(config.intermediate_size, hidden)
+        self.up: nn.Module = _Linear(hidden, config.intermediate_size)
+        self.down: nn.Module = _Linear(config.intermediate_size, hidden)
         self.out_norm = _LayerNorm(hidden, eps)
+
+    def pack_onednn(self, batch_hint: int) -> None:
+        """Hold the projections in oneDNN's packed layout, the activation fused into `up`."""
+        assert self.act is not None, "packed already"
+        self.qkv = _OneDNNLinear(self.qkv, batch_hint)  # type: ignore[arg-type]
+        self.attn_out = _OneDNNLinear(self.attn_out, batch_hint)  # type: ignore[arg-type]
+        self.up = _OneDNNLinear(self.up, batch_hint, _ONEDNN_ACTIVATIONS[self.hidden_act])  # type: ignore[arg-type]
+        self.down = _OneDNNLinear(self.down, batch_hint)  # type: ignore[arg-type]
+        self.act = None
 
     def forward(self, x: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         """(num_tokens, hidden) -> (num_tokens, hidden)."""
         num_tokens, hidden = x.shape
-        qkv = F.linear(x, self.qkv.weight, self.qkv.bias).view(num_tokens, 3, self.num_heads, self.head_dim)
+        qkv = self.qkv(x).view(num_tokens, 3, self.num_heads, self.head_dim)
         q, k, v = qkv.unbind(1)  # (num_tokens, num_heads, head_dim) views
         attended = self.attention(q, k, v, seq_lens, self.scale, False).reshape(num_tokens, hidden)
-        h = F.linear(attended, self.attn_out.weight, self.attn_out.bias)
+        h = self.attn_out(attended)
         x = F.layer_norm(h + x, (hidden,), self.attn_norm.weight, self.attn_norm.bias, self.attn_norm.eps)
-        inner = self.act(F.linear(x, self.up.weight, self.up.bias))  # (num_tokens, intermediate)
-        h = F.linear(inner, self.down.weight, self.down.bias)
+        inner = self.up(x)  # (num_tokens, intermediate)
+        if self.act is not None:
+            inner = self.act(inner)
+        h = self.down(inner)
         return F.layer_norm(h + x, (hidden,), self.out_norm.weight, self.out_norm.bias, self.out_norm.eps)
 
 
@@ -187,6 +226,14 @@ class BertEncoder(nn.Module):
         unknown = sorted(n for n in hf if n not in used and not self._ignored(n))
         if unknown:
             raise ValueError(f"state dict holds tensors the encoder does not implement, e.g. {unknown[:4]}")
+
+    def pack_onednn(self, batch_hint: int = 4096) -> None:
+        """bf16 on a CPU: every layer's projections in oneDNN's packed layout (the same kernel as
+        F.linear without its per-call weight reorder) and the activation fused into the up
+        projection. After load_hf_state_dict, once."""
+        for layer in self.layers:
+            assert isinstance(layer, BertLayer)
+            layer.pack_onednn(batch_hint)
 
     @torch.inference_mode()
     def forward(
@@ -273,13 +320,21 @@ def build_encoder(
     dtype: torch.dtype,
     attention: Optional[VarlenAttention] = None,
     classifier: Optional[bool] = None,
+    pack_onednn: bool = False,
 ) -> BertEncoder | BertClassifier:
-    """The model in eval mode with its parameters in `dtype`: a BertClassifier when `classifier`
-    (None: when config.architectures names a *ForSequenceClassification), else a BertEncoder."""
+    """The model in eval mode with its parameters in `dtype`, on the CPU: a BertClassifier when
+    `classifier` (None: when config.architectures names a *ForSequenceClassification), else a
+    BertEncoder. `pack_onednn` (bf16 only, where the CPU kernel set packs float linears:
+    KernelSet.linear_float.mode != "none"): projections packed for oneDNN, GELU fused; the module
+    then stays on the CPU. Without it, F.linear: float32 is the path held to HF's outputs."""
     with_head = is_classifier_config(config) if classifier is None else classifier
     module: BertEncoder | BertClassifier = (
         BertClassifier(config, attention) if with_head else BertEncoder(config, attention)
     )
     module.to(dtype)
     module.load_hf_state_dict(state_dict)
+    if pack_onednn:
+        if dtype != torch.bfloat16 or not ck.packing_available():
+            raise ValueError(f"pack_onednn needs bf16 and a torch with oneDNN's packing ops (dtype {dtype})")
+        (module.encoder if isinstance(module, BertClassifier) else module).pack_onednn()
     return module.eval().requires_grad_(False)

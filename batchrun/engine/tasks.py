@@ -75,7 +75,7 @@ def _found(path: str, hf_config: Any, pipeline: Optional[SentencePipeline]) -> s
 def resolve_task(config: EngineConfig) -> ResolvedTask:
     """engine.task resolved against the model directory; refusals raise EngineConfigError."""
     requested = config.task
-    directory, gguf_file = resolve_model(config.model)
+    directory, gguf_file = resolve_model(config.model, config.cache_dir)
     if gguf_file is not None:  # a GGUF file holds a causal LM: no pooling config, no classification head
         if requested in POOLING_TASKS:
             raise EngineConfigError(

@@ -8,31 +8,46 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Optional, Union
 
+import numpy as np
 import torch
 
 from batchrun.engine.config import EngineConfig, SamplingParams
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput, ThroughputProfile
+from batchrun.engine.pooling import Pooling
 from batchrun.engine.profiler import measure_rates
 from batchrun.engine.request import Request
 from batchrun.engine.runners import PendingStep
 from batchrun.engine.scheduler import ScheduledBatch, StepResult
 from batchrun.engine.settings import EngineSettings
 from batchrun.engine.startup import EngineParts, start_engine, warm_up
+from batchrun.engine.tasks import resolve_task
+from batchrun.model.quant import QuantizationSummary
 
 log = logging.getLogger(__name__)
 
 
 class Engine:
-    """Offline generation over a paged KV cache with continuous batching.
+    """Offline generation over a paged KV cache with continuous batching, or (engine.task embed or
+    score, engine/tasks.py) one pooled vector per prompt (engine/pooling.py: `pooling`).
 
-    `generate` returns outputs in input order; `stream` admits requests lazily from any iterable
-    and yields each output as soon as it finishes, keeping at most `max_in_flight` in the engine.
+    `generate` (`embed`, `score`) returns outputs in input order; `stream` admits requests lazily
+    from any iterable and yields each output as soon as it finishes, keeping at most
+    `max_in_flight` in the engine.
     """
 
+    # engine.task embed/score: the pooling engine every call goes to; None for generation
+    pooling: Optional[Pooling] = None
+
     def __init__(self, config: EngineConfig, parts: Optional[EngineParts] = None) -> None:
-        """Assign what start-up built: `parts`, or the phases of engine/startup.py run on `config`."""
-        parts = parts if parts is not None else start_engine(config)
+        """Assign what start-up built: `parts`, or the phases of engine/startup.py run on `config`
+        (for embed/score, the pooling engine: no KV cache, scheduler or sampler)."""
         self.config = config
+        if parts is None:
+            resolved = resolve_task(config)
+            if resolved.is_pooling:
+                self._assign_pooling(Pooling(config, resolved))
+                return
+            parts = start_engine(config)
         target, core = parts.target, parts.core
         self.device, self.dtype, self.tokenizer = target.device, target.dtype, target.tokenizer
         self.model_path, self.model_fingerprint, self.hf_config = target.path, target.fingerprint, target.hf_config
@@ -58,6 +73,50 @@ class Engine:
         # Times the decode steps the speculation policy prices (a test may put a fake clock here).
         self.step_clock: Callable[[], float] = time.perf_counter
 
+    def _assign_pooling(self, pooling: Pooling) -> None:
+        model = pooling.model
+        self.pooling = pooling
+        self.device, self.dtype, self.tokenizer = model.device, model.dtype, model.tokenizer
+        self.model_path, self.model_fingerprint, self.hf_config = model.path, model.fingerprint, model.hf_config
+        self.model = model.model  # type: ignore[assignment]
+        self.quantization = QuantizationSummary("none", self.config.quant_group_size)
+        self.max_model_len, self.max_num_seqs = pooling.max_model_len, pooling.max_num_seqs
+        self.max_num_batched_tokens = pooling.max_num_batched_tokens
+        self.settings, self.startup_s, self.group = pooling.settings, pooling.startup_s, None
+
+    @property
+    def task(self) -> str:
+        """What this engine serves: "generate", "embed" or "score" (engine.task as resolved)."""
+        return self.pooling.task if self.pooling is not None else "generate"
+
+    @property
+    def labels(self) -> Optional[list[str]]:
+        """score: the head's label names (id2label) in label order; None for embed and generate."""
+        return list(self.pooling.model.labels) if self.pooling and self.pooling.model.labels else None
+
+    @property
+    def embedding_dim(self) -> Optional[int]:
+        """embed: the length of every embedding; None for score and generate."""
+        return self.pooling.model.embedding_dim if self.pooling is not None else None
+
+    def embed(self, prompts: Sequence[Union[str, list[int]]]) -> list[np.ndarray]:
+        """One (embedding_dim,) float32 embedding per prompt (text or token ids), in input order;
+        ValueError for a prompt that cannot run (empty, bad ids) or an engine not serving embed."""
+        return self._pooled("embed", prompts)
+
+    def score(self, prompts: Sequence[Union[str, list[int]]]) -> list[np.ndarray]:
+        """One (num_labels,) float32 array of the head's logits per prompt, in input order;
+        ValueError for a prompt that cannot run (empty, over max_model_len) or an engine not serving score."""
+        return self._pooled("score", prompts)
+
+    def _pooled(self, task: str, prompts: Sequence[Union[str, list[int]]]) -> list[np.ndarray]:
+        if self.pooling is None or self.pooling.task != task:
+            raise ValueError(
+                f"Engine.{task} needs engine.task={task}, and this engine serves engine.task={self.task} "
+                f"(model {self.model_path})"
+            )
+        return self.pooling.run(prompts)
+
     def generate(
         self,
         prompts: Sequence[Union[str, list[int]]],
@@ -65,6 +124,11 @@ class Engine:
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order, a prompt's params.n samples
         one after another by sample_index (so with n=1, one output per prompt)."""
+        if self.pooling is not None:
+            raise ValueError(
+                f"Engine.generate needs engine.task=generate, and this engine serves engine.task={self.task} "
+                f"(use Engine.{self.task} or Engine.stream)"
+            )
         per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         assert len(per_prompt) == len(prompts), "one SamplingParams per prompt, or one for all"
         requests = [
@@ -90,7 +154,12 @@ class Engine:
         A `None` from `requests` means "nothing to admit right now": admission pauses until the
         next step (the job's source yields it while it waits for rows in flight to finish before
         it opens another shard). A source must not yield None while the engine is idle and none of
-        its own work is in flight, or it is polled again at once."""
+        its own work is in flight, or it is polled again at once.
+
+        embed/score: `params` is not read; outputs carry `pooled` (engine/pooling.py)."""
+        if self.pooling is not None:
+            yield from self.pooling.stream(requests, max_in_flight)
+            return
         default_params = params or SamplingParams()
         limit = max_in_flight or 4 * self.max_num_seqs
         source = iter(requests)
@@ -121,6 +190,8 @@ class Engine:
             self.abort_all()
 
     def stats(self) -> EngineStats:
+        if self.pooling is not None:
+            return self.pooling.stats()
         return EngineStats(
             num_kv_blocks_total=self.kv.num_blocks,
             peak_kv_blocks_used=self.kv.peak_used_blocks,
@@ -140,6 +211,8 @@ class Engine:
         configured (and no decode rates when only max_num_seqs is), and then the missing rates are
         timed now, at those limits, as the profile would (a few synthetic steps, once). Needs an
         idle engine; forgets the prefix cache, since those steps write into free blocks."""
+        if self.pooling is not None:
+            return self.pooling.throughput_profile()
         if not self._profile.get("prefill_tok_s") or not self._profile.get("decode_tok_s"):
             assert not self.scheduler.has_unfinished() and not self.scheduler.num_parked, "profile an idle engine only"
             self.kv.reset_prefix_cache()
@@ -163,6 +236,10 @@ class Engine:
         trace a request could see (no KV block allocated, no request id consumed, the sampler's
         generator untouched); on an idle engine only, it forgets the prefix cache (its steps write
         into free blocks) and zeroes the expert-load counters, as start-up does."""
+        if self.pooling is not None:
+            summary = self.pooling.warmup()
+            self.settings = self.settings.with_warmup(summary)
+            return summary
         assert not self.scheduler.has_unfinished() and not self.scheduler.num_parked, "warm up an idle engine only"
         limits = (self.max_model_len, self.max_num_batched_tokens, self.max_num_seqs)
         summary = warm_up(self.kv, self.runner, self.drafter, self.sampler, *limits)
@@ -172,6 +249,8 @@ class Engine:
     def set_async_scheduling(self, on: bool) -> bool:
         """Turn engine.async_scheduling on or off on an idle engine (benchmarks compare both on one
         engine); return whether it is on: never with a drafter. Its step count starts again at 0."""
+        if self.pooling is not None:
+            return False  # a pooling engine runs no decode steps to launch ahead
         assert not self.scheduler.has_unfinished() and self._ahead is None, "switch an idle engine only"
         self.runner.run_ahead = on and self.drafter is None
         self._num_ahead = 0
@@ -190,15 +269,20 @@ class Engine:
         self.close()
 
     def reset_peak_stats(self) -> None:
-        self.kv.reset_peak()
+        if self.pooling is None:
+            self.kv.reset_peak()
 
     def reset_prefix_cache(self) -> int:
         """Forget the cached prefix blocks that no request holds, so the next request starts cold
         (benchmarks that repeat a workload); returns the number of blocks forgotten."""
+        if self.pooling is not None:
+            return 0
         return self.kv.reset_prefix_cache()
 
     def abort_all(self) -> None:
         """Drop every unfinished request and free its blocks (used when a stream is abandoned)."""
+        if self.pooling is not None:
+            return  # a pooling engine holds nothing between forwards
         self._drop_ahead()
         for req in list(self.scheduler.running) + list(self.scheduler.waiting):
             self.scheduler.finish(req, "abort")

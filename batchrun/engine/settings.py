@@ -9,13 +9,15 @@ from typing import Any, Optional
 
 # Keys `as_dict` leaves out while their value is None: they exist only for an engine that has them.
 _PRESENT_ONLY = ("speculative", "draft_model", "warmup")
+# Keys `as_dict` leaves out at this value: a generation engine's manifest reads as it always has.
+_LEFT_OUT_AT = {"task": "generate"}
 
 
 @dataclass(frozen=True)
 class EngineSettings:
     """Start-up's resolved settings. `as_dict` is the JSON form the manifest records, in this field
     order; fields that only some engines have (speculation, a draft model, a warm-up) are left out
-    of it while None."""
+    of it while None, and `task` while it is "generate"."""
 
     model_type: str  # the decoder family (llama, qwen3_moe, ...)
     device: str  # "cpu" or "cuda[:i]"
@@ -49,6 +51,10 @@ class EngineSettings:
     tensor_parallel_size: int = 1  # engine.tensor_parallel_size: ranks (devices) of this worker's group
     # bytes of the weights each rank holds, rank 0 first (weight_bytes: the whole model's, each tensor once)
     rank_weight_bytes: tuple[int, ...] = ()
+    # What the engine serves (engine/tasks.py): generate, embed or score. An embed/score engine has
+    # no KV cache (num_kv_blocks and kv_cache_bytes 0), and its max_num_seqs is the prompts it packs
+    # from (a window), max_num_batched_tokens the tokens of one forward.
+    task: str = "generate"
     speculative: Optional[Mapping[str, Any]] = None  # the drafter's method, k, self_layers, adaptive
     draft_model: Optional[str] = None  # speculative.method=draft: the draft model's path
     warmup: Optional[Mapping[str, Any]] = None  # the last warm-up's {"num_steps", "graph_buckets", "seconds"}
@@ -56,7 +62,11 @@ class EngineSettings:
     def as_dict(self) -> dict[str, Any]:
         """A plain dict for JSON (copies: changing it changes nothing here)."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return {k: _plain(v) for k, v in fields.items() if not (k in _PRESENT_ONLY and v is None)}
+        return {
+            k: _plain(v)
+            for k, v in fields.items()
+            if not (k in _PRESENT_ONLY and v is None) and not (k in _LEFT_OUT_AT and v == _LEFT_OUT_AT[k])
+        }
 
     def with_warmup(self, summary: Mapping[str, Any]) -> EngineSettings:
         return dataclasses.replace(self, warmup=summary)

@@ -86,6 +86,17 @@ test_varlen_attention_matches_reference_interpreted, test_varlen_attention_match
 )
 
 
+def test_the_cpu_binds_the_reference_and_a_gpu_the_triton_kernel():
+    from batchrun.kernels import triton_varlen_attention, varlen_attention
+    from batchrun.kernels.binding import bind_kernels, reference_kernels
+    from batchrun.kernels.target import SM90, DeviceTarget
+
+    assert reference_kernels().varlen_attention is varlen_attention.varlen_attention
+    sm90 = bind_kernels(DeviceTarget(torch.device("cpu"), SM90, True, False, True), torch.bfloat16)
+    assert sm90.varlen_attention.func is triton_varlen_attention.varlen_attention  # partial(..., gpu=SM90)
+    assert sm90.varlen_attention.keywords == {"gpu": SM90}
+
+
 # ---------------------------------------------------------------------------------------------
 # compiled for sm_90 without a GPU (kernels/triton_aot.py), as the Triton kernel set launches it
 

@@ -11,8 +11,9 @@ count).
 
 `launch_cases(full=False)` is the set the test compiles (every kernel; bf16, fp16 and fp32; float,
 int8 and fp8 caches; head_dim 64 and 128; GQA; decode with one and several splits, the merge,
-prefill, mixed batches); `full=True` adds the rest of the product (more model shapes, head_dim 256,
-windows and softcaps on every cache, every elementwise width) for `python -m benchmarks.triton_compile`.
+prefill, mixed batches; the encoder's varlen attention, bidirectional and causal); `full=True` adds
+the rest of the product (more model shapes, head_dim 256, windows and softcaps on every cache, every
+elementwise width) for `python -m benchmarks.triton_compile`.
 
 A library module (no `__main__`).
 """
@@ -279,6 +280,36 @@ def _invariant(n: int, k: int, dtype: torch.dtype, has_bias: bool) -> Callable[[
     return run
 
 
+def _varlen(num_heads: int, head_dim: int, dtype: torch.dtype, causal: bool) -> Callable[[Kernels], None]:
+    """The encoder's attention over packed rows: q, k and v as views of one qkv projection (its row
+    stride 3 * num_heads * head_dim), rows shorter than a tile, over one and over several."""
+
+    def run(kernels: Kernels) -> None:
+        lens = [1, 37, 300, 128]
+        qkv = torch.empty(sum(lens), 3 * num_heads * head_dim, dtype=dtype)  # compiled, never run
+        q, k, v = (t.view(-1, num_heads, head_dim) for t in qkv.chunk(3, dim=1))
+        kernels(dtype, None).varlen_attention(q, k, v, lens, head_dim**-0.5, causal)
+
+    return run
+
+
+def varlen_attention_cases(full: bool = False) -> list[LaunchCase]:
+    """The encoder's attention: MiniLM (12 heads, head_dim 32) and BERT-base/BGE (12 heads, 64) in
+    every dtype, bidirectional and causal."""
+    fast = {(32, BF16, False), (64, BF16, True), (64, FP16, False), (32, FP32, False), (64, FP32, True)}
+    cases = [
+        LaunchCase(
+            f"varlen attention {_dtype_name(dtype)} 12 heads d{head_dim} {'causal' if causal else 'bidirectional'}",
+            _varlen(12, head_dim, dtype, causal),
+            (head_dim, dtype, causal) in fast,
+        )
+        for head_dim in (32, 64)
+        for dtype in (BF16, FP16, FP32)
+        for causal in (False, True)
+    ]
+    return cases if full else [c for c in cases if c.is_fast]
+
+
 def _kv_name(kv: Optional[torch.dtype]) -> str:
     return {None: "float", INT8: "int8", FP8: "fp8"}[kv]
 
@@ -396,7 +427,14 @@ def _fused_cases() -> Iterator[LaunchCase]:
 
 def launch_cases(full: bool = False) -> list[LaunchCase]:
     """The cases to compile: the test's set, or with `full` every one."""
-    cases = [*_attention_cases(), *_write_cases(), *_elementwise_cases(), *_gemm_cases(), *_fused_cases()]
+    cases = [
+        *_attention_cases(),
+        *varlen_attention_cases(full=True),
+        *_write_cases(),
+        *_elementwise_cases(),
+        *_gemm_cases(),
+        *_fused_cases(),
+    ]
     return cases if full else [c for c in cases if c.is_fast]
 
 

@@ -31,6 +31,7 @@ from batchrun.kernels.sampling import (
 )
 from batchrun.kernels.target import DeviceTarget
 from batchrun.kernels.tuning import Tuning
+from batchrun.kernels.varlen_attention import varlen_attention
 
 
 def _one_split(num_decodes: int, num_kv_heads: int, max_context: int) -> int:
@@ -102,6 +103,7 @@ def bind_cpu(target: DeviceTarget, dtype: torch.dtype, tuning: Tuning, options: 
         write_kv_cache=write_kv_cache,
         qkv_norm_rope_write=qkv_norm_rope_write,
         paged_attention=paged_attention,
+        varlen_attention=varlen_attention,
         rope_reads_tables=False,
         decode_num_splits=_one_split,
         qkv_project=partial(fused_projections.qkv_project_separate, qkv_norm_rope_write=qkv_norm_rope_write),

@@ -26,6 +26,7 @@ from batchrun.kernels import (
     triton_kv,
     triton_moe,
     triton_sampling,
+    triton_varlen_attention,
 )
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.kernel_set import BindOptions, FloatLinears, KernelSet, LinearKernel
@@ -95,6 +96,7 @@ def bind_triton(target: DeviceTarget, dtype: torch.dtype, tuning: Tuning, option
         write_kv_cache=write_kv_cache,
         qkv_norm_rope_write=qkv_norm_rope_write,
         paged_attention=paged_attention,
+        varlen_attention=partial(triton_varlen_attention.varlen_attention, gpu=gpu),
         # the tables and positions go to the qkv front end, which reads each token's row (the
         # separate path gathers them itself): no gather kernels per step
         rope_reads_tables=True,

@@ -113,7 +113,8 @@ def _layout(c: LinearChoice) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class KernelSet:
-    """Every kernel a decoder step runs on one target, and what start-up tuning chose for them."""
+    """Every kernel a decoder step or an encoder forward runs on one target, and what start-up tuning
+    chose for them."""
 
     target: DeviceTarget
     dtype: torch.dtype  # the model's compute dtype the set was bound for
@@ -132,6 +133,9 @@ class KernelSet:
     write_kv_cache: Callable[..., None]
     qkv_norm_rope_write: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     paged_attention: Callable[..., torch.Tensor]
+    # the encoder's attention over packed rows (kernels/varlen_attention.py's signature): (q, k, v,
+    # seq_lens, scale, causal) -> out
+    varlen_attention: Callable[..., torch.Tensor]
     rope_reads_tables: bool  # qkv_norm_rope_write reads cos/sin rows by position itself (no per-step gather)
     decode_num_splits: Callable[[int, int, int], int]  # (num_decodes, num_kv_heads, max_context) -> split count
     # projections (kernels/fused_projections.py's signatures)

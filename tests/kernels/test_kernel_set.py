@@ -38,6 +38,7 @@ CPU_BF16 = {
         "rms_norm_native, apply_rotary=kernels.elementwise.apply_rotary_native, write_kv_cache=kernels.attention."
         "write_kv_cache_native)",
         "paged_attention": "kernels.cpu_attention.paged_attention_cpu(native=True)",
+        "varlen_attention": "kernels.varlen_attention.varlen_attention",
         "rope_reads_tables": False,
         "decode_num_splits": "kernels.bind_cpu._one_split",
         "qkv_project": "kernels.fused_projections.qkv_project_separate(qkv_norm_rope_write=kernels.attention."
@@ -81,6 +82,7 @@ SM90_BF16 = {
         "qkv_norm_rope_write": "kernels.attention.qkv_norm_rope_write_triton(separate=kernels.attention."
         "qkv_norm_rope_write_separate)",
         "paged_attention": "kernels.triton_attention.paged_attention",
+        "varlen_attention": "kernels.triton_varlen_attention.varlen_attention",
         "rope_reads_tables": True,
         "decode_num_splits": "kernels.bind_triton._decode_num_splits",
         "qkv_project": "kernels.fused_projections.qkv_project_fused(separate=kernels.fused_projections."

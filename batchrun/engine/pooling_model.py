@@ -249,7 +249,7 @@ def load_encoder(config: EngineConfig, resolved: ResolvedTask, kernels: KernelSe
     device, dtype = kernels.target.device, kernels.dtype
     loaded = load_model(config.model, dtype=dtype, cache_dir=config.cache_dir)
     hf_config, is_score = loaded.config, resolved.task == "score"
-    attention = getattr(kernels, "varlen_attention", None)  # None: the encoder's reference attention
+    attention = kernels.varlen_attention  # the CPU: the torch reference; a GPU: the Triton kernel
     # A bf16 CPU whose kernel set packs float linears: the encoder's projections packed once for
     # oneDNN (GELU fused into the up projection) instead of F.linear reordering every weight per call.
     pack = device.type == "cpu" and dtype == torch.bfloat16 and kernels.linear_float.packing != "none"

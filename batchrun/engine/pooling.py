@@ -11,6 +11,7 @@ engine/pooling_model.py.
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -40,6 +41,11 @@ class _Pending:
     request_id: Any
     token_ids: list[int]  # as it runs: truncated to max_model_len where it was longer
     metrics: RequestMetrics
+
+
+def _is_token_id(value: Any) -> bool:
+    """An integer (Python's or numpy's), not a bool: what a prompt's token ids may be."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def encode_text(tokenizer: Any, text: str, renders_chat: bool, prompt: str = "") -> list[int]:
@@ -162,12 +168,12 @@ class Pooling:
                 (prompt.lower(), self.text_prompt.lower()) if self.do_lower_case else (prompt, self.text_prompt)
             )
             token_ids = encode_text(self.model.tokenizer, text, self.renders_chat, before) if text else []
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            token_ids = list(prompt)
+        elif isinstance(prompt, (list, tuple, np.ndarray)) and all(_is_token_id(t) for t in prompt):
+            token_ids = [int(t) for t in prompt]  # numpy integers (an array, its items) as Python ints
             if any(t < 0 or t >= self.vocab_size for t in token_ids):
                 return token_ids, 0, f"prompt token ids must be in [0, {self.vocab_size})"
         else:
-            return [], 0, f"prompt must be a str or a list of int token ids, got {type(prompt).__name__}"
+            return [], 0, f"prompt must be a str or int token ids, got {type(prompt).__name__}"
         if not token_ids:
             return token_ids, 0, "prompt is empty (no tokens)"
         limit = self.max_model_len

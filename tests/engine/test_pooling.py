@@ -209,6 +209,18 @@ def test_stream_yields_pooled_outputs_and_typed_errors(models_dir, one_torch_thr
     engine.close()
 
 
+def test_numpy_integer_token_ids_run_as_python_ints(models_dir, one_torch_thread):
+    # ids a caller got from numpy (a tokenizer's return_tensors="np", an array slice) are ids
+    engine = Engine(EngineConfig(model=models_dir["mean"], **FP32))
+    ids = [int(t) for t in engine.tokenizer("a short text")["input_ids"]]
+    want = engine.embed([ids])[0]
+    for prompt in ([np.int64(t) for t in ids], np.asarray(ids, dtype=np.int32), tuple(np.asarray(ids))):
+        np.testing.assert_array_equal(engine.embed([prompt])[0], want)
+    outs = list(engine.stream([EngineRequest("f", [1.0, 2.0]), EngineRequest("b", [True, 2])]))
+    assert all(o.finish_reason == "error" and "token ids" in (o.error or "") for o in outs)
+    engine.close()
+
+
 def test_the_task_is_detected_from_the_model_directory(models_dir, tiny_llama_dir):
     assert resolve_task(EngineConfig(model=models_dir["last"])).task == "embed"
     assert resolve_task(EngineConfig(model=models_dir["last"])).renders_chat

@@ -267,6 +267,45 @@ def _files_fingerprint(paths: Iterable[str], cache_root: Path | None) -> str:
     return digest.hexdigest()
 
 
+# sentence-transformers' files at a model directory's root (its module folders are named in modules.json)
+_SENTENCE_ROOT_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+
+
+def _sentence_pipeline_files(directory: str) -> list[str]:
+    """Sorted paths, relative to `directory`, of its sentence-transformers pipeline: the root files
+    (modules.json, max_seq_length, the default prompt) and every file under each module folder
+    modules.json names (Pooling's mode, Dense weights and config, ...); [] without modules.json."""
+    if not os.path.isfile(os.path.join(directory, "modules.json")):
+        return []
+    found = {name for name in _SENTENCE_ROOT_FILES if os.path.isfile(os.path.join(directory, name))}
+    try:
+        with open(os.path.join(directory, "modules.json"), encoding="utf-8") as f:
+            modules = json.load(f)
+    except (OSError, ValueError):
+        modules = []  # an unreadable pipeline is refused where it is read (model/sentence.py)
+    for entry in modules if isinstance(modules, list) else []:
+        folder = os.path.normpath(str(entry.get("path", "") if isinstance(entry, dict) else ""))
+        if folder in ("", ".") or folder.startswith("..") or os.path.isabs(folder):
+            continue  # the Transformer at the root (config.json and weights are hashed already)
+        for root, dirs, files in os.walk(os.path.join(directory, folder)):
+            dirs.sort()
+            found.update(os.path.relpath(os.path.join(root, name), directory) for name in files)
+    return sorted(found)
+
+
+def _with_sentence_pipeline(fingerprint: str, directory: str, cache_root: Path | None) -> str:
+    """`fingerprint` extended with the directory's sentence-transformers files (relative path and
+    sha256 each), so a changed pipeline (pooling mode, max_seq_length, Dense, prompt) is a changed
+    model; unchanged for a directory without modules.json."""
+    files = _sentence_pipeline_files(directory)
+    if not files:
+        return fingerprint
+    digest = hashlib.sha256(f"{fingerprint}\0sentence-transformers\n".encode())
+    for rel in files:
+        digest.update(f"{rel}\0{file_sha256(os.path.join(directory, rel), cache_root)}\n".encode())
+    return digest.hexdigest()
+
+
 # ----------------------------------------------------------------------------------------------
 # HF directories
 
@@ -533,6 +572,7 @@ def load_model(
     if gguf_file is None:
         weight_files = _safetensors_files(directory)
         fingerprint = _files_fingerprint([os.path.join(directory, "config.json"), *weight_files], cache_root)
+        fingerprint = _with_sentence_pipeline(fingerprint, directory, cache_root)
         config, state_dict, tokenizer = _load_hf_dir(directory, weight_files, dtype, tp_shard)
         path = directory
     else:

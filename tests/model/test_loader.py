@@ -114,6 +114,51 @@ def test_hf_dir_fingerprint_covers_config_and_weights(tiny_dir: Path, tmp_path: 
     assert load_model(str(model_dir), cache_dir=str(tmp_path / "cache")).fingerprint != before
 
 
+def test_hf_dir_fingerprint_covers_the_sentence_transformers_pipeline(tiny_dir: Path, tmp_path: Path) -> None:
+    """With modules.json, the pipeline's files (its module folders, max_seq_length, the default
+    prompt) are part of the fingerprint: a changed pipeline embeds differently, so it is another run."""
+    from safetensors.torch import save_file
+
+    model_dir = tmp_path / "st"
+    shutil.copytree(tiny_dir, model_dir)
+
+    def fingerprint() -> str:
+        return load_model(str(model_dir), cache_dir=str(tmp_path / "cache")).fingerprint
+
+    plain = fingerprint()
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+    ]
+    (model_dir / "modules.json").write_text(json.dumps(modules))
+    (model_dir / "1_Pooling").mkdir()
+    (model_dir / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    (model_dir / "2_Dense").mkdir()
+    (model_dir / "2_Dense" / "config.json").write_text(json.dumps({"in_features": 64, "out_features": 8}))
+    save_file({"linear.weight": torch.zeros(8, 64)}, str(model_dir / "2_Dense" / "model.safetensors"))
+    (model_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 32}))
+    st = fingerprint()
+    assert st != plain and fingerprint() == st  # a pipeline is part of the model; unchanged, the same
+    seen = {st}
+    changes = [
+        ("sentence_bert_config.json", json.dumps({"max_seq_length": 16})),
+        ("1_Pooling/config.json", json.dumps({"pooling_mode_lasttoken": True})),
+        ("config_sentence_transformers.json", json.dumps({"prompts": {"q": "query: "}, "default_prompt_name": "q"})),
+    ]
+    for name, text in changes:
+        (model_dir / name).write_text(text)
+        seen.add(fingerprint())
+    save_file({"linear.weight": torch.ones(8, 64)}, str(model_dir / "2_Dense" / "model.safetensors"))
+    seen.add(fingerprint())
+    assert len(seen) == 1 + len(changes) + 1, "every pipeline change is a changed fingerprint"
+    for name in ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json"):
+        (model_dir / name).unlink()
+    shutil.rmtree(model_dir / "1_Pooling")
+    shutil.rmtree(model_dir / "2_Dense")
+    assert fingerprint() == plain  # a directory without modules.json hashes as before
+
+
 def test_load_casts_floats_to_dtype(tiny_dir: Path, tmp_path: Path) -> None:
     loaded = load_model(str(tiny_dir), dtype=torch.bfloat16, cache_dir=str(tmp_path))
     assert {t.dtype for t in loaded.state_dict.values()} == {torch.bfloat16}

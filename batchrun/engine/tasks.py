@@ -9,6 +9,9 @@
     score     needs a *ForSequenceClassification head
     generate  needs a decoder with an LM head (not an encoder, not a classifier)
 
+A decoder family whose config asks for bidirectional attention (use_bidirectional_attention: true,
+is_causal: false) is refused for every task: its layers run causally here.
+
 Every refusal is an EngineConfigError whose one line names `engine.task` and what the model
 directory holds, so a job exits 2 with it before anything runs.
 """
@@ -130,6 +133,21 @@ def _renders_chat(directory: str) -> bool:
     return isinstance(modalities, dict) and "message" in modalities
 
 
+# Decoder config fields that make a decoder family attend both ways (EmbeddingGemma's
+# use_bidirectional_attention, GTE-Qwen-style is_causal: false), with the value that does it.
+_BIDIRECTIONAL_FLAGS = (("use_bidirectional_attention", True), ("is_causal", False))
+
+
+def _bidirectional_flags(hf_config: Any) -> list[tuple[str, Any]]:
+    """The (flag, value) pairs of `hf_config` that ask a decoder for bidirectional attention."""
+    found = []
+    for flag, bidirectional in _BIDIRECTIONAL_FLAGS:
+        value = getattr(hf_config, flag, None)
+        if value is not None and bool(value) == bidirectional:
+            found.append((flag, value))
+    return found
+
+
 def _check(config: EngineConfig, resolved: ResolvedTask, requested: str) -> None:
     """The refusals: a task the model cannot serve, and settings a pooling engine does not run."""
     task, hf_config, pipeline = resolved.task, resolved.hf_config, resolved.pipeline
@@ -137,6 +155,13 @@ def _check(config: EngineConfig, resolved: ResolvedTask, requested: str) -> None
     found = _found(resolved.path, hf_config, pipeline)
     model_type = str(getattr(hf_config, "model_type", ""))
     is_decoder = model_type in SUPPORTED_MODEL_TYPES
+    bidirectional = _bidirectional_flags(hf_config) if is_decoder else []
+    if bidirectional:
+        flag, value = bidirectional[0]
+        raise EngineConfigError(
+            f"{key}: {found}; {flag} is not supported ({flag}: {json.dumps(value)} asks for bidirectional "
+            "attention, and batchrun's decoders attend causally only)"
+        )
     if task == "generate":
         if resolved.is_encoder:
             raise EngineConfigError(f"{key}: {found}; an encoder has no LM head to generate with (use embed or score)")

@@ -7,6 +7,7 @@ through; mean pooling + Dense over a plain one), and Llama / Qwen2 *ForSequenceC
 
 from __future__ import annotations
 
+import json
 import os
 import warnings
 from pathlib import Path
@@ -248,6 +249,31 @@ def test_refusals_name_engine_task_and_what_was_found(models_dir, tiny_llama_dir
     with pytest.raises(EngineConfigError, match=match) as info:
         Engine(EngineConfig(model=directory, **FP32, **config))
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "family,flag,value",
+    [("gemma3_text", "use_bidirectional_attention", True), ("qwen2", "is_causal", False)],
+)
+@pytest.mark.parametrize("task", ["auto", "embed", "generate"])
+def test_a_decoder_configured_for_bidirectional_attention_is_refused(models_dir, tmp_path, family, flag, value, task):
+    # EmbeddingGemma (use_bidirectional_attention) and GTE-Qwen-style configs (is_causal: false)
+    # attend both ways; the decoder path attends causally only, which would embed them wrongly
+    import shutil
+
+    directory = make_tiny_model(tmp_path / family, family, **{flag: value})
+    for name in ("modules.json", "sentence_bert_config.json"):
+        shutil.copy(os.path.join(models_dir["last"], name), directory / name)
+    shutil.copytree(os.path.join(models_dir["last"], "1_Pooling"), directory / "1_Pooling")
+    with pytest.raises(EngineConfigError, match=rf"engine\.task={task}.*{flag}.*is not supported") as info:
+        resolve_task(EngineConfig(model=str(directory), task=task))
+    assert "\n" not in str(info.value)
+    config = json.loads((directory / "config.json").read_text())
+    config[flag] = not value  # the causal setting (the families' default) runs
+    (directory / "config.json").write_text(json.dumps(config))
+    assert resolve_task(EngineConfig(model=str(directory), task=task)).task == (
+        "generate" if task == "generate" else "embed"
+    )
 
 
 def test_each_engine_refuses_the_other_tasks_calls(models_dir, tiny_engine):

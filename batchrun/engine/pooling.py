@@ -22,7 +22,7 @@ import torch
 
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestMetrics, RequestOutput, ThroughputProfile
-from batchrun.engine.pooling_model import PoolingModel, load_pooling_model
+from batchrun.engine.pooling_model import DEFAULT_TOKEN_BUDGET, PoolingModel, load_pooling_model
 from batchrun.engine.settings import EngineSettings
 from batchrun.engine.tasks import ResolvedTask
 from batchrun.model.prepare import module_weight_bytes
@@ -30,7 +30,6 @@ from batchrun.model.prepare import module_weight_bytes
 log = logging.getLogger(__name__)
 
 DEFAULT_WINDOW = 256  # prompts packed from at once when engine.max_num_seqs is not set
-DEFAULT_TOKEN_BUDGET = {"cpu": 8192, "cuda": 16384}  # tokens of one forward when max_num_batched_tokens is not set
 _PROBE_TEXT = "hello world"  # tokenized with and without special tokens to find the trailing ones
 
 

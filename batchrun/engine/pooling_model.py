@@ -3,8 +3,9 @@ and turn packed rows of token ids into one float32 vector per row.
 
 Two backbones. A decoder family (model/decoder.py: DecoderLM, loaded, prepared and tuned by
 engine/startup.py as for generation) runs every row as a prefill from position 0 over a scratch
-paged KV cache: contiguous blocks per row, grown to the largest batch seen, dropped with the engine
-(nothing is kept between forwards, so there is no prefix cache to evict). An encoder family
+paged KV cache: contiguous blocks per row, grown to the largest forward within the token budget
+(a longer row runs alone, and its blocks are dropped after its forward; nothing is kept between
+forwards, so there is no prefix cache to evict). An encoder family
 (model/encoder.py: BERT) runs its rows bidirectionally over packed varlen attention. Heads:
 sentence-transformers pooling (model/sentence.py: pool, then Dense and Normalize), or a
 *ForSequenceClassification head (decoders: `score` at the rightmost token that is not
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 
 # (num_tokens,) packed ids, [row lengths] -> (num_rows, dim): the model with its head
 RowsForward = Callable[[torch.Tensor, list[int]], torch.Tensor]
+DEFAULT_TOKEN_BUDGET = {"cpu": 8192, "cuda": 16384}  # tokens of one forward when max_num_batched_tokens is not set
+
 # (num_tokens, hidden) final hidden states, [row lengths], (num_tokens,) ids -> (num_rows, dim) float32
 Head = Callable[[torch.Tensor, list[int], torch.Tensor], torch.Tensor]
 
@@ -62,6 +65,7 @@ class PoolingModel:
     embedding_dim: Optional[int]  # embed: the vector's length; None for score
     position_limit: int  # the longest row the model's positions allow
     num_packed_linears: int = 0  # bf16 CPU linears packed at load (decoders)
+    scratch: Optional[ScratchKV] = None  # a decoder's scratch KV cache; None for an encoder
 
     @property
     def num_native_linears(self) -> int:
@@ -78,12 +82,28 @@ class PoolingModel:
 
 class ScratchKV:
     """A paged KV cache for one forward's rows, each a prefill from position 0 in its own
-    contiguous blocks; grown (never shrunk) to the largest batch a forward has asked for."""
+    contiguous blocks; grown to the largest forward within `token_budget` tokens and kept for the
+    next. A forward over the budget (one row longer than it) grows it for that forward only: its
+    blocks are dropped after it, so the engine never holds a long row's cache for its lifetime."""
 
-    def __init__(self, model: DecoderLM, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, model: DecoderLM, block_size: int, dtype: torch.dtype, device: torch.device, token_budget: int
+    ) -> None:
         self.model, self.block_size, self.dtype, self.device = model, block_size, dtype, device
+        self.token_budget = token_budget
         self.num_blocks = 0
         self.caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the KV blocks held now."""
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.caches)
+
+    def release(self) -> None:
+        """Drop the blocks (the next forward allocates what it needs)."""
+        self.caches, self.num_blocks = [], 0
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the device, not only to torch's allocator
 
     def _reserve(self, num_blocks: int) -> None:
         if num_blocks > self.num_blocks:
@@ -124,6 +144,8 @@ class ScratchKV:
             batch_invariant=batch_invariant,
         )
         out: torch.Tensor = self.model(input_ids, positions.to(self.device), self.caches, meta)
+        if int(lens.sum()) > self.token_budget:
+            self.release()  # an oversized row's blocks: not kept for the forwards within the budget
         return out
 
 
@@ -216,7 +238,8 @@ def load_decoder(config: EngineConfig, resolved: ResolvedTask, kernels: KernelSe
     else:
         head = embed_head(resolved.pipeline)
         dim = (resolved.pipeline.dense_out if resolved.pipeline else None) or model.spec.hidden_size
-    scratch = ScratchKV(model, config.block_size, target.dtype, target.device)
+    budget = config.max_num_batched_tokens or DEFAULT_TOKEN_BUDGET.get(target.device.type, DEFAULT_TOKEN_BUDGET["cpu"])
+    scratch = ScratchKV(model, config.block_size, target.dtype, target.device, budget)
 
     def forward(input_ids: torch.Tensor, seq_lens: list[int]) -> torch.Tensor:
         return head(scratch.forward(input_ids, seq_lens, config.batch_invariant), seq_lens, input_ids)
@@ -236,6 +259,7 @@ def load_decoder(config: EngineConfig, resolved: ResolvedTask, kernels: KernelSe
         embedding_dim=dim,
         position_limit=model.spec.max_position_embeddings,
         num_packed_linears=target.quantization.num_packed,
+        scratch=scratch,
     )
 
 

@@ -222,6 +222,25 @@ def test_numpy_integer_token_ids_run_as_python_ints(models_dir, one_torch_thread
     engine.close()
 
 
+def test_the_decoder_scratch_cache_is_not_held_at_an_oversized_rows_size(models_dir, one_torch_thread):
+    # a row over the token budget runs as one forward; its scratch KV cache goes with it, and the
+    # engine holds at most what a forward within the budget needs
+    engine = Engine(EngineConfig(model=models_dir["llama-cls"], max_num_batched_tokens=32, **FP32))
+    scratch = engine.pooling.model.scratch
+    assert scratch is not None and scratch.held_bytes == 0
+    short = [[5, 6, 7, 8]] * 8  # 32 tokens: one forward at the budget
+    engine.score(short)
+    within = scratch.held_bytes
+    assert within > 0
+    long_row = [5 + i % 50 for i in range(200)]  # 200 tokens, six times the budget
+    want = engine.score([long_row])[0]
+    assert scratch.held_bytes <= within
+    engine.score(short)
+    assert scratch.held_bytes == within  # regrown to the budget's forward, no larger
+    np.testing.assert_array_equal(engine.score([long_row])[0], want)
+    engine.close()
+
+
 def test_the_task_is_detected_from_the_model_directory(models_dir, tiny_llama_dir):
     assert resolve_task(EngineConfig(model=models_dir["last"])).task == "embed"
     assert resolve_task(EngineConfig(model=models_dir["last"])).renders_chat

@@ -241,6 +241,30 @@ def test_the_decoder_scratch_cache_is_not_held_at_an_oversized_rows_size(models_
     engine.close()
 
 
+def test_a_text_over_the_tokenizers_length_is_truncated_without_transformers_warning(models_dir, one_torch_thread):
+    # transformers warns "Token indices sequence length is longer than the specified maximum" when
+    # a text tokenizes past model_max_length; the engine truncates after tokenizing, so it must not
+    import logging
+
+    engine = Engine(EngineConfig(model=models_dir["mean"], **FP32))
+    engine.tokenizer.model_max_length = 16
+    text = " ".join(_texts())
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    hf_logger = logging.getLogger("transformers")
+    hf_logger.addHandler(handler)
+    try:
+        engine.embed([text])
+        list(engine.stream([EngineRequest("long", text)]))
+        assert not [r.getMessage() for r in records if "Token indices sequence length" in r.getMessage()]
+        engine.tokenizer(text)  # the handler does see the warning where a caller tokenizes verbosely
+        assert any("Token indices sequence length" in r.getMessage() for r in records)
+    finally:
+        hf_logger.removeHandler(handler)
+    engine.close()
+
+
 def test_the_task_is_detected_from_the_model_directory(models_dir, tiny_llama_dir):
     assert resolve_task(EngineConfig(model=models_dir["last"])).task == "embed"
     assert resolve_task(EngineConfig(model=models_dir["last"])).renders_chat

@@ -56,7 +56,7 @@ class PoolingModel:
     tokenizer: Any  # the model's Hugging Face tokenizer
     hf_config: Any  # its transformers config
     path: str  # where the weights were read from
-    fingerprint: str  # the weight files' sha256 (the job's model fingerprint)
+    fingerprint: str  # the model files' sha256 (LoadedModel.fingerprint: the job's model fingerprint)
     device: torch.device
     dtype: torch.dtype  # the resolved compute dtype
     kernels: Optional[KernelSet]  # the kernel set bound at start-up

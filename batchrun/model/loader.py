@@ -94,7 +94,9 @@ class LoadedModel:
     state_dict: dict[str, torch.Tensor]
     tokenizer: PreTrainedTokenizerBase
     path: str  # the resolved .gguf file or model directory
-    fingerprint: str  # sha256 hex of the model file(s), the converted-cache key
+    # sha256 hex of the model file(s): a directory's config.json, weights and sentence-transformers
+    # pipeline (modules.json and its module folders), or the .gguf file (the converted-cache key)
+    fingerprint: str
     # GGUF files loaded with keep_gguf_quantization: module name -> weight in its own blocks
     # (batchrun.model.gguf); None otherwise.
     quantized_weights: dict[str, QuantizedWeight] | None = None

@@ -196,7 +196,7 @@ def embed_head(pipeline: Optional[SentencePipeline]) -> Head:
 
     def head(hidden: torch.Tensor, seq_lens: list[int], input_ids: torch.Tensor) -> torch.Tensor:
         pooled = pool(hidden, seq_lens, mode)  # (num_rows, hidden) float32
-        return pipeline.finish(pooled) if pipeline is not None else pooled
+        return pipeline.project(pooled) if pipeline is not None else pooled
 
     return head
 

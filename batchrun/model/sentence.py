@@ -59,7 +59,7 @@ class SentencePipeline:
     def dense_out(self) -> Optional[int]:
         return int(self.dense[-1].weight.shape[0]) if self.dense else None
 
-    def finish(self, pooled: torch.Tensor) -> torch.Tensor:
+    def project(self, pooled: torch.Tensor) -> torch.Tensor:
         """(num_rows, dim) pooled float32 -> the embeddings: Dense layers, then Normalize."""
         x = pooled.float()
         for step in self.dense:

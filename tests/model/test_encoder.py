@@ -164,7 +164,7 @@ def _embed(directory: Path, cache: Path, texts: list[str]) -> tuple[torch.Tensor
     lens = [len(ids) for ids in encoded["input_ids"]]
     input_ids = torch.tensor([i for ids in encoded["input_ids"] for i in ids])  # (num_tokens,)
     hidden = encoder(input_ids, None, lens)
-    return pipeline.finish(pool(hidden, lens, pipeline.pooling)), pipeline
+    return pipeline.project(pool(hidden, lens, pipeline.pooling)), pipeline
 
 
 def _cosines(ours: torch.Tensor, theirs: Any) -> torch.Tensor:

@@ -66,7 +66,7 @@ def test_minilm_float32_equals_sentence_transformers(cache: Path) -> None:
     sorted_lens = [lens[r] for r in order]
     pooled = pool(encoder(input_ids, None, sorted_lens), sorted_lens, pipeline.pooling)
     ours = torch.empty(len(texts), 384)
-    ours[order] = pipeline.finish(pooled)
+    ours[order] = pipeline.project(pooled)
 
     theirs = st.SentenceTransformer(loaded.path, device="cpu").encode(texts, convert_to_numpy=True)
     cosines = F.cosine_similarity(ours, torch.as_tensor(theirs), dim=1)

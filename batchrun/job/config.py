@@ -184,11 +184,10 @@ class OutputConfig:
             raise ValueError(f"output.checkpoint_rows: must be >= 0, got {self.checkpoint_rows}")
         if self.checkpoint_s < 0:
             raise ValueError(f"output.checkpoint_s: must be >= 0, got {self.checkpoint_s}")
-        clash = [
-            c
-            for c in self.keep_columns
-            if c in RESULT_COLUMNS or c in OPTIONAL_RESULT_COLUMNS or c in POOLED_RESULT_COLUMNS
-        ]
+        # Only the columns every task writes here; the task's own (generate: `output`...; embed and
+        # score: `embedding`, `score`...) are checked by check_task, so that a score run can keep
+        # the `output` column of the generation run it scores.
+        clash = [c for c in self.keep_columns if c in RESULT_COLUMNS and c in POOLED_RESULT_COLUMNS]
         if clash:
             raise ValueError(f"output.keep_columns: {', '.join(clash)} would overwrite a result column")
 
@@ -312,6 +311,12 @@ def check_task(config: RunConfig, task: str) -> None:
             f"the job is {config.job.task} but the engine serves {config.model.path} as {task} (engine.task); "
             f"use a model that can {config.job.task}, or another job",
         )
+    own = (
+        [*RESULT_COLUMNS, *OPTIONAL_RESULT_COLUMNS] if task == "generate" else [*POOLED_RESULT_COLUMNS, "sample_index"]
+    )
+    clash = [c for c in config.output.keep_columns if c in own]
+    if clash:
+        raise ConfigError("output.keep_columns", f"{', '.join(clash)} would overwrite a result column of a {task} job")
     if task == "generate":
         if config.data.response_column is not None:
             raise ConfigError(

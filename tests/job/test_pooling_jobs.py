@@ -386,3 +386,48 @@ def test_pooling_prompts_render_conversations_without_a_generation_prompt():
     prompt = embed.build(InputRow(0, "a", {"text": "a text longer than four tokens"}))
     assert prompt.engine_prompts == ("a text longer than four tokens",) and len(prompt.token_ids or []) == 4
     assert embed.build(InputRow(1, "b", {"text": None})).error_type == "null_prompt"
+
+
+def test_the_docs_generate_then_score_commands_keep_the_answer_in_the_scores(
+    tmp_path, make_shards, job_overrides, reward_engine
+):
+    """docs/datasets.md's commands, through the CLI: the score run keeps `output` (the answer),
+    which only a generation run writes itself."""
+    from batchrun import cli
+
+    def run(*args):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(list(args))
+        assert exit_info.value.code == 0
+
+    make_shards(tmp_path / "in", num_shards=1, rows_per_shard=2)
+    answers, scores = tmp_path / "answers", tmp_path / "scores"
+    run("job=summarize", "output.keep_columns=[text]", *job_overrides(tmp_path / "in", answers))
+    overrides = job_overrides(answers, scores, f"model.path={reward_engine.model_path}")
+    run("job=score", *overrides, "data.response_column=output", "output.keep_columns=[text,output]")
+    first = pq.read_table(answers / "results" / "part-00.parquet").to_pylist()
+    rows = pq.read_table(scores / "results" / "part-00.parquet").to_pylist()
+    assert [(r["id"], r["text"], r["output"]) for r in rows] == [(r["id"], r["text"], r["output"]) for r in first]
+    assert all(r["error_type"] is None and len(r["score"]) == 1 for r in rows)
+
+
+def test_keep_columns_are_checked_against_the_jobs_own_result_columns():
+    from batchrun.job.errors import ConfigError
+
+    def build(task, keep):
+        return RunConfig(
+            job=JobConfig(name="x", task=task),
+            engine=EngineConfig(model="m"),
+            model=ModelConfig(path="m"),
+            data=DataConfig(uri="/in", response_column=None if task == "generate" else "output"),
+            output=OutputConfig(uri="/out", keep_columns=keep),
+        )
+
+    assert build("score", ("text", "output")).output.keep_columns == ("text", "output")
+    assert build("embed", ("output",)).output.keep_columns == ("output",)
+    with pytest.raises(ConfigError, match="^output.keep_columns: output would overwrite"):
+        build("generate", ("output",))
+    with pytest.raises(ConfigError, match="^output.keep_columns: score, label would overwrite"):
+        build("score", ("score", "label"))
+    with pytest.raises(ConfigError, match="^output.keep_columns: embedding would overwrite"):
+        build("embed", ("embedding",))

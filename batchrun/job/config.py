@@ -130,12 +130,14 @@ class JobConfig:
 
     def input_columns(self, data: DataConfig) -> list[str]:
         """Columns a shard must have for this job."""
-        extra = [] if self.prompt_template is None else template_fields(self.prompt_template)
+        # {text} in the template is data.text_column, not a column named text
+        fields = [] if self.prompt_template is None else template_fields(self.prompt_template)
+        extra = [c for c in fields if c != "text"]
         if data.schema_column is not None:
             extra.append(data.schema_column)
         if data.response_column is not None:
             extra.append(data.response_column)
-        return list(dict.fromkeys([data.text_column, *(c for c in extra if c != "text")]))
+        return list(dict.fromkeys([data.text_column, *extra]))
 
 
 def template_fields(template: str) -> list[str]:

@@ -431,3 +431,14 @@ def test_keep_columns_are_checked_against_the_jobs_own_result_columns():
         build("score", ("score", "label"))
     with pytest.raises(ConfigError, match="^output.keep_columns: embedding would overwrite"):
         build("embed", ("embedding",))
+
+
+def test_a_response_or_schema_column_named_text_is_read():
+    data = DataConfig(uri="/in", text_column="prompt", response_column="text")
+    assert JobConfig(task="score").input_columns(data) == ["prompt", "text"]
+    templated = JobConfig(prompt_template="Q: {text} ({title})")
+    assert templated.input_columns(DataConfig(uri="/in", text_column="q", schema_column="text")) == [
+        "q",
+        "title",
+        "text",
+    ]

@@ -102,9 +102,21 @@ def discover_shards(
     ConfigError naming data.uri.
     """
     path = path.rstrip("/") or path
+    excluded = exclude.rstrip("/") + "/" if exclude else None
+    if excluded is not None:
+        root = _glob_root(path) if _GLOB_CHARS.search(path) else path
+        if (root.rstrip("/") + "/").startswith(excluded):
+            # a run that reads its own output directory (a previous run's, with on_change=recompute,
+            # or its results/) would overwrite what it reads
+            raise ConfigError("data.uri", f"{uri} is output.uri or inside it; write the results to another output.uri")
     if data_format == "parquet" and not _GLOB_CHARS.search(path):
         previous = previous_run_shards(fs, path, uri)
         if previous is not None:
+            if excluded is not None and excluded.startswith(path + "/"):
+                raise ConfigError(
+                    "data.uri",
+                    f"{uri} is a run's output directory and output.uri lies inside it; write the results elsewhere",
+                )
             return previous
     try:
         if _GLOB_CHARS.search(path):
@@ -123,7 +135,6 @@ def discover_shards(
     suffixes, kind = FORMAT_FILES[data_format]
     other = f"not {suffixes[0]}"
     files, skipped = [], {"hidden or _-prefixed": 0, other: 0, "inside output.uri": 0}
-    excluded = exclude.rstrip("/") + "/" if exclude else None
     for p in candidates:
         rel = posixpath.relpath(p, root) if root else p
         if excluded is not None and (p + "/").startswith(excluded):

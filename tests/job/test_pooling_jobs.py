@@ -442,3 +442,25 @@ def test_a_response_or_schema_column_named_text_is_read():
         "title",
         "text",
     ]
+
+
+def test_a_run_that_would_read_its_own_output_directory_is_refused(tmp_path, make_shards, embed_engine):
+    """A score or embed run over an embed run's directory, written back into it with
+    on_change=recompute, overwrote the results it read: data.uri and output.uri may not overlap
+    (an output directory inside a plain input directory stays allowed: its files are skipped)."""
+    from batchrun.job.errors import ConfigError
+
+    make_shards(tmp_path / "in", num_shards=1, rows_per_shard=2)
+    out = tmp_path / "out"
+    assert run_job(config(embed_engine, tmp_path / "in", out, "embed"), engine=embed_engine).exit_code == 0
+    before = (out / "results" / "part-00.parquet").read_bytes()
+    for data_uri, out_uri in [(out, out), (f"{out}/", out), (out / "results", out), (out, out / "again")]:
+        cfg = config(embed_engine, data_uri, out_uri, "embed", output={"on_change": "recompute"})
+        with pytest.raises(ConfigError, match="^data.uri: ") as e:
+            run_job(cfg, engine=embed_engine)
+        assert "\n" not in str(e.value) and "output.uri" in str(e.value)
+        with pytest.raises(ConfigError, match="^data.uri: "):
+            plan_run(cfg, engine=embed_engine)
+    assert (out / "results" / "part-00.parquet").read_bytes() == before
+    inside = config(embed_engine, tmp_path / "in", tmp_path / "in" / "out", "embed")
+    assert run_job(inside, engine=embed_engine).exit_code == 0

@@ -464,3 +464,20 @@ def test_a_run_that_would_read_its_own_output_directory_is_refused(tmp_path, mak
     assert (out / "results" / "part-00.parquet").read_bytes() == before
     inside = config(embed_engine, tmp_path / "in", tmp_path / "in" / "out", "embed")
     assert run_job(inside, engine=embed_engine).exit_code == 0
+
+
+def test_a_response_the_score_job_cuts_is_counted_as_truncated(tmp_path, short_texts, classifier_engine):
+    data = tmp_path / "in"
+    data.mkdir()
+    long_answer = " ".join(short_texts)  # far over the tiny classifier's 512 positions
+    table = pa.table({"id": [1, 2], "text": ["Explain.", "Short?"], "answer": [long_answer, "Yes."]})
+    pq.write_table(table, data / "qa.parquet")
+    out = tmp_path / "out"
+    cfg = config(classifier_engine, data, out, "score", data={"response_column": "answer", "on_too_long": "truncate"})
+    assert run_job(cfg, engine=classifier_engine).exit_code == 0
+    cut, fitted = pq.read_table(out / "results" / "qa.parquet").to_pylist()
+    assert cut["error_type"] is None and cut["num_prompt_tokens"] <= 512
+    assert cut["num_truncated_tokens"] > 0 and "truncated" in cut["error_message"]
+    assert fitted["num_truncated_tokens"] == 0
+    metrics = pq.read_table(out / "metrics" / "qa.parquet").to_pylist()[0]
+    assert (metrics["num_truncated_rows"], metrics["num_truncated_tokens"]) == (1, cut["num_truncated_tokens"])

@@ -304,9 +304,9 @@ class RunConfig:
         return out
 
 
-def check_task(config: RunConfig, task: str) -> None:
+def check_task(config: RunConfig, task: str, tokenizer: Any = None) -> None:
     """Keys that mean nothing for `task` (the configured one, and again the one the engine
-    resolved): one ConfigError naming the key."""
+    resolved, with its `tokenizer`): one ConfigError naming the key."""
     if config.job.task is not None and task != config.job.task:
         raise ConfigError(
             "job.task",
@@ -329,6 +329,18 @@ def check_task(config: RunConfig, task: str) -> None:
         raise ConfigError("sampling.n", f"must be 1 for a {task} job (one vector per row)")
     if config.data.schema_column is not None:
         raise ConfigError("data.schema_column", f"structured output means nothing for a {task} job")
+    if (
+        config.data.response_column is not None
+        and tokenizer is not None
+        and not getattr(tokenizer, "chat_template", None)
+    ):
+        # A BERT-style cross-encoder reads (text, response) as a sentence pair with token types,
+        # which the job does not build yet; a conversation needs the chat template.
+        raise ConfigError(
+            "data.response_column",
+            f"the model's tokenizer has no chat template, and a {task} job renders (text, response) as a "
+            "conversation through it; sentence-pair cross-encoders (token types) are not supported yet",
+        )
     if config.job.chat_template == "always" and config.data.response_column is None:
         raise ConfigError(
             "job.chat_template",

@@ -481,3 +481,23 @@ def test_a_response_the_score_job_cuts_is_counted_as_truncated(tmp_path, short_t
     assert fitted["num_truncated_tokens"] == 0
     metrics = pq.read_table(out / "metrics" / "qa.parquet").to_pylist()[0]
     assert (metrics["num_truncated_rows"], metrics["num_truncated_tokens"]) == (1, cut["num_truncated_tokens"])
+
+
+def test_a_response_column_on_a_model_without_a_chat_template_exits_2(tmp_path, make_shards, job_overrides, capsys):
+    """A BERT-style classifier has no chat template: every row would be a template_error."""
+    from batchrun import cli
+
+    model = make_tiny_classifier(tmp_path / "cls")
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    make_shards(tmp_path / "in", num_shards=1, rows_per_shard=1)
+    overrides = job_overrides(tmp_path / "in", tmp_path / "out", f"model.path={model}", "data.response_column=title")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["job=score", *overrides])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("batchrun: config error: data.response_column") and "no chat template" in last, err
+    assert not (tmp_path / "out" / "results").exists() or not list((tmp_path / "out" / "results").iterdir())

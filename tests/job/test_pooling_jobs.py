@@ -501,3 +501,24 @@ def test_a_response_column_on_a_model_without_a_chat_template_exits_2(tmp_path, 
     last = err.strip().splitlines()[-1]
     assert last.startswith("batchrun: config error: data.response_column") and "no chat template" in last, err
     assert not (tmp_path / "out" / "results").exists() or not list((tmp_path / "out" / "results").iterdir())
+
+
+def test_a_previous_run_without_the_text_column_exits_2_suggesting_keep_columns(
+    tmp_path, make_shards, embed_engine, classifier_engine
+):
+    """The first run did not keep its text: every shard of the second would fail alike (exit 1)."""
+    from batchrun.job.errors import ConfigError
+
+    make_shards(tmp_path / "in", num_shards=2, rows_per_shard=1)
+    first = tmp_path / "first"
+    assert run_job(config(embed_engine, tmp_path / "in", first, "embed"), engine=embed_engine).exit_code == 0
+    cfg = config(embed_engine, first, tmp_path / "second", "embed")
+    with pytest.raises(ConfigError, match=r"^data.text_column: no column 'text' .*output.keep_columns=\[text\]"):
+        run_job(cfg, engine=embed_engine)
+    with pytest.raises(ConfigError, match="^data.text_column: "):
+        plan_run(cfg, engine=embed_engine)
+    cfg = config(
+        classifier_engine, first, tmp_path / "third", "score", data={"text_column": "id", "response_column": "answer"}
+    )
+    with pytest.raises(ConfigError, match=r"^data.response_column: no column 'answer' .*keep_columns=\[answer\]"):
+        run_job(cfg, engine=classifier_engine)

@@ -130,12 +130,14 @@ class JobConfig:
 
     def input_columns(self, data: DataConfig) -> list[str]:
         """Columns a shard must have for this job."""
-        extra = [] if self.prompt_template is None else template_fields(self.prompt_template)
+        # {text} in the template is data.text_column, not a column named text
+        fields = [] if self.prompt_template is None else template_fields(self.prompt_template)
+        extra = [c for c in fields if c != "text"]
         if data.schema_column is not None:
             extra.append(data.schema_column)
         if data.response_column is not None:
             extra.append(data.response_column)
-        return list(dict.fromkeys([data.text_column, *(c for c in extra if c != "text")]))
+        return list(dict.fromkeys([data.text_column, *extra]))
 
 
 def template_fields(template: str) -> list[str]:
@@ -184,11 +186,10 @@ class OutputConfig:
             raise ValueError(f"output.checkpoint_rows: must be >= 0, got {self.checkpoint_rows}")
         if self.checkpoint_s < 0:
             raise ValueError(f"output.checkpoint_s: must be >= 0, got {self.checkpoint_s}")
-        clash = [
-            c
-            for c in self.keep_columns
-            if c in RESULT_COLUMNS or c in OPTIONAL_RESULT_COLUMNS or c in POOLED_RESULT_COLUMNS
-        ]
+        # Only the columns every task writes here; the task's own (generate: `output`...; embed and
+        # score: `embedding`, `score`...) are checked by check_task, so that a score run can keep
+        # the `output` column of the generation run it scores.
+        clash = [c for c in self.keep_columns if c in RESULT_COLUMNS and c in POOLED_RESULT_COLUMNS]
         if clash:
             raise ValueError(f"output.keep_columns: {', '.join(clash)} would overwrite a result column")
 
@@ -303,15 +304,21 @@ class RunConfig:
         return out
 
 
-def check_task(config: RunConfig, task: str) -> None:
+def check_task(config: RunConfig, task: str, tokenizer: Any = None) -> None:
     """Keys that mean nothing for `task` (the configured one, and again the one the engine
-    resolved): one ConfigError naming the key."""
+    resolved, with its `tokenizer`): one ConfigError naming the key."""
     if config.job.task is not None and task != config.job.task:
         raise ConfigError(
             "job.task",
             f"the job is {config.job.task} but the engine serves {config.model.path} as {task} (engine.task); "
             f"use a model that can {config.job.task}, or another job",
         )
+    own = (
+        [*RESULT_COLUMNS, *OPTIONAL_RESULT_COLUMNS] if task == "generate" else [*POOLED_RESULT_COLUMNS, "sample_index"]
+    )
+    clash = [c for c in config.output.keep_columns if c in own]
+    if clash:
+        raise ConfigError("output.keep_columns", f"{', '.join(clash)} would overwrite a result column of a {task} job")
     if task == "generate":
         if config.data.response_column is not None:
             raise ConfigError(
@@ -322,6 +329,18 @@ def check_task(config: RunConfig, task: str) -> None:
         raise ConfigError("sampling.n", f"must be 1 for a {task} job (one vector per row)")
     if config.data.schema_column is not None:
         raise ConfigError("data.schema_column", f"structured output means nothing for a {task} job")
+    if (
+        config.data.response_column is not None
+        and tokenizer is not None
+        and not getattr(tokenizer, "chat_template", None)
+    ):
+        # A BERT-style cross-encoder reads (text, response) as a sentence pair with token types,
+        # which the job does not build yet; a conversation needs the chat template.
+        raise ConfigError(
+            "data.response_column",
+            f"the model's tokenizer has no chat template, and a {task} job renders (text, response) as a "
+            "conversation through it; sentence-pair cross-encoders (token types) are not supported yet",
+        )
     if config.job.chat_template == "always" and config.data.response_column is None:
         raise ConfigError(
             "job.chat_template",

@@ -102,9 +102,21 @@ def discover_shards(
     ConfigError naming data.uri.
     """
     path = path.rstrip("/") or path
+    excluded = exclude.rstrip("/") + "/" if exclude else None
+    if excluded is not None:
+        root = _glob_root(path) if _GLOB_CHARS.search(path) else path
+        if (root.rstrip("/") + "/").startswith(excluded):
+            # a run that reads its own output directory (a previous run's, with on_change=recompute,
+            # or its results/) would overwrite what it reads
+            raise ConfigError("data.uri", f"{uri} is output.uri or inside it; write the results to another output.uri")
     if data_format == "parquet" and not _GLOB_CHARS.search(path):
         previous = previous_run_shards(fs, path, uri)
         if previous is not None:
+            if excluded is not None and excluded.startswith(path + "/"):
+                raise ConfigError(
+                    "data.uri",
+                    f"{uri} is a run's output directory and output.uri lies inside it; write the results elsewhere",
+                )
             return previous
     try:
         if _GLOB_CHARS.search(path):
@@ -123,7 +135,6 @@ def discover_shards(
     suffixes, kind = FORMAT_FILES[data_format]
     other = f"not {suffixes[0]}"
     files, skipped = [], {"hidden or _-prefixed": 0, other: 0, "inside output.uri": 0}
-    excluded = exclude.rstrip("/") + "/" if exclude else None
     for p in candidates:
         rel = posixpath.relpath(p, root) if root else p
         if excluded is not None and (p + "/").startswith(excluded):
@@ -196,33 +207,51 @@ def previous_run_shards(fs: fsspec.AbstractFileSystem, path: str, uri: str) -> O
         name = file_name[: -len(".json")]
         if not file_name.endswith(".json") or not is_safe_name(name):
             continue
-        try:
-            marker = json.loads(fs.cat_file(posixpath.join(commits, file_name)))
-        except (OSError, ValueError):
-            continue  # vanished or torn: not a committed shard that could be read
-        files = marker.get("files") if isinstance(marker, dict) else None
-        if not isinstance(marker, dict) or (isinstance(files, list) and "results.parquet" not in files):
-            continue  # not a marker, or one without results (a marker without "files" has them)
-        results = posixpath.join(path, "results", f"{name}.parquet")
-        attempt_dir = marker.get("attempt_dir")
-        if not fs.exists(results) and isinstance(attempt_dir, str):  # its publication is pending
-            results = posixpath.join(path, *attempt_dir.split("/"), "results.parquet")
-        try:
-            info = fs.info(results)
-        except FileNotFoundError:
-            continue
-        shards.append(Shard(name, results, fs.unstrip_protocol(results), info.get("size"), _version(info)))
+        shard = _committed_shard(fs, path, name)
+        if shard is not None:
+            shards.append(shard)
     if not shards:
         raise ConfigError("data.uri", f"{uri} is a run's output directory with no committed shard yet")
     log.info("data.uri: %s is a run's output directory: its %d committed shard(s)", uri, len(shards))
     return shards
 
 
+def _committed_shard(fs: fsspec.AbstractFileSystem, run_dir: str, name: str) -> Optional[Shard]:
+    """The results file of shard `name` that the run at `run_dir` committed (its `_commits/`
+    marker): the published file, or the attempt's while its publication is pending; None when
+    there is no readable marker with results."""
+    try:
+        marker = json.loads(fs.cat_file(posixpath.join(run_dir, "_commits", f"{name}.json")))
+    except (OSError, ValueError):
+        return None  # vanished or torn: not a committed shard that could be read
+    files = marker.get("files") if isinstance(marker, dict) else None
+    if not isinstance(marker, dict) or (isinstance(files, list) and "results.parquet" not in files):
+        return None  # not a marker, or one without results (a marker without "files" has them)
+    results = posixpath.join(run_dir, "results", f"{name}.parquet")
+    attempt_dir = marker.get("attempt_dir")
+    if not fs.exists(results) and isinstance(attempt_dir, str):  # its publication is pending
+        results = posixpath.join(run_dir, *attempt_dir.split("/"), "results.parquet")
+    try:
+        info = fs.info(results)
+    except FileNotFoundError:
+        return None
+    return Shard(name, results, fs.unstrip_protocol(results), info.get("size"), _version(info))
+
+
 def refreshed(shard: Shard, fs: fsspec.AbstractFileSystem) -> Shard:
     """`shard` with the size and version its file has now: what an attempt that opens it reads,
-    and so what its commit must be fingerprinted with (a listing or `_plan.json` may be older)."""
+    and so what its commit must be fingerprinted with (a listing or `_plan.json` may be older).
+    A previous run's shard listed while its publication was pending pointed into that run's
+    `_attempts/`; published since, it is read from where its marker says now."""
     fs.invalidate_cache(posixpath.dirname(shard.path))
-    info = fs.info(shard.path)
+    try:
+        info = fs.info(shard.path)
+    except FileNotFoundError:
+        run_dir, sep, _ = shard.path.partition("/_attempts/")
+        moved = _committed_shard(fs, run_dir, shard.name) if sep else None
+        if moved is None or moved.path == shard.path:
+            raise
+        return moved
     return dataclasses.replace(shard, size=info.get("size"), version=_version(info))
 
 

@@ -386,3 +386,139 @@ def test_pooling_prompts_render_conversations_without_a_generation_prompt():
     prompt = embed.build(InputRow(0, "a", {"text": "a text longer than four tokens"}))
     assert prompt.engine_prompts == ("a text longer than four tokens",) and len(prompt.token_ids or []) == 4
     assert embed.build(InputRow(1, "b", {"text": None})).error_type == "null_prompt"
+
+
+def test_the_docs_generate_then_score_commands_keep_the_answer_in_the_scores(
+    tmp_path, make_shards, job_overrides, reward_engine
+):
+    """docs/datasets.md's commands, through the CLI: the score run keeps `output` (the answer),
+    which only a generation run writes itself."""
+    from batchrun import cli
+
+    def run(*args):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(list(args))
+        assert exit_info.value.code == 0
+
+    make_shards(tmp_path / "in", num_shards=1, rows_per_shard=2)
+    answers, scores = tmp_path / "answers", tmp_path / "scores"
+    run("job=summarize", "output.keep_columns=[text]", *job_overrides(tmp_path / "in", answers))
+    overrides = job_overrides(answers, scores, f"model.path={reward_engine.model_path}")
+    run("job=score", *overrides, "data.response_column=output", "output.keep_columns=[text,output]")
+    first = pq.read_table(answers / "results" / "part-00.parquet").to_pylist()
+    rows = pq.read_table(scores / "results" / "part-00.parquet").to_pylist()
+    assert [(r["id"], r["text"], r["output"]) for r in rows] == [(r["id"], r["text"], r["output"]) for r in first]
+    assert all(r["error_type"] is None and len(r["score"]) == 1 for r in rows)
+
+
+def test_keep_columns_are_checked_against_the_jobs_own_result_columns():
+    from batchrun.job.errors import ConfigError
+
+    def build(task, keep):
+        return RunConfig(
+            job=JobConfig(name="x", task=task),
+            engine=EngineConfig(model="m"),
+            model=ModelConfig(path="m"),
+            data=DataConfig(uri="/in", response_column=None if task == "generate" else "output"),
+            output=OutputConfig(uri="/out", keep_columns=keep),
+        )
+
+    assert build("score", ("text", "output")).output.keep_columns == ("text", "output")
+    assert build("embed", ("output",)).output.keep_columns == ("output",)
+    with pytest.raises(ConfigError, match="^output.keep_columns: output would overwrite"):
+        build("generate", ("output",))
+    with pytest.raises(ConfigError, match="^output.keep_columns: score, label would overwrite"):
+        build("score", ("score", "label"))
+    with pytest.raises(ConfigError, match="^output.keep_columns: embedding would overwrite"):
+        build("embed", ("embedding",))
+
+
+def test_a_response_or_schema_column_named_text_is_read():
+    data = DataConfig(uri="/in", text_column="prompt", response_column="text")
+    assert JobConfig(task="score").input_columns(data) == ["prompt", "text"]
+    templated = JobConfig(prompt_template="Q: {text} ({title})")
+    assert templated.input_columns(DataConfig(uri="/in", text_column="q", schema_column="text")) == [
+        "q",
+        "title",
+        "text",
+    ]
+
+
+def test_a_run_that_would_read_its_own_output_directory_is_refused(tmp_path, make_shards, embed_engine):
+    """A score or embed run over an embed run's directory, written back into it with
+    on_change=recompute, overwrote the results it read: data.uri and output.uri may not overlap
+    (an output directory inside a plain input directory stays allowed: its files are skipped)."""
+    from batchrun.job.errors import ConfigError
+
+    make_shards(tmp_path / "in", num_shards=1, rows_per_shard=2)
+    out = tmp_path / "out"
+    assert run_job(config(embed_engine, tmp_path / "in", out, "embed"), engine=embed_engine).exit_code == 0
+    before = (out / "results" / "part-00.parquet").read_bytes()
+    for data_uri, out_uri in [(out, out), (f"{out}/", out), (out / "results", out), (out, out / "again")]:
+        cfg = config(embed_engine, data_uri, out_uri, "embed", output={"on_change": "recompute"})
+        with pytest.raises(ConfigError, match="^data.uri: ") as e:
+            run_job(cfg, engine=embed_engine)
+        assert "\n" not in str(e.value) and "output.uri" in str(e.value)
+        with pytest.raises(ConfigError, match="^data.uri: "):
+            plan_run(cfg, engine=embed_engine)
+    assert (out / "results" / "part-00.parquet").read_bytes() == before
+    inside = config(embed_engine, tmp_path / "in", tmp_path / "in" / "out", "embed")
+    assert run_job(inside, engine=embed_engine).exit_code == 0
+
+
+def test_a_response_the_score_job_cuts_is_counted_as_truncated(tmp_path, short_texts, classifier_engine):
+    data = tmp_path / "in"
+    data.mkdir()
+    long_answer = " ".join(short_texts)  # far over the tiny classifier's 512 positions
+    table = pa.table({"id": [1, 2], "text": ["Explain.", "Short?"], "answer": [long_answer, "Yes."]})
+    pq.write_table(table, data / "qa.parquet")
+    out = tmp_path / "out"
+    cfg = config(classifier_engine, data, out, "score", data={"response_column": "answer", "on_too_long": "truncate"})
+    assert run_job(cfg, engine=classifier_engine).exit_code == 0
+    cut, fitted = pq.read_table(out / "results" / "qa.parquet").to_pylist()
+    assert cut["error_type"] is None and cut["num_prompt_tokens"] <= 512
+    assert cut["num_truncated_tokens"] > 0 and "truncated" in cut["error_message"]
+    assert fitted["num_truncated_tokens"] == 0
+    metrics = pq.read_table(out / "metrics" / "qa.parquet").to_pylist()[0]
+    assert (metrics["num_truncated_rows"], metrics["num_truncated_tokens"]) == (1, cut["num_truncated_tokens"])
+
+
+def test_a_response_column_on_a_model_without_a_chat_template_exits_2(tmp_path, make_shards, job_overrides, capsys):
+    """A BERT-style classifier has no chat template: every row would be a template_error."""
+    from batchrun import cli
+
+    model = make_tiny_classifier(tmp_path / "cls")
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    settings.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    make_shards(tmp_path / "in", num_shards=1, rows_per_shard=1)
+    overrides = job_overrides(tmp_path / "in", tmp_path / "out", f"model.path={model}", "data.response_column=title")
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["job=score", *overrides])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("batchrun: config error: data.response_column") and "no chat template" in last, err
+    assert not (tmp_path / "out" / "results").exists() or not list((tmp_path / "out" / "results").iterdir())
+
+
+def test_a_previous_run_without_the_text_column_exits_2_suggesting_keep_columns(
+    tmp_path, make_shards, embed_engine, classifier_engine
+):
+    """The first run did not keep its text: every shard of the second would fail alike (exit 1)."""
+    from batchrun.job.errors import ConfigError
+
+    make_shards(tmp_path / "in", num_shards=2, rows_per_shard=1)
+    first = tmp_path / "first"
+    assert run_job(config(embed_engine, tmp_path / "in", first, "embed"), engine=embed_engine).exit_code == 0
+    cfg = config(embed_engine, first, tmp_path / "second", "embed")
+    with pytest.raises(ConfigError, match=r"^data.text_column: no column 'text' .*output.keep_columns=\[text\]"):
+        run_job(cfg, engine=embed_engine)
+    with pytest.raises(ConfigError, match="^data.text_column: "):
+        plan_run(cfg, engine=embed_engine)
+    cfg = config(
+        classifier_engine, first, tmp_path / "third", "score", data={"text_column": "id", "response_column": "answer"}
+    )
+    with pytest.raises(ConfigError, match=r"^data.response_column: no column 'answer' .*keep_columns=\[answer\]"):
+        run_job(cfg, engine=classifier_engine)

@@ -244,3 +244,30 @@ def test_the_worker_records_the_gpu_it_was_given():
     assert resolve_worker(LauncherConfig(), {"CUDA_VISIBLE_DEVICES": "3"}).device == "3"
     assert resolve_worker(LauncherConfig(), {"CUDA_VISIBLE_DEVICES": ""}).device is None
     assert resolve_worker(LauncherConfig(), {}).device is None
+
+
+def test_a_previous_runs_shard_published_after_listing_is_read_from_its_published_file(tmp_path):
+    """Listed while its publication was pending (its results still in the attempt), published
+    before the shard opens: the attempt's file is gone, the published one is read."""
+    import json
+
+    from batchrun.job.shards import refreshed
+
+    run = tmp_path / "run"
+    attempt = run / "_attempts" / "s0" / "a1"
+    attempt.mkdir(parents=True)
+    (run / "_commits").mkdir()
+    (run / "_commits" / "s0.json").write_text(json.dumps({"attempt_dir": "_attempts/s0/a1"}))
+    table = pa.table({"id": ["a"], "finish_reason": ["stop"], "error_type": [None], "error_message": [None]})
+    pq.write_table(table, attempt / "results.parquet")
+    fs, path = open_filesystem(str(run), {})
+    [listed] = discover_shards(fs, path, str(run))
+    assert "/_attempts/" in listed.path
+    (run / "results").mkdir()
+    (attempt / "results.parquet").rename(run / "results" / "s0.parquet")
+    attempt.rmdir()
+    now = refreshed(listed, fs)
+    assert now.name == "s0" and now.path == f"{path}/results/s0.parquet" and now.size == listed.size
+    (run / "results" / "s0.parquet").unlink()
+    with pytest.raises(FileNotFoundError):
+        refreshed(listed, fs)

@@ -11,10 +11,13 @@ line answers them together in OpenAI's shape:
      "model": "...", "usage": {"prompt_tokens": N, "total_tokens": N}}
 
 Text inputs go to the engine as text: it tokenizes them as sentence-transformers does (the
-pipeline's do_lower_case, default prompt and chat modality), and truncates an input longer than
-the model's limit as sentence-transformers and OpenAI's API truncate. encoding_format base64 gives each embedding as
-the base64 of its little-endian float32 bytes (what OpenAI's clients decode); `dimensions` is
-accepted only at the model's own dimension (batchrun does not shorten embeddings).
+pipeline's special tokens, do_lower_case, default prompt and chat modality). Token-id inputs run
+as given: no special tokens, prompt or chat template are added, unlike text. An input longer than
+the model's limit is truncated to it as sentence-transformers truncates (counted in the row's
+num_truncated_tokens); OpenAI's API does not truncate, it refuses such a request with a 400.
+encoding_format base64 gives each embedding as the base64 of its little-endian float32 bytes (what
+OpenAI's clients decode); `dimensions` is accepted only at the model's own dimension (batchrun
+does not shorten embeddings).
 """
 
 from __future__ import annotations

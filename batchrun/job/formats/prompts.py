@@ -48,6 +48,8 @@ class Prompt:
     # /v1/embeddings request's inputs. token_ids is then the job's own tokenizing of the first,
     # for planning and the dry run's counts; result rows count the engine's tokens.
     engine_prompts: tuple[Union[str, list[int]], ...] = ()
+    # Tokens the job cut itself (data.on_too_long=truncate); a pooled row adds them to the engine's.
+    num_truncated_tokens: int = 0
 
 
 class PromptBuilder:
@@ -234,6 +236,7 @@ class PromptBuilder:
                     token_ids=ids,
                     num_prompt_tokens=len(ids),
                     error_message=f"truncated from {original} to {len(ids)} prompt tokens",
+                    num_truncated_tokens=original - len(ids),
                 )
             margin += 4
         return Prompt(

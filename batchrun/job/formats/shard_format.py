@@ -179,23 +179,36 @@ class ParquetFormat(ShardFormat):
     @classmethod
     def check_first_shard(cls, config: RunConfig, fs: Any, first: Shard) -> None:
         """A misspelled data.id_column must not silently become positional ids: the first shard must
-        have it (a later shard without it fails on its own)."""
-        column = config.data.id_column
-        if column is None:
-            return
+        have it (a later shard without it fails on its own). A previous run's results must have the
+        text and response columns too: a first run that did not keep its input column would fail
+        every shard alike."""
         try:
             with fs.open(first.path, "rb") as f:
                 import pyarrow.parquet as pq
 
-                names = pq.read_schema(f).names
+                schema = pq.read_schema(f)
         except Exception:  # unreadable: that shard fails with its own message later
             return
-        if column not in names:
+        names = schema.names
+        column = config.data.id_column
+        if column is not None and column not in names:
             raise ConfigError(
                 "data.id_column",
                 f"no column {column!r} in {first.url} (it has {', '.join(names)}); "
                 "set data.id_column to the id column, or null for ids <shard>-<row index>",
             )
+        if not is_results_file(schema):
+            return
+        for key, column in (
+            ("data.text_column", config.data.text_column),
+            ("data.response_column", config.data.response_column),
+        ):
+            if column is not None and column not in names:
+                raise ConfigError(
+                    key,
+                    f"no column {column!r} in {first.url}, a previous run's results (it has {', '.join(names)}); "
+                    f"rerun the first run with output.keep_columns=[{column}] to carry it into its results",
+                )
 
     def open_reader(self, shard: Shard, fs: Any) -> RowReader:
         reader = ShardReader(shard, fs, self.config.data, self.columns)

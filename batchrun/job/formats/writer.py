@@ -192,18 +192,24 @@ def output_result(row_id: Any, out: RequestOutput, note: Optional[str], keep: di
 
 
 def pooled_result(
-    row_id: Any, out: RequestOutput, note: Optional[str], keep: dict[str, Any], labels: Optional[Sequence[str]]
+    row_id: Any,
+    out: RequestOutput,
+    note: Optional[str],
+    keep: dict[str, Any],
+    labels: Optional[Sequence[str]],
+    job_truncated: int = 0,
 ) -> dict[str, Any]:
     """The result row of an embed or score output (both vector columns filled with it: the schema
     keeps the task's). The generation keys are set for the tallies (metrics.ShardTally) and left
-    out of the file by its schema."""
+    out of the file by its schema. `job_truncated`: tokens the job cut before the engine saw the
+    prompt (data.on_too_long=truncate), counted with the engine's own cut."""
     failed = out.finish_reason == "error" or out.pooled is None
     vector = None if failed else np.asarray(out.pooled, dtype=np.float32).reshape(-1).tolist()
     label = None
     if vector is not None and labels is not None and len(labels) > 1:
         label = labels[int(np.argmax(np.asarray(vector)))]
     m = out.metrics
-    truncated = None if failed else m.num_truncated_tokens
+    truncated = None if failed else (m.num_truncated_tokens or 0) + job_truncated
     if truncated:
         note = note or f"truncated by {truncated} tokens to the model's input limit"
     return {

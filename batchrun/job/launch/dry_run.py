@@ -121,7 +121,7 @@ def plan_run(config: RunConfig, engine: Optional[Engine] = None, env: Optional[M
     num_workers = local if local > 1 else worker.world_size
 
     engine = engine or load_engine(config.engine)
-    check_task(config, engine_task(engine))  # as a run would refuse it
+    check_task(config, engine_task(engine), engine.tokenizer)  # as a run would refuse it
     profile = engine.throughput_profile()
     counter = _Counter(config, select_format(config, engine), engine.config.block_size, engine_task(engine))
     plans = [counter.shard(shard, data_fs) for shard in shards]

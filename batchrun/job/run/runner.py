@@ -139,7 +139,7 @@ class _JobRun:
                 try:
                     if engine is None:
                         engine = self._owned_engine = load_engine(self.config.engine)
-                    check_task(self.config, engine_task(engine))  # engine.task auto: the model's
+                    check_task(self.config, engine_task(engine), engine.tokenizer)  # engine.task auto: the model's
                     context = shard_context(self.config, self.store, self.data_fs, self.plan, engine)
                     self.manifest.set_engine(context.model_path, context.model_fingerprint, context.engine_settings)
                     self.ledger.recompute(model_changes(self.config, self.plan, context.model))

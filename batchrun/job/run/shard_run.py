@@ -336,7 +336,8 @@ class ShardRun:
         if self.task != "generate":
             # A text the engine tokenized: its own truncation count is the row's note, not the job's estimate.
             note = None if entry.prompt.engine_prompts else entry.prompt.error_message
-            result = pooled_result(entry.row.id, out, note, entry.keep, self.labels)
+            cut = entry.prompt.num_truncated_tokens
+            result = pooled_result(entry.row.id, out, note, entry.keep, self.labels, cut)
         else:
             result = output_result(entry.row.id, out, entry.prompt.error_message, entry.keep)
             result.update(logprob_columns(out, entry.params, self.token_texts))

@@ -189,7 +189,9 @@ class OutputConfig:
         # Only the columns every task writes here; the task's own (generate: `output`...; embed and
         # score: `embedding`, `score`...) are checked by check_task, so that a score run can keep
         # the `output` column of the generation run it scores.
-        clash = [c for c in self.keep_columns if c in RESULT_COLUMNS and c in POOLED_RESULT_COLUMNS]
+        # sample_index: any task may write it (sampling.n > 1; a previous run's samples scored).
+        every_task = [c for c in RESULT_COLUMNS if c in POOLED_RESULT_COLUMNS] + ["sample_index"]
+        clash = [c for c in self.keep_columns if c in every_task]
         if clash:
             raise ValueError(f"output.keep_columns: {', '.join(clash)} would overwrite a result column")
 

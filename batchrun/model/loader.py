@@ -471,16 +471,26 @@ def _convert_gguf(directory: str, gguf_file: str, entry: Path) -> None:
     state_dict = {k: v.detach().clone().contiguous() for k, v in raw.items()}
     del model, raw
 
-    converted = entry.parent
-    converted.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temp_dirs(converted, entry.name)
-    tmp = converted / f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
-    try:
+    def fill(tmp: Path) -> None:
         config.save_pretrained(tmp)
         save_file(state_dict, str(tmp / "model.safetensors"))
         tokenizer.save_pretrained(tmp)
-        (tmp / _COMPLETE_MARKER).write_text(json.dumps({"source": os.path.join(directory, gguf_file)}))
+
+    _publish_dir(entry, os.path.join(directory, gguf_file), fill)
+
+
+def _publish_dir(entry: Path, source: str, fill: Callable[[Path], None]) -> None:
+    """Write a cache entry once, atomically: `fill` writes into a private temp dir beside `entry`,
+    a complete marker naming `source` follows, then one rename publishes it. Concurrent first runs
+    each fill their own temp dir; one rename wins and none sees half a directory."""
+    parent = entry.parent
+    parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _remove_stale_temp_dirs(parent, entry.name)
+    tmp = parent / f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir(mode=0o700)
+    try:
+        fill(tmp)
+        (tmp / _COMPLETE_MARKER).write_text(json.dumps({"source": source}))
         if entry.exists() and not _is_complete(entry):
             # Only a non-atomic writer (or a user's cp) leaves an entry without the marker: it is junk.
             shutil.rmtree(entry, ignore_errors=True)
@@ -502,29 +512,15 @@ def _extracted_dir(zip_path: str, cache_dir: str | None) -> str:
     cache_root = private_dir(default_cache_dir(cache_dir), "model cache", "BATCHRUN_CACHE or engine.cache_dir")
     entry = cache_root / "extracted" / file_sha256(zip_path, cache_root)[:16]
     if not _is_complete(entry):
-        extracted = entry.parent
-        extracted.mkdir(mode=0o700, parents=True, exist_ok=True)
-        _remove_stale_temp_dirs(extracted, entry.name)
-        tmp = extracted / f".{entry.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        tmp.mkdir(mode=0o700)
-        try:
+
+        def fill(tmp: Path) -> None:
             with zipfile.ZipFile(zip_path) as archive:
                 # zipfile drops absolute paths and '..' parts, so nothing lands outside tmp.
                 archive.extractall(tmp)
             if not (tmp / "config.json").is_file():
                 raise ModelNotFoundError(f"{zip_path} holds no config.json at its root; it is not an HF model dir")
-            (tmp / _COMPLETE_MARKER).write_text(json.dumps({"source": zip_path}))
-            if entry.exists() and not _is_complete(entry):
-                shutil.rmtree(entry, ignore_errors=True)  # junk from a non-atomic writer
-            try:
-                os.rename(tmp, entry)
-            except OSError:
-                if not _is_complete(entry):
-                    raise
-                # Lost the race to a concurrent process that published the same content.
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
+
+        _publish_dir(entry, zip_path, fill)
     # Extracted weights are trusted as they are: only this user may write there.
     for item in (entry, *entry.iterdir()):
         check_private(item, "extracted-model cache", "BATCHRUN_CACHE or engine.cache_dir")

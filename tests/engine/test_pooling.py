@@ -19,7 +19,8 @@ import torch
 
 from batchrun.engine import Engine, EngineConfig, EngineConfigError, EngineRequest
 from batchrun.engine.tasks import resolve_task
-from batchrun.testing import build_tokenizer, make_tiny_model, sample_texts
+from batchrun.testing import make_tiny_model, sample_texts
+from tests.support.pooling_models import make_tiny_classifier
 
 FP32 = dict(dtype="float32", device="cpu", tune_kernels=False)
 
@@ -56,36 +57,8 @@ def _sentence_model(root: Path, name: str, pooling: str, chat: bool, dense: bool
 
 
 def _classifier(root: Path, family: str, num_labels: int) -> str:
-    """A tiny random *ForSequenceClassification model (2 layers, hidden 64) with id2label."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    tokenizer = build_tokenizer()
-    fields: dict[str, Any] = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        num_labels=num_labels,
-        id2label={i: f"grade_{i}" for i in range(num_labels)},
-        label2id={f"grade_{i}": i for i in range(num_labels)},
-    )
-    config = AutoConfig.for_model(family, **fields)
-    torch.manual_seed(3)
-    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 1.0 if "embed" in name else 0.08)
-    out = root / f"{family}-cls"
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return str(out)
+    labels = [f"grade_{i}" for i in range(num_labels)]
+    return str(make_tiny_classifier(root / f"{family}-cls", labels, seed=3, family=family, max_position_embeddings=256))
 
 
 @pytest.fixture(scope="module")

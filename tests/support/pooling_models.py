@@ -30,18 +30,18 @@ def make_tiny_sentence_model(out_dir: str | Path, pooling: str = "lasttoken", ma
 
 
 def make_tiny_classifier(
-    out_dir: str | Path, labels: Optional[list[str]] = None, seed: int = 0, **overrides: Any
+    out_dir: str | Path, labels: Optional[list[str]] = None, seed: int = 0, family: str = "llama", **overrides: Any
 ) -> Path:
-    """A random LlamaForSequenceClassification directory; `labels` its id2label (None: one label,
-    a reward model)."""
+    """A random *ForSequenceClassification directory of `family` (llama, qwen2, ...: 2 layers,
+    hidden 64); `labels` its id2label (None: one label, a reward model)."""
     import torch
-    from transformers import LlamaConfig, LlamaForSequenceClassification
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     names = labels or ["LABEL_0"]
-    config = LlamaConfig(
+    fields: dict[str, Any] = dict(
         vocab_size=len(tokenizer),
         hidden_size=64,
         intermediate_size=128,
@@ -55,16 +55,13 @@ def make_tiny_classifier(
         num_labels=len(names),
         id2label=dict(enumerate(names)),
         label2id={n: i for i, n in enumerate(names)},
-        **overrides,
     )
+    config = AutoConfig.for_model(family, **{**fields, **overrides})
     torch.manual_seed(seed)
-    model = LlamaForSequenceClassification(config).float()
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 0.08 if "embed" not in name else 1.0)
-            elif "norm" in name:
-                p.normal_(1.0, 0.1)
+        for name, p in model.named_parameters():  # biases too: a zero bias would hide a missed one
+            p.normal_(1.0, 0.1) if "norm" in name else p.normal_(0.0, 1.0 if "embed" in name else 0.08)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out

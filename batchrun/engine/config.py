@@ -108,6 +108,12 @@ class EngineConfig:
     # the model directory (sentence-transformers files mean embed, a *ForSequenceClassification
     # architecture means score, else generate).
     task: str = "auto"
+    # LoRA adapters (model/lora.py): name -> PEFT adapter directory. A request names its adapter
+    # (EngineRequest.adapter; None: the base model); {}: no adapter can be named.
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    # Adapters whose weights are resident at once; the others are loaded on demand into the least
+    # recently used slot no running request holds.
+    max_loras: int = 4
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:

@@ -109,9 +109,11 @@ class Engine:
         self,
         prompts: Sequence[Union[str, list[int]]],
         params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+        adapters: Optional[Sequence[Optional[str]]] = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order, a prompt's params.n samples
-        one after another by sample_index (so with n=1, one output per prompt)."""
+        one after another by sample_index (so with n=1, one output per prompt). `adapters`: per
+        prompt a name in engine.lora_adapters, or None for the base model."""
         if self.pooling is not None:
             raise ValueError(
                 f"Engine.generate needs engine.task=generate, and this engine serves engine.task={self.task} "
@@ -119,8 +121,11 @@ class Engine:
             )
         per_prompt = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
         assert len(per_prompt) == len(prompts), "one SamplingParams per prompt, or one for all"
+        per_adapter = list(adapters) if adapters is not None else [None] * len(prompts)
+        assert len(per_adapter) == len(prompts), "one adapter (or None) per prompt"
         requests = [
-            EngineRequest(request_id=i, prompt=p, params=sp) for i, (p, sp) in enumerate(zip(prompts, per_prompt))
+            EngineRequest(request_id=i, prompt=p, params=sp, adapter=a)
+            for i, (p, sp, a) in enumerate(zip(prompts, per_prompt, per_adapter))
         ]
         results: list[dict[int, RequestOutput]] = [{} for _ in prompts]
         for out in self.stream(requests, max_in_flight=max(len(requests), 1)):

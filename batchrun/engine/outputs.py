@@ -60,6 +60,7 @@ class EngineRequest:
     request_id: Any  # echoed back in RequestOutput.request_id
     prompt: Any  # str (tokenized as is) or list[int] of token ids
     params: Optional[Any] = None  # SamplingParams; None uses the stream's default
+    adapter: Optional[str] = None  # a name in engine.lora_adapters; None: the base model
 
 
 @dataclass(frozen=True)

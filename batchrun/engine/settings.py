@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 # Keys `as_dict` leaves out while their value is None: they exist only for an engine that has them.
-_PRESENT_ONLY = ("speculative", "draft_model", "warmup")
+_PRESENT_ONLY = ("speculative", "draft_model", "warmup", "lora")
 # Keys `as_dict` leaves out at this value: a generation engine's manifest reads as it always has.
-_LEFT_OUT_AT = {"task": "generate"}
+_LEFT_OUT_AT = {"task": "generate", "model_path": "native"}
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,11 @@ class EngineSettings:
     task: str = "generate"
     speculative: Optional[Mapping[str, Any]] = None  # the drafter's method, k, self_layers, adaptive
     draft_model: Optional[str] = None  # speculative.method=draft: the draft model's path
+    # How the model is run (model/generic.py: serving_path): "native" (batchrun's own decoder for its
+    # family) or "generic" (the model's transformers implementation over batchrun's paged attention)
+    model_path: str = "native"
+    # LoRA: {"adapters": {name: sha256 of its files}, "max_loras": slots, "max_rank": r}; None without
+    lora: Optional[Mapping[str, Any]] = None
     warmup: Optional[Mapping[str, Any]] = None  # the last warm-up's {"num_steps", "graph_buckets", "seconds"}
 
     def as_dict(self) -> dict[str, Any]:

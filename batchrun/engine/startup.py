@@ -26,7 +26,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 
@@ -45,6 +45,7 @@ from batchrun.engine.runners import CpuRunner, GpuRunner, ModelRunner, kv_bytes_
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Scheduler, SchedulerConfig
 from batchrun.engine.settings import EngineSettings
+from batchrun.engine.tasks import check_serving_path, generic_turned_off
 from batchrun.engine.warmup import warm_up as run_warm_up
 from batchrun.kernels.binding import bind_kernels, with_tuning
 from batchrun.kernels.cpu_tuning import CpuRows, cpu_measurable, measure_cpu
@@ -54,6 +55,7 @@ from batchrun.kernels.tuning import measured_tuning, table_tuning
 from batchrun.kernels.tuning_cases import tuning_cases
 from batchrun.model.decoder import DecoderLM, build_decoder
 from batchrun.model.gemm_shapes import attention_shape, cpu_linear_shapes, gemm_shapes
+from batchrun.model.generic import GenericLM, build_generic, serving_path
 from batchrun.model.linear import count_native_linears
 from batchrun.model.loader import load_model
 from batchrun.model.prepare import apply_linear_choices, module_weight_bytes, owned_weight_bytes
@@ -69,13 +71,16 @@ class Target:
 
     device: torch.device  # engine.device resolved
     dtype: torch.dtype  # engine.dtype resolved: activations' and a float KV cache's dtype
-    model: DecoderLM  # in eval mode, every linear given its backend (quantized, packed or plain)
+    # In eval mode, every linear given its backend (quantized, packed or plain). A GenericLM
+    # (model/generic.py) on the generic path: it has the surface of DecoderLM the engine calls.
+    model: DecoderLM
     tokenizer: Any  # the model's Hugging Face tokenizer
     hf_config: Any  # the model's transformers config
     path: str  # where the weights were read from
     fingerprint: str  # the weight files' sha256 (the job's model fingerprint)
     quantization: QuantizationSummary  # what prepare_linears did: formats per kind, packed count
     draft: Optional[tuple[DecoderLM, str]]  # speculative.method=draft: the draft model and its path
+    model_path: str = "native"  # model/generic.py: serving_path ("native" | "generic")
 
     def eos_token_ids(self) -> set[int]:
         """The model config's and the tokenizer's end-of-sequence ids."""
@@ -169,8 +174,15 @@ def load_target(
         tp_shard=tp.shard if tp is not None else None,
     )
     tokenizer, hf_config, path, fingerprint = loaded.tokenizer, loaded.config, loaded.path, loaded.fingerprint
-    model = build_decoder(hf_config, loaded.state_dict, dtype, device, kernels, tp)
-    quantization = prepare_linears_for_engine(model, config, tokenizer, loaded.quantized_weights, kernels)
+    model_path = serving_path(hf_config)
+    if model_path == "generic":
+        check_serving_path(config, hf_config)
+        # Its linears stay HF's nn.Linear (model/generic.py): nothing quantized or packed.
+        model = cast(DecoderLM, build_generic(hf_config, loaded.state_dict, dtype, device, kernels))
+        quantization = QuantizationSummary(config.quantization, config.quant_group_size)
+    else:
+        model = build_decoder(hf_config, loaded.state_dict, dtype, device, kernels, tp)
+        quantization = prepare_linears_for_engine(model, config, tokenizer, loaded.quantized_weights, kernels)
     del loaded  # the loaded tensors go before the draft model comes and before free memory is measured
     spec = config.speculative
     draft = load_draft_model(spec, tokenizer, kernels, config.cache_dir) if spec.method == "draft" else None
@@ -184,6 +196,7 @@ def load_target(
         fingerprint=fingerprint,
         quantization=quantization,
         draft=draft,
+        model_path=model_path,
     )
 
 
@@ -198,21 +211,24 @@ def tune(config: EngineConfig, target: Target) -> KernelSet:
     kernels = target.model.kernels
     models = [target.model] + ([target.draft[0]] if target.draft is not None else [])
     max_rows = config.max_num_batched_tokens or max(profiler.PREFILL_SIZES)
-    cases = [c for m in models for c in tuning_cases(gemm_shapes(m), m.kernels, max_rows)]
+    # A GenericLM's linears are HF's nn.Linear: no fused projection or packed tile to tune.
+    shaped = [m for m in models if not isinstance(m, GenericLM)]
+    cases = [c for m in shaped for c in tuning_cases(gemm_shapes(m), m.kernels, max_rows)]
     if config.tune_kernels and kernels.target.is_gpu and cases:
         tuning = measured_tuning(kernels.target, cases)
     else:
         tuning = table_tuning(kernels.target.gpu, cases)
     if config.tune_kernels and cpu_measurable(kernels) and not config.batch_invariant:
         rows = CpuRows.for_limits(config.max_num_seqs, config.max_num_batched_tokens)
-        linears = [s for m in models for s in cpu_linear_shapes(m)]
+        linears = [s for m in shaped for s in cpu_linear_shapes(m)]
         found = measure_cpu(linears, attention_shape(target.model, config.block_size), rows)
         tuning = dataclasses.replace(
             tuning, source="measured", cpu_linears=found.linears, cpu_attention=found.attention, seconds=found.seconds
         )
     for model in models:
         model.use_kernels(with_tuning(model.kernels, tuning))
-        apply_linear_choices(model, model.kernels)
+        if not isinstance(model, GenericLM):
+            apply_linear_choices(model, model.kernels)
     return target.model.kernels
 
 
@@ -364,6 +380,7 @@ def describe(
         draft_model=target.draft[1] if target.draft is not None else None,
         tensor_parallel_size=config.tensor_parallel_size,
         rank_weight_bytes=tuple(rank_bytes),
+        model_path=target.model_path,
     )
 
 
@@ -399,6 +416,8 @@ def start_engine(
     CPU: the interpreter's tiles) instead of `bind(config)`; `simulate`: a GPU the CPU engine's
     kernel set is sized for (`bind`). The last two are for checks and launch counts."""
     t0 = time.perf_counter()
+    if target is None:
+        check_serving_path(config)  # the generic path's refusals, before a group opens
     opened = open_group(config) if target is None and config.tensor_parallel_size > 1 else None
     try:
         if target is None:
@@ -423,12 +442,15 @@ def start_engine(
             opened.group.close()
         raise
     startup_s = time.perf_counter() - t0
+    off = generic_turned_off(config) if target.model_path == "generic" else []
     log.info(
-        "engine ready in %.1fs: %s (%s) on %s/%s, %d KV blocks x %d tokens, max_model_len %d, "
+        "engine ready in %.1fs: %s (%s, %s path%s) on %s/%s, %d KV blocks x %d tokens, max_model_len %d, "
         "max_num_seqs %d, max_num_batched_tokens %d%s",
         time.perf_counter() - t0,
         target.path,
         settings.model_type,
+        target.model_path,
+        f"; off: {'; '.join(off)}" if off else "",
         target.device,
         target.dtype,
         kv_plan.num_blocks,

@@ -26,6 +26,7 @@ from typing import Any, Optional
 
 from batchrun.engine.config import EngineConfig, EngineConfigError
 from batchrun.model.decoder import SUPPORTED_MODEL_TYPES
+from batchrun.model.generic import GenericModelError, causal_lm_class, serving_path
 from batchrun.model.loader import model_config, resolve_model
 from batchrun.model.sentence import SentencePipeline, SentencePipelineError, read_pipeline
 
@@ -154,7 +155,7 @@ def _check(config: EngineConfig, resolved: ResolvedTask, requested: str) -> None
     key = f"engine.task={requested}" if requested != "auto" else f"engine.task=auto (resolved to {task})"
     found = _found(resolved.path, hf_config, pipeline)
     model_type = str(getattr(hf_config, "model_type", ""))
-    is_decoder = model_type in SUPPORTED_MODEL_TYPES
+    is_decoder = serving_path(hf_config) == "native" and not resolved.is_encoder
     bidirectional = _bidirectional_flags(hf_config) if is_decoder else []
     if bidirectional:
         flag, value = bidirectional[0]
@@ -163,6 +164,7 @@ def _check(config: EngineConfig, resolved: ResolvedTask, requested: str) -> None
             "attention, and batchrun's decoders attend causally only)"
         )
     if task == "generate":
+        check_serving_path(config, hf_config)
         if resolved.is_encoder:
             raise EngineConfigError(f"{key}: {found}; an encoder has no LM head to generate with (use embed or score)")
         if resolved.has_classifier:
@@ -191,3 +193,45 @@ def _check(config: EngineConfig, resolved: ResolvedTask, requested: str) -> None
     for is_set, setting in refused:
         if is_set:
             raise EngineConfigError(f"{key} cannot run with {setting}: the pooling path runs one process, unquantized")
+
+
+def check_serving_path(config: EngineConfig, hf_config: Any = None) -> None:
+    """The generic path's refusals (model/generic.py), one EngineConfigError line naming the key:
+    a model its transformers class cannot serve over the paged cache, and the settings it does not
+    run. Nothing for a native family. `hf_config`: None reads the model's."""
+    if hf_config is None:
+        hf_config = model_config(config.model, config.cache_dir)
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type == "phi3" and config.tensor_parallel_size > 1:
+        # its fused qkv_proj/gate_up_proj would need slicing per head and per half: not done
+        raise EngineConfigError(
+            f"engine.tensor_parallel_size={config.tensor_parallel_size} is not supported for phi3 "
+            "(its fused qkv_proj/gate_up_proj are not sliced per rank)"
+        )
+    if serving_path(hf_config) != "generic":
+        return
+    try:
+        causal_lm_class(hf_config)
+    except GenericModelError as e:
+        raise EngineConfigError(f"engine.model={config.model}: {e}") from None
+    refused = (
+        (config.tensor_parallel_size > 1, f"engine.tensor_parallel_size={config.tensor_parallel_size}"),
+        (config.quantization != "none", f"engine.quantization={config.quantization}"),
+        (config.speculative.method == "self", "engine.speculative.method=self"),
+        (config.batch_invariant, "engine.batch_invariant=true"),
+        (config.task in POOLING_TASKS, f"engine.task={config.task}"),
+    )
+    for is_set, setting in refused:
+        if is_set:
+            raise EngineConfigError(
+                f"{setting} is not supported on the generic path, which serves model_type {model_type!r} "
+                f"(batchrun's native families: {', '.join(SUPPORTED_MODEL_TYPES)}, phi3 with a plain rope)"
+            )
+
+
+def generic_turned_off(config: EngineConfig) -> list[str]:
+    """What the generic path turns off rather than refuses, each with its reason (the start-up log)."""
+    return [
+        "CUDA graphs (the GPU runner runs every step eagerly)",
+        "packed/native CPU linears (HF's nn.Linear modules run as they are)",
+    ]

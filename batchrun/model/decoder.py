@@ -1,6 +1,7 @@
 """One decoder-only transformer, driven by an HF config, over a flattened batch with paged KV.
 
 Families: Llama (and SmolLM2), Mistral (sliding window), Qwen2 (QKV bias), Qwen3 (q/k norms),
+Phi-3 with a plain rope (Llama's blocks, q/k/v and gate/up fused in its checkpoint),
 Gemma 3 text (hybrid sliding/global layers, (1 + w) norms, scaled embeddings, sandwich norms),
 and the mixture-of-experts Mixtral, Qwen2-MoE and Qwen3-MoE (MoE layers use batchrun.model.moe).
 Parameter names follow HF's so checkpoints load by name; q/k/v and gate/up are fused at load time
@@ -38,6 +39,19 @@ from batchrun.model.moe import (
 from batchrun.model.tensor_parallel import TensorParallel, local_spec, local_vocab_size
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "mixtral", "qwen2_moe", "qwen3_moe")
+
+
+def is_native_phi3(config: Any) -> bool:
+    """Phi-3 with a plain rope (every dimension rotated, no longrope/su/linear scaling): Llama's
+    blocks, its checkpoint's q/k/v and gate/up already fused (qkv_proj, gate_up_proj) as this
+    decoder holds them; its residual dropouts are identities at inference. Any other Phi-3 runs on
+    the generic path (model/generic.py)."""
+    if getattr(config, "model_type", None) != "phi3":
+        return False
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    factor = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    return rope_type == "default" and float(factor if factor is not None else 1.0) == 1.0
 
 
 @dataclass(frozen=True)
@@ -81,14 +95,14 @@ class DecoderSpec:
     @staticmethod
     def from_hf(config: Any) -> DecoderSpec:
         mt = config.model_type
-        if mt not in SUPPORTED_MODEL_TYPES:
+        if mt not in SUPPORTED_MODEL_TYPES and not is_native_phi3(config):
             raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
         num_layers = config.num_hidden_layers
         layer_types = list(getattr(config, "layer_types", None) or [])
         window = getattr(config, "sliding_window", None)
-        if mt in ("mistral", "mixtral", "qwen3_moe"):  # one window (or none) for every layer
+        if mt in ("mistral", "mixtral", "qwen3_moe", "phi3"):  # one window (or none) for every layer
             layer_types = ["sliding_attention" if window else "full_attention"] * num_layers
         if not layer_types:
             layer_types = ["full_attention"] * num_layers
@@ -496,8 +510,13 @@ class DecoderLM(nn.Module):
         sd = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in state_dict.items()}
         if consume:
             state_dict.clear()
+        is_fused = self.spec.model_type == "phi3"  # the checkpoint holds qkv_proj and gate_up_proj
         for i in range(self.spec.num_layers):
             p = f"layers.{i}."
+            if is_fused:
+                put(p + "self_attn.qkv_proj.weight", sd.pop(p + "self_attn.qkv_proj.weight"))
+                put(p + "mlp.gate_up_proj.weight", sd.pop(p + "mlp.gate_up_proj.weight"))
+                continue
             put(
                 p + "self_attn.qkv_proj.weight",
                 torch.cat([sd.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0),

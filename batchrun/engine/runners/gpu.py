@@ -42,6 +42,7 @@ from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import ScheduledBatch, StepResult
 from batchrun.engine.speculative import DraftProbs
 from batchrun.model.decoder import DecoderLM
+from batchrun.model.generic import GenericLM
 
 
 def is_plain(req: Request) -> bool:
@@ -96,7 +97,9 @@ class GpuRunner(ModelRunner):
         # Not in a tensor-parallel group: a replay would run rank 0's part without shipping the step
         # to the followers, so rank 0 decides once that every step of a group runs eagerly.
         in_group = getattr(self.model, "tp", None) is not None
-        if os.environ.get("BATCHRUN_CUDA_GRAPHS", "1") != "0" and not self.batch_invariant and not in_group:
+        # Not on the generic path (model/generic.py): transformers' modules are not captured.
+        eager = self.batch_invariant or in_group or isinstance(self.model, GenericLM)
+        if os.environ.get("BATCHRUN_CUDA_GRAPHS", "1") != "0" and not eager:
             max_blocks = -(-self.max_model_len // self.block_size)
             self.graphs = DecodeGraphs(
                 self.model, self.kv_caches, self.block_size, max_blocks, self.device, self.dtype, max_batch, capture

@@ -1,0 +1,335 @@
+"""The generic serving path: any HF causal LM outside the native families, run by its own
+transformers class over batchrun's paged KV cache.
+
+`GenericLM` holds the model's `*ForCausalLM` (built from the config and the state dict batchrun read
+from the local safetensors: no hub, never remote code) with its attention implementation set to
+"batchrun_paged", a function registered in transformers' AttentionInterface. No mask function is
+registered under that name, so HF builds no mask: the paged attention is causal (and windowed where
+the layer passes a sliding window) per sequence of the flattened batch. A step's tokens go through
+the base model as one (1, num_tokens) sequence with their own positions; each attention layer writes
+its K/V into its cache blocks and attends over its sequence's cached context, reading the step's
+metadata and its layer's cache from the context `forward` sets.
+
+What the generic path does not do: tensor parallelism, quantized weights, self-speculation,
+pooling tasks, batch-invariant numerics (refused at start-up, engine/tasks.py) and CUDA graphs
+(the GPU runner runs it eagerly). Its linears stay HF's nn.Linear: the bf16 CPU packing of
+model/prepare.py is for the native decoder's module layout and 2-D rows, so it is not applied here.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from batchrun.kernels.attention_metadata import AttentionMetadata
+from batchrun.kernels.binding import reference_kernels
+from batchrun.kernels.kernel_set import KernelSet
+from batchrun.model.decoder import SUPPORTED_MODEL_TYPES, DecoderSpec, is_native_phi3
+
+ATTN_IMPLEMENTATION = "batchrun_paged"
+# Layer types of a config's `layer_types` that are attention layers (anything else: mamba, linear
+# attention, convolutions: a state the paged cache does not hold).
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+class GenericModelError(ValueError):
+    """A model the generic path cannot serve; the message names the config key or class."""
+
+
+def serving_path(hf_config: Any) -> str:
+    """ "native" for the native decoder families (and plain-rope Phi-3), else "generic"."""
+    if getattr(hf_config, "model_type", None) in SUPPORTED_MODEL_TYPES or is_native_phi3(hf_config):
+        return "native"
+    return "generic"
+
+
+def causal_lm_class(hf_config: Any) -> Any:
+    """The transformers `*ForCausalLM` class of `hf_config`, or GenericModelError saying why the
+    generic path cannot serve it: custom code (auto_map), no causal LM class, a class without the
+    attention interface, or layers that are not all attention."""
+    from transformers import AutoModelForCausalLM
+
+    model_type = getattr(hf_config, "model_type", None)
+    auto_map = getattr(hf_config, "auto_map", None)
+    if auto_map:
+        raise GenericModelError(
+            f"config.json auto_map: model_type {model_type!r} asks for custom modeling code, and batchrun never "
+            "runs remote code (trust_remote_code)"
+        )
+    layer_types = [str(t) for t in (getattr(hf_config, "layer_types", None) or [])]
+    other = sorted({t for t in layer_types if t not in _ATTENTION_LAYER_TYPES})
+    if other:
+        raise GenericModelError(
+            f"config.json layer_types: model_type {model_type!r} has layers that are not attention "
+            f"({', '.join(other)}); the paged KV cache holds attention layers only"
+        )
+    cls: Any
+    try:
+        cls = AutoModelForCausalLM._model_mapping[type(hf_config)]
+    except KeyError:
+        raise GenericModelError(
+            f"config.json model_type {model_type!r}: transformers has no causal LM class for it"
+        ) from None
+    if not getattr(cls, "_supports_attention_backend", False):
+        raise GenericModelError(
+            f"config.json model_type {model_type!r}: transformers' {cls.__name__} does not take a custom attention "
+            "implementation (_supports_attention_backend is false), so its attention cannot read a paged KV cache"
+        )
+    return cls
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one attention layer hands its attention function (found by `probe_attention`)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    window: Optional[int]
+    softcap: Optional[float]
+
+
+def generic_spec(hf_config: Any, layers: list[LayerAttention]) -> DecoderSpec:
+    """The DecoderSpec fields the engine reads (the KV cache's sizes, the vocabulary, positions),
+    the attention's from what the layers hand their attention function (`layers`, one per layer:
+    a config's own names for them differ between families); the native decoder's switches are
+    left off."""
+    first = layers[0]
+    for i, layer in enumerate(layers):
+        if (layer.num_kv_heads, layer.head_dim) != (first.num_kv_heads, first.head_dim):
+            raise GenericModelError(
+                f"model_type {hf_config.model_type!r}: layer {i} has {layer.num_kv_heads} KV heads of "
+                f"{layer.head_dim}, layer 0 {first.num_kv_heads} of {first.head_dim}; one paged cache "
+                "holds one shape"
+            )
+    num_layers = len(layers)
+    return DecoderSpec(
+        model_type=str(hf_config.model_type),
+        vocab_size=int(hf_config.vocab_size),
+        hidden_size=int(hf_config.hidden_size),
+        intermediate_size=int(getattr(hf_config, "intermediate_size", None) or 0),
+        num_layers=num_layers,
+        num_heads=first.num_heads,
+        num_kv_heads=first.num_kv_heads,
+        head_dim=first.head_dim,
+        rms_norm_eps=0.0,
+        activation="",
+        qkv_bias=False,
+        qk_norm=False,
+        gemma_norms=False,
+        attn_scale=first.scale,
+        layer_windows=tuple(layer.window for layer in layers),
+        layer_rope_keys=("default",) * num_layers,
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        final_logit_softcap=None,
+        attn_logit_softcap=first.softcap,
+        max_position_embeddings=int(getattr(hf_config, "max_position_embeddings", None) or 2048),
+    )
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What the attention layers of one forward read."""
+
+    kv_caches: list[tuple[Any, Any]]  # per layer (k_cache, v_cache)
+    meta: Optional[AttentionMetadata]
+    kernels: KernelSet
+    # `probe_attention`'s forward: each layer records what it hands its attention here (by
+    # layer_idx) and nothing is attended
+    probe: Optional[dict[int, LayerAttention]] = None
+
+
+_STEP: contextvars.ContextVar[_Step] = contextvars.ContextVar("batchrun_generic_step")
+
+
+@contextmanager
+def _step(step: _Step) -> Iterator[None]:
+    token = _STEP.set(step)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+def paged_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,  # (1, num_heads, num_tokens, head_dim)
+    key: torch.Tensor,  # (1, num_kv_heads, num_tokens, head_dim)
+    value: torch.Tensor,  # (1, num_kv_heads, num_tokens, head_dim)
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    softcap: Optional[float] = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature over batchrun's paged cache: the layer's K/V are
+    written at the step's slots, then each token attends causally over its own sequence's context.
+    Returns ((1, num_tokens, num_heads, head_dim), None) as HF's implementations do."""
+    step = _STEP.get(None)
+    if step is None:
+        raise RuntimeError(f"{ATTN_IMPLEMENTATION} attention runs only inside GenericLM.forward")
+    if kwargs.get("s_aux") is not None:
+        raise GenericModelError("attention sinks (s_aux) are not supported by batchrun's paged attention")
+    assert query.shape[0] == 1, "the generic path runs a step as one flattened sequence"
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise GenericModelError(f"{type(module).__name__} has no layer_idx: its KV cache cannot be found")
+    head_dim = query.shape[-1]
+    if not key.shape[-1] == value.shape[-1] == head_dim:
+        raise GenericModelError(
+            f"{type(module).__name__}: query/key/value heads of {head_dim}/{key.shape[-1]}/{value.shape[-1]}; "
+            "the paged cache holds one head width"
+        )
+    cap = softcap if softcap is not None else kwargs.get("softcapping")
+    scale = float(scaling) if scaling is not None else head_dim**-0.5
+    if step.probe is not None:
+        step.probe[layer] = LayerAttention(query.shape[1], key.shape[1], head_dim, scale, sliding_window or None, cap)
+        return query.new_zeros(query.shape).transpose(1, 2), None
+    assert step.meta is not None
+    k_cache, v_cache = step.kv_caches[layer]
+    q = query[0].transpose(0, 1).contiguous()  # (num_tokens, num_heads, head_dim)
+    k = key[0].transpose(0, 1).contiguous()  # (num_tokens, num_kv_heads, head_dim)
+    v = value[0].transpose(0, 1).contiguous()
+    ks = step.kernels
+    ks.write_kv_cache(k_cache, v_cache, k, v, step.meta.slot_mapping)
+    out = ks.paged_attention(q, k_cache, v_cache, step.meta, scale, sliding_window or None, cap or None, k, v)
+    return out[None], None  # (1, num_tokens, num_heads, head_dim)
+
+
+def register_attention() -> None:
+    """Register "batchrun_paged" in transformers' AttentionInterface (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+class _GivenHidden(nn.Module):
+    """Stands in for a CausalLM's base model while its head runs on hidden states already computed."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden  # (1, num_rows, hidden_size)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+
+
+class GenericLM(nn.Module):
+    """An HF causal LM with the surface of DecoderLM the engine uses (.spec, .kernels, use_kernels,
+    forward, compute_logits, expert counters). `hf_model` is the `*ForCausalLM` itself, so its
+    module names are HF's (and PEFT's)."""
+
+    tp = None  # never a tensor-parallel rank
+
+    def __init__(self, hf_model: nn.Module, spec: DecoderSpec, kernels: Optional[KernelSet] = None) -> None:
+        super().__init__()
+        self.hf_model = hf_model
+        self.spec = spec
+        self.kernels = kernels if kernels is not None else reference_kernels()
+        self.base_prefix = str(hf_model.base_model_prefix)
+        assert isinstance(getattr(hf_model, self.base_prefix, None), nn.Module), "a CausalLM over a base model"
+
+    def use_kernels(self, kernels: KernelSet) -> None:
+        self.kernels = kernels
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # (num_tokens,)
+        positions: torch.Tensor,  # (num_tokens,)
+        kv_caches: list[tuple[Any, Any]],  # per layer (k_cache, v_cache)
+        meta: AttentionMetadata,
+        num_layers: Optional[int] = None,
+    ) -> torch.Tensor:
+        """(num_tokens, hidden_size): the base model's last hidden states (its final norm applied)."""
+        assert num_layers is None, "the generic path runs every layer (self-speculation is refused)"
+        base = getattr(self.hf_model, self.base_prefix)
+        with _step(_Step(kv_caches, meta, self.kernels)):
+            out = base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+        return out[0][0]
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(num_rows, vocab_size) float32: the CausalLM's own forward after its base model (LM head,
+        logit scaling, final soft-capping: whatever the class applies), on `hidden` (num_rows,
+        hidden_size), with the base model replaced by one that returns `hidden`."""
+        base = getattr(self.hf_model, self.base_prefix)
+        num_rows = hidden.shape[0]
+        dummy_ids = torch.zeros((1, num_rows), dtype=torch.long, device=hidden.device)
+        setattr(self.hf_model, self.base_prefix, _GivenHidden(hidden[None]))
+        try:
+            out = self.hf_model(input_ids=dummy_ids, use_cache=False, logits_to_keep=0)
+        finally:
+            setattr(self.hf_model, self.base_prefix, base)
+        return out.logits[0].float()
+
+    def expert_token_counts(self) -> Optional[list[list[int]]]:
+        return None
+
+    def reset_expert_token_counts(self) -> None:
+        pass
+
+
+def build_generic(
+    hf_config: Any,
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    device: Any,
+    kernels: Optional[KernelSet] = None,
+) -> GenericLM:
+    """GenericLM over the config's transformers class with the weights of `state_dict` (HF names,
+    as read from the local safetensors; emptied here), in `dtype` on `device`, in eval mode."""
+    cls = causal_lm_class(hf_config)
+    register_attention()
+    sd = dict(state_dict)
+    state_dict.clear()
+    hf_model, info = cls.from_pretrained(
+        None,
+        config=hf_config,
+        state_dict=sd,
+        dtype=dtype,
+        attn_implementation=ATTN_IMPLEMENTATION,
+        output_loading_info=True,
+    )
+    del sd
+    if info.get("missing_keys"):  # transformers would leave them randomly initialized
+        missing = sorted(info["missing_keys"])
+        raise GenericModelError(f"checkpoint lacks parameters of {cls.__name__}: {missing[:8]}")
+    hf_model = hf_model.to(device).eval()
+    if hf_model.config._attn_implementation != ATTN_IMPLEMENTATION:
+        raise GenericModelError(f"transformers' {cls.__name__} did not take the {ATTN_IMPLEMENTATION} attention")
+    return GenericLM(hf_model, generic_spec(hf_config, probe_attention(hf_model)), kernels)
+
+
+@torch.inference_mode()
+def probe_attention(hf_model: nn.Module) -> list[LayerAttention]:
+    """Per layer, what it hands its attention function: one token through the base model, each
+    attention call recorded and answered with zeros. Every layer must call it once (a layer that
+    does not keeps a state the paged cache does not hold)."""
+    base = getattr(hf_model, str(hf_model.base_model_prefix))
+    device = next(hf_model.parameters()).device
+    found: dict[int, LayerAttention] = {}
+    with _step(_Step([], None, reference_kernels(), probe=found)):
+        base(
+            input_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
+            position_ids=torch.zeros((1, 1), dtype=torch.long, device=device),
+            use_cache=False,
+        )
+    config: Any = hf_model.config
+    num_layers = int(getattr(config, "num_hidden_layers", 0) or 0)
+    if sorted(found) != list(range(num_layers)):
+        missing = sorted(set(range(num_layers)) - set(found))
+        raise GenericModelError(
+            f"model_type {config.model_type!r}: layers {missing[:8]} never call the attention "
+            "implementation (not attention layers, or attention transformers does not route through it)"
+        )
+    return [found[i] for i in range(num_layers)]

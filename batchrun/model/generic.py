@@ -220,7 +220,15 @@ class _GivenHidden(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         from transformers.modeling_outputs import BaseModelOutputWithPast
 
-        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+        class GivenOutput(BaseModelOutputWithPast):
+            """Every other field a CausalLM may read from its base's output (cross_attentions, ...) is None."""
+
+            def __getattr__(self, name: str) -> Any:
+                if name.startswith("__"):
+                    raise AttributeError(name)
+                return None
+
+        return GivenOutput(last_hidden_state=self.hidden)
 
 
 class GenericLM(nn.Module):

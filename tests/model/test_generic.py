@@ -1,0 +1,215 @@
+"""The generic serving path (model/generic.py) and native Phi-3: greedy float32 tokens through the
+engine equal HF transformers' greedy `generate` on tiny random models of architectures outside the
+native families, each picked for a structural difference (fused projections, partial rotary,
+norms after attention, parallel residual, multipliers and logit scaling, soft-capping and sliding
+windows, layers without RoPE, learned positions); and the one-line refusals of what it cannot run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from batchrun.engine import SamplingParams
+from batchrun.engine.config import EngineConfigError
+from batchrun.engine.startup import start_engine
+from batchrun.model.generic import GenericLM
+from tests.support.engines import make_tiny_engine, tiny_config
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+MAX_TOKENS = 10
+SHARED = [11, 42, 7, 300, 19, 88, 5, 230, 61, 17, 402, 33, 9, 150, 77, 4, 250, 90, 13, 66]  # 20 tokens
+
+
+def prompts() -> list[list[int]]:
+    """Prompts of different lengths, three of them opening with one 20-token prefix (more than a
+    16-token KV block, so a later request can take it from the prefix cache)."""
+    return [SHARED + [101, 102, 103, 104, 105, 106], [7, 8, 9], SHARED + [200] * 13, [480, 3, 57, 222, 91], SHARED]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from batchrun.testing import build_tokenizer
+
+    return build_tokenizer()
+
+
+def save_tiny(directory: Path, tokenizer: Any, model_type: str, **config: Any) -> str:
+    """A random-weight HF model of `model_type` (2 layers, hidden 64, the test tokenizer's 512-token
+    vocabulary) saved with its tokenizer. Weights are drawn wide enough that attention and the
+    positions decide the tokens (not the embedding alone)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields: dict[str, Any] = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    hf_config = AutoConfig.for_model(model_type, **{**fields, **config})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 1.0 if p.shape[0] == len(tokenizer) and "head" not in name else 0.2)
+            elif "norm" in name or "ln" in name:
+                p.normal_(0.0 if model_type == "gemma2" else 1.0, 0.1)
+            else:
+                p.normal_(0.0, 0.05)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return str(directory)
+
+
+def hf_greedy(directory: str, token_lists: list[list[int]]) -> list[list[int]]:
+    """HF generate's greedy tokens per prompt, MAX_TOKENS each (no end-of-sequence stop)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    out = []
+    for ids in token_lists:
+        generated = model.generate(
+            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
+        )
+        out.append(generated[0, len(ids) :].tolist())
+    return out
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+# (id, model_type, config, serving path): the structures the oracle covers.
+ARCHITECTURES = [
+    ("phi3-native", "phi3", dict(num_key_value_heads=2), "native"),  # fused qkv/gate_up, plain rope
+    ("phi3-partial-rotary", "phi3", dict(num_key_value_heads=2, partial_rotary_factor=0.5), "generic"),
+    ("olmo2", "olmo2", dict(num_key_value_heads=2), "generic"),  # norms after attention/MLP, q/k norms
+    ("gpt_neox", "gpt_neox", dict(partial_rotary_factor=0.25, use_parallel_residual=True), "generic"),
+    (
+        "granite",  # embedding/residual/attention multipliers, logits scaled after the head
+        "granite",
+        dict(
+            num_key_value_heads=2,
+            embedding_multiplier=3.0,
+            residual_multiplier=0.5,
+            attention_multiplier=0.2,
+            logits_scaling=2.5,
+        ),
+        "generic",
+    ),
+    (
+        "gemma2",  # attention and final soft-capping, sliding layers shorter than the prompts
+        "gemma2",
+        dict(
+            num_key_value_heads=1,
+            head_dim=32,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=20.0,
+            final_logit_softcapping=10.0,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        "generic",
+    ),
+    ("smollm3", "smollm3", dict(num_key_value_heads=2, no_rope_layers=[1, 0]), "generic"),  # a NoPE layer
+    ("cohere", "cohere", dict(num_key_value_heads=2, logit_scale=0.5), "generic"),  # parallel block, logit scale
+    ("gpt2", "gpt2", dict(n_inner=128), "generic"),  # learned positions, Conv1D projections
+]
+
+
+@pytest.mark.parametrize(
+    "model_type,config,path", [a[1:] for a in ARCHITECTURES], ids=[a[0] for a in ARCHITECTURES]
+)
+def test_greedy_tokens_equal_hf_generate(tmp_path, tokenizer, one_torch_thread, model_type, config, path):
+    directory = save_tiny(tmp_path / "model", tokenizer, model_type, **config)
+    expected = hf_greedy(directory, prompts())
+    engine = make_tiny_engine(directory, enable_prefix_caching=True)
+    assert engine.settings.model_path == path
+    assert isinstance(engine.model, GenericLM) == (path == "generic")
+    assert ("model_path" in engine.settings.as_dict()) == (path == "generic")
+    batched = engine.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in batched] == expected
+    # Again, one at a time: the shared prefix's blocks now come from the prefix cache.
+    alone = [engine.generate([p], GREEDY)[0] for p in prompts()]
+    assert [o.token_ids for o in alone] == expected
+    assert alone[2].metrics.num_cached_tokens >= 16
+
+
+@pytest.mark.parametrize("model_type,config", [a[1:3] for a in ARCHITECTURES if a[0] in ("gemma2", "gpt_neox")])
+def test_chunked_prefill_leaves_the_tokens_unchanged(tmp_path, tokenizer, one_torch_thread, model_type, config):
+    directory = save_tiny(tmp_path / "model", tokenizer, model_type, **config)
+    expected = hf_greedy(directory, prompts())
+    engine = make_tiny_engine(directory, max_num_batched_tokens=8, max_num_seqs=2)
+    assert [o.token_ids for o in engine.generate(prompts(), GREEDY)] == expected
+
+
+def write_config(directory: Path, model_type: str, **config: Any) -> str:
+    """A model directory holding only config.json: every refusal is decided before weights load."""
+    from transformers import AutoConfig
+
+    fields = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    directory.mkdir(parents=True)
+    hf_config = AutoConfig.for_model(model_type, **{**fields, **config})
+    hf_config.save_pretrained(directory)
+    return str(directory)
+
+
+def refusal(directory: str, **config: Any) -> str:
+    with pytest.raises(EngineConfigError) as info:
+        start_engine(tiny_config(directory, **config))
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_custom_code_is_refused_naming_auto_map(tmp_path):
+    directory = write_config(tmp_path / "m", "olmo2")
+    path = Path(directory) / "config.json"
+    config = json.loads(path.read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}
+    path.write_text(json.dumps(config))
+    assert "auto_map" in refusal(directory)
+
+
+def test_a_class_without_the_attention_interface_is_refused(tmp_path):
+    message = refusal(write_config(tmp_path / "m", "stablelm"))  # StableLmForCausalLM: no attention backend
+    assert "_supports_attention_backend" in message and "StableLm" in message
+
+
+def test_layers_that_are_not_attention_are_refused(tmp_path):
+    message = refusal(
+        write_config(tmp_path / "m", "olmo2", layer_types=["full_attention", "linear_attention"])
+    )
+    assert "layer_types" in message and "linear_attention" in message
+
+
+@pytest.mark.parametrize(
+    "setting,key",
+    [
+        (dict(tensor_parallel_size=2), "engine.tensor_parallel_size=2"),
+        (dict(quantization="int8"), "engine.quantization=int8"),
+        (dict(batch_invariant=True), "engine.batch_invariant=true"),
+    ],
+)
+def test_settings_the_generic_path_lacks_are_refused_naming_the_key(tmp_path, setting, key):
+    message = refusal(write_config(tmp_path / "m", "olmo2"), **setting)
+    assert message.startswith(key) and "generic path" in message
+
+
+def test_self_speculation_is_refused_on_the_generic_path(tmp_path):
+    from batchrun.engine.config import SpeculativeConfig
+
+    message = refusal(
+        write_config(tmp_path / "m", "olmo2"), speculative=SpeculativeConfig(method="self", num_speculative_tokens=2)
+    )
+    assert message.startswith("engine.speculative.method=self")

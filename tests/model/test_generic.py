@@ -18,6 +18,7 @@ from batchrun.engine.config import EngineConfigError
 from batchrun.engine.startup import start_engine
 from batchrun.model.generic import GenericLM
 from tests.support.engines import make_tiny_engine, tiny_config
+from tests.support.generic_models import save_tiny
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -38,40 +39,6 @@ def tokenizer():
     return build_tokenizer()
 
 
-def save_tiny(directory: Path, tokenizer: Any, model_type: str, **config: Any) -> str:
-    """A random-weight HF model of `model_type` (2 layers, hidden 64, the test tokenizer's 512-token
-    vocabulary) saved with its tokenizer. Weights are drawn wide enough that attention and the
-    positions decide the tokens (not the embedding alone)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    fields: dict[str, Any] = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    hf_config = AutoConfig.for_model(model_type, **{**fields, **config})
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() >= 2:
-                p.normal_(0.0, 1.0 if p.shape[0] == len(tokenizer) and "head" not in name else 0.2)
-            elif "norm" in name or "ln" in name:
-                p.normal_(0.0 if model_type == "gemma2" else 1.0, 0.1)
-            else:
-                p.normal_(0.0, 0.05)
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return str(directory)
-
-
 def hf_greedy(directory: str, token_lists: list[list[int]]) -> list[list[int]]:
     """HF generate's greedy tokens per prompt, MAX_TOKENS each (no end-of-sequence stop)."""
     from transformers import AutoModelForCausalLM
@@ -80,9 +47,7 @@ def hf_greedy(directory: str, token_lists: list[list[int]]) -> list[list[int]]:
     model.generation_config.eos_token_id = None
     out = []
     for ids in token_lists:
-        generated = model.generate(
-            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0
-        )
+        generated = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
         out.append(generated[0, len(ids) :].tolist())
     return out
 
@@ -127,9 +92,7 @@ ARCHITECTURES = [
 ]
 
 
-@pytest.mark.parametrize(
-    "model_type,config,path", [a[1:] for a in ARCHITECTURES], ids=[a[0] for a in ARCHITECTURES]
-)
+@pytest.mark.parametrize("model_type,config,path", [a[1:] for a in ARCHITECTURES], ids=[a[0] for a in ARCHITECTURES])
 def test_greedy_tokens_equal_hf_generate(tmp_path, tokenizer, one_torch_thread, model_type, config, path):
     directory = save_tiny(tmp_path / "model", tokenizer, model_type, **config)
     expected = hf_greedy(directory, prompts())
@@ -187,9 +150,7 @@ def test_a_class_without_the_attention_interface_is_refused(tmp_path):
 
 
 def test_layers_that_are_not_attention_are_refused(tmp_path):
-    message = refusal(
-        write_config(tmp_path / "m", "olmo2", layer_types=["full_attention", "linear_attention"])
-    )
+    message = refusal(write_config(tmp_path / "m", "olmo2", layer_types=["full_attention", "linear_attention"]))
     assert "layer_types" in message and "linear_attention" in message
 
 

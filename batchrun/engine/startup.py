@@ -177,9 +177,9 @@ def load_target(
     model_path = serving_path(hf_config)
     if model_path == "generic":
         check_serving_path(config, hf_config)
-        # Its linears stay HF's nn.Linear (model/generic.py): nothing quantized or packed.
-        model = cast(DecoderLM, build_generic(hf_config, loaded.state_dict, dtype, device, kernels))
-        quantization = QuantizationSummary(config.quantization, config.quant_group_size)
+        generic = build_generic(hf_config, loaded.state_dict, dtype, device, kernels)
+        quantization = generic.pack_linears(kernels)  # nothing quantized (refused), bf16 CPU linears packed
+        model = cast(DecoderLM, generic)
     else:
         model = build_decoder(hf_config, loaded.state_dict, dtype, device, kernels, tp)
         quantization = prepare_linears_for_engine(model, config, tokenizer, loaded.quantized_weights, kernels)

@@ -233,5 +233,5 @@ def generic_turned_off(config: EngineConfig) -> list[str]:
     """What the generic path turns off rather than refuses, each with its reason (the start-up log)."""
     return [
         "CUDA graphs (the GPU runner runs every step eagerly)",
-        "packed/native CPU linears (HF's nn.Linear modules run as they are)",
+        "fused projections and per-row-count linear tuning (HF's modules run their own projections)",
     ]

@@ -12,8 +12,10 @@ metadata and its layer's cache from the context `forward` sets.
 
 What the generic path does not do: tensor parallelism, quantized weights, self-speculation,
 pooling tasks, batch-invariant numerics (refused at start-up, engine/tasks.py) and CUDA graphs
-(the GPU runner runs it eagerly). Its linears stay HF's nn.Linear: the bf16 CPU packing of
-model/prepare.py is for the native decoder's module layout and 2-D rows, so it is not applied here.
+(the GPU runner runs it eagerly). Where the kernel set packs float linears (bf16 on the CPU), HF's
+nn.Linear modules get their packed twins (`pack_linears`: the packed modules take HF's
+(1, num_tokens, in) rows as they are); start-up tuning does not time them per row count, and a
+silu MLP's gate/up stay two projections (fusing is the native decoder's MLP layout).
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.binding import reference_kernels
 from batchrun.kernels.kernel_set import KernelSet
 from batchrun.model.decoder import SUPPORTED_MODEL_TYPES, DecoderSpec, is_native_phi3
+from batchrun.model.prepare import prepare_linears
+from batchrun.model.quant import QuantizationSummary
 
 ATTN_IMPLEMENTATION = "batchrun_paged"
 # Layer types of a config's `layer_types` that are attention layers (anything else: mamba, linear
@@ -248,6 +252,16 @@ class GenericLM(nn.Module):
 
     def use_kernels(self, kernels: KernelSet) -> None:
         self.kernels = kernels
+
+    def pack_linears(self, kernels: KernelSet) -> QuantizationSummary:
+        """Give HF's float nn.Linear modules the kernel set's packed twins (model/prepare.py; a no-op
+        where it packs none). A head tied to the embedding stays as it is: packing it would hold a
+        second copy of the vocabulary matrix."""
+        hf_model: Any = self.hf_model
+        head, embed = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
+        tied = head is not None and embed is not None and head.weight is embed.weight
+        root = getattr(self.hf_model, self.base_prefix) if tied else self.hf_model
+        return prepare_linears(root, "none", kernels=kernels)
 
     @torch.inference_mode()
     def forward(

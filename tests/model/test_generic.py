@@ -7,6 +7,7 @@ windows, layers without RoPE, learned positions); and the one-line refusals of w
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 # (id, model_type, config, serving path): the structures the oracle covers.
 ARCHITECTURES = [
-    ("phi3-native", "phi3", dict(num_key_value_heads=2), "native"),  # fused qkv/gate_up, plain rope
+    ("phi3-native", "phi3", dict(num_key_value_heads=2, sliding_window=12), "native"),  # fused qkv/gate_up
     ("phi3-partial-rotary", "phi3", dict(num_key_value_heads=2, partial_rotary_factor=0.5), "generic"),
     ("olmo2", "olmo2", dict(num_key_value_heads=2), "generic"),  # norms after attention/MLP, q/k norms
     ("gpt_neox", "gpt_neox", dict(partial_rotary_factor=0.25, use_parallel_residual=True), "generic"),
@@ -93,10 +94,13 @@ ARCHITECTURES = [
 
 
 @pytest.mark.parametrize("model_type,config,path", [a[1:] for a in ARCHITECTURES], ids=[a[0] for a in ARCHITECTURES])
-def test_greedy_tokens_equal_hf_generate(tmp_path, tokenizer, one_torch_thread, model_type, config, path):
+def test_greedy_tokens_equal_hf_generate(tmp_path, tokenizer, one_torch_thread, caplog, model_type, config, path):
     directory = save_tiny(tmp_path / "model", tokenizer, model_type, **config)
     expected = hf_greedy(directory, prompts())
-    engine = make_tiny_engine(directory, enable_prefix_caching=True)
+    with caplog.at_level(logging.INFO, logger="batchrun.engine.startup"):
+        engine = make_tiny_engine(directory, enable_prefix_caching=True)
+    ready = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
+    assert f"{path} path" in ready[0] and ("off: CUDA graphs" in ready[0]) == (path == "generic")
     assert engine.settings.model_path == path
     assert isinstance(engine.model, GenericLM) == (path == "generic")
     assert ("model_path" in engine.settings.as_dict()) == (path == "generic")
@@ -114,6 +118,19 @@ def test_chunked_prefill_leaves_the_tokens_unchanged(tmp_path, tokenizer, one_to
     expected = hf_greedy(directory, prompts())
     engine = make_tiny_engine(directory, max_num_batched_tokens=8, max_num_seqs=2)
     assert [o.token_ids for o in engine.generate(prompts(), GREEDY)] == expected
+
+
+def test_bf16_cpu_linears_are_packed_on_the_generic_path(tmp_path, tokenizer, one_torch_thread):
+    from batchrun.engine.startup import bind
+
+    if bind(tiny_config(".", dtype="bfloat16")).linear_float.packing == "none":
+        pytest.skip("this CPU's bf16 kernel set packs no linears")
+    directory = save_tiny(tmp_path / "model", tokenizer, "olmo2", num_key_value_heads=2)
+    engine = make_tiny_engine(directory, dtype="bfloat16")
+    # 2 layers x (q, k, v, o, gate, up, down) + the untied head
+    assert engine.settings.packed_linears == 15
+    outputs = engine.generate(prompts(), GREEDY)
+    assert all(len(o.token_ids) == MAX_TOKENS for o in outputs)
 
 
 def write_config(directory: Path, model_type: str, **config: Any) -> str:
@@ -165,6 +182,11 @@ def test_layers_that_are_not_attention_are_refused(tmp_path):
 def test_settings_the_generic_path_lacks_are_refused_naming_the_key(tmp_path, setting, key):
     message = refusal(write_config(tmp_path / "m", "olmo2"), **setting)
     assert message.startswith(key) and "generic path" in message
+
+
+def test_phi3_native_refuses_tensor_parallelism_naming_the_key(tmp_path):
+    message = refusal(write_config(tmp_path / "m", "phi3"), tensor_parallel_size=2)
+    assert message.startswith("engine.tensor_parallel_size=2") and "phi3" in message
 
 
 def test_self_speculation_is_refused_on_the_generic_path(tmp_path):

@@ -155,7 +155,7 @@ def _check(config: EngineConfig, resolved: ResolvedTask, requested: str) -> None
     key = f"engine.task={requested}" if requested != "auto" else f"engine.task=auto (resolved to {task})"
     found = _found(resolved.path, hf_config, pipeline)
     model_type = str(getattr(hf_config, "model_type", ""))
-    is_decoder = serving_path(hf_config) == "native" and not resolved.is_encoder
+    is_decoder = model_type in SUPPORTED_MODEL_TYPES
     bidirectional = _bidirectional_flags(hf_config) if is_decoder else []
     if bidirectional:
         flag, value = bidirectional[0]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from batchrun.engine import SamplingParams
-from batchrun.engine.config import EngineConfigError
+from batchrun.engine.config import EngineConfigError, SpeculativeConfig
 from batchrun.engine.startup import start_engine
 from batchrun.model.generic import GenericLM
 from tests.support.engines import make_tiny_engine, tiny_config
@@ -112,12 +112,24 @@ def test_greedy_tokens_equal_hf_generate(tmp_path, tokenizer, one_torch_thread, 
     assert alone[2].metrics.num_cached_tokens >= 16
 
 
-@pytest.mark.parametrize("model_type,config", [a[1:3] for a in ARCHITECTURES if a[0] in ("gemma2", "gpt_neox")])
-def test_chunked_prefill_leaves_the_tokens_unchanged(tmp_path, tokenizer, one_torch_thread, model_type, config):
+@pytest.mark.parametrize(
+    "arch,setting",
+    [
+        ("gemma2", dict(max_num_batched_tokens=8, max_num_seqs=2)),  # chunked prefill across sliding windows
+        ("gpt_neox", dict(max_num_batched_tokens=8, max_num_seqs=2)),
+        ("gpt_neox", dict(speculative=SpeculativeConfig(method="ngram", num_speculative_tokens=3, adaptive=False))),
+    ],
+    ids=["gemma2-chunked", "gpt_neox-chunked", "gpt_neox-ngram"],
+)
+def test_engine_settings_leave_the_tokens_unchanged(tmp_path, tokenizer, one_torch_thread, arch, setting):
+    model_type, config = next((a[1], a[2]) for a in ARCHITECTURES if a[0] == arch)
     directory = save_tiny(tmp_path / "model", tokenizer, model_type, **config)
     expected = hf_greedy(directory, prompts())
-    engine = make_tiny_engine(directory, max_num_batched_tokens=8, max_num_seqs=2)
-    assert [o.token_ids for o in engine.generate(prompts(), GREEDY)] == expected
+    engine = make_tiny_engine(directory, **setting)
+    outputs = engine.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in outputs] == expected
+    if "speculative" in setting:  # the verification forwards ran
+        assert sum(o.metrics.num_spec_proposed for o in outputs) > 0
 
 
 def test_bf16_cpu_linears_are_packed_on_the_generic_path(tmp_path, tokenizer, one_torch_thread):
@@ -190,8 +202,6 @@ def test_phi3_native_refuses_tensor_parallelism_naming_the_key(tmp_path):
 
 
 def test_self_speculation_is_refused_on_the_generic_path(tmp_path):
-    from batchrun.engine.config import SpeculativeConfig
-
     message = refusal(
         write_config(tmp_path / "m", "olmo2"), speculative=SpeculativeConfig(method="self", num_speculative_tokens=2)
     )

@@ -21,6 +21,7 @@ silu MLP's gate/up stay two projections (fusing is the native decoder's MLP layo
 from __future__ import annotations
 
 import contextvars
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -36,7 +37,13 @@ from batchrun.model.decoder import SUPPORTED_MODEL_TYPES, DecoderSpec, is_native
 from batchrun.model.prepare import prepare_linears
 from batchrun.model.quant import QuantizationSummary
 
+log = logging.getLogger(__name__)
+
 ATTN_IMPLEMENTATION = "batchrun_paged"
+# Rope types whose HF tables follow the longest position of the forward (dynamic NTK; longrope's
+# short/long factors switch past original_max_position_embeddings): a step runs several sequences
+# as one, so a row's rope then follows its batch's longest sequence.
+_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 # Layer types of a config's `layer_types` that are attention layers (anything else: mamba, linear
 # attention, convolutions: a state the paged cache does not hold).
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -312,6 +319,15 @@ def build_generic(
     as read from the local safetensors; emptied here), in `dtype` on `device`, in eval mode."""
     cls = causal_lm_class(hf_config)
     register_attention()
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_types = {p.get("rope_type") for p in params.values() if isinstance(p, dict)} | {params.get("rope_type")}
+    for rope_type in sorted(t for t in rope_types if t in _LENGTH_DEPENDENT_ROPE):
+        log.warning(
+            "rope_type %s: its tables follow the longest position of a step, so a sequence batched with one "
+            "longer than original_max_position_embeddings (%s) is rotated as that one (HF rotates each alone)",
+            rope_type,
+            getattr(hf_config, "original_max_position_embeddings", None),
+        )
     sd = dict(state_dict)
     state_dict.clear()
     hf_model, info = cls.from_pretrained(

@@ -59,6 +59,16 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 ARCHITECTURES = [
     ("phi3-native", "phi3", dict(num_key_value_heads=2, sliding_window=12), "native"),  # fused qkv/gate_up
     ("phi3-partial-rotary", "phi3", dict(num_key_value_heads=2, partial_rotary_factor=0.5), "generic"),
+    (
+        "phi3-longrope",  # Phi-3 128k's rope; every prompt here under original_max_position_embeddings
+        "phi3",
+        dict(
+            num_key_value_heads=2,
+            original_max_position_embeddings=64,
+            rope_parameters=dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0] * 8, long_factor=[2.0] * 8),
+        ),
+        "generic",
+    ),
     ("olmo2", "olmo2", dict(num_key_value_heads=2), "generic"),  # norms after attention/MLP, q/k norms
     ("gpt_neox", "gpt_neox", dict(partial_rotary_factor=0.25, use_parallel_residual=True), "generic"),
     (

@@ -27,6 +27,7 @@ from batchrun.engine.speculative import DraftProbs, SpeculationPolicy, StepCostM
 from batchrun.kernels.binding import rebind
 from batchrun.kernels.kernel_set import KernelSet
 from batchrun.model.decoder import DecoderLM, build_decoder
+from batchrun.model.generic import GenericLM
 from batchrun.model.loader import load_model
 
 
@@ -212,6 +213,8 @@ def build_drafter(
     num_layers = None
     draft_cost = 0.0  # one draft pass, as a fraction of one target step of the same width
     if spec.method == "self":
+        # engine/tasks.py refuses it with the config; a target handed to start_engine is not checked there
+        assert not isinstance(model, GenericLM), "self-speculation needs the native decoder's first layers"
         total = model.spec.num_layers
         num_layers = min(spec.self_layers or max(1, total // 4), total - 1)
         draft_cost = num_layers / total

@@ -214,6 +214,13 @@ def check_serving_path(config: EngineConfig, hf_config: Any = None) -> None:
         causal_lm_class(hf_config)
     except GenericModelError as e:
         raise EngineConfigError(f"engine.model={config.model}: {e}") from None
+    bidirectional = _bidirectional_flags(hf_config)
+    if bidirectional:
+        flag, value = bidirectional[0]
+        raise EngineConfigError(
+            f"engine.model={config.model}: config.json {flag}: {json.dumps(value)} asks for bidirectional attention, "
+            "and batchrun's paged attention is causal"
+        )
     refused = (
         (config.tensor_parallel_size > 1, f"engine.tensor_parallel_size={config.tensor_parallel_size}"),
         (config.quantization != "none", f"engine.quantization={config.quantization}"),

@@ -193,6 +193,11 @@ def test_layers_that_are_not_attention_are_refused(tmp_path):
     assert "layer_types" in message and "linear_attention" in message
 
 
+def test_bidirectional_attention_is_refused_on_the_generic_path(tmp_path):
+    message = refusal(write_config(tmp_path / "m", "olmo2", is_causal=False))
+    assert "is_causal" in message and "bidirectional" in message
+
+
 @pytest.mark.parametrize(
     "setting,key",
     [

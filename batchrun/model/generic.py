@@ -21,6 +21,7 @@ silu MLP's gate/up stay two projections (fusing is the native decoder's MLP layo
 from __future__ import annotations
 
 import contextvars
+import functools
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -54,7 +55,8 @@ class GenericModelError(ValueError):
 
 
 def serving_path(hf_config: Any) -> str:
-    """ "native" for the native decoder families (and plain-rope Phi-3), else "generic"."""
+    """How a config's model is served: "native" for the native decoder families (and plain-rope
+    Phi-3), else "generic"."""
     if getattr(hf_config, "model_type", None) in SUPPORTED_MODEL_TYPES or is_native_phi3(hf_config):
         return "native"
     return "generic"
@@ -221,6 +223,22 @@ def register_attention() -> None:
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
 
 
+@functools.cache
+def _given_output_class() -> type:
+    """A base-model output whose every other field (cross_attentions, ...) reads None: a CausalLM's
+    head code reads whichever its own base returns. One class (ModelOutput subclasses register a
+    pytree node each)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    class GivenOutput(BaseModelOutputWithPast):
+        def __getattr__(self, name: str) -> Any:
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return None
+
+    return GivenOutput
+
+
 class _GivenHidden(nn.Module):
     """Stands in for a CausalLM's base model while its head runs on hidden states already computed."""
 
@@ -229,17 +247,7 @@ class _GivenHidden(nn.Module):
         self.hidden = hidden  # (1, num_rows, hidden_size)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        from transformers.modeling_outputs import BaseModelOutputWithPast
-
-        class GivenOutput(BaseModelOutputWithPast):
-            """Every other field a CausalLM may read from its base's output (cross_attentions, ...) is None."""
-
-            def __getattr__(self, name: str) -> Any:
-                if name.startswith("__"):
-                    raise AttributeError(name)
-                return None
-
-        return GivenOutput(last_hidden_state=self.hidden)
+        return _given_output_class()(last_hidden_state=self.hidden)
 
 
 class GenericLM(nn.Module):

@@ -142,6 +142,17 @@ def test_engine_settings_leave_the_tokens_unchanged(tmp_path, tokenizer, one_tor
         assert sum(o.metrics.num_spec_proposed for o in outputs) > 0
 
 
+def test_the_gpu_runner_runs_the_generic_path_without_cuda_graphs(tmp_path, tokenizer, one_torch_thread):
+    from batchrun.engine.runners.gpu import GpuRunner
+
+    directory = save_tiny(tmp_path / "model", tokenizer, "olmo2", num_key_value_heads=2)
+    expected = hf_greedy(directory, prompts())
+    engine = make_tiny_engine(directory)
+    engine.runner = GpuRunner.stand_in(engine.runner, 4)  # the GPU runner's code over the CPU tensors
+    assert engine.runner.graphs is None
+    assert [o.token_ids for o in engine.generate(prompts(), GREEDY)] == expected
+
+
 def test_bf16_cpu_linears_are_packed_on_the_generic_path(tmp_path, tokenizer, one_torch_thread):
     from batchrun.engine.startup import bind
 

@@ -153,6 +153,17 @@ def test_the_gpu_runner_runs_the_generic_path_without_cuda_graphs(tmp_path, toke
     assert [o.token_ids for o in engine.generate(prompts(), GREEDY)] == expected
 
 
+def test_an_int8_kv_cache_serves_the_generic_path(tmp_path, tokenizer, one_torch_thread):
+    """The layers' K/V go through the kernel set's cache write and attention, which quantize an
+    int8 cache as they do for the native decoder: most greedy tokens stay HF's (bound: 80%)."""
+    directory = save_tiny(tmp_path / "model", tokenizer, "olmo2", num_key_value_heads=2)
+    expected = hf_greedy(directory, prompts())
+    engine = make_tiny_engine(directory, kv_cache_dtype="int8")
+    got = [o.token_ids for o in engine.generate(prompts(), GREEDY)]
+    same = sum(a == b for g, e in zip(got, expected) for a, b in zip(g, e))
+    assert same >= 0.8 * sum(map(len, expected)), (got, expected)
+
+
 def test_bf16_cpu_linears_are_packed_on_the_generic_path(tmp_path, tokenizer, one_torch_thread):
     from batchrun.engine.startup import bind
 

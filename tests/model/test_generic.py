@@ -153,6 +153,26 @@ def test_the_gpu_runner_runs_the_generic_path_without_cuda_graphs(tmp_path, toke
     assert [o.token_ids for o in engine.generate(prompts(), GREEDY)] == expected
 
 
+def test_prompt_logprobs_are_the_causal_lms_own(tmp_path, tokenizer, one_torch_thread):
+    """Granite divides its logits by logits_scaling after the head: the prompt logprobs (the head
+    over every prompt row) are those of HF's CausalLM forward."""
+    from transformers import AutoModelForCausalLM
+
+    model_type, config = next((a[1], a[2]) for a in ARCHITECTURES if a[0] == "granite")
+    directory = save_tiny(tmp_path / "model", tokenizer, model_type, **config)
+    prompt = prompts()[0]
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)  # (len, vocab)
+    engine = make_tiny_engine(directory)
+    out = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1))[0]
+    assert out.prompt_logprobs is not None
+    assert len(out.prompt_logprobs) == len(prompt) - 1
+    got = [entry[token] for entry, token in zip(out.prompt_logprobs, prompt[1:])]
+    ref = [want[i, token].item() for i, token in enumerate(prompt[1:])]
+    assert got == pytest.approx(ref, abs=1e-4)
+
+
 def test_an_int8_kv_cache_serves_the_generic_path(tmp_path, tokenizer, one_torch_thread):
     """The layers' K/V go through the kernel set's cache write and attention, which quantize an
     int8 cache as they do for the native decoder: most greedy tokens stay HF's (bound: 80%)."""

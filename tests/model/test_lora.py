@@ -350,3 +350,61 @@ def test_pinned_adapters_stay_and_a_full_set_of_pins_admits_nothing_new(tmp_path
     assert slots.can_admit("c") and slots.load("c") == 0 and slots.is_pinned("b")
     with pytest.raises(KeyError, match="unknown adapter 'zz'"):
         slots.load("zz")
+
+
+# ---- packed and quantized bases -------------------------------------------------------------------
+
+
+def _row_split(model: DecoderLM) -> None:
+    """Each MLP's fused native gate/up as start-up tuning may lay it out: the tiles below 4 rows,
+    torch's kernel over the tiles unpacked per call from there (model/linear.py: RowSplitLinear)."""
+    from batchrun.model.linear import NativeSiluMulLinear, RowSplitLinear, UnpackedTilesLinear
+
+    for layer in model.layers:
+        fused = layer.mlp.gate_up_proj
+        if isinstance(fused, NativeSiluMulLinear):
+            buffer = torch.empty(fused.packed_weight.numel(), dtype=torch.bfloat16)
+            layer.mlp.gate_up_proj = RowSplitLinear(fused, UnpackedTilesLinear(fused, buffer), 4)
+
+
+@pytest.mark.parametrize("mode", ["none", "row_split", "w4a8"])
+def test_packed_and_quantized_bases_take_the_update_beside_their_own_kernels(tmp_path, mode):
+    """bf16 on the CPU: packed float linears (a gate/up that applies silu itself among them) or W4A8
+    ones. A layer whose activation is fused into its gate/up projection is unfused, bitwise the same
+    for base rows and for an adapter whose B is zero; an adapter's row is near the float32 merged model."""
+    from batchrun.kernels.binding import default_kernels
+    from batchrun.model.prepare import prepare_linears
+
+    hf = _tiny_hf("llama", intermediate_size=128)
+    targets = ["q_proj", "gate_proj", "up_proj", "down_proj"]
+    merged = _make_adapter(hf, str(tmp_path / "a"), seed=1, target_modules=targets)
+    adapter = read_adapter("a", str(tmp_path / "a"))
+    zero = read_adapter("z", str(tmp_path / "a"))
+    for weights in zero.modules.values():
+        weights.lora_b.zero_()
+    kernels = default_kernels("cpu", torch.bfloat16)
+
+    def prepared() -> DecoderLM:
+        model = _decoder(hf).to(torch.bfloat16)
+        prepare_linears(model, "w4a8" if mode == "w4a8" else "none", "cpu", torch.bfloat16, kernels=kernels)
+        model.use_kernels(kernels)
+        if mode == "row_split":
+            _row_split(model)
+        return model
+
+    def rows(model: DecoderLM) -> _Rows:
+        r = _Rows(model, 3)
+        r.kv = [(k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in r.kv]
+        return r
+
+    plain, wrapped = prepared(), prepared()
+    slots = attach_lora(wrapped, {"a": adapter, "z": zero}, max_loras=2)
+    assert not any(layer.mlp.fused_act for layer in wrapped.layers)
+    prompts = PROMPTS[:3]
+    want, want_tokens = _greedy(rows(plain), prompts, None, [-1] * 3, 2)
+    got, got_tokens = _greedy(rows(wrapped), prompts, slots, [-1, slots.load("z"), slots.load("a")], 2)
+    assert torch.equal(got[:2], want[:2]) and got_tokens[:2] == want_tokens[:2]
+    with torch.no_grad():
+        ref = merged(torch.tensor([prompts[2]])).logits[0, -1]
+        base = hf(torch.tensor([prompts[2]])).logits[0, -1]
+    assert (got[2] - ref).abs().max() < 0.15 * (base - ref).abs().max()

@@ -237,7 +237,7 @@ class LoraLinear(nn.Module):
         assert x2.shape[0] == self.step.num_tokens, (
             f"LoRA step set for {self.step.num_tokens} tokens, the layer sees {x2.shape[0]}"
         )
-        y2 = y.view(-1, self.out_features)  # (num_tokens, out_features), the same storage
+        y2 = y.reshape(-1, self.out_features)  # (num_tokens, out_features): y's storage where contiguous
         for slot, idx in slots:
             r = self.slot_ranks[slot]
             if r == 0:
@@ -248,7 +248,7 @@ class LoraLinear(nn.Module):
                 y2.add_(delta.to(y2.dtype))
             else:
                 y2.index_add_(0, idx, delta.to(y2.dtype))
-        return y
+        return y2.view(y.shape)
 
     def extra_repr(self) -> str:
         return (
@@ -341,7 +341,9 @@ class LoraSlots:
 
     def set_step(self, token_slots: torch.Tensor) -> None:
         """This forward's slot per token (T,) int64, -1 for the base model: the per-slot row indices
-        every LoraLinear of the model reads, on the model's device (computed here once)."""
+        every LoraLinear of the model reads, on the model's device (computed here once). A host
+        tensor is best: the grouping runs on the host (a device tensor is copied, one sync). The
+        step's slots count as used (LRU). Lasts until the next set_step or clear_step."""
         assert token_slots.dim() == 1, "token_slots is (num_tokens,)"
         host = token_slots.to("cpu", torch.int64)
         step = self._step
@@ -411,6 +413,13 @@ class _Resolver:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.modules = dict(model.named_modules())
+        # An HF model's LM head under whatever name (it runs on the logits rows, not the step's tokens)
+        self.heads: set[int] = set()
+        for module in self.modules.values():
+            get_head = getattr(module, "get_output_embeddings", None)
+            head = get_head() if callable(get_head) else None
+            if isinstance(head, nn.Module):
+                self.heads.add(id(head))
 
     def find(self, path: str) -> Optional[str]:
         """The model's module name for a PEFT path: the same name, the name without HF's leading
@@ -432,6 +441,8 @@ class _Resolver:
             raise LoraError(adapter, f"{path}: LoRA on mixture-of-experts expert linears is not supported")
         name = self.find(path)
         if name is not None:
+            if id(self.modules[name]) in self.heads:
+                raise LoraError(adapter, f"{path}: LoRA on embeddings and the LM head is not supported")
             self._check_not_moe(adapter, path, name)
             return name, 0, None
         parent_path, _, _ = path.rpartition(".")

@@ -2,8 +2,11 @@
 
 - `read_adapter`: a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) read
   once into host memory (float32), its scale alpha / r (rsLoRA: alpha / sqrt(r)) per module,
-  rank_pattern / alpha_pattern honoured. What this runtime cannot apply exactly is refused
-  (LoraError): biases, DoRA, modules_to_save, fan_in_fan_out (Conv1D targets), embedding targets.
+  rank_pattern / alpha_pattern honoured. The modules are those whose pairs the weights file holds
+  (what target_modules, a list, "all-linear" or a regex, matched when PEFT made it). What this
+  runtime cannot apply exactly is refused (LoraError): biases, DoRA, modules_to_save,
+  fan_in_fan_out (Conv1D targets), embedding targets, variants with another forward (QALoRA,
+  aLoRA, Arrow routing, ...).
 - `attach_lora`: checks every adapter against the model first (the first mismatch named), then
   wraps each targeted linear once with `LoraLinear`: y = base(x) + delta, the base module kept as
   it is (nn.Linear, packed or quantized), so the base GEMM runs once for all rows. The native
@@ -43,6 +46,17 @@ _PEFT_PREFIX = "base_model.model."
 _QKV = ("q_proj", "k_proj", "v_proj")
 _GATE_UP = ("gate_proj", "up_proj")
 _REFUSED_NAMES = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out")
+# adapter_config.json keys of LoRA variants whose forward is not y + B @ A @ x at every token (or
+# that change the base model's structure or embeddings): refused when set
+_VARIANT_KEYS = (
+    "use_qalora",
+    "alora_invocation_tokens",
+    "layer_replication",
+    "trainable_token_indices",
+    "arrow_config",
+    "kasa_config",
+    "use_bdlora",
+)
 
 
 class LoraError(ValueError):
@@ -130,6 +144,9 @@ def read_adapter(name: str, directory: str) -> LoraAdapter:
         raise LoraError(name, "fan_in_fan_out=true (Conv1D targets) is not supported; nn.Linear targets only")
     if config.get("target_parameters"):
         raise LoraError(name, "target_parameters (LoRA on raw parameters, e.g. MoE experts) is not supported")
+    for key in _VARIANT_KEYS:
+        if config.get(key):
+            raise LoraError(name, f"{key}={config[key]!r} is not supported (plain LoRA only)")
     try:
         rank = int(config["r"])
         alpha = float(config.get("lora_alpha", rank))

@@ -269,6 +269,8 @@ def test_an_adapter_that_does_not_fit_the_model_is_named_with_the_first_mismatch
         (dict(bias="all"), "bias='all'"),
         (dict(modules_to_save=["lm_head"]), "modules_to_save"),
         (dict(fan_in_fan_out=True), "fan_in_fan_out"),
+        (dict(alora_invocation_tokens=[5, 6]), "alora_invocation_tokens"),
+        (dict(peft_type="LOHA"), "peft_type 'LOHA'"),
         (dict(r=2), "do not have the config's rank 2"),
         (dict(rank_pattern={"q_proj": 8}), "rank 8"),
     ],

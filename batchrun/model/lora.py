@@ -500,14 +500,18 @@ def attach_lora(model: nn.Module, adapters: dict[str, LoraAdapter], max_loras: i
     """Check every adapter against `model`, then wrap each targeted linear with a LoraLinear (see
     the module doc). The first mismatch raises LoraError naming the adapter and the module; nothing
     is wrapped then. Call after the model's linears got their backends (model/prepare.py)."""
+    from batchrun.model.decoder import MLP
+
     if max_loras < 1:
         raise ValueError(f"max_loras must be at least 1, got {max_loras}")
     if getattr(model, "tp", None) is not None and adapters:
         first = next(iter(adapters))
         raise LoraError(first, "LoRA adapters with tensor parallelism are not supported")
     resolver = _Resolver(model)
+    kernels = getattr(model, "kernels", None)
     pieces: dict[str, dict[str, list[tuple[str, _Piece]]]] = {}
     ranks: dict[str, int] = {}  # wrapped module -> the largest r_total an adapter puts there
+    unfused: dict[str, nn.Module] = {}  # MLP name -> the plain twin of its activation-fused gate/up
     for name, adapter in adapters.items():
         mine: dict[str, list[tuple[str, _Piece]]] = {}
         for path, weights in adapter.modules.items():
@@ -525,18 +529,36 @@ def attach_lora(model: nn.Module, adapters: dict[str, LoraAdapter], max_loras: i
                     f"({in_features} in, {rows} out): expected ({weights.rank}, {in_features}) / "
                     f"({rows}, {weights.rank})",
                 )
+            parent_name = target.rpartition(".")[0]
+            parent = resolver.modules[parent_name]
+            if isinstance(parent, MLP) and parent.fused_act and parent_name not in unfused:
+                plain = _unfused_gate_up(parent.gate_up_proj, kernels)
+                if plain is None:
+                    raise LoraError(
+                        name,
+                        f"{path}: its MLP applies the activation inside the gate/up projection "
+                        f"({type(parent.gate_up_proj).__name__}), which has no unfused form here",
+                    )
+                unfused[parent_name] = plain
             mine.setdefault(target, []).append((path, _Piece(target, start, rows)))
         for target, items in mine.items():
             ranks[target] = max(ranks.get(target, 0), sum(adapter.modules[p].rank for p, _ in items))
         pieces[name] = mine
 
-    kernels = getattr(model, "kernels", None)
+    # An MLP whose gate/up projection applies silu(gate) * up itself (model/prepare.py sets
+    # MLP.fused_act) leaves a gate/up update no place to land, and hands its down projection
+    # activations already quantized where W4A8 fuses: it takes the unfused twin over the same
+    # weights and applies the activation again (bitwise the fused result: model/linear.py).
+    for parent_name, plain in unfused.items():
+        mlp = resolver.modules[parent_name]
+        assert isinstance(mlp, MLP)
+        mlp.gate_up_proj = plain
+        mlp.fused_act = False
     step = _StepRows()
     layers: dict[str, LoraLinear] = {}
     for target in sorted(ranks):
         parent_name, _, attr = target.rpartition(".")
         parent = resolver.modules[parent_name]
-        _unfuse_activation(parent, kernels)
         base = getattr(parent, attr)
         in_features, out_features = _features(base)
         layer = LoraLinear(base, in_features, out_features, max_loras, ranks[target])
@@ -546,20 +568,9 @@ def attach_lora(model: nn.Module, adapters: dict[str, LoraAdapter], max_loras: i
     return LoraSlots(adapters, max_loras, layers, pieces, step)
 
 
-def _unfuse_activation(parent: nn.Module, kernels: Any) -> None:
-    """An MLP whose gate/up projection applies silu(gate) * up itself (model/prepare.py sets
-    MLP.fused_act) leaves a gate/up update no place to land, and hands its down projection
-    activations already quantized where W4A8 fuses: its gate/up projection is swapped for the
-    unfused twin over the same weights, and the MLP applies the activation again."""
-    from batchrun.model.decoder import MLP
-
-    if not (isinstance(parent, MLP) and parent.fused_act):
-        return
-    parent.gate_up_proj = _unfused_gate_up(parent.gate_up_proj, kernels)
-    parent.fused_act = False
-
-
-def _unfused_gate_up(module: nn.Module, kernels: Any) -> nn.Module:
+def _unfused_gate_up(module: nn.Module, kernels: Any) -> Optional[nn.Module]:
+    """The gate/up projection `module` (one that applies silu(gate) * up itself) without the
+    activation, over the same weights; None for a kind this does not know."""
     from batchrun.kernels import cpu_linear as ck
     from batchrun.model.linear import (
         NativeLinear,
@@ -576,15 +587,17 @@ def _unfused_gate_up(module: nn.Module, kernels: Any) -> nn.Module:
     if isinstance(module, RowSplitLinear) and isinstance(module.small, NativeSiluMulLinear):
         small = _unfused_gate_up(module.small, kernels)
         assert isinstance(small, NativeLinear)
-        large = module.large
-        if isinstance(large, SiluMulAfter):
-            large = large.linear
-        elif isinstance(large, UnpackedTilesLinear):
-            large = UnpackedTilesLinear(small, large.buffer)
+        large: nn.Module
+        if isinstance(module.large, SiluMulAfter):
+            large = module.large.linear
+        elif isinstance(module.large, UnpackedTilesLinear):
+            large = UnpackedTilesLinear(small, module.large.buffer)
+        else:
+            return None
         return RowSplitLinear(small, large, module.split_rows)
     if isinstance(module, W4A8SiluMulLinear):
-        qweight, scales, mins = module.int4_weight()
+        qweight, scales, mins = module.int4_weight()  # HF's row order
         weight = QuantizedWeight("int4", qweight, scales, mins, module.in_features)
         bias = None if module.bias is None else module.bias[module._plain_order]
         return W4A8Linear(weight, bias, torch.bfloat16, kernels=kernels)
-    raise ValueError(f"cannot apply LoRA beside a fused gate/up activation of type {type(module).__name__}")
+    return None

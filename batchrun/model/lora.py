@@ -240,8 +240,13 @@ class LoraLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         device = _module_device(base)
-        self.register_buffer("lora_a", torch.zeros(num_slots, max_rank, in_features, device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(num_slots, out_features, max_rank, device=device), persistent=False)
+        # Ordinary tensors even where the model is attached under inference mode: slots are
+        # loaded in place later, from wherever the scheduler runs.
+        with torch.inference_mode(False):
+            lora_a = torch.zeros(num_slots, max_rank, in_features, device=device)
+            lora_b = torch.zeros(num_slots, out_features, max_rank, device=device)
+        self.register_buffer("lora_a", lora_a, persistent=False)
+        self.register_buffer("lora_b", lora_b, persistent=False)
         self.slot_ranks = [0] * num_slots  # per slot: the rows of lora_a in use (0: no update here)
         self.step = _StepRows()  # replaced by LoraSlots: one object every LoraLinear of a model shares
 

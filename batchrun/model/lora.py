@@ -12,7 +12,12 @@
   it is (nn.Linear, packed or quantized), so the base GEMM runs once for all rows. The native
   DecoderLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj` at load: PEFT's q_proj,
   k_proj, v_proj (gate_proj, up_proj) are row slices of the fused output. Any other model (the
-  generic path over HF's own modules) is wrapped by the module names PEFT uses.
+  generic path over HF's own modules) is wrapped by the module names PEFT uses. Refused: embedding
+  and LM head targets, mixture-of-experts layers, tensor-parallel models. A LoraLinear is not an
+  nn.Linear, so the kernels that would read a projection's weight themselves (the fused Triton
+  GEMMs of kernels/fused_projections.py, layer 0's embedding + norm) call the module instead, and
+  it takes no pre-quantized rows (no `input_quant`): its base quantizes its own input. An MLP whose
+  gate/up projection applies the activation itself (MLP.fused_act) is unfused, bitwise the same.
 - `LoraSlots`: `max_loras` resident slots. Per wrapped linear, slot s holds its adapter's A
   (r_total, in) and B (out, r_total) (scale folded into B, q/k/v pieces stacked along r, zero
   padded to the largest adapter), float32 on the model's device. `set_step` turns the step's
@@ -170,7 +175,7 @@ def read_adapter(name: str, directory: str) -> LoraAdapter:
             raise LoraError(name, f"{key}: DoRA magnitudes are not supported")
         if "lora_embedding" in key:
             raise LoraError(name, f"{key}: embedding targets are not supported")
-        m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
+        m = re.fullmatch(rf"(?:{re.escape(_PEFT_PREFIX)})?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
         if m is None:
             raise LoraError(name, f"{WEIGHTS_FILE} holds {key!r}, which is not a LoRA A/B weight")
         pairs.setdefault(m.group(1), {})[m.group(2)] = tensor

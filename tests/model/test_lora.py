@@ -75,7 +75,7 @@ def _decoder(hf: nn.Module) -> DecoderLM:
 class _Rows:
     """A paged KV cache for a few rows (own blocks each) and a flattened prefill / decode step."""
 
-    def __init__(self, model: DecoderLM, num_rows: int) -> None:
+    def __init__(self, model: Any, num_rows: int) -> None:
         s = model.spec
         shape = (num_rows * BLOCKS_PER_ROW, BLOCK_SIZE, s.num_kv_heads, s.head_dim)
         self.kv = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(s.num_layers)]
@@ -363,10 +363,11 @@ def _row_split(model: DecoderLM) -> None:
     from batchrun.model.linear import NativeSiluMulLinear, RowSplitLinear, UnpackedTilesLinear
 
     for layer in model.layers:
-        fused = layer.mlp.gate_up_proj
+        mlp: Any = layer.mlp
+        fused = mlp.gate_up_proj
         if isinstance(fused, NativeSiluMulLinear):
             buffer = torch.empty(fused.packed_weight.numel(), dtype=torch.bfloat16)
-            layer.mlp.gate_up_proj = RowSplitLinear(fused, UnpackedTilesLinear(fused, buffer), 4)
+            mlp.gate_up_proj = RowSplitLinear(fused, UnpackedTilesLinear(fused, buffer), 4)
 
 
 @pytest.mark.parametrize("mode", ["none", "row_split", "w4a8"])
@@ -410,3 +411,52 @@ def test_packed_and_quantized_bases_take_the_update_beside_their_own_kernels(tmp
         ref = merged(torch.tensor([prompts[2]])).logits[0, -1]
         base = hf(torch.tensor([prompts[2]])).logits[0, -1]
     assert (got[2] - ref).abs().max() < 0.15 * (base - ref).abs().max()
+
+
+# ---- Phi-3 native and the generic path ------------------------------------------------------------
+
+
+def _phi3_native_or_generic_neox(kind: str) -> tuple[nn.Module, nn.Module, list[str]]:
+    """(HF model, batchrun model over its weights, PEFT targets), or a skip where this build lacks
+    the serving path."""
+    import transformers
+
+    if kind == "phi3":
+        hf = _tiny_hf("phi3")
+        try:
+            model: nn.Module = _decoder(hf)
+        except ValueError:
+            pytest.skip("Phi-3 is not native in this build")
+        return hf, model, ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+    generic = pytest.importorskip("batchrun.model.generic")
+    config = transformers.GPTNeoXConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model = generic.build_generic(hf.config, {k: v.clone() for k, v in hf.state_dict().items()}, torch.float32, "cpu")
+    return hf, model, ["query_key_value", "dense", "dense_h_to_4h", "dense_4h_to_h"]
+
+
+@pytest.mark.parametrize("kind", ["phi3", "gpt_neox"])
+def test_fused_checkpoint_projections_and_the_generic_path_equal_the_merged_models(tmp_path, kind):
+    """Phi-3's own fused qkv_proj / gate_up_proj (native), and GPT-NeoX through the generic path
+    (HF's modules by PEFT's names, its fused query_key_value among them)."""
+    hf, model, targets = _phi3_native_or_generic_neox(kind)
+    merged = {
+        "a": _make_adapter(hf, str(tmp_path / "a"), seed=1, target_modules=targets),
+        "b": _make_adapter(hf, str(tmp_path / "b"), seed=2, target_modules=targets[:1], use_rslora=True),
+    }
+    slots = attach_lora(model, {n: read_adapter(n, str(tmp_path / n)) for n in merged}, max_loras=2)
+    row_adapters = [None, "a", "b"]
+    row_slots = [-1 if a is None else slots.load(a) for a in row_adapters]
+    logits, tokens = _greedy(_Rows(model, 3), PROMPTS[:3], slots, row_slots, 3)
+    for row, adapter in enumerate(row_adapters):
+        want_logits, want_tokens = _hf_reference(hf if adapter is None else merged[adapter], PROMPTS[row], 3)
+        torch.testing.assert_close(logits[row], want_logits, atol=1e-4, rtol=1e-4, msg=f"row {row} ({adapter})")
+        assert tokens[row] == want_tokens, (row, adapter)

@@ -156,7 +156,7 @@ def read_adapter(name: str, directory: str) -> LoraAdapter:
             raise LoraError(name, f"{key}={config[key]!r} is not supported (plain LoRA only)")
     try:
         rank = int(config["r"])
-        alpha = float(config.get("lora_alpha", rank))
+        alpha = float(config.get("lora_alpha", 8))  # PEFT's default
     except (KeyError, TypeError, ValueError) as exc:
         raise LoraError(name, f"{CONFIG_FILE} lacks a valid r / lora_alpha ({exc})") from exc
     if rank <= 0:
@@ -191,12 +191,15 @@ def read_adapter(name: str, directory: str) -> LoraAdapter:
         a, b = pair["A"].float(), pair["B"].float()
         if a.dim() != 2 or b.dim() != 2:
             raise LoraError(name, f"{path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} are not matrices")
-        r = int(_pattern_value(rank_pattern, path, rank))
+        try:
+            r = int(_pattern_value(rank_pattern, path, rank))
+            module_alpha = float(_pattern_value(alpha_pattern, path, alpha))
+        except (re.error, TypeError, ValueError) as exc:
+            raise LoraError(name, f"rank_pattern / alpha_pattern cannot be applied to {path}: {exc}") from exc
         if a.shape[0] != r or b.shape[1] != r:
             raise LoraError(
                 name, f"{path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not have the config's rank {r}"
             )
-        module_alpha = float(_pattern_value(alpha_pattern, path, alpha))
         scale = module_alpha / (math.sqrt(r) if use_rslora else r)
         modules[path] = LoraModuleWeights(a.contiguous(), b.contiguous(), scale)
 

@@ -23,9 +23,10 @@
   padded to the largest adapter), float32 on the model's device. `set_step` groups the step's
   adapter tokens by slot once per forward (one index tensor, sorted by slot, and each slot's run
   in it), shared by every layer; each LoraLinear gathers those rows once, computes
-  (x_s @ A_s^T) @ B_s^T per slot's run into one float32 buffer and adds it back with one
-  index_add (the whole step one slot: no gather). A step without adapter tokens runs the base
-  modules alone.
+  (x_s @ A_s^T) @ B_s^T per slot's run into one float32 buffer (two batched matmuls over all
+  runs padded to one length where that pads little, as a decode step's rows spread over adapters
+  do) and adds it back with one index_add (the whole step one slot: no gather). A step without
+  adapter tokens runs the base modules alone.
 
 Adapters are read from disk once (`read_adapter`) and their weights kept on the host; a slot load
 copies them to the device (so a reload after eviction never touches the disk).
@@ -227,15 +228,32 @@ class _Piece:
     rows: int
 
 
+@dataclass(frozen=True)
+class _Padded:
+    """A step's slot runs padded to one length, for two batched matmuls over all slots at once
+    (taken where the padding is small: a decode step's rows spread over several adapters)."""
+
+    rows: torch.Tensor  # (num_slots * length,) token indices, each run padded with its first row's
+    valid: Optional[torch.Tensor]  # (num_rows,) positions of the real rows in `rows`; None: no padding
+    slot_ids: Optional[torch.Tensor]  # (num_slots,) the runs' slots; None: every slot, in order
+    length: int
+
+
 class _StepRows:
     """The step's adapter tokens grouped by slot: `rows` (num_rows,) the token indices, sorted by
     slot (None: every token of the step, all of one slot), and `segments` [(slot, start, end)]
-    their runs in that order. Empty segments: every token runs the base model."""
+    their runs in that order; `padded` the same runs padded for batched matmuls, or None. Empty
+    segments: every token runs the base model."""
 
     def __init__(self) -> None:
         self.segments: list[tuple[int, int, int]] = []
         self.rows: Optional[torch.Tensor] = None
+        self.padded: Optional[_Padded] = None
         self.num_tokens = 0
+
+
+# Runs padded to one length are batched where that at most adds this share of rows to compute.
+_MAX_PADDING = 1.5
 
 
 class LoraLinear(nn.Module):
@@ -276,6 +294,18 @@ class LoraLinear(nn.Module):
         assert x2.shape[0] == step.num_tokens, f"LoRA step of {step.num_tokens} tokens, the layer sees {x2.shape[0]}"
         y2 = y.reshape(-1, self.out_features)  # (num_tokens, out_features): y's storage where contiguous
         rows = step.rows
+        padded = step.padded
+        if padded is not None:  # one pair of batched matmuls over every slot's run (zero padded ranks add 0)
+            assert rows is not None
+            xs = x2.index_select(0, padded.rows).float().view(len(segments), padded.length, self.in_features)
+            a, b = self.lora_a, self.lora_b
+            if padded.slot_ids is not None:
+                a, b = a.index_select(0, padded.slot_ids), b.index_select(0, padded.slot_ids)
+            delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2)).view(-1, self.out_features)
+            if padded.valid is not None:
+                delta = delta.index_select(0, padded.valid)  # (num_rows, out_features)
+            y2.index_add_(0, rows, delta.to(y2.dtype))
+            return y2.view(y.shape)
         xs = (x2 if rows is None else x2.index_select(0, rows)).float()  # (num_rows, in_features), by slot
         if len(segments) == 1:
             slot = segments[0][0]
@@ -396,6 +426,7 @@ class LoraSlots:
         step.num_tokens = int(host.shape[0])
         step.segments = []
         step.rows = None
+        step.padded = None
         is_lora = host >= 0
         num_rows = int(is_lora.sum())
         if num_rows == 0:
@@ -409,13 +440,32 @@ class LoraSlots:
             self._resident.move_to_end(name)
             step.segments.append((slot, start, start + count))
             start += count
-        if num_rows < step.num_tokens or len(step.segments) > 1:
-            step.rows = order.to(self._device())
+        if num_rows == step.num_tokens and len(step.segments) == 1:
+            return
+        device = self._device()
+        step.rows = order.to(device)
+        length = int(counts.max())
+        num_runs = len(step.segments)
+        if num_runs > 1 and num_runs * length <= _MAX_PADDING * num_rows:
+            padded = torch.empty(num_runs * length, dtype=torch.int64)
+            valid = []
+            for k, (_, start, end) in enumerate(step.segments):
+                padded[k * length : (k + 1) * length] = order[start]
+                padded[k * length : k * length + end - start] = order[start:end]
+                valid.append(torch.arange(k * length, k * length + end - start))
+            all_slots = slots.tolist() == list(range(self.max_loras))
+            step.padded = _Padded(
+                rows=padded.to(device),
+                valid=None if num_runs * length == num_rows else torch.cat(valid).to(device),
+                slot_ids=None if all_slots else slots.to(device),
+                length=length,
+            )
 
     def clear_step(self) -> None:
         """Back to the base model for every token."""
         self._step.segments = []
         self._step.rows = None
+        self._step.padded = None
         self._step.num_tokens = 0
 
     def _device(self) -> torch.device:

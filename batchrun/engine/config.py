@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -182,10 +183,10 @@ class EngineConfig:
         slots = self.max_loras
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"engine.max_loras must be a whole number >= 1, got {slots!r}")
-        if not isinstance(self.lora_adapters, dict):
-            raise ValueError(
-                f"engine.lora_adapters must map adapter names to PEFT directories, got {type(self.lora_adapters).__name__}"
-            )
+        if not isinstance(self.lora_adapters, Mapping):
+            kind = type(self.lora_adapters).__name__
+            raise ValueError(f"engine.lora_adapters must map adapter names to PEFT directories, got {kind}")
+        object.__setattr__(self, "lora_adapters", dict(self.lora_adapters))  # a plain dict, whatever mapping came
         for name, directory in self.lora_adapters.items():
             if not isinstance(name, str) or not name:
                 raise ValueError(f"engine.lora_adapters: adapter names must be non-empty strings, got {name!r}")

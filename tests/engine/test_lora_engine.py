@@ -8,7 +8,7 @@ with a fake model and fake slots (no tensors)."""
 from __future__ import annotations
 
 import random
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -59,7 +59,7 @@ def lora_setup(tiny_model_factory, tmp_path_factory):
         dirs[name] = str(root / name)
         peft_model.save_pretrained(dirs[name])
 
-    models: dict[Optional[str], torch.nn.Module] = {}
+    models: dict[Optional[str], Any] = {}  # HF causal LMs
     cache: dict[tuple[Optional[str], str], list[int]] = {}
 
     def reference(adapter: Optional[str], prompts: list[str]) -> list[list[int]]:

@@ -8,6 +8,7 @@ with a fake model and fake slots (no tensors)."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any, Optional
 
 import pytest
@@ -41,13 +42,27 @@ def _shared_prefix_prompts() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def lora_setup(tiny_model_factory, tmp_path_factory):
-    """(base model dir, {name: adapter dir}, reference(adapter, prompts) -> HF greedy tokens)."""
+def lora_family(tiny_model_factory, tmp_path_factory):
+    """family -> (base model dir, {name: adapter dir}, reference(adapter, prompts) -> HF greedy tokens)."""
+    built: dict[str, tuple[str, dict[str, str], Any]] = {}
+
+    def get(family: str) -> tuple[str, dict[str, str], Any]:
+        if family not in built:
+            built[family] = _lora_setup(tiny_model_factory(family), tmp_path_factory.mktemp(f"lora_{family}"))
+        return built[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def lora_setup(lora_family):
+    return lora_family("llama")
+
+
+def _lora_setup(base: str, root: Path) -> tuple[str, dict[str, str], Any]:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    base = tiny_model_factory("llama")
-    root = tmp_path_factory.mktemp("lora_adapters")
     dirs = {}
     for seed, (name, kw) in enumerate(ADAPTERS.items()):
         torch.manual_seed(seed)
@@ -94,9 +109,11 @@ def _expected(lora_setup, prompts: list[str], names: list[Optional[str]]) -> lis
     return [reference(name, [p])[0] for p, name in zip(prompts, names)]
 
 
-@pytest.mark.parametrize("max_loras", [2, 1])
-def test_rows_of_two_adapters_and_the_base_match_their_merged_models(lora_setup, max_loras):
-    """max_loras=1: the two adapters take turns in the one slot, loaded on demand."""
+@pytest.mark.parametrize("family, max_loras", [("llama", 2), ("llama", 1), ("qwen3", 2)])
+def test_rows_of_two_adapters_and_the_base_match_their_merged_models(lora_family, family, max_loras):
+    """max_loras=1: the two adapters take turns in the one slot, loaded on demand. Qwen3: q/k
+    norms after the fused q/k/v projection, head_dim not hidden / heads."""
+    lora_setup = lora_family(family)
     prompts = _prompts()
     names: list[Optional[str]] = ["a", "b", None, "a", "b", "a"]
     engine = _engine(lora_setup, max_loras=max_loras)

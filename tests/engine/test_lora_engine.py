@@ -16,6 +16,7 @@ import torch
 
 from batchrun import Engine, EngineConfig, SamplingParams
 from batchrun.engine.kv_cache import KVCacheManager
+from batchrun.engine.outputs import EngineRequest
 from batchrun.engine.request import Request
 from batchrun.engine.scheduler import Scheduler, SchedulerConfig, StepResult
 from batchrun.testing import sample_texts
@@ -128,6 +129,23 @@ def test_rows_of_two_adapters_and_the_base_match_their_merged_models(lora_family
     assert all(len(fp) == 64 for fp in engine.adapter_fingerprints.values())
     assert engine.runner.graphs is None
     assert not engine.scheduler.has_unfinished()
+    assert engine.runner.lora is not None and not any(engine.runner.lora.is_pinned(n) for n in ("a", "b"))
+
+
+def test_gpu_runner_runs_adapter_steps_eagerly(lora_setup):
+    """The GPU runner's code (a CPU stand-in) over an engine with adapters builds no decode graphs
+    (a replay would not apply the step's adapters) and gives the merged models' tokens."""
+    from batchrun.engine.runners import GpuRunner
+
+    prompts = _prompts()[:3]
+    names: list[Optional[str]] = ["b", None, "a"]
+    engine = _engine(lora_setup, async_scheduling=True)
+    engine.runner = GpuRunner.stand_in(engine.runner, 8)
+    engine.set_async_scheduling(True)
+    assert engine.runner.graphs is None and engine.runner.lora is not None
+    outs = engine.generate(prompts, GREEDY, adapters=names)
+    assert [o.token_ids for o in outs] == _expected(lora_setup, prompts, names)
+    assert engine.stats().num_async_steps == 0
 
 
 def test_prefix_cache_is_keyed_by_adapter(lora_setup):
@@ -155,6 +173,19 @@ def test_unknown_adapter_is_an_error_output_and_the_rest_run(lora_setup):
     assert outs[1].finish_reason == "error" and outs[1].token_ids == []
     assert outs[1].error == "unknown adapter 'nope' (known: a, b)"
     assert [outs[0].token_ids, outs[2].token_ids] == _expected(lora_setup, [prompts[0], prompts[2]], ["a", None])
+
+
+def test_an_abandoned_stream_unpins_its_adapters(lora_setup):
+    engine = _engine(lora_setup, max_loras=1)
+    requests = [EngineRequest(i, p, GREEDY, adapter=n) for i, (p, n) in enumerate(zip(_prompts(), "abab"))]
+    stream = engine.stream(requests)
+    first = next(stream)
+    stream.close()
+    assert first.finish_reason == "length" and not engine.scheduler.has_unfinished()
+    slots = engine.runner.lora
+    assert slots is not None and not slots.is_pinned("a") and not slots.is_pinned("b")
+    out = engine.generate(_prompts()[:1], GREEDY, adapters=["b"])[0]
+    assert out.token_ids == _expected(lora_setup, _prompts()[:1], ["b"])[0]
 
 
 def test_self_speculation_with_adapters_keeps_greedy_tokens(lora_setup):

@@ -25,6 +25,8 @@ MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # Pinned limits: no start-up profile; 2 MiB of float32 KV is 64 blocks of 16 tokens for this model.
 SMALL = dict(dtype="float32", device="cpu", max_num_seqs=8, max_num_batched_tokens=128, kv_cache_memory=2**21)
+# 12 blocks of 16 tokens of the tiny Llama (3 layers, 2 KV heads of 16, float32): the batch does not fit
+TIGHT_KV_BYTES = 12 * 2 * 3 * 16 * 2 * 16 * 4
 ADAPTERS = {
     "a": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"]),
     "b": dict(r=8, lora_alpha=4, target_modules="all-linear", use_rslora=True),
@@ -112,12 +114,14 @@ def _expected(lora_setup, prompts: list[str], names: list[Optional[str]]) -> lis
 
 @pytest.mark.parametrize("family, max_loras", [("llama", 2), ("llama", 1), ("qwen3", 2)])
 def test_rows_of_two_adapters_and_the_base_match_their_merged_models(lora_family, family, max_loras):
-    """max_loras=1: the two adapters take turns in the one slot, loaded on demand. Qwen3: q/k
-    norms after the fused q/k/v projection, head_dim not hidden / heads."""
+    """max_loras=1: the two adapters take turns in the one slot, loaded on demand, with prompts
+    prefilled in chunks beside other rows' decodes and a KV cache too small for the batch
+    (preemption). Qwen3: q/k norms after the fused q/k/v projection, head_dim not hidden / heads."""
     lora_setup = lora_family(family)
     prompts = _prompts()
     names: list[Optional[str]] = ["a", "b", None, "a", "b", "a"]
-    engine = _engine(lora_setup, max_loras=max_loras)
+    tight = dict(max_num_batched_tokens=37, kv_cache_memory=TIGHT_KV_BYTES) if max_loras == 1 else {}
+    engine = _engine(lora_setup, max_loras=max_loras, **tight)
     outs = engine.generate(prompts, GREEDY, adapters=names)
     assert [o.token_ids for o in outs] == _expected(lora_setup, prompts, names)
     assert all(o.finish_reason == "length" for o in outs)
@@ -130,6 +134,7 @@ def test_rows_of_two_adapters_and_the_base_match_their_merged_models(lora_family
     assert engine.runner.graphs is None
     assert not engine.scheduler.has_unfinished()
     assert engine.runner.lora is not None and not any(engine.runner.lora.is_pinned(n) for n in ("a", "b"))
+    assert engine.stats().num_preemptions > 0 or not tight
 
 
 def test_gpu_runner_runs_adapter_steps_eagerly(lora_setup):

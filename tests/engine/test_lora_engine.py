@@ -232,6 +232,18 @@ def test_settings_lora_cannot_run_are_refused_naming_both_keys(setting, key):
     EngineConfig(**setting)  # each of them fine without adapters
 
 
+def test_adapters_on_a_model_served_as_score_are_refused(tmp_path):
+    """engine.task=auto resolving to score (a classification head) is refused once the model is seen."""
+    from batchrun.engine.config import EngineConfigError
+    from tests.support.pooling_models import make_tiny_classifier
+
+    model = make_tiny_classifier(tmp_path / "classifier", labels=["no", "yes"])
+    with pytest.raises(
+        EngineConfigError, match=r"engine.lora_adapters cannot run with engine.task=auto \(resolved to score\)"
+    ):
+        Engine(EngineConfig(model=str(model), lora_adapters={"a": "/nowhere"}, device="cpu"))
+
+
 @pytest.mark.parametrize("max_loras", [0, -1, True, 1.5])
 def test_max_loras_must_be_a_whole_number_of_at_least_one(max_loras):
     with pytest.raises(ValueError, match="engine.max_loras"):

@@ -16,7 +16,9 @@ one of the resident slots (model/lora.py: LoraSlots), pinned from its admission 
 or is preempted. A waiting request whose adapter has no slot and cannot get one (every slot is
 pinned by running requests) is passed over, keeping its place, and the requests behind it are
 admitted as usual; when nothing runs no slot is pinned, so the oldest waiting request can always
-load its adapter and nothing deadlocks.
+load its adapter and nothing deadlocks. Rows of one adapter thus run together rather than taking
+turns one by one; a passed-over request waits at most until the running users of its slot drain,
+which they do once the engine's window (Engine.stream's max_in_flight) is full of waiters.
 
 `update` takes a step's `StepResult` (what the runner produced): it appends each request's tokens
 and ends the requests the stop rule ends (engine/stop.py), the one place a request ends but abort.

@@ -296,20 +296,24 @@ class FakeSlots:
             del self.pins[name]
 
 
-def test_scheduler_passes_over_requests_without_a_slot_and_never_deadlocks():
-    """One slot, requests of two adapters and the base interleaved: at every step the running
-    requests use one adapter at most, each running request pins it, base requests are never held
-    back by a waiting adapter, and everything finishes; a request preempted (the KV pool runs
-    short) unpins and pins again when it comes back."""
+def _run_slots(
+    names: list[Optional[str]],
+    max_loras: int,
+    max_num_seqs: int,
+    num_blocks: int,
+    max_tokens: Optional[list[int]] = None,
+):
+    """Run requests with these adapters through a scheduler with fake slots and a fake model,
+    checking the slot invariants at every step; return (requests, each one's first step, slots)."""
     rng = random.Random(0)
-    names = ["a", "b", None, "b", "a", "a", None, "b"]
-    slots = FakeSlots(max_loras=1)
-    kv = KVCacheManager(24, 4, True, {"a": "fa", "b": "fb"})
-    sched = Scheduler(SchedulerConfig(4, 128, 256, True, frozenset()), kv, lora=slots)
+    slots = FakeSlots(max_loras)
+    kv = KVCacheManager(num_blocks, 4, True, {"a": "fa", "b": "fb"})
+    sched = Scheduler(SchedulerConfig(max_num_seqs, 128, 256, True, frozenset()), kv, lora=slots)
     reqs = []
     for i, name in enumerate(names):
         prompt = [rng.randint(1, 50) for _ in range(rng.randint(5, 30))]
-        reqs.append(Request(i, i, prompt, SamplingParams(temperature=0, max_tokens=6), 0.0, adapter=name))
+        params = SamplingParams(temperature=0, max_tokens=max_tokens[i] if max_tokens else 6)
+        reqs.append(Request(i, i, prompt, params, 0.0, adapter=name))
         sched.add(reqs[-1])
     first_step: dict[int, int] = {}
     for step in range(500):
@@ -318,7 +322,7 @@ def test_scheduler_passes_over_requests_without_a_slot_and_never_deadlocks():
         batch = sched.schedule()
         assert not batch.is_empty()
         running = [r.adapter for r in sched.running if r.adapter is not None]
-        assert len(set(running)) <= 1
+        assert len(set(running)) <= max_loras
         assert {n: running.count(n) for n in set(running)} == slots.pins
         for r in batch.requests:
             first_step.setdefault(r.seq_id, step)
@@ -330,7 +334,27 @@ def test_scheduler_passes_over_requests_without_a_slot_and_never_deadlocks():
         sched.update(StepResult(batch, tokens))
     assert not sched.has_unfinished() and not slots.pins
     assert all(r.finish_reason == "length" for r in reqs)
+    return reqs, first_step, slots
+
+
+def test_scheduler_passes_over_requests_without_a_slot_and_never_deadlocks():
+    """One slot, requests of two adapters and the base interleaved: at every step the running
+    requests use one adapter at most, each running request pins it, base requests are never held
+    back by a waiting adapter, and everything finishes; a request preempted (the KV pool runs
+    short) unpins and pins again when it comes back."""
+    reqs, first_step, slots = _run_slots(["a", "b", None, "b", "a", "a", None, "b"], 1, 4, 24)
     assert reqs[5].metrics.num_preemptions == 1, "the newest runner, an adapter's, was preempted and came back"
     assert first_step[2] == 0 and first_step[6] < first_step[1], "base requests are never held back by a slot"
     assert first_step[1] <= first_step[3] <= first_step[7], "requests waiting for a slot keep their order"
     assert slots.num_loads == 2
+
+
+def test_scheduler_lets_no_adapter_starve_a_waiting_one():
+    """One slot, one b request among many a's that end at different steps (so an a is always
+    running): a's pass b only until max_num_seqs of them have, then the running a's drain and b
+    runs before the a's behind it."""
+    names: list[Optional[str]] = ["a", "b", *["a"] * 10]
+    reqs, first_step, slots = _run_slots(names, 1, 2, 64, [2 + 3 * (i % 3) for i in range(len(names))])
+    overtook = [i for i, name in enumerate(names) if name == "a" and first_step[i] < first_step[1]]
+    assert 0 < len(overtook) <= 1 + 2, "the first a, then max_num_seqs a's past b"
+    assert slots.num_loads == 3  # a, b, a again

@@ -20,10 +20,13 @@
   gate/up projection applies the activation itself (MLP.fused_act) is unfused, bitwise the same.
 - `LoraSlots`: `max_loras` resident slots. Per wrapped linear, slot s holds its adapter's A
   (r_total, in) and B (out, r_total) (scale folded into B, q/k/v pieces stacked along r, zero
-  padded to the largest adapter), float32 on the model's device. `set_step` turns the step's
-  per-token slot vector into one index tensor per slot, once per forward, shared by every layer;
-  each LoraLinear adds ((x[idx] @ A^T) @ B^T) at those rows. A step without adapter tokens runs the
-  base modules alone.
+  padded to the largest adapter), float32 on the model's device. `set_step` groups the step's
+  adapter tokens by slot once per forward (one index tensor, sorted by slot, and each slot's run
+  in it), shared by every layer; each LoraLinear gathers those rows once, computes
+  (x_s @ A_s^T) @ B_s^T per slot's run into one float32 buffer (two batched matmuls over all
+  runs padded to one length where that pads little, as a decode step's rows spread over adapters
+  do) and adds it back with one index_add (the whole step one slot: no gather). A step without
+  adapter tokens runs the base modules alone.
 
 Adapters are read from disk once (`read_adapter`) and their weights kept on the host; a slot load
 copies them to the device (so a reload after eviction never touches the disk).
@@ -154,7 +157,7 @@ def read_adapter(name: str, directory: str) -> LoraAdapter:
             raise LoraError(name, f"{key}={config[key]!r} is not supported (plain LoRA only)")
     try:
         rank = int(config["r"])
-        alpha = float(config.get("lora_alpha", rank))
+        alpha = float(config.get("lora_alpha", 8))  # PEFT's default
     except (KeyError, TypeError, ValueError) as exc:
         raise LoraError(name, f"{CONFIG_FILE} lacks a valid r / lora_alpha ({exc})") from exc
     if rank <= 0:
@@ -189,12 +192,15 @@ def read_adapter(name: str, directory: str) -> LoraAdapter:
         a, b = pair["A"].float(), pair["B"].float()
         if a.dim() != 2 or b.dim() != 2:
             raise LoraError(name, f"{path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} are not matrices")
-        r = int(_pattern_value(rank_pattern, path, rank))
+        try:
+            r = int(_pattern_value(rank_pattern, path, rank))
+            module_alpha = float(_pattern_value(alpha_pattern, path, alpha))
+        except (re.error, TypeError, ValueError) as exc:
+            raise LoraError(name, f"rank_pattern / alpha_pattern cannot be applied to {path}: {exc}") from exc
         if a.shape[0] != r or b.shape[1] != r:
             raise LoraError(
                 name, f"{path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not have the config's rank {r}"
             )
-        module_alpha = float(_pattern_value(alpha_pattern, path, alpha))
         scale = module_alpha / (math.sqrt(r) if use_rslora else r)
         modules[path] = LoraModuleWeights(a.contiguous(), b.contiguous(), scale)
 
@@ -222,12 +228,32 @@ class _Piece:
     rows: int
 
 
+@dataclass(frozen=True)
+class _Padded:
+    """A step's slot runs padded to one length, for two batched matmuls over all slots at once
+    (taken where the padding is small: a decode step's rows spread over several adapters)."""
+
+    rows: torch.Tensor  # (num_slots * length,) token indices, each run padded with its first row's
+    valid: Optional[torch.Tensor]  # (num_rows,) positions of the real rows in `rows`; None: no padding
+    slot_ids: Optional[torch.Tensor]  # (num_slots,) the runs' slots; None: every slot, in order
+    length: int
+
+
 class _StepRows:
-    """The step's token rows per slot: (slot, index tensor (num_rows,) or None for every row)."""
+    """The step's adapter tokens grouped by slot: `rows` (num_rows,) the token indices, sorted by
+    slot (None: every token of the step, all of one slot), and `segments` [(slot, start, end)]
+    their runs in that order; `padded` the same runs padded for batched matmuls, or None. Empty
+    segments: every token runs the base model."""
 
     def __init__(self) -> None:
-        self.slots: list[tuple[int, Optional[torch.Tensor]]] = []
+        self.segments: list[tuple[int, int, int]] = []
+        self.rows: Optional[torch.Tensor] = None
+        self.padded: Optional[_Padded] = None
         self.num_tokens = 0
+
+
+# Runs padded to one length are batched where that at most adds this share of rows to compute.
+_MAX_PADDING = 1.5
 
 
 class LoraLinear(nn.Module):
@@ -257,24 +283,47 @@ class LoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        slots = self.step.slots
-        if not slots:
+        step = self.step
+        segments = step.segments
+        if not segments:
             return y
+        ranks = self.slot_ranks
+        if not any(ranks[slot] for slot, _, _ in segments):
+            return y  # no adapter of this step reaches this module
         x2 = x.reshape(-1, self.in_features)  # (num_tokens, in_features)
-        assert x2.shape[0] == self.step.num_tokens, (
-            f"LoRA step set for {self.step.num_tokens} tokens, the layer sees {x2.shape[0]}"
-        )
+        assert x2.shape[0] == step.num_tokens, f"LoRA step of {step.num_tokens} tokens, the layer sees {x2.shape[0]}"
         y2 = y.reshape(-1, self.out_features)  # (num_tokens, out_features): y's storage where contiguous
-        for slot, idx in slots:
-            r = self.slot_ranks[slot]
-            if r == 0:
-                continue
-            rows = x2 if idx is None else x2.index_select(0, idx)
-            delta = (rows.float() @ self.lora_a[slot, :r].T) @ self.lora_b[slot, :, :r].T  # (rows, out) float32
-            if idx is None:
-                y2.add_(delta.to(y2.dtype))
-            else:
-                y2.index_add_(0, idx, delta.to(y2.dtype))
+        rows = step.rows
+        padded = step.padded
+        if padded is not None:  # one pair of batched matmuls over every slot's run (zero padded ranks add 0)
+            assert rows is not None
+            xs = x2.index_select(0, padded.rows).float().view(len(segments), padded.length, self.in_features)
+            a, b = self.lora_a, self.lora_b
+            if padded.slot_ids is not None:
+                a, b = a.index_select(0, padded.slot_ids), b.index_select(0, padded.slot_ids)
+            delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2)).view(-1, self.out_features)
+            if padded.valid is not None:
+                delta = delta.index_select(0, padded.valid)  # (num_rows, out_features)
+            y2.index_add_(0, rows, delta.to(y2.dtype))
+            return y2.view(y.shape)
+        xs = (x2 if rows is None else x2.index_select(0, rows)).float()  # (num_rows, in_features), by slot
+        if len(segments) == 1:
+            slot = segments[0][0]
+            r = ranks[slot]
+            delta = (xs @ self.lora_a[slot, :r].T) @ self.lora_b[slot, :, :r].T  # (num_rows, out_features)
+        else:
+            delta = xs.new_empty(xs.shape[0], self.out_features)
+            for slot, start, end in segments:
+                r = ranks[slot]
+                if r == 0:
+                    delta[start:end].zero_()
+                    continue
+                low = xs[start:end] @ self.lora_a[slot, :r].T  # (end - start, r)
+                torch.mm(low, self.lora_b[slot, :, :r].T, out=delta[start:end])
+        if rows is None:
+            y2.add_(delta.to(y2.dtype))
+        else:
+            y2.index_add_(0, rows, delta.to(y2.dtype))
         return y2.view(y.shape)
 
     def extra_repr(self) -> str:
@@ -367,30 +416,56 @@ class LoraSlots:
         return list(self._slot_names)
 
     def set_step(self, token_slots: torch.Tensor) -> None:
-        """This forward's slot per token (T,) int64, -1 for the base model: the per-slot row indices
-        every LoraLinear of the model reads, on the model's device (computed here once). A host
+        """This forward's slot per token (T,) int64, -1 for the base model: the grouping every
+        LoraLinear of the model reads, on the model's device (computed here once). A host
         tensor is best: the grouping runs on the host (a device tensor is copied, one sync). The
         step's slots count as used (LRU). Lasts until the next set_step or clear_step."""
         assert token_slots.dim() == 1, "token_slots is (num_tokens,)"
         host = token_slots.to("cpu", torch.int64)
         step = self._step
         step.num_tokens = int(host.shape[0])
-        step.slots = []
-        if step.num_tokens == 0 or bool((host < 0).all()):
+        step.segments = []
+        step.rows = None
+        step.padded = None
+        is_lora = host >= 0
+        num_rows = int(is_lora.sum())
+        if num_rows == 0:
+            return
+        order = torch.sort(host, stable=True).indices[step.num_tokens - num_rows :]  # base tokens (-1) first
+        slots, counts = torch.unique_consecutive(host[order], return_counts=True)
+        start = 0
+        for slot, count in zip(slots.tolist(), counts.tolist()):
+            name = self._slot_names[slot] if slot < self.max_loras else None
+            assert name is not None, f"LoRA slot {slot} holds no adapter"
+            self._resident.move_to_end(name)
+            step.segments.append((slot, start, start + count))
+            start += count
+        if num_rows == step.num_tokens and len(step.segments) == 1:
             return
         device = self._device()
-        for slot in torch.unique(host[host >= 0]).tolist():
-            assert slot < self.max_loras and self._slot_names[slot] is not None, f"LoRA slot {slot} holds no adapter"
-            rows = (host == slot).nonzero().flatten()
-            idx = None if rows.numel() == step.num_tokens else rows.to(device)
-            step.slots.append((int(slot), idx))
-            name = self._slot_names[slot]
-            assert name is not None
-            self._resident.move_to_end(name)
+        step.rows = order.to(device)
+        length = int(counts.max())
+        num_runs = len(step.segments)
+        if num_runs > 1 and num_runs * length <= _MAX_PADDING * num_rows:
+            padded = torch.empty(num_runs * length, dtype=torch.int64)
+            valid = []
+            for k, (_, start, end) in enumerate(step.segments):
+                padded[k * length : (k + 1) * length] = order[start]
+                padded[k * length : k * length + end - start] = order[start:end]
+                valid.append(torch.arange(k * length, k * length + end - start))
+            all_slots = slots.tolist() == list(range(self.max_loras))
+            step.padded = _Padded(
+                rows=padded.to(device),
+                valid=None if num_runs * length == num_rows else torch.cat(valid).to(device),
+                slot_ids=None if all_slots else slots.to(device),
+                length=length,
+            )
 
     def clear_step(self) -> None:
         """Back to the base model for every token."""
-        self._step.slots = []
+        self._step.segments = []
+        self._step.rows = None
+        self._step.padded = None
         self._step.num_tokens = 0
 
     def _device(self) -> torch.device:

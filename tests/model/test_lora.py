@@ -460,3 +460,45 @@ def test_fused_checkpoint_projections_and_the_generic_path_equal_the_merged_mode
         want_logits, want_tokens = _hf_reference(hf if adapter is None else merged[adapter], PROMPTS[row], 3)
         torch.testing.assert_close(logits[row], want_logits, atol=1e-4, rtol=1e-4, msg=f"row {row} ({adapter})")
         assert tokens[row] == want_tokens, (row, adapter)
+
+
+def test_a_step_groups_tokens_by_slot_once_and_each_row_gets_its_own_update(tmp_path):
+    model, slots, adapters = _slots(tmp_path, ["a", "b", "c"], max_loras=3)
+    layer = model.layers[0].self_attn.o_proj
+    assert isinstance(layer, LoraLinear) and isinstance(layer.base, nn.Linear)
+    assert (slots.load("a"), slots.load("b"), slots.load("c")) == (0, 1, 2)
+    x = torch.randn(5, 64)
+    base = layer.base(x)
+
+    def update(name: str, row: torch.Tensor) -> torch.Tensor:
+        w = adapters[name].modules["model.layers.0.self_attn.o_proj"]
+        return (row @ w.lora_a.T) @ (w.lora_b * w.scale).T
+
+    # runs batched (equal; padded); runs one by one (padding would be large); one slot among base
+    # tokens; the whole step one slot; no adapter
+    cases = ([1, -1, 0, 1, 0], [2, 0, 2, 1, 0], [0, 0, 1, 0, 0], [-1, 0, -1, 0, -1], [1, 1, 1, 1, 1], [-1] * 5)
+    for token_slots in cases:
+        slots.set_step(torch.tensor(token_slots))
+        got = layer(x)
+        want = base.clone()
+        for row, slot in enumerate(token_slots):
+            if slot >= 0:
+                want[row] += update("abc"[slot], x[row])
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=str(token_slots))
+    step = layer.step
+    slots.set_step(torch.tensor([1, -1, 0, 1, 0]))
+    assert step.segments == [(0, 0, 2), (1, 2, 4)] and step.rows is not None
+    assert step.rows.tolist() == [2, 4, 0, 3]
+    assert step.padded is not None and step.padded.valid is None and step.padded.slot_ids is not None
+    assert step.padded.slot_ids.tolist() == [0, 1]  # two of the three slots
+    slots.set_step(torch.tensor([1, 1, -1, 1]))
+    assert step.padded is None  # one slot: its run alone
+    slots.set_step(torch.tensor([0, 0, 1, 0, 0]))
+    assert step.padded is None  # padding the runs to 4 rows each would compute 8 rows for 5
+    slots.set_step(torch.tensor([0, 1, 0, 1, 0]))
+    assert step.padded is not None and step.padded.valid is not None and step.padded.valid.tolist() == [0, 1, 2, 3, 4]
+    assert step.padded.rows.tolist() == [0, 2, 4, 1, 3, 1]
+    slots.set_step(torch.tensor([1, 1]))
+    assert step.segments == [(1, 0, 2)] and step.rows is None  # the whole step one slot: no gather
+    slots.clear_step()
+    assert step.segments == [] and torch.equal(layer(x), base)

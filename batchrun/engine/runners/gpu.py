@@ -97,8 +97,9 @@ class GpuRunner(ModelRunner):
         # Not in a tensor-parallel group: a replay would run rank 0's part without shipping the step
         # to the followers, so rank 0 decides once that every step of a group runs eagerly.
         in_group = getattr(self.model, "tp", None) is not None
-        # Not on the generic path (model/generic.py): transformers' modules are not captured.
-        eager = self.batch_invariant or in_group or isinstance(self.model, GenericLM)
+        # Not on the generic path (model/generic.py): transformers' modules are not captured. Not with
+        # LoRA adapters (ModelRunner.use_lora): a replay would not apply the step's adapters.
+        eager = self.batch_invariant or in_group or isinstance(self.model, GenericLM) or self.lora is not None
         if os.environ.get("BATCHRUN_CUDA_GRAPHS", "1") != "0" and not eager:
             max_blocks = -(-self.max_model_len // self.block_size)
             self.graphs = DecodeGraphs(

@@ -51,7 +51,15 @@ def lora_family(tiny_model_factory, tmp_path_factory):
 
     def get(family: str) -> tuple[str, dict[str, str], Any]:
         if family not in built:
-            built[family] = _lora_setup(tiny_model_factory(family), tmp_path_factory.mktemp(f"lora_{family}"))
+            root = tmp_path_factory.mktemp(f"lora_{family}")
+            if family == "olmo2":  # no native family: the generic path (model/generic.py)
+                from batchrun.testing import build_tokenizer
+                from tests.support.generic_models import save_tiny
+
+                base = save_tiny(root / "base", build_tokenizer(), family, num_key_value_heads=2)
+            else:
+                base = tiny_model_factory(family)
+            built[family] = _lora_setup(base, root)
         return built[family]
 
     return get
@@ -112,11 +120,12 @@ def _expected(lora_setup, prompts: list[str], names: list[Optional[str]]) -> lis
     return [reference(name, [p])[0] for p, name in zip(prompts, names)]
 
 
-@pytest.mark.parametrize("family, max_loras", [("llama", 2), ("llama", 1), ("qwen3", 2)])
+@pytest.mark.parametrize("family, max_loras", [("llama", 2), ("llama", 1), ("qwen3", 2), ("olmo2", 2)])
 def test_rows_of_two_adapters_and_the_base_match_their_merged_models(lora_family, family, max_loras):
     """max_loras=1: the two adapters take turns in the one slot, loaded on demand, with prompts
     prefilled in chunks beside other rows' decodes and a KV cache too small for the batch
-    (preemption). Qwen3: q/k norms after the fused q/k/v projection, head_dim not hidden / heads."""
+    (preemption). Qwen3: q/k norms after the fused q/k/v projection, head_dim not hidden / heads.
+    OLMo 2: served by its transformers class (the generic path), adapters wrapping HF's modules."""
     lora_setup = lora_family(family)
     prompts = _prompts()
     names: list[Optional[str]] = ["a", "b", None, "a", "b", "a"]

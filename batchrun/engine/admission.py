@@ -4,12 +4,14 @@ One item becomes params.n Requests, one per sample, with consecutive seq_ids. Ea
 gets its sampling seed here, once: the caller's SamplingParams.seed, else one derived from the
 engine seed and the first sample's seq_id; sample i's seed is `sample_seed(base, i)`, so sample 0
 draws what a lone request with that seed draws. A prompt that can never run (bad token ids, empty,
-longer than max_model_len) yields requests already finished with an error, never an exception.
+longer than max_model_len, an adapter not in engine.lora_adapters) yields requests already finished
+with an error, never an exception.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from batchrun.engine.config import SamplingParams
@@ -29,19 +31,24 @@ class Admission:
         max_model_len: int,
         engine_seed: int,
         grammars: GrammarCompiler,
+        adapter_names: Sequence[str] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.engine_seed = engine_seed
         self.grammars = grammars
+        self.adapter_names = frozenset(adapter_names)  # engine.lora_adapters' names
+        self._known_adapters = ", ".join(sorted(adapter_names)) or "none"
         self.next_seq_id = 0  # seq_ids are engine-unique and increasing: the admission order
 
     def build(self, item: Any, index: int, default_params: SamplingParams) -> list[Request]:
         """The params.n sample requests of one item; when the prompt can never run, every one is
         already finished with finish_reason "error" and nothing else is set up for them."""
+        adapter: Optional[str] = None
         if isinstance(item, EngineRequest):
             request_id, prompt, params = item.request_id, item.prompt, item.params or default_params
+            adapter = item.adapter
         else:
             request_id, prompt, params = index, item, default_params
         now = time.perf_counter()
@@ -51,10 +58,12 @@ class Admission:
         if not params.is_greedy:
             base_seed = params.seed if params.seed is not None else self.engine_seed * SEED_STRIDE + first_seq_id
         token_ids, error = self._tokenize(prompt)
+        if error is None and adapter is not None and adapter not in self.adapter_names:
+            error = f"unknown adapter {adapter!r} (known: {self._known_adapters})"
         samples = []
         for i in range(params.n):
             seed = sample_seed(base_seed, i) if base_seed is not None else None
-            samples.append(Request(first_seq_id + i, request_id, token_ids, params, now, seed, i))
+            samples.append(Request(first_seq_id + i, request_id, token_ids, params, now, seed, i, adapter))
         if error is not None:
             for req in samples:
                 req.finish_reason, req.error = "error", error

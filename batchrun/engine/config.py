@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -174,6 +175,51 @@ class EngineConfig:
             raise ValueError(f"engine.tensor_parallel_size must be a whole number >= 1, got {tp!r}")
         if tp > 1:
             self._check_tensor_parallel()
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """engine.lora_adapters' own shape, and the settings an engine serving adapters cannot run
+        (each refused naming both keys)."""
+        slots = self.max_loras
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"engine.max_loras must be a whole number >= 1, got {slots!r}")
+        if not isinstance(self.lora_adapters, Mapping):
+            kind = type(self.lora_adapters).__name__
+            raise ValueError(f"engine.lora_adapters must map adapter names to PEFT directories, got {kind}")
+        object.__setattr__(self, "lora_adapters", dict(self.lora_adapters))  # a plain dict, whatever mapping came
+        for name, directory in self.lora_adapters.items():
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"engine.lora_adapters: adapter names must be non-empty strings, got {name!r}")
+            if not isinstance(directory, str) or not directory:
+                raise ValueError(f"engine.lora_adapters.{name} must be a PEFT adapter directory, got {directory!r}")
+        if not self.lora_adapters:
+            return
+        refused = (
+            (
+                self.tensor_parallel_size > 1,
+                f"engine.tensor_parallel_size={self.tensor_parallel_size}",
+                "the adapters' weights are not sharded over a group",
+            ),
+            (
+                self.speculative.method == "draft",
+                "engine.speculative.method=draft",
+                "the draft model has no adapter, so its drafts would follow the base model (ngram and self work)",
+            ),
+            (
+                self.task in ("embed", "score"),
+                f"engine.task={self.task}",
+                "adapters are applied to generation only",
+            ),
+            (
+                self.batch_invariant,
+                "engine.batch_invariant",
+                "an adapter's low-rank update is a matmul over the rows of that adapter in the step, "
+                "whose per-row result depends on how many there are",
+            ),
+        )
+        for is_set, key, why in refused:
+            if is_set:
+                raise ValueError(f"engine.lora_adapters cannot run with {key}: {why}")
 
     def _check_tensor_parallel(self) -> None:
         """The settings a tensor-parallel group cannot run, each refused naming both keys."""

@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 import numpy as np
 import torch
 
-from batchrun.engine.config import EngineConfig, SamplingParams
+from batchrun.engine.config import EngineConfig, EngineConfigError, SamplingParams
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput, ThroughputProfile
 from batchrun.engine.pooling import Pooling
 from batchrun.engine.profiler import measure_rates
@@ -44,8 +44,15 @@ class Engine:
         """Assign what start-up built: `parts`, or the phases of engine/startup.py run on `config`
         (for embed/score, the pooling engine: no KV cache, scheduler or sampler)."""
         self.config = config
+        # engine.lora_adapters' names -> the sha256 of each adapter's files (what a run fingerprints); {} without
+        self.adapter_fingerprints: dict[str, str] = {}
         if parts is None:
             resolved = resolve_task(config)
+            if resolved.is_pooling and config.lora_adapters:
+                raise EngineConfigError(
+                    f"engine.lora_adapters cannot run with engine.task={config.task} (resolved to "
+                    f"{resolved.task}): adapters are applied to generation only"
+                )
             if resolved.is_pooling:
                 self._assign_pooling(Pooling(config, resolved))
                 return
@@ -59,6 +66,8 @@ class Engine:
         self.max_num_seqs, self.max_num_batched_tokens = parts.limits.max_num_seqs, parts.limits.max_num_batched_tokens
         self.scheduler, self.sampler, self.grammars = core.scheduler, core.sampler, core.grammars
         self.admission, self.drafter = core.admission, core.drafter
+        if target.lora is not None:
+            self.adapter_fingerprints = dict(target.lora.fingerprints)
         self.settings: EngineSettings = parts.settings
         self.startup_s, self._profile = parts.startup_s, parts.limits.profile
         # engine.tensor_parallel_size > 1: the followers this process leads (engine/group.py); `close` ends them.

@@ -2,7 +2,9 @@
 
 Everything here is ints, lists and numpy arrays: no tensors, so it is testable on its own. A full
 block is keyed by a hash chained over the token ids of every block before it, so two requests that
-share the first N full blocks of tokens share those blocks. Blocks no request holds stay cached until
+share the first N full blocks of tokens share those blocks. A request with a LoRA adapter starts its
+chain from the adapter's key (its name and files' hash) instead, so requests of different adapters,
+or of an adapter and the base model, never share KV. Blocks no request holds stay cached until
 they are needed, and are then evicted least recently freed first.
 
 Work per step is proportional to what changed, not to context length: a request's block ids are
@@ -13,7 +15,7 @@ became full since the last step are hashed and published.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Optional
 
 from batchrun.engine.block_table import NO_ROW, BlockTables
@@ -23,6 +25,11 @@ from batchrun.engine.request import Request
 def hash_block(parent_hash: Optional[int], token_ids: Sequence[int]) -> int:
     """The key of a full block: its tokens and (through the parent) every token before them."""
     return hash((parent_hash, tuple(token_ids)))
+
+
+def adapter_key(name: str, fingerprint: str) -> int:
+    """The parent of the first block of an adapter's requests: a changed adapter file is new KV."""
+    return hash(("lora", name, fingerprint))
 
 
 class BlockPool:
@@ -101,7 +108,14 @@ class BlockPool:
 class KVCacheManager:
     """Gives requests the blocks they need, reusing cached prefix blocks when enabled."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        adapter_fingerprints: Optional[Mapping[str, str]] = None,
+    ) -> None:
+        """`adapter_fingerprints`: engine.lora_adapters' names -> the sha256 of their files."""
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.enable_prefix_caching = enable_prefix_caching
@@ -109,6 +123,8 @@ class KVCacheManager:
         self.num_lookup_tokens = 0  # prompt tokens looked up in the prefix cache
         self.num_hit_tokens = 0  # of those, tokens found cached
         self.block_tables = BlockTables()  # a row per request holding blocks, read by the runner
+        # adapter name -> the hash its requests' chains start from (adapter_key)
+        self.adapter_keys = {name: adapter_key(name, fp) for name, fp in (adapter_fingerprints or {}).items()}
 
     @property
     def num_blocks(self) -> int:
@@ -126,7 +142,8 @@ class KVCacheManager:
         bs = self.block_size
         hashes = req.block_hashes
         for i in range(len(hashes), num_full_blocks):
-            hashes.append(hash_block(hashes[-1] if hashes else None, req.token_ids[i * bs : (i + 1) * bs]))
+            parent = hashes[-1] if hashes else (None if req.adapter is None else self.adapter_keys[req.adapter])
+            hashes.append(hash_block(parent, req.token_ids[i * bs : (i + 1) * bs]))
 
     def _attach(self, req: Request, block_ids: list[int]) -> None:
         if req.table_row == NO_ROW:

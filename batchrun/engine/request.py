@@ -36,6 +36,7 @@ class Request:
         arrival_s: float,
         sample_seed: Optional[int] = None,
         sample_index: int = 0,
+        adapter: Optional[str] = None,
     ) -> None:
         self.seq_id = seq_id  # engine-internal, unique, increasing: the admission order
         self.request_id = request_id
@@ -56,6 +57,9 @@ class Request:
         self.finish_reason: Optional[str] = None
         self.error: Optional[str] = None
         self.sample_index = sample_index  # which of its prompt's params.n samples this is
+        # Its LoRA adapter's name (engine.lora_adapters), None: the base model. Its samples share it;
+        # the scheduler pins its slot while it runs (engine/scheduler.py).
+        self.adapter = adapter
         # Sibling samples of this prompt waiting for its prefill, to share its prompt's KV blocks
         # (held by sample 0 only; the scheduler releases them, see Scheduler.add).
         self.followers: list[Request] = []

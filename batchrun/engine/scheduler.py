@@ -11,6 +11,13 @@ siblings wait aside until its prompt is computed; they then take references on i
 blocks (KVCacheManager.fork_prefix) and go to the front of the queue, so the prompt is prefilled
 once whether or not the prefix cache is on, and they start decoding one step behind sample 0.
 
+LoRA adapters (engine.lora_adapters): a request with an adapter runs only while its adapter holds
+one of the resident slots (model/lora.py: LoraSlots), pinned from its admission until it finishes
+or is preempted. A waiting request whose adapter has no slot and cannot get one (every slot is
+pinned by running requests) is passed over, keeping its place, and the requests behind it are
+admitted as usual; when nothing runs no slot is pinned, so the oldest waiting request can always
+load its adapter and nothing deadlocks.
+
 `update` takes a step's `StepResult` (what the runner produced): it appends each request's tokens
 and ends the requests the stop rule ends (engine/stop.py), the one place a request ends but abort.
 """
@@ -21,7 +28,7 @@ import time
 from collections import deque
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.request import Request, RequestStatus
@@ -29,6 +36,14 @@ from batchrun.engine.stop import StopRule
 
 # The token id a held place (Scheduler.hold_places) has until its token is read from the device.
 PENDING_TOKEN = -1
+
+
+class AdapterSlots(Protocol):
+    """What the scheduler asks of the resident LoRA slots (model/lora.py: LoraSlots)."""
+
+    def can_admit(self, name: str) -> bool: ...  # resident, or a slot no running request pins is there
+    def pin(self, name: str) -> int: ...  # loaded if not resident (into the least recently used unpinned slot)
+    def unpin(self, name: str) -> None: ...  # as many unpins as pins: its slot may be reused
 
 
 @dataclass(frozen=True)
@@ -85,9 +100,13 @@ class StepResult:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, tokenizer: Any = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, kv: KVCacheManager, tokenizer: Any = None, lora: Optional[AdapterSlots] = None
+    ) -> None:
+        """`lora`: the LoRA slots (engine.lora_adapters); None: no request names an adapter."""
         self.config = config
         self.kv = kv
+        self.lora = lora
         # Every end of a request but an abort; the tokenizer decodes outputs for stop strings.
         self.stop = StopRule(config.eos_token_ids, config.max_model_len, tokenizer)
         self.waiting: deque[Request] = deque()
@@ -125,6 +144,7 @@ class Scheduler:
 
     def _preempt(self, victim: Request, batch: ScheduledBatch) -> None:
         self.running.remove(victim)
+        self._unpin(victim)
         self.kv.free(victim)
         victim.num_computed_tokens = 0
         victim.status = RequestStatus.WAITING
@@ -168,8 +188,12 @@ class Scheduler:
         # Then new requests, unless memory was short this step.
         if not self._admission_open(batch):
             return batch
+        passed: list[Request] = []  # waiting requests whose adapter gets no slot this step, in queue order
         while self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if not self._can_get_slot(req):
+                passed.append(self.waiting.popleft())
+                continue
             # A released sibling sample holds its shared prompt blocks already.
             num_cached = req.num_computed_tokens if req.block_ids else self.kv.match_prefix(req)
             num_new = req.num_tokens - req.num_computed_tokens
@@ -183,6 +207,7 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
+            self._pin(req)
             if req.metrics.first_scheduled_s is None:
                 req.metrics.first_scheduled_s = time.perf_counter()
                 if req.metrics.num_preemptions == 0:
@@ -193,7 +218,22 @@ class Scheduler:
             batch.requests.append(req)
             batch.num_new_tokens.append(num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(passed))
         return batch
+
+    def _can_get_slot(self, req: Request) -> bool:
+        """Whether req's adapter (if any) is resident or can be loaded now."""
+        return self.lora is None or req.adapter is None or self.lora.can_admit(req.adapter)
+
+    def _pin(self, req: Request) -> None:
+        """req starts running: its adapter is loaded if it is not resident, and kept while req runs."""
+        if self.lora is not None and req.adapter is not None:
+            self.lora.pin(req.adapter)
+
+    def _unpin(self, req: Request) -> None:
+        """req stopped running (finished or preempted): its adapter's slot may be reused."""
+        if self.lora is not None and req.adapter is not None:
+            self.lora.unpin(req.adapter)
 
     def _admission_open(self, batch: ScheduledBatch) -> bool:
         """Whether waiting requests may be admitted into this step: always where it is not a pure
@@ -351,6 +391,7 @@ class Scheduler:
                 self._release_followers(req)
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self._unpin(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv.free(req)

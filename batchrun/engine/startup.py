@@ -31,6 +31,7 @@ from typing import Any, Optional
 import torch
 
 from batchrun.engine import profiler
+from batchrun.engine.adapters import Adapters, attach_adapters
 from batchrun.engine.admission import Admission
 from batchrun.engine.config import EngineConfig
 from batchrun.engine.device import available_memory, resolve_device, resolve_dtype
@@ -76,6 +77,7 @@ class Target:
     fingerprint: str  # the weight files' sha256 (the job's model fingerprint)
     quantization: QuantizationSummary  # what prepare_linears did: formats per kind, packed count
     draft: Optional[tuple[DecoderLM, str]]  # speculative.method=draft: the draft model and its path
+    lora: Optional[Adapters] = None  # engine.lora_adapters attached (start_engine, after tuning); None without
 
     def eos_token_ids(self) -> set[int]:
         """The model config's and the tokenizer's end-of-sequence ids."""
@@ -258,7 +260,9 @@ def build_cache(config: EngineConfig, target: Target, kv_plan: KVPlan) -> Cache:
     run ahead) on a GPU, the CPU runner elsewhere. It reads the KV manager's persistent block tables
     and samples with the engine's sampler, seeded from engine.seed, over the kernel set's race and
     top-p spill kernels."""
-    kv = KVCacheManager(kv_plan.num_blocks, kv_plan.block_size, config.enable_prefix_caching)
+    lora = target.lora
+    fingerprints = lora.fingerprints if lora is not None else None
+    kv = KVCacheManager(kv_plan.num_blocks, kv_plan.block_size, config.enable_prefix_caching, fingerprints)
     kernels = target.model.kernels
     runner_class = GpuRunner if target.device.type == "cuda" else CpuRunner
     runner = runner_class(
@@ -273,6 +277,8 @@ def build_cache(config: EngineConfig, target: Target, kv_plan: KVPlan) -> Cache:
         sampler=Sampler(config.seed, race=kernels.sample, spill=kernels.spill),
         max_model_len=kv_plan.max_model_len,
     )
+    if lora is not None:
+        runner.use_lora(lora.slots)
     return Cache(kv, runner)
 
 
@@ -306,11 +312,13 @@ def build_core(config: EngineConfig, target: Target, kv_plan: KVPlan, cache: Cac
         ),
         cache.kv,
         target.tokenizer,
+        lora=target.lora.slots if target.lora is not None else None,
     )
     sampler = cache.runner.sampler
     vocab_size = target.model.spec.vocab_size
     grammars = GrammarCompiler(target.tokenizer, vocab_size, sorted(eos_ids))
-    admission = Admission(target.tokenizer, vocab_size, kv_plan.max_model_len, config.seed, grammars)
+    adapter_names = list(target.lora.fingerprints) if target.lora is not None else []
+    admission = Admission(target.tokenizer, vocab_size, kv_plan.max_model_len, config.seed, grammars, adapter_names)
     drafter, speculative = None, None
     if config.speculative.method != "none":
         drafter, speculative = build_drafter(
@@ -364,6 +372,7 @@ def describe(
         draft_model=target.draft[1] if target.draft is not None else None,
         tensor_parallel_size=config.tensor_parallel_size,
         rank_weight_bytes=tuple(rank_bytes),
+        lora=target.lora.settings() if target.lora is not None else None,
     )
 
 
@@ -407,6 +416,8 @@ def start_engine(
             target = load_target(config, kernels, opened.tp if opened is not None else None)
         followers = opened.group.wait_loaded() if opened is not None else []
         kernels = tune(config, target)
+        if config.lora_adapters:  # wraps the linears as tuning laid them out; the KV cache gets what is left
+            target = dataclasses.replace(target, lora=attach_adapters(config, target.model))
         kv_plan = plan_kv(config, target, [r.available_memory for r in followers])
         if opened is not None:  # the followers take rank 0's tuning and its block count
             opened.group.set_up(kernels.tuning, kv_plan.num_blocks, kv_plan.block_size, kv_plan.max_model_len)

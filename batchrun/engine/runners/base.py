@@ -9,11 +9,15 @@ the host. The CPU runner (runners/cpu.py) is this synchronous step. The GPU runn
 step's tokens on the device (a `PendingStep`) while the next step is launched ahead of them.
 
 `forward` alone is what the start-up profile, warm-up, the drafter and calibration run.
+
+With LoRA adapters (`use_lora`), every forward, a draft pass of the first layers included, tells
+the slots which adapter each of its tokens uses (`LoraSlots.set_step`) before the model runs.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+import logging
+from typing import TYPE_CHECKING, Optional, Union
 
 import numpy as np
 import torch
@@ -30,6 +34,11 @@ from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.kv_layout import new_kv_cache
 from batchrun.kernels.quant.kv import KV_CACHE_DTYPES, QuantizedKVCache, kv_bytes_per_token_head
 from batchrun.model.decoder import DecoderLM
+
+if TYPE_CHECKING:
+    from batchrun.model.lora import LoraSlots
+
+log = logging.getLogger(__name__)
 
 PROMPT_LOGITS_ROWS = 256  # prompt positions whose logits are materialized at once (prompt_logprobs)
 
@@ -66,6 +75,8 @@ class ModelRunner:
     # engine.async_scheduling: a step may leave its tokens on the device for one launched ahead (the
     # GPU runner's graphed decode steps; the CPU runner's tokens reach the host in every step).
     run_ahead: bool = False
+    # engine.lora_adapters: the resident adapters' slots (model/lora.py); None: no adapter, no cost.
+    lora: Optional[LoraSlots] = None
 
     def __init__(
         self,
@@ -124,6 +135,24 @@ class ModelRunner:
             block_tables=self.block_tables,
             max_model_len=self.max_model_len,
         )
+
+    def use_lora(self, slots: LoraSlots) -> None:
+        """Serve LoRA adapters over these slots. Decode graphs are dropped: a replay runs the
+        kernels its capture saw, not the step's per-token adapter rows."""
+        self.lora = slots
+        if self.graphs is not None:
+            log.info("CUDA graphs are off: engine.lora_adapters is set (each step's adapter rows run eagerly)")
+            self.graphs = None
+
+    def token_slots(self, batch: ScheduledBatch) -> torch.Tensor:
+        """(num_tokens,) int64 on the host (the slots split it into rows per slot there, then move
+        the indices): each token's adapter slot (-1: the base model), in the order `prepare` lays
+        the tokens out (each request's new tokens, its drafts included)."""
+        assert self.lora is not None
+        slot_of = self.lora.slot_of
+        per_request = [-1 if r.adapter is None else slot_of(r.adapter) for r in batch.requests]
+        assert None not in per_request, "a running request's adapter holds a slot (the scheduler pins it)"
+        return torch.from_numpy(np.repeat(np.array(per_request, dtype=np.int64), batch.num_new_tokens))
 
     def prepare(
         self, batch: ScheduledBatch, num_computed: Optional[list[int]] = None
@@ -232,7 +261,14 @@ class ModelRunner:
         """The logits of the batch's sampling requests (and the prompt logprobs it asks for);
         `num_layers` and `num_computed` make a draft pass of the first layers (self-speculation)."""
         input_ids, positions, meta, logits_rows, sample_seq_ids, num_rows = self.prepare(batch, num_computed)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers)  # (num_tokens, hidden_size)
+        if self.lora is None:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers)  # (num_tokens, hidden_size)
+        else:
+            self.lora.set_step(self.token_slots(batch))
+            try:
+                hidden = self.model(input_ids, positions, self.kv_caches, meta, num_layers)
+            finally:
+                self.lora.clear_step()
         sampled_hidden = hidden  # (num_sampled_rows, hidden_size); `hidden` stays whole for prompt logprobs
         if len(logits_rows) < hidden.shape[0]:  # rows ascend and are distinct: equal length means all
             rows = torch.tensor(logits_rows, dtype=torch.long, device=hidden.device)

@@ -96,7 +96,9 @@ class GpuRunner(ModelRunner):
         # Not in a tensor-parallel group: a replay would run rank 0's part without shipping the step
         # to the followers, so rank 0 decides once that every step of a group runs eagerly.
         in_group = getattr(self.model, "tp", None) is not None
-        if os.environ.get("BATCHRUN_CUDA_GRAPHS", "1") != "0" and not self.batch_invariant and not in_group:
+        # Not with LoRA adapters (ModelRunner.use_lora): a replay would not apply the step's adapters.
+        graphable = not self.batch_invariant and not in_group and self.lora is None
+        if os.environ.get("BATCHRUN_CUDA_GRAPHS", "1") != "0" and graphable:
             max_blocks = -(-self.max_model_len // self.block_size)
             self.graphs = DecodeGraphs(
                 self.model, self.kv_caches, self.block_size, max_blocks, self.device, self.dtype, max_batch, capture

@@ -1,0 +1,562 @@
+"""LoRA adapters applied per token beside the base GEMM (many adapters in one batch).
+
+- `read_adapter`: a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) read
+  once into host memory (float32), its scale alpha / r (rsLoRA: alpha / sqrt(r)) per module,
+  rank_pattern / alpha_pattern honoured. What this runtime cannot apply exactly is refused
+  (LoraError): biases, DoRA, modules_to_save, fan_in_fan_out (Conv1D targets), embedding targets.
+- `attach_lora`: checks every adapter against the model first (the first mismatch named), then
+  wraps each targeted linear once with `LoraLinear`: y = base(x) + delta, the base module kept as
+  it is (nn.Linear, packed or quantized), so the base GEMM runs once for all rows. The native
+  DecoderLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj` at load: PEFT's q_proj,
+  k_proj, v_proj (gate_proj, up_proj) are row slices of the fused output. Any other model (the
+  generic path over HF's own modules) is wrapped by the module names PEFT uses.
+- `LoraSlots`: `max_loras` resident slots. Per wrapped linear, slot s holds its adapter's A
+  (r_total, in) and B (out, r_total) (scale folded into B, q/k/v pieces stacked along r, zero
+  padded to the largest adapter), float32 on the model's device. `set_step` turns the step's
+  per-token slot vector into one index tensor per slot, once per forward, shared by every layer;
+  each LoraLinear adds ((x[idx] @ A^T) @ B^T) at those rows. A step without adapter tokens runs the
+  base modules alone.
+
+Adapters are read from disk once (`read_adapter`) and their weights kept on the host; a slot load
+copies them to the device (so a reload after eviction never touches the disk).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from batchrun.model.loader import file_sha256
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."
+_QKV = ("q_proj", "k_proj", "v_proj")
+_GATE_UP = ("gate_proj", "up_proj")
+_REFUSED_NAMES = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out")
+
+
+class LoraError(ValueError):
+    """An adapter that cannot be read or does not fit the model: `model.lora_adapters.<name>: <problem>`."""
+
+    def __init__(self, name: str, problem: str) -> None:
+        super().__init__(f"model.lora_adapters.{name}: {problem}")
+        self.adapter = name
+        self.problem = problem
+
+
+@dataclass(frozen=True)
+class LoraModuleWeights:
+    """One targeted module's low-rank pair, as PEFT names the module (path after `base_model.model.`)."""
+
+    lora_a: torch.Tensor  # (r, in_features) float32, host memory
+    lora_b: torch.Tensor  # (out_features, r) float32, host memory, not yet scaled
+    scale: float  # alpha / r, or alpha / sqrt(r) for rsLoRA
+
+    @property
+    def rank(self) -> int:
+        return int(self.lora_a.shape[0])
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """A PEFT LoRA adapter read into host memory."""
+
+    name: str
+    directory: str
+    rank: int  # the config's r (rank_pattern may give modules others)
+    alpha: float
+    use_rslora: bool
+    target_modules: Any  # as the config says: a list of names, "all-linear" or a regex string
+    modules: dict[str, LoraModuleWeights] = field(repr=False)  # PEFT module path -> its pair
+    fingerprint: str = ""  # sha256 over the config's and the weights' sha256
+
+    @property
+    def max_rank(self) -> int:
+        return max((m.rank for m in self.modules.values()), default=0)
+
+
+def _pattern_value(patterns: dict[str, Any], path: str, default: Any) -> Any:
+    """PEFT's rank_pattern / alpha_pattern lookup: the first key matching the end of the path."""
+    for key in patterns:
+        if re.match(rf"(.*\.)?({key})$", path):
+            return patterns[key]
+    return default
+
+
+def read_adapter(name: str, directory: str) -> LoraAdapter:
+    """The adapter in `directory`, read and checked (LoraError naming `name` and the problem)."""
+    config_path = os.path.join(directory, CONFIG_FILE)
+    weights_path = os.path.join(directory, WEIGHTS_FILE)
+    if not os.path.isdir(directory):
+        raise LoraError(name, f"{directory!r} is not a directory")
+    if not os.path.isfile(config_path):
+        raise LoraError(name, f"{directory!r} has no {CONFIG_FILE} (a PEFT adapter directory is expected)")
+    if not os.path.isfile(weights_path):
+        if os.path.isfile(os.path.join(directory, "adapter_model.bin")):
+            raise LoraError(
+                name, "adapter_model.bin (pickle) is not read; save the adapter with safe_serialization (safetensors)"
+            )
+        raise LoraError(name, f"{directory!r} has no {WEIGHTS_FILE}")
+    try:
+        with open(config_path) as f:
+            config = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise LoraError(name, f"{CONFIG_FILE} cannot be read: {exc}") from exc
+    if not isinstance(config, dict):
+        raise LoraError(name, f"{CONFIG_FILE} is not a JSON object")
+
+    peft_type = config.get("peft_type", "LORA")
+    if str(peft_type).upper() != "LORA":
+        raise LoraError(name, f"peft_type {peft_type!r} is not supported (LORA only)")
+    if config.get("bias", "none") != "none":
+        raise LoraError(name, f"bias={config.get('bias')!r} is not supported (bias 'none' only)")
+    if config.get("lora_bias"):
+        raise LoraError(name, "lora_bias=true is not supported")
+    if config.get("use_dora"):
+        raise LoraError(name, "use_dora=true (DoRA) is not supported")
+    if config.get("modules_to_save"):
+        raise LoraError(name, f"modules_to_save={config.get('modules_to_save')!r} is not supported")
+    if config.get("fan_in_fan_out"):
+        raise LoraError(name, "fan_in_fan_out=true (Conv1D targets) is not supported; nn.Linear targets only")
+    if config.get("target_parameters"):
+        raise LoraError(name, "target_parameters (LoRA on raw parameters, e.g. MoE experts) is not supported")
+    try:
+        rank = int(config["r"])
+        alpha = float(config.get("lora_alpha", rank))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise LoraError(name, f"{CONFIG_FILE} lacks a valid r / lora_alpha ({exc})") from exc
+    if rank <= 0:
+        raise LoraError(name, f"r must be positive, got {rank}")
+    use_rslora = bool(config.get("use_rslora", False))
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+
+    from safetensors.torch import load_file
+
+    try:
+        tensors = load_file(weights_path)
+    except Exception as exc:  # safetensors raises its own error types for a damaged file
+        raise LoraError(name, f"{WEIGHTS_FILE} cannot be read: {exc}") from exc
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        if "lora_magnitude_vector" in key:
+            raise LoraError(name, f"{key}: DoRA magnitudes are not supported")
+        if "lora_embedding" in key:
+            raise LoraError(name, f"{key}: embedding targets are not supported")
+        m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
+        if m is None:
+            raise LoraError(name, f"{WEIGHTS_FILE} holds {key!r}, which is not a LoRA A/B weight")
+        pairs.setdefault(m.group(1), {})[m.group(2)] = tensor
+    if not pairs:
+        raise LoraError(name, f"{WEIGHTS_FILE} holds no LoRA weights")
+
+    modules: dict[str, LoraModuleWeights] = {}
+    for path, pair in sorted(pairs.items()):
+        if set(pair) != {"A", "B"}:
+            raise LoraError(name, f"{path}: lora_A and lora_B must both be present")
+        a, b = pair["A"].float(), pair["B"].float()
+        if a.dim() != 2 or b.dim() != 2:
+            raise LoraError(name, f"{path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} are not matrices")
+        r = int(_pattern_value(rank_pattern, path, rank))
+        if a.shape[0] != r or b.shape[1] != r:
+            raise LoraError(
+                name, f"{path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not have the config's rank {r}"
+            )
+        module_alpha = float(_pattern_value(alpha_pattern, path, alpha))
+        scale = module_alpha / (math.sqrt(r) if use_rslora else r)
+        modules[path] = LoraModuleWeights(a.contiguous(), b.contiguous(), scale)
+
+    digest = hashlib.sha256()
+    for path in (config_path, weights_path):
+        digest.update(file_sha256(path).encode())
+    return LoraAdapter(
+        name=name,
+        directory=directory,
+        rank=rank,
+        alpha=alpha,
+        use_rslora=use_rslora,
+        target_modules=config.get("target_modules"),
+        modules=modules,
+        fingerprint=digest.hexdigest(),
+    )
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Where one PEFT module's update lands in a wrapped linear: output rows [start, start + rows)."""
+
+    target: str  # the wrapped module's name in the model
+    start: int
+    rows: int
+
+
+class _StepRows:
+    """The step's token rows per slot: (slot, index tensor (num_rows,) or None for every row)."""
+
+    def __init__(self) -> None:
+        self.slots: list[tuple[int, Optional[torch.Tensor]]] = []
+        self.num_tokens = 0
+
+
+class LoraLinear(nn.Module):
+    """y = base(x) + per-slot low-rank updates at the rows `LoraSlots.set_step` gave each slot.
+
+    The update is computed in float32 from x and added to y in y's dtype. `lora_a` (slots, r_max,
+    in) and `lora_b` (slots, out, r_max) are float32, zero where a slot's adapter does not reach."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+
+    def __init__(self, base: nn.Module, in_features: int, out_features: int, num_slots: int, max_rank: int) -> None:
+        super().__init__()
+        self.base = base
+        self.in_features = in_features
+        self.out_features = out_features
+        device = _module_device(base)
+        self.register_buffer("lora_a", torch.zeros(num_slots, max_rank, in_features, device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(num_slots, out_features, max_rank, device=device), persistent=False)
+        self.slot_ranks = [0] * num_slots  # per slot: the rows of lora_a in use (0: no update here)
+        self.step = _StepRows()  # replaced by LoraSlots: one object every LoraLinear of a model shares
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        slots = self.step.slots
+        if not slots:
+            return y
+        x2 = x.reshape(-1, self.in_features)  # (num_tokens, in_features)
+        assert x2.shape[0] == self.step.num_tokens, (
+            f"LoRA step set for {self.step.num_tokens} tokens, the layer sees {x2.shape[0]}"
+        )
+        y2 = y.view(-1, self.out_features)  # (num_tokens, out_features), the same storage
+        for slot, idx in slots:
+            r = self.slot_ranks[slot]
+            if r == 0:
+                continue
+            rows = x2 if idx is None else x2.index_select(0, idx)
+            delta = (rows.float() @ self.lora_a[slot, :r].T) @ self.lora_b[slot, :, :r].T  # (rows, out) float32
+            if idx is None:
+                y2.add_(delta.to(y2.dtype))
+            else:
+                y2.index_add_(0, idx, delta.to(y2.dtype))
+        return y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"slots={self.lora_a.shape[0]}, max_rank={self.lora_a.shape[1]}"
+        )
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for t in list(module.parameters()) + list(module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+class LoraSlots:
+    """`max_loras` resident adapter slots over the model's LoraLinear layers (see the module doc).
+
+    Slots are reused least recently used first; a pinned adapter (running requests hold it) is never
+    evicted."""
+
+    def __init__(
+        self,
+        adapters: dict[str, LoraAdapter],
+        max_loras: int,
+        layers: dict[str, LoraLinear],
+        pieces: dict[str, dict[str, list[tuple[str, _Piece]]]],
+        step: _StepRows,
+    ) -> None:
+        assert max_loras >= 1
+        self.adapters = dict(adapters)
+        self.max_loras = max_loras
+        self.layers = layers  # wrapped module name -> its LoraLinear
+        self._pieces = pieces  # adapter -> wrapped module name -> [(PEFT module path, piece)]
+        self._step = step
+        self._slot_names: list[Optional[str]] = [None] * max_loras
+        self._resident: OrderedDict[str, int] = OrderedDict()  # least recently used first
+        self._pins: dict[str, int] = {}
+        self.max_rank = max((a.max_rank for a in adapters.values()), default=0)
+
+    def slot_of(self, name: str) -> Optional[int]:
+        """The slot `name` is resident in, or None."""
+        return self._resident.get(name)
+
+    def can_admit(self, name: str) -> bool:
+        """Whether `name` is resident or can be loaded now (a free slot, or one not pinned)."""
+        if name in self._resident:
+            return True
+        return self._free_slot() is not None
+
+    def load(self, name: str) -> int:
+        """The slot holding `name`, loading it (evicting the least recently used unpinned adapter)
+        where it is not resident; RuntimeError when every slot is pinned."""
+        if name not in self.adapters:
+            raise KeyError(f"unknown adapter {name!r} (known: {', '.join(sorted(self.adapters))})")
+        slot = self._resident.get(name)
+        if slot is not None:
+            self._resident.move_to_end(name)
+            return slot
+        slot = self._free_slot()
+        if slot is None:
+            raise RuntimeError(f"no LoRA slot for {name!r}: all {self.max_loras} are pinned")
+        old = self._slot_names[slot]
+        if old is not None:
+            del self._resident[old]
+        self._copy_in(name, slot)
+        self._slot_names[slot] = name
+        self._resident[name] = slot
+        return slot
+
+    def pin(self, name: str) -> int:
+        """Keep `name` resident until as many `unpin`s (loading it if needed); its slot."""
+        slot = self.load(name)
+        self._pins[name] = self._pins.get(name, 0) + 1
+        return slot
+
+    def unpin(self, name: str) -> None:
+        count = self._pins.get(name, 0)
+        assert count > 0, f"adapter {name!r} is not pinned"
+        if count == 1:
+            del self._pins[name]
+        else:
+            self._pins[name] = count - 1
+
+    def is_pinned(self, name: str) -> bool:
+        return name in self._pins
+
+    def resident(self) -> list[Optional[str]]:
+        """Per slot, the adapter it holds (None: empty)."""
+        return list(self._slot_names)
+
+    def set_step(self, token_slots: torch.Tensor) -> None:
+        """This forward's slot per token (T,) int64, -1 for the base model: the per-slot row indices
+        every LoraLinear of the model reads, on the model's device (computed here once)."""
+        assert token_slots.dim() == 1, "token_slots is (num_tokens,)"
+        host = token_slots.to("cpu", torch.int64)
+        step = self._step
+        step.num_tokens = int(host.shape[0])
+        step.slots = []
+        if step.num_tokens == 0 or bool((host < 0).all()):
+            return
+        device = self._device()
+        for slot in torch.unique(host[host >= 0]).tolist():
+            assert slot < self.max_loras and self._slot_names[slot] is not None, f"LoRA slot {slot} holds no adapter"
+            rows = (host == slot).nonzero().flatten()
+            idx = None if rows.numel() == step.num_tokens else rows.to(device)
+            step.slots.append((int(slot), idx))
+            name = self._slot_names[slot]
+            assert name is not None
+            self._resident.move_to_end(name)
+
+    def clear_step(self) -> None:
+        """Back to the base model for every token."""
+        self._step.slots = []
+        self._step.num_tokens = 0
+
+    def _device(self) -> torch.device:
+        for layer in self.layers.values():
+            return layer.lora_a.device
+        return torch.device("cpu")
+
+    def _free_slot(self) -> Optional[int]:
+        for slot, held in enumerate(self._slot_names):
+            if held is None:
+                return slot
+        for name, slot in self._resident.items():  # least recently used first
+            if name not in self._pins:
+                return slot
+        return None
+
+    def _copy_in(self, name: str, slot: int) -> None:
+        adapter = self.adapters[name]
+        targets = self._pieces[name]
+        with torch.no_grad():
+            for target, layer in self.layers.items():
+                layer.lora_a[slot].zero_()
+                layer.lora_b[slot].zero_()
+                layer.slot_ranks[slot] = 0
+                col = 0
+                for path, piece in targets.get(target, []):
+                    weights = adapter.modules[path]
+                    r = weights.rank
+                    layer.lora_a[slot, col : col + r].copy_(weights.lora_a)
+                    b = layer.lora_b[slot, piece.start : piece.start + piece.rows, col : col + r]
+                    b.copy_(weights.lora_b * weights.scale)
+                    col += r
+                layer.slot_ranks[slot] = col
+
+
+def _is_wrappable(module: nn.Module) -> bool:
+    """A linear y = x @ W.T (+ b) with in/out features: nn.Linear, or one of batchrun's packed or
+    quantized twins (model/linear.py: PackedWeightLinear)."""
+    from batchrun.model.linear import PackedWeightLinear
+
+    return isinstance(module, (nn.Linear, PackedWeightLinear)) and not isinstance(module, LoraLinear)
+
+
+class _Resolver:
+    """PEFT module paths -> (wrapped module name, output rows) in the model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.modules = dict(model.named_modules())
+
+    def find(self, path: str) -> Optional[str]:
+        """The model's module name for a PEFT path: the same name, the name without HF's leading
+        `model.` (DecoderLM holds the layers at its top), or the one name ending with `.<path>`
+        (a wrapper holding the HF model under an attribute)."""
+        if path in self.modules:
+            return path
+        if path.startswith("model.") and path[len("model.") :] in self.modules:
+            return path[len("model.") :]
+        ends = [n for n in self.modules if n.endswith("." + path)]
+        return ends[0] if len(ends) == 1 else None
+
+    def resolve(self, adapter: str, path: str) -> tuple[str, int, Optional[int]]:
+        """(wrapped module name, first output row, rows or None for all) or LoraError."""
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf in _REFUSED_NAMES:
+            raise LoraError(adapter, f"{path}: LoRA on embeddings and the LM head is not supported")
+        if ".experts." in f".{path}.":
+            raise LoraError(adapter, f"{path}: LoRA on mixture-of-experts expert linears is not supported")
+        name = self.find(path)
+        if name is not None:
+            self._check_not_moe(adapter, path, name)
+            return name, 0, None
+        parent_path, _, _ = path.rpartition(".")
+        parent = self.find(parent_path) if parent_path else ""
+        if parent is not None and leaf in _QKV + _GATE_UP:
+            from batchrun.model.decoder import MLP, Attention
+
+            owner = self.modules[parent]
+            prefix = f"{parent}." if parent else ""
+            if leaf in _QKV and isinstance(owner, Attention):
+                sizes = {"q_proj": (0, owner.q_size), "k_proj": (owner.q_size, owner.kv_size)}
+                sizes["v_proj"] = (owner.q_size + owner.kv_size, owner.kv_size)
+                start, rows = sizes[leaf]
+                return prefix + "qkv_proj", start, rows
+            if leaf in _GATE_UP and isinstance(owner, MLP):
+                inter = int(_features(owner.gate_up_proj)[1]) // 2
+                return prefix + "gate_up_proj", (0 if leaf == "gate_proj" else inter), inter
+            self._check_not_moe(adapter, path, parent)
+        raise LoraError(adapter, f"{path}: the model has no such module")
+
+    def _check_not_moe(self, adapter: str, path: str, name: str) -> None:
+        from batchrun.model.moe import SparseMoeBlock
+
+        parts = name.split(".")
+        for i in range(len(parts)):
+            if isinstance(self.modules.get(".".join(parts[:i])), SparseMoeBlock):
+                raise LoraError(adapter, f"{path}: LoRA on mixture-of-experts layers is not supported")
+
+
+def _features(module: nn.Module) -> tuple[int, int]:
+    """(in_features, out_features) of a linear."""
+    in_features, out_features = module.in_features, module.out_features
+    assert isinstance(in_features, int) and isinstance(out_features, int)
+    return in_features, out_features
+
+
+def attach_lora(model: nn.Module, adapters: dict[str, LoraAdapter], max_loras: int) -> LoraSlots:
+    """Check every adapter against `model`, then wrap each targeted linear with a LoraLinear (see
+    the module doc). The first mismatch raises LoraError naming the adapter and the module; nothing
+    is wrapped then. Call after the model's linears got their backends (model/prepare.py)."""
+    if max_loras < 1:
+        raise ValueError(f"max_loras must be at least 1, got {max_loras}")
+    if getattr(model, "tp", None) is not None and adapters:
+        first = next(iter(adapters))
+        raise LoraError(first, "LoRA adapters with tensor parallelism are not supported")
+    resolver = _Resolver(model)
+    pieces: dict[str, dict[str, list[tuple[str, _Piece]]]] = {}
+    ranks: dict[str, int] = {}  # wrapped module -> the largest r_total an adapter puts there
+    for name, adapter in adapters.items():
+        mine: dict[str, list[tuple[str, _Piece]]] = {}
+        for path, weights in adapter.modules.items():
+            target, start, rows = resolver.resolve(name, path)
+            module = resolver.modules[target]
+            if not _is_wrappable(module):
+                raise LoraError(name, f"{path}: {type(module).__name__} is not a linear layer LoRA can wrap")
+            in_features, out_features = _features(module)
+            rows = out_features if rows is None else rows
+            a, b = weights.lora_a, weights.lora_b
+            if a.shape[1] != in_features or b.shape[0] != rows:
+                raise LoraError(
+                    name,
+                    f"{path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not fit the module "
+                    f"({in_features} in, {rows} out): expected ({weights.rank}, {in_features}) / "
+                    f"({rows}, {weights.rank})",
+                )
+            mine.setdefault(target, []).append((path, _Piece(target, start, rows)))
+        for target, items in mine.items():
+            ranks[target] = max(ranks.get(target, 0), sum(adapter.modules[p].rank for p, _ in items))
+        pieces[name] = mine
+
+    kernels = getattr(model, "kernels", None)
+    step = _StepRows()
+    layers: dict[str, LoraLinear] = {}
+    for target in sorted(ranks):
+        parent_name, _, attr = target.rpartition(".")
+        parent = resolver.modules[parent_name]
+        _unfuse_activation(parent, kernels)
+        base = getattr(parent, attr)
+        in_features, out_features = _features(base)
+        layer = LoraLinear(base, in_features, out_features, max_loras, ranks[target])
+        layer.step = step
+        setattr(parent, attr, layer)
+        layers[target] = layer
+    return LoraSlots(adapters, max_loras, layers, pieces, step)
+
+
+def _unfuse_activation(parent: nn.Module, kernels: Any) -> None:
+    """An MLP whose gate/up projection applies silu(gate) * up itself (model/prepare.py sets
+    MLP.fused_act) leaves a gate/up update no place to land, and hands its down projection
+    activations already quantized where W4A8 fuses: its gate/up projection is swapped for the
+    unfused twin over the same weights, and the MLP applies the activation again."""
+    from batchrun.model.decoder import MLP
+
+    if not (isinstance(parent, MLP) and parent.fused_act):
+        return
+    parent.gate_up_proj = _unfused_gate_up(parent.gate_up_proj, kernels)
+    parent.fused_act = False
+
+
+def _unfused_gate_up(module: nn.Module, kernels: Any) -> nn.Module:
+    from batchrun.kernels import cpu_linear as ck
+    from batchrun.model.linear import (
+        NativeLinear,
+        NativeSiluMulLinear,
+        RowSplitLinear,
+        SiluMulAfter,
+        UnpackedTilesLinear,
+    )
+    from batchrun.model.quant.layers import W4A8Linear, W4A8SiluMulLinear
+    from batchrun.model.quant.weights import QuantizedWeight
+
+    if isinstance(module, NativeSiluMulLinear):
+        return NativeLinear(ck.pack_native_weight(module.weight()), module.plain_bias())
+    if isinstance(module, RowSplitLinear) and isinstance(module.small, NativeSiluMulLinear):
+        small = _unfused_gate_up(module.small, kernels)
+        assert isinstance(small, NativeLinear)
+        large = module.large
+        if isinstance(large, SiluMulAfter):
+            large = large.linear
+        elif isinstance(large, UnpackedTilesLinear):
+            large = UnpackedTilesLinear(small, large.buffer)
+        return RowSplitLinear(small, large, module.split_rows)
+    if isinstance(module, W4A8SiluMulLinear):
+        qweight, scales, mins = module.int4_weight()
+        weight = QuantizedWeight("int4", qweight, scales, mins, module.in_features)
+        bias = None if module.bias is None else module.bias[module._plain_order]
+        return W4A8Linear(weight, bias, torch.bfloat16, kernels=kernels)
+    raise ValueError(f"cannot apply LoRA beside a fused gate/up activation of type {type(module).__name__}")

@@ -89,17 +89,18 @@ def settings_fingerprint(config: RunConfig) -> dict[str, Any]:
 
 
 # What PEFT writes that decides an adapter's numbers (its README and the like do not).
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin")
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 
 def adapter_sha256(directory: str) -> str:
-    """sha256 over a PEFT adapter directory's config and weights files, each by name and content."""
+    """sha256 over the sha256 of a PEFT adapter's config and weights files: the engine's
+    Engine.adapter_fingerprints value for it, computed here before the engine loads."""
     digest = hashlib.sha256()
     for name in ADAPTER_FILES:
         path = os.path.join(directory, name)
-        if os.path.isfile(path):
+        if os.path.isfile(path):  # a missing one stops the engine with a line naming the adapter
             stat = os.stat(path)
-            digest.update(f"{name}\0{_file_sha256(os.path.realpath(path), stat.st_size, stat.st_mtime_ns)}\0".encode())
+            digest.update(_file_sha256(os.path.realpath(path), stat.st_size, stat.st_mtime_ns).encode())
     return digest.hexdigest()
 
 

@@ -5,6 +5,7 @@ of the run's fingerprint, and every misconfiguration stops the run with one line
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pyarrow as pa
@@ -219,3 +220,50 @@ def test_an_adapter_that_does_not_fit_the_model_is_a_config_error(tmp_path, tiny
         runner.load_engine(engine_config)
     message = str(info.value)
     assert message.startswith("model.lora_adapters.bad: ") and "q_proj" in message and "\n" not in message
+
+
+def test_a_batch_request_names_its_adapter_in_body_model_and_the_dry_run_counts_rows_per_adapter(
+    tmp_path, tiny_llama_dir, adapters, short_texts
+):
+    from batchrun.job.launch.dry_run import format_plan, plan_run
+
+    text = short_texts[0][:100]
+    lines = [
+        {"custom_id": c, "method": "POST", "url": "/v1/completions", "body": {"model": m, "prompt": text}}
+        for c, m in (("on-alpha", "alpha"), ("on-base", tiny_llama_dir), ("on-beta", "beta"), ("other", "gpt-4o"))
+    ]
+    data = tmp_path / "in"
+    data.mkdir()
+    (data / "batch.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = tmp_path / "out"
+    config = dataclasses.replace(
+        lora_config(tiny_llama_dir, data, out, adapters),
+        data=DataConfig(uri=str(data), format="openai_batch"),
+    )
+    engine = runner.load_engine(config.engine)
+    try:
+        result = run_job(config, engine=engine)
+        assert result.exit_code == 0, result.message
+        rows = pq.read_table(out / "results" / "batch.parquet").to_pylist()
+        assert [(r["id"], r["adapter"], r["error_type"]) for r in rows] == [
+            ("on-alpha", "alpha", None),
+            ("on-base", None, None),
+            ("on-beta", "beta", None),
+            ("other", None, "model_not_found"),  # a model name that is neither the model nor an adapter: as before
+        ]
+        ids = engine.tokenizer.encode(text, add_special_tokens=True)
+        greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+        direct = engine.generate([ids] * 3, greedy, adapters=["alpha", None, "beta"])
+        assert [r["output"] for r in rows[:3]] == [o.text for o in direct]
+        answers = [json.loads(x) for x in (out / "outputs" / "batch.jsonl").read_text().splitlines()]
+        assert [a["response"]["body"]["model"] for a in answers] == ["alpha", tiny_llama_dir, "beta"]
+
+        parquet = tmp_path / "rows"
+        parquet.mkdir()
+        table = pa.table({"id": [i for i, _ in ROWS], "text": [text] * len(ROWS), "adapter": [a for _, a in ROWS]})
+        pq.write_table(table, parquet / "part-00.parquet")
+        plan = plan_run(lora_config(tiny_llama_dir, parquet, tmp_path / "never", adapters), engine=engine)
+        assert plan.adapter_counts == {"alpha": 2, "beta": 2} and plan.error_counts == {UNKNOWN_ADAPTER: 1}
+        assert "adapters:       alpha 2, beta 2 ok result rows; 2 on the base model" in format_plan(plan)
+    finally:
+        engine.close()

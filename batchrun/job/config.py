@@ -489,7 +489,13 @@ def build_run_config(raw: Mapping[str, Any]) -> RunConfig:
             extra = {"model": kwargs["model"].path, "lora_adapters": kwargs["model"].lora_adapters}
         if section == "sampling" and isinstance(values.get("json_schema"), str):
             values = {**values, "json_schema": _read_schema(values["json_schema"])}
-        kwargs[section] = build_section(cls, values, section, extra)
+        try:
+            kwargs[section] = build_section(cls, values, section, extra)
+        except ConfigError as e:
+            if section != "engine" or "lora_adapters" in values or "engine.lora_adapters" not in str(e):
+                raise
+            # the engine names the adapters by its own key; users set them as model.lora_adapters
+            raise ConfigError("", str(e).replace("engine.lora_adapters", "model.lora_adapters")) from None
     return RunConfig(**kwargs)
 
 

@@ -197,6 +197,10 @@ def test_misconfigured_adapters_stop_with_one_line_naming_the_keys(tmp_path, ada
         "model.lora_adapters: LoRA adapters serve generation"
     )
     assert refused(data={"format": "openai_batch", "adapter_column": "a"}).startswith("data.adapter_column:")
+    # what the engine cannot run beside adapters, named by the key users set
+    assert refused(
+        model={"lora_adapters": adapters}, data={"adapter_column": "a"}, engine={"tensor_parallel_size": 2}
+    ).startswith("model.lora_adapters cannot run with engine.tensor_parallel_size=2")
     # a batch file names its adapter in body.model: no column needed
     ok = build_run_config(
         {**base, "model": {"lora_adapters": adapters}, "data": {**base["data"], "format": "openai_batch"}}

@@ -19,6 +19,7 @@ from batchrun.job.commit.store import RunStore
 from batchrun.job.config import build_run_config
 from batchrun.job.formats.reader import InputRow
 from batchrun.job.formats.rows import UNKNOWN_ADAPTER, row_adapter
+from batchrun.job.operate.status import main as status_main
 from batchrun.job.run import runner
 from tests.support.engines import TINY_ENGINE
 
@@ -146,6 +147,10 @@ def test_rows_of_two_adapters_and_none_get_their_merged_models_output(
     assert {k: v for k, v in marker_settings.items() if k.endswith(".sha256")} == {
         f"model.lora_adapters.{n}.sha256": sha for n, sha in manifest["engine_settings"]["lora"]["adapters"].items()
     }
+
+    # status and the report read a run whose results carry `adapter`
+    assert status_main([str(out), "--json"]) == 0 and (out / "report.html").exists()
+    capsys.readouterr()
 
     # A rerun skips the committed shard without loading anything.
     again = run_job(config)

@@ -45,7 +45,7 @@ MODEL = "smollm2-135m"  # batchrun's registry name
 NUM_ADAPTERS = 4
 RANK = 16
 SYSTEMS = ("mixed", "merged sequence", "base")
-WARMUP_ROWS = 4
+WARMUP_ROWS = NUM_ADAPTERS  # one row per adapter
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
@@ -105,6 +105,18 @@ def merged_model(base_dir: str, adapter_dir: str, out_dir: Path) -> str:
         if os.path.exists(os.path.join(base_dir, name)):
             shutil.copy(os.path.join(base_dir, name), out_dir / name)
     return str(out_dir)
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux), for the docs' stamp."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return " ".join(line.split(":", 1)[1].split()[:3])
+    except OSError:
+        pass
+    return "CPU"
 
 
 @dataclass
@@ -285,8 +297,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         )
         try:
             warm = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-            for e in engines:  # first calls (oneDNN primitives, LoRA slots) before any timing
-                e.generate(texts[:WARMUP_ROWS], warm)
+            for e in engines:  # first calls (oneDNN primitives, LoRA slots loaded) before any timing
+                named = row_adapters[:WARMUP_ROWS] if e.config.lora_adapters else None
+                e.generate(texts[:WARMUP_ROWS], warm, adapters=named)
             run_rounds(systems, args.rounds, args.rows * args.max_tokens)
         finally:
             for e in engines:
@@ -318,7 +331,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         write_section(
             "lora",
             script_command("benchmarks.lora", argv),
-            stamp(),
+            stamp(f"{os.cpu_count()}-core {cpu_name()}, CPU"),
             markdown_table(header, body),
             notes,
             "LoRA adapters per row: one mixed run vs merged models one after another",

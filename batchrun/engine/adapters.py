@@ -48,7 +48,7 @@ def attach_adapters(config: EngineConfig, model: Any) -> Optional[Adapters]:
         max_rank=slots.max_rank,
     )
     log.info(
-        "LoRA: %d adapter(s) (%s), %d resident at once, rank <= %d; CUDA graphs off",
+        "LoRA: %d adapter(s) (%s), %d resident at once, rank <= %d",
         len(adapters),
         ", ".join(sorted(adapters)),
         config.max_loras,

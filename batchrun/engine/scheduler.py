@@ -15,8 +15,10 @@ LoRA adapters (engine.lora_adapters): a request with an adapter runs only while 
 one of the resident slots (model/lora.py: LoraSlots), pinned from its admission until it finishes
 or is preempted. A waiting request whose adapter has no slot and cannot get one (every slot is
 pinned by running requests) is passed over, keeping its place, and the requests behind it are
-admitted as usual; when nothing runs no slot is pinned, so the oldest waiting request can always
-load its adapter and nothing deadlocks.
+admitted as usual, so rows of one adapter run together rather than taking turns one by one. Once
+max_num_seqs requests with adapters have overtaken the oldest passed-over request, only base
+requests may pass it: the slots' users drain and it gets its slot (no starvation). When nothing
+runs no slot is pinned, so the first waiting request can always load its adapter: no deadlock.
 
 `update` takes a step's `StepResult` (what the runner produced): it appends each request's tokens
 and ends the requests the stop rule ends (engine/stop.py), the one place a request ends but abort.
@@ -107,6 +109,8 @@ class Scheduler:
         self.config = config
         self.kv = kv
         self.lora = lora
+        # seq_id of a request passed over for want of an adapter slot -> adapter requests admitted past it
+        self._num_overtaken: dict[int, int] = {}
         # Every end of a request but an abort; the tokenizer decodes outputs for stop strings.
         self.stop = StopRule(config.eos_token_ids, config.max_model_len, tokenizer)
         self.waiting: deque[Request] = deque()
@@ -191,7 +195,7 @@ class Scheduler:
         passed: list[Request] = []  # waiting requests whose adapter gets no slot this step, in queue order
         while self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if not self._can_get_slot(req):
+            if self._waits_for_slot(req, passed):
                 passed.append(self.waiting.popleft())
                 continue
             # A released sibling sample holds its shared prompt blocks already.
@@ -208,6 +212,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._pin(req)
+            if passed and req.adapter is not None:
+                self._num_overtaken[passed[0].seq_id] = self._num_overtaken.get(passed[0].seq_id, 0) + 1
             if req.metrics.first_scheduled_s is None:
                 req.metrics.first_scheduled_s = time.perf_counter()
                 if req.metrics.num_preemptions == 0:
@@ -221,14 +227,20 @@ class Scheduler:
         self.waiting.extendleft(reversed(passed))
         return batch
 
-    def _can_get_slot(self, req: Request) -> bool:
-        """Whether req's adapter (if any) is resident or can be loaded now."""
-        return self.lora is None or req.adapter is None or self.lora.can_admit(req.adapter)
+    def _waits_for_slot(self, req: Request, passed: list[Request]) -> bool:
+        """Whether req (an adapter's) stays waiting this step: its adapter cannot get a slot, or the
+        oldest request passed over (`passed[0]`) has been overtaken by enough adapter requests."""
+        if self.lora is None or req.adapter is None:
+            return False
+        if passed and self._num_overtaken.get(passed[0].seq_id, 0) >= self.config.max_num_seqs:
+            return True
+        return not self.lora.can_admit(req.adapter)
 
     def _pin(self, req: Request) -> None:
         """req starts running: its adapter is loaded if it is not resident, and kept while req runs."""
         if self.lora is not None and req.adapter is not None:
             self.lora.pin(req.adapter)
+            self._num_overtaken.pop(req.seq_id, None)
 
     def _unpin(self, req: Request) -> None:
         """req stopped running (finished or preempted): its adapter's slot may be reused."""
@@ -394,6 +406,7 @@ class Scheduler:
             self._unpin(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            self._num_overtaken.pop(req.seq_id, None)
         self.kv.free(req)
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason

@@ -2,20 +2,31 @@
 
 - `read_adapter`: a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) read
   once into host memory (float32), its scale alpha / r (rsLoRA: alpha / sqrt(r)) per module,
-  rank_pattern / alpha_pattern honoured. What this runtime cannot apply exactly is refused
-  (LoraError): biases, DoRA, modules_to_save, fan_in_fan_out (Conv1D targets), embedding targets.
+  rank_pattern / alpha_pattern honoured. The modules are those whose pairs the weights file holds
+  (what target_modules, a list, "all-linear" or a regex, matched when PEFT made it). What this
+  runtime cannot apply exactly is refused (LoraError): biases, DoRA, modules_to_save,
+  fan_in_fan_out (Conv1D targets), embedding targets, variants with another forward (QALoRA,
+  aLoRA, Arrow routing, ...).
 - `attach_lora`: checks every adapter against the model first (the first mismatch named), then
   wraps each targeted linear once with `LoraLinear`: y = base(x) + delta, the base module kept as
   it is (nn.Linear, packed or quantized), so the base GEMM runs once for all rows. The native
   DecoderLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj` at load: PEFT's q_proj,
   k_proj, v_proj (gate_proj, up_proj) are row slices of the fused output. Any other model (the
-  generic path over HF's own modules) is wrapped by the module names PEFT uses.
+  generic path over HF's own modules) is wrapped by the module names PEFT uses. Refused: embedding
+  and LM head targets, mixture-of-experts layers, tensor-parallel models. A LoraLinear is not an
+  nn.Linear, so the kernels that would read a projection's weight themselves (the fused Triton
+  GEMMs of kernels/fused_projections.py, layer 0's embedding + norm) call the module instead, and
+  it takes no pre-quantized rows (no `input_quant`): its base quantizes its own input. An MLP whose
+  gate/up projection applies the activation itself (MLP.fused_act) is unfused, bitwise the same.
 - `LoraSlots`: `max_loras` resident slots. Per wrapped linear, slot s holds its adapter's A
   (r_total, in) and B (out, r_total) (scale folded into B, q/k/v pieces stacked along r, zero
-  padded to the largest adapter), float32 on the model's device. `set_step` turns the step's
-  per-token slot vector into one index tensor per slot, once per forward, shared by every layer;
-  each LoraLinear adds ((x[idx] @ A^T) @ B^T) at those rows. A step without adapter tokens runs the
-  base modules alone.
+  padded to the largest adapter), float32 on the model's device. `set_step` groups the step's
+  adapter tokens by slot once per forward (one index tensor, sorted by slot, and each slot's run
+  in it), shared by every layer; each LoraLinear gathers those rows once, computes
+  (x_s @ A_s^T) @ B_s^T per slot's run into one float32 buffer (two batched matmuls over all
+  runs padded to one length where that pads little, as a decode step's rows spread over adapters
+  do) and adds it back with one index_add (the whole step one slot: no gather). A step without
+  adapter tokens runs the base modules alone.
 
 Adapters are read from disk once (`read_adapter`) and their weights kept on the host; a slot load
 copies them to the device (so a reload after eviction never touches the disk).
@@ -43,6 +54,17 @@ _PEFT_PREFIX = "base_model.model."
 _QKV = ("q_proj", "k_proj", "v_proj")
 _GATE_UP = ("gate_proj", "up_proj")
 _REFUSED_NAMES = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out")
+# adapter_config.json keys of LoRA variants whose forward is not y + B @ A @ x at every token (or
+# that change the base model's structure or embeddings): refused when set
+_VARIANT_KEYS = (
+    "use_qalora",
+    "alora_invocation_tokens",
+    "layer_replication",
+    "trainable_token_indices",
+    "arrow_config",
+    "kasa_config",
+    "use_bdlora",
+)
 
 
 class LoraError(ValueError):
@@ -130,9 +152,12 @@ def read_adapter(name: str, directory: str) -> LoraAdapter:
         raise LoraError(name, "fan_in_fan_out=true (Conv1D targets) is not supported; nn.Linear targets only")
     if config.get("target_parameters"):
         raise LoraError(name, "target_parameters (LoRA on raw parameters, e.g. MoE experts) is not supported")
+    for key in _VARIANT_KEYS:
+        if config.get(key):
+            raise LoraError(name, f"{key}={config[key]!r} is not supported (plain LoRA only)")
     try:
         rank = int(config["r"])
-        alpha = float(config.get("lora_alpha", rank))
+        alpha = float(config.get("lora_alpha", 8))  # PEFT's default
     except (KeyError, TypeError, ValueError) as exc:
         raise LoraError(name, f"{CONFIG_FILE} lacks a valid r / lora_alpha ({exc})") from exc
     if rank <= 0:
@@ -153,7 +178,7 @@ def read_adapter(name: str, directory: str) -> LoraAdapter:
             raise LoraError(name, f"{key}: DoRA magnitudes are not supported")
         if "lora_embedding" in key:
             raise LoraError(name, f"{key}: embedding targets are not supported")
-        m = re.fullmatch(r"(?:base_model\.model\.)?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
+        m = re.fullmatch(rf"(?:{re.escape(_PEFT_PREFIX)})?(.+)\.lora_([AB])(?:\.[^.]+)?\.weight", key)
         if m is None:
             raise LoraError(name, f"{WEIGHTS_FILE} holds {key!r}, which is not a LoRA A/B weight")
         pairs.setdefault(m.group(1), {})[m.group(2)] = tensor
@@ -167,12 +192,15 @@ def read_adapter(name: str, directory: str) -> LoraAdapter:
         a, b = pair["A"].float(), pair["B"].float()
         if a.dim() != 2 or b.dim() != 2:
             raise LoraError(name, f"{path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} are not matrices")
-        r = int(_pattern_value(rank_pattern, path, rank))
+        try:
+            r = int(_pattern_value(rank_pattern, path, rank))
+            module_alpha = float(_pattern_value(alpha_pattern, path, alpha))
+        except (re.error, TypeError, ValueError) as exc:
+            raise LoraError(name, f"rank_pattern / alpha_pattern cannot be applied to {path}: {exc}") from exc
         if a.shape[0] != r or b.shape[1] != r:
             raise LoraError(
                 name, f"{path}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not have the config's rank {r}"
             )
-        module_alpha = float(_pattern_value(alpha_pattern, path, alpha))
         scale = module_alpha / (math.sqrt(r) if use_rslora else r)
         modules[path] = LoraModuleWeights(a.contiguous(), b.contiguous(), scale)
 
@@ -200,12 +228,32 @@ class _Piece:
     rows: int
 
 
+@dataclass(frozen=True)
+class _Padded:
+    """A step's slot runs padded to one length, for two batched matmuls over all slots at once
+    (taken where the padding is small: a decode step's rows spread over several adapters)."""
+
+    rows: torch.Tensor  # (num_slots * length,) token indices, each run padded with its first row's
+    valid: Optional[torch.Tensor]  # (num_rows,) positions of the real rows in `rows`; None: no padding
+    slot_ids: Optional[torch.Tensor]  # (num_slots,) the runs' slots; None: every slot, in order
+    length: int
+
+
 class _StepRows:
-    """The step's token rows per slot: (slot, index tensor (num_rows,) or None for every row)."""
+    """The step's adapter tokens grouped by slot: `rows` (num_rows,) the token indices, sorted by
+    slot (None: every token of the step, all of one slot), and `segments` [(slot, start, end)]
+    their runs in that order; `padded` the same runs padded for batched matmuls, or None. Empty
+    segments: every token runs the base model."""
 
     def __init__(self) -> None:
-        self.slots: list[tuple[int, Optional[torch.Tensor]]] = []
+        self.segments: list[tuple[int, int, int]] = []
+        self.rows: Optional[torch.Tensor] = None
+        self.padded: Optional[_Padded] = None
         self.num_tokens = 0
+
+
+# Runs padded to one length are batched where that at most adds this share of rows to compute.
+_MAX_PADDING = 1.5
 
 
 class LoraLinear(nn.Module):
@@ -223,32 +271,60 @@ class LoraLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         device = _module_device(base)
-        self.register_buffer("lora_a", torch.zeros(num_slots, max_rank, in_features, device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(num_slots, out_features, max_rank, device=device), persistent=False)
+        # Ordinary tensors even where the model is attached under inference mode: slots are
+        # loaded in place later, from wherever the scheduler runs.
+        with torch.inference_mode(False):
+            lora_a = torch.zeros(num_slots, max_rank, in_features, device=device)
+            lora_b = torch.zeros(num_slots, out_features, max_rank, device=device)
+        self.register_buffer("lora_a", lora_a, persistent=False)
+        self.register_buffer("lora_b", lora_b, persistent=False)
         self.slot_ranks = [0] * num_slots  # per slot: the rows of lora_a in use (0: no update here)
         self.step = _StepRows()  # replaced by LoraSlots: one object every LoraLinear of a model shares
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        slots = self.step.slots
-        if not slots:
+        step = self.step
+        segments = step.segments
+        if not segments:
             return y
+        ranks = self.slot_ranks
+        if not any(ranks[slot] for slot, _, _ in segments):
+            return y  # no adapter of this step reaches this module
         x2 = x.reshape(-1, self.in_features)  # (num_tokens, in_features)
-        assert x2.shape[0] == self.step.num_tokens, (
-            f"LoRA step set for {self.step.num_tokens} tokens, the layer sees {x2.shape[0]}"
-        )
-        y2 = y.view(-1, self.out_features)  # (num_tokens, out_features), the same storage
-        for slot, idx in slots:
-            r = self.slot_ranks[slot]
-            if r == 0:
-                continue
-            rows = x2 if idx is None else x2.index_select(0, idx)
-            delta = (rows.float() @ self.lora_a[slot, :r].T) @ self.lora_b[slot, :, :r].T  # (rows, out) float32
-            if idx is None:
-                y2.add_(delta.to(y2.dtype))
-            else:
-                y2.index_add_(0, idx, delta.to(y2.dtype))
-        return y
+        assert x2.shape[0] == step.num_tokens, f"LoRA step of {step.num_tokens} tokens, the layer sees {x2.shape[0]}"
+        y2 = y.reshape(-1, self.out_features)  # (num_tokens, out_features): y's storage where contiguous
+        rows = step.rows
+        padded = step.padded
+        if padded is not None:  # one pair of batched matmuls over every slot's run (zero padded ranks add 0)
+            assert rows is not None
+            xs = x2.index_select(0, padded.rows).float().view(len(segments), padded.length, self.in_features)
+            a, b = self.lora_a, self.lora_b
+            if padded.slot_ids is not None:
+                a, b = a.index_select(0, padded.slot_ids), b.index_select(0, padded.slot_ids)
+            delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2)).view(-1, self.out_features)
+            if padded.valid is not None:
+                delta = delta.index_select(0, padded.valid)  # (num_rows, out_features)
+            y2.index_add_(0, rows, delta.to(y2.dtype))
+            return y2.view(y.shape)
+        xs = (x2 if rows is None else x2.index_select(0, rows)).float()  # (num_rows, in_features), by slot
+        if len(segments) == 1:
+            slot = segments[0][0]
+            r = ranks[slot]
+            delta = (xs @ self.lora_a[slot, :r].T) @ self.lora_b[slot, :, :r].T  # (num_rows, out_features)
+        else:
+            delta = xs.new_empty(xs.shape[0], self.out_features)
+            for slot, start, end in segments:
+                r = ranks[slot]
+                if r == 0:
+                    delta[start:end].zero_()
+                    continue
+                low = xs[start:end] @ self.lora_a[slot, :r].T  # (end - start, r)
+                torch.mm(low, self.lora_b[slot, :, :r].T, out=delta[start:end])
+        if rows is None:
+            y2.add_(delta.to(y2.dtype))
+        else:
+            y2.index_add_(0, rows, delta.to(y2.dtype))
+        return y2.view(y.shape)
 
     def extra_repr(self) -> str:
         return (
@@ -340,28 +416,56 @@ class LoraSlots:
         return list(self._slot_names)
 
     def set_step(self, token_slots: torch.Tensor) -> None:
-        """This forward's slot per token (T,) int64, -1 for the base model: the per-slot row indices
-        every LoraLinear of the model reads, on the model's device (computed here once)."""
+        """This forward's slot per token (T,) int64, -1 for the base model: the grouping every
+        LoraLinear of the model reads, on the model's device (computed here once). A host
+        tensor is best: the grouping runs on the host (a device tensor is copied, one sync). The
+        step's slots count as used (LRU). Lasts until the next set_step or clear_step."""
         assert token_slots.dim() == 1, "token_slots is (num_tokens,)"
         host = token_slots.to("cpu", torch.int64)
         step = self._step
         step.num_tokens = int(host.shape[0])
-        step.slots = []
-        if step.num_tokens == 0 or bool((host < 0).all()):
+        step.segments = []
+        step.rows = None
+        step.padded = None
+        is_lora = host >= 0
+        num_rows = int(is_lora.sum())
+        if num_rows == 0:
+            return
+        order = torch.sort(host, stable=True).indices[step.num_tokens - num_rows :]  # base tokens (-1) first
+        slots, counts = torch.unique_consecutive(host[order], return_counts=True)
+        start = 0
+        for slot, count in zip(slots.tolist(), counts.tolist()):
+            name = self._slot_names[slot] if slot < self.max_loras else None
+            assert name is not None, f"LoRA slot {slot} holds no adapter"
+            self._resident.move_to_end(name)
+            step.segments.append((slot, start, start + count))
+            start += count
+        if num_rows == step.num_tokens and len(step.segments) == 1:
             return
         device = self._device()
-        for slot in torch.unique(host[host >= 0]).tolist():
-            assert slot < self.max_loras and self._slot_names[slot] is not None, f"LoRA slot {slot} holds no adapter"
-            rows = (host == slot).nonzero().flatten()
-            idx = None if rows.numel() == step.num_tokens else rows.to(device)
-            step.slots.append((int(slot), idx))
-            name = self._slot_names[slot]
-            assert name is not None
-            self._resident.move_to_end(name)
+        step.rows = order.to(device)
+        length = int(counts.max())
+        num_runs = len(step.segments)
+        if num_runs > 1 and num_runs * length <= _MAX_PADDING * num_rows:
+            padded = torch.empty(num_runs * length, dtype=torch.int64)
+            valid = []
+            for k, (_, start, end) in enumerate(step.segments):
+                padded[k * length : (k + 1) * length] = order[start]
+                padded[k * length : k * length + end - start] = order[start:end]
+                valid.append(torch.arange(k * length, k * length + end - start))
+            all_slots = slots.tolist() == list(range(self.max_loras))
+            step.padded = _Padded(
+                rows=padded.to(device),
+                valid=None if num_runs * length == num_rows else torch.cat(valid).to(device),
+                slot_ids=None if all_slots else slots.to(device),
+                length=length,
+            )
 
     def clear_step(self) -> None:
         """Back to the base model for every token."""
-        self._step.slots = []
+        self._step.segments = []
+        self._step.rows = None
+        self._step.padded = None
         self._step.num_tokens = 0
 
     def _device(self) -> torch.device:
@@ -411,6 +515,13 @@ class _Resolver:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.modules = dict(model.named_modules())
+        # An HF model's LM head under whatever name (it runs on the logits rows, not the step's tokens)
+        self.heads: set[int] = set()
+        for module in self.modules.values():
+            get_head = getattr(module, "get_output_embeddings", None)
+            head = get_head() if callable(get_head) else None
+            if isinstance(head, nn.Module):
+                self.heads.add(id(head))
 
     def find(self, path: str) -> Optional[str]:
         """The model's module name for a PEFT path: the same name, the name without HF's leading
@@ -432,6 +543,8 @@ class _Resolver:
             raise LoraError(adapter, f"{path}: LoRA on mixture-of-experts expert linears is not supported")
         name = self.find(path)
         if name is not None:
+            if id(self.modules[name]) in self.heads:
+                raise LoraError(adapter, f"{path}: LoRA on embeddings and the LM head is not supported")
             self._check_not_moe(adapter, path, name)
             return name, 0, None
         parent_path, _, _ = path.rpartition(".")
@@ -472,14 +585,18 @@ def attach_lora(model: nn.Module, adapters: dict[str, LoraAdapter], max_loras: i
     """Check every adapter against `model`, then wrap each targeted linear with a LoraLinear (see
     the module doc). The first mismatch raises LoraError naming the adapter and the module; nothing
     is wrapped then. Call after the model's linears got their backends (model/prepare.py)."""
+    from batchrun.model.decoder import MLP
+
     if max_loras < 1:
         raise ValueError(f"max_loras must be at least 1, got {max_loras}")
     if getattr(model, "tp", None) is not None and adapters:
         first = next(iter(adapters))
         raise LoraError(first, "LoRA adapters with tensor parallelism are not supported")
     resolver = _Resolver(model)
+    kernels = getattr(model, "kernels", None)
     pieces: dict[str, dict[str, list[tuple[str, _Piece]]]] = {}
     ranks: dict[str, int] = {}  # wrapped module -> the largest r_total an adapter puts there
+    unfused: dict[str, nn.Module] = {}  # MLP name -> the plain twin of its activation-fused gate/up
     for name, adapter in adapters.items():
         mine: dict[str, list[tuple[str, _Piece]]] = {}
         for path, weights in adapter.modules.items():
@@ -497,18 +614,36 @@ def attach_lora(model: nn.Module, adapters: dict[str, LoraAdapter], max_loras: i
                     f"({in_features} in, {rows} out): expected ({weights.rank}, {in_features}) / "
                     f"({rows}, {weights.rank})",
                 )
+            parent_name = target.rpartition(".")[0]
+            parent = resolver.modules[parent_name]
+            if isinstance(parent, MLP) and parent.fused_act and parent_name not in unfused:
+                plain = _unfused_gate_up(parent.gate_up_proj, kernels)
+                if plain is None:
+                    raise LoraError(
+                        name,
+                        f"{path}: its MLP applies the activation inside the gate/up projection "
+                        f"({type(parent.gate_up_proj).__name__}), which has no unfused form here",
+                    )
+                unfused[parent_name] = plain
             mine.setdefault(target, []).append((path, _Piece(target, start, rows)))
         for target, items in mine.items():
             ranks[target] = max(ranks.get(target, 0), sum(adapter.modules[p].rank for p, _ in items))
         pieces[name] = mine
 
-    kernels = getattr(model, "kernels", None)
+    # An MLP whose gate/up projection applies silu(gate) * up itself (model/prepare.py sets
+    # MLP.fused_act) leaves a gate/up update no place to land, and hands its down projection
+    # activations already quantized where W4A8 fuses: it takes the unfused twin over the same
+    # weights and applies the activation again (bitwise the fused result: model/linear.py).
+    for parent_name, plain in unfused.items():
+        mlp = resolver.modules[parent_name]
+        assert isinstance(mlp, MLP)
+        mlp.gate_up_proj = plain
+        mlp.fused_act = False
     step = _StepRows()
     layers: dict[str, LoraLinear] = {}
     for target in sorted(ranks):
         parent_name, _, attr = target.rpartition(".")
         parent = resolver.modules[parent_name]
-        _unfuse_activation(parent, kernels)
         base = getattr(parent, attr)
         in_features, out_features = _features(base)
         layer = LoraLinear(base, in_features, out_features, max_loras, ranks[target])
@@ -518,20 +653,9 @@ def attach_lora(model: nn.Module, adapters: dict[str, LoraAdapter], max_loras: i
     return LoraSlots(adapters, max_loras, layers, pieces, step)
 
 
-def _unfuse_activation(parent: nn.Module, kernels: Any) -> None:
-    """An MLP whose gate/up projection applies silu(gate) * up itself (model/prepare.py sets
-    MLP.fused_act) leaves a gate/up update no place to land, and hands its down projection
-    activations already quantized where W4A8 fuses: its gate/up projection is swapped for the
-    unfused twin over the same weights, and the MLP applies the activation again."""
-    from batchrun.model.decoder import MLP
-
-    if not (isinstance(parent, MLP) and parent.fused_act):
-        return
-    parent.gate_up_proj = _unfused_gate_up(parent.gate_up_proj, kernels)
-    parent.fused_act = False
-
-
-def _unfused_gate_up(module: nn.Module, kernels: Any) -> nn.Module:
+def _unfused_gate_up(module: nn.Module, kernels: Any) -> Optional[nn.Module]:
+    """The gate/up projection `module` (one that applies silu(gate) * up itself) without the
+    activation, over the same weights; None for a kind this does not know."""
     from batchrun.kernels import cpu_linear as ck
     from batchrun.model.linear import (
         NativeLinear,
@@ -548,15 +672,17 @@ def _unfused_gate_up(module: nn.Module, kernels: Any) -> nn.Module:
     if isinstance(module, RowSplitLinear) and isinstance(module.small, NativeSiluMulLinear):
         small = _unfused_gate_up(module.small, kernels)
         assert isinstance(small, NativeLinear)
-        large = module.large
-        if isinstance(large, SiluMulAfter):
-            large = large.linear
-        elif isinstance(large, UnpackedTilesLinear):
-            large = UnpackedTilesLinear(small, large.buffer)
+        large: nn.Module
+        if isinstance(module.large, SiluMulAfter):
+            large = module.large.linear
+        elif isinstance(module.large, UnpackedTilesLinear):
+            large = UnpackedTilesLinear(small, module.large.buffer)
+        else:
+            return None
         return RowSplitLinear(small, large, module.split_rows)
     if isinstance(module, W4A8SiluMulLinear):
-        qweight, scales, mins = module.int4_weight()
+        qweight, scales, mins = module.int4_weight()  # HF's row order
         weight = QuantizedWeight("int4", qweight, scales, mins, module.in_features)
         bias = None if module.bias is None else module.bias[module._plain_order]
         return W4A8Linear(weight, bias, torch.bfloat16, kernels=kernels)
-    raise ValueError(f"cannot apply LoRA beside a fused gate/up activation of type {type(module).__name__}")
+    return None

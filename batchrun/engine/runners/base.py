@@ -141,7 +141,10 @@ class ModelRunner:
         kernels its capture saw, not the step's per-token adapter rows."""
         self.lora = slots
         if self.graphs is not None:
-            log.info("CUDA graphs are off: engine.lora_adapters is set (each step's adapter rows run eagerly)")
+            log.info(
+                "CUDA graphs are off, and with them engine.async_scheduling's steps ahead: engine.lora_adapters "
+                "is set (a step's adapter rows run eagerly)"
+            )
             self.graphs = None
 
     def token_slots(self, batch: ScheduledBatch) -> torch.Tensor:

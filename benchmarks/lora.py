@@ -328,6 +328,12 @@ def main(argv: Optional[list[str]] = None) -> None:
             "ratios are per-round medians, above 1 is faster than that system. `tokens = merged`: mixed rows "
             "whose tokens equal their merged model's."
         )
+        if mixed.get("vs_merged") is not None and mixed.get("vs_base") is not None:
+            met = mixed["vs_merged"] >= 1 and mixed["vs_base"] >= 1 / 1.2
+            notes += (
+                f" The issue's bars, mixed at least as fast as the merged sequence and within 20% of the base: "
+                f"{mixed['vs_merged']:.2f}x and {mixed['vs_base']:.2f}x ({'met' if met else 'not met'})."
+            )
         write_section(
             "lora",
             script_command("benchmarks.lora", argv),

@@ -381,9 +381,10 @@ def check_task(config: RunConfig, task: str, tokenizer: Any = None) -> None:
             f"the job is {config.job.task} but the engine serves {config.model.path} as {task} (engine.task); "
             f"use a model that can {config.job.task}, or another job",
         )
-    own = (
-        [*RESULT_COLUMNS, *OPTIONAL_RESULT_COLUMNS] if task == "generate" else [*POOLED_RESULT_COLUMNS, "sample_index"]
-    )
+    # `adapter` is written only with model.lora_adapters (check_adapters): without them an input
+    # column of that name (a LoRA run's results read again) may be kept
+    optional = [c for c in OPTIONAL_RESULT_COLUMNS if c != "adapter"]
+    own = [*RESULT_COLUMNS, *optional] if task == "generate" else [*POOLED_RESULT_COLUMNS, "sample_index"]
     clash = [c for c in config.output.keep_columns if c in own]
     if clash:
         raise ConfigError("output.keep_columns", f"{', '.join(clash)} would overwrite a result column of a {task} job")

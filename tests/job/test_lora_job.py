@@ -212,6 +212,11 @@ def test_misconfigured_adapters_stop_with_one_line_naming_the_keys(tmp_path, ada
     )
     assert ok.engine.lora_adapters == adapters and "lora_adapters" not in ok.to_dict()["engine"]
     assert "lora_adapters" not in build_run_config(base).to_dict()["model"]  # manifests without adapters unchanged
+    # `adapter` is a result column only with adapters: a LoRA run's results read again may keep theirs
+    assert build_run_config({**base, "output": {**base["output"], "keep_columns": ["adapter"]}})
+    assert refused(
+        model={"lora_adapters": adapters}, data={"adapter_column": "a"}, output={"keep_columns": ["adapter"]}
+    ).startswith("output.keep_columns: adapter would overwrite")
 
 
 def test_an_adapter_that_does_not_fit_the_model_is_a_config_error(tmp_path, tiny_llama_dir):

@@ -460,8 +460,11 @@ def unknown_key(dotted_key: str) -> ConfigError:
         cls: Any = _SECTIONS[parts[0]]
         for depth, name in enumerate(parts[1:-1], start=1):  # nested groups such as engine.speculative
             cls = typing.get_type_hints(cls).get(name)
+            group = ".".join(parts[: depth + 1])
+            if typing.get_origin(cls) is dict:  # a free mapping (model.lora_adapters, storage_options)
+                return ConfigError(group, f"a mapping; Hydra adds to it with '+': '+{group}={{name: value, ...}}'")
             if not dataclasses.is_dataclass(cls):
-                return ConfigError(".".join(parts[: depth + 1]), "is not a group of keys")
+                return ConfigError(group, "is not a group of keys")
         prefix, key = ".".join(parts[:-1]), parts[-1]
         allowed = [f.name for f in dataclasses.fields(cls) if f.name not in _HIDDEN_FIELDS.get(prefix, set())]
     try:

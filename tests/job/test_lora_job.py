@@ -16,7 +16,7 @@ import torch
 from batchrun.engine import EngineConfig, SamplingParams
 from batchrun.job import ConfigError, DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
 from batchrun.job.commit.store import RunStore
-from batchrun.job.config import build_run_config
+from batchrun.job.config import build_run_config, unknown_key
 from batchrun.job.formats.reader import InputRow
 from batchrun.job.formats.rows import UNKNOWN_ADAPTER, row_adapter
 from batchrun.job.operate.status import main as status_main
@@ -198,6 +198,8 @@ def test_misconfigured_adapters_stop_with_one_line_naming_the_keys(tmp_path, ada
         "model.lora_adapters.a: expected the path of a PEFT adapter directory"
     )
     assert refused(engine={"lora_adapters": adapters}) == "engine.lora_adapters: set model.lora_adapters instead"
+    # `model.lora_adapters={...}` without Hydra's + (the YAML's empty mapping is closed): the cli's line says how
+    assert str(unknown_key("model.lora_adapters.sql")).startswith("model.lora_adapters: a mapping; Hydra adds to it")
     assert refused(model={"lora_adapters": adapters}, data={"adapter_column": "a"}, job={"task": "embed"}).startswith(
         "model.lora_adapters: LoRA adapters serve generation"
     )

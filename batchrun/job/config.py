@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import string
 import types
 import typing
@@ -38,7 +39,15 @@ RESULT_COLUMNS = [
 # Columns that follow them only when the sampling settings ask (writer.result_schema): n > 1 adds
 # sample_index, logprobs adds cumulative_logprob and logprobs, prompt_logprobs adds prompt_logprobs.
 # With none of these, a results file is what it was before they existed.
-OPTIONAL_RESULT_COLUMNS = ["sample_index", "cumulative_logprob", "logprobs", "prompt_logprobs", "tool_calls"]
+# With LoRA adapters (model.lora_adapters), `adapter` says which one served the row.
+OPTIONAL_RESULT_COLUMNS = [
+    "sample_index",
+    "cumulative_logprob",
+    "logprobs",
+    "prompt_logprobs",
+    "tool_calls",
+    "adapter",
+]
 # What an embed or score run writes instead (writer.pooled_fields): no generated text, no output
 # tokens, no time to first token. `label` only when the score model has more than one label.
 POOLED_RESULT_COLUMNS = [
@@ -88,6 +97,9 @@ class DataConfig:
     # and this column the assistant turn (a system turn only with job.system_prompt), rendered with
     # the chat template without a generation prompt: what a reward model scores.
     response_column: Optional[str] = None
+    # A column naming each row's LoRA adapter (a key of model.lora_adapters); null or "" in a row:
+    # the base model. A name that is not a key makes that row an unknown_adapter error row.
+    adapter_column: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not self.uri:
@@ -99,6 +111,11 @@ class DataConfig:
         if self.format == "openai_batch" and self.group_column is not None:
             raise ValueError(
                 "data.group_column: batch files have no columns; leave it null with data.format=openai_batch"
+            )
+        if self.format == "openai_batch" and self.adapter_column is not None:
+            raise ValueError(
+                "data.adapter_column: batch files have no columns; a request names its adapter in body.model "
+                "(leave it null with data.format=openai_batch)"
             )
 
 
@@ -137,6 +154,8 @@ class JobConfig:
             extra.append(data.schema_column)
         if data.response_column is not None:
             extra.append(data.response_column)
+        if data.adapter_column is not None:
+            extra.append(data.adapter_column)
         return list(dict.fromkeys([data.text_column, *extra]))
 
 
@@ -261,6 +280,22 @@ class ModelConfig:
     """Which model to load: a registered name (e.g. smollm2-135m), a model directory or a .gguf file."""
 
     path: str = "smollm2-135m"
+    # LoRA adapters a row may name (data.adapter_column; a batch request's body.model): name -> a
+    # PEFT adapter directory (adapter_config.json + adapter_model.safetensors), relative paths from
+    # the working directory as model.path. Their files' sha256 are part of the run's fingerprint.
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, directory in self.lora_adapters.items():
+            if not isinstance(name, str) or not name.strip():
+                raise ConfigError("model.lora_adapters", f"adapter names must be non-empty strings, got {name!r}")
+            key = f"model.lora_adapters.{name}"
+            if not isinstance(directory, str) or not directory:
+                raise ConfigError(key, f"expected the path of a PEFT adapter directory, got {directory!r}")
+            if not os.path.isdir(directory):
+                raise ConfigError(
+                    key, f"no directory {directory!r} (a PEFT adapter directory, as save_pretrained writes)"
+                )
 
 
 @dataclass(frozen=True)
@@ -283,6 +318,9 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.engine.model != self.model.path:
             object.__setattr__(self, "engine", dataclasses.replace(self.engine, model=self.model.path))
+        if self.engine.lora_adapters != self.model.lora_adapters:
+            object.__setattr__(self, "engine", dataclasses.replace(self.engine, lora_adapters=self.model.lora_adapters))
+        check_adapters(self)
         task = self.job.task
         if task is not None and self.engine.task == "auto":
             object.__setattr__(self, "engine", dataclasses.replace(self.engine, task=task))
@@ -299,11 +337,39 @@ class RunConfig:
         configured = self.job.task or self.engine.task
         return "generate" if configured == "auto" else configured
 
+    @property
+    def has_adapters(self) -> bool:
+        """Rows may name LoRA adapters: their result rows carry `adapter`."""
+        return bool(self.model.lora_adapters)
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form, as written to the manifest (engine.model omitted: it is model.path)."""
+        """Plain JSON-able form, as written to the manifest (engine.model and engine.lora_adapters
+        omitted: they are model.path and model.lora_adapters; the LoRA keys only where they are set)."""
         out = dataclasses.asdict(self)
         out["engine"].pop("model")
+        out["engine"].pop("lora_adapters")
+        if not out["model"]["lora_adapters"]:  # a run without adapters records what it always has
+            out["model"].pop("lora_adapters")
+        if out["data"]["adapter_column"] is None:
+            out["data"].pop("adapter_column")
         return out
+
+
+def check_adapters(config: RunConfig) -> None:
+    """model.lora_adapters and data.adapter_column come together (a batch file's requests name
+    their adapter in body.model instead of a column); adapters serve generation only."""
+    adapters, column = config.model.lora_adapters, config.data.adapter_column
+    if config.data.format == "parquet" and bool(adapters) != (column is not None):
+        missing = "data.adapter_column" if adapters else "model.lora_adapters"
+        raise ConfigError(
+            "model.lora_adapters, data.adapter_column",
+            f"set both or neither ({missing} is missing): the adapters rows may name, and the column "
+            "that names each row's adapter",
+        )
+    if adapters and (config.job.task or config.engine.task) in ("embed", "score"):
+        raise ConfigError("model.lora_adapters", "LoRA adapters serve generation; leave them empty for embed or score")
+    if adapters and "adapter" in config.output.keep_columns:
+        raise ConfigError("output.keep_columns", "adapter would overwrite the result column naming each row's adapter")
 
 
 def check_task(config: RunConfig, task: str, tokenizer: Any = None) -> None:
@@ -315,9 +381,10 @@ def check_task(config: RunConfig, task: str, tokenizer: Any = None) -> None:
             f"the job is {config.job.task} but the engine serves {config.model.path} as {task} (engine.task); "
             f"use a model that can {config.job.task}, or another job",
         )
-    own = (
-        [*RESULT_COLUMNS, *OPTIONAL_RESULT_COLUMNS] if task == "generate" else [*POOLED_RESULT_COLUMNS, "sample_index"]
-    )
+    # `adapter` is written only with model.lora_adapters (check_adapters): without them an input
+    # column of that name (a LoRA run's results read again) may be kept
+    optional = [c for c in OPTIONAL_RESULT_COLUMNS if c != "adapter"]
+    own = [*RESULT_COLUMNS, *optional] if task == "generate" else [*POOLED_RESULT_COLUMNS, "sample_index"]
     clash = [c for c in config.output.keep_columns if c in own]
     if clash:
         raise ConfigError("output.keep_columns", f"{', '.join(clash)} would overwrite a result column of a {task} job")
@@ -327,6 +394,8 @@ def check_task(config: RunConfig, task: str, tokenizer: Any = None) -> None:
                 "data.response_column", "is for embed and score jobs (job.task); a generation job has no responses"
             )
         return
+    if config.model.lora_adapters:
+        raise ConfigError("model.lora_adapters", f"LoRA adapters serve generation; the engine serves {task}")
     if config.sampling.n != 1:
         raise ConfigError("sampling.n", f"must be 1 for a {task} job (one vector per row)")
     if config.data.schema_column is not None:
@@ -365,9 +434,9 @@ _SECTIONS: dict[str, type] = {
 # Groups that only one job composes (its YAML adds them), checked where that job runs, not in
 # RunConfig: group -> the job's name (the cli hands job=benchmark's group to benchmark/config.py).
 JOB_GROUPS = {"benchmark": "benchmark"}
-_HIDDEN_FIELDS = {"engine": {"model"}}
+_HIDDEN_FIELDS = {"engine": {"model", "lora_adapters"}}
 _TOP_LEVEL_SCALARS = {"quiet": bool, "dry_run": bool, "dry_run_json": Optional[str]}
-_MOVED_KEYS = {"engine.model": "model.path"}
+_MOVED_KEYS = {"engine.model": "model.path", "engine.lora_adapters": "model.lora_adapters"}
 
 
 def config_fields(section: str) -> list[str]:
@@ -391,8 +460,11 @@ def unknown_key(dotted_key: str) -> ConfigError:
         cls: Any = _SECTIONS[parts[0]]
         for depth, name in enumerate(parts[1:-1], start=1):  # nested groups such as engine.speculative
             cls = typing.get_type_hints(cls).get(name)
+            group = ".".join(parts[: depth + 1])
+            if typing.get_origin(cls) is dict:  # a free mapping (model.lora_adapters, storage_options)
+                return ConfigError(group, f"a mapping; Hydra adds to it with '+': '+{group}={{name: value, ...}}'")
             if not dataclasses.is_dataclass(cls):
-                return ConfigError(".".join(parts[: depth + 1]), "is not a group of keys")
+                return ConfigError(group, "is not a group of keys")
         prefix, key = ".".join(parts[:-1]), parts[-1]
         allowed = [f.name for f in dataclasses.fields(cls) if f.name not in _HIDDEN_FIELDS.get(prefix, set())]
     try:
@@ -416,10 +488,18 @@ def build_run_config(raw: Mapping[str, Any]) -> RunConfig:
         values = raw.get(section, {}) or {}
         if not isinstance(values, Mapping):
             raise ConfigError(section, f"expected a mapping of keys, got {type(values).__name__} {values!r}")
-        extra = {"model": kwargs["model"].path} if section == "engine" else {}  # model is built first
+        extra = {}
+        if section == "engine":  # model is built first
+            extra = {"model": kwargs["model"].path, "lora_adapters": kwargs["model"].lora_adapters}
         if section == "sampling" and isinstance(values.get("json_schema"), str):
             values = {**values, "json_schema": _read_schema(values["json_schema"])}
-        kwargs[section] = build_section(cls, values, section, extra)
+        try:
+            kwargs[section] = build_section(cls, values, section, extra)
+        except ConfigError as e:
+            if section != "engine" or "lora_adapters" in values or "engine.lora_adapters" not in str(e):
+                raise
+            # the engine names the adapters by its own key; users set them as model.lora_adapters
+            raise ConfigError("", str(e).replace("engine.lora_adapters", "model.lora_adapters")) from None
     return RunConfig(**kwargs)
 
 

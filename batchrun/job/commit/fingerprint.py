@@ -7,7 +7,8 @@ result row, in three parts:
   template mode, all sampling parameters, the data keys that pick columns (and the input format), output.keep_columns,
   and the engine settings that change numbers (dtype, quantization and its knobs, kv_cache_dtype,
   max_model_len, seed, batch_invariant, speculative method, and every speculative setting when seeded rows
-  speculate);
+  speculate); the LoRA adapters' names and their files' sha256 (hashed here, before the engine
+  loads: a changed adapter file is a changed run even where no shard is left to run);
 - model (known once the engine is loaded): the model file's sha256, the tokenizer's and chat
   template's hash, the dtype `auto` resolved to;
 - input: the shard file's size and version (ETag on object stores, mtime elsewhere).
@@ -21,8 +22,10 @@ shards whose fingerprint differs and keeps the others.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
+import os
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -61,6 +64,7 @@ def settings_fingerprint(config: RunConfig) -> dict[str, Any]:
         "openai_model_name",
         "schema_column",
         "response_column",
+        "adapter_column",
     )
     _flatten("data", {k: getattr(config.data, k) for k in data_keys}, out)
     out["output.keep_columns"] = list(config.output.keep_columns)
@@ -73,9 +77,41 @@ def settings_fingerprint(config: RunConfig) -> dict[str, Any]:
     if spec.method != "none" and not spec.adaptive:
         seeded_drafts = {k: v for k, v in dataclasses.asdict(spec).items() if k != "adaptive"}
     out["engine.speculative.seeded_drafts"] = seeded_drafts
+    # The names as one key (an adapter added or removed changes rows that name it), then each
+    # adapter's files, so that a difference names the adapter whose files changed.
+    adapters = config.model.lora_adapters
+    out["model.lora_adapters"] = sorted(adapters)
+    for name in sorted(adapters):
+        out[f"model.lora_adapters.{name}.sha256"] = adapter_sha256(adapters[name])
     # Markers hold it redacted (directory._encode): compare like with like.
     redacted: dict[str, Any] = redact(out)
     return redacted
+
+
+# What PEFT writes that decides an adapter's numbers (its README and the like do not).
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def adapter_sha256(directory: str) -> str:
+    """sha256 over the sha256 of a PEFT adapter's config and weights files: the engine's
+    Engine.adapter_fingerprints value for it, computed here before the engine loads."""
+    digest = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):  # a missing one stops the engine with a line naming the adapter
+            stat = os.stat(path)
+            digest.update(_file_sha256(os.path.realpath(path), stat.st_size, stat.st_mtime_ns).encode())
+    return digest.hexdigest()
+
+
+@functools.lru_cache(maxsize=64)
+def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
+    """Memoized by size and mtime: a run computes its settings fingerprint several times."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def model_fingerprint(model_sha256: str, tokenizer: Any, resolved_dtype: str) -> dict[str, Any]:

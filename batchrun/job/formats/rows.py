@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Optional
 
 from batchrun.engine import SamplingParams
@@ -14,6 +15,7 @@ DUPLICATE_ID = "duplicate_id"
 NULL_ID = "null_id"
 INVALID_TEXT = "invalid_text"
 INVALID_SCHEMA = "invalid_schema"
+UNKNOWN_ADAPTER = "unknown_adapter"
 
 
 def id_key(row_id: Any) -> Any:
@@ -44,6 +46,25 @@ def check_row(row: InputRow, seen_ids: set[Any], id_column: Optional[str]) -> Op
         return Prompt(error_type=DUPLICATE_ID, error_message=f"id {row.id!r} already appeared earlier in this shard")
     seen_ids.add(key)
     return None
+
+
+def row_adapter(
+    row: InputRow, column: Optional[str], known: Mapping[str, Any]
+) -> tuple[Optional[str], Optional[Prompt]]:
+    """(the row's adapter, None), None for the base model (no column, a null or empty value), or
+    (the value as a name where it is text, its unknown_adapter error) when `known` (the keys of
+    model.lora_adapters) does not have it."""
+    value = row.values.get(column) if column is not None else None
+    if value is None or value == "":
+        return None, None
+    names = ", ".join(sorted(known)) or "none"
+    if not isinstance(value, str):
+        message = f"column {column!r} holds {type(value).__name__} {value!r}; expected an adapter name (known: {names})"
+        return None, Prompt(error_type=UNKNOWN_ADAPTER, error_message=message)
+    if value not in known:
+        message = f"unknown adapter {value!r} in column {column!r} (known: {names}; null or empty: the base model)"
+        return value, Prompt(error_type=UNKNOWN_ADAPTER, error_message=message)
+    return value, None
 
 
 def with_row_schema(

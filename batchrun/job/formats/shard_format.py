@@ -40,7 +40,7 @@ from batchrun.job.formats.openai_requests import (
 )
 from batchrun.job.formats.prompts import UPSTREAM_ERROR, Prompt, PromptBuilder
 from batchrun.job.formats.reader import InputRow, ShardReader
-from batchrun.job.formats.rows import check_row
+from batchrun.job.formats.rows import check_row, row_adapter
 from batchrun.job.formats.tool_calls import resolve_template
 from batchrun.job.formats.writer import ENGINE_ERROR, optional_columns
 from batchrun.job.shards import Shard
@@ -64,13 +64,15 @@ class RowReader(Protocol):
 @dataclass(frozen=True)
 class RowPrompt:
     """A row as the format reads it: its prompt (or its error), its own sampling params (None:
-    the job's), whether those chose their own seed, and the format's request behind it (a batch
-    request; None for Parquet rows)."""
+    the job's), whether those chose their own seed, the format's request behind it (a batch
+    request; None for Parquet rows) and the LoRA adapter it names (None: the base model; an
+    unknown_adapter error row keeps the name it asked for)."""
 
     prompt: Prompt
     params: Optional[SamplingParams] = None
     seeded: bool = False
     request: Any = None
+    adapter: Optional[str] = None
 
 
 @dataclass
@@ -125,7 +127,7 @@ class ShardFormat(ABC):
         return self.config.sampling.n
 
     def optional_columns(self) -> list[str]:
-        return optional_columns(self.config.sampling, per_row=self.has_lines)
+        return optional_columns(self.config.sampling, per_row=self.has_lines, adapters=self.config.has_adapters)
 
     @abstractmethod
     def open_reader(self, shard: Shard, fs: Any) -> RowReader: ...
@@ -246,7 +248,10 @@ class ParquetFormat(ShardFormat):
             # such, so that every row of that run has one row here.
             message = f"the input run's row failed: {upstream}: {row.values.get(UPSTREAM_COLUMNS[1]) or ''}"
             return RowPrompt(Prompt(error_type=UPSTREAM_ERROR, error_message=message.rstrip(": ")))
-        return RowPrompt(self.prompts.build(row))
+        adapter, unknown = row_adapter(row, self.config.data.adapter_column, self.config.model.lora_adapters)
+        if unknown is not None:  # checked before the engine: the engine would fail it the same way
+            return RowPrompt(unknown, adapter=adapter)
+        return RowPrompt(self.prompts.build(row), adapter=adapter)
 
 
 class OpenAIBatchFormat(ShardFormat):
@@ -283,7 +288,9 @@ class OpenAIBatchFormat(ShardFormat):
             return RowPrompt(prompt)
         prompt, params, request = self.requests.build(row)
         seeded = request is not None and request.body.get("seed") is not None
-        return RowPrompt(prompt, params, seeded, request)
+        # body.model naming a configured adapter selects it (as vLLM serves LoRA adapters by name)
+        adapter = request.model if request is not None and request.model in self.config.model.lora_adapters else None
+        return RowPrompt(prompt, params, seeded, request, adapter)
 
     def see(self, row: InputRow, seen_ids: set[Any]) -> None:
         if self.requests.check_line(row) is None:
@@ -378,7 +385,7 @@ def prompt_builders(config: RunConfig, engine: Engine) -> tuple[PromptBuilder, O
         requests = RequestBuilder(
             engine.tokenizer,
             engine.max_model_len,
-            frozenset([config.model.path, *([alias] if alias else [])]),
+            frozenset([config.model.path, *([alias] if alias else []), *config.model.lora_adapters]),
             config.sampling,
             config.job.system_prompt,
             resolve_template(config.job.tools_chat_template),

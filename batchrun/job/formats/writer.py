@@ -47,6 +47,9 @@ OPTIONAL_RESULT_FIELDS: list[pa.Field] = [
     # batch files: a chat choice's parsed tool calls in OpenAI's message.tool_calls shape (id, type,
     # function {name, arguments as JSON text}); null when it holds none (tool_calls.py)
     pa.field("tool_calls", TOOL_CALLS_TYPE),
+    # with model.lora_adapters: the adapter that served the row (null: the base model); an
+    # unknown_adapter error row keeps the name it asked for
+    pa.field("adapter", pa.string()),
 ]
 assert [f.name for f in OPTIONAL_RESULT_FIELDS] == OPTIONAL_RESULT_COLUMNS
 
@@ -140,16 +143,18 @@ def error_result(
     }
 
 
-def optional_columns(sampling: SamplingParams, per_row: bool = False) -> list[str]:
+def optional_columns(sampling: SamplingParams, per_row: bool = False, adapters: bool = False) -> list[str]:
     """The optional result columns these sampling settings add, in schema order. `per_row`: rows
     may ask for their own samples, logprobs and tools (batch requests' n, logprobs and tools), so
-    those columns are always there (null for rows that did not ask)."""
+    those columns are always there (null for rows that did not ask). `adapters`: rows may name a
+    LoRA adapter (model.lora_adapters)."""
     wanted = {
         "sample_index": sampling.n > 1 or per_row,
         "cumulative_logprob": sampling.logprobs is not None or per_row,
         "logprobs": sampling.logprobs is not None or per_row,
         "prompt_logprobs": sampling.prompt_logprobs is not None,
         "tool_calls": per_row,
+        "adapter": adapters,
     }
     return [c for c in OPTIONAL_RESULT_COLUMNS if wanted[c]]
 

@@ -98,6 +98,8 @@ class RunPlan:
     # the engine's kernel set (EngineSettings.kernels): which function serves each kernel, and the
     # tuning's choices; what a run of this plan would run
     kernels: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # With model.lora_adapters: ok result rows per adapter the rows name (the rest run on the base model)
+    adapter_counts: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -160,6 +162,7 @@ class _Counter:
         self.num_shared = 0
         self.window: set[int] = set()  # chained hashes of the full blocks of the window's prompts
         self.window_rows = 0
+        self.adapter_counts: Counter[str] = Counter()
 
     def shard(self, shard: Shard, fs: Any) -> ShardPlan:
         errors: Counter[str] = Counter()
@@ -170,7 +173,7 @@ class _Counter:
         try:
             reader = self.format.open_reader(shard, fs)
             for row in reader.rows():
-                prompt, params = self._prompt(row, seen_ids)
+                prompt, params, adapter = self._prompt(row, seen_ids)
                 n = self.format.num_samples(prompt, params)
                 totals["rows"] += 1
                 totals["results"] += n
@@ -181,9 +184,11 @@ class _Counter:
                     continue
                 length = len(prompt.token_ids)
                 self.lengths[length] += 1
+                if adapter is not None:
+                    self.adapter_counts[adapter] += n
                 self.num_truncated += prompt.error_message is not None
                 totals["prompt"] += length * n
-                totals["prefill"] += length - self._shared(prompt.token_ids)  # samples share one prefill
+                totals["prefill"] += length - self._shared(prompt.token_ids, adapter)  # samples share one prefill
                 if not self.is_pooling:
                     totals["output"] += (params or self.config.sampling).max_tokens * n
         except ShardError as e:
@@ -203,27 +208,29 @@ class _Counter:
             failure,
         )
 
-    def _prompt(self, row: InputRow, seen_ids: set[Any]) -> tuple[Prompt, Optional[SamplingParams]]:
-        """The row's prompt (or error) and its own params, in the order flow.ShardRun.requests checks."""
+    def _prompt(self, row: InputRow, seen_ids: set[Any]) -> tuple[Prompt, Optional[SamplingParams], Optional[str]]:
+        """The row's prompt (or error), its own params and its adapter, in the order
+        flow.ShardRun.requests checks."""
         built = self.format.build(row, seen_ids)
         prompt, params = built.prompt, built.params
         if prompt.token_ids is not None:
             checked, schema_error = with_row_schema(row, params or self.config.sampling, self.config.data.schema_column)
             if schema_error is not None:
-                return Prompt(error_type=INVALID_SCHEMA, error_message=schema_error), None
+                return Prompt(error_type=INVALID_SCHEMA, error_message=schema_error), None, built.adapter
             params = params if checked is None else checked
-        return prompt, params
+        return prompt, params, built.adapter
 
-    def _shared(self, ids: list[int]) -> int:
+    def _shared(self, ids: list[int], adapter: Optional[str] = None) -> int:
         """Tokens of this prompt's leading full blocks that an earlier prompt of its planner window
         has too. Blocks as the prefix cache keys them: full blocks among all but the last token
-        (engine/kv_cache.match_prefix), each keyed by its tokens and every token before them."""
+        (engine/kv_cache.match_prefix), each keyed by its tokens and every token before them, and
+        by the row's adapter (rows of different adapters share no KV)."""
         if self.window_rows >= self.config.planner.window:
             self.window.clear()
             self.window_rows = 0
         self.window_rows += 1
         bs = self.block_size
-        key = 0
+        key = hash(("adapter", adapter)) if adapter is not None else 0
         shared = 0
         for i in range((len(ids) - 1) // bs):
             key = hash((key, tuple(ids[i * bs : (i + 1) * bs])))
@@ -272,6 +279,7 @@ class _Counter:
             estimates=estimates,
             shards=tuple(plans),
             kernels=engine.settings.as_dict()["kernels"],
+            adapter_counts=dict(sorted(self.adapter_counts.items())),
         )
 
 
@@ -363,6 +371,10 @@ def format_plan(plan: RunPlan, max_shards: int = 20) -> str:
         f"({plan.profile['prefill_chunk_tokens']}-token chunks), decode {plan.profile['decode_tok_s']:.0f} tok/s "
         f"({plan.profile['decode_batch']} sequences), start-up {plan.profile['startup_s']:.1f}s",
     ]
+    if plan.adapter_counts:
+        per_adapter = ", ".join(f"{name} {count}" for name, count in plan.adapter_counts.items())
+        base = plan.num_ok - sum(plan.adapter_counts.values())
+        lines.append(f"adapters:       {per_adapter} ok result rows; {base} on the base model")
     if plan.kernels:
         k = plan.kernels
         lines.append(

@@ -40,6 +40,8 @@ from batchrun.job.shards import Worker, discover_shards, open_filesystem, resolv
 
 log = logging.getLogger(__name__)
 
+LORA_KEY = "model.lora_adapters."  # how the engine's adapter errors start
+
 
 def run_worker(
     config: RunConfig, engine: Optional[Engine] = None, env: Optional[Mapping[str, str]] = None
@@ -57,9 +59,15 @@ def load_engine(config: EngineConfig) -> Engine:
         # that does not split the model's heads, or more ranks than GPUs): a config error, exit 2.
         # Its message names the key already.
         raise ConfigError("", " ".join(str(e).split())) from None
-    except Exception as e:  # a missing file, an unknown model name or format: the user must fix the path
+    except Exception as e:
+        message = " ".join(str(e).split())
+        if isinstance(e, ValueError) and message.startswith(LORA_KEY):
+            # An adapter that does not fit the model (the engine's LoraError names the adapter and
+            # its first mismatch): a config error, exit 2.
+            raise ConfigError("", message) from None
+        # a missing file, an unknown model name or format: the user must fix the path
         log.debug("engine construction failed", exc_info=True)
-        raise JobError(f"cannot load model {config.model!r}: {type(e).__name__}: {' '.join(str(e).split())}") from None
+        raise JobError(f"cannot load model {config.model!r}: {type(e).__name__}: {message}") from None
 
 
 class _JobRun:

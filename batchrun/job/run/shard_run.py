@@ -283,6 +283,8 @@ class ShardRun:
                 if self.carries_sample_index:
                     keep["sample_index"] = row.values.get("sample_index")
                 built = self.format.build(row, self.seen_ids)
+                if "adapter" in self.optional_columns:  # every result row of the row says which adapter
+                    keep["adapter"] = built.adapter
                 prompt, params = self._final_params(row, built)
                 num_samples = self.format.num_samples(prompt, params)
                 if num_samples != self.format.default_samples:
@@ -304,9 +306,16 @@ class ShardRun:
                 )
                 if prompt.engine_prompts:  # an embed text, an embeddings request's inputs: one result row each
                     for i, engine_prompt in enumerate(prompt.engine_prompts):
-                        yield EngineRequest(request_id=(self.key, row.index, i), prompt=engine_prompt, params=params)
+                        yield EngineRequest(
+                            request_id=(self.key, row.index, i),
+                            prompt=engine_prompt,
+                            params=params,
+                            adapter=built.adapter,
+                        )
                     continue
-                yield EngineRequest(request_id=(self.key, row.index), prompt=prompt.token_ids, params=params)
+                yield EngineRequest(
+                    request_id=(self.key, row.index), prompt=prompt.token_ids, params=params, adapter=built.adapter
+                )
             self.is_read = True
         except Exception as e:
             # Raising here would unwind through the engine: the flow fails this shard alone.

@@ -462,7 +462,7 @@ def unknown_key(dotted_key: str) -> ConfigError:
             cls = typing.get_type_hints(cls).get(name)
             group = ".".join(parts[: depth + 1])
             if typing.get_origin(cls) is dict:  # a free mapping (model.lora_adapters, storage_options)
-                return ConfigError(group, f"a mapping; Hydra adds to it with '+': '+{group}={{name: value, ...}}'")
+                return ConfigError(group, f"a mapping: set it whole, '{group}={{name: value, ...}}'")
             if not dataclasses.is_dataclass(cls):
                 return ConfigError(group, "is not a group of keys")
         prefix, key = ".".join(parts[:-1]), parts[-1]
@@ -583,6 +583,8 @@ def _check_value(value: Any, tp: Any, key: str) -> Any:
         items = [_check_value(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
         return tuple(items) if origin is tuple else items
     if origin is dict or tp is dict:
+        if value is None:  # a preset's null mapping (model.lora_adapters): a plain override assigns it
+            return {}
         if not isinstance(value, Mapping):
             raise ConfigError(key, f"expected a mapping, got {type(value).__name__} {value!r}")
         return dict(value)

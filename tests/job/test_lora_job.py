@@ -198,8 +198,8 @@ def test_misconfigured_adapters_stop_with_one_line_naming_the_keys(tmp_path, ada
         "model.lora_adapters.a: expected the path of a PEFT adapter directory"
     )
     assert refused(engine={"lora_adapters": adapters}) == "engine.lora_adapters: set model.lora_adapters instead"
-    # `model.lora_adapters={...}` without Hydra's + (the YAML's empty mapping is closed): the cli's line says how
-    assert str(unknown_key("model.lora_adapters.sql")).startswith("model.lora_adapters: a mapping; Hydra adds to it")
+    # one key of the mapping alone is not a Hydra override of the presets' null: the cli's line says how
+    assert str(unknown_key("model.lora_adapters.sql")).startswith("model.lora_adapters: a mapping: set it whole")
     assert refused(model={"lora_adapters": adapters}, data={"adapter_column": "a"}, job={"task": "embed"}).startswith(
         "model.lora_adapters: LoRA adapters serve generation"
     )
@@ -283,3 +283,23 @@ def test_a_batch_request_names_its_adapter_in_body_model_and_the_dry_run_counts_
         assert "adapters:       alpha 2, beta 2 ok result rows; 2 on the base model" in format_plan(plan)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("model", ["smollm2_135m", "llama3_8b"])
+def test_the_command_line_sets_the_adapter_mapping_whole(tmp_path, model):
+    """README's form, `model.lora_adapters={name: dir, ...}` without Hydra's +, on every generating preset."""
+    from batchrun import cli
+
+    (tmp_path / "sql").mkdir()
+    (tmp_path / "chat").mkdir()
+    overrides = [
+        f"model={model}",
+        "job=generate",
+        "data.uri=/some/prompts",
+        "data.adapter_column=adapter",
+        f"model.lora_adapters={{sql: {tmp_path / 'sql'}, chat: {tmp_path / 'chat'}}}",
+    ]
+    config = cli.load_config(overrides)
+    assert config.model.lora_adapters == {"sql": str(tmp_path / "sql"), "chat": str(tmp_path / "chat")}
+    assert config.engine.lora_adapters == config.model.lora_adapters
+    assert cli.load_config([f"model={model}"]).model.lora_adapters == {}

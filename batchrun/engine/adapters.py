@@ -24,14 +24,20 @@ log = logging.getLogger(__name__)
 class Adapters:
     """engine.lora_adapters, attached."""
 
-    slots: LoraSlots  # max_loras resident slots of every wrapped linear; loads, pins, per-step rows
+    slots: LoraSlots  # resident slots of every wrapped linear; loads, pins, per-step rows
     fingerprints: Mapping[str, str]  # adapter name -> sha256 of its files (adapter_config + weights)
     max_loras: int  # engine.max_loras
+    num_slots: int  # slots allocated: max_loras, or fewer where fewer adapters are configured
     max_rank: int  # the largest rank among the adapters' modules (rank_pattern included)
 
     def settings(self) -> dict[str, Any]:
         """EngineSettings.lora: what a run manifest records of the adapters."""
-        return {"adapters": dict(self.fingerprints), "max_loras": self.max_loras, "max_rank": self.max_rank}
+        return {
+            "adapters": dict(self.fingerprints),
+            "max_loras": self.max_loras,
+            "slots": self.num_slots,
+            "max_rank": self.max_rank,
+        }
 
 
 def attach_adapters(config: EngineConfig, model: Any) -> Optional[Adapters]:
@@ -40,18 +46,22 @@ def attach_adapters(config: EngineConfig, model: Any) -> Optional[Adapters]:
     if not config.lora_adapters:
         return None
     adapters = {name: read_adapter(name, directory) for name, directory in config.lora_adapters.items()}
-    slots = attach_lora(model, adapters, config.max_loras)
+    # A slot holds a copy of an adapter's stacked weights for every wrapped linear: no more of them
+    # than there are adapters to hold (the rest would be memory the KV cache never gets).
+    num_slots = min(config.max_loras, len(adapters))
+    slots = attach_lora(model, adapters, num_slots)
     attached = Adapters(
         slots=slots,
         fingerprints={name: a.fingerprint for name, a in adapters.items()},
         max_loras=config.max_loras,
+        num_slots=num_slots,
         max_rank=slots.max_rank,
     )
     log.info(
         "LoRA: %d adapter(s) (%s), %d resident at once, rank <= %d",
         len(adapters),
         ", ".join(sorted(adapters)),
-        config.max_loras,
+        num_slots,
         attached.max_rank,
     )
     return attached

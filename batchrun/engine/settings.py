@@ -60,7 +60,8 @@ class EngineSettings:
     # How the model is run (model/generic.py: serving_path): "native" (batchrun's own decoder for its
     # family) or "generic" (the model's transformers implementation over batchrun's paged attention)
     model_path: str = "native"
-    # LoRA: {"adapters": {name: sha256 of its files}, "max_loras": slots, "max_rank": r}; None without
+    # LoRA: {"adapters": {name: sha256 of its files}, "max_loras": engine.max_loras, "slots": resident
+    # slots allocated (at most one per adapter), "max_rank": r}; None without
     lora: Optional[Mapping[str, Any]] = None
     warmup: Optional[Mapping[str, Any]] = None  # the last warm-up's {"num_steps", "graph_buckets", "seconds"}
 

@@ -137,7 +137,7 @@ def test_rows_of_two_adapters_and_the_base_match_their_merged_models(lora_family
     base_tokens = lora_setup[2](None, prompts)
     assert all(o.token_ids != t for o, t, n in zip(outs, base_tokens, names) if n), "an adapter changes the output"
     lora = engine.settings.as_dict()["lora"]
-    assert lora["max_loras"] == max_loras and lora["max_rank"] == 8
+    assert lora["max_loras"] == max_loras and lora["max_rank"] == 8 and lora["slots"] == min(max_loras, 2)
     assert lora["adapters"] == engine.adapter_fingerprints and sorted(lora["adapters"]) == ["a", "b"]
     assert all(len(fp) == 64 for fp in engine.adapter_fingerprints.values())
     assert engine.runner.graphs is None
@@ -187,6 +187,10 @@ def test_unknown_adapter_is_an_error_output_and_the_rest_run(lora_setup):
     assert outs[1].finish_reason == "error" and outs[1].token_ids == []
     assert outs[1].error == "unknown adapter 'nope' (known: a, b)"
     assert [outs[0].token_ids, outs[2].token_ids] == _expected(lora_setup, [prompts[0], prompts[2]], ["a", None])
+    # engine.max_loras=4 (the default) with two adapters: two slots allocated, not four
+    lora = engine.settings.as_dict()["lora"]
+    assert lora["max_loras"] == 4 and lora["slots"] == 2
+    assert {m.lora_a.shape[0] for m in engine.model.modules() if type(m).__name__ == "LoraLinear"} == {2}
 
 
 def test_an_abandoned_stream_unpins_its_adapters(lora_setup):

@@ -292,7 +292,7 @@ class ModelConfig:
             key = f"model.lora_adapters.{name}"
             if not isinstance(directory, str) or not directory:
                 raise ConfigError(key, f"expected the path of a PEFT adapter directory, got {directory!r}")
-            if not os.path.isdir(directory):
+            if not os.path.isdir(os.path.expanduser(directory)):
                 raise ConfigError(
                     key, f"no directory {directory!r} (a PEFT adapter directory, as save_pretrained writes)"
                 )

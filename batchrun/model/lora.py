@@ -116,7 +116,9 @@ def _pattern_value(patterns: dict[str, Any], path: str, default: Any) -> Any:
 
 
 def read_adapter(name: str, directory: str) -> LoraAdapter:
-    """The adapter in `directory`, read and checked (LoraError naming `name` and the problem)."""
+    """The adapter in `directory` (`~` expanded, as a model path is), read and checked (LoraError
+    naming `name` and the problem)."""
+    directory = os.path.expanduser(directory)
     config_path = os.path.join(directory, CONFIG_FILE)
     weights_path = os.path.join(directory, WEIGHTS_FILE)
     if not os.path.isdir(directory):

@@ -310,6 +310,12 @@ def test_scale_and_fingerprint(tmp_path):
     assert again.fingerprint == plain.fingerprint
 
 
+def test_an_adapter_directory_under_home_is_found_with_a_tilde(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    _write_adapter(tmp_path / "ft" / "sql", _pair("model.layers.0.self_attn.q_proj", 4, 64, 64), lora_alpha=8)
+    assert read_adapter("sql", "~/ft/sql").directory == str(tmp_path / "ft" / "sql")
+
+
 # ---- slots ----------------------------------------------------------------------------------------
 
 

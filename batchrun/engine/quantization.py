@@ -65,7 +65,9 @@ def prepare_linears_for_engine(
     input_absmax = None
     if config.quantization == "w8a8":
         run = prefill_forward(model, config.block_size, dtype, target.device)
-        input_absmax = collect_input_absmax(model, run, calibration_token_ids(tokenizer))
+        # calibration prompts no longer than the model's positions (its rope table's rows)
+        seq_len = min(512, model.spec.max_position_embeddings)
+        input_absmax = collect_input_absmax(model, run, calibration_token_ids(tokenizer, seq_len=seq_len))
     return prepare_linears(
         model,
         config.quantization,

@@ -202,3 +202,15 @@ def test_the_job_manifest_and_fingerprint_record_the_settings_as_before(
         "engine.resolved_dtype": "float32",
     }
     assert isinstance(engine.settings, EngineSettings)
+
+
+def test_w8a8_calibration_stays_within_a_short_position_limit(tmp_path):
+    """SmoothQuant's calibration prompts are cut to the model's positions (256 here, fewer than the
+    512 calibration tokens): a shorter model starts instead of indexing past its rope table."""
+    from batchrun.testing import build_tokenizer
+    from tests.support.generic_models import save_tiny
+
+    model_dir = save_tiny(tmp_path / "llama", build_tokenizer(), "llama", num_key_value_heads=2)
+    engine = Engine(_config(model_dir, kv_cache_memory=8 << 20, quantization="w8a8"))
+    out = engine.generate(["def f(x):"], SamplingParams(temperature=0.0, max_tokens=4))[0]
+    assert engine.settings.quantization == "w8a8" and len(out.token_ids) == 4

@@ -100,6 +100,7 @@ ARCHITECTURES = [
     ("smollm3", "smollm3", dict(num_key_value_heads=2, no_rope_layers=[1, 0]), "generic"),  # a NoPE layer
     ("cohere", "cohere", dict(num_key_value_heads=2, logit_scale=0.5), "generic"),  # parallel block, logit scale
     ("gpt2", "gpt2", dict(n_inner=128), "generic"),  # learned positions, Conv1D projections
+    ("opt", "opt", dict(ffn_dim=128, word_embed_proj_dim=32), "generic"),  # base model's decoder, projections out
 ]
 
 
@@ -110,7 +111,8 @@ def test_greedy_tokens_equal_hf_generate(tmp_path, tokenizer, one_torch_thread, 
     with caplog.at_level(logging.INFO, logger="batchrun.engine.startup"):
         engine = make_tiny_engine(directory, enable_prefix_caching=True)
     ready = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
-    assert f"{path} path" in ready[0] and ("off: CUDA graphs" in ready[0]) == (path == "generic")
+    assert f"{path} path" in ready[0] and ("off: fused projections" in ready[0]) == (path == "generic")
+    assert "CUDA graphs" not in ready[0]  # graphs are a GPU runner's: nothing to turn off on the CPU
     assert engine.settings.model_path == path
     assert isinstance(engine.model, GenericLM) == (path == "generic")
     assert ("model_path" in engine.settings.as_dict()) == (path == "generic")
@@ -263,3 +265,37 @@ def test_self_speculation_is_refused_on_the_generic_path(tmp_path):
         write_config(tmp_path / "m", "olmo2"), speculative=SpeculativeConfig(method="self", num_speculative_tokens=2)
     )
     assert message.startswith("engine.speculative.method=self")
+
+
+def test_what_the_generic_path_turns_off_is_said_per_target():
+    from batchrun.engine.tasks import generic_turned_off
+
+    assert any("CUDA graphs" in line for line in generic_turned_off(on_gpu=True))
+    assert not any("CUDA graphs" in line for line in generic_turned_off(on_gpu=False))
+
+
+def test_attention_sinks_are_refused_from_the_config_before_loading(tmp_path):
+    directory = write_config(tmp_path / "m", "gpt_oss", num_key_value_heads=2, head_dim=16, num_local_experts=4)
+    message = refusal(directory)  # config.json only: no weights to load
+    assert message.startswith(f"engine.model={directory}") and "gpt_oss" in message and "sinks" in message
+
+
+def test_a_refusal_found_while_building_is_one_engine_config_error_line(tmp_path, tokenizer, monkeypatch):
+    """What build_generic finds only once the class is built (here: the sink check switched off at
+    the config) is an EngineConfigError naming engine.model, as the config-time refusals are."""
+    from batchrun.engine import tasks
+
+    directory = save_tiny(
+        tmp_path / "m",
+        tokenizer,
+        "gpt_oss",
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    monkeypatch.setattr(tasks, "SINK_MODEL_TYPES", ())
+    message = refusal(directory)
+    assert message.startswith(f"engine.model={directory}") and "s_aux" in message

@@ -250,6 +250,37 @@ class _GivenHidden(nn.Module):
         return _given_output_class()(last_hidden_state=self.hidden)
 
 
+def base_model(hf_model: nn.Module) -> nn.Module:
+    """The module a CausalLM runs its tokens through before its head: what `get_decoder()` returns
+    (OPT's `model.decoder`), else `.model` (Llama 4 text and Mllama name a `base_model_prefix`
+    their __init__ never sets, so get_decoder answers the CausalLM itself); GenericModelError
+    where there is neither."""
+    found: Any = None
+    get_decoder = getattr(hf_model, "get_decoder", None)
+    if callable(get_decoder):
+        try:
+            found = get_decoder()
+        except Exception:  # a class whose lookup raises: try .model
+            found = None
+    if not isinstance(found, nn.Module) or found is hf_model:
+        found = getattr(hf_model, "model", None)
+    if not isinstance(found, nn.Module) or found is hf_model:
+        raise GenericModelError(
+            f"model_type {getattr(hf_model.config, 'model_type', None)!r}: transformers' {type(hf_model).__name__} "
+            "has no base model batchrun can find (neither get_decoder() nor .model)"
+        )
+    return found
+
+
+def base_model_path(hf_model: nn.Module) -> str:
+    """`base_model(hf_model)`'s name in `hf_model.named_modules()` ("model", "model.decoder")."""
+    base = base_model(hf_model)
+    for name, module in hf_model.named_modules():
+        if module is base and name:
+            return name
+    raise GenericModelError(f"{type(hf_model).__name__}: its base model is not one of its submodules")
+
+
 class GenericLM(nn.Module):
     """An HF causal LM with the surface of DecoderLM the engine uses (.spec, .kernels, use_kernels,
     forward, compute_logits, expert counters). `hf_model` is the `*ForCausalLM` itself, so its
@@ -262,8 +293,13 @@ class GenericLM(nn.Module):
         self.hf_model = hf_model
         self.spec = spec
         self.kernels = kernels if kernels is not None else reference_kernels()
-        self.base_prefix = str(hf_model.base_model_prefix)
-        assert isinstance(getattr(hf_model, self.base_prefix, None), nn.Module), "a CausalLM over a base model"
+        # where the base model sits in hf_model (a path, not a second registration of the module)
+        self.base_path = base_model_path(hf_model)
+
+    @property
+    def base(self) -> nn.Module:
+        """The module the CausalLM runs the tokens through before its head (`base_model_path`)."""
+        return self.hf_model.get_submodule(self.base_path)
 
     def use_kernels(self, kernels: KernelSet) -> None:
         self.kernels = kernels
@@ -275,7 +311,7 @@ class GenericLM(nn.Module):
         hf_model: Any = self.hf_model
         head, embed = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
         tied = head is not None and embed is not None and head.weight is embed.weight
-        root = getattr(self.hf_model, self.base_prefix) if tied else self.hf_model
+        root = self.base if tied else self.hf_model
         return prepare_linears(root, "none", kernels=kernels)
 
     @torch.inference_mode()
@@ -289,24 +325,25 @@ class GenericLM(nn.Module):
     ) -> torch.Tensor:
         """(num_tokens, hidden_size): the base model's last hidden states (its final norm applied)."""
         assert num_layers is None, "the generic path runs every layer (self-speculation is refused)"
-        base = getattr(self.hf_model, self.base_prefix)
         with _step(_Step(kv_caches, meta, self.kernels)):
-            out = base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+            out = self.base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
         return out[0][0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(num_rows, vocab_size) float32: the CausalLM's own forward after its base model (LM head,
         logit scaling, final soft-capping: whatever the class applies), on `hidden` (num_rows,
-        hidden_size), with the base model replaced by one that returns `hidden`."""
-        base = getattr(self.hf_model, self.base_prefix)
+        hidden_size), with the base model replaced (at its parent's attribute: OPT's CausalLM calls
+        `self.model.decoder`) by one that returns `hidden`."""
+        parent_path, _, attr = self.base_path.rpartition(".")
+        parent, base = self.hf_model.get_submodule(parent_path), self.base
         num_rows = hidden.shape[0]
         dummy_ids = torch.zeros((1, num_rows), dtype=torch.long, device=hidden.device)
-        setattr(self.hf_model, self.base_prefix, _GivenHidden(hidden[None]))
+        setattr(parent, attr, _GivenHidden(hidden[None]))
         try:
             out = self.hf_model(input_ids=dummy_ids, use_cache=False, logits_to_keep=0)
         finally:
-            setattr(self.hf_model, self.base_prefix, base)
+            setattr(parent, attr, base)
         return out.logits[0].float()
 
     def expert_token_counts(self) -> Optional[list[list[int]]]:
@@ -353,7 +390,35 @@ def build_generic(
     hf_model = hf_model.to(device).eval()
     if hf_model.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise GenericModelError(f"transformers' {cls.__name__} did not take the {ATTN_IMPLEMENTATION} attention")
-    return GenericLM(hf_model, generic_spec(hf_config, probe_attention(hf_model)), kernels)
+    model = GenericLM(hf_model, generic_spec(hf_config, probe_attention(hf_model)), kernels)
+    check_head(model)
+    return model
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def check_head(model: GenericLM) -> None:
+    """The CausalLM's head once on a dummy row, so a class whose forward reaches past its base
+    model's output (what compute_logits stands in for) is refused at start-up, not in the first
+    step."""
+    hf_model: Any = model.hf_model
+    device = next(hf_model.parameters()).device
+    width = int(getattr(hf_model.get_output_embeddings(), "in_features", 0) or model.spec.hidden_size)
+    try:
+        logits = model.compute_logits(torch.zeros((1, width), dtype=hf_model.dtype, device=device))
+    except Exception as e:
+        raise GenericModelError(
+            f"model_type {model.spec.model_type!r}: its CausalLM head cannot run on the base model's hidden states "
+            f"alone ({_first_line(e)}); not supported on the generic path"
+        ) from None
+    if tuple(logits.shape) != (1, model.spec.vocab_size):
+        raise GenericModelError(
+            f"model_type {model.spec.model_type!r}: its CausalLM head gave logits of shape {tuple(logits.shape)} "
+            f"for one row (want (1, {model.spec.vocab_size})); not supported on the generic path"
+        )
 
 
 @torch.inference_mode()
@@ -361,7 +426,7 @@ def probe_attention(hf_model: nn.Module) -> list[LayerAttention]:
     """Per layer, what it hands its attention function: one token through the base model, each
     attention call recorded and answered with zeros. Every layer must call it once (a layer that
     does not keeps a state the paged cache does not hold)."""
-    base = getattr(hf_model, str(hf_model.base_model_prefix))
+    base = base_model(hf_model)
     device = next(hf_model.parameters()).device
     found: dict[int, LayerAttention] = {}
     with _step(_Step([], None, reference_kernels(), probe=found)):

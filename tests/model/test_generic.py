@@ -53,6 +53,23 @@ def hf_greedy(directory: str, token_lists: list[list[int]]) -> list[list[int]]:
     return out
 
 
+# Llama 4 text with every layer attending in full (no chunked attention), a NoPE layer whose attention
+# temperature is tuned from small positions (floor_scale 2), no MoE layer.
+LLAMA4_TEXT = dict(
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size_mlp=128,
+    num_local_experts=2,
+    num_experts_per_tok=1,
+    attention_chunk_size=None,
+    no_rope_layers=[1, 0],
+    attn_temperature_tuning=True,
+    floor_scale=2,
+    attn_scale=2.0,
+    interleave_moe_layer_step=1,
+    moe_layers=[],
+)
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 # (id, model_type, config, serving path): the structures the oracle covers.
@@ -299,3 +316,32 @@ def test_a_refusal_found_while_building_is_one_engine_config_error_line(tmp_path
     monkeypatch.setattr(tasks, "SINK_MODEL_TYPES", ())
     message = refusal(directory)
     assert message.startswith(f"engine.model={directory}") and "s_aux" in message
+
+
+def test_the_base_model_is_found_where_base_model_prefix_names_no_attribute(tmp_path, tokenizer):
+    """Llama4ForCausalLM's base_model_prefix is "language_model", but its base model is `.model`."""
+    from batchrun.model.generic import base_model
+
+    directory = save_tiny(tmp_path / "m", tokenizer, "llama4_text", **LLAMA4_TEXT)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    assert not hasattr(hf, hf.base_model_prefix)
+    assert base_model(hf) is hf.model
+
+
+def test_a_head_that_cannot_run_on_given_hidden_states_is_refused_at_start_up(tmp_path, tokenizer, monkeypatch):
+    """The head runs once at start-up: a CausalLM whose forward reaches past its base model's
+    output is one EngineConfigError line then, not a failure in the first step."""
+    from transformers import OlmoForCausalLM
+
+    directory = save_tiny(tmp_path / "m", tokenizer, "olmo", num_key_value_heads=2)
+    forward = OlmoForCausalLM.forward
+
+    def reaching(self, *args, **kwargs):
+        _ = self.model.embed_tokens.weight  # the stand-in base model has no embed_tokens
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(OlmoForCausalLM, "forward", reaching)
+    message = refusal(directory)
+    assert message.startswith(f"engine.model={directory}") and "olmo" in message and "head" in message

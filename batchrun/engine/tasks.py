@@ -222,6 +222,13 @@ def check_serving_path(config: EngineConfig, hf_config: Any = None) -> None:
             f"engine.model={config.model}: model_type {model_type!r} attends with attention sinks (s_aux), "
             "which batchrun's paged attention does not add; not supported on the generic path"
         )
+    if getattr(hf_config, "attn_temperature_tuning", False):
+        # Llama 4: below floor_scale (8192) positions the temperature is 1, so start-up's few-token
+        # self-check (model/generic.py: check_positions) cannot see it
+        raise EngineConfigError(
+            f"engine.model={config.model}: config.json attn_temperature_tuning: true (model_type {model_type!r}) "
+            "computes positions from its own token count, not position_ids; not supported on the generic path"
+        )
     bidirectional = _bidirectional_flags(hf_config)
     if bidirectional:
         flag, value = bidirectional[0]

@@ -34,6 +34,7 @@ from torch import nn
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.binding import reference_kernels
 from batchrun.kernels.kernel_set import KernelSet
+from batchrun.kernels.kv_layout import new_kv_cache
 from batchrun.model.decoder import SUPPORTED_MODEL_TYPES, DecoderSpec, is_native_phi3
 from batchrun.model.prepare import prepare_linears
 from batchrun.model.quant import QuantizationSummary
@@ -392,6 +393,7 @@ def build_generic(
         raise GenericModelError(f"transformers' {cls.__name__} did not take the {ATTN_IMPLEMENTATION} attention")
     model = GenericLM(hf_model, generic_spec(hf_config, probe_attention(hf_model)), kernels)
     check_head(model)
+    check_positions(model)
     return model
 
 
@@ -418,6 +420,66 @@ def check_head(model: GenericLM) -> None:
         raise GenericModelError(
             f"model_type {model.spec.model_type!r}: its CausalLM head gave logits of shape {tuple(logits.shape)} "
             f"for one row (want (1, {model.spec.vocab_size})); not supported on the generic path"
+        )
+
+
+# check_positions: how far (the largest row's ||batched - alone|| / ||alone||) a batched forward's
+# hidden states may be from each sequence's alone, per parameter dtype (else 16-bit): the kernels'
+# batched and single-sequence paths round differently, a self-counted position is off by far more.
+_POSITION_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+_POSITION_TOLERANCE_16BIT = 0.1  # tiny bf16 models: up to 0.013; Llama 4's temperature: 0.28
+
+
+@torch.inference_mode()
+def check_positions(model: GenericLM) -> None:
+    """The self-check that every position the layers use comes from position_ids (and the KV
+    cache): sequences A (6 tokens) and B (3) each alone, then A's first 5 and B in one flattened
+    step, then A's last token as a decode at offset 5 must give the same hidden states. A model
+    that counts positions itself (arange over the forward's tokens plus a cache length it keeps,
+    as Llama 4 text's attention temperature does) sees B at 5..7 and the decode at 0, and is
+    refused. Four 16-token cache blocks per layer; every forward a few tokens."""
+    s = model.spec
+    param = next(model.hf_model.parameters())
+    device, dtype = param.device, param.dtype
+    block = 16
+    shape = (4, block, s.num_kv_heads, s.head_dim)
+    kv = [(new_kv_cache(*shape, dtype, device), new_kv_cache(*shape, dtype, device)) for _ in range(s.num_layers)]
+    seq_a = [(37 * i + 11) % s.vocab_size for i in range(6)]
+    seq_b = [(53 * i + 29) % s.vocab_size for i in range(3)]
+
+    def run(rows: list[tuple[list[int], int, int]]) -> torch.Tensor:
+        """Hidden states of one step; a row: (new tokens, tokens already cached, its cache block)."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        for tokens, done, blk in rows:
+            ids += tokens
+            pos += range(done, done + len(tokens))
+            slots += [blk * block + p for p in range(done, done + len(tokens))]
+            starts.append(starts[-1] + len(tokens))
+        seq_lens = [done + len(tokens) for tokens, done, _ in rows]
+        decode = [i for i, (tokens, _, _) in enumerate(rows) if len(tokens) == 1]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=device),
+            query_start_loc=starts,
+            seq_lens=seq_lens,
+            block_tables=torch.tensor([[blk] for _, _, blk in rows], device=device),
+            block_size=block,
+            decode_seq_ids=torch.tensor(decode, dtype=torch.long, device=device),
+            decode_seq_lens=torch.tensor([seq_lens[i] for i in decode], dtype=torch.long, device=device),
+            prefill_seq_ids=[i for i, (tokens, _, _) in enumerate(rows) if len(tokens) > 1],
+        )
+        return model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), kv, meta).float()
+
+    alone = torch.cat([run([(seq_a, 0, 0)]), run([(seq_b, 0, 1)])])
+    batched = torch.cat([run([(seq_a[:5], 0, 2), (seq_b, 0, 3)]), run([(seq_a[5:], 5, 2)])])
+    alone = alone[[0, 1, 2, 3, 4, 6, 7, 8, 5]]  # A's first 5, B's 3, A's decode
+    off = float(((batched - alone).norm(dim=-1) / alone.norm(dim=-1).clamp_min(1e-6)).max())
+    if not off <= _POSITION_TOLERANCE.get(dtype, _POSITION_TOLERANCE_16BIT):
+        raise GenericModelError(
+            f"model_type {s.model_type!r} computes positions from its own token count (sequences batched in one "
+            f"step differ from each alone by {off:.2g} of their norm); not supported on the generic path"
         )
 
 

@@ -345,3 +345,25 @@ def test_a_head_that_cannot_run_on_given_hidden_states_is_refused_at_start_up(tm
     monkeypatch.setattr(OlmoForCausalLM, "forward", reaching)
     message = refusal(directory)
     assert message.startswith(f"engine.model={directory}") and "olmo" in message and "head" in message
+
+
+def test_attention_that_computes_its_own_positions_is_refused_at_start_up(tmp_path, tokenizer):
+    """Llama 4 text's NoPE layers tune their attention temperature from arange(num_tokens) + the
+    cache length, not position_ids: the self-check at the end of build_generic (two sequences in
+    one step against each alone, and a decode at an offset) refuses it in one line."""
+    from batchrun.model.generic import GenericModelError, build_generic
+    from batchrun.model.loader import load_model
+
+    directory = save_tiny(tmp_path / "m", tokenizer, "llama4_text", **LLAMA4_TEXT)
+    loaded = load_model(directory, dtype=torch.float32)
+    with pytest.raises(GenericModelError) as info:
+        build_generic(loaded.config, loaded.state_dict, torch.float32, torch.device("cpu"))
+    message = str(info.value)
+    assert "\n" not in message and "llama4_text" in message and "computes positions" in message
+
+
+def test_attention_temperature_tuning_is_refused_from_the_config(tmp_path):
+    """Llama 4's own floor_scale (8192) hides the temperature from a few-token self-check: the
+    config key is refused before loading."""
+    message = refusal(write_config(tmp_path / "m", "llama4_text", **{**LLAMA4_TEXT, "floor_scale": 8192}))
+    assert "attn_temperature_tuning" in message and "llama4_text" in message

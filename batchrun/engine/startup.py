@@ -33,7 +33,7 @@ import torch
 from batchrun.engine import profiler
 from batchrun.engine.adapters import Adapters, attach_adapters
 from batchrun.engine.admission import Admission
-from batchrun.engine.config import EngineConfig
+from batchrun.engine.config import EngineConfig, EngineConfigError
 from batchrun.engine.device import available_memory, resolve_device, resolve_dtype
 from batchrun.engine.drafter import Drafter, build_drafter, load_draft_model
 from batchrun.engine.grammar import GrammarCompiler
@@ -56,7 +56,7 @@ from batchrun.kernels.tuning import measured_tuning, table_tuning
 from batchrun.kernels.tuning_cases import tuning_cases
 from batchrun.model.decoder import DecoderLM, build_decoder
 from batchrun.model.gemm_shapes import attention_shape, cpu_linear_shapes, gemm_shapes
-from batchrun.model.generic import GenericLM, build_generic, serving_path
+from batchrun.model.generic import GenericLM, GenericModelError, build_generic, serving_path
 from batchrun.model.linear import count_native_linears
 from batchrun.model.loader import load_model
 from batchrun.model.prepare import apply_linear_choices, module_weight_bytes, owned_weight_bytes
@@ -179,7 +179,12 @@ def load_target(
     model_path = serving_path(hf_config)
     if model_path == "generic":
         check_serving_path(config, hf_config)
-        generic = build_generic(hf_config, loaded.state_dict, dtype, device, kernels)
+        try:
+            generic = build_generic(hf_config, loaded.state_dict, dtype, device, kernels)
+        except (
+            GenericModelError
+        ) as e:  # found once the class is built: one line naming the key, as check_serving_path's
+            raise EngineConfigError(f"engine.model={config.model}: {e}") from None
         quantization = generic.pack_linears(kernels)  # nothing quantized (refused), bf16 CPU linears packed
         model = cast(DecoderLM, generic)
     else:
@@ -453,7 +458,7 @@ def start_engine(
             opened.group.close()
         raise
     startup_s = time.perf_counter() - t0
-    off = generic_turned_off(config) if target.model_path == "generic" else []
+    off = generic_turned_off(kernels.target.is_gpu) if target.model_path == "generic" else []
     log.info(
         "engine ready in %.1fs: %s (%s, %s path%s) on %s/%s, %d KV blocks x %d tokens, max_model_len %d, "
         "max_num_seqs %d, max_num_batched_tokens %d%s",

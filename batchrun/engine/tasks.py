@@ -33,6 +33,9 @@ from batchrun.model.sentence import SentencePipeline, SentencePipelineError, rea
 log = logging.getLogger(__name__)
 
 POOLING_TASKS = ("embed", "score")
+# Model types whose attention adds learned sinks to the softmax (s_aux): batchrun's paged attention
+# has no sink term, so the generic path refuses them from config.json, before any weight loads.
+SINK_MODEL_TYPES = ("gpt_oss",)
 # Encoder families the pooling path runs (batchrun/model/encoder.py): bidirectional, absolute positions.
 ENCODER_MODEL_TYPES = ("bert",)
 
@@ -214,6 +217,18 @@ def check_serving_path(config: EngineConfig, hf_config: Any = None) -> None:
         causal_lm_class(hf_config)
     except GenericModelError as e:
         raise EngineConfigError(f"engine.model={config.model}: {e}") from None
+    if model_type in SINK_MODEL_TYPES:
+        raise EngineConfigError(
+            f"engine.model={config.model}: model_type {model_type!r} attends with attention sinks (s_aux), "
+            "which batchrun's paged attention does not add; not supported on the generic path"
+        )
+    if getattr(hf_config, "attn_temperature_tuning", False):
+        # Llama 4: below floor_scale (8192) positions the temperature is 1, so start-up's few-token
+        # self-check (model/generic.py: check_positions) cannot see it
+        raise EngineConfigError(
+            f"engine.model={config.model}: config.json attn_temperature_tuning: true (model_type {model_type!r}) "
+            "computes positions from its own token count, not position_ids; not supported on the generic path"
+        )
     bidirectional = _bidirectional_flags(hf_config)
     if bidirectional:
         flag, value = bidirectional[0]
@@ -236,9 +251,8 @@ def check_serving_path(config: EngineConfig, hf_config: Any = None) -> None:
             )
 
 
-def generic_turned_off(config: EngineConfig) -> list[str]:
-    """What the generic path turns off rather than refuses, each with its reason (the start-up log)."""
-    return [
-        "CUDA graphs (the GPU runner runs every step eagerly)",
-        "fused projections and per-row-count linear tuning (HF's modules run their own projections)",
-    ]
+def generic_turned_off(on_gpu: bool) -> list[str]:
+    """What the generic path turns off rather than refuses on a target (`on_gpu`: a GPU's, where
+    the runner would capture CUDA graphs), each with its reason (the start-up log)."""
+    off = ["CUDA graphs (the GPU runner runs every step eagerly)"] if on_gpu else []
+    return off + ["fused projections and per-row-count linear tuning (HF's modules run their own projections)"]

@@ -34,6 +34,7 @@ from torch import nn
 from batchrun.kernels.attention_metadata import AttentionMetadata
 from batchrun.kernels.binding import reference_kernels
 from batchrun.kernels.kernel_set import KernelSet
+from batchrun.kernels.kv_layout import new_kv_cache
 from batchrun.model.decoder import SUPPORTED_MODEL_TYPES, DecoderSpec, is_native_phi3
 from batchrun.model.prepare import prepare_linears
 from batchrun.model.quant import QuantizationSummary
@@ -250,6 +251,37 @@ class _GivenHidden(nn.Module):
         return _given_output_class()(last_hidden_state=self.hidden)
 
 
+def base_model(hf_model: nn.Module) -> nn.Module:
+    """The module a CausalLM runs its tokens through before its head: what `get_decoder()` returns
+    (OPT's `model.decoder`), else `.model` (Llama 4 text and Mllama name a `base_model_prefix`
+    their __init__ never sets, so get_decoder answers the CausalLM itself); GenericModelError
+    where there is neither."""
+    found: Any = None
+    get_decoder = getattr(hf_model, "get_decoder", None)
+    if callable(get_decoder):
+        try:
+            found = get_decoder()
+        except Exception:  # a class whose lookup raises: try .model
+            found = None
+    if not isinstance(found, nn.Module) or found is hf_model:
+        found = getattr(hf_model, "model", None)
+    if not isinstance(found, nn.Module) or found is hf_model:
+        raise GenericModelError(
+            f"model_type {getattr(hf_model.config, 'model_type', None)!r}: transformers' {type(hf_model).__name__} "
+            "has no base model batchrun can find (neither get_decoder() nor .model)"
+        )
+    return found
+
+
+def base_model_path(hf_model: nn.Module) -> str:
+    """`base_model(hf_model)`'s name in `hf_model.named_modules()` ("model", "model.decoder")."""
+    base = base_model(hf_model)
+    for name, module in hf_model.named_modules():
+        if module is base and name:
+            return name
+    raise GenericModelError(f"{type(hf_model).__name__}: its base model is not one of its submodules")
+
+
 class GenericLM(nn.Module):
     """An HF causal LM with the surface of DecoderLM the engine uses (.spec, .kernels, use_kernels,
     forward, compute_logits, expert counters). `hf_model` is the `*ForCausalLM` itself, so its
@@ -262,8 +294,13 @@ class GenericLM(nn.Module):
         self.hf_model = hf_model
         self.spec = spec
         self.kernels = kernels if kernels is not None else reference_kernels()
-        self.base_prefix = str(hf_model.base_model_prefix)
-        assert isinstance(getattr(hf_model, self.base_prefix, None), nn.Module), "a CausalLM over a base model"
+        # where the base model sits in hf_model (a path, not a second registration of the module)
+        self.base_path = base_model_path(hf_model)
+
+    @property
+    def base(self) -> nn.Module:
+        """The module the CausalLM runs the tokens through before its head (`base_model_path`)."""
+        return self.hf_model.get_submodule(self.base_path)
 
     def use_kernels(self, kernels: KernelSet) -> None:
         self.kernels = kernels
@@ -275,7 +312,7 @@ class GenericLM(nn.Module):
         hf_model: Any = self.hf_model
         head, embed = hf_model.get_output_embeddings(), hf_model.get_input_embeddings()
         tied = head is not None and embed is not None and head.weight is embed.weight
-        root = getattr(self.hf_model, self.base_prefix) if tied else self.hf_model
+        root = self.base if tied else self.hf_model
         return prepare_linears(root, "none", kernels=kernels)
 
     @torch.inference_mode()
@@ -289,24 +326,25 @@ class GenericLM(nn.Module):
     ) -> torch.Tensor:
         """(num_tokens, hidden_size): the base model's last hidden states (its final norm applied)."""
         assert num_layers is None, "the generic path runs every layer (self-speculation is refused)"
-        base = getattr(self.hf_model, self.base_prefix)
         with _step(_Step(kv_caches, meta, self.kernels)):
-            out = base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+            out = self.base(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
         return out[0][0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(num_rows, vocab_size) float32: the CausalLM's own forward after its base model (LM head,
         logit scaling, final soft-capping: whatever the class applies), on `hidden` (num_rows,
-        hidden_size), with the base model replaced by one that returns `hidden`."""
-        base = getattr(self.hf_model, self.base_prefix)
+        hidden_size), with the base model replaced (at its parent's attribute: OPT's CausalLM calls
+        `self.model.decoder`) by one that returns `hidden`."""
+        parent_path, _, attr = self.base_path.rpartition(".")
+        parent, base = self.hf_model.get_submodule(parent_path), self.base
         num_rows = hidden.shape[0]
         dummy_ids = torch.zeros((1, num_rows), dtype=torch.long, device=hidden.device)
-        setattr(self.hf_model, self.base_prefix, _GivenHidden(hidden[None]))
+        setattr(parent, attr, _GivenHidden(hidden[None]))
         try:
             out = self.hf_model(input_ids=dummy_ids, use_cache=False, logits_to_keep=0)
         finally:
-            setattr(self.hf_model, self.base_prefix, base)
+            setattr(parent, attr, base)
         return out.logits[0].float()
 
     def expert_token_counts(self) -> Optional[list[list[int]]]:
@@ -353,7 +391,96 @@ def build_generic(
     hf_model = hf_model.to(device).eval()
     if hf_model.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise GenericModelError(f"transformers' {cls.__name__} did not take the {ATTN_IMPLEMENTATION} attention")
-    return GenericLM(hf_model, generic_spec(hf_config, probe_attention(hf_model)), kernels)
+    model = GenericLM(hf_model, generic_spec(hf_config, probe_attention(hf_model)), kernels)
+    check_head(model)
+    check_positions(model)
+    return model
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"
+
+
+def check_head(model: GenericLM) -> None:
+    """The CausalLM's head once on a dummy row, so a class whose forward reaches past its base
+    model's output (what compute_logits stands in for) is refused at start-up, not in the first
+    step."""
+    hf_model: Any = model.hf_model
+    device = next(hf_model.parameters()).device
+    width = int(getattr(hf_model.get_output_embeddings(), "in_features", 0) or model.spec.hidden_size)
+    try:
+        logits = model.compute_logits(torch.zeros((1, width), dtype=hf_model.dtype, device=device))
+    except Exception as e:
+        raise GenericModelError(
+            f"model_type {model.spec.model_type!r}: its CausalLM head cannot run on the base model's hidden states "
+            f"alone ({_first_line(e)}); not supported on the generic path"
+        ) from None
+    if tuple(logits.shape) != (1, model.spec.vocab_size):
+        raise GenericModelError(
+            f"model_type {model.spec.model_type!r}: its CausalLM head gave logits of shape {tuple(logits.shape)} "
+            f"for one row (want (1, {model.spec.vocab_size})); not supported on the generic path"
+        )
+
+
+# check_positions: how far (the largest row's ||batched - alone|| / ||alone||) a batched forward's
+# hidden states may be from each sequence's alone, per parameter dtype (else 16-bit): the kernels'
+# batched and single-sequence paths round differently, a self-counted position is off by far more.
+_POSITION_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+_POSITION_TOLERANCE_16BIT = 0.1  # tiny bf16 models: up to 0.013; Llama 4's temperature: 0.28
+
+
+@torch.inference_mode()
+def check_positions(model: GenericLM) -> None:
+    """The self-check that every position the layers use comes from position_ids (and the KV
+    cache): sequences A (6 tokens) and B (3) each alone, then A's first 5 and B in one flattened
+    step, then A's last token as a decode at offset 5 must give the same hidden states. A model
+    that counts positions itself (arange over the forward's tokens plus a cache length it keeps,
+    as Llama 4 text's attention temperature does) sees B at 5..7 and the decode at 0, and is
+    refused. Four 16-token cache blocks per layer; every forward a few tokens."""
+    s = model.spec
+    param = next(model.hf_model.parameters())
+    device, dtype = param.device, param.dtype
+    block = 16
+    shape = (4, block, s.num_kv_heads, s.head_dim)
+    kv = [(new_kv_cache(*shape, dtype, device), new_kv_cache(*shape, dtype, device)) for _ in range(s.num_layers)]
+    seq_a = [(37 * i + 11) % s.vocab_size for i in range(6)]
+    seq_b = [(53 * i + 29) % s.vocab_size for i in range(3)]
+
+    def run(rows: list[tuple[list[int], int, int]]) -> torch.Tensor:
+        """Hidden states of one step; a row: (new tokens, tokens already cached, its cache block)."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        starts = [0]
+        for tokens, done, blk in rows:
+            ids += tokens
+            pos += range(done, done + len(tokens))
+            slots += [blk * block + p for p in range(done, done + len(tokens))]
+            starts.append(starts[-1] + len(tokens))
+        seq_lens = [done + len(tokens) for tokens, done, _ in rows]
+        decode = [i for i, (tokens, _, _) in enumerate(rows) if len(tokens) == 1]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, device=device),
+            query_start_loc=starts,
+            seq_lens=seq_lens,
+            block_tables=torch.tensor([[blk] for _, _, blk in rows], device=device),
+            block_size=block,
+            decode_seq_ids=torch.tensor(decode, dtype=torch.long, device=device),
+            decode_seq_lens=torch.tensor([seq_lens[i] for i in decode], dtype=torch.long, device=device),
+            prefill_seq_ids=[i for i, (tokens, _, _) in enumerate(rows) if len(tokens) > 1],
+        )
+        return model(torch.tensor(ids, device=device), torch.tensor(pos, device=device), kv, meta).float()
+
+    alone = torch.cat([run([(seq_a, 0, 0)]), run([(seq_b, 0, 1)])])
+    batched = torch.cat([run([(seq_a[:5], 0, 2), (seq_b, 0, 3)]), run([(seq_a[5:], 5, 2)])])
+    alone = alone[[0, 1, 2, 3, 4, 6, 7, 8, 5]]  # A's first 5, B's 3, A's decode
+    off = float(((batched - alone).norm(dim=-1) / alone.norm(dim=-1).clamp_min(1e-6)).max())
+    if not off <= _POSITION_TOLERANCE.get(dtype, _POSITION_TOLERANCE_16BIT):
+        raise GenericModelError(
+            f"model_type {s.model_type!r} computes positions from its own token count (sequences batched in one "
+            f"step differ from each alone by {off:.2g} of their norm); not supported on the generic path"
+        )
 
 
 @torch.inference_mode()
@@ -361,7 +488,7 @@ def probe_attention(hf_model: nn.Module) -> list[LayerAttention]:
     """Per layer, what it hands its attention function: one token through the base model, each
     attention call recorded and answered with zeros. Every layer must call it once (a layer that
     does not keeps a state the paged cache does not hold)."""
-    base = getattr(hf_model, str(hf_model.base_model_prefix))
+    base = base_model(hf_model)
     device = next(hf_model.parameters()).device
     found: dict[int, LayerAttention] = {}
     with _step(_Step([], None, reference_kernels(), probe=found)):

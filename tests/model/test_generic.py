@@ -53,6 +53,23 @@ def hf_greedy(directory: str, token_lists: list[list[int]]) -> list[list[int]]:
     return out
 
 
+# Llama 4 text with every layer attending in full (no chunked attention), a NoPE layer whose attention
+# temperature is tuned from small positions (floor_scale 2), no MoE layer.
+LLAMA4_TEXT = dict(
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size_mlp=128,
+    num_local_experts=2,
+    num_experts_per_tok=1,
+    attention_chunk_size=None,
+    no_rope_layers=[1, 0],
+    attn_temperature_tuning=True,
+    floor_scale=2,
+    attn_scale=2.0,
+    interleave_moe_layer_step=1,
+    moe_layers=[],
+)
+
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 # (id, model_type, config, serving path): the structures the oracle covers.
@@ -100,6 +117,7 @@ ARCHITECTURES = [
     ("smollm3", "smollm3", dict(num_key_value_heads=2, no_rope_layers=[1, 0]), "generic"),  # a NoPE layer
     ("cohere", "cohere", dict(num_key_value_heads=2, logit_scale=0.5), "generic"),  # parallel block, logit scale
     ("gpt2", "gpt2", dict(n_inner=128), "generic"),  # learned positions, Conv1D projections
+    ("opt", "opt", dict(ffn_dim=128, word_embed_proj_dim=32), "generic"),  # base model's decoder, projections out
 ]
 
 
@@ -110,7 +128,8 @@ def test_greedy_tokens_equal_hf_generate(tmp_path, tokenizer, one_torch_thread, 
     with caplog.at_level(logging.INFO, logger="batchrun.engine.startup"):
         engine = make_tiny_engine(directory, enable_prefix_caching=True)
     ready = [r.getMessage() for r in caplog.records if "engine ready" in r.getMessage()]
-    assert f"{path} path" in ready[0] and ("off: CUDA graphs" in ready[0]) == (path == "generic")
+    assert f"{path} path" in ready[0] and ("off: fused projections" in ready[0]) == (path == "generic")
+    assert "CUDA graphs" not in ready[0]  # graphs are a GPU runner's: nothing to turn off on the CPU
     assert engine.settings.model_path == path
     assert isinstance(engine.model, GenericLM) == (path == "generic")
     assert ("model_path" in engine.settings.as_dict()) == (path == "generic")
@@ -263,3 +282,88 @@ def test_self_speculation_is_refused_on_the_generic_path(tmp_path):
         write_config(tmp_path / "m", "olmo2"), speculative=SpeculativeConfig(method="self", num_speculative_tokens=2)
     )
     assert message.startswith("engine.speculative.method=self")
+
+
+def test_what_the_generic_path_turns_off_is_said_per_target():
+    from batchrun.engine.tasks import generic_turned_off
+
+    assert any("CUDA graphs" in line for line in generic_turned_off(on_gpu=True))
+    assert not any("CUDA graphs" in line for line in generic_turned_off(on_gpu=False))
+
+
+def test_attention_sinks_are_refused_from_the_config_before_loading(tmp_path):
+    directory = write_config(tmp_path / "m", "gpt_oss", num_key_value_heads=2, head_dim=16, num_local_experts=4)
+    message = refusal(directory)  # config.json only: no weights to load
+    assert message.startswith(f"engine.model={directory}") and "gpt_oss" in message and "sinks" in message
+
+
+def test_a_refusal_found_while_building_is_one_engine_config_error_line(tmp_path, tokenizer, monkeypatch):
+    """What build_generic finds only once the class is built (here: the sink check switched off at
+    the config) is an EngineConfigError naming engine.model, as the config-time refusals are."""
+    from batchrun.engine import tasks
+
+    directory = save_tiny(
+        tmp_path / "m",
+        tokenizer,
+        "gpt_oss",
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    monkeypatch.setattr(tasks, "SINK_MODEL_TYPES", ())
+    message = refusal(directory)
+    assert message.startswith(f"engine.model={directory}") and "s_aux" in message
+
+
+def test_the_base_model_is_found_where_base_model_prefix_names_no_attribute(tmp_path, tokenizer):
+    """Llama4ForCausalLM's base_model_prefix is "language_model", but its base model is `.model`."""
+    from batchrun.model.generic import base_model
+
+    directory = save_tiny(tmp_path / "m", tokenizer, "llama4_text", **LLAMA4_TEXT)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+    assert not hasattr(hf, hf.base_model_prefix)
+    assert base_model(hf) is hf.model
+
+
+def test_a_head_that_cannot_run_on_given_hidden_states_is_refused_at_start_up(tmp_path, tokenizer, monkeypatch):
+    """The head runs once at start-up: a CausalLM whose forward reaches past its base model's
+    output is one EngineConfigError line then, not a failure in the first step."""
+    from transformers import OlmoForCausalLM
+
+    directory = save_tiny(tmp_path / "m", tokenizer, "olmo", num_key_value_heads=2)
+    forward = OlmoForCausalLM.forward
+
+    def reaching(self, *args, **kwargs):
+        _ = self.model.embed_tokens.weight  # the stand-in base model has no embed_tokens
+        return forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(OlmoForCausalLM, "forward", reaching)
+    message = refusal(directory)
+    assert message.startswith(f"engine.model={directory}") and "olmo" in message and "head" in message
+
+
+def test_attention_that_computes_its_own_positions_is_refused_at_start_up(tmp_path, tokenizer):
+    """Llama 4 text's NoPE layers tune their attention temperature from arange(num_tokens) + the
+    cache length, not position_ids: the self-check at the end of build_generic (two sequences in
+    one step against each alone, and a decode at an offset) refuses it in one line."""
+    from batchrun.model.generic import GenericModelError, build_generic
+    from batchrun.model.loader import load_model
+
+    directory = save_tiny(tmp_path / "m", tokenizer, "llama4_text", **LLAMA4_TEXT)
+    loaded = load_model(directory, dtype=torch.float32)
+    with pytest.raises(GenericModelError) as info:
+        build_generic(loaded.config, loaded.state_dict, torch.float32, torch.device("cpu"))
+    message = str(info.value)
+    assert "\n" not in message and "llama4_text" in message and "computes positions" in message
+
+
+def test_attention_temperature_tuning_is_refused_from_the_config(tmp_path):
+    """Llama 4's own floor_scale (8192) hides the temperature from a few-token self-check: the
+    config key is refused before loading."""
+    message = refusal(write_config(tmp_path / "m", "llama4_text", **{**LLAMA4_TEXT, "floor_scale": 8192}))
+    assert "attn_temperature_tuning" in message and "llama4_text" in message

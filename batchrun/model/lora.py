@@ -268,8 +268,9 @@ _MIN_SPAN = 8
 class LoraLinear(nn.Module):
     """y = base(x) + per-slot low-rank updates at the rows `LoraSlots.set_step` gave each slot.
 
-    The update is computed in y's dtype (a bf16 model's in bf16, from a copy of the weights kept
-    until the next slot load) and added to y in place. `lora_a` (slots, r_max, in) and `lora_b`
+    A step of long contiguous ranges computes its update in y's dtype (a bf16 model's in bf16, from
+    a copy of the weights kept until the next slot load); gathered rows are computed in float32.
+    Either is added to y in place. `lora_a` (slots, r_max, in) and `lora_b`
     (slots, out, r_max) are float32, zero where a slot's adapter does not reach."""
 
     lora_a: torch.Tensor
@@ -306,29 +307,32 @@ class LoraLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (num_tokens, in_features)
         assert x2.shape[0] == step.num_tokens, f"LoRA step of {step.num_tokens} tokens, the layer sees {x2.shape[0]}"
         y2 = y.reshape(-1, self.out_features)  # (num_tokens, out_features): y's storage where contiguous
-        a, b = self._weights(y2.dtype)
-        if x2.dtype != a.dtype:
-            x2 = x2.to(a.dtype)
         spans = step.spans
         if spans is not None:  # few long ranges of one slot: y[range] += (x[range] @ A^T) @ B^T in place
+            a, b = self._weights(y2.dtype)
+            if x2.dtype != a.dtype:
+                x2 = x2.to(a.dtype)
             for slot, start, end in spans:
                 r = ranks[slot]
                 if r:
                     y2[start:end].addmm_(x2[start:end] @ a[slot, :r].T, b[slot, :, :r].T)
             return y2.view(y.shape)
+        # Gathered rows are computed in float32 (CPU bmm in bf16 takes twice float32's time) and
+        # added back in y's dtype.
+        a, b = self.lora_a, self.lora_b
         rows = step.rows
         assert rows is not None
         padded = step.padded
         if padded is not None:  # one pair of batched matmuls over every slot's run (zero padded ranks add 0)
-            xs = x2.index_select(0, padded.rows).view(len(segments), padded.length, self.in_features)
+            xs = x2.index_select(0, padded.rows).float().view(len(segments), padded.length, self.in_features)
             if padded.slot_ids is not None:
                 a, b = a.index_select(0, padded.slot_ids), b.index_select(0, padded.slot_ids)
             delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2)).view(-1, self.out_features)
             if padded.valid is not None:
                 delta = delta.index_select(0, padded.valid)  # (num_rows, out_features)
-            y2.index_add_(0, rows, delta)
+            y2.index_add_(0, rows, delta.to(y2.dtype))
             return y2.view(y.shape)
-        xs = x2.index_select(0, rows)  # (num_rows, in_features), by slot
+        xs = x2.index_select(0, rows).float()  # (num_rows, in_features), by slot
         delta = xs.new_empty(xs.shape[0], self.out_features)
         for slot, start, end in segments:
             r = ranks[slot]
@@ -337,7 +341,7 @@ class LoraLinear(nn.Module):
                 continue
             low = xs[start:end] @ a[slot, :r].T  # (end - start, r)
             torch.mm(low, b[slot, :, :r].T, out=delta[start:end])
-        y2.index_add_(0, rows, delta)
+        y2.index_add_(0, rows, delta.to(y2.dtype))
         return y2.view(y.shape)
 
     def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,13 +20,15 @@
   gate/up projection applies the activation itself (MLP.fused_act) is unfused, bitwise the same.
 - `LoraSlots`: `max_loras` resident slots. Per wrapped linear, slot s holds its adapter's A
   (r_total, in) and B (out, r_total) (scale folded into B, q/k/v pieces stacked along r, zero
-  padded to the largest adapter), float32 on the model's device. `set_step` groups the step's
-  adapter tokens by slot once per forward (one index tensor, sorted by slot, and each slot's run
-  in it), shared by every layer; each LoraLinear gathers those rows once, computes
-  (x_s @ A_s^T) @ B_s^T per slot's run into one float32 buffer (two batched matmuls over all
-  runs padded to one length where that pads little, as a decode step's rows spread over adapters
-  do) and adds it back with one index_add (the whole step one slot: no gather). A step without
-  adapter tokens runs the base modules alone.
+  padded to the largest adapter), float32 on the model's device (a bf16 model computes with a
+  bf16 copy). `set_step` looks at the step's adapter tokens once per forward, for every layer:
+  where they come in few long contiguous ranges of one slot (a prefill chunk, a step of one
+  adapter), each LoraLinear adds y[range] += (x[range] @ A_s^T) @ B_s^T in place (addmm, no gather
+  or scatter); else (a decode step, its rows spread over adapters) it groups them by slot (one
+  index tensor sorted by slot, each slot's run in it), gathers those rows once, computes the
+  runs' updates (two batched matmuls over all runs padded to one length where that pads little)
+  and adds them back with one index_add. A step without adapter tokens runs the base modules
+  alone.
 
 Adapters are read from disk once (`read_adapter`) and their weights kept on the host; a slot load
 copies them to the device (so a reload after eviction never touches the disk).
@@ -244,11 +246,15 @@ class _Padded:
 class _StepRows:
     """The step's adapter tokens grouped by slot: `rows` (num_rows,) the token indices, sorted by
     slot (None: every token of the step, all of one slot), and `segments` [(slot, start, end)]
-    their runs in that order; `padded` the same runs padded for batched matmuls, or None. Empty
-    segments: every token runs the base model."""
+    their runs in that order; `padded` the same runs padded for batched matmuls, or None; `spans`
+    [(slot, start, end)] the step's adapter tokens as contiguous token ranges of one slot each,
+    where they come in few long ranges (a prefill chunk, a step of one slot), or None: then each
+    range's update is added in place, no gather or scatter. Empty segments: every token runs the
+    base model."""
 
     def __init__(self) -> None:
         self.segments: list[tuple[int, int, int]] = []
+        self.spans: Optional[list[tuple[int, int, int]]] = None
         self.rows: Optional[torch.Tensor] = None
         self.padded: Optional[_Padded] = None
         self.num_tokens = 0
@@ -256,13 +262,18 @@ class _StepRows:
 
 # Runs padded to one length are batched where that at most adds this share of rows to compute.
 _MAX_PADDING = 1.5
+# A step's adapter tokens are updated range by range in place (`_StepRows.spans`) where their
+# contiguous ranges of one slot hold at least this many tokens on average.
+_MIN_SPAN = 8
 
 
 class LoraLinear(nn.Module):
     """y = base(x) + per-slot low-rank updates at the rows `LoraSlots.set_step` gave each slot.
 
-    The update is computed in float32 from x and added to y in y's dtype. `lora_a` (slots, r_max,
-    in) and `lora_b` (slots, out, r_max) are float32, zero where a slot's adapter does not reach."""
+    A step of long contiguous ranges computes its update in y's dtype (a bf16 model's in bf16, from
+    a copy of the weights kept until the next slot load); gathered rows are computed in float32.
+    Either is added to y in place. `lora_a` (slots, r_max, in) and `lora_b`
+    (slots, out, r_max) are float32, zero where a slot's adapter does not reach."""
 
     lora_a: torch.Tensor
     lora_b: torch.Tensor
@@ -281,6 +292,9 @@ class LoraLinear(nn.Module):
         self.register_buffer("lora_a", lora_a, persistent=False)
         self.register_buffer("lora_b", lora_b, persistent=False)
         self.slot_ranks = [0] * num_slots  # per slot: the rows of lora_a in use (0: no update here)
+        # lora_a / lora_b in the activations' dtype where that is not float32 (a bf16 model computes
+        # its update in bf16: no conversion of x or of the update per call); dropped on a slot load
+        self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self.step = _StepRows()  # replaced by LoraSlots: one object every LoraLinear of a model shares
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -295,12 +309,24 @@ class LoraLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)  # (num_tokens, in_features)
         assert x2.shape[0] == step.num_tokens, f"LoRA step of {step.num_tokens} tokens, the layer sees {x2.shape[0]}"
         y2 = y.reshape(-1, self.out_features)  # (num_tokens, out_features): y's storage where contiguous
+        spans = step.spans
+        if spans is not None:  # few long ranges of one slot: y[range] += (x[range] @ A^T) @ B^T in place
+            a, b = self._weights(y2.dtype)
+            if x2.dtype != a.dtype:
+                x2 = x2.to(a.dtype)
+            for slot, start, end in spans:
+                r = ranks[slot]
+                if r:
+                    y2[start:end].addmm_(x2[start:end] @ a[slot, :r].T, b[slot, :, :r].T)
+            return y2.view(y.shape)
+        # Gathered rows are computed in float32 (CPU bmm in bf16 takes twice float32's time) and
+        # added back in y's dtype.
+        a, b = self.lora_a, self.lora_b
         rows = step.rows
+        assert rows is not None
         padded = step.padded
         if padded is not None:  # one pair of batched matmuls over every slot's run (zero padded ranks add 0)
-            assert rows is not None
             xs = x2.index_select(0, padded.rows).float().view(len(segments), padded.length, self.in_features)
-            a, b = self.lora_a, self.lora_b
             if padded.slot_ids is not None:
                 a, b = a.index_select(0, padded.slot_ids), b.index_select(0, padded.slot_ids)
             delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2)).view(-1, self.out_features)
@@ -308,25 +334,27 @@ class LoraLinear(nn.Module):
                 delta = delta.index_select(0, padded.valid)  # (num_rows, out_features)
             y2.index_add_(0, rows, delta.to(y2.dtype))
             return y2.view(y.shape)
-        xs = (x2 if rows is None else x2.index_select(0, rows)).float()  # (num_rows, in_features), by slot
-        if len(segments) == 1:
-            slot = segments[0][0]
+        xs = x2.index_select(0, rows).float()  # (num_rows, in_features), by slot
+        delta = xs.new_empty(xs.shape[0], self.out_features)
+        for slot, start, end in segments:
             r = ranks[slot]
-            delta = (xs @ self.lora_a[slot, :r].T) @ self.lora_b[slot, :, :r].T  # (num_rows, out_features)
-        else:
-            delta = xs.new_empty(xs.shape[0], self.out_features)
-            for slot, start, end in segments:
-                r = ranks[slot]
-                if r == 0:
-                    delta[start:end].zero_()
-                    continue
-                low = xs[start:end] @ self.lora_a[slot, :r].T  # (end - start, r)
-                torch.mm(low, self.lora_b[slot, :, :r].T, out=delta[start:end])
-        if rows is None:
-            y2.add_(delta.to(y2.dtype))
-        else:
-            y2.index_add_(0, rows, delta.to(y2.dtype))
+            if r == 0:
+                delta[start:end].zero_()
+                continue
+            low = xs[start:end] @ a[slot, :r].T  # (end - start, r)
+            torch.mm(low, b[slot, :, :r].T, out=delta[start:end])
+        y2.index_add_(0, rows, delta.to(y2.dtype))
         return y2.view(y.shape)
+
+    def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(lora_a, lora_b) in `dtype` (float32: the buffers themselves; another: a copy kept until
+        the next slot load)."""
+        if dtype == self.lora_a.dtype or not dtype.is_floating_point:
+            return self.lora_a, self.lora_b
+        cast = self._cast.get(dtype)
+        if cast is None:
+            cast = self._cast[dtype] = (self.lora_a.to(dtype), self.lora_b.to(dtype))
+        return cast
 
     def extra_repr(self) -> str:
         return (
@@ -427,6 +455,7 @@ class LoraSlots:
         step = self._step
         step.num_tokens = int(host.shape[0])
         step.segments = []
+        step.spans = None
         step.rows = None
         step.padded = None
         is_lora = host >= 0
@@ -442,7 +471,13 @@ class LoraSlots:
             self._resident.move_to_end(name)
             step.segments.append((slot, start, start + count))
             start += count
-        if num_rows == step.num_tokens and len(step.segments) == 1:
+        # contiguous ranges of one slot in token order (base tokens break them)
+        changes = (torch.nonzero(host[1:] != host[:-1]).flatten() + 1).tolist()
+        bounds = [0, *changes, step.num_tokens]
+        values = host.tolist()
+        spans = [(values[lo], lo, hi) for lo, hi in zip(bounds, bounds[1:]) if values[lo] >= 0]
+        if len(spans) == 1 or num_rows >= _MIN_SPAN * len(spans):
+            step.spans = spans
             return
         device = self._device()
         step.rows = order.to(device)
@@ -466,6 +501,7 @@ class LoraSlots:
     def clear_step(self) -> None:
         """Back to the base model for every token."""
         self._step.segments = []
+        self._step.spans = None
         self._step.rows = None
         self._step.padded = None
         self._step.num_tokens = 0
@@ -492,6 +528,7 @@ class LoraSlots:
                 layer.lora_a[slot].zero_()
                 layer.lora_b[slot].zero_()
                 layer.slot_ranks[slot] = 0
+                layer._cast.clear()
                 col = 0
                 for path, piece in targets.get(target, []):
                     weights = adapter.modules[path]

@@ -508,3 +508,37 @@ def test_a_step_groups_tokens_by_slot_once_and_each_row_gets_its_own_update(tmp_
     assert step.segments == [(1, 0, 2)] and step.rows is None  # the whole step one slot: no gather
     slots.clear_step()
     assert step.segments == [] and torch.equal(layer(x), base)
+
+
+def test_long_ranges_of_one_slot_are_updated_in_place_and_a_bf16_layer_computes_in_bf16(tmp_path):
+    model, slots, adapters = _slots(tmp_path, ["a", "b", "c"], max_loras=2)
+    layer = model.layers[0].self_attn.o_proj
+    assert isinstance(layer, LoraLinear)
+    assert (slots.load("a"), slots.load("b")) == (0, 1)
+    step = layer.step
+
+    def update(name: str, row: torch.Tensor) -> torch.Tensor:
+        w = adapters[name].modules["model.layers.0.self_attn.o_proj"]
+        return (row @ w.lora_a.T) @ (w.lora_b * w.scale).T
+
+    # a prefill chunk: two rows of 10 tokens on a and b, 4 base tokens between them, 9 more on a
+    token_slots = [0] * 10 + [-1] * 4 + [1] * 10 + [0] * 9
+    slots.set_step(torch.tensor(token_slots))
+    assert step.spans == [(0, 0, 10), (1, 14, 24), (0, 24, 33)] and step.rows is None
+    x = torch.randn(len(token_slots), 64)
+    want = layer.base(x)
+    for row, slot in enumerate(token_slots):
+        if slot >= 0:
+            want[row] += update("ab"[slot], x[row])
+    torch.testing.assert_close(layer(x), want, atol=1e-5, rtol=1e-5)
+    slots.set_step(torch.tensor([0, 1] * 8))  # ranges of one token: grouped by slot instead
+    assert step.spans is None and step.rows is not None
+
+    # a bf16 layer: its update in bf16 from a copy of the slots' weights, renewed on a slot load
+    layer.base.to(torch.bfloat16)
+    slots.set_step(torch.tensor(token_slots))
+    got = layer(x.bfloat16())
+    assert got.dtype == torch.bfloat16 and set(layer._cast) == {torch.bfloat16}
+    assert (got.float() - want).abs().max() <= 0.02 * want.abs().max()  # bf16 rounding only
+    slots.load("c")
+    assert not layer._cast

@@ -20,6 +20,7 @@ from batchrun.kernels import attention, attention_torch, cpu_attention, fused_pr
 from batchrun.kernels import elementwise as ew
 from batchrun.kernels.cpu_choices import NATIVE, LinearChoice
 from batchrun.kernels.kernel_set import BindOptions, FloatLinears, KernelSet, LinearKernel
+from batchrun.kernels.lora import lora_rows_native
 from batchrun.kernels.moe import grouped_gemm_reference
 from batchrun.kernels.quant import linears, w4a8, w8a8, weight_only
 from batchrun.kernels.quant.act import INT_MM_MIN_ROWS
@@ -115,6 +116,7 @@ def bind_cpu(target: DeviceTarget, dtype: torch.dtype, tuning: Tuning, options: 
         gather_in_place=gather_in_place_reference,
         moe_grouped_gemm=grouped_gemm_reference,
         invariant_matmul=None,
+        lora_rows=lora_rows_native if native else None,
         linear_float=FloatLinears(packing, linear_choices),
         linear_int8=LinearKernel(linears.int8_linear_cpu if cpu_bf16 else linears.int8_linear_reference),
         linear_int4=int4,

@@ -110,6 +110,7 @@ def bind_triton(target: DeviceTarget, dtype: torch.dtype, tuning: Tuning, option
         gather_in_place=triton_sampling.gather_in_place,
         moe_grouped_gemm=triton_moe.grouped_gemm,
         invariant_matmul=invariant_linear,
+        lora_rows=None,
         linear_float=FloatLinears("none"),
         linear_int8=LinearKernel(
             partial(triton_gemm.w8a16_linear, tuning=tuning, gpu=gpu), tile_kernel="w8a16", dense_min_rows=dense

@@ -13,7 +13,9 @@
 - csrc/linear.cpp: bf16 linear layers over weights packed at load, prefetching the weight stream
   (kernels/cpu_linear.py: NativeLinear; with silu(gate) * up fused into a gate/up projection's
   store: NativeSiluMulLinear), W8A8's int8 GEMM with its scales and float channels
-  (kernels/quant/w8a8.py: w8a8_matmul_native), and W4A8's grouped int8 x int4 GEMM (kernels/quant/w4a8.py).
+  (kernels/quant/w8a8.py: w8a8_matmul_native), and W4A8's grouped int8 x int4 GEMM (kernels/quant/w4a8.py);
+- csrc/lora.cpp: the per-token LoRA updates of a step whose adapter tokens are spread over slots,
+  added into a wrapped linear's output in place (kernels/lora.py; model/lora.py: LoraLinear).
 
 They are compiled together with the system C++ compiler (`$CXX`, `c++`, `g++` or `clang++`;
 -O3 -march=native -fopenmp) into one library in a per-user cache ($BATCHRUN_KERNEL_CACHE, else
@@ -78,6 +80,7 @@ _SIGNATURES = {
     "batchrun_w4a8_linear": "ptr i64 i64 i64 ptr ptr ptr i64 ptr ptr ptr i64 ptr ptr i64 i32",
     "batchrun_w4a8_silu_quant": "ptr i64 i64 i64 ptr ptr ptr i64 ptr ptr ptr i64 ptr ptr ptr ptr i32",
     "batchrun_gumbel_sample": "ptr i32 i64 i64 i64 ptr ptr ptr ptr ptr i32",
+    "batchrun_lora_rows": "ptr i32 i64 i64 i64 ptr i64 i64 ptr ptr i64 i64 ptr ptr i32",
 }
 
 

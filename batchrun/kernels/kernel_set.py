@@ -151,6 +151,10 @@ class KernelSet:
     moe_grouped_gemm: Callable[..., torch.Tensor]  # kernels/moe.py: grouped_gemm_reference's signature
     # (x, weight, bias) -> y, each row independent of the others; None where the float linears need no swap
     invariant_matmul: Optional[Callable[..., torch.Tensor]]
+    # LoRA: a step's per-token updates where its adapter tokens are spread over slots, in place
+    # (kernels/lora.py: lora_rows_native's signature; returns False where it does not take the
+    # tensors); None: model/lora.py's torch path
+    lora_rows: Optional[Callable[..., bool]]
     # linears, one per weight format
     linear_float: FloatLinears
     linear_int8: LinearKernel  # W8A16 (and GGUF Q8_0): (x2, qweight, scales, bias, scales_bf16) -> y
@@ -189,7 +193,7 @@ class KernelSet:
         }
 
 
-_OPTIONAL_KERNELS = ("rms_norm_quant", "embed_norm", "invariant_matmul")
+_OPTIONAL_KERNELS = ("rms_norm_quant", "embed_norm", "invariant_matmul", "lora_rows")
 
 
 def function_name(fn: Any) -> str:

@@ -42,12 +42,14 @@ import math
 import os
 import re
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from batchrun.kernels.cpu_native import on_host
 from batchrun.model.loader import file_sha256
 
 CONFIG_FILE = "adapter_config.json"
@@ -257,6 +259,7 @@ class _StepRows:
         self.spans: Optional[list[tuple[int, int, int]]] = None
         self.rows: Optional[torch.Tensor] = None
         self.padded: Optional[_Padded] = None
+        self.token_slots: Optional[torch.Tensor] = None  # (num_tokens,) int64 on the host, as set_step got it
         self.num_tokens = 0
 
 
@@ -278,7 +281,15 @@ class LoraLinear(nn.Module):
     lora_a: torch.Tensor
     lora_b: torch.Tensor
 
-    def __init__(self, base: nn.Module, in_features: int, out_features: int, num_slots: int, max_rank: int) -> None:
+    def __init__(
+        self,
+        base: nn.Module,
+        in_features: int,
+        out_features: int,
+        num_slots: int,
+        max_rank: int,
+        lora_rows: Optional[Callable[..., bool]] = None,
+    ) -> None:
         super().__init__()
         self.base = base
         self.in_features = in_features
@@ -296,6 +307,11 @@ class LoraLinear(nn.Module):
         # its update in bf16: no conversion of x or of the update per call); dropped on a slot load
         self._cast: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
         self.step = _StepRows()  # replaced by LoraSlots: one object every LoraLinear of a model shares
+        # The kernel set's native kernel for gathered rows (KernelSet.lora_rows; host buffers only),
+        # over B transposed (slots, r_max, out) and the slot ranks as a host int64 tensor, both made
+        # on first use and dropped on a slot load
+        self.lora_rows = lora_rows if lora_rows is not None and on_host(self.lora_a) else None
+        self._native: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
@@ -319,6 +335,11 @@ class LoraLinear(nn.Module):
                 if r:
                     y2[start:end].addmm_(x2[start:end] @ a[slot, :r].T, b[slot, :, :r].T)
             return y2.view(y.shape)
+        if self.lora_rows is not None:  # one native call: every token's update added in place
+            assert step.token_slots is not None
+            bt, ranks_t = self._native_weights()
+            if self.lora_rows(x2, y2, self.lora_a, bt, step.token_slots, ranks_t):
+                return y2.view(y.shape)
         # Gathered rows are computed in float32 (CPU bmm in bf16 takes twice float32's time) and
         # added back in y's dtype.
         a, b = self.lora_a, self.lora_b
@@ -345,6 +366,14 @@ class LoraLinear(nn.Module):
             torch.mm(low, b[slot, :, :r].T, out=delta[start:end])
         y2.index_add_(0, rows, delta.to(y2.dtype))
         return y2.view(y.shape)
+
+    def _native_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B transposed (slots, r_max, out) float32 contiguous, slot ranks (slots,) int64) for
+        the native kernel, kept until the next slot load."""
+        if self._native is None:
+            bt = self.lora_b.transpose(1, 2).contiguous()
+            self._native = (bt, torch.tensor(self.slot_ranks, dtype=torch.int64))
+        return self._native
 
     def _weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(lora_a, lora_b) in `dtype` (float32: the buffers themselves; another: a copy kept until
@@ -458,6 +487,7 @@ class LoraSlots:
         step.spans = None
         step.rows = None
         step.padded = None
+        step.token_slots = host.contiguous()
         is_lora = host >= 0
         num_rows = int(is_lora.sum())
         if num_rows == 0:
@@ -504,6 +534,7 @@ class LoraSlots:
         self._step.spans = None
         self._step.rows = None
         self._step.padded = None
+        self._step.token_slots = None
         self._step.num_tokens = 0
 
     def _device(self) -> torch.device:
@@ -529,6 +560,7 @@ class LoraSlots:
                 layer.lora_b[slot].zero_()
                 layer.slot_ranks[slot] = 0
                 layer._cast.clear()
+                layer._native = None
                 col = 0
                 for path, piece in targets.get(target, []):
                     weights = adapter.modules[path]
@@ -685,7 +717,8 @@ def attach_lora(model: nn.Module, adapters: dict[str, LoraAdapter], max_loras: i
         parent = resolver.modules[parent_name]
         base = getattr(parent, attr)
         in_features, out_features = _features(base)
-        layer = LoraLinear(base, in_features, out_features, max_loras, ranks[target])
+        lora_rows = getattr(kernels, "lora_rows", None)
+        layer = LoraLinear(base, in_features, out_features, max_loras, ranks[target], lora_rows)
         layer.step = step
         setattr(parent, attr, layer)
         layers[target] = layer

@@ -51,6 +51,7 @@ CPU_BF16 = {
         "gather_in_place": "kernels.sampling.gather_in_place_reference",
         "moe_grouped_gemm": "kernels.moe.grouped_gemm_reference",
         "invariant_matmul": None,
+        "lora_rows": "kernels.lora.lora_rows_native",
     },
     "linears": {
         "float": {"packing": "native"},
@@ -96,6 +97,7 @@ SM90_BF16 = {
         "gather_in_place": "kernels.triton_sampling.gather_in_place",
         "moe_grouped_gemm": "kernels.triton_moe.grouped_gemm",
         "invariant_matmul": "kernels.bind_triton.invariant_linear",
+        "lora_rows": None,
     },
     "linears": {
         "float": {"packing": "none"},

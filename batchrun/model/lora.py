@@ -27,8 +27,11 @@
   or scatter); else (a decode step, its rows spread over adapters) it groups them by slot (one
   index tensor sorted by slot, each slot's run in it), gathers those rows once, computes the
   runs' updates (two batched matmuls over all runs padded to one length where that pads little)
-  and adds them back with one index_add. A step without adapter tokens runs the base modules
-  alone.
+  and adds them back with one index_add. Where the kernel set binds a native kernel for that case
+  (KernelSet.lora_rows: csrc/lora.cpp on the CPU, where the native kernels are built and on), it
+  is one call per linear instead, adding every token's update into y in place (float32 weights,
+  x and y float32 or bf16, accumulated in float32); the torch path stays the reference and the
+  fallback. A step without adapter tokens runs the base modules alone.
 
 Adapters are read from disk once (`read_adapter`) and their weights kept on the host; a slot load
 copies them to the device (so a reload after eviction never touches the disk).
@@ -274,9 +277,10 @@ class LoraLinear(nn.Module):
     """y = base(x) + per-slot low-rank updates at the rows `LoraSlots.set_step` gave each slot.
 
     A step of long contiguous ranges computes its update in y's dtype (a bf16 model's in bf16, from
-    a copy of the weights kept until the next slot load); gathered rows are computed in float32.
-    Either is added to y in place. `lora_a` (slots, r_max, in) and `lora_b`
-    (slots, out, r_max) are float32, zero where a slot's adapter does not reach."""
+    a copy of the weights kept until the next slot load); gathered rows are computed in float32
+    (by the bound native kernel where there is one, `lora_rows`). Either is added to y in place.
+    `lora_a` (slots, r_max, in) and `lora_b` (slots, out, r_max) are float32, zero where a slot's
+    adapter does not reach."""
 
     lora_a: torch.Tensor
     lora_b: torch.Tensor

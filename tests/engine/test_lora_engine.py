@@ -162,6 +162,33 @@ def test_gpu_runner_runs_adapter_steps_eagerly(lora_setup):
     assert engine.stats().num_async_steps == 0
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["native", "torch"])
+def test_decode_steps_spread_over_adapters_take_the_bound_kernel(lora_setup, native, monkeypatch):
+    """The CPU kernel set binds the native LoRA kernel (csrc/lora.cpp) for decode steps whose rows
+    are spread over adapters, and BATCHRUN_CPU_KERNELS=0 the torch path: the merged models' tokens
+    either way, and the native kernel did serve."""
+    from batchrun.kernels import cpu_native
+    from batchrun.kernels.lora import lora_rows_native
+
+    if not native:
+        monkeypatch.setenv("BATCHRUN_CPU_KERNELS", "0")
+    elif not cpu_native.available():
+        pytest.skip("no C++ compiler: the native kernels are not built")
+    engine = _engine(lora_setup)
+    assert engine.runner.lora is not None
+    layers = list(engine.runner.lora.layers.values())
+    assert all(layer.lora_rows is (lora_rows_native if native else None) for layer in layers)
+    calls: list[int] = []
+    if native:
+        for layer in layers:
+            layer.lora_rows = lambda *a: calls.append(1) or lora_rows_native(*a)
+    prompts = _prompts()
+    names: list[Optional[str]] = ["a", "b", None, "b", "a", "b"]
+    outs = engine.generate(prompts, GREEDY, adapters=names)
+    assert [o.token_ids for o in outs] == _expected(lora_setup, prompts, names)
+    assert bool(calls) == native
+
+
 def test_prefix_cache_is_keyed_by_adapter(lora_setup):
     """Blocks computed for the base model give an adapter's rows nothing (nor one adapter's the
     other's), and an adapter's rows hit the blocks computed for that adapter."""

@@ -25,6 +25,8 @@ using batchrun::f32_to_bf16;
 
 constexpr int64_t CHUNK = 8;         // tokens of one slot sharing one read of the slot's weights
 constexpr int64_t OUT_BLOCK = 256;   // outputs per work item of the second product
+constexpr int64_t LANES = 16;        // one AVX-512 vector of float32: the accumulators' width
+constexpr int64_t MAX_R_TILE = 64;   // ranks staged per pass of the second product
 
 struct Chunk {
     int64_t slot;
@@ -87,21 +89,33 @@ int batchrun_lora_rows(const void* x, int dtype, int64_t num_tokens, int64_t in_
 
 #pragma omp parallel num_threads(num_threads) if (parallel)
     {
-        std::vector<float> xs(CHUNK * in_f);
+        // a chunk's x rows as float32, rows past its count zero (every loop below runs CHUNK
+        // tokens, so their accumulators stay in registers)
+        std::vector<float> xs(CHUNK * in_f, 0.0f);
         // low[i, :r] = A_s[:r] @ x[order[i]]
 #pragma omp for schedule(static)
         for (int64_t c = 0; c < num_chunks; ++c) {
             const Chunk ch = chunks[c];
             const int64_t r_used = rank[ch.slot];
-            for (int64_t j = 0; j < ch.count; ++j) load_row(x, dtype, order[ch.first + j], x_stride, in_f, &xs[j * in_f]);
+            for (int64_t j = 0; j < CHUNK; ++j) {
+                if (j < ch.count)
+                    load_row(x, dtype, order[ch.first + j], x_stride, in_f, &xs[j * in_f]);
+                else
+                    std::memset(&xs[j * in_f], 0, in_f * sizeof(float));
+            }
             const float* a_s = A + ch.slot * R * in_f;
+            const int64_t k_vec = in_f / LANES * LANES;
             for (int64_t r = 0; r < r_used; ++r) {
                 const float* __restrict arow = a_s + r * in_f;
+                float acc[CHUNK][LANES] = {};
+                for (int64_t k0 = 0; k0 < k_vec; k0 += LANES)
+                    for (int64_t j = 0; j < CHUNK; ++j)
+#pragma omp simd
+                        for (int64_t l = 0; l < LANES; ++l) acc[j][l] += arow[k0 + l] * xs[j * in_f + k0 + l];
                 for (int64_t j = 0; j < ch.count; ++j) {
-                    const float* __restrict xr = &xs[j * in_f];
                     float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                    for (int64_t k = 0; k < in_f; ++k) sum += arow[k] * xr[k];
+                    for (int64_t l = 0; l < LANES; ++l) sum += acc[j][l];
+                    for (int64_t k = k_vec; k < in_f; ++k) sum += arow[k] * xs[j * in_f + k];
                     low[(ch.first + j) * R + r] = sum;
                 }
             }
@@ -115,17 +129,36 @@ int batchrun_lora_rows(const void* x, int dtype, int64_t num_tokens, int64_t in_
             const int64_t n = std::min(OUT_BLOCK, out_f - o0);
             const int64_t r_used = rank[ch.slot];
             const float* bt_s = BT + ch.slot * R * out_f + o0;
+            float lows[CHUNK][MAX_R_TILE];
+            const int64_t n_vec = n / LANES * LANES;
+            for (int64_t o1 = 0; o1 < n; o1 += LANES) {
+                float part[CHUNK][LANES] = {};
+                const bool full = o1 < n_vec;
+                for (int64_t r0 = 0; r0 < r_used; r0 += MAX_R_TILE) {
+                    const int64_t rn = std::min(MAX_R_TILE, r_used - r0);
+                    for (int64_t j = 0; j < CHUNK; ++j)
+                        for (int64_t r = 0; r < rn; ++r)
+                            lows[j][r] = j < ch.count ? low[(ch.first + j) * R + r0 + r] : 0.0f;
+                    for (int64_t r = 0; r < rn; ++r) {
+                        const float* __restrict brow = bt_s + (r0 + r) * out_f + o1;
+                        if (full) {
+                            for (int64_t j = 0; j < CHUNK; ++j) {
+                                const float l = lows[j][r];
+#pragma omp simd
+                                for (int64_t q = 0; q < LANES; ++q) part[j][q] += l * brow[q];
+                            }
+                        } else {
+                            for (int64_t j = 0; j < CHUNK; ++j)
+                                for (int64_t q = 0; q < n - o1; ++q) part[j][q] += lows[j][r] * brow[q];
+                        }
+                    }
+                }
+                const int64_t m = std::min(LANES, n - o1);
+                for (int64_t j = 0; j < ch.count; ++j)
+                    for (int64_t q = 0; q < m; ++q) acc[j][o1 + q] = part[j][q];
+            }
             for (int64_t j = 0; j < ch.count; ++j) {
                 float* __restrict accj = acc[j];
-                const float* lj = &low[(ch.first + j) * R];
-#pragma omp simd
-                for (int64_t o = 0; o < n; ++o) accj[o] = 0.0f;
-                for (int64_t r = 0; r < r_used; ++r) {
-                    const float l = lj[r];
-                    const float* __restrict brow = bt_s + r * out_f;
-#pragma omp simd
-                    for (int64_t o = 0; o < n; ++o) accj[o] += l * brow[o];
-                }
                 const int64_t t = order[ch.first + j];
                 if (dtype == 0) {
                     float* __restrict yr = static_cast<float*>(y) + t * y_stride + o0;

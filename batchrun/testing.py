@@ -133,6 +133,32 @@ def make_tiny_model(out_dir: str | os.PathLike, family: str = "llama", seed: int
     return out
 
 
+# A reasoning model's template, Qwen3's convention with the R1 distills' opening: with thinking on
+# (enable_thinking unset or true) the generation prompt opens the trace (`<think>\n`); with
+# enable_thinking=False it carries a closed, empty one, and the answer follows the separator.
+REASONING_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% else %}<think>\n{% endif %}{% endif %}"
+)
+
+
+def make_tiny_reasoning_model(out_dir: str | os.PathLike, family: str = "qwen3", seed: int = 0) -> Path:
+    """A tiny random model whose tokenizer has `<think>` and `</think>` as single (non-special, as
+    in Qwen3) tokens and whose chat template opens a trace (REASONING_CHAT_TEMPLATE)."""
+    from tokenizers import AddedToken
+
+    out = make_tiny_model(out_dir, family, seed=seed, vocab_size=len(build_tokenizer()) + 2)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    tokenizer.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
+    tokenizer.chat_template = REASONING_CHAT_TEMPLATE
+    tokenizer.save_pretrained(out)
+    return out
+
+
 def build_wordpiece_tokenizer(vocab_size: int = 512, do_lower_case: bool = True):
     """A BERT WordPiece tokenizer ([CLS] text [SEP]) trained on pydoc text."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers

@@ -115,6 +115,10 @@ class EngineConfig:
     # Adapters whose weights are resident at once; the others are loaded on demand into the least
     # recently used slot no running request holds.
     max_loras: int = 4
+    # The tags around a reasoning model's trace (engine/reasoning.py). null: `<think>` and
+    # `</think>` when each is one token of the tokenizer, else no trace is recognised; [open, close]:
+    # these (each must be one token); []: off, the output is one undivided text.
+    think_tags: Optional[list[str]] = None
 
     def __post_init__(self) -> None:
         if self.task not in TASKS:
@@ -272,6 +276,10 @@ class SamplingParams:
     json_schema: Union[str, dict[str, Any], None] = None
     regex: Optional[str] = None
     choice: tuple[str, ...] = field(default_factory=tuple)
+    # Reasoning models (engine/reasoning.py): once a trace holds this many tokens without its
+    # closing tag, the engine appends the tag (and the template's separator) itself and the request
+    # goes on to answer within max_tokens, which counts both. None: no budget.
+    max_thinking_tokens: Optional[int] = None
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and stored as tuples so the object stays hashable.
@@ -294,6 +302,8 @@ class SamplingParams:
             raise ValueError(f"prompt_logprobs must be >= 0 or None, got {self.prompt_logprobs}")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.max_thinking_tokens is not None and self.max_thinking_tokens < 1:
+            raise ValueError(f"max_thinking_tokens must be >= 1 or None, got {self.max_thinking_tokens}")
         if self.n > 1 and self.is_greedy:
             # n greedy samples are n copies of one output: almost surely a forgotten temperature.
             raise ValueError(f"n={self.n} needs temperature > 0: greedy samples would all be identical")

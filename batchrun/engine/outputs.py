@@ -35,7 +35,9 @@ class RequestOutput:
     prompt_token_ids: list[int]  # the prompt as tokenized
     token_ids: list[int]  # generated tokens only (after stop-string trimming)
     text: str  # decoded generated text, without stop strings
-    finish_reason: str  # "stop" | "length" | "error" | "pooled" (embed/score)
+    # "stop" | "length" | "thinking_length" (max_tokens reached inside an open trace) | "error" |
+    # "pooled" (embed/score)
+    finish_reason: str
     error: Optional[str] = None  # message when finish_reason == "error"
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     # Per generated token: {token_id: logprob} of the token itself and the top-N candidates (N or
@@ -51,6 +53,13 @@ class RequestOutput:
     # engine.task embed: the embedding, (dim,) float32; score: the head's logits, (num_labels,)
     # float32. None for generation (token_ids and text are empty and finish_reason "pooled" here).
     pooled: Optional[np.ndarray] = None
+    # Reasoning models (engine/reasoning.py), when the engine recognises think tags: the trace's
+    # text (between the tags, whitespace stripped; None: the output has no trace) and `text` is the
+    # answer only (after the closing tag and separator). num_reasoning_tokens: tokens between the
+    # tags; num_answer_tokens: tokens after the closing tag (all output tokens without a trace).
+    reasoning: Optional[str] = None
+    num_reasoning_tokens: int = 0
+    num_answer_tokens: int = 0
 
 
 @dataclass

@@ -9,10 +9,22 @@ tokens against `SamplingParams.max_thinking_tokens`, and holds a grammar back un
 The separator is what the template writes between a closed trace and the answer (Qwen3's
 template, with thinking off, ends the prompt with `<think>\\n\\n</think>\\n\\n`): the engine appends it
 after a closing tag it forces, so the answer starts where the model would start it.
+
+A request's `ThinkingState` follows its output token by token (advanced only by the scheduler's
+`update`, as tokens are appended: so preemption, chunked prefill, followers and verification steps
+see one state). The phases:
+  start   no token yet and the prompt has no open trace: the first token may open one (`open_id`);
+          any other first token means no trace;
+  trace   between the tags: no grammar applies, stop strings are not looked for;
+  answer  after the closing tag (or without a trace): everything applies as for any model.
+Forced tokens (the closing tag once the budget is spent, the separator after a closing tag in a
+constrained request) are queued here; the step sampler masks the request's row to the first of them
+(engine/runners/sampling.py), and such a request is never drafted or sampled blind on the device.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -75,7 +87,8 @@ def find_think_tags(tokenizer: Any, configured: Optional[Sequence[str]]) -> Opti
     else:
         if len(configured) != 2 or not all(isinstance(t, str) and t for t in configured):
             raise EngineConfigError(
-                f"engine.think_tags: must be [open, close] (two non-empty strings) or [] (off), got {list(configured)!r}"
+                "engine.think_tags: must be [open, close] (two non-empty strings) or [] (off), "
+                f"got {list(configured)!r}"
             )
         open_text, close_text = configured
     if tokenizer is None:
@@ -91,3 +104,97 @@ def find_think_tags(tokenizer: Any, configured: Optional[Sequence[str]]) -> Opti
     separator = template_separator(tokenizer, close_text)
     separator_ids = tuple(int(t) for t in tokenizer.encode(separator, add_special_tokens=False))
     return ThinkTags(open_text, close_text, open_id, close_id, separator, separator_ids)
+
+
+START, TRACE, ANSWER = "start", "trace", "answer"
+
+
+class ThinkingState:
+    """Where one request's output stands with respect to its trace. Output indices count from
+    the first generated token; the trace's tokens are output[trace_start:trace_end] (to the end
+    while it is open), the answer's output[trace_end + 1:]."""
+
+    __slots__ = ("tags", "budget", "constrained", "phase", "trace_start", "trace_end", "num_trace_tokens", "forced")
+
+    def __init__(self, tags: ThinkTags, budget: Optional[int], constrained: bool, opened_by_prompt: bool) -> None:
+        self.tags = tags
+        self.budget = budget  # SamplingParams.max_thinking_tokens
+        self.constrained = constrained  # a grammar applies to the answer: the separator is forced after the tag
+        self.phase = TRACE if opened_by_prompt else START
+        self.trace_start = 0 if opened_by_prompt else -1  # output index of the first trace token; -1: no trace
+        self.trace_end = -1  # output index of the closing tag; -1: not closed (or no trace)
+        self.num_trace_tokens = 0
+        self.forced: deque[int] = deque()  # the next output tokens, whatever the model says
+
+    @classmethod
+    def for_prompt(
+        cls, tags: ThinkTags, prompt: Sequence[int], budget: Optional[int], constrained: bool
+    ) -> ThinkingState:
+        """The prompt opens the trace when its last `open_id` comes after its last `close_id` (a
+        template that ends the generation prompt with the opening tag)."""
+        opened = False
+        for token in reversed(prompt):
+            if token == tags.close_id:
+                break
+            if token == tags.open_id:
+                opened = True
+                break
+        return cls(tags, budget, constrained, opened)
+
+    @property
+    def has_trace(self) -> bool:
+        return self.trace_start >= 0
+
+    @property
+    def in_trace(self) -> bool:
+        """The trace is open (a closing tag is at most queued): max_tokens here is "thinking_length"."""
+        return self.phase == TRACE
+
+    @property
+    def answer_start(self) -> int:
+        """Output index of the answer's first token (0 without a trace)."""
+        return self.trace_end + 1 if self.has_trace else 0
+
+    @property
+    def grammar_applies(self) -> bool:
+        """Whether a grammar masks the next token: at the start (with `open_id` allowed too) and in
+        the answer once no forced token is queued; never in the trace."""
+        return self.phase != TRACE and not self.forced
+
+    @property
+    def runs_blind(self) -> bool:
+        """Whether the token after the next one needs no mask whatever the next one is, so a step
+        may be sampled on the device and the step after it launched before its token is read
+        (engine/runners/gpu.py): nothing is forced now, and the next token cannot spend the budget.
+        (A closing tag from the model forces only in constrained requests, which never run blind.)"""
+        if self.forced:
+            return False
+        return self.phase != TRACE or self.budget is None or self.num_trace_tokens + 1 < self.budget
+
+    def append(self, token: int, index: int) -> bool:
+        """Advance past output token `index` (`token`), just appended. True when tokens are now
+        forced, so later tokens of the same step (a verification step's) are dropped."""
+        tags = self.tags
+        if self.forced:
+            expected = self.forced.popleft()
+            assert token == expected, f"forced token {expected} came out as {token}"
+            if token == tags.close_id and self.phase == TRACE:
+                self.phase, self.trace_end = ANSWER, index
+            return False
+        if self.phase == START:
+            if token == tags.open_id:
+                self.phase, self.trace_start = TRACE, index + 1
+            else:
+                self.phase = ANSWER
+            return False
+        if self.phase == TRACE:
+            if token == tags.close_id:
+                self.phase, self.trace_end = ANSWER, index
+                if self.constrained:
+                    self.forced.extend(tags.separator_ids)
+                return bool(self.forced)
+            self.num_trace_tokens += 1
+            if self.budget is not None and self.num_trace_tokens >= self.budget:
+                self.forced.extend(tags.close_ids)
+                return True
+        return False

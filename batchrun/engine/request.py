@@ -12,6 +12,7 @@ from batchrun.engine.outputs import RequestMetrics, RequestOutput
 
 if TYPE_CHECKING:
     from batchrun.engine.grammar import GrammarState
+    from batchrun.engine.reasoning import ThinkingState
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +73,8 @@ class Request:
         self.spec_acceptance: Optional[float] = None  # running per-token draft acceptance rate
         self.spec_steps_seen = 0  # decode steps the speculation policy has looked at this request
         self.grammar: Optional[GrammarState] = None  # structured output: its matcher (engine/grammar.py)
+        # Its trace's phase, budget and forced tokens (engine/reasoning.py); None: the engine has no think tags.
+        self.thinking: Optional[ThinkingState] = None
 
     @property
     def num_tokens(self) -> int:
@@ -105,11 +108,25 @@ class Request:
             if num_output > 1:
                 m.itl_s = (m.finished_s - m.first_token_s) / (num_output - 1)
         m.latency_s = m.finished_s - m.arrival_s
+        output = self.output_token_ids
+        reasoning, num_reasoning, num_answer = None, 0, len(output)
+        thinking = self.thinking
+        if thinking is not None and thinking.has_trace and output:
+            # The trace's text and the answer's apart; the answer without the separator's whitespace.
+            end = thinking.trace_end if thinking.trace_end >= 0 else len(output)
+            trace = output[thinking.trace_start : end]
+            reasoning = tokenizer.decode(trace, skip_special_tokens=True).strip() if trace else ""
+            num_reasoning = thinking.num_trace_tokens
+            answer = output[thinking.answer_start :] if thinking.trace_end >= 0 else []
+            num_answer = len(answer)
+            text = output_text(tokenizer, answer, self.params.stop).lstrip()
+        else:
+            text = output_text(tokenizer, output, self.params.stop)
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=self.prompt_token_ids,
-            token_ids=self.output_token_ids,
-            text=output_text(tokenizer, self.output_token_ids, self.params.stop),
+            token_ids=output,
+            text=text,
             finish_reason=self.finish_reason or "error",
             error=self.error,
             metrics=m,
@@ -117,4 +134,7 @@ class Request:
             sample_index=self.sample_index,
             prompt_logprobs=self.prompt_logprobs,
             constrained=self.params.is_constrained,
+            reasoning=reasoning,
+            num_reasoning_tokens=num_reasoning,
+            num_answer_tokens=num_answer,
         )

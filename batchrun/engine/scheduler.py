@@ -22,6 +22,8 @@ runs no slot is pinned, so the first waiting request can always load its adapter
 
 `update` takes a step's `StepResult` (what the runner produced): it appends each request's tokens
 and ends the requests the stop rule ends (engine/stop.py), the one place a request ends but abort.
+It is also the one place a reasoning request's trace state moves (engine/reasoning.py), token by
+token as they are appended.
 """
 
 from __future__ import annotations
@@ -357,10 +359,14 @@ class Scheduler:
             else:
                 req.num_computed_tokens += num_new
             reason = None
+            thinking = req.thinking
             for token in tokens:
                 req.token_ids.append(token)
+                # The trace's state moves first: max_tokens inside it is "thinking_length". Once
+                # tokens are forced, a verification step's later tokens are dropped.
+                dropped = thinking is not None and thinking.append(token, req.num_output_tokens - 1)
                 reason = self.stop.after_token(req, token)
-                if reason is not None:
+                if reason is not None or dropped:
                     break
             if tokens:
                 # Rejected drafts leave KV past the accepted tokens: it is simply not counted as

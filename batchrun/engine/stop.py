@@ -7,6 +7,8 @@ As a step's results are handed over, in this order of priority:
      produced after it are dropped);
   3. after all of the step's tokens: a stop string in its text, then a grammar that completed
      (its stop token was ignored under ignore_eos, or it ended without one): "stop".
+A reasoning request (engine/reasoning.py) that reaches max_tokens or max_model_len with its trace
+open ends with "thinking_length"; stop strings are looked for in its answer's text only.
 So a token that reaches max_tokens and completes a stop string ends the request with "length"
 (its text is still cut at the stop string: detokenizer.output_text). Only an abort ends a request
 anywhere else (`Engine.abort_all`).
@@ -43,27 +45,32 @@ class StopRule:
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            return "length"
+            thinking = req.thinking
+            return "thinking_length" if thinking is not None and thinking.in_trace else "length"
         return None
 
     def after_step(self, req: Request) -> Optional[str]:
         """The reason the request ends once all of this step's tokens are appended, if it does."""
-        if req.params.stop and self.hits_stop_string(req):
+        if req.params.stop and (req.thinking is None or not req.thinking.in_trace) and self.hits_stop_string(req):
             return "stop"
         if req.grammar is not None and req.grammar.is_terminated:
             return "stop"
         return None
 
     def hits_stop_string(self, req: Request) -> bool:
-        """Whether the request's output text holds one of its stop strings (none did before)."""
+        """Whether the request's output text (a reasoning request's answer) holds one of its stop
+        strings (none did before)."""
         stop = req.params.stop
+        # Where the text starts: the answer's first token, fixed before the first check (checks
+        # start once the trace is closed).
+        start = req.num_prompt_tokens + (req.thinking.answer_start if req.thinking is not None else 0)
         assert self.tokenizer is not None, "stop strings need the tokenizer"
         detok = req.detokenizer
         if detok is None:
             detok = req.detokenizer = IncrementalDetokenizer(max(0, max(len(s) for s in stop) - 1))
         text = None
         if self.is_incremental and detok.is_exact:
-            text = detok.step(self.tokenizer, req.token_ids, req.num_prompt_tokens)
+            text = detok.step(self.tokenizer, req.token_ids, start)
         if text is None:  # a decoder the text tail cannot follow: the whole output, every step
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+            text = self.tokenizer.decode(req.token_ids[start:], skip_special_tokens=True)
         return any(s in text for s in stop)

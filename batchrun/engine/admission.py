@@ -4,8 +4,9 @@ One item becomes params.n Requests, one per sample, with consecutive seq_ids. Ea
 gets its sampling seed here, once: the caller's SamplingParams.seed, else one derived from the
 engine seed and the first sample's seq_id; sample i's seed is `sample_seed(base, i)`, so sample 0
 draws what a lone request with that seed draws. A prompt that can never run (bad token ids, empty,
-longer than max_model_len, an adapter not in engine.lora_adapters) yields requests already finished
-with an error, never an exception.
+longer than max_model_len, an adapter not in engine.lora_adapters, a thinking budget on an engine
+without think tags) yields requests already finished with an error, never an exception. With
+think tags each sample gets its own trace state (engine/reasoning.py), its phase read off the prompt.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Optional
 from batchrun.engine.config import SamplingParams
 from batchrun.engine.grammar import GrammarCompiler
 from batchrun.engine.outputs import EngineRequest
+from batchrun.engine.reasoning import ThinkingState, ThinkTags
 from batchrun.engine.request import Request
 from batchrun.engine.sampler import sample_seed
 
@@ -32,6 +34,7 @@ class Admission:
         engine_seed: int,
         grammars: GrammarCompiler,
         adapter_names: Sequence[str] = (),
+        think_tags: Optional[ThinkTags] = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -41,6 +44,8 @@ class Admission:
         self.adapter_names = frozenset(adapter_names)  # engine.lora_adapters' names
         self._known_adapters = ", ".join(sorted(adapter_names)) or "none"
         self.next_seq_id = 0  # seq_ids are engine-unique and increasing: the admission order
+        # The engine's think tags (engine/reasoning.py): each request gets a trace state; None: none does.
+        self.think_tags = think_tags
 
     def build(self, item: Any, index: int, default_params: SamplingParams) -> list[Request]:
         """The params.n sample requests of one item; when the prompt can never run, every one is
@@ -60,6 +65,9 @@ class Admission:
         token_ids, error = self._tokenize(prompt)
         if error is None and adapter is not None and adapter not in self.adapter_names:
             error = f"unknown adapter {adapter!r} (known: {self._known_adapters})"
+        tags = self.think_tags
+        if error is None and params.max_thinking_tokens is not None and tags is None:
+            error = "max_thinking_tokens: the model's tokenizer has no think tags (set engine.think_tags)"
         samples = []
         for i in range(params.n):
             seed = sample_seed(base_seed, i) if base_seed is not None else None
@@ -71,6 +79,10 @@ class Admission:
         if params.is_constrained:
             for req in samples:  # compiles while the prompt is prefilled; each sample its own matcher
                 req.grammar = self.grammars.new_state(params.constraint_key)
+        if tags is not None:
+            budget, constrained = params.max_thinking_tokens, params.is_constrained
+            for req in samples:
+                req.thinking = ThinkingState.for_prompt(tags, token_ids, budget, constrained)
         return samples
 
     def _tokenize(self, prompt: Any) -> tuple[list[int], Optional[str]]:

@@ -32,7 +32,8 @@ from batchrun.model.loader import load_model
 
 
 def is_eligible(req: Request, is_adaptive: bool = True) -> bool:
-    """A request that may carry drafts: decoding, no logprobs asked, not constrained (verification
+    """A request that may carry drafts: decoding, no logprobs asked, no forced token pending (a
+    spent thinking budget's closing tag, engine/reasoning.py), not constrained (verification
     would need the grammar's mask at every draft position), and not a seeded sample under the
     adaptive policy: its on/off choices depend on the batch and the measured step costs, and
     speculating or not changes which draws decide a sampled token, while a seeded request's tokens
@@ -44,6 +45,7 @@ def is_eligible(req: Request, is_adaptive: bool = True) -> bool:
         and p.logprobs is None
         and (p.is_greedy or p.seed is None or not is_adaptive)
         and not p.is_constrained
+        and (req.thinking is None or not req.thinking.forced)  # its next tokens are known: nothing to verify
     )
 
 

@@ -15,6 +15,7 @@ from batchrun.engine.config import EngineConfig, EngineConfigError, SamplingPara
 from batchrun.engine.outputs import EngineRequest, EngineStats, RequestOutput, ThroughputProfile
 from batchrun.engine.pooling import Pooling
 from batchrun.engine.profiler import measure_rates
+from batchrun.engine.reasoning import ThinkTags
 from batchrun.engine.request import Request
 from batchrun.engine.runners import PendingStep
 from batchrun.engine.scheduler import ScheduledBatch, StepResult
@@ -83,6 +84,20 @@ class Engine:
             )
         # Times the decode steps the speculation policy prices (a test may put a fake clock here).
         self.step_clock: Callable[[], float] = time.perf_counter
+
+    @property
+    def think_tags(self) -> Optional[ThinkTags]:
+        """The tags around a reasoning model's trace (engine.think_tags, found at start-up:
+        engine/reasoning.py); None: outputs are not split (no tags, or embed/score)."""
+        return self.admission.think_tags if self.pooling is None else None
+
+    @think_tags.setter
+    def think_tags(self, tags: Optional[ThinkTags]) -> None:
+        """Other tags on an idle engine (requests admitted from now on follow them)."""
+        assert self.pooling is None and not self.scheduler.has_unfinished(), "retag an idle generate engine only"
+        self.admission.think_tags = tags
+        assert self.runner.step_sampler is not None
+        self.runner.step_sampler.thinking = tags is not None
 
     def _assign_pooling(self, pooling: Pooling) -> None:
         model = pooling.model
@@ -327,8 +342,15 @@ class Engine:
     def _launch_ahead(self, executed: Union[StepResult, PendingStep]) -> Optional[PendingStep]:
         """The decode step after `executed`, launched before executed's tokens are read, where its
         tokens are still on the device, the scheduler can hold the running requests' places and the
-        runner can replay their next step (engine/runners/gpu.py); else None."""
-        if not isinstance(executed, PendingStep) or not self.runner.can_replay_next(self.scheduler.running):
+        runner can replay their next step (engine/runners/gpu.py), and no reasoning request may need
+        a forced token in it (engine/reasoning.py: `runs_blind`); else None."""
+        running = self.scheduler.running
+        if not isinstance(executed, PendingStep) or not self.runner.can_replay_next(running):
+            return None
+        # A trace whose next token may spend its budget forces the token after it: not blind.
+        if self.admission.think_tags is not None and not all(
+            r.thinking is None or r.thinking.runs_blind for r in running
+        ):
             return None
         if not self.scheduler.can_hold_places(executed.rows):
             return None

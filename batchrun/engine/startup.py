@@ -42,6 +42,7 @@ from batchrun.engine.group_startup import open_group
 from batchrun.engine.kv_cache import KVCacheManager
 from batchrun.engine.profiler import BatchLimits, default_kv_bytes
 from batchrun.engine.quantization import prepare_linears_for_engine
+from batchrun.engine.reasoning import find_think_tags
 from batchrun.engine.runners import CpuRunner, GpuRunner, ModelRunner, kv_bytes_per_block
 from batchrun.engine.sampler import Sampler
 from batchrun.engine.scheduler import Scheduler, SchedulerConfig
@@ -339,7 +340,21 @@ def build_core(config: EngineConfig, target: Target, kv_plan: KVPlan, cache: Cac
     vocab_size = target.model.spec.vocab_size
     grammars = GrammarCompiler(target.tokenizer, vocab_size, sorted(eos_ids))
     adapter_names = list(target.lora.fingerprints) if target.lora is not None else []
-    admission = Admission(target.tokenizer, vocab_size, kv_plan.max_model_len, config.seed, grammars, adapter_names)
+    think_tags = find_think_tags(target.tokenizer, config.think_tags)
+    if think_tags is not None:
+        log.info(
+            "think tags %r %r (ids %d %d), separator %r: traces are followed, answers apart",
+            think_tags.open,
+            think_tags.close,
+            think_tags.open_id,
+            think_tags.close_id,
+            think_tags.separator,
+        )
+        assert cache.runner.step_sampler is not None
+        cache.runner.step_sampler.thinking = True
+    admission = Admission(
+        target.tokenizer, vocab_size, kv_plan.max_model_len, config.seed, grammars, adapter_names, think_tags
+    )
     drafter, speculative = None, None
     if config.speculative.method != "none":
         drafter, speculative = build_drafter(

@@ -14,7 +14,8 @@ each of them took part, nobody would be admitted or preempted) and this runner c
 next step (`can_replay_next`), the engine schedules that step as if each request produced one token
 and `execute_ahead` launches it with its input ids gathered on the device from the pending step's
 token tensor; only then does the host wait for the pending step's tokens and do its bookkeeping
-while the GPU computes.
+while the GPU computes. A reasoning request whose trace may force its next tokens (a spent
+thinking budget, engine/reasoning.py) is not plain either: forced rows are masked on the host.
 
 A request that ends at a step (a stop token, max_tokens, a stop string) is found out only after
 the step ahead of it was launched: that step computes one more token for it, into a KV slot of a
@@ -47,7 +48,12 @@ from batchrun.model.generic import GenericLM
 
 def is_plain(req: Request) -> bool:
     """Whether the request's next token needs nothing of its last one on the host."""
-    return req.grammar is None and req.params.logprobs is None and req.prompt_logprobs is None
+    return (
+        req.grammar is None
+        and req.params.logprobs is None
+        and req.prompt_logprobs is None
+        and (req.thinking is None or req.thinking.runs_blind)  # no forced token now or next (engine/reasoning.py)
+    )
 
 
 class GpuRunner(ModelRunner):

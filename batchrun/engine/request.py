@@ -98,7 +98,8 @@ class Request:
 
     def to_output(self, tokenizer: Any) -> RequestOutput:
         """What the caller gets for this request (ended): its text decoded once and cut before a
-        stop string; its metrics' derived times (TTFT, inter-token latency, latency) filled in now."""
+        stop string; its metrics' derived times (TTFT, inter-token latency, latency) filled in now.
+        With a trace (engine/reasoning.py) the text is the answer's and the trace is `reasoning`."""
         m = self.metrics
         if m.finished_s is None:
             m.finished_s = time.perf_counter()

@@ -489,7 +489,6 @@ class RequestBuilder:
         # The template already wrote any BOS it wants; letting encode add another would double it.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-
     def _template_kwargs(self, request: BatchRequest) -> dict[str, Any]:
         """The job's chat template variables with the request's body.chat_template_kwargs over them
         (checked to be an object by sampling_params). A request's enable_thinking replaces the

@@ -406,7 +406,9 @@ def prompt_builders(config: RunConfig, engine: Engine) -> tuple[PromptBuilder, O
 def select_format(config: RunConfig, engine: Engine) -> ShardFormat:
     """The run's format, ready to turn rows into prompts with `engine`'s tokenizer."""
     builder, requests = prompt_builders(config, engine)
-    chosen: ShardFormat = OpenAIBatchFormat(config, requests) if requests is not None else ParquetFormat(config, builder)
+    chosen: ShardFormat = (
+        OpenAIBatchFormat(config, requests) if requests is not None else ParquetFormat(config, builder)
+    )
     chosen.reasoning = engine_think_tags(engine) is not None
     return chosen
 

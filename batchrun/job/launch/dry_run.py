@@ -37,7 +37,14 @@ from batchrun.job.errors import ConfigError, ShardError
 from batchrun.job.formats.prompts import Prompt
 from batchrun.job.formats.reader import InputRow
 from batchrun.job.formats.rows import INVALID_SCHEMA, with_row_schema
-from batchrun.job.formats.shard_format import RowReader, ShardFormat, engine_task, engine_think_tags, format_class, select_format
+from batchrun.job.formats.shard_format import (
+    RowReader,
+    ShardFormat,
+    engine_task,
+    engine_think_tags,
+    format_class,
+    select_format,
+)
 from batchrun.job.launch.pool import num_local_workers
 from batchrun.job.run.runner import load_engine
 from batchrun.job.shards import Shard, discover_shards, open_filesystem, resolve_worker

@@ -18,6 +18,8 @@ import pytest
 from batchrun import cli
 from batchrun.engine import EngineConfig, SamplingParams
 from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
+from batchrun.job.operate.summary import format_summary
+from batchrun.job.results import RunResult
 from tests.support.engines import TINY_ENGINE, make_tiny_engine
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -55,15 +57,15 @@ def config(model: str, data, out, **sampling) -> RunConfig:
     )
 
 
-def run(cfg: RunConfig, engine) -> list[dict]:
+def run(cfg: RunConfig, engine) -> tuple[list[dict], RunResult]:
     result = run_job(cfg, engine=engine)
     assert (result.exit_code, [s.status for s in result.shards]) == (0, ["committed"]), result.message
-    return pq.read_table(f"{cfg.output.uri}/results/part-00.parquet").to_pylist()
+    return pq.read_table(f"{cfg.output.uri}/results/part-00.parquet").to_pylist(), result
 
 
 def test_a_thinking_budget_bounds_every_trace_and_the_answer_follows(tmp_path, tiny_reasoning_dir, engine, shard):
     out = tmp_path / "out"
-    rows = run(config(tiny_reasoning_dir, shard, out, max_thinking_tokens=BUDGET), engine)
+    rows, result = run(config(tiny_reasoning_dir, shard, out, max_thinking_tokens=BUDGET), engine)
     schema = pq.read_schema(out / "results" / "part-00.parquet")
     assert (schema.field("reasoning").type, schema.field("num_reasoning_tokens").type) == (pa.string(), pa.int32())
     assert len(rows) == NUM_ROWS and all(r["error_type"] is None for r in rows)
@@ -77,12 +79,16 @@ def test_a_thinking_budget_bounds_every_trace_and_the_answer_follows(tmp_path, t
     assert metrics["num_reasoning_tokens"] == sum(r["num_reasoning_tokens"] for r in rows)
     assert metrics["num_answer_tokens"] == sum(r["num_answer_tokens"] for r in rows)
     assert metrics["num_thinking_length"] == 0
+    # where the run's token sums are shown, the traces' share is too
+    reasoning = metrics["num_reasoning_tokens"]
+    assert f"reasoning: {reasoning} tokens in traces" in format_summary(result)
+    assert f"{reasoning:,} in traces" in (out / "report.html").read_text()
 
 
 def test_max_tokens_inside_the_trace_is_thinking_length(tmp_path, tiny_reasoning_dir, engine, shard):
     """No budget, and max_tokens too small for the random model to close its trace."""
     out = tmp_path / "out"
-    rows = run(config(tiny_reasoning_dir, shard, out, max_tokens=6), engine)
+    rows, _ = run(config(tiny_reasoning_dir, shard, out, max_tokens=6), engine)
     assert [r["finish_reason"] for r in rows] == ["thinking_length"] * NUM_ROWS
     for r in rows:
         assert (r["output"], r["num_reasoning_tokens"], r["num_answer_tokens"]) == ("", 6, 0), r
@@ -94,7 +100,7 @@ def test_max_tokens_inside_the_trace_is_thinking_length(tmp_path, tiny_reasoning
 def test_a_json_schema_constrains_the_answer_after_the_trace(tmp_path, tiny_reasoning_dir, engine, shard):
     pytest.importorskip("xgrammar")
     schema = {"type": "string", "enum": ["yes", "no"]}
-    rows = run(
+    rows, _ = run(
         config(tiny_reasoning_dir, shard, tmp_path / "out", max_thinking_tokens=BUDGET, json_schema=schema), engine
     )
     for r in rows:

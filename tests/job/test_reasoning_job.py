@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 
+import jsonschema
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -18,6 +19,7 @@ import pytest
 from batchrun import cli
 from batchrun.engine import EngineConfig, SamplingParams
 from batchrun.job import DataConfig, JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
+from batchrun.job.operate.status import format_status, read_status, status_schema
 from batchrun.job.operate.summary import format_summary
 from batchrun.job.results import RunResult
 from tests.support.engines import TINY_ENGINE, make_tiny_engine
@@ -83,6 +85,10 @@ def test_a_thinking_budget_bounds_every_trace_and_the_answer_follows(tmp_path, t
     reasoning = metrics["num_reasoning_tokens"]
     assert f"reasoning: {reasoning} tokens in traces" in format_summary(result)
     assert f"{reasoning:,} in traces" in (out / "report.html").read_text()
+    status = read_status(str(out))
+    jsonschema.validate(status.to_json(), status_schema())
+    assert status.num_reasoning_tokens == reasoning
+    assert f"({reasoning} output in reasoning traces)" in format_status(status)
 
 
 def test_max_tokens_inside_the_trace_is_thinking_length(tmp_path, tiny_reasoning_dir, engine, shard):

@@ -108,6 +108,15 @@ def tiny_llama_dir(tiny_model_factory) -> str:
     return tiny_model_factory("llama")
 
 
+@pytest.fixture(scope="session")
+def tiny_reasoning_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A tiny random Qwen3 whose tokenizer has <think> </think> and whose chat template opens a
+    trace (batchrun.testing.make_tiny_reasoning_model), built once per session."""
+    from batchrun.testing import make_tiny_reasoning_model
+
+    return str(make_tiny_reasoning_model(tmp_path_factory.mktemp("tiny_reasoning")))
+
+
 # ---- job-runner fixtures (tests/job/, tests/test_cli_config.py, tests/test_notebook.py) ---------
 
 

@@ -8,7 +8,8 @@ streams the rows of every batch in flight through one `Engine.stream`.
 Rows become prompts exactly as in a job (job/formats/prompts.py: the job's template, system
 prompt, chat template, data.on_too_long), and each batch comes back as batchrun's result columns
 (job/formats/writer.py: id, output, finish_reason, error_type, error_message, token counts,
-timings, the optional sample and logprob columns, then output.keep_columns). A row that cannot be
+timings, the optional sample and logprob columns, a reasoning model's reasoning columns, then
+output.keep_columns). A row that cannot be
 a prompt is a typed error row (null_prompt, prompt_too_long, template_error, null_id, ...); a
 batch never fails for one bad row.
 Greedy outputs are those of the job for the same rows and settings (an error message's "row N" is
@@ -45,11 +46,19 @@ import pyarrow as pa
 
 from batchrun.engine import Engine, EngineRequest, RequestOutput, SamplingParams
 from batchrun.job import RunConfig, build_run_config, load_engine
+from batchrun.job.config import check_thinking
 from batchrun.job.formats.logprobs import TokenTexts
 from batchrun.job.formats.prompts import Prompt, PromptBuilder
 from batchrun.job.formats.reader import InputRow
 from batchrun.job.formats.rows import check_row
-from batchrun.job.formats.writer import error_result, logprob_columns, optional_columns, output_result, result_schema
+from batchrun.job.formats.writer import (
+    error_result,
+    logprob_columns,
+    optional_columns,
+    output_result,
+    reasoning_columns,
+    result_schema,
+)
 from batchrun.job.run.shard_run import IN_FLIGHT_PER_SEQ
 
 Batch = Union[pa.Table, Mapping[str, Any], Any]  # a pyarrow Table, a dict of columns, or a pandas DataFrame
@@ -66,10 +75,12 @@ class BatchrunPredictor:
         self.config = config if isinstance(config, RunConfig) else build_run_config(config)
         self.engine = engine or load_engine(self.config.engine)
         sampling = self.config.sampling
+        reasoning = self.engine.think_tags is not None
+        check_thinking(self.config, self.engine.think_tags)
         self.builder = PromptBuilder(
             self.config.job, self.config.data, self.engine.tokenizer, self.engine.max_model_len - sampling.max_tokens
         )
-        self.optional = optional_columns(sampling)
+        self.optional = optional_columns(sampling, reasoning=reasoning)
         self.token_texts = TokenTexts(self.engine.tokenizer)
         self.loop = _EngineLoop(self.engine, sampling, IN_FLIGHT_PER_SEQ * self.engine.max_num_seqs)
         self.loop.start()
@@ -103,6 +114,7 @@ class BatchrunPredictor:
                     {
                         **output_result(row_id, out, prompt.error_message, keep),
                         **logprob_columns(out, self.config.sampling, self.token_texts),
+                        **(reasoning_columns(out) if "reasoning" in self.optional else {}),
                     }
                     for out in sorted(next(done), key=lambda o: o.sample_index)
                 ]

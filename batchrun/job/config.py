@@ -40,6 +40,7 @@ RESULT_COLUMNS = [
 # sample_index, logprobs adds cumulative_logprob and logprobs, prompt_logprobs adds prompt_logprobs.
 # With none of these, a results file is what it was before they existed.
 # With LoRA adapters (model.lora_adapters), `adapter` says which one served the row.
+# With a reasoning model, REASONING_COLUMNS (below).
 OPTIONAL_RESULT_COLUMNS = [
     "sample_index",
     "cumulative_logprob",
@@ -47,7 +48,14 @@ OPTIONAL_RESULT_COLUMNS = [
     "prompt_logprobs",
     "tool_calls",
     "adapter",
+    "reasoning",
+    "num_reasoning_tokens",
+    "num_answer_tokens",
 ]
+# A reasoning model's columns (the engine recognises think tags, engine.think_tags): the trace,
+# and the output's tokens split into the trace's and the answer's. Decided once per run from the
+# engine, not per row, so that every file of a run has one schema.
+REASONING_COLUMNS = ["reasoning", "num_reasoning_tokens", "num_answer_tokens"]
 # What an embed or score run writes instead (writer.pooled_fields): no generated text, no output
 # tokens, no time to first token. `label` only when the score model has more than one label.
 POOLED_RESULT_COLUMNS = [
@@ -140,10 +148,32 @@ class JobConfig:
     # per row, and its `label`). It sets engine.task when that is auto; a model that cannot serve it
     # stops the run (exit 2). null: whatever the engine serves (engine.task, auto: the model's).
     task: Optional[Literal["generate", "embed", "score"]] = None
+    # Reasoning models: passed to the chat template as `enable_thinking` (Qwen3's switch: false
+    # renders a closed, empty trace, so the model answers at once). null: the template's default.
+    enable_thinking: Optional[bool] = None
+    # Extra variables for every chat template render (as vLLM's chat_template_kwargs); a batch
+    # request's body.chat_template_kwargs is merged over them.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.prompt_template is not None:
             template_fields(self.prompt_template)
+        if self.enable_thinking is not None and "enable_thinking" in self.chat_template_kwargs:
+            raise ConfigError(
+                "job.enable_thinking, job.chat_template_kwargs",
+                "both set enable_thinking; set it in one of them only",
+            )
+        reserved = reserved_template_kwargs(self.chat_template_kwargs)
+        if reserved:
+            raise ConfigError("job.chat_template_kwargs", f"{', '.join(reserved)}: set by the job itself, not here")
+
+    @property
+    def template_kwargs(self) -> dict[str, Any]:
+        """What every apply_chat_template call of the job gets besides the messages."""
+        kwargs = dict(self.chat_template_kwargs)
+        if self.enable_thinking is not None:
+            kwargs["enable_thinking"] = self.enable_thinking
+        return kwargs
 
     def input_columns(self, data: DataConfig) -> list[str]:
         """Columns a shard must have for this job."""
@@ -157,6 +187,34 @@ class JobConfig:
         if data.adapter_column is not None:
             extra.append(data.adapter_column)
         return list(dict.fromkeys([data.text_column, *extra]))
+
+
+# apply_chat_template's own parameters: what the job sets itself (or that would make it return
+# something other than the prompt text), so never a template variable from chat_template_kwargs.
+_TEMPLATE_PARAMETERS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
+def reserved_template_kwargs(kwargs: Mapping[str, Any]) -> list[str]:
+    """The keys of a chat_template_kwargs mapping that are apply_chat_template's own parameters."""
+    return sorted(str(k) for k in kwargs if k in _TEMPLATE_PARAMETERS)
 
 
 def template_fields(template: str) -> list[str]:
@@ -382,8 +440,9 @@ def check_task(config: RunConfig, task: str, tokenizer: Any = None) -> None:
             f"use a model that can {config.job.task}, or another job",
         )
     # `adapter` is written only with model.lora_adapters (check_adapters): without them an input
-    # column of that name (a LoRA run's results read again) may be kept
-    optional = [c for c in OPTIONAL_RESULT_COLUMNS if c != "adapter"]
+    # column of that name (a LoRA run's results read again) may be kept; the reasoning columns only
+    # with an engine that has think tags (check_thinking)
+    optional = [c for c in OPTIONAL_RESULT_COLUMNS if c != "adapter" and c not in REASONING_COLUMNS]
     own = [*RESULT_COLUMNS, *optional] if task == "generate" else [*POOLED_RESULT_COLUMNS, "sample_index"]
     clash = [c for c in config.output.keep_columns if c in own]
     if clash:
@@ -396,6 +455,8 @@ def check_task(config: RunConfig, task: str, tokenizer: Any = None) -> None:
         return
     if config.model.lora_adapters:
         raise ConfigError("model.lora_adapters", f"LoRA adapters serve generation; the engine serves {task}")
+    if config.sampling.max_thinking_tokens is not None:
+        raise ConfigError("sampling.max_thinking_tokens", f"a {task} job generates no reasoning trace; leave it null")
     if config.sampling.n != 1:
         raise ConfigError("sampling.n", f"must be 1 for a {task} job (one vector per row)")
     if config.data.schema_column is not None:
@@ -417,6 +478,26 @@ def check_task(config: RunConfig, task: str, tokenizer: Any = None) -> None:
             "job.chat_template",
             f"a {task} job tokenizes text rows as they are (as sentence-transformers does); chat templates "
             "apply to message rows and to data.response_column",
+        )
+
+
+def check_thinking(config: RunConfig, think_tags: Any) -> None:
+    """Keys that need the engine's think tags (`think_tags`: Engine.think_tags, None when the
+    model's tokenizer has none or engine.think_tags is []), checked once the engine has loaded."""
+    if think_tags is None:
+        if config.sampling.max_thinking_tokens is not None:
+            raise ConfigError(
+                "sampling.max_thinking_tokens",
+                f"the model's tokenizer has no think tags ({config.model.path}); set engine.think_tags to "
+                "[open, close] (each one token), or leave it null",
+            )
+        return
+    clash = [c for c in config.output.keep_columns if c in REASONING_COLUMNS]
+    if clash:
+        raise ConfigError(
+            "output.keep_columns",
+            f"{', '.join(clash)} would overwrite a result column of a reasoning model's run (its think tags "
+            f"{think_tags.open} {think_tags.close}; engine.think_tags=[] turns them off)",
         )
 
 

@@ -67,6 +67,9 @@ TALLY_COLUMNS = (
     "itl_s",
     "latency_s",
     "num_truncated_tokens",
+    "finish_reason",
+    "num_reasoning_tokens",
+    "num_answer_tokens",
 )
 # The engine's per-request counters (RequestMetrics fields) a part's marker sums over its rows, and
 # a shard's metrics over all of its rows (metrics.ShardTally): the rows themselves do not hold them.

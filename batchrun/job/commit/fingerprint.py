@@ -3,14 +3,16 @@
 Every commit marker records a fingerprint: flat `key -> value` pairs of everything that changes a
 result row, in three parts:
 
-- settings (known before the model loads): the job's prompt template, system prompt and chat
-  template mode, all sampling parameters, the data keys that pick columns (and the input format), output.keep_columns,
+- settings (known before the model loads): the job's prompt template, system prompt, chat
+  template mode and variables (enable_thinking, chat_template_kwargs), all sampling parameters
+  (max_thinking_tokens too), the data keys that pick columns (and the input format), output.keep_columns,
   and the engine settings that change numbers (dtype, quantization and its knobs, kv_cache_dtype,
   max_model_len, seed, batch_invariant, speculative method, and every speculative setting when seeded rows
   speculate); the LoRA adapters' names and their files' sha256 (hashed here, before the engine
   loads: a changed adapter file is a changed run even where no shard is left to run);
 - model (known once the engine is loaded): the model file's sha256, the tokenizer's and chat
-  template's hash, the dtype `auto` resolved to;
+  template's hash, the dtype `auto` resolved to, the think tags the engine resolved (and their
+  separator);
 - input: the shard file's size and version (ETag on object stores, mtime elsewhere).
 
 A rerun compares its own fingerprint with the committed markers before it runs anything (the model
@@ -54,7 +56,11 @@ _ENGINE_KEYS = (
 
 def settings_fingerprint(config: RunConfig) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    _flatten("job", {k: v for k, v in dataclasses.asdict(config.job).items() if k != "name"}, out)
+    job = {k: v for k, v in dataclasses.asdict(config.job).items() if k not in ("name", "chat_template_kwargs")}
+    _flatten("job", job, out)
+    # One key, whole: a variable added to an empty mapping is a change too (a flattened key the
+    # committed side lacks would not count as one).
+    out["job.chat_template_kwargs"] = dict(config.job.chat_template_kwargs)
     _flatten("sampling", dataclasses.asdict(config.sampling), out)
     data_keys = (
         "id_column",
@@ -114,11 +120,15 @@ def _file_sha256(path: str, size: int, mtime_ns: int) -> str:
     return digest.hexdigest()
 
 
-def model_fingerprint(model_sha256: str, tokenizer: Any, resolved_dtype: str) -> dict[str, Any]:
+def model_fingerprint(model_sha256: str, tokenizer: Any, resolved_dtype: str, think_tags: Any = None) -> dict[str, Any]:
+    """`think_tags`: the engine's (engine/reasoning.ThinkTags, None: no trace is recognised), which
+    decide how an output splits into reasoning and answer and when a budget closes a trace."""
+    tags = None if think_tags is None else [think_tags.open, think_tags.close, think_tags.separator]
     return {
         "model.sha256": model_sha256,
         "tokenizer.sha256": tokenizer_sha256(tokenizer),
         "engine.resolved_dtype": resolved_dtype,
+        "engine.think_tags": tags,
     }
 
 

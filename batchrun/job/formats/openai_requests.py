@@ -15,7 +15,9 @@ sampled from one prefill) and response_format (json_schema / json_object as stru
 logprobs (chat: logprobs + top_logprobs; completions: logprobs) adds each choice's token
 logprobs in OpenAI's shape. Chat requests' tools, tool_choice and parallel_tool_calls go through
 tool_calls.py (the tools into the prompt, a required or named call into a JSON-schema constraint,
-the output back into message.tool_calls). Fields that would change the answer in ways batchrun does
+the output back into message.tool_calls). A chat request's chat_template_kwargs (vLLM's extension:
+variables for the chat template, such as enable_thinking) are merged over job.chat_template_kwargs.
+Fields that would change the answer in ways batchrun does
 not implement (penalties, ...) make the request an error line rather than being silently ignored;
 fields that change nothing (user, metadata, store, stream=false, ...) are accepted.
 
@@ -23,6 +25,11 @@ Output lines follow OpenAI's batch output format: successes
 
     {"id": "batch_req_...", "custom_id": "q1", "error": null,
      "response": {"status_code": 200, "request_id": "req_...", "body": <chat.completion or text_completion>}}
+
+A reasoning model's choice (the engine recognises think tags) carries its trace as
+message.reasoning_content (null without one), usage.completion_tokens_details.reasoning_tokens
+counts the traces' tokens, and finish_reason `thinking_length` (max_tokens inside the trace) is
+OpenAI's `length`.
 
 and failures (the errors file) `{"id", "custom_id", "response": null, "error": {"code", "message"}}`
 with `code` one of batchrun's typed error names. Ids are derived from the shard and line, so a
@@ -40,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 from batchrun.engine import RequestOutput, SamplingParams
+from batchrun.job.config import reserved_template_kwargs
 from batchrun.job.formats.logprobs import TokenTexts, logprob_entries
 from batchrun.job.formats.openai_embeddings import EMBEDDINGS_URL, embedding_body, embedding_inputs
 from batchrun.job.formats.prompts import Prompt
@@ -53,7 +61,7 @@ from batchrun.job.formats.tool_calls import (
     template_messages,
     tool_spec,
 )
-from batchrun.job.formats.writer import TRUNCATED_STRUCTURED_OUTPUT, is_truncated_structured
+from batchrun.job.formats.writer import THINKING_LENGTH, TRUNCATED_STRUCTURED_OUTPUT, is_truncated_structured
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -227,6 +235,19 @@ def sampling_params(request: BatchRequest, defaults: SamplingParams) -> Union[Sa
         return RequestError(e.code, e.message)
     for key in tool_keys:
         body.pop(key, None)
+    if "chat_template_kwargs" in body:  # read by template_kwargs; checked here with the other fields
+        value = body.pop("chat_template_kwargs")
+        if not request.is_chat:
+            return RequestError(UNSUPPORTED_PARAMETER, f"body.chat_template_kwargs is for {CHAT_URL}")
+        if not isinstance(value, dict):
+            return RequestError(
+                INVALID_REQUEST, f"body.chat_template_kwargs must be an object, got {type(value).__name__}"
+            )
+        reserved = reserved_template_kwargs(value)
+        if reserved:
+            return RequestError(
+                INVALID_REQUEST, f"body.chat_template_kwargs: {', '.join(reserved)} is set by batchrun, not here"
+            )
     tool_constraint = tools.constraint if tools is not None else None
     if tool_constraint is not None:
         changes.update(json_schema=tool_constraint, regex=None, choice=())
@@ -365,10 +386,13 @@ class RequestBuilder:
         tools_template: Optional[str] = None,
         task: str = "generate",
         embedding_dim: Optional[int] = None,
+        template_kwargs: Optional[Mapping[str, Any]] = None,
     ) -> None:
         """`tools_template`: the chat template text for requests with tools (job.tools_chat_template
         resolved by tool_calls.resolve_template); None renders them with the model's own. `task`:
-        what the engine serves (embed answers /v1/embeddings lines, generate the others)."""
+        what the engine serves (embed answers /v1/embeddings lines, generate the others).
+        `template_kwargs`: the job's chat template variables (JobConfig.template_kwargs)."""
+        self.template_kwargs = dict(template_kwargs or {})
         self.task = task
         self.embedding_dim = embedding_dim
         self.tokenizer = tokenizer
@@ -457,13 +481,20 @@ class RequestBuilder:
         if self.system_prompt and messages[0]["role"] != "system":
             messages.insert(0, {"role": "system", "content": self.system_prompt})
         try:
-            text = render(self.tokenizer, messages, request.tools, self.tools_template)
+            text = render(self.tokenizer, messages, request.tools, self.tools_template, self._template_kwargs(request))
         except ToolsError as e:
             return RequestError(e.code, e.message)
         except Exception as e:  # jinja raises many kinds (a template that rejects a role order, ...)
             return RequestError(INVALID_REQUEST, f"the chat template failed: {type(e).__name__}: {_short(e)}")
         # The template already wrote any BOS it wants; letting encode add another would double it.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _template_kwargs(self, request: BatchRequest) -> dict[str, Any]:
+        """The job's chat template variables with the request's body.chat_template_kwargs over them
+        (checked to be an object by sampling_params). A request's enable_thinking replaces the
+        job's whichever of its keys set it."""
+        own = request.body.get("chat_template_kwargs") or {}
+        return {**self.template_kwargs, **own}
 
 
 def _failed(error: RequestError) -> Prompt:
@@ -486,14 +517,18 @@ def response_line(
     outs: Sequence[RequestOutput],
     top_logprobs: Optional[int] = None,
     texts: Optional[TokenTexts] = None,
+    reasoning: bool = False,
 ) -> dict[str, Any]:
     """The output-file line of a request the engine answered: one choice per sample, in sample
     order (each finished with stop or length, or tool_calls when a chat choice holds calls; a
     constrained choice cut by max_tokens also carries `error_type: truncated_structured_output`); usage
     counts the prompt once and every choice's tokens, as OpenAI's API does for n > 1.
     `top_logprobs`: the request asked for logprobs with that many alternatives per token (`texts`
-    decodes the tokens)."""
-    assert outs and all(o.finish_reason in ("stop", "length") for o in outs), [o.finish_reason for o in outs]
+    decodes the tokens). `reasoning`: the engine has think tags: each choice carries its trace as
+    reasoning_content and usage counts the traces' tokens."""
+    assert outs and all(o.finish_reason in ("stop", "length", THINKING_LENGTH) for o in outs), [
+        o.finish_reason for o in outs
+    ]
     line_id, request_id, suffix = line_ids(shard, index)
     choices: list[dict[str, Any]] = []
     for i, out in enumerate(outs):
@@ -502,11 +537,17 @@ def response_line(
             assert texts is not None
             entries = logprob_entries(out.token_ids, out.logprobs, top_logprobs, texts) or []
             logprobs = _chat_logprobs(entries) if request.is_chat else _completion_logprobs(entries)
+        # OpenAI has no reason for a trace that max_tokens cut: it is `length` (reasoning_content says where)
+        reason = "length" if out.finish_reason == THINKING_LENGTH else out.finish_reason
         if request.is_chat:
-            message, finish_reason = chat_choice(request.tools, out.text, out.finish_reason, shard, index, i)
+            message, finish_reason = chat_choice(request.tools, out.text, reason, shard, index, i)
+            if reasoning:
+                message["reasoning_content"] = out.reasoning
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish_reason})
         else:
-            choices.append({"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason})
+            choices.append({"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": reason})
+            if reasoning:  # not in OpenAI's text_completion, but the trace is the row's too
+                choices[-1]["reasoning_content"] = out.reasoning
         if is_truncated_structured(out):  # cut inside its constraint: typed, as its Parquet row is
             choices[-1]["error_type"] = TRUNCATED_STRUCTURED_OUTPUT
     if request.is_chat:
@@ -515,18 +556,16 @@ def response_line(
         body = {"id": f"cmpl-{suffix}", "object": "text_completion"}
     num_prompt = len(outs[0].prompt_token_ids)
     num_completion = sum(len(o.token_ids) for o in outs)
-    body.update(
-        created=int(time.time()),
-        model=request.model,
-        choices=choices,
-        usage={
-            "prompt_tokens": num_prompt,
-            "completion_tokens": num_completion,
-            "total_tokens": num_prompt + num_completion,
-            # the prompt's tokens served from cache for the first choice (the others share its blocks)
-            "prompt_tokens_details": {"cached_tokens": outs[0].metrics.num_cached_tokens or 0},
-        },
-    )
+    usage: dict[str, Any] = {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+        # the prompt's tokens served from cache for the first choice (the others share its blocks)
+        "prompt_tokens_details": {"cached_tokens": outs[0].metrics.num_cached_tokens or 0},
+    }
+    if reasoning:  # completion_tokens counts them too, as OpenAI's does
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(o.num_reasoning_tokens for o in outs)}
+    body.update(created=int(time.time()), model=request.model, choices=choices, usage=usage)
     return {
         "id": line_id,
         "custom_id": request.custom_id,

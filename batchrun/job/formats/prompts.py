@@ -194,7 +194,10 @@ class PromptBuilder:
 
     def _apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
         # A pooling model reads the conversation as it is; a generator is asked for the next turn.
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=not self.is_pooling)
+        # job.enable_thinking and job.chat_template_kwargs: a reasoning template's switches
+        text = self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=not self.is_pooling, **self.job.template_kwargs
+        )
         # The template already wrote any BOS it wants; letting encode add another would double it.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 

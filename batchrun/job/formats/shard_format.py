@@ -101,6 +101,9 @@ class ShardFormat(ABC):
 
     def __init__(self, config: RunConfig) -> None:
         self.config = config
+        # The engine recognises a reasoning model's think tags (select_format sets it): every
+        # result row has the reasoning columns, every batch choice its reasoning_content.
+        self.reasoning = False
 
     # ---- start-up, before the engine --------------------------------------------------------
 
@@ -127,7 +130,9 @@ class ShardFormat(ABC):
         return self.config.sampling.n
 
     def optional_columns(self) -> list[str]:
-        return optional_columns(self.config.sampling, per_row=self.has_lines, adapters=self.config.has_adapters)
+        return optional_columns(
+            self.config.sampling, per_row=self.has_lines, adapters=self.config.has_adapters, reasoning=self.reasoning
+        )
 
     @abstractmethod
     def open_reader(self, shard: Shard, fs: Any) -> RowReader: ...
@@ -325,7 +330,9 @@ class OpenAIBatchFormat(ShardFormat):
         if failed is None and request.is_embeddings:
             return embeddings_line(shard, entry.row.index, request, outs)
         if failed is None:
-            return response_line(shard, entry.row.index, request, outs, entry.params.logprobs, texts)
+            return response_line(
+                shard, entry.row.index, request, outs, entry.params.logprobs, texts, reasoning=self.reasoning
+            )
         return error_line(shard, entry.row.index, request.custom_id, ENGINE_ERROR, failed.error or "engine error")
 
     def line_files(self) -> Optional[LineFiles]:
@@ -391,6 +398,7 @@ def prompt_builders(config: RunConfig, engine: Engine) -> tuple[PromptBuilder, O
             resolve_template(config.job.tools_chat_template),
             task,
             engine.embedding_dim,
+            config.job.template_kwargs,
         )
     return builder, requests
 
@@ -398,6 +406,13 @@ def prompt_builders(config: RunConfig, engine: Engine) -> tuple[PromptBuilder, O
 def select_format(config: RunConfig, engine: Engine) -> ShardFormat:
     """The run's format, ready to turn rows into prompts with `engine`'s tokenizer."""
     builder, requests = prompt_builders(config, engine)
-    if requests is not None:
-        return OpenAIBatchFormat(config, requests)
-    return ParquetFormat(config, builder)
+    chosen: ShardFormat = (
+        OpenAIBatchFormat(config, requests) if requests is not None else ParquetFormat(config, builder)
+    )
+    chosen.reasoning = engine_think_tags(engine) is not None
+    return chosen
+
+
+def engine_think_tags(engine: Engine) -> Any:
+    """The engine's think tags (engine/reasoning.ThinkTags), None when it recognises no trace."""
+    return engine.think_tags

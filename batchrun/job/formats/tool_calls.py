@@ -248,14 +248,22 @@ def _history_call(i: int, j: int, call: Any) -> dict[str, Any]:
     return out
 
 
-def render(tokenizer: Any, messages: list[dict[str, Any]], spec: Optional[ToolSpec], template: Optional[str]) -> str:
+def render(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    spec: Optional[ToolSpec],
+    template: Optional[str],
+    template_kwargs: Optional[Mapping[str, Any]] = None,
+) -> str:
     """The prompt text of chat messages with the request's tools. `template`: the job's template for
-    tool requests (job.tools_chat_template), None for the model's own. ToolsError when the
-    template does not show the tools to the model."""
+    tool requests (job.tools_chat_template), None for the model's own. `template_kwargs`: the
+    template's extra variables (job.chat_template_kwargs, enable_thinking, the request's own).
+    ToolsError when the template does not show the tools to the model."""
     tools = spec.template_tools if spec is not None else None
+    extra = dict(template_kwargs or {})
     if tools is None:
-        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
-    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
+        return str(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra))
+    kwargs: dict[str, Any] = {**extra, "tokenize": False, "add_generation_prompt": True}
     if template is not None:
         kwargs["chat_template"] = template
     text = str(tokenizer.apply_chat_template(messages, tools=tools, **kwargs))

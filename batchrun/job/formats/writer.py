@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchrun.engine import RequestOutput, SamplingParams
-from batchrun.job.config import OPTIONAL_RESULT_COLUMNS, POOLED_RESULT_COLUMNS, RESULT_COLUMNS
+from batchrun.job.config import OPTIONAL_RESULT_COLUMNS, POOLED_RESULT_COLUMNS, REASONING_COLUMNS, RESULT_COLUMNS
 from batchrun.job.formats.logprobs import LOGPROBS_TYPE, TokenTexts, cumulative_logprob, logprob_entries
 from batchrun.job.formats.tool_calls import TOOL_CALLS_TYPE
 
@@ -23,8 +23,10 @@ RESULT_FIELDS: list[pa.Field] = [
     # The input row's id, in the id column's own type (result_schema), or "<shard>-<row index>"
     # text with data.id_column=null; null on null_id and some invalid_text rows.
     pa.field("id", pa.string()),
-    pa.field("output", pa.string()),  # generated text; null for error rows
-    pa.field("finish_reason", pa.string()),  # stop | length | error (| tool_calls: batch chat choices with calls)
+    pa.field("output", pa.string()),  # generated text (a reasoning model's: the answer only); null for error rows
+    # stop | length | error (| tool_calls: batch chat choices with calls; | thinking_length: a
+    # reasoning model's trace was still open at max_tokens, output "")
+    pa.field("finish_reason", pa.string()),
     pa.field("error_type", pa.string()),  # null, or one of the typed errors (null_prompt, ...)
     pa.field("error_message", pa.string()),  # why; on ok rows a note such as a truncation
     pa.field("num_prompt_tokens", pa.int64()),  # null when the row was never tokenized
@@ -50,6 +52,12 @@ OPTIONAL_RESULT_FIELDS: list[pa.Field] = [
     # with model.lora_adapters: the adapter that served the row (null: the base model); an
     # unknown_adapter error row keeps the name it asked for
     pa.field("adapter", pa.string()),
+    # with a reasoning model (the engine has think tags; config.REASONING_COLUMNS): the trace's text
+    # (null when the output has none), the tokens between the tags and those after the closing
+    # one (num_output_tokens also counts the tags the model wrote); null on error rows
+    pa.field("reasoning", pa.string()),
+    pa.field("num_reasoning_tokens", pa.int32()),
+    pa.field("num_answer_tokens", pa.int32()),
 ]
 assert [f.name for f in OPTIONAL_RESULT_FIELDS] == OPTIONAL_RESULT_COLUMNS
 
@@ -106,6 +114,11 @@ METRICS_SCHEMA = pa.schema(
         pa.field("prompt_tokens_per_s", pa.float64()),
         pa.field("num_truncated_rows", pa.int64()),
         pa.field("num_truncated_tokens", pa.int64()),
+        # A reasoning model's run (null otherwise): the rows' trace and answer tokens, and the rows
+        # whose trace max_tokens cut (finish_reason thinking_length).
+        pa.field("num_reasoning_tokens", pa.int64()),
+        pa.field("num_answer_tokens", pa.int64()),
+        pa.field("num_thinking_length", pa.int64()),
     ]
 )
 
@@ -117,10 +130,13 @@ ENGINE_ERROR = "engine_error"
 # the row keeps the text, typed so that nobody parses it as a complete, valid output.
 TRUNCATED_STRUCTURED_OUTPUT = "truncated_structured_output"
 TRUNCATED_MESSAGE = "max_tokens cut the output before its constraint (json_schema, regex or choice) was complete"
+# The engine's finish_reason for max_tokens reached inside a reasoning trace (no answer yet).
+THINKING_LENGTH = "thinking_length"
 
 
 def is_truncated_structured(out: RequestOutput) -> bool:
-    return out.constrained and out.finish_reason == "length"
+    """A constrained output max_tokens cut, in its answer or before it (inside the trace)."""
+    return out.constrained and out.finish_reason in ("length", THINKING_LENGTH)
 
 
 def error_result(
@@ -143,11 +159,13 @@ def error_result(
     }
 
 
-def optional_columns(sampling: SamplingParams, per_row: bool = False, adapters: bool = False) -> list[str]:
+def optional_columns(
+    sampling: SamplingParams, per_row: bool = False, adapters: bool = False, reasoning: bool = False
+) -> list[str]:
     """The optional result columns these sampling settings add, in schema order. `per_row`: rows
     may ask for their own samples, logprobs and tools (batch requests' n, logprobs and tools), so
     those columns are always there (null for rows that did not ask). `adapters`: rows may name a
-    LoRA adapter (model.lora_adapters)."""
+    LoRA adapter (model.lora_adapters). `reasoning`: the engine has think tags (Engine.think_tags)."""
     wanted = {
         "sample_index": sampling.n > 1 or per_row,
         "cumulative_logprob": sampling.logprobs is not None or per_row,
@@ -155,6 +173,7 @@ def optional_columns(sampling: SamplingParams, per_row: bool = False, adapters: 
         "prompt_logprobs": sampling.prompt_logprobs is not None,
         "tool_calls": per_row,
         "adapter": adapters,
+        **{c: reasoning for c in REASONING_COLUMNS},
     }
     return [c for c in OPTIONAL_RESULT_COLUMNS if wanted[c]]
 
@@ -172,6 +191,18 @@ def logprob_columns(out: RequestOutput, sampling: SamplingParams, texts: TokenTe
         prompt = out.prompt_token_ids[1:]
         columns["prompt_logprobs"] = logprob_entries(prompt, out.prompt_logprobs, sampling.prompt_logprobs, texts)
     return columns
+
+
+def reasoning_columns(out: RequestOutput) -> dict[str, Any]:
+    """The reasoning columns of an engine output (runs whose engine has think tags); null for a
+    failed one, as its output is."""
+    if out.finish_reason == "error":
+        return {}
+    return {
+        "reasoning": out.reasoning,
+        "num_reasoning_tokens": out.num_reasoning_tokens,
+        "num_answer_tokens": out.num_answer_tokens,
+    }
 
 
 def output_result(row_id: Any, out: RequestOutput, note: Optional[str], keep: dict[str, Any]) -> dict[str, Any]:

@@ -32,12 +32,19 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from batchrun.engine import Engine, SamplingParams, ThroughputProfile
-from batchrun.job.config import RunConfig, check_task
+from batchrun.job.config import RunConfig, check_task, check_thinking
 from batchrun.job.errors import ConfigError, ShardError
 from batchrun.job.formats.prompts import Prompt
 from batchrun.job.formats.reader import InputRow
 from batchrun.job.formats.rows import INVALID_SCHEMA, with_row_schema
-from batchrun.job.formats.shard_format import RowReader, ShardFormat, engine_task, format_class, select_format
+from batchrun.job.formats.shard_format import (
+    RowReader,
+    ShardFormat,
+    engine_task,
+    engine_think_tags,
+    format_class,
+    select_format,
+)
 from batchrun.job.launch.pool import num_local_workers
 from batchrun.job.run.runner import load_engine
 from batchrun.job.shards import Shard, discover_shards, open_filesystem, resolve_worker
@@ -124,6 +131,7 @@ def plan_run(config: RunConfig, engine: Optional[Engine] = None, env: Optional[M
 
     engine = engine or load_engine(config.engine)
     check_task(config, engine_task(engine), engine.tokenizer)  # as a run would refuse it
+    check_thinking(config, engine_think_tags(engine))
     profile = engine.throughput_profile()
     counter = _Counter(config, select_format(config, engine), engine.config.block_size, engine_task(engine))
     plans = [counter.shard(shard, data_fs) for shard in shards]

@@ -30,6 +30,11 @@ class ShardTally:
     # embed/score: rows cut to the model's input limit, and the tokens cut
     num_truncated_rows: int = 0
     num_truncated_tokens: int = 0
+    # A reasoning model's run (the engine has think tags): the metrics row has these sums; null otherwise.
+    reasoning: bool = False
+    num_reasoning_tokens: int = 0
+    num_answer_tokens: int = 0
+    num_thinking_length: int = 0  # rows whose trace max_tokens cut (finish_reason thinking_length)
 
     def add(self, row: dict[str, Any]) -> None:
         """One result row (generation or embed/score: writer.output_result, pooled_result,
@@ -49,6 +54,10 @@ class ShardTally:
         if truncated:
             self.num_truncated_rows += 1
             self.num_truncated_tokens += truncated
+        self.num_reasoning_tokens += row.get("num_reasoning_tokens") or 0
+        self.num_answer_tokens += row.get("num_answer_tokens") or 0
+        if row.get("finish_reason") == "thinking_length":
+            self.num_thinking_length += 1
         if row.get("ttft_s") is not None:
             self.ttfts.append(row["ttft_s"])
         if row.get("itl_s") is not None:
@@ -108,6 +117,9 @@ def metrics_row(
         "prompt_tokens_per_s": tally.num_prompt_tokens / wall,
         "num_truncated_rows": tally.num_truncated_rows,
         "num_truncated_tokens": tally.num_truncated_tokens,
+        "num_reasoning_tokens": tally.num_reasoning_tokens if tally.reasoning else None,
+        "num_answer_tokens": tally.num_answer_tokens if tally.reasoning else None,
+        "num_thinking_length": tally.num_thinking_length if tally.reasoning else None,
     }
 
 

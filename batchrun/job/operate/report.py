@@ -370,6 +370,7 @@ def render_report(store: RunStore) -> str:
         "shards": f"{len(data.shards)} committed of {m.get('num_shards_total', len(data.shards))}",
         "rows": f"{num_rows:,} ({num_errors:,} errors)",
         "output tokens": f"{sum(s.get('num_output_tokens') or 0 for s in data.shards):,}",
+        **_reasoning_overview(data.shards),
         "message": m.get("message"),
     }
     parts = [
@@ -430,6 +431,17 @@ _SHARD_COLUMNS = [
     ("prefix_cache_hit_rate", "prefix cache hits"),
     ("num_preemptions", "preemptions"),
 ]
+
+
+def _reasoning_overview(shards: Sequence[dict[str, Any]]) -> dict[str, str]:
+    """A reasoning model's run (its metrics have the reasoning sums): the traces' share of the
+    output tokens and the rows max_tokens cut inside their trace."""
+    if not any(s.get("num_reasoning_tokens") is not None for s in shards):
+        return {}
+    reasoning = sum(s.get("num_reasoning_tokens") or 0 for s in shards)
+    answer = sum(s.get("num_answer_tokens") or 0 for s in shards)
+    cut = sum(s.get("num_thinking_length") or 0 for s in shards)
+    return {"reasoning tokens": f"{reasoning:,} in traces, {answer:,} in answers, {cut:,} rows cut in the trace"}
 
 
 def _shard_table(shards: Sequence[dict[str, Any]]) -> str:

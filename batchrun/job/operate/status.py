@@ -104,6 +104,9 @@ class StatusReport:
     eta_s: Optional[float]
     workers: list[dict[str, Any]]
     shards: list[ShardStatus] = field(default_factory=list)
+    # A reasoning model's run: of num_output_tokens, those of the committed shards' traces (their
+    # metrics); null for any other run.
+    num_reasoning_tokens: Optional[int] = None
 
     def to_json(self) -> dict[str, Any]:
         """The report as a document that validates against status.schema.json."""
@@ -230,7 +233,15 @@ def read_status(
         eta_s=eta_s,
         workers=[_worker_summary(w) for w in workers],
         shards=shards,
+        num_reasoning_tokens=_reasoning_tokens(markers.values()),
     )
+
+
+def _reasoning_tokens(markers: Any) -> Optional[int]:
+    """The committed shards' trace tokens, where their metrics count them (a reasoning model's run)."""
+    counts = [(m.get("metrics") or {}).get("num_reasoning_tokens") for m in markers]
+    known = [int(c) for c in counts if c is not None]
+    return sum(known) if known else None
 
 
 def _shard_status(
@@ -473,7 +484,12 @@ def format_status(report: StatusReport, max_shards: int = 50) -> str:
         f"shards:      {c[COMMITTED]} committed, {c[RUNNING]} running, {c[STALLED]} stalled, {c[PENDING]} pending, "
         f"{c[FAILED]} failed, {c[QUARANTINED]} quarantined (of {known}){unknown}",
         f"rows:        {report.num_rows_done} done, {report.num_errors} errors" + (f" ({errors})" if errors else ""),
-        f"tokens:      {report.num_output_tokens} output, {report.num_prompt_tokens} prompt",
+        f"tokens:      {report.num_output_tokens} output, {report.num_prompt_tokens} prompt"
+        + (
+            f" ({report.num_reasoning_tokens} output in reasoning traces)"
+            if report.num_reasoning_tokens is not None
+            else ""
+        ),
         "throughput:  "
         + (
             f"{report.rows_per_s:.2f} rows/s, {report.output_tokens_per_s:.1f} output tok/s "

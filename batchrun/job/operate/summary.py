@@ -52,10 +52,21 @@ def format_summary(result: RunResult) -> str:
             *table,
             *(rows_line or _TOK_NOTE),
             *([] if rows_line else _run_line(run, result.num_output_tokens)),
+            *_reasoning_line(metrics),
             "",
             f"{result.status}: {result.message}",
         ]
     )
+
+
+def _reasoning_line(metrics: list[dict[str, Any]]) -> list[str]:
+    """A reasoning model's run: how its output tokens split (metrics without the sums: none)."""
+    if not any(m.get("num_reasoning_tokens") is not None for m in metrics):
+        return []
+    reasoning = sum(m.get("num_reasoning_tokens") or 0 for m in metrics)
+    answer = sum(m.get("num_answer_tokens") or 0 for m in metrics)
+    cut = sum(m.get("num_thinking_length") or 0 for m in metrics)
+    return [f"reasoning: {reasoning} tokens in traces, {answer} in answers; {cut} rows cut inside the trace"]
 
 
 def _row(name: str, status: str, m: Optional[dict[str, Any]]) -> tuple[str, ...]:

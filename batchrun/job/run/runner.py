@@ -25,9 +25,9 @@ from batchrun.job.commit.fence import FingerprintFence
 from batchrun.job.commit.fingerprint import settings_fingerprint
 from batchrun.job.commit.manifest import write_merged_manifest
 from batchrun.job.commit.store import RunStore
-from batchrun.job.config import RunConfig, check_task
+from batchrun.job.config import RunConfig, check_task, check_thinking
 from batchrun.job.errors import ConfigError, JobError
-from batchrun.job.formats.shard_format import engine_task, format_class, select_format
+from batchrun.job.formats.shard_format import engine_task, engine_think_tags, format_class, select_format
 from batchrun.job.operate.progress import Progress
 from batchrun.job.operate.textfile import MetricsTextfile, textfile_path
 from batchrun.job.results import RunResult, run_throughput
@@ -148,6 +148,7 @@ class _JobRun:
                     if engine is None:
                         engine = self._owned_engine = load_engine(self.config.engine)
                     check_task(self.config, engine_task(engine), engine.tokenizer)  # engine.task auto: the model's
+                    check_thinking(self.config, engine_think_tags(engine))
                     context = shard_context(self.config, self.store, self.data_fs, self.plan, engine)
                     self.manifest.set_engine(context.model_path, context.model_fingerprint, context.engine_settings)
                     self.ledger.recompute(model_changes(self.config, self.plan, context.model))

@@ -55,13 +55,14 @@ from batchrun.job.formats.logprobs import TokenTexts
 from batchrun.job.formats.prompts import Prompt
 from batchrun.job.formats.reader import InputRow
 from batchrun.job.formats.rows import INVALID_SCHEMA, with_row_schema
-from batchrun.job.formats.shard_format import RowOutputs, RowPrompt, ShardFormat
+from batchrun.job.formats.shard_format import RowOutputs, RowPrompt, ShardFormat, engine_think_tags
 from batchrun.job.formats.writer import (
     error_result,
     logprob_columns,
     output_result,
     pooled_fields,
     pooled_result,
+    reasoning_columns,
     result_schema,
     write_metrics,
 )
@@ -111,7 +112,9 @@ def shard_context(config: RunConfig, store: RunStore, data_fs: Any, plan: Worker
         worker_rank=plan.worker.rank,
         sampling=config.sampling,
         settings=plan.settings,
-        model=model_fingerprint(engine.model_fingerprint, engine.tokenizer, engine.settings.dtype),
+        model=model_fingerprint(
+            engine.model_fingerprint, engine.tokenizer, engine.settings.dtype, engine_think_tags(engine)
+        ),
         model_fingerprint=engine.model_fingerprint,
         model_path=engine.model_path,
         engine_settings=engine.settings,
@@ -144,7 +147,7 @@ class ShardRun:
         self.context, self.format, self.claims, self.fence = context, format, claims, fence
         self.shard, self.key, self.engine, self.progress = shard, key, engine, progress
         self.config = context.config
-        self.tally = ShardTally()
+        self.tally = ShardTally(reasoning=format.reasoning)
         self.in_flight: dict[int, RowOutputs] = {}  # row index -> the row while its samples run
         # Result rows of the rows read so far (the format says how many per row): the next row's first index.
         self.num_result_rows = 0
@@ -350,6 +353,8 @@ class ShardRun:
         else:
             result = output_result(entry.row.id, out, entry.prompt.error_message, entry.keep)
             result.update(logprob_columns(out, entry.params, self.token_texts))
+            if "reasoning" in self.optional_columns:
+                result.update(reasoning_columns(out))
         result.update(self.format.sample_columns(entry, out, self.shard.name))
         self._emit_row(entry.row.index, sample, result, out.metrics)
         self.tally.add_request(out.metrics)

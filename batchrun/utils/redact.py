@@ -53,11 +53,14 @@ _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*:///?[^/\s:@?#'\"]*):([^/\s@?#'
 # only at the very start of the string, where "user:password@host/" cannot be prose.
 _PATH_USERINFO = re.compile(r"^(/?[^/\s:@?#'\"]+):([^/\s@?#'\"]*)@(?=[^/\s@]+/)")
 # Query parameters that carry a credential: presigned S3 (X-Amz-*), GCS (X-Goog-*), Azure SAS
-# (sig; sv, se and the other SAS fields only describe the grant), OAuth and API tokens.
+# (sig; sv, se and the other SAS fields only describe the grant), OAuth and API tokens, and the
+# signed URLs of other stores and CDNs: Alibaba OSS (x-oss-*), Tencent COS (q-signature), Backblaze
+# B2 (Authorization), Cloudflare (verify), Akamai (hdnts, __token__, hmac).
 _QUERY_NAMES = (
     r"x-amz-signature|x-amz-credential|x-amz-security-token|x-goog-signature|x-goog-credential"
     r"|signature|sig|token|access_token|id_token|refresh_token|auth|api_key|apikey|key|code|password"
     r"|secret|client_secret|awsaccesskeyid|security-token|x-ms-copy-source-authorization|q-signature"
+    r"|x-oss-signature|x-oss-credential|x-oss-security-token|authorization|verify|hdnts|__token__|hmac"
 )
 _QUERY = re.compile(rf"(?i)([?&;](?:{_QUERY_NAMES})=)([^&#\s'\"]*)")
 # Connection strings (Azure storage and Service Bus, ODBC-style): Name=value;...

@@ -28,7 +28,7 @@ from batchrun.job.errors import ConfigError, ShardError
 from batchrun.job.formats.openai_files import BatchFileReader
 from batchrun.job.formats.reader import ShardReader
 from batchrun.job.shards import discover_shards, open_filesystem, refreshed
-from batchrun.utils.redact import REDACTED, redact_query
+from batchrun.utils.redact import REDACTED, redact_query, redact_text
 
 pytestmark = pytest.mark.filterwarnings("ignore::ResourceWarning", "ignore::UserWarning")
 
@@ -157,6 +157,13 @@ def test_redact_query_hides_the_whole_query_of_every_http_url():
     assert redact_query(text) == expected
     assert redact_query(expected) == expected  # idempotent
     assert redact_query("s3://bucket/key.parquet and https://h/p") == "s3://bucket/key.parquet and https://h/p"
+
+
+@pytest.mark.parametrize(
+    "name", ["q-signature", "x-oss-signature", "x-oss-security-token", "Authorization", "verify", "hdnts", "__token__"]
+)
+def test_redact_text_knows_the_signature_parameters_of_other_stores(name):
+    assert redact_text(f"https://h/f.parquet?a=1&{name}=SECRET") == f"https://h/f.parquet?a=1&{name}={REDACTED}"
 
 
 def test_a_signed_url_is_one_shard_named_by_its_path_and_a_resigned_url_is_the_same_shard(server):

@@ -299,3 +299,24 @@ def test_a_job_over_a_signed_url_commits_resumes_resigned_and_reports_expiry_in_
     assert any(p.name == "_manifest.json" for p in files) and any(p.suffix == ".parquet" for p in files)
     for text in [logs, *(p.read_bytes().decode("latin-1") for p in files)]:
         assert_no_signature(text, url, resigned, expired)
+
+
+def test_an_s3_path_with_a_version_query_is_that_version_as_one_shard(s3):
+    fs, bucket, _ = s3
+    fs.make_bucket_versioned(bucket)
+    fs.pipe_file(f"{bucket}/in/part-00.parquet", parquet_bytes(["old"], ["x"]))
+    old = fs.info(f"{bucket}/in/part-00.parquet")["VersionId"]
+    fs.pipe_file(f"{bucket}/in/part-00.parquet", parquet_bytes(["new"], ["y"]))
+    uri = f"s3://{bucket}/in/part-00.parquet?versionId={old}"
+    data_fs, (shard,) = discover(uri)
+    assert (shard.name, shard.url) == ("part-00", uri)  # a version id is no credential: kept
+    reader = ShardReader(shard, data_fs, DataConfig(uri="-", text_column="prompt"), ["prompt"])
+    assert [r.id for r in reader.rows()] == ["old"]
+    reader.close()
+
+
+def test_a_question_mark_without_a_query_is_still_a_glob(tmp_path):
+    for name in ("part-01.parquet", "part-02.parquet", "part-10.parquet"):
+        (tmp_path / name).write_bytes(parquet_bytes([name], ["x"]))
+    _, shards = discover(str(tmp_path / "part-0?.parquet"))
+    assert [s.name for s in shards] == ["part-01", "part-02"]

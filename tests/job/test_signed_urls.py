@@ -23,9 +23,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchrun import cli
+from batchrun.engine import SamplingParams
+from batchrun.job import JobConfig, ModelConfig, OutputConfig, RunConfig, run_job
 from batchrun.job.config import DataConfig
 from batchrun.job.errors import ConfigError, ShardError
-from batchrun.job.formats.openai_files import BatchFileReader
 from batchrun.job.formats.reader import ShardReader
 from batchrun.job.shards import discover_shards, open_filesystem, refreshed
 from batchrun.utils.redact import REDACTED, redact_query, redact_text
@@ -236,16 +237,28 @@ def test_a_signature_that_expires_after_listing_fails_the_shard_without_naming_i
     assert_no_signature(str(e.value), url)
 
 
-def test_a_signed_openai_batch_file_reads_its_lines(server):
+def test_a_job_over_a_signed_openai_batch_file_answers_every_line(server, tmp_path, tiny_engine, tiny_llama_dir):
     lines = [
-        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": {"prompt": f"p{i}"}}
+        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": {"model": "tiny", "prompt": f"{i}"}}
         for i in range(3)
     ]
     server.files["/batch/requests.jsonl"] = "".join(json.dumps(line) + "\n" for line in lines).encode()
-    fs, (shard,) = discover(server.sign("/batch/requests.jsonl"), "openai_batch")
-    assert shard.name == "requests"
-    reader = BatchFileReader(shard, fs)
-    assert reader.num_rows == 3 and [r.id for r in reader.rows()] == ["r0", "r1", "r2"]
+    url = server.sign("/batch/requests.jsonl")
+    config = RunConfig(
+        job=JobConfig(name="openai_batch"),
+        model=ModelConfig(path=tiny_llama_dir),
+        sampling=SamplingParams(max_tokens=2),
+        data=DataConfig(uri=url, format="openai_batch", openai_model_name="tiny"),
+        output=OutputConfig(uri=str(tmp_path / "out")),
+        quiet=True,
+    )
+    result = run_job(config, engine=tiny_engine)
+    assert (result.exit_code, [(s.name, s.status) for s in result.shards]) == (0, [("requests", "committed")])
+    outputs = (tmp_path / "out" / "outputs" / "requests.jsonl").read_text().splitlines()
+    assert [json.loads(x)["custom_id"] for x in outputs] == ["r0", "r1", "r2"]
+    for path in (tmp_path / "out").rglob("*"):
+        if path.is_file():
+            assert_no_signature(path.read_bytes().decode("latin-1"), url)
 
 
 def test_a_job_over_a_signed_url_commits_resumes_resigned_and_reports_expiry_in_one_line(

@@ -26,7 +26,7 @@ percent-decoded basename, without suffix), so a rerun with a freshly signed URL 
 is the same shard, and its version from the server's ETag (else Last-Modified). It is read through
 SignedURLFileSystem (fsspec's HTTP filesystem, minus what a signed URL cannot do), and everything
 written or logged names it with its query redacted (Shard.url). A 4xx answer is a ConfigError
-naming data.uri with the status; an s3:// or gs:// path with a query (`?versionId=`) is one file
+naming data.uri with the status. A path with a version query (s3fs's `?versionId=`) is one file
 named the same way.
 
 A previous run's output directory (it has `_commits/`) as data.uri is read through its commit
@@ -153,10 +153,13 @@ class SignedURLFileSystem(HTTPFileSystem):  # type: ignore[misc]
         # identity: Content-Length must be the stored size, not a compressed transfer's
         headers = {**options.pop("headers", {}), "Accept-Encoding": "identity"}
         options.setdefault("allow_redirects", True)
-        async with session.head(self.encode_url(url), headers=headers, **options) as r:
-            info = _response_info(r, url)
-            if r.status < 400 and info.get("size") is not None:
-                return info
+        try:
+            async with session.head(self.encode_url(url), headers=headers, **options) as r:
+                info = _response_info(r, url)
+                if r.status < 400 and info.get("size") is not None:
+                    return info
+        except aiohttp.ClientError:
+            pass  # a server that drops HEAD; the GET below says what is wrong, if anything
         async with session.get(self.encode_url(url), headers={**headers, "Range": "bytes=0-0"}, **options) as r:
             if r.status >= 400:
                 error = URLNotFoundError if r.status == 404 else URLStatusError
@@ -289,9 +292,8 @@ def discover_shards(
     return sorted(shards, key=lambda s: s.name)
 
 
-# A path with a query naming one object's version (s3fs `?versionId=`, gcsfs `?generation=`): a
-# query has a `name=value` and no `/`, and the path before it no glob character (`part-0?.parquet`
-# is a glob).
+# A path with a query naming one object's version (s3fs's `?versionId=`): a query has a
+# `name=value` and no `/`, and the path before it no glob character (`part-0?.parquet` is a glob).
 _QUERY_PATH = re.compile(r"[^*?\[]+\?[^/?]*=[^/]*")
 
 

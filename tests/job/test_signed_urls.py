@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import calendar
+import contextlib
 import hashlib
 import hmac
 import http.server
@@ -17,6 +18,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -116,9 +118,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         return 200 if path in self.server.files else 404
 
 
-@pytest.fixture
-def server():
-    srv = SignedServer()
+@contextlib.contextmanager
+def serving(head_ok: bool = False) -> Iterator[SignedServer]:
+    srv = SignedServer(head_ok)
     thread = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
@@ -126,6 +128,12 @@ def server():
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+@pytest.fixture
+def server() -> Iterator[SignedServer]:
+    with serving() as srv:
+        yield srv
 
 
 def parquet_bytes(ids: list[str], texts: list[str]) -> bytes:
@@ -192,6 +200,15 @@ def test_a_signed_url_is_one_shard_named_by_its_path_and_a_resigned_url_is_the_s
     assert [(r.id, r.values["prompt"]) for r in reader.rows()] == [("a", "x"), ("b", "y")]
     reader.close()
     assert all(status in (206, 403) for method, _, status in server.requests if method == "GET" or status != 403)
+
+
+def test_a_server_that_answers_head_is_sized_by_head_alone():
+    with serving(head_ok=True) as server:
+        data = parquet_bytes(["a"], ["x"])
+        server.files["/p/f.parquet"] = data
+        _, (shard,) = discover(server.sign("/p/f.parquet"))
+        assert (shard.name, shard.size, shard.version) == ("f", len(data), f'ETag="{hashlib.md5(data).hexdigest()}"')
+        assert server.requests == [("HEAD", "", 200)]
 
 
 def test_refusals_are_one_config_error_line_naming_the_status_without_the_signature(server):

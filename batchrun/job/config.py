@@ -81,6 +81,7 @@ class DataConfig:
     """Where the input is and which columns hold what."""
 
     # A directory, a glob or one input file: a local path or any fsspec URL (s3://, gs://, memory://).
+    # An http(s) URL is one file, named by its path; its query (a signature) is never recorded (shards.py).
     uri: Optional[str] = None
     # parquet: *.parquet shards of rows. openai_batch: *.jsonl files of OpenAI batch requests
     # (openai_requests.py); each file is one shard and also gets OpenAI batch output and error files.

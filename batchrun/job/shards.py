@@ -20,6 +20,15 @@ files with data.format=openai_batch; the Parquet reader checks the magic bytes),
 and `_`-prefixed files (Spark's `_SUCCESS`, checksums, our own output), and never takes files under
 the run's own output directory when that lies inside the input.
 
+An http(s) data.uri is one file, often a signed URL (S3/GCS presigned, Azure SAS) whose query is
+a credential that expires: its format and shard name come from the URL's path alone (the
+percent-decoded basename, without suffix), so a rerun with a freshly signed URL of the same file
+is the same shard, and its version from the server's ETag (else Last-Modified). It is read through
+SignedURLFileSystem (fsspec's HTTP filesystem, minus what a signed URL cannot do), and everything
+written or logged names it with its query redacted (Shard.url). A 4xx answer is a ConfigError
+naming data.uri with the status. A path with a version query (s3fs's `?versionId=`) is one file
+named the same way.
+
 A previous run's output directory (it has `_commits/`) as data.uri is read through its commit
 markers: one shard per committed shard, named as there, its committed results file (published, or
 the attempt the marker names while publication is pending), each row once; never metrics/,
@@ -33,6 +42,7 @@ worker computes the same split independently; with many similar shards it balanc
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime as dt
 import hashlib
@@ -40,22 +50,26 @@ import json
 import logging
 import posixpath
 import re
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import aiohttp
 import fsspec
 from fsspec.core import url_to_fs
+from fsspec.implementations.http import HTTPFileSystem
 
 from batchrun.job.config import LauncherConfig
-from batchrun.job.errors import ConfigError, JobError
+from batchrun.job.errors import ConfigError, JobError, ShardError
+from batchrun.utils.redact import redact_query
 
 
 @dataclass(frozen=True)
 class Shard:
     name: str  # unique within the run; names the output files
     path: str  # path inside the filesystem (what fs.open takes)
-    url: str  # the same with its protocol, for logs and the manifest
+    url: str  # the same with its protocol, for logs and the manifest (an http(s) URL's query redacted)
     size: Optional[int] = None  # bytes, as listed
     version: Optional[str] = None  # ETag on object stores, else the modification time, as listed
 
@@ -86,9 +100,111 @@ FORMAT_FILES: dict[str, tuple[tuple[str, ...], str]] = {
 
 
 def open_filesystem(uri: str, storage_options: Mapping[str, Any]) -> tuple[fsspec.AbstractFileSystem, str]:
-    """fsspec filesystem and in-filesystem path for a local path or any fsspec URL."""
+    """fsspec filesystem and in-filesystem path for a local path or any fsspec URL (an http(s)
+    URL: SignedURLFileSystem, whose paths are the URLs themselves)."""
+    if is_http_url(uri):
+        options = dict(storage_options)
+        # A signature covers the URL's bytes as issued: sent as written unless it is not valid
+        # percent-encoded URL text at all (yarl would re-quote `%40`, `%2F` in the query, ...).
+        options.setdefault("encoded", bool(_ENCODED_URL.fullmatch(uri)))
+        return SignedURLFileSystem(**options), uri
     fs, path = url_to_fs(uri, **dict(storage_options))
     return fs, str(path)
+
+
+# Every character a percent-encoded URL may hold (RFC 3986), and only valid escapes.
+_ENCODED_URL = re.compile(r"(?:[A-Za-z0-9\-._~:/?#\[\]@!$&'()*+,;=]|%[0-9A-Fa-f]{2})*")
+
+
+def is_http_url(uri: str) -> bool:
+    return urllib.parse.urlsplit(uri).scheme.lower() in ("http", "https")
+
+
+class URLStatusError(OSError):
+    """An http(s) input answered with an error status. The message names the URL with its query
+    redacted; `hint` says what a signed URL's refusal usually means."""
+
+    def __init__(self, url: str, status: int, reason: Optional[str]) -> None:
+        self.status = status
+        self.reason = reason or ""
+        signed = bool(urllib.parse.urlsplit(url).query)
+        # 401/403 (S3, Azure) and 400 (GCS: ExpiredToken) are how object stores refuse a signature
+        self.hint = " (expired or revoked signature?)" if signed and status in (400, 401, 403) else ""
+        super().__init__(f"{redact_query(url)}: HTTP {status} {self.reason}".rstrip())
+
+
+class URLNotFoundError(URLStatusError, FileNotFoundError):
+    """404: fsspec's callers (and refreshed) take it as a file that does not exist."""
+
+
+class SignedURLFileSystem(HTTPFileSystem):  # type: ignore[misc]
+    """fsspec's HTTP filesystem for a data.uri that is one file's URL, signed or not.
+
+    A presigned GET URL signs its method, so HEAD, with which fsspec sizes a file, gets 403 (S3,
+    R2) or 405; and fsspec's fallback GETs the whole object without reporting the status. Here
+    `info` asks HEAD, then one GET of the first byte, and raises URLStatusError with the status
+    when both are refused. A URL is never a directory (fsspec's would GET it to scrape links).
+    Reads (HTTPFile) are GETs with Range, which a signed GET URL allows.
+    """
+
+    async def _info(self, url: str, **kwargs: Any) -> dict[str, Any]:
+        session = await self.set_session()
+        options = {**self.kwargs, **kwargs}
+        # identity: Content-Length must be the stored size, not a compressed transfer's
+        headers = {**options.pop("headers", {}), "Accept-Encoding": "identity"}
+        options.setdefault("allow_redirects", True)
+        try:
+            async with session.head(self.encode_url(url), headers=headers, **options) as r:
+                info = _response_info(r, url)
+                if r.status < 400 and info.get("size") is not None:
+                    return info
+        except aiohttp.ClientError:
+            pass  # a server that drops HEAD; the GET below says what is wrong, if anything
+        async with session.get(self.encode_url(url), headers={**headers, "Range": "bytes=0-0"}, **options) as r:
+            if r.status >= 400:
+                error = URLNotFoundError if r.status == 404 else URLStatusError
+                raise error(url, r.status, r.reason)
+            info = _response_info(r, url)
+            total = (r.headers.get("Content-Range") or "").rpartition("/")[2]
+            if r.status == 206 and total.isdigit():
+                info["size"] = int(total)
+            elif r.status != 206:
+                info["partial"] = False  # the whole file came back: the server ignores Range
+            return info
+
+    async def _isdir(self, path: str) -> bool:
+        return False
+
+    async def _exists(self, path: str, **kwargs: Any) -> bool:
+        try:
+            await self._info(path, **kwargs)
+        except FileNotFoundError:
+            return False
+        return True
+
+    async def _isfile(self, path: str, **kwargs: Any) -> bool:
+        return await self._exists(path, **kwargs)
+
+
+def _response_info(r: aiohttp.ClientResponse, url: str) -> dict[str, Any]:
+    """fsspec's info fields from a HEAD or a full GET: size, validators (the file's version)."""
+    info: dict[str, Any] = {"name": url, "type": "file", "size": None}
+    encoding = r.headers.get("Content-Encoding", "identity")
+    if r.status == 200 and "Content-Length" in r.headers and encoding in ("identity", ""):
+        info["size"] = int(r.headers["Content-Length"])
+    for field in ("ETag", "Last-Modified"):
+        if r.headers.get(field):
+            info[field] = r.headers[field]
+    if r.headers.get("Accept-Ranges") == "none":
+        info["partial"] = False
+    return info
+
+
+def url_file_name(uri: str) -> str:
+    """The file name an http(s) URL (or a path with a query) names: its path's last part,
+    percent-decoded, without the query."""
+    path = urllib.parse.urlsplit(uri).path if is_http_url(uri) else uri.partition("?")[0]
+    return posixpath.basename(urllib.parse.unquote(path))
 
 
 def discover_shards(
@@ -101,6 +217,8 @@ def discover_shards(
     inputs (the run's output directory when it lies inside the input). Finding no input is a
     ConfigError naming data.uri.
     """
+    if isinstance(fs, SignedURLFileSystem) or _QUERY_PATH.fullmatch(path):
+        return [_one_file_shard(fs, path, uri, data_format)]
     path = path.rstrip("/") or path
     excluded = exclude.rstrip("/") + "/" if exclude else None
     if excluded is not None:
@@ -172,6 +290,41 @@ def discover_shards(
             )
         by_folded[shard.name.lower()] = shard
     return sorted(shards, key=lambda s: s.name)
+
+
+# A path with a query naming one object's version (s3fs's `?versionId=`): a query has a
+# `name=value` and no `/`, and the path before it no glob character (`part-0?.parquet` is a glob).
+_QUERY_PATH = re.compile(r"[^*?\[]+\?[^/?]*=[^/]*")
+
+
+def _one_file_shard(fs: fsspec.AbstractFileSystem, path: str, uri: str, data_format: str) -> Shard:
+    """The one shard of an http(s) URL or a path with a query (see the module's note)."""
+    shown = redact_query(fs.unstrip_protocol(path))
+    suffixes, kind = FORMAT_FILES[data_format]
+    file_name = url_file_name(path)
+    if not file_name.lower().endswith(suffixes):
+        raise ConfigError(
+            "data.uri",
+            f"{shown}: a URL is read as one file, and {file_name!r} (its path's last part) does not end in "
+            f"{' or '.join(suffixes)} (data.format={data_format})",
+        )
+    try:
+        info = fs.info(path)
+    except URLStatusError as e:
+        if 400 <= e.status < 500:
+            raise ConfigError("data.uri", f"{e}{e.hint}") from None
+        raise JobError(f"data.uri: cannot read {e}") from None
+    except FileNotFoundError:
+        raise ConfigError("data.uri", f"nothing found at {shown}") from None
+    except ValueError as e:  # fsspec refusing the path (s3fs: a versionId without version_aware)
+        raise ConfigError("data.uri", f"{shown}: {_one_line(e)}") from None
+    except (OSError, aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise JobError(f"data.uri: cannot read {shown}: {_one_line(e)}") from None
+    return Shard(shard_name(file_name, ""), path, shown, info.get("size"), _version(info))
+
+
+def _one_line(error: BaseException) -> str:
+    return redact_query(" ".join(str(error).split()) or type(error).__name__)
 
 
 def shard_name(path: str, root: str) -> str:
@@ -252,11 +405,13 @@ def refreshed(shard: Shard, fs: fsspec.AbstractFileSystem) -> Shard:
         if moved is None or moved.path == shard.path:
             raise
         return moved
+    except URLStatusError as e:  # a signed URL that expired since the listing, a 5xx
+        raise ShardError(f"cannot read {e}{e.hint}") from None
     return dataclasses.replace(shard, size=info.get("size"), version=_version(info))
 
 
 def _version(info: Mapping[str, Any]) -> Optional[str]:
-    for key in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "created"):
+    for key in ("ETag", "etag", "md5Hash", "mtime", "LastModified", "last_modified", "Last-Modified", "created"):
         value = info.get(key)
         if value is not None:
             # One spelling whether a listing or info() gave it (memory:// gives a float in one, a

@@ -14,6 +14,10 @@ same rules:
   depth), the values of credential-like keys replaced, and every string anywhere passed through
   `redact_text`.
 
+`redact_query(text)` goes further for text that names a signed http(s) URL (an input read over
+HTTP): every such URL's whole query becomes REDACTED, whatever its parameters are called, since a
+signed URL's query is the grant as a whole and its names vary by issuer.
+
 Both are idempotent (redacting twice gives the same text), so a document may pass through several
 writers; whoever compares a redacted document with a fresh one must redact both sides.
 """
@@ -49,11 +53,14 @@ _USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*:///?[^/\s:@?#'\"]*):([^/\s@?#'
 # only at the very start of the string, where "user:password@host/" cannot be prose.
 _PATH_USERINFO = re.compile(r"^(/?[^/\s:@?#'\"]+):([^/\s@?#'\"]*)@(?=[^/\s@]+/)")
 # Query parameters that carry a credential: presigned S3 (X-Amz-*), GCS (X-Goog-*), Azure SAS
-# (sig; sv, se and the other SAS fields only describe the grant), OAuth and API tokens.
+# (sig; sv, se and the other SAS fields only describe the grant), OAuth and API tokens, and the
+# signed URLs of other stores and CDNs: Alibaba OSS (x-oss-*), Tencent COS (q-signature), Backblaze
+# B2 (Authorization), Cloudflare (verify), Akamai (hdnts, __token__, hmac).
 _QUERY_NAMES = (
     r"x-amz-signature|x-amz-credential|x-amz-security-token|x-goog-signature|x-goog-credential"
     r"|signature|sig|token|access_token|id_token|refresh_token|auth|api_key|apikey|key|code|password"
-    r"|secret|client_secret|awsaccesskeyid|security-token|x-ms-copy-source-authorization"
+    r"|secret|client_secret|awsaccesskeyid|security-token|x-ms-copy-source-authorization|q-signature"
+    r"|x-oss-signature|x-oss-credential|x-oss-security-token|authorization|verify|hdnts|__token__|hmac"
 )
 _QUERY = re.compile(rf"(?i)([?&;](?:{_QUERY_NAMES})=)([^&#\s'\"]*)")
 # Connection strings (Azure storage and Service Bus, ODBC-style): Name=value;...
@@ -77,6 +84,17 @@ def redact_text(text: str) -> str:
     text = _CONNECTION.sub(lambda m: m.group(1) + REDACTED, text)
     text = _QUERY.sub(lambda m: m.group(1) + REDACTED, text)
     return _HEADER.sub(lambda m: m.group(1) + m.group(2) + m.group(3) + (m.group(4) or "") + REDACTED, text)
+
+
+# An http(s) URL's query, up to where the URL ends in prose, a repr or a log line; not one that is
+# REDACTED already (idempotence).
+_URL_QUERY = re.compile(r"(?i)\b(https?://[^\s?#'\"<>]+)\?(?!" + re.escape(REDACTED) + r")[^\s#'\"<>]+")
+
+
+def redact_query(text: str) -> str:
+    """`text` redacted as by redact_text, and with the whole query of every http(s) URL in it
+    replaced by REDACTED (the fragment, which is never sent, is kept)."""
+    return redact_text(_URL_QUERY.sub(lambda m: f"{m.group(1)}?{REDACTED}", text)) if text else text
 
 
 def redact(document: Any, inside_options: bool = False) -> Any:

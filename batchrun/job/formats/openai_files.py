@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from batchrun.job.errors import ShardError
 from batchrun.job.formats.openai_requests import custom_id_of, parse_line
-from batchrun.job.formats.reader import InputRow
+from batchrun.job.formats.reader import InputRow, one_line
 from batchrun.job.shards import Shard
 
 
@@ -38,7 +38,7 @@ class BatchFileReader:
             with fs.open(shard.path, "rb") as f:
                 self.num_rows: int = sum(1 for _ in _lines(f))
         except Exception as e:  # a missing object, permission, a broken connection: cannot read
-            raise ShardError(f"cannot read {shard.url}: {' '.join(str(e).split()) or type(e).__name__}") from None
+            raise ShardError(f"cannot read {shard.url}: {one_line(e)}") from None
 
     @property
     def id_type(self) -> pa.DataType:
@@ -56,7 +56,7 @@ class BatchFileReader:
                     yield InputRow(index, custom_id_of(obj), {"line": obj, "error": error, "line_no": line_no})
                     index += 1
         except Exception as e:
-            raise ShardError(f"cannot read {self.shard.url} at line {index + 1}: {' '.join(str(e).split())}") from None
+            raise ShardError(f"cannot read {self.shard.url} at line {index + 1}: {one_line(e)}") from None
 
     def close(self) -> None:
         pass  # each pass opens and closes the file itself

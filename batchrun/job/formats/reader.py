@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from batchrun.job.config import DataConfig
 from batchrun.job.errors import ShardError
 from batchrun.job.shards import Shard
+from batchrun.utils.redact import redact_query
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class ShardReader:
             self._file = fs.open(shard.path, "rb")
             self._parquet = pq.ParquetFile(self._file)
         except Exception as e:  # corrupt footer, missing object, permission: all mean "cannot read"
-            raise ShardError(f"cannot read {shard.url}: {_one_line(e)}") from None
+            raise ShardError(f"cannot read {shard.url}: {one_line(e)}") from None
         self.schema: pa.Schema = self._parquet.schema_arrow
         names = set(self.schema.names)
         missing = [c for c in dict.fromkeys(columns) if c not in names]
@@ -84,7 +85,7 @@ class ShardReader:
         except ShardError:
             raise
         except Exception as e:
-            raise ShardError(f"cannot read {self.shard.url} at row {index}: {_one_line(e)}") from None
+            raise ShardError(f"cannot read {self.shard.url} at row {index}: {one_line(e)}") from None
 
     def close(self) -> None:
         self._file.close()
@@ -115,6 +116,8 @@ def _values(column: pa.Array) -> tuple[list[Any], set[int]]:
     return values, invalid
 
 
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split()) or type(error).__name__
+def one_line(error: BaseException) -> str:
+    """The error as one short line; an http(s) URL in it (aiohttp's errors name the signed URL
+    they were refused) loses its query."""
+    text = redact_query(" ".join(str(error).split()) or type(error).__name__)
     return text if len(text) < 300 else text[:297] + "..."

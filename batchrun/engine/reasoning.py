@@ -155,6 +155,20 @@ class ThinkingState:
         """Output index of the answer's first token (0 without a trace)."""
         return self.trace_end + 1 if self.has_trace else 0
 
+    def text_start(self, output: Sequence[int]) -> Optional[int]:
+        """Output index where the answer's text starts for stop strings and the final text: past
+        the separator when the answer begins with it (forced or the model's own), so that a stop
+        string of whitespace does not match the template's separator. None while the answer so far
+        is the separator or a part of it (nothing to look for a stop string in yet)."""
+        start = self.answer_start
+        sep = self.tags.separator_ids
+        head = tuple(output[start : start + len(sep)])
+        if head == sep:
+            return start + len(sep)
+        if len(head) < len(sep) and head == sep[: len(head)]:
+            return None
+        return start
+
     @property
     def grammar_applies(self) -> bool:
         """Whether a grammar masks the next token: at the start (with `open_id` allowed too) and in

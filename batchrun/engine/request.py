@@ -120,7 +120,8 @@ class Request:
             num_reasoning = thinking.num_trace_tokens
             answer = output[thinking.answer_start :] if thinking.trace_end >= 0 else []
             num_answer = len(answer)
-            text = output_text(tokenizer, answer, self.params.stop).lstrip()
+            at = thinking.text_start(output) if thinking.trace_end >= 0 else None
+            text = output_text(tokenizer, output[at:], self.params.stop).lstrip() if at is not None else ""
         else:
             text = output_text(tokenizer, output, self.params.stop)
         return RequestOutput(

@@ -61,9 +61,14 @@ class StopRule:
         """Whether the request's output text (a reasoning request's answer) holds one of its stop
         strings (none did before)."""
         stop = req.params.stop
-        # Where the text starts: the answer's first token, fixed before the first check (checks
-        # start once the trace is closed).
-        start = req.num_prompt_tokens + (req.thinking.answer_start if req.thinking is not None else 0)
+        # Where the text starts: the answer's first token past the separator, fixed before the
+        # first check (checks start once the trace is closed and the separator is complete).
+        start = req.num_prompt_tokens
+        if req.thinking is not None:
+            at = req.thinking.text_start(req.output_token_ids)
+            if at is None:
+                return False
+            start += at
         assert self.tokenizer is not None, "stop strings need the tokenizer"
         detok = req.detokenizer
         if detok is None:

@@ -116,6 +116,18 @@ def test_budget_forces_the_closing_tag_and_separator_and_changes_nothing_before(
         assert out.finish_reason in ("stop", "length")
 
 
+def test_a_whitespace_stop_string_does_not_match_the_separator(engine: Engine, runs):
+    """Stop strings look at the answer past the template's separator: "\n" must not end a row at
+    the "\n\n" the engine appends after the closing tag, nor cut its text there."""
+    tok = engine.tokenizer
+    prompts = _prompts(engine)
+    outs = engine.generate(prompts, _greedy(max_thinking_tokens=BUDGET, stop=["\n"]))
+    for out, budget in zip(outs, runs["budget"]):
+        assert out.num_answer_tokens > len(engine.think_tags.separator_ids)  # went on past the separator
+        answer = tok.decode(budget.token_ids[BUDGET + 1 + 2 :], skip_special_tokens=True)
+        assert out.text == answer.split("\n")[0].lstrip()
+
+
 def test_a_forced_tokens_logprobs_are_the_models(engine: Engine):
     """A forced row is masked to one token, yet its logprobs are the raw distribution's."""
     tags = engine.think_tags

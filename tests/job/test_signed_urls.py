@@ -315,6 +315,14 @@ def test_a_job_over_a_signed_url_commits_resumes_resigned_and_reports_expiry_in_
     manifest = json.loads((out / "_manifest.json").read_text())
     assert [(s["name"], s["status"]) for s in manifest["shards"]] == [("part-00", "skipped")]
 
+    # a dry run's plan file names the input without its signature
+    plan_path = tmp_path / "plan.json"
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*overrides(resigned), "dry_run=true", f"dry_run_json={plan_path}"])
+    planned = capsys.readouterr()
+    assert exit_info.value.code == 0, planned.err
+    assert_no_signature(plan_path.read_text() + planned.out + planned.err, url, resigned)
+
     expired = server.sign("/bucket/prompts/part-00.parquet", expires_s=60, issued=time.time() - 3600)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(overrides(expired))

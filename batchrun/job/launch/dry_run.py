@@ -48,6 +48,7 @@ from batchrun.job.formats.shard_format import (
 from batchrun.job.launch.pool import num_local_workers
 from batchrun.job.run.runner import load_engine
 from batchrun.job.shards import Shard, discover_shards, open_filesystem, resolve_worker
+from batchrun.utils.redact import redact
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ def write_plan_json(plan: RunPlan, path: str, output_uri: str) -> None:
                 "dry_run_json", f"{path} is inside output.uri ({output_uri}); a dry run writes nothing there"
             )
     with fsspec.open(path, "w") as f:
-        json.dump(plan.to_dict(), f, indent=1, default=str)
+        json.dump(redact(plan.to_dict()), f, indent=1, default=str)  # a signed data.uri's signature stays out
         f.write("\n")
 
 

@@ -255,7 +255,8 @@ class _StepRows:
     [(slot, start, end)] the step's adapter tokens as contiguous token ranges of one slot each,
     where they come in few long ranges (a prefill chunk, a step of one slot), or None: then each
     range's update is added in place, no gather or scatter. Empty segments: every token runs the
-    base model."""
+    base model. `rows` and `padded` are made on first use (`ensure_rows`): a step the native
+    kernel serves never needs them."""
 
     def __init__(self) -> None:
         self.segments: list[tuple[int, int, int]] = []
@@ -264,6 +265,34 @@ class _StepRows:
         self.padded: Optional[_Padded] = None
         self.token_slots: Optional[torch.Tensor] = None  # (num_tokens,) int64 on the host, as set_step got it
         self.num_tokens = 0
+        # What `ensure_rows` makes `rows` and `padded` from, the first time a layer takes the torch
+        # gather path in this step (never, where the native kernel serves every layer): the token
+        # order by slot (host), the runs' slots (host), the model's device, the slot count.
+        self._grouping: Optional[tuple[torch.Tensor, torch.Tensor, torch.device, int]] = None
+
+    def ensure_rows(self) -> None:
+        """Fill `rows` and `padded` for the torch gather path (once per step)."""
+        if self.rows is not None or self._grouping is None:
+            return
+        order, slots, device, num_slots = self._grouping
+        self.rows = order.to(device)
+        num_rows = int(order.shape[0])
+        length = max(end - start for _, start, end in self.segments)
+        num_runs = len(self.segments)
+        if num_runs > 1 and num_runs * length <= _MAX_PADDING * num_rows:
+            padded = torch.empty(num_runs * length, dtype=torch.int64)
+            valid = []
+            for k, (_, start, end) in enumerate(self.segments):
+                padded[k * length : (k + 1) * length] = order[start]
+                padded[k * length : k * length + end - start] = order[start:end]
+                valid.append(torch.arange(k * length, k * length + end - start))
+            all_slots = slots.tolist() == list(range(num_slots))
+            self.padded = _Padded(
+                rows=padded.to(device),
+                valid=None if num_runs * length == num_rows else torch.cat(valid).to(device),
+                slot_ids=None if all_slots else slots.to(device),
+                length=length,
+            )
 
 
 # Runs padded to one length are batched where that at most adds this share of rows to compute.
@@ -271,14 +300,18 @@ _MAX_PADDING = 1.5
 # A step's adapter tokens are updated range by range in place (`_StepRows.spans`) where their
 # contiguous ranges of one slot hold at least this many tokens on average.
 _MIN_SPAN = 8
+# Where the native kernel serves, ranges are updated with matmuls in place only up to this many
+# (one long prompt's chunk: a large GEMM); more ranges go to the kernel in one call.
+_MAX_ADDMM_SPANS = 2
 
 
 class LoraLinear(nn.Module):
     """y = base(x) + per-slot low-rank updates at the rows `LoraSlots.set_step` gave each slot.
 
-    A step of long contiguous ranges computes its update in y's dtype (a bf16 model's in bf16, from
-    a copy of the weights kept until the next slot load); gathered rows are computed in float32
-    (by the bound native kernel where there is one, `lora_rows`). Either is added to y in place.
+    Where the kernel set binds the native kernel (`lora_rows`), it serves every step but one of at
+    most _MAX_ADDMM_SPANS long ranges. Elsewhere a step of long contiguous ranges computes its update
+    in y's dtype (a bf16 model's in bf16, from a copy of the weights kept until the next slot load)
+    and gathered rows are computed in float32. Either is added to y in place.
     `lora_a` (slots, r_max, in) and `lora_b` (slots, out, r_max) are float32, zero where a slot's
     adapter does not reach."""
 
@@ -330,6 +363,13 @@ class LoraLinear(nn.Module):
         assert x2.shape[0] == step.num_tokens, f"LoRA step of {step.num_tokens} tokens, the layer sees {x2.shape[0]}"
         y2 = y.reshape(-1, self.out_features)  # (num_tokens, out_features): y's storage where contiguous
         spans = step.spans
+        if self.lora_rows is not None and (spans is None or len(spans) > _MAX_ADDMM_SPANS):
+            # one native call: every token's update added in place (a prefill of many prompts'
+            # ranges too: per-range matmuls cost more in dispatch than the kernel in arithmetic)
+            assert step.token_slots is not None
+            bt, ranks_t = self._native_weights()
+            if self.lora_rows(x2, y2, self.lora_a, bt, step.token_slots, ranks_t):
+                return y2.view(y.shape)
         if spans is not None:  # few long ranges of one slot: y[range] += (x[range] @ A^T) @ B^T in place
             a, b = self._weights(y2.dtype)
             if x2.dtype != a.dtype:
@@ -339,14 +379,10 @@ class LoraLinear(nn.Module):
                 if r:
                     y2[start:end].addmm_(x2[start:end] @ a[slot, :r].T, b[slot, :, :r].T)
             return y2.view(y.shape)
-        if self.lora_rows is not None:  # one native call: every token's update added in place
-            assert step.token_slots is not None
-            bt, ranks_t = self._native_weights()
-            if self.lora_rows(x2, y2, self.lora_a, bt, step.token_slots, ranks_t):
-                return y2.view(y.shape)
         # Gathered rows are computed in float32 (CPU bmm in bf16 takes twice float32's time) and
         # added back in y's dtype.
         a, b = self.lora_a, self.lora_b
+        step.ensure_rows()
         rows = step.rows
         assert rows is not None
         padded = step.padded
@@ -491,6 +527,7 @@ class LoraSlots:
         step.spans = None
         step.rows = None
         step.padded = None
+        step._grouping = None
         step.token_slots = host.contiguous()
         is_lora = host >= 0
         num_rows = int(is_lora.sum())
@@ -512,25 +549,7 @@ class LoraSlots:
         spans = [(values[lo], lo, hi) for lo, hi in zip(bounds, bounds[1:]) if values[lo] >= 0]
         if len(spans) == 1 or num_rows >= _MIN_SPAN * len(spans):
             step.spans = spans
-            return
-        device = self._device()
-        step.rows = order.to(device)
-        length = int(counts.max())
-        num_runs = len(step.segments)
-        if num_runs > 1 and num_runs * length <= _MAX_PADDING * num_rows:
-            padded = torch.empty(num_runs * length, dtype=torch.int64)
-            valid = []
-            for k, (_, start, end) in enumerate(step.segments):
-                padded[k * length : (k + 1) * length] = order[start]
-                padded[k * length : k * length + end - start] = order[start:end]
-                valid.append(torch.arange(k * length, k * length + end - start))
-            all_slots = slots.tolist() == list(range(self.max_loras))
-            step.padded = _Padded(
-                rows=padded.to(device),
-                valid=None if num_runs * length == num_rows else torch.cat(valid).to(device),
-                slot_ids=None if all_slots else slots.to(device),
-                length=length,
-            )
+        step._grouping = (order, slots, self._device(), self.max_loras)
 
     def clear_step(self) -> None:
         """Back to the base model for every token."""
@@ -538,6 +557,7 @@ class LoraSlots:
         self._step.spans = None
         self._step.rows = None
         self._step.padded = None
+        self._step._grouping = None
         self._step.token_slots = None
         self._step.num_tokens = 0
 

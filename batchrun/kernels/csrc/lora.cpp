@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "vec_math.h"
 
 namespace {
 
@@ -44,6 +45,92 @@ inline void load_row(const void* x, int dtype, int64_t t, int64_t stride, int64_
         for (int64_t i = 0; i < k; ++i) dst[i] = bf16_to_f32(src[i]);
     }
 }
+
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define BATCHRUN_LORA_AVX512 1
+inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1u); }
+
+// low[(first + j) * R + r] = A_s[r] . xs[j] for j < count, r < r_used: tiles of 2 ranks x CHUNK
+// tokens (16 accumulators: 10 loads per 16 FMAs), reduced across lanes once per tile.
+inline void first_product_avx512(const float* __restrict a_s, const float* __restrict xs, int64_t in_f,
+                                 int64_t r_used, int64_t count, int64_t first, int64_t R, float* __restrict low) {
+    for (int64_t r = 0; r < r_used; r += 2) {
+        const float* a0 = a_s + r * in_f;
+        const float* a1 = r + 1 < r_used ? a0 + in_f : a0;  // an odd last rank: its pair computed twice
+        __m512 acc0[CHUNK], acc1[CHUNK];
+#pragma GCC unroll 8
+        for (int64_t j = 0; j < CHUNK; ++j) acc0[j] = acc1[j] = _mm512_setzero_ps();
+        for (int64_t k0 = 0; k0 < in_f; k0 += LANES) {
+            const __mmask16 m = tail_mask(in_f - k0);
+            const __m512 va0 = _mm512_maskz_loadu_ps(m, a0 + k0);
+            const __m512 va1 = _mm512_maskz_loadu_ps(m, a1 + k0);
+#pragma GCC unroll 8
+            for (int64_t j = 0; j < CHUNK; ++j) {
+                const __m512 vx = _mm512_maskz_loadu_ps(m, xs + j * in_f + k0);
+                acc0[j] = _mm512_fmadd_ps(va0, vx, acc0[j]);
+                acc1[j] = _mm512_fmadd_ps(va1, vx, acc1[j]);
+            }
+        }
+        // reduced over a constant count first: an accumulator indexed by the variable `count`
+        // would be kept in memory through the loop above
+        float sums[2][CHUNK];
+#pragma GCC unroll 8
+        for (int64_t j = 0; j < CHUNK; ++j) {
+            sums[0][j] = _mm512_reduce_add_ps(acc0[j]);
+            sums[1][j] = _mm512_reduce_add_ps(acc1[j]);
+        }
+        for (int64_t j = 0; j < count; ++j) {
+            low[(first + j) * R + r] = sums[0][j];
+            if (r + 1 < r_used) low[(first + j) * R + r + 1] = sums[1][j];
+        }
+    }
+}
+
+// y[order[first + j], o0 : o0 + n] += lows[j, :r_used] @ bt_s[:r_used, 0 : n] for j < count, in
+// tiles of 32 outputs x CHUNK tokens (16 accumulators: 2 loads and 8 broadcasts per 16 FMAs),
+// added straight into y (a bf16 y rounded once).
+inline void second_product_avx512(const float (*lows)[MAX_R_TILE], int64_t rn, const float* __restrict bt_s,
+                                  int64_t out_f, int64_t n, int64_t o1, __m512 (*out)[2]) {
+    const __mmask16 m0 = tail_mask(n - o1), m1 = tail_mask(n - o1 - LANES);
+    const bool two = n - o1 > LANES;
+    __m512 acc[CHUNK][2];  // locals, so that they live in registers through the loop
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < CHUNK; ++j) acc[j][0] = acc[j][1] = _mm512_setzero_ps();
+    for (int64_t r = 0; r < rn; ++r) {
+        const float* brow = bt_s + r * out_f + o1;
+        const __m512 b0 = _mm512_maskz_loadu_ps(m0, brow);
+        const __m512 b1 = two ? _mm512_maskz_loadu_ps(m1, brow + LANES) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int64_t j = 0; j < CHUNK; ++j) {
+            const __m512 l = _mm512_set1_ps(lows[j][r]);
+            acc[j][0] = _mm512_fmadd_ps(l, b0, acc[j][0]);
+            acc[j][1] = _mm512_fmadd_ps(l, b1, acc[j][1]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int64_t j = 0; j < CHUNK; ++j) {
+        out[j][0] = acc[j][0];
+        out[j][1] = acc[j][1];
+    }
+}
+
+inline void add_row_avx512(void* y, int dtype, int64_t t, int64_t y_stride, int64_t o, int64_t left, const __m512* acc) {
+    for (int h = 0; h < 2 && left > h * LANES; ++h) {
+        const __mmask16 m = tail_mask(left - h * LANES);
+        const int64_t at = t * y_stride + o + h * LANES;
+        if (dtype == 0) {
+            float* yr = static_cast<float*>(y) + at;
+            _mm512_mask_storeu_ps(yr, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, yr), acc[h]));
+        } else {
+            uint16_t* yr = static_cast<uint16_t*>(y) + at;
+            const __m512 v = _mm512_add_ps(batchrun::bf16x16_to_f32(_mm256_maskz_loadu_epi16(m, yr)), acc[h]);
+            const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(batchrun::round_bf16_512(v)), 16);
+            _mm256_mask_storeu_epi16(yr, m, _mm512_cvtepi32_epi16(r));
+        }
+    }
+}
+#endif
 
 }  // namespace
 
@@ -104,6 +191,10 @@ int batchrun_lora_rows(const void* x, int dtype, int64_t num_tokens, int64_t in_
                     std::memset(&xs[j * in_f], 0, in_f * sizeof(float));
             }
             const float* a_s = A + ch.slot * R * in_f;
+#ifdef BATCHRUN_LORA_AVX512
+            first_product_avx512(a_s, xs.data(), in_f, r_used, ch.count, ch.first, R, low.data());
+            continue;
+#endif
             const int64_t k_vec = in_f / LANES * LANES;
             for (int64_t r = 0; r < r_used; ++r) {
                 const float* __restrict arow = a_s + r * in_f;
@@ -130,6 +221,19 @@ int batchrun_lora_rows(const void* x, int dtype, int64_t num_tokens, int64_t in_
             const int64_t r_used = rank[ch.slot];
             const float* bt_s = BT + ch.slot * R * out_f + o0;
             float lows[CHUNK][MAX_R_TILE];
+#ifdef BATCHRUN_LORA_AVX512
+            if (r_used <= MAX_R_TILE) {
+                for (int64_t j = 0; j < CHUNK; ++j)
+                    for (int64_t r = 0; r < r_used; ++r) lows[j][r] = j < ch.count ? low[(ch.first + j) * R + r] : 0.0f;
+                for (int64_t o1 = 0; o1 < n; o1 += 2 * LANES) {
+                    __m512 part[CHUNK][2];
+                    second_product_avx512(lows, r_used, bt_s, out_f, n, o1, part);
+                    for (int64_t j = 0; j < ch.count; ++j)
+                        add_row_avx512(y, dtype, order[ch.first + j], y_stride, o0 + o1, n - o1, part[j]);
+                }
+                continue;
+            }
+#endif
             const int64_t n_vec = n / LANES * LANES;
             for (int64_t o1 = 0; o1 < n; o1 += LANES) {
                 float part[CHUNK][LANES] = {};

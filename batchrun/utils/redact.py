@@ -140,11 +140,12 @@ class RedactFilter(logging.Filter):
             message = record.getMessage()
         except Exception:  # a malformed record: let the handler report it as logging does
             return True
-        record.msg, record.args = redact_text(message), None
+        # redact_query: a log line may name a signed input's URL (an aiohttp error's url='...')
+        record.msg, record.args = redact_query(message), None
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:
-            record.exc_text = redact_text(record.exc_text)
+            record.exc_text = redact_query(record.exc_text)
         if record.stack_info:
-            record.stack_info = redact_text(record.stack_info)
+            record.stack_info = redact_query(record.stack_info)
         return True

@@ -164,6 +164,19 @@ def test_a_closed_block_in_the_prompt_leaves_the_output_whole(engine: Engine, ru
         assert (again.token_ids, again.text, again.reasoning) == (out.token_ids, out.text, None)
 
 
+def test_a_grammar_after_a_closed_block_in_the_prompt_does_not_let_a_trace_open(engine: Engine):
+    """Thinking off (the template closed this turn's trace): a grammar's mask must not allow the
+    opening tag, or the model opens the trace the user turned off (the random model does, greedily)
+    and spends max_tokens on it."""
+    tags = engine.think_tags
+    assert tags is not None
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    outs = engine.generate(_prompts(engine, thinking=False), _greedy(max_tokens=12, json_schema=schema))
+    for out in outs:
+        assert out.token_ids[0] != tags.open_id and out.reasoning is None and out.num_reasoning_tokens == 0
+        assert out.text.startswith("{") and out.finish_reason in ("stop", "length")
+
+
 def test_a_trace_the_model_opens_and_closes(engine: Engine, runs, dynamic, retagged):
     tags, plain, k = dynamic
     tok = engine.tokenizer

@@ -131,15 +131,23 @@ class ThinkingState:
         cls, tags: ThinkTags, prompt: Sequence[int], budget: Optional[int], constrained: bool
     ) -> ThinkingState:
         """The prompt opens the trace when its last `open_id` comes after its last `close_id` (a
-        template that ends the generation prompt with the opening tag)."""
-        opened = False
-        for token in reversed(prompt):
+        template that ends the generation prompt with the opening tag). A prompt that ends with the
+        closing tag (and the separator, or a part of it) closed this turn's trace itself (Qwen3's
+        template with thinking off): the output is all answer, and no grammar lets a trace open."""
+        opened = closed = False
+        for at in range(len(prompt) - 1, -1, -1):
+            token = prompt[at]
             if token == tags.close_id:
+                tail = tuple(prompt[at + 1 :])
+                closed = tail == tags.separator_ids[: len(tail)]
                 break
             if token == tags.open_id:
                 opened = True
                 break
-        return cls(tags, budget, constrained, opened)
+        state = cls(tags, budget, constrained, opened)
+        if closed:
+            state.phase = ANSWER
+        return state
 
     @property
     def has_trace(self) -> bool:

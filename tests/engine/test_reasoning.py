@@ -128,6 +128,20 @@ def test_a_whitespace_stop_string_does_not_match_the_separator(engine: Engine, r
         assert out.text == answer.split("\n")[0].lstrip()
 
 
+def test_a_stop_token_id_does_not_match_the_forced_separator(engine: Engine, runs):
+    """A newline token among stop_token_ids must not end a row at the separator the engine forces
+    after a spent budget's closing tag (the template's whitespace, not the model's): the answer
+    goes on, and ends at the model's own newline token, if any."""
+    sep = engine.think_tags.separator_ids
+    head = BUDGET + 1 + len(sep)
+    outs = engine.generate(_prompts(engine), _greedy(max_thinking_tokens=BUDGET, stop_token_ids=[sep[0]]))
+    for out, budget in zip(outs, runs["budget"]):
+        answer = budget.token_ids[head:]
+        cut = answer.index(sep[0]) + 1 if sep[0] in answer else len(answer)
+        assert out.token_ids == budget.token_ids[: head + cut]
+        assert out.num_answer_tokens == len(sep) + cut
+
+
 def test_a_forced_tokens_logprobs_are_the_models(engine: Engine):
     """A forced row is masked to one token, yet its logprobs are the raw distribution's."""
     tags = engine.think_tags

@@ -114,7 +114,17 @@ class ThinkingState:
     the first generated token; the trace's tokens are output[trace_start:trace_end] (to the end
     while it is open), the answer's output[trace_end + 1:]."""
 
-    __slots__ = ("tags", "budget", "constrained", "phase", "trace_start", "trace_end", "num_trace_tokens", "forced")
+    __slots__ = (
+        "tags",
+        "budget",
+        "constrained",
+        "phase",
+        "trace_start",
+        "trace_end",
+        "num_trace_tokens",
+        "forced",
+        "separator_forced",
+    )
 
     def __init__(self, tags: ThinkTags, budget: Optional[int], constrained: bool, opened_by_prompt: bool) -> None:
         self.tags = tags
@@ -125,6 +135,9 @@ class ThinkingState:
         self.trace_end = -1  # output index of the closing tag; -1: not closed (or no trace)
         self.num_trace_tokens = 0
         self.forced: deque[int] = deque()  # the next output tokens, whatever the model says
+        # The token just appended was a separator token the engine forced: no stop token id or EOS
+        # ends the request at it (engine/stop.py), as no stop string matches it.
+        self.separator_forced = False
 
     @classmethod
     def for_prompt(
@@ -197,9 +210,11 @@ class ThinkingState:
         """Advance past output token `index` (`token`), just appended. True when tokens are now
         forced, so later tokens of the same step (a verification step's) are dropped."""
         tags = self.tags
+        self.separator_forced = False
         if self.forced:
             expected = self.forced.popleft()
             assert token == expected, f"forced token {expected} came out as {token}"
+            self.separator_forced = token != tags.close_id
             if token == tags.close_id and self.phase == TRACE:
                 self.phase, self.trace_end = ANSWER, index
             return False

@@ -410,3 +410,21 @@ def test_an_uppercase_scheme_is_named_once_in_the_shard_url(server):
     url = server.sign("/p/f.parquet").replace("http://", "HTTP://", 1)
     _, (shard,) = discover(url)
     assert shard.name == "f" and shard.url == f"{url.partition('?')[0]}?{REDACTED}"
+
+
+def test_a_dry_run_names_a_signed_url_under_any_parameter_name_without_its_query(
+    server, tmp_path, job_overrides, capsys, monkeypatch
+):
+    server.files["/pub/part-00.parquet"] = parquet_bytes(["a", "b"], ["x", "y"])
+    server.public.add("/pub/part-00.parquet")
+    secret = "s3cr3tValue0456"
+    url = f"{server.url}/pub/part-00.parquet?expires=4102444800&md5={secret}"
+    base = [o for o in job_overrides("-", tmp_path / "out", "sampling.max_tokens=2") if not o.startswith("data.uri=")]
+    plan_path = tmp_path / "plan.json"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["job=generate", f'data.uri="{url}"', *base, "dry_run=true", f"dry_run_json={plan_path}"])
+    printed = capsys.readouterr()
+    assert exit_info.value.code == 0, printed.err
+    assert f"{server.url}/pub/part-00.parquet?{REDACTED}" in printed.out
+    assert secret not in plan_path.read_text() + printed.out + printed.err

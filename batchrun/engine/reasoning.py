@@ -16,7 +16,8 @@ see one state). The phases:
   start   no token yet and the prompt has no open trace: the first token may open one (`open_id`);
           any other first token means no trace;
   trace   between the tags: no grammar applies, stop strings are not looked for;
-  answer  after the closing tag (or without a trace): everything applies as for any model.
+  answer  after the closing tag (or without a trace, or from the start when the prompt ends with
+          a closed trace: thinking off): everything applies as for any model.
 Forced tokens (the closing tag once the budget is spent, the separator after a closing tag in a
 constrained request) are queued here; the step sampler masks the request's row to the first of them
 (engine/runners/sampling.py), and such a request is never drafted or sampled blind on the device.

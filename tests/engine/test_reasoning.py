@@ -142,6 +142,30 @@ def test_a_stop_token_id_does_not_match_the_forced_separator(engine: Engine, run
         assert out.num_answer_tokens == len(sep) + cut
 
 
+def test_an_output_without_a_trace_meets_its_stop_strings_as_without_tags(engine: Engine, runs):
+    """Only a trace's answer starts past the separator: an output without a trace that begins with
+    the separator's tokens stops where it would on an engine without tags (here the separator is
+    made of the model's own first greedy tokens on a thinking-off prompt)."""
+    tok = engine.tokenizer
+    plain = runs["closed"][0].token_ids
+    stop = [tok.decode(plain[:1])]
+    assert stop[0].strip() and stop[0] not in tok.decode(plain[1:]), "pick another prompt"
+    prompt, params = _prompts(engine, thinking=False)[:1], _greedy(stop=stop)
+    default = engine.think_tags
+    assert default is not None
+    try:
+        engine.think_tags = None
+        (want,) = engine.generate(prompt, params)
+        engine.think_tags = ThinkTags(
+            default.open, default.close, default.open_id, default.close_id, tok.decode(plain[:2]), tuple(plain[:2])
+        )
+        (got,) = engine.generate(prompt, params)
+    finally:
+        engine.think_tags = default
+    assert want.token_ids == plain[:1]
+    assert (got.token_ids, got.text, got.finish_reason, got.reasoning) == (want.token_ids, want.text, "stop", None)
+
+
 def test_a_forced_tokens_logprobs_are_the_models(engine: Engine):
     """A forced row is masked to one token, yet its logprobs are the raw distribution's."""
     tags = engine.think_tags

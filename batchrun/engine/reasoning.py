@@ -181,7 +181,10 @@ class ThinkingState:
         """Output index where the answer's text starts for stop strings and the final text: past
         the separator when the answer begins with it (forced or the model's own), so that a stop
         string of whitespace does not match the template's separator. None while the answer so far
-        is the separator or a part of it (nothing to look for a stop string in yet)."""
+        is the separator or a part of it (nothing to look for a stop string in yet). An output
+        without a trace is all text from its first token, as on an engine without tags."""
+        if not self.has_trace:
+            return 0
         start = self.answer_start
         sep = self.tags.separator_ids
         head = tuple(output[start : start + len(sep)])

@@ -37,7 +37,7 @@ from batchrun.job.launch.dry_run import format_plan, plan_run, write_plan_json
 from batchrun.job.operate.report import write_report
 from batchrun.job.operate.status import main as status_main
 from batchrun.utils.private_dir import private_dir
-from batchrun.utils.redact import redact_text
+from batchrun.utils.redact import redact_query
 
 if TYPE_CHECKING:
     from batchrun.benchmark.config import BenchmarkConfig
@@ -121,7 +121,7 @@ def _run(cfg: DictConfig) -> None:
             return None
         if config.dry_run:  # plan only: nothing is run, nothing written to output.uri
             plan = plan_run(config)
-            print(redact_text(format_plan(plan)), flush=True)
+            print(redact_query(format_plan(plan)), flush=True)
             if config.dry_run_json:
                 write_plan_json(plan, config.dry_run_json, config.output.uri)
             _exit_codes.append(1 if plan.num_failed_shards else 0)
@@ -135,9 +135,9 @@ def _run(cfg: DictConfig) -> None:
         return _report(2, f"config error: {_hydra_message(e)}")
     except JobError as e:
         return _report(1, f"error: {e}")
-    print(redact_text(format_summary(result)), flush=True)
+    print(redact_query(format_summary(result)), flush=True)
     if result.exit_code:
-        print(f"batchrun: {redact_text(result.message)}", file=sys.stderr, flush=True)
+        print(f"batchrun: {redact_query(result.message)}", file=sys.stderr, flush=True)
     _exit_codes.append(result.exit_code)
 
 
@@ -205,7 +205,7 @@ def report_main(argv: Sequence[str]) -> int:
     except Exception as e:  # an unreadable store or file: one line, not a traceback
         _report(1, f"error: cannot write the report of {args.output_uri}: {type(e).__name__}: {e}")
         return 1
-    print(redact_text(url), flush=True)
+    print(redact_query(url), flush=True)
     return 0
 
 
@@ -229,5 +229,5 @@ def _hydra_message(error: BaseException) -> str:
 
 
 def _report(code: int, message: str) -> None:
-    print(f"batchrun: {redact_text(' '.join(message.split()))}", file=sys.stderr, flush=True)
+    print(f"batchrun: {redact_query(' '.join(message.split()))}", file=sys.stderr, flush=True)
     _exit_codes.append(code)

@@ -16,7 +16,8 @@ see one state). The phases:
   start   no token yet and the prompt has no open trace: the first token may open one (`open_id`);
           any other first token means no trace;
   trace   between the tags: no grammar applies, stop strings are not looked for;
-  answer  after the closing tag (or without a trace): everything applies as for any model.
+  answer  after the closing tag (or without a trace, or from the start when the prompt ends with
+          a closed trace: thinking off): everything applies as for any model.
 Forced tokens (the closing tag once the budget is spent, the separator after a closing tag in a
 constrained request) are queued here; the step sampler masks the request's row to the first of them
 (engine/runners/sampling.py), and such a request is never drafted or sampled blind on the device.
@@ -114,7 +115,17 @@ class ThinkingState:
     the first generated token; the trace's tokens are output[trace_start:trace_end] (to the end
     while it is open), the answer's output[trace_end + 1:]."""
 
-    __slots__ = ("tags", "budget", "constrained", "phase", "trace_start", "trace_end", "num_trace_tokens", "forced")
+    __slots__ = (
+        "tags",
+        "budget",
+        "constrained",
+        "phase",
+        "trace_start",
+        "trace_end",
+        "num_trace_tokens",
+        "forced",
+        "separator_forced",
+    )
 
     def __init__(self, tags: ThinkTags, budget: Optional[int], constrained: bool, opened_by_prompt: bool) -> None:
         self.tags = tags
@@ -125,21 +136,32 @@ class ThinkingState:
         self.trace_end = -1  # output index of the closing tag; -1: not closed (or no trace)
         self.num_trace_tokens = 0
         self.forced: deque[int] = deque()  # the next output tokens, whatever the model says
+        # The token just appended was a separator token the engine forced: no stop token id or EOS
+        # ends the request at it (engine/stop.py), as no stop string matches it.
+        self.separator_forced = False
 
     @classmethod
     def for_prompt(
         cls, tags: ThinkTags, prompt: Sequence[int], budget: Optional[int], constrained: bool
     ) -> ThinkingState:
         """The prompt opens the trace when its last `open_id` comes after its last `close_id` (a
-        template that ends the generation prompt with the opening tag)."""
-        opened = False
-        for token in reversed(prompt):
+        template that ends the generation prompt with the opening tag). A prompt that ends with the
+        closing tag (and the separator, or a part of it) closed this turn's trace itself (Qwen3's
+        template with thinking off): the output is all answer, and no grammar lets a trace open."""
+        opened = closed = False
+        for at in range(len(prompt) - 1, -1, -1):
+            token = prompt[at]
             if token == tags.close_id:
+                tail = tuple(prompt[at + 1 :])
+                closed = tail == tags.separator_ids[: len(tail)]
                 break
             if token == tags.open_id:
                 opened = True
                 break
-        return cls(tags, budget, constrained, opened)
+        state = cls(tags, budget, constrained, opened)
+        if closed:
+            state.phase = ANSWER
+        return state
 
     @property
     def has_trace(self) -> bool:
@@ -159,7 +181,10 @@ class ThinkingState:
         """Output index where the answer's text starts for stop strings and the final text: past
         the separator when the answer begins with it (forced or the model's own), so that a stop
         string of whitespace does not match the template's separator. None while the answer so far
-        is the separator or a part of it (nothing to look for a stop string in yet)."""
+        is the separator or a part of it (nothing to look for a stop string in yet). An output
+        without a trace is all text from its first token, as on an engine without tags."""
+        if not self.has_trace:
+            return 0
         start = self.answer_start
         sep = self.tags.separator_ids
         head = tuple(output[start : start + len(sep)])
@@ -189,9 +214,11 @@ class ThinkingState:
         """Advance past output token `index` (`token`), just appended. True when tokens are now
         forced, so later tokens of the same step (a verification step's) are dropped."""
         tags = self.tags
+        self.separator_forced = False
         if self.forced:
             expected = self.forced.popleft()
             assert token == expected, f"forced token {expected} came out as {token}"
+            self.separator_forced = token != tags.close_id
             if token == tags.close_id and self.phase == TRACE:
                 self.phase, self.trace_end = ANSWER, index
             return False

@@ -42,10 +42,12 @@ class StopRule:
     def after_token(self, req: Request, token: int) -> Optional[str]:
         """The reason `token`, just appended, ends the request, if it does."""
         p = req.params
+        thinking = req.thinking
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
+            # a separator token the engine forced is the template's whitespace, not the model's stop
+            if thinking is None or not thinking.separator_forced:
+                return "stop"
         if req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            thinking = req.thinking
             return "thinking_length" if thinking is not None and thinking.in_trace else "length"
         return None
 

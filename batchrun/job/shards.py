@@ -299,7 +299,8 @@ _QUERY_PATH = re.compile(r"[^*?\[]+\?[^/?]*=[^/]*")
 
 def _one_file_shard(fs: fsspec.AbstractFileSystem, path: str, uri: str, data_format: str) -> Shard:
     """The one shard of an http(s) URL or a path with a query (see the module's note)."""
-    shown = redact_query(fs.unstrip_protocol(path))
+    # A URL is its own full name (fsspec's unstrip_protocol would prefix `HTTP://...` with `http://`)
+    shown = redact_query(path if isinstance(fs, SignedURLFileSystem) else fs.unstrip_protocol(path))
     suffixes, kind = FORMAT_FILES[data_format]
     file_name = url_file_name(path)
     if not file_name.lower().endswith(suffixes):

@@ -99,7 +99,9 @@ def redact_query(text: str) -> str:
 
 def redact(document: Any, inside_options: bool = False) -> Any:
     """A copy of `document` (dicts, lists, scalars) with credential-like values of every
-    `storage_options` replaced and every string redacted by redact_text. Keys are kept."""
+    `storage_options` replaced and every string redacted by redact_text. Keys are kept. A `uri`
+    or `*_uri` value (data.uri, output.uri, a plan's data_uri) is redacted by redact_query: an
+    http(s) input's query is a grant whatever its parameters are called, as its shard's url says."""
     if isinstance(document, dict):
         out = {}
         for key, value in document.items():
@@ -112,6 +114,8 @@ def redact(document: Any, inside_options: bool = False) -> Any:
                 and any(w in name for w in _SECRET_WORDS)
             ):
                 out[key] = REDACTED
+            elif (name == "uri" or name.endswith("_uri")) and isinstance(value, str):
+                out[key] = redact_query(value)
             else:
                 out[key] = redact(value, inside_options or name == "storage_options")
         return out
@@ -136,11 +140,12 @@ class RedactFilter(logging.Filter):
             message = record.getMessage()
         except Exception:  # a malformed record: let the handler report it as logging does
             return True
-        record.msg, record.args = redact_text(message), None
+        # redact_query: a log line may name a signed input's URL (an aiohttp error's url='...')
+        record.msg, record.args = redact_query(message), None
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)
         if record.exc_text:
-            record.exc_text = redact_text(record.exc_text)
+            record.exc_text = redact_query(record.exc_text)
         if record.stack_info:
-            record.stack_info = redact_text(record.stack_info)
+            record.stack_info = redact_query(record.stack_info)
         return True

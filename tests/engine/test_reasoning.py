@@ -128,6 +128,44 @@ def test_a_whitespace_stop_string_does_not_match_the_separator(engine: Engine, r
         assert out.text == answer.split("\n")[0].lstrip()
 
 
+def test_a_stop_token_id_does_not_match_the_forced_separator(engine: Engine, runs):
+    """A newline token among stop_token_ids must not end a row at the separator the engine forces
+    after a spent budget's closing tag (the template's whitespace, not the model's): the answer
+    goes on, and ends at the model's own newline token, if any."""
+    sep = engine.think_tags.separator_ids
+    head = BUDGET + 1 + len(sep)
+    outs = engine.generate(_prompts(engine), _greedy(max_thinking_tokens=BUDGET, stop_token_ids=[sep[0]]))
+    for out, budget in zip(outs, runs["budget"]):
+        answer = budget.token_ids[head:]
+        cut = answer.index(sep[0]) + 1 if sep[0] in answer else len(answer)
+        assert out.token_ids == budget.token_ids[: head + cut]
+        assert out.num_answer_tokens == len(sep) + cut
+
+
+def test_an_output_without_a_trace_meets_its_stop_strings_as_without_tags(engine: Engine, runs):
+    """Only a trace's answer starts past the separator: an output without a trace that begins with
+    the separator's tokens stops where it would on an engine without tags (here the separator is
+    made of the model's own first greedy tokens on a thinking-off prompt)."""
+    tok = engine.tokenizer
+    plain = runs["closed"][0].token_ids
+    stop = [tok.decode(plain[:1])]
+    assert stop[0].strip() and stop[0] not in tok.decode(plain[1:]), "pick another prompt"
+    prompt, params = _prompts(engine, thinking=False)[:1], _greedy(stop=stop)
+    default = engine.think_tags
+    assert default is not None
+    try:
+        engine.think_tags = None
+        (want,) = engine.generate(prompt, params)
+        engine.think_tags = ThinkTags(
+            default.open, default.close, default.open_id, default.close_id, tok.decode(plain[:2]), tuple(plain[:2])
+        )
+        (got,) = engine.generate(prompt, params)
+    finally:
+        engine.think_tags = default
+    assert want.token_ids == plain[:1]
+    assert (got.token_ids, got.text, got.finish_reason, got.reasoning) == (want.token_ids, want.text, "stop", None)
+
+
 def test_a_forced_tokens_logprobs_are_the_models(engine: Engine):
     """A forced row is masked to one token, yet its logprobs are the raw distribution's."""
     tags = engine.think_tags
@@ -162,6 +200,19 @@ def test_a_closed_block_in_the_prompt_leaves_the_output_whole(engine: Engine, ru
         assert out.num_answer_tokens == len(out.token_ids)
         assert out.text == engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)  # not stripped
         assert (again.token_ids, again.text, again.reasoning) == (out.token_ids, out.text, None)
+
+
+def test_a_grammar_after_a_closed_block_in_the_prompt_does_not_let_a_trace_open(engine: Engine):
+    """Thinking off (the template closed this turn's trace): a grammar's mask must not allow the
+    opening tag, or the model opens the trace the user turned off (the random model does, greedily)
+    and spends max_tokens on it."""
+    tags = engine.think_tags
+    assert tags is not None
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    outs = engine.generate(_prompts(engine, thinking=False), _greedy(max_tokens=12, json_schema=schema))
+    for out in outs:
+        assert out.token_ids[0] != tags.open_id and out.reasoning is None and out.num_reasoning_tokens == 0
+        assert out.text.startswith("{") and out.finish_reason in ("stop", "length")
 
 
 def test_a_trace_the_model_opens_and_closes(engine: Engine, runs, dynamic, retagged):

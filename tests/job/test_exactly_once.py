@@ -340,7 +340,13 @@ def test_case5_another_model_is_noticed_once_loaded(
     assert run_job(cli.load_config(overrides), engine=tiny_engine).exit_code == 0
     marker_path = out / "_commits" / "part-00.json"
     marker = json.loads(marker_path.read_text())
-    assert set(marker["fingerprint"]["model"]) == {"model.sha256", "tokenizer.sha256", "engine.resolved_dtype"}
+    # engine.think_tags: the tags the engine resolved (null for this model), which split outputs
+    assert set(marker["fingerprint"]["model"]) == {
+        "model.sha256",
+        "tokenizer.sha256",
+        "engine.resolved_dtype",
+        "engine.think_tags",
+    }
     marker["fingerprint"]["model"]["model.sha256"] = "0" * 64  # as if committed with another model file
     marker_path.write_text(json.dumps(marker))
     _write(tmp_path / "in" / "part-01.parquet", {"id": ["new"], "text": short_texts[:1]})  # work to do

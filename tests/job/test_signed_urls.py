@@ -53,6 +53,7 @@ class SignedServer(http.server.ThreadingHTTPServer):
         self.key = b"server-side secret"
         self.head_ok = head_ok
         self.requests: list[tuple[str, str, int]] = []  # (method, Range header or "", status)
+        self.public: set[str] = set()  # paths served whatever the query (a signature this server cannot check)
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
 
     def signature(self, method: str, path: str, query: str) -> str:
@@ -105,6 +106,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.wfile.write(data[start : end + 1])
 
     def _check(self, path: str, query: str) -> int:
+        if path in self.server.public:
+            return 200
         params = dict(p.split("=", 1) for p in query.split("&") if "=" in p)
         unsigned, _, signature = query.rpartition("&X-Amz-Signature=")
         if not signature or "X-Amz-Date" not in params:
@@ -367,3 +370,61 @@ def test_a_question_mark_without_a_query_is_still_a_glob(tmp_path):
         (tmp_path / name).write_bytes(parquet_bytes([name], ["x"]))
     _, shards = discover(str(tmp_path / "part-0?.parquet"))
     assert [s.name for s in shards] == ["part-01", "part-02"]
+
+
+def test_a_signature_under_any_parameter_name_stays_out_of_the_manifest_status_and_report(
+    server, tmp_path, tiny_engine, tiny_llama_dir, capsys
+):
+    """A signed URL's query is a grant whatever its parameters are called (nginx secure_link's
+    md5/expires, a CDN's own names): the manifest's copy of the config redacts all of it, as the
+    shard list does, and so do `status` and `report` over the run."""
+    from batchrun.cli import report_main, status_main
+
+    server.files["/pub/part-00.parquet"] = parquet_bytes(["a", "b"], ["x", "y"])
+    server.public.add("/pub/part-00.parquet")
+    secret = "s3cr3tValue0123"
+    url = f"{server.url}/pub/part-00.parquet?expires=4102444800&md5={secret}#frag"
+    config = RunConfig(
+        job=JobConfig(name="generate"),
+        model=ModelConfig(path=tiny_llama_dir),
+        sampling=SamplingParams(max_tokens=2),
+        data=DataConfig(uri=url, text_column="prompt"),
+        output=OutputConfig(uri=str(tmp_path / "out")),
+        quiet=True,
+    )
+    result = run_job(config, engine=tiny_engine)
+    assert (result.exit_code, [(s.name, s.status) for s in result.shards]) == (0, [("part-00", "committed")])
+    manifest = json.loads((tmp_path / "out" / "_manifest.json").read_text())
+    assert manifest["config"]["data"]["uri"] == f"{server.url}/pub/part-00.parquet?{REDACTED}#frag"
+    capsys.readouterr()
+    assert status_main([str(tmp_path / "out")]) == 0
+    assert status_main([str(tmp_path / "out"), "--json"]) == 0
+    assert report_main([str(tmp_path / "out")]) == 0
+    printed = capsys.readouterr()
+    texts = [printed.out + printed.err, *(file_text(p) for p in (tmp_path / "out").rglob("*") if p.is_file())]
+    assert not [t for t in texts if secret in t]
+
+
+def test_an_uppercase_scheme_is_named_once_in_the_shard_url(server):
+    server.files["/p/f.parquet"] = parquet_bytes(["a"], ["x"])
+    url = server.sign("/p/f.parquet").replace("http://", "HTTP://", 1)
+    _, (shard,) = discover(url)
+    assert shard.name == "f" and shard.url == f"{url.partition('?')[0]}?{REDACTED}"
+
+
+def test_a_dry_run_names_a_signed_url_under_any_parameter_name_without_its_query(
+    server, tmp_path, job_overrides, capsys, monkeypatch
+):
+    server.files["/pub/part-00.parquet"] = parquet_bytes(["a", "b"], ["x", "y"])
+    server.public.add("/pub/part-00.parquet")
+    secret = "s3cr3tValue0456"
+    url = f"{server.url}/pub/part-00.parquet?expires=4102444800&md5={secret}"
+    base = [o for o in job_overrides("-", tmp_path / "out", "sampling.max_tokens=2") if not o.startswith("data.uri=")]
+    plan_path = tmp_path / "plan.json"
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["job=generate", f'data.uri="{url}"', *base, "dry_run=true", f"dry_run_json={plan_path}"])
+    printed = capsys.readouterr()
+    assert exit_info.value.code == 0, printed.err
+    assert f"{server.url}/pub/part-00.parquet?{REDACTED}" in printed.out
+    assert secret not in plan_path.read_text() + printed.out + printed.err

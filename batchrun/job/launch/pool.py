@@ -35,7 +35,7 @@ from batchrun.job.run.runner import run_worker
 from batchrun.job.run.signals import StopRequest
 from batchrun.job.shards import Shard, discover_shards, open_filesystem, resolve_worker
 from batchrun.utils.logs import StderrHandler
-from batchrun.utils.redact import redact_text
+from batchrun.utils.redact import redact_query
 
 log = logging.getLogger(__name__)
 
@@ -254,11 +254,11 @@ def _worker_main(config_path: str) -> int:
         result = run_worker(config)
     except ConfigError as e:
         print(
-            f"batchrun worker {config.launcher.rank}: config error: {redact_text(str(e))}", file=sys.stderr, flush=True
+            f"batchrun worker {config.launcher.rank}: config error: {redact_query(str(e))}", file=sys.stderr, flush=True
         )
         return 2
     except JobError as e:
-        print(f"batchrun worker {config.launcher.rank}: error: {redact_text(str(e))}", file=sys.stderr, flush=True)
+        print(f"batchrun worker {config.launcher.rank}: error: {redact_query(str(e))}", file=sys.stderr, flush=True)
         return 1
     log.info("%s", result.message)
     return result.exit_code

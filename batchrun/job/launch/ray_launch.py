@@ -50,7 +50,7 @@ from batchrun.job.results import RunResult
 from batchrun.job.run.runner import run_worker
 from batchrun.job.run.signals import StopRequest
 from batchrun.utils.logs import StderrHandler
-from batchrun.utils.redact import redact_text
+from batchrun.utils.redact import redact_query
 
 log = logging.getLogger(__name__)
 
@@ -256,12 +256,12 @@ class RayWorker:
             try:
                 result = run_worker(config, None, env)
             except ConfigError as e:
-                return {"exit_code": 2, "message": f"config error: {redact_text(str(e))}", "device": device}
+                return {"exit_code": 2, "message": f"config error: {redact_query(str(e))}", "device": device}
             except JobError as e:
-                return {"exit_code": 1, "message": f"error: {redact_text(str(e))}", "device": device}
+                return {"exit_code": 1, "message": f"error: {redact_query(str(e))}", "device": device}
             finally:
                 reporter.finish()
-        return {"exit_code": result.exit_code, "message": redact_text(result.message), "device": device}
+        return {"exit_code": result.exit_code, "message": redact_query(result.message), "device": device}
 
 
 class _Reporter(threading.Thread):

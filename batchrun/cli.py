@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import hydra
 from hydra import compose, initialize_config_dir
-from hydra.errors import HydraException
+from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
@@ -212,6 +212,13 @@ def report_main(argv: Sequence[str]) -> int:
 def _hydra_message(error: BaseException) -> str:
     """One line from Hydra/OmegaConf's multi-line messages, naming the key where one is known."""
     cause: Any = error.__cause__ or error
+    if isinstance(error, OverrideParseException) and "://" in error.override and "?" in error.override:
+        # A URL with a query (a signed URL) unquoted: Hydra's grammar reads its '=' and '&'
+        key = error.override.split("=", 1)[0].lstrip("+~")
+        return (
+            f"{key}: cannot parse the override (a URL's query holds '=' and '&'): quote the value, "
+            f"e.g. '{key}=\"<url>\"'"
+        )
     full_key = getattr(cause, "full_key", None)
     text = str(cause)
     if full_key and ("not in struct" in text or "Key '" in text and "is not in" in text):

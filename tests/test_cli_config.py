@@ -120,6 +120,12 @@ UNKNOWN_KEY = "batchrun: config error: engine.max_num_seqz: unknown key (did you
         (["output.uri=${nope}"], 2, "batchrun: config error: output.uri: Interpolation key 'nope' not found"),
         (["job=generate"], 2, "batchrun: config error: data.uri: missing"),
         (["engine.model=/x"], 2, "batchrun: config error: engine.model: set model.path instead"),
+        (  # a signed URL unquoted: the hint to quote it, and its signature stays out of the line
+            ["job=generate", "data.uri=https://h/p/f.parquet?X-Amz-Signature=s3cr3t&X-Amz-Expires=60"],
+            2,
+            "batchrun: config error: data.uri: cannot parse the override (a URL's query holds '=' and '&'): "
+            "quote the value, e.g. 'data.uri=\"<url>\"'",
+        ),
     ],
 )
 def test_cli_errors_are_one_line(argv, code, message, capsys, monkeypatch, tmp_path):

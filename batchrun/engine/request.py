@@ -115,9 +115,14 @@ class Request:
         if thinking is not None and thinking.has_trace and output:
             # The trace's text and the answer's apart; the answer without the separator's whitespace.
             end = thinking.trace_end if thinking.trace_end >= 0 else len(output)
+            num_reasoning = thinking.num_trace_tokens
+            if thinking.trace_end < 0 and self.finish_reason == "stop" and end > thinking.trace_start:
+                # ended inside the open trace by a stop token id or EOS (the only "stop" there): that
+                # token is no more the trace's than a stop token is an answer's
+                end -= 1
+                num_reasoning -= 1
             trace = output[thinking.trace_start : end]
             reasoning = tokenizer.decode(trace, skip_special_tokens=True).strip() if trace else ""
-            num_reasoning = thinking.num_trace_tokens
             answer = output[thinking.answer_start :] if thinking.trace_end >= 0 else []
             num_answer = len(answer)
             at = thinking.text_start(output) if thinking.trace_end >= 0 else None

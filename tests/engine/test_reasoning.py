@@ -193,6 +193,18 @@ def test_max_tokens_inside_the_trace_is_thinking_length(engine: Engine, runs):
     assert short.token_ids == runs["free"][0].token_ids[:5] and short.finish_reason == "thinking_length"
 
 
+def test_a_stop_token_inside_the_trace_is_not_a_trace_token(engine: Engine, runs):
+    """A stop token id (or EOS) that ends a row inside its open trace ends it "stop"; like a stop
+    token in an answer, it is not part of the trace's text nor of its token count."""
+    free = runs["free"][0]
+    ids = free.token_ids
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # the stop token's first appearance
+    (out,) = engine.generate(_prompts(engine)[:1], _greedy(stop_token_ids=[ids[k]]))
+    assert out.token_ids == ids[: k + 1] and out.finish_reason == "stop"
+    assert out.num_reasoning_tokens == k and out.num_answer_tokens == 0 and out.text == ""
+    assert out.reasoning == engine.tokenizer.decode(ids[:k], skip_special_tokens=True).strip()
+
+
 def test_a_closed_block_in_the_prompt_leaves_the_output_whole(engine: Engine, runs):
     with_budget = engine.generate(_prompts(engine, thinking=False), _greedy(max_thinking_tokens=2))
     for out, again in zip(runs["closed"], with_budget):

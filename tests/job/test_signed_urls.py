@@ -428,3 +428,20 @@ def test_a_dry_run_names_a_signed_url_under_any_parameter_name_without_its_query
     assert exit_info.value.code == 0, printed.err
     assert f"{server.url}/pub/part-00.parquet?{REDACTED}" in printed.out
     assert secret not in plan_path.read_text() + printed.out + printed.err
+
+
+def test_the_shared_plan_of_workers_without_stealing_keeps_a_signature_under_any_name_out(server, tmp_path):
+    """Workers with launcher.work_stealing=false share `_plan.json`, which lists every shard with its
+    `path`: for an http(s) input that is the signed URL itself, so its query must be redacted whole
+    there (as Shard.url is), whatever its parameters are called."""
+    from batchrun.job.commit.store import RunStore
+    from batchrun.job.run.plan import shared_shards
+
+    server.files["/pub/part-00.parquet"] = parquet_bytes(["a"], ["x"])
+    server.public.add("/pub/part-00.parquet")
+    secret = "s3cr3tValue0789"
+    _, listed = discover(f"{server.url}/pub/part-00.parquet?expires=4102444800&md5={secret}")
+    store = RunStore(str(tmp_path / "out"), {})
+    assert [s.path for s in shared_shards(store, listed)] == [listed[0].path]  # the listing's own, to read
+    assert shared_shards(store, listed) == listed  # the plan read back again
+    assert secret not in (tmp_path / "out" / "_plan.json").read_text()

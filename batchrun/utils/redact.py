@@ -99,8 +99,9 @@ def redact_query(text: str) -> str:
 
 def redact(document: Any, inside_options: bool = False) -> Any:
     """A copy of `document` (dicts, lists, scalars) with credential-like values of every
-    `storage_options` replaced and every string redacted by redact_text. Keys are kept. A `uri`
-    or `*_uri` value (data.uri, output.uri, a plan's data_uri) is redacted by redact_query: an
+    `storage_options` replaced and every string redacted by redact_text. Keys are kept. A `uri`,
+    `*_uri` or `path` value (data.uri, output.uri, a plan's data_uri, a shard's path in `_plan.json`, the
+    signed URL itself for an http(s) input) is redacted by redact_query: an
     http(s) input's query is a grant whatever its parameters are called, as its shard's url says."""
     if isinstance(document, dict):
         out = {}
@@ -114,7 +115,7 @@ def redact(document: Any, inside_options: bool = False) -> Any:
                 and any(w in name for w in _SECRET_WORDS)
             ):
                 out[key] = REDACTED
-            elif (name == "uri" or name.endswith("_uri")) and isinstance(value, str):
+            elif (name in ("uri", "path") or name.endswith("_uri")) and isinstance(value, str):
                 out[key] = redact_query(value)
             else:
                 out[key] = redact(value, inside_options or name == "storage_options")

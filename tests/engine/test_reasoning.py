@@ -344,3 +344,21 @@ def test_steps_run_ahead_stop_for_a_forced_token(engine: Engine, runs):
         engine.runner = cpu
     assert num_ahead > 0
     assert [o.token_ids for o in ahead] == [o.token_ids for o in runs["budget"]]
+
+
+def test_a_tag_in_the_users_text_does_not_open_the_trace(engine: Engine):
+    """A prompt whose user turn mentions `<think>` (a question about reasoning models, a quoted
+    transcript) tokenizes it as the tag; with a template that does not open the trace (Qwen3's,
+    thinking on) the output must not be taken for a trace: the tag is followed by the user's text,
+    not by the end of the generation prompt."""
+    tags = engine.think_tags
+    prompt = "<|im_start|>user\nWhat does the <think> tag do?<|im_end|>\n<|im_start|>assistant\n"
+    ids = engine.tokenizer.encode(prompt, add_special_tokens=False)
+    assert tags.open_id in ids and ThinkingState.for_prompt(tags, ids, None, False).phase == START
+    (out,) = engine.generate([ids], _greedy(max_tokens=4))
+    if out.token_ids[0] != tags.open_id:  # the model did not open one either: all answer
+        assert (out.reasoning, out.num_reasoning_tokens, out.num_answer_tokens) == (None, 0, 4)
+        assert out.finish_reason == "length"
+    # the template's own opening tag at the end of the prompt (R1's, `<think>\n`) still opens it
+    opened = engine.tokenizer.encode(prompt + "<think>\n", add_special_tokens=False)
+    assert ThinkingState.for_prompt(tags, opened, None, False).in_trace

@@ -44,6 +44,10 @@ class ThinkTags:
     close_id: int
     separator: str  # the template's text between the closing tag and the answer
     separator_ids: tuple[int, ...]  # its tokens
+    # Whitespace tokens (newlines, spaces): what may follow an opening tag a template ends the
+    # generation prompt with (R1's `<think>\n`); an opening tag followed by anything else in the
+    # prompt is text of a turn (a user asking about `<think>`) and opens nothing.
+    whitespace_ids: frozenset[int] = frozenset()
 
     @property
     def close_ids(self) -> tuple[int, ...]:
@@ -104,7 +108,19 @@ def find_think_tags(tokenizer: Any, configured: Optional[Sequence[str]]) -> Opti
         )
     separator = template_separator(tokenizer, close_text)
     separator_ids = tuple(int(t) for t in tokenizer.encode(separator, add_special_tokens=False))
-    return ThinkTags(open_text, close_text, open_id, close_id, separator, separator_ids)
+    return ThinkTags(
+        open_text, close_text, open_id, close_id, separator, separator_ids, whitespace_ids(tokenizer, separator_ids)
+    )
+
+
+def whitespace_ids(tokenizer: Any, separator_ids: Sequence[int]) -> frozenset[int]:
+    """The tokens of the whitespace a template writes after a tag (each decoding to whitespace)."""
+    ids = set(separator_ids)
+    for text in ("\n", "\n\n", "\n\n\n", " ", "  ", "\t", "\r\n"):
+        for t in tokenizer.encode(text, add_special_tokens=False):
+            if not tokenizer.decode([int(t)]).strip():
+                ids.add(int(t))
+    return frozenset(ids)
 
 
 START, TRACE, ANSWER = "start", "trace", "answer"
@@ -144,8 +160,9 @@ class ThinkingState:
     def for_prompt(
         cls, tags: ThinkTags, prompt: Sequence[int], budget: Optional[int], constrained: bool
     ) -> ThinkingState:
-        """The prompt opens the trace when its last `open_id` comes after its last `close_id` (a
-        template that ends the generation prompt with the opening tag). A prompt that ends with the
+        """The prompt opens the trace when its last `open_id` comes after its last `close_id` with
+        only whitespace after it (a template that ends the generation prompt with the opening tag;
+        one in a turn's text opens nothing). A prompt that ends with the
         closing tag (and the separator, or a part of it) closed this turn's trace itself (Qwen3's
         template with thinking off): the output is all answer, and no grammar lets a trace open."""
         opened = closed = False
@@ -156,7 +173,8 @@ class ThinkingState:
                 closed = tail == tags.separator_ids[: len(tail)]
                 break
             if token == tags.open_id:
-                opened = True
+                blank = tags.whitespace_ids or frozenset(tags.separator_ids)
+                opened = all(t in blank for t in prompt[at + 1 :])
                 break
         state = cls(tags, budget, constrained, opened)
         if closed:

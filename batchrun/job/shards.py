@@ -318,14 +318,17 @@ def _one_file_shard(fs: fsspec.AbstractFileSystem, path: str, uri: str, data_for
     except FileNotFoundError:
         raise ConfigError("data.uri", f"nothing found at {shown}") from None
     except ValueError as e:  # fsspec refusing the path (s3fs: a versionId without version_aware)
-        raise ConfigError("data.uri", f"{shown}: {_one_line(e)}") from None
+        raise ConfigError("data.uri", f"{shown}: {one_line(e)}") from None
     except (OSError, aiohttp.ClientError, asyncio.TimeoutError) as e:
-        raise JobError(f"data.uri: cannot read {shown}: {_one_line(e)}") from None
+        raise JobError(f"data.uri: cannot read {shown}: {one_line(e)}") from None
     return Shard(shard_name(file_name, ""), path, shown, info.get("size"), _version(info))
 
 
-def _one_line(error: BaseException) -> str:
-    return redact_query(" ".join(str(error).split()) or type(error).__name__)
+def one_line(error: BaseException) -> str:
+    """The error as one short line; an http(s) URL in it (aiohttp's errors name the signed URL
+    they were refused) loses its query."""
+    text = redact_query(" ".join(str(error).split()) or type(error).__name__)
+    return text if len(text) < 300 else text[:297] + "..."
 
 
 def shard_name(path: str, root: str) -> str:

@@ -21,8 +21,8 @@ import pyarrow as pa
 
 from batchrun.job.errors import ShardError
 from batchrun.job.formats.openai_requests import custom_id_of, parse_line
-from batchrun.job.formats.reader import InputRow, one_line
-from batchrun.job.shards import Shard
+from batchrun.job.formats.reader import InputRow
+from batchrun.job.shards import Shard, one_line
 
 
 class BatchFileReader:

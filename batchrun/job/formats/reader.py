@@ -17,8 +17,7 @@ import pyarrow.parquet as pq
 
 from batchrun.job.config import DataConfig
 from batchrun.job.errors import ShardError
-from batchrun.job.shards import Shard
-from batchrun.utils.redact import redact_query
+from batchrun.job.shards import Shard, one_line
 
 
 @dataclass(frozen=True)
@@ -114,10 +113,3 @@ def _values(column: pa.Array) -> tuple[list[Any], set[int]]:
             values.append(None)
             invalid.add(i)
     return values, invalid
-
-
-def one_line(error: BaseException) -> str:
-    """The error as one short line; an http(s) URL in it (aiohttp's errors name the signed URL
-    they were refused) loses its query."""
-    text = redact_query(" ".join(str(error).split()) or type(error).__name__)
-    return text if len(text) < 300 else text[:297] + "..."
